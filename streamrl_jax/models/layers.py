@@ -1,0 +1,137 @@
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+
+Every parameter carries `logical_axes` metadata; `models.sharding` maps those names onto a mesh.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.models.config import ModelConfig, RopeScaling
+
+
+def _param(rngs: nnx.Rngs, config: ModelConfig, shape, axes, *, scale: float | None = None) -> nnx.Param:
+  std = config.initializer_range if scale is None else scale
+  value = std * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(config.weight_dtype), logical_axes=axes)
+
+
+def _constant(config: ModelConfig, shape, axes, fill: float) -> nnx.Param:
+  return nnx.Param(jnp.full(shape, fill, config.weight_dtype), logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+  """Root-mean-square norm computed in float32, scaled in the input dtype (as Hugging Face does)."""
+
+  def __init__(self, config: ModelConfig):
+    self.eps = config.rms_norm_eps
+    self.scale = _constant(config, (config.hidden_size,), ("norm",), 1.0)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
+  """Per-pair inverse frequencies, with Llama 3 frequency-dependent scaling when configured."""
+  inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+  if scaling is None:
+    return inv.astype(np.float32)
+  wavelen = 2 * math.pi / inv
+  low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+  scaled = np.where(wavelen > low_wavelen, inv / scaling.factor, inv)
+  smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+  medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotates x [batch, length, heads, head_dim] by its positions [batch, length] (rotate-half layout)."""
+  angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+  return x * cos + rotated * sin
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with rotary embeddings over an optional KV cache of one layer."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    h, d, q, kv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+    self.config = config
+    self.q_proj = _param(rngs, config, (h, q, d), ("embed", "heads", "head_dim"))
+    self.k_proj = _param(rngs, config, (h, kv, d), ("embed", "kv_heads", "head_dim"))
+    self.v_proj = _param(rngs, config, (h, kv, d), ("embed", "kv_heads", "head_dim"))
+    self.o_proj = _param(rngs, config, (q, d, h), ("heads", "head_dim", "embed"))
+    if config.qkv_bias:
+      self.q_bias = _constant(config, (q, d), ("heads", "head_dim"), 0.0)
+      self.k_bias = _constant(config, (kv, d), ("kv_heads", "head_dim"), 0.0)
+      self.v_bias = _constant(config, (kv, d), ("kv_heads", "head_dim"), 0.0)
+    if config.o_bias:
+      self.o_bias = _constant(config, (h,), ("embed",), 0.0)
+
+  def _project(self, x, kernel, bias_name):
+    out = jnp.einsum("bth,hnd->btnd", x, kernel[...].astype(x.dtype))
+    if self.config.qkv_bias:
+      out = out + getattr(self, bias_name)[...].astype(x.dtype)
+    return out
+
+  def __call__(self, x, positions, mask, kv_cache=None, write_index=None):
+    """x [B, T, H]; mask [B, T, S] says which keys each query sees.
+
+    Without a cache the keys are the chunk itself (S = T). With `kv_cache = (keys, values)` of
+    shape [B, S, kv_heads, head_dim], the chunk's keys and values are first written at
+    `write_index` [B, T]. Returns (output [B, T, H], updated (keys, values) or None).
+    """
+    cfg = self.config
+    inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    q = apply_rope(self._project(x, self.q_proj, "q_bias"), positions, inv_freq)
+    k = apply_rope(self._project(x, self.k_proj, "k_bias"), positions, inv_freq)
+    v = self._project(x, self.v_proj, "v_bias")
+    if kv_cache is not None:
+      rows = jnp.arange(x.shape[0])[:, None]
+      k = kv_cache[0].at[rows, write_index].set(k.astype(kv_cache[0].dtype))
+      v = kv_cache[1].at[rows, write_index].set(v.astype(kv_cache[1].dtype))
+      kv_cache = (k, v)
+    out = grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+    out = jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(x.dtype))
+    if self.config.o_bias:
+      out = out + self.o_bias[...].astype(x.dtype)
+    return out, kv_cache
+
+
+def grouped_attention(q, k, v, mask):
+  """Softmax attention; q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S]; softmax in float32."""
+  b, t, hq, d = q.shape
+  groups = hq // k.shape[2]
+  q = q.reshape(b, t, k.shape[2], groups, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / math.sqrt(d)
+  scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, hq, d)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    h, i = config.hidden_size, config.intermediate_size
+    self.gate_proj = _param(rngs, config, (h, i), ("embed", "mlp"))
+    self.up_proj = _param(rngs, config, (h, i), ("embed", "mlp"))
+    self.down_proj = _param(rngs, config, (i, h), ("mlp", "embed"))
+
+  def __call__(self, x):
+    gate = x @ self.gate_proj[...].astype(x.dtype)
+    up = x @ self.up_proj[...].astype(x.dtype)
+    return (jax.nn.silu(gate) * up) @ self.down_proj[...].astype(x.dtype)

@@ -1,0 +1,81 @@
+"""The decoder-only transformer (Llama and Qwen2 families) as a Flax NNX module.
+
+`model(tokens)` gives logits for a batch; `model.forward_with_cache(tokens, cache)` runs a chunk
+(a prefill or one decode step) against a `KVCache` and returns `(logits, new_cache)`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.kv_cache import KVCache
+from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param
+
+
+class DecoderLayer(nnx.Module):
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.attn_norm = RMSNorm(config)
+    self.attn = Attention(config, rngs=rngs)
+    self.mlp_norm = RMSNorm(config)
+    self.mlp = MLP(config, rngs=rngs)
+
+  def __call__(self, x, positions, mask, kv_cache=None, write_index=None):
+    attn_out, kv_cache = self.attn(self.attn_norm(x), positions, mask, kv_cache, write_index)
+    x = x + attn_out
+    return x + self.mlp(self.mlp_norm(x)), kv_cache
+
+
+def _run_layer(layer, x, positions, mask, kv_cache, write_index):
+  return layer(x, positions, mask, kv_cache, write_index)
+
+
+_remat_layer = nnx.remat(_run_layer)
+
+
+class Transformer(nnx.Module):
+  """Token embeddings, `num_layers` pre-norm decoder layers, final norm, LM head (or tied embeddings)."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.embed = _param(rngs, config, (config.vocab_size, config.hidden_size), ("vocab", "embed"))
+    self.layers = nnx.List([DecoderLayer(config, rngs=rngs) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config)
+    if not config.tie_embeddings:
+      self.lm_head = _param(rngs, config, (config.hidden_size, config.vocab_size), ("embed", "vocab"))
+
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Logits [B, T, vocab] (float32) for int tokens [B, T]; `attention_mask` [B, T] marks real tokens
+    (left or right padding); positions count real tokens only."""
+    mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    steps = jnp.arange(tokens.shape[1])
+    attend = mask[:, None, :] & (steps[None, None, :] <= steps[None, :, None])
+    hidden, _ = self._trunk(tokens, positions, attend, None, None)
+    return self._logits(hidden)
+
+  def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None) -> tuple[jax.Array, KVCache]:
+    """Runs tokens [B, T] after what `cache` holds; returns (logits [B, T, vocab], updated cache)."""
+    mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+    positions, write_index, attend, bookkeeping = cache.chunk_layout(mask)
+    hidden, kv = self._trunk(tokens, positions, attend, list(zip(cache.keys, cache.values)), write_index)
+    new_cache = cache.replace(keys=tuple(k for k, _ in kv), values=tuple(v for _, v in kv), **bookkeeping)
+    return self._logits(hidden), new_cache
+
+  def _trunk(self, tokens, positions, attend, kv_caches, write_index):
+    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+    run = _remat_layer if self.config.remat else _run_layer
+    new_kv = []
+    for i, layer in enumerate(self.layers):
+      x, kv = run(layer, x, positions, attend, None if kv_caches is None else kv_caches[i], write_index)
+      new_kv.append(kv)
+    return self.final_norm(x), new_kv
+
+  def _logits(self, hidden):
+    if self.config.tie_embeddings:
+      head = self.embed[...].T
+    else:
+      head = self.lm_head[...]
+    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32)

@@ -1,0 +1,48 @@
+"""Test setup: 8 forced host devices (set before jax is imported) and tiny Hugging Face models."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, max_position_embeddings=256)
+
+
+def build_hf_model(kind: str, seed: int = 0, **overrides):
+  """A tiny random transformers model; biases and norms are randomised so parity tests see them."""
+  import torch
+  import transformers
+
+  torch.manual_seed(seed)
+  if kind == "qwen2":
+    config = transformers.Qwen2Config(**{**TINY, "num_key_value_heads": 2, "rope_theta": 1e4, **overrides})
+    model = transformers.Qwen2ForCausalLM(config)
+  elif kind == "llama":
+    fields = {**TINY, "num_key_value_heads": 1, "tie_word_embeddings": True, "head_dim": 24, **overrides}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+  else:
+    raise ValueError(kind)
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("bias") or "norm" in name:
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+  return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_dirs(tmp_path_factory):
+  """Saved tiny checkpoints: {name: (directory, transformers model)}."""
+  out = {}
+  rope3 = dict(rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=32), rope_theta=5e5)
+  for name, kind, extra in [("qwen2", "qwen2", {}), ("llama", "llama", {}), ("llama3_rope", "llama", rope3)]:
+    model = build_hf_model(kind, **extra)
+    directory = tmp_path_factory.mktemp(name)
+    model.save_pretrained(directory, safe_serialization=True)
+    out[name] = (directory, model)
+  return out
