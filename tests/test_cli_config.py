@@ -1,0 +1,68 @@
+"""Mesh configs, gin bindings and the `streamrl` command."""
+
+import json
+
+import jax
+import pytest
+
+from streamrl_jax import cli, gin_config
+from streamrl_jax.config import MeshConfig, MeshShape
+from streamrl_jax.meshes import build_meshes
+
+
+@pytest.mark.parametrize("config, expected", [
+    (MeshConfig(), (MeshShape(4, 1, 1), MeshShape(1, 4, 1))),
+    (MeshConfig(sampler_devices=6, trainer_tensor_parallel=2), (MeshShape(6, 1, 1), MeshShape(1, 1, 2))),
+    (MeshConfig(trainer_devices=3), (MeshShape(5, 1, 1), MeshShape(1, 3, 1))),
+    (MeshConfig(sampler_devices=2, trainer_devices=4, sampler_tensor_parallel=2), (MeshShape(1, 1, 2), MeshShape(1, 4, 1))),
+])
+def test_mesh_split(config, expected):
+  assert config.split(8) == expected
+
+
+@pytest.mark.parametrize("config, message", [
+    (MeshConfig(sampler_devices=6, trainer_devices=4), "6 sampler \\+ 4 trainer devices, but 8"),
+    (MeshConfig(sampler_devices=3, sampler_tensor_parallel=2), "sampler_tensor_parallel=2 does not divide 3"),
+])
+def test_mesh_split_errors(config, message):
+  with pytest.raises(ValueError, match=message):
+    config.split(8)
+
+
+def test_meshes_are_disjoint():
+  sampler, trainer = build_meshes(MeshConfig(sampler_devices=5, trainer_devices=2))
+  assert sampler.devices.size == 5 and trainer.devices.size == 2
+  assert not set(sampler.devices.flat) & set(trainer.devices.flat)
+  assert len(jax.devices()) == 8
+
+
+def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
+  gin_file = tmp_path / "x.gin"
+  gin_file.write_text("MeshConfig.sampler_devices = 6\nMeshConfig.trainer_tensor_parallel = 2\n")
+  gin_config.parse([gin_file], ["MeshConfig.trainer_devices = 2"])
+  assert gin_config.build(MeshConfig) == MeshConfig(6, 2, 1, 2)
+  with pytest.raises(ValueError, match="doesn't have a parameter named 'bogus'"):
+    gin_config.parse([], ["MeshConfig.bogus = 1"])
+  with pytest.raises(ValueError, match="out of range"):
+    gin_config.parse([], ["MeshConfig.sampler_devices = -1"])
+    gin_config.build(MeshConfig)
+  gin_config.parse()
+
+
+def test_info_prints_the_split(capsys):
+  assert cli.main(["info", "--set", "MeshConfig.sampler_devices=6"]) == 0
+  info = json.loads(capsys.readouterr().out)
+  assert info["device_count"] == 8
+  assert info["sampler_mesh"] == {"data": 6, "fsdp": 1, "tensor": 1}
+  assert info["trainer_mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+
+
+def test_info_reports_bad_binding(capsys):
+  assert cli.main(["info", "--set", "MeshConfig.nope=1"]) == 2
+  assert "nope" in capsys.readouterr().err
+
+
+def test_generate_demo_runs(capsys):
+  assert cli.main(["generate", "--prompt", "1+1=", "--max-new-tokens", "5"]) == 0
+  out = capsys.readouterr().out
+  assert "'1+1=' ->" in out and "generated tokens/s" in out
