@@ -48,3 +48,18 @@ def test_random_init_carries_logical_axes_on_every_parameter():
   leaves = jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
   assert leaves and all(len(v.get_metadata()["logical_axes"]) == v.ndim for v in leaves)
   assert sum(v.size for v in leaves) == config.param_count()
+
+
+def test_remat_gives_the_same_gradients():
+  import dataclasses
+  config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                       num_kv_heads=1)
+  tokens = jnp.arange(12, dtype=jnp.int32).reshape(2, 6) % 32
+
+  def grads(cfg):
+    graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(3)))
+    loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(tokens) ** 2)  # noqa: E731
+    return jax.tree.leaves(jax.jit(jax.grad(loss))(params))
+
+  for plain, remat in zip(grads(config), grads(dataclasses.replace(config, remat=True))):
+    np.testing.assert_allclose(remat, plain, rtol=1e-5, atol=1e-7)

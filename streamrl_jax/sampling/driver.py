@@ -1,0 +1,177 @@
+"""Continuous batching over one or several engine instances; each finished sample leaves at once.
+
+`StreamingSampler.step()` admits queued requests into free slots (in the order of a pluggable, pure
+admission policy), runs one `generate` call per busy instance (dispatched to all instances before
+any result is read, so instances on disjoint devices overlap), reads the step outputs back once, and
+returns the samples that finished, in finish order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from streamrl_jax.sampling.engine import DecodeEngine
+from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
+
+AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]
+
+
+def fifo_order(pending: Sequence[Request]) -> Sequence[int]:
+  """Admit in arrival order."""
+  return range(len(pending))
+
+
+@dataclasses.dataclass
+class _InFlight:
+  request: Request
+  admit_time: float
+  first_version: int
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  first: object = None  # device arrays (token, logprob, done) of the prefill, read at the next sync
+
+
+@dataclasses.dataclass
+class _Instance:
+  index: int
+  engine: DecodeEngine
+  params: object
+  state: object
+  pending: list = dataclasses.field(default_factory=list)
+  slots: dict = dataclasses.field(default_factory=dict)  # slot -> _InFlight
+
+  @property
+  def free_slots(self) -> list[int]:
+    return [s for s in range(self.engine.config.num_slots) if s not in self.slots]
+
+  @property
+  def load(self) -> float:
+    return (len(self.pending) + len(self.slots)) / self.engine.config.num_slots
+
+
+class StreamingSampler:
+  """One request API over several `DecodeEngine` instances sharing one policy version."""
+
+  def __init__(self, engines: Sequence[DecodeEngine], params, *, version: int = 0,
+               admission: AdmissionPolicy = fifo_order, seed: int = 0):
+    if not engines:
+      raise ValueError("StreamingSampler needs at least one engine")
+    self.version, self.admission = version, admission
+    self._root = jax.random.key(seed)
+    self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
+    self._next_id = 0
+    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0)
+
+  # ---- requests -----------------------------------------------------------------------------
+  def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
+             predicted_length: float | None = None) -> list[int]:
+    """Queues `params.num_samples` requests for one prompt; returns their request ids.
+
+    `instance` pins them to an engine instance (dispatch policies use this); otherwise the least
+    loaded instance takes them. Samples are reproducible from (seed, group_id, sample_index).
+    """
+    prompt = np.asarray(prompt, np.int32).reshape(-1)
+    target = self._instances[instance] if instance is not None else min(self._instances, key=lambda i: i.load)
+    target.engine.config.bucket_for(len(prompt))  # validates the prompt length
+    if params.max_new_tokens > target.engine.config.max_new_tokens:
+      raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds engine instance {target.index}'s "
+                       f"EngineConfig.max_new_tokens={target.engine.config.max_new_tokens}")
+    group_id = self._next_id if group_id is None else group_id
+    ids, now = [], time.perf_counter()
+    for k in range(params.num_samples):
+      request = Request(self._next_id, prompt, params, group_id, k, predicted_length, now)
+      target.pending.append(request)
+      ids.append(self._next_id)
+      self._next_id += 1
+    self.counters["submitted"] += len(ids)
+    return ids
+
+  def update_params(self, params, version: int) -> None:
+    """Swaps the weights between decode steps; in-flight requests continue with the new version."""
+    for inst in self._instances:
+      inst.params = inst.engine.place_params(params)
+    self.version = version
+
+  @property
+  def num_pending(self) -> int:
+    return sum(len(i.pending) for i in self._instances)
+
+  @property
+  def num_in_flight(self) -> int:
+    return sum(len(i.slots) for i in self._instances)
+
+  def has_work(self) -> bool:
+    return self.num_pending + self.num_in_flight > 0
+
+  # ---- the loop -----------------------------------------------------------------------------
+  def _request_key(self, request: Request):
+    key = jax.random.fold_in(jax.random.fold_in(self._root, request.group_id), request.sample_index)
+    return jax.random.key_data(key)
+
+  def _admit(self, inst: _Instance, now: float) -> None:
+    for slot in inst.free_slots:
+      if not inst.pending:
+        return
+      request = inst.pending.pop(next(iter(self.admission(inst.pending))))
+      prefix = inst.engine.prefill(inst.params, request.prompt, len(request.prompt), sampling=request.params,
+                                   rng=self._request_key(request))
+      inst.state = inst.engine.insert(prefix, inst.state, slot)
+      inst.slots[slot] = _InFlight(request, now, self.version,
+                                   first=(prefix.first_token, prefix.first_logprob, prefix.done))
+
+  def step(self) -> list[Sample]:
+    """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
+    now = time.perf_counter()
+    outputs = []
+    for inst in self._instances:
+      self._admit(inst, now)
+      if inst.slots:
+        inst.state, out = inst.engine.generate(inst.params, inst.state)
+        outputs.append((inst, out))
+        self.counters["decode_calls"] += 1
+    firsts = {(i.index, s): f.first for i in self._instances for s, f in i.slots.items() if f.first is not None}
+    host_firsts, host_outputs = jax.device_get((firsts, [out for _, out in outputs]))
+    finished, now = [], time.perf_counter()
+    for inst in self._instances:
+      for slot, flight in list(inst.slots.items()):
+        if flight.first is not None:
+          token, logprob, done = host_firsts[(inst.index, slot)]
+          flight.first = None
+          if self._append(inst, slot, flight, token, logprob, bool(done), now, finished):
+            continue
+    for (inst, _), out in zip(outputs, host_outputs):
+      for j in range(out.tokens.shape[0]):
+        for slot in np.flatnonzero(out.active[j]):
+          flight = inst.slots.get(int(slot))
+          if flight is not None:
+            self._append(inst, int(slot), flight, out.tokens[j, slot], out.logprobs[j, slot],
+                         bool(out.done[j, slot]), now, finished)
+    return finished
+
+  def _append(self, inst, slot, flight: _InFlight, token, logprob, done, now, finished) -> bool:
+    flight.tokens.append(int(token))
+    flight.logprobs.append(float(logprob))
+    if not done:
+      return False
+    del inst.slots[slot]
+    request = flight.request
+    reason = FINISH_STOP if int(token) in request.params.stop_token_ids else FINISH_LENGTH
+    finished.append(Sample(
+        request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
+        prompt_tokens=request.prompt, completion_tokens=np.asarray(flight.tokens, np.int32),
+        logprobs=np.asarray(flight.logprobs, np.float32), finish_reason=reason,
+        first_version=flight.first_version, last_version=self.version, instance=inst.index,
+        submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now))
+    self.counters["finished"] += 1
+    self.counters["generated_tokens"] += len(flight.tokens)
+    return True
+
+  def stream(self) -> Iterator[Sample]:
+    """Yields every sample as it finishes until no request is queued or in flight."""
+    while self.has_work():
+      yield from self.step()

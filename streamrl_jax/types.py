@@ -1,0 +1,71 @@
+"""Plain records that cross module boundaries: requests to the sampler and the samples it returns."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+FINISH_STOP = "stop"  # a stop token was sampled (it is the last completion token)
+FINISH_LENGTH = "length"  # max_new_tokens reached
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  max_new_tokens: int = 64
+  stop_token_ids: tuple[int, ...] = ()
+  num_samples: int = 1  # GRPO group size: samples drawn per prompt
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.num_samples < 1:
+      raise ValueError(f"SamplingParams.num_samples must be >= 1, got {self.num_samples}")
+    object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One sequence to generate. `group_id` ties the samples of one prompt together."""
+
+  request_id: int
+  prompt: np.ndarray  # int32 [prompt_len]
+  params: SamplingParams
+  group_id: int = 0
+  sample_index: int = 0
+  predicted_length: float | None = None  # from the ranker; admission policies may use it
+  submit_time: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """A finished generation, emitted the moment its last token is sampled."""
+
+  request_id: int
+  group_id: int
+  sample_index: int
+  prompt_tokens: np.ndarray  # int32 [prompt_len]
+  completion_tokens: np.ndarray  # int32 [n]
+  logprobs: np.ndarray  # float32 [n], under the sampling distribution used for each token
+  finish_reason: str
+  first_version: int  # policy version that produced the first completion token
+  last_version: int  # ... and the last one
+  instance: int
+  submit_time: float
+  admit_time: float
+  finish_time: float
+
+  @property
+  def num_tokens(self) -> int:
+    return len(self.completion_tokens)

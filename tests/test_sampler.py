@@ -1,0 +1,204 @@
+"""The decode engine and continuous-batching driver against full forwards, transformers and properties."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from streamrl_jax.config import MeshShape
+from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.models import load_hf
+from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, filter_logits, split_mesh
+from streamrl_jax.types import SamplingParams
+
+ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=40, min_prefill_bucket=8)
+PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4, 60, 61, 62, 70, 3, 11], [7, 90, 12]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def setup(hf_dirs):
+  """(engine on 2 devices, params, hf model) shared by the module: one set of compiles."""
+  directory, hf_model = hf_dirs["qwen2"]
+  model = load_hf(directory)
+  graphdef, params = nnx.split(model)
+  mesh = mesh_from_devices(jax.devices()[:2], MeshShape(2, 1, 1))
+  return DecodeEngine(graphdef, model.config, ENGINE, mesh), params, model, hf_model
+
+
+def run_all(sampler):
+  return {s.request_id: s for s in sampler.stream()}
+
+
+def test_greedy_matches_argmax_loop_and_transformers(setup):
+  engine, params, model, hf_model = setup
+  sampler = StreamingSampler([engine], params)
+  ids = [sampler.submit(p, GREEDY)[0] for p in PROMPTS]
+  samples = run_all(sampler)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))  # causal: right padding changes nothing before it
+  for request_id, prompt in zip(ids, PROMPTS):
+    tokens = np.zeros((1, len(prompt) + 32), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    for n in range(len(prompt), len(prompt) + 32):  # the plain loop: full forward, argmax, append
+      tokens[0, n] = int(jnp.argmax(forward(state, tokens)[0, n - 1]))
+    with torch.no_grad():
+      ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    got = samples[request_id].completion_tokens
+    np.testing.assert_array_equal(got, tokens[0, len(prompt):])
+    np.testing.assert_array_equal(got, ref[0, len(prompt):].numpy())
+    assert samples[request_id].finish_reason == "length"
+
+
+def test_logprobs_equal_full_forward_log_softmax(setup):
+  engine, params, model, _ = setup
+  sampler = StreamingSampler([engine], params, seed=3)
+  for prompt in PROMPTS:
+    sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=20))
+  for sample in run_all(sampler).values():
+    full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
+    logp = jax.nn.log_softmax(model(jnp.asarray(full[None, :-1]))[0])
+    n = len(sample.prompt_tokens)
+    expected = np.asarray(logp[n - 1:, :])[np.arange(len(sample.completion_tokens)), sample.completion_tokens]
+    np.testing.assert_allclose(sample.logprobs, expected, atol=1e-5)
+
+
+def test_short_request_admitted_after_long_one_finishes_first(setup):
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params)
+  long_id = sampler.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=40))[0]
+  sampler.step()
+  sampler.step()
+  short_id = sampler.submit(PROMPTS[1], SamplingParams(temperature=0.0, max_new_tokens=3))[0]
+  order = [s.request_id for s in sampler.stream()]
+  assert order == [short_id, long_id]
+
+
+def test_sampling_is_reproducible_whatever_the_slot(setup):
+  engine, params, _, _ = setup
+  knobs = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, max_new_tokens=12, num_samples=2)
+  alone = StreamingSampler([engine], params, seed=7)
+  alone.submit(PROMPTS[2], knobs, group_id=42)
+  crowded = StreamingSampler([engine], params, seed=7)
+  crowded.submit(PROMPTS[0], SamplingParams(max_new_tokens=5, num_samples=3), group_id=1)  # occupy slots 0-2
+  crowded.submit(PROMPTS[2], knobs, group_id=42)
+  a = {(s.group_id, s.sample_index): s.completion_tokens for s in alone.stream()}
+  b = {(s.group_id, s.sample_index): s.completion_tokens for s in crowded.stream()}
+  for key in a:
+    np.testing.assert_array_equal(a[key], b[key])
+  assert not np.array_equal(a[(42, 0)], a[(42, 1)])  # the two group members differ
+
+
+def test_weight_swap_mid_generation_changes_tokens_and_is_recorded(setup):
+  engine, params, _, _ = setup
+  reference = StreamingSampler([engine], params)
+  reference.submit(PROMPTS[0], GREEDY)
+  unchanged = next(reference.stream())
+  swapped = StreamingSampler([engine], params)
+  swapped.submit(PROMPTS[0], GREEDY)
+  for _ in range(5):
+    assert not swapped.step()
+  scaled = jax.tree.map(lambda x: x * 1.5, params)
+  swapped.update_params(scaled, version=1)
+  sample = next(swapped.stream())
+  assert (sample.first_version, sample.last_version) == (0, 1)
+  np.testing.assert_array_equal(sample.completion_tokens[:6], unchanged.completion_tokens[:6])
+  assert not np.array_equal(sample.completion_tokens[6:], unchanged.completion_tokens[6:])
+
+
+def test_stop_tokens_end_a_request(setup):
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params)
+  sampler.submit(PROMPTS[0], GREEDY)
+  free_run = next(sampler.stream()).completion_tokens
+  stop = int(free_run[4])
+  sampler.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=32, stop_token_ids=(stop,)))
+  sample = next(sampler.stream())
+  first = list(free_run).index(stop)
+  np.testing.assert_array_equal(sample.completion_tokens, free_run[:first + 1])
+  assert sample.finish_reason == "stop"
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.integers(1, 16), st.integers(1, 40), st.integers(0, 3), st.integers(1, 3)),
+                min_size=1, max_size=12))
+def test_no_request_lost_or_duplicated(setup, arrivals):
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params)
+  expected, seen = {}, []
+  for prompt_len, max_new, steps_before, n in arrivals:
+    for _ in range(steps_before):
+      seen += sampler.step()
+    knobs = SamplingParams(temperature=1.0, max_new_tokens=max_new, num_samples=n)
+    for request_id in sampler.submit(list(range(1, prompt_len + 1)), knobs):
+      expected[request_id] = max_new
+  seen += list(sampler.stream())
+  assert sorted(s.request_id for s in seen) == sorted(expected)
+  for s in seen:
+    assert 1 <= s.num_tokens <= expected[s.request_id]
+    assert s.finish_reason == "length" and s.num_tokens == expected[s.request_id]
+
+
+def test_several_instances_return_every_request_once(setup, hf_dirs):
+  engine, params, model, _ = setup
+  graphdef, _ = nnx.split(model)
+  sampler_mesh = mesh_from_devices(jax.devices()[2:8], MeshShape(6, 1, 1))
+  meshes = split_mesh(sampler_mesh, [4, 2])
+  engines = [DecodeEngine(graphdef, model.config, EngineConfig(num_slots=s, max_prompt_length=16,
+                                                               max_new_tokens=40, min_prefill_bucket=8), m)
+             for s, m in zip([4, 2], meshes)]
+  sampler = StreamingSampler(engines, params)
+  ids = []
+  for i in range(10):
+    ids += sampler.submit(PROMPTS[i % 3], SamplingParams(temperature=0.0, max_new_tokens=5 + 3 * i),
+                          instance=i % 2 if i < 4 else None)
+  samples = list(sampler.stream())
+  assert sorted(s.request_id for s in samples) == sorted(ids)
+  assert {s.instance for s in samples} == {0, 1}
+  single = StreamingSampler([engine], params)
+  single.submit(PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=29))
+  by_id = {s.request_id: s for s in samples}
+  np.testing.assert_array_equal(by_id[ids[8]].completion_tokens, next(single.stream()).completion_tokens)
+
+
+def test_bad_input_gets_clear_errors(setup):
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params)
+  with pytest.raises(ValueError, match="empty prompt"):
+    sampler.submit([], GREEDY)
+  with pytest.raises(ValueError, match="17 tokens exceeds EngineConfig.max_prompt_length=16"):
+    sampler.submit(list(range(17)), GREEDY)
+  with pytest.raises(ValueError, match="max_new_tokens=41 exceeds"):
+    sampler.submit([1], SamplingParams(max_new_tokens=41))
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    SamplingParams(temperature=-0.1)
+  for bad in (0.0, 1.5):
+    with pytest.raises(ValueError, match="top_p must be in"):
+      SamplingParams(top_p=bad)
+  assert not sampler.has_work()
+
+
+def test_engine_refuses_configs_beyond_memory_budget(setup):
+  engine, params, model, _ = setup
+  graphdef, _ = nnx.split(model)
+  too_big = EngineConfig(num_slots=64, max_prompt_length=16, max_new_tokens=40, memory_budget_bytes=200_000)
+  with pytest.raises(ValueError, match="lower num_slots"):
+    DecodeEngine(graphdef, model.config, too_big, engine.mesh)
+  per_slot = engine.memory["kv_bytes_per_slot"]
+  assert per_slot == 2 * 2 * 56 * 2 * 16 * 4  # k+v, layers, cache length, kv heads, head_dim, float32
+
+
+def test_filter_logits_top_k_top_p_by_hand():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 3))
+  out = np.exp(np.asarray(filter_logits(logits, jnp.asarray([1.0, 1.0, 1.0]), jnp.asarray([2, 0, 0]),
+                                        jnp.asarray([1.0, 0.8, 0.81]))))
+  np.testing.assert_allclose(out[0], [0.625, 0.375, 0, 0], atol=1e-6)  # top-2
+  np.testing.assert_allclose(out[1], [0.625, 0.375, 0, 0], atol=1e-6)  # 0.5 + 0.3 reaches 0.8
+  np.testing.assert_allclose(out[2], np.array([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-6)
+  hot = np.exp(np.asarray(filter_logits(logits[:1], jnp.asarray([2.0]), jnp.asarray([0]), jnp.asarray([1.0]))))
+  p = np.sqrt([0.5, 0.3, 0.15, 0.05])
+  np.testing.assert_allclose(hot[0], p / p.sum(), atol=1e-6)
