@@ -16,7 +16,7 @@ from streamrl_jax.models.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-  keys: tuple[jax.Array, ...]  # per layer [batch, max_len, kv_heads, head_dim]
+  keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
   values: tuple[jax.Array, ...]
   valid: jax.Array  # [batch, max_len] bool: entry holds a real token
   index: jax.Array  # [batch] int32: where the row's next token is written
@@ -25,7 +25,7 @@ class KVCache:
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     dtype = dtype or config.compute_dtype
-    shape = (batch, max_len, config.num_kv_heads, config.head_dim)
+    shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
                valid=jnp.zeros((batch, max_len), bool), index=jnp.zeros((batch,), jnp.int32),

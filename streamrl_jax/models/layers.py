@@ -91,8 +91,9 @@ class Attention(nnx.Module):
     """x [B, T, H]; mask [B, T, S] says which keys each query sees.
 
     Without a cache the keys are the chunk itself (S = T). With `kv_cache = (keys, values)` of
-    shape [B, S, kv_heads, head_dim], the chunk's keys and values are first written at
-    `write_index` [B, T]. Returns (output [B, T, H], updated (keys, values) or None).
+    shape [B, kv_heads, S, head_dim], the chunk's keys and values are first written at
+    `write_index` [B, T]. Keys and values are kept heads-major, [B, kv_heads, S, head_dim], so
+    attention reads the cache without transposing it. Returns (output [B, T, H], updated (keys, values) or None).
     """
     cfg = self.config
     inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -101,9 +102,11 @@ class Attention(nnx.Module):
     v = self._project(x, self.v_proj, "v_bias")
     if kv_cache is not None:
       rows = jnp.arange(x.shape[0])[:, None]
-      k = kv_cache[0].at[rows, write_index].set(k.astype(kv_cache[0].dtype))
-      v = kv_cache[1].at[rows, write_index].set(v.astype(kv_cache[1].dtype))
+      k = kv_cache[0].at[rows, :, write_index].set(k.astype(kv_cache[0].dtype))
+      v = kv_cache[1].at[rows, :, write_index].set(v.astype(kv_cache[1].dtype))
       kv_cache = (k, v)
+    else:
+      k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     out = grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
     out = jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(x.dtype))
     if self.config.o_bias:
@@ -112,14 +115,20 @@ class Attention(nnx.Module):
 
 
 def grouped_attention(q, k, v, mask):
-  """Softmax attention; q [B, T, Hq, D], k/v [B, S, Hkv, D], mask [B, T, S]; softmax in float32."""
+  """Softmax attention; q [B, T, Hq, D], k/v [B, Hkv, S, D], mask [B, T, S]; softmax in float32."""
   b, t, hq, d = q.shape
-  groups = hq // k.shape[2]
-  q = q.reshape(b, t, k.shape[2], groups, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(jnp.float32) / math.sqrt(d)
+  groups = hq // k.shape[1]
+  q = q.reshape(b, t, k.shape[1], groups, d)
+  if t == 1:  # decode: multiply-and-reduce fuses into one pass over the cache; tiny batched dots do not
+    scores = jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
+  else:
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k)
+  scores = scores.astype(jnp.float32) / math.sqrt(d)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, hq, d)
+  if t == 1:
+    return jnp.sum(probs[:, :, :, 0, :, None] * v[:, :, None], axis=-2).reshape(b, 1, hq, d)
+  return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, hq, d)
 
 
 class MLP(nnx.Module):

@@ -82,7 +82,7 @@ class DecodeState:
 class Prefix:
   """A prefilled prompt and its first sampled token, ready to insert into a slot."""
 
-  keys: tuple[jax.Array, ...]  # per layer [1, bucket, kv_heads, head_dim]
+  keys: tuple[jax.Array, ...]  # per layer [1, kv_heads, bucket, head_dim]
   values: tuple[jax.Array, ...]
   valid: jax.Array  # [1, bucket]
   true_length: jax.Array  # int32 scalar
@@ -152,7 +152,7 @@ class DecodeEngine:
     abstract = jax.eval_shape(self._empty_state)
 
     def spec(x):
-      names = ("batch", None, "kv_heads", "head_dim")[: x.ndim] if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
+      names = ("batch", "kv_heads", None, "head_dim") if x.ndim == 4 else ("batch",) + (None,) * (x.ndim - 1)
       return NamedSharding(self.mesh, logical_spec(names, x.shape, self.mesh, self.rules))
     return jax.tree.map(spec, abstract)
 
