@@ -15,7 +15,7 @@ from streamrl_jax.models import load_hf
 from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, filter_logits, split_mesh
 from streamrl_jax.types import SamplingParams
 
-ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=40, min_prefill_bucket=8)
+ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=60, min_prefill_bucket=8)  # windows 64, 76
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4, 60, 61, 62, 70, 3, 11], [7, 90, 12]]
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=32)
 
@@ -57,9 +57,11 @@ def test_greedy_matches_argmax_loop_and_transformers(setup):
 def test_logprobs_equal_full_forward_log_softmax(setup):
   engine, params, model, _ = setup
   sampler = StreamingSampler([engine], params, seed=3)
-  for prompt in PROMPTS:
-    sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=20))
-  for sample in run_all(sampler).values():
+  for prompt, n in zip(PROMPTS, (20, 60, 8)):  # the 60-token one crosses from window 64 to 76
+    sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=n))
+  samples = run_all(sampler)
+  assert max(s.num_tokens for s in samples.values()) == 60
+  for sample in samples.values():
     full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
     logp = jax.nn.log_softmax(model(jnp.asarray(full[None, :-1]))[0])
     n = len(sample.prompt_tokens)
@@ -124,7 +126,7 @@ def test_stop_tokens_end_a_request(setup):
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(st.integers(1, 16), st.integers(1, 40), st.integers(0, 3), st.integers(1, 3)),
+@given(st.lists(st.tuples(st.integers(1, 16), st.integers(1, 60), st.integers(0, 3), st.integers(1, 3)),
                 min_size=1, max_size=12))
 def test_no_request_lost_or_duplicated(setup, arrivals):
   engine, params, _, _ = setup
@@ -149,7 +151,7 @@ def test_several_instances_return_every_request_once(setup, hf_dirs):
   sampler_mesh = mesh_from_devices(jax.devices()[2:8], MeshShape(6, 1, 1))
   meshes = split_mesh(sampler_mesh, [4, 2])
   engines = [DecodeEngine(graphdef, model.config, EngineConfig(num_slots=s, max_prompt_length=16,
-                                                               max_new_tokens=40, min_prefill_bucket=8), m)
+                                                               max_new_tokens=60, min_prefill_bucket=8), m)
              for s, m in zip([4, 2], meshes)]
   sampler = StreamingSampler(engines, params)
   ids = []
@@ -172,8 +174,8 @@ def test_bad_input_gets_clear_errors(setup):
     sampler.submit([], GREEDY)
   with pytest.raises(ValueError, match="17 tokens exceeds EngineConfig.max_prompt_length=16"):
     sampler.submit(list(range(17)), GREEDY)
-  with pytest.raises(ValueError, match="max_new_tokens=41 exceeds"):
-    sampler.submit([1], SamplingParams(max_new_tokens=41))
+  with pytest.raises(ValueError, match="max_new_tokens=61 exceeds"):
+    sampler.submit([1], SamplingParams(max_new_tokens=61))
   with pytest.raises(ValueError, match="temperature must be >= 0"):
     SamplingParams(temperature=-0.1)
   for bad in (0.0, 1.5):
@@ -185,11 +187,11 @@ def test_bad_input_gets_clear_errors(setup):
 def test_engine_refuses_configs_beyond_memory_budget(setup):
   engine, params, model, _ = setup
   graphdef, _ = nnx.split(model)
-  too_big = EngineConfig(num_slots=64, max_prompt_length=16, max_new_tokens=40, memory_budget_bytes=200_000)
+  too_big = EngineConfig(num_slots=64, max_prompt_length=16, max_new_tokens=60, memory_budget_bytes=200_000)
   with pytest.raises(ValueError, match="lower num_slots"):
     DecodeEngine(graphdef, model.config, too_big, engine.mesh)
   per_slot = engine.memory["kv_bytes_per_slot"]
-  assert per_slot == 2 * 2 * 56 * 2 * 16 * 4  # k+v, layers, cache length, kv heads, head_dim, float32
+  assert per_slot == 2 * 2 * 76 * 2 * 16 * 4  # k+v, layers, cache length, kv heads, head_dim, float32
 
 
 def test_filter_logits_top_k_top_p_by_hand():

@@ -88,7 +88,8 @@ class Attention(nnx.Module):
     return out
 
   def __call__(self, x, positions, mask, kv_cache=None, write_index=None):
-    """x [B, T, H]; mask [B, T, S] says which keys each query sees.
+    """x [B, T, H]; mask [B, T, S] says which keys each query sees (with a cache, S may be shorter
+    than the cache: attention then reads only its first S entries).
 
     Without a cache the keys are the chunk itself (S = T). With `kv_cache = (keys, values)` of
     shape [B, kv_heads, S, head_dim], the chunk's keys and values are first written at
@@ -105,6 +106,8 @@ class Attention(nnx.Module):
       k = kv_cache[0].at[rows, :, write_index].set(k.astype(kv_cache[0].dtype))
       v = kv_cache[1].at[rows, :, write_index].set(v.astype(kv_cache[1].dtype))
       kv_cache = (k, v)
+      window = mask.shape[-1]  # attend to the first `window` cache entries only
+      k, v = k[:, :, :window], v[:, :, :window]
     else:
       k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
     out = grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)

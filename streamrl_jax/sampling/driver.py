@@ -34,6 +34,7 @@ class _InFlight:
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
   first: object = None  # device arrays (token, logprob, done) of the prefill, read at the next sync
+  cache_end: int = 0  # upper bound of the slot's next cache write index
 
 
 @dataclasses.dataclass
@@ -121,7 +122,7 @@ class StreamingSampler:
       prefix = inst.engine.prefill(inst.params, request.prompt, len(request.prompt), sampling=request.params,
                                    rng=self._request_key(request))
       inst.state = inst.engine.insert(prefix, inst.state, slot)
-      inst.slots[slot] = _InFlight(request, now, self.version,
+      inst.slots[slot] = _InFlight(request, now, self.version, cache_end=prefix.valid.shape[1],
                                    first=(prefix.first_token, prefix.first_logprob, prefix.done))
 
   def step(self) -> list[Sample]:
@@ -131,7 +132,11 @@ class StreamingSampler:
     for inst in self._instances:
       self._admit(inst, now)
       if inst.slots:
-        inst.state, out = inst.engine.generate(inst.params, inst.state)
+        steps = inst.engine.config.steps_per_sync
+        window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
+        inst.state, out = inst.engine.generate(inst.params, inst.state, window)
+        for flight in inst.slots.values():
+          flight.cache_end += steps
         outputs.append((inst, out))
         self.counters["decode_calls"] += 1
     firsts = {(i.index, s): f.first for i in self._instances for s, f in i.slots.items() if f.first is not None}

@@ -2,7 +2,7 @@
 
 Slots are sharded over the mesh's "data" axis and parameters by the model's logical rules. Every
 jitted function is built once here (the one jit boundary of an engine); prompts are padded to
-power-of-two buckets, so an engine compiles at most `2 * len(buckets) + 1` programs.
+power-of-two buckets, so an engine compiles at most `2 * len(prefill_buckets) + len(attention_windows)` programs.
 """
 
 from __future__ import annotations
@@ -53,6 +53,20 @@ class EngineConfig:
       buckets.append(size)
       size *= 2
     return tuple(buckets) + (self.max_prompt_length,)
+
+  @property
+  def attention_windows(self) -> tuple[int, ...]:
+    """Cache prefixes that decode steps attend over (one compiled `generate` each): 64, 128, ...,
+    then the whole cache. A step reads only as much cache as its longest slot needs."""
+    windows, size = [], 64
+    while size < self.cache_length:
+      windows.append(size)
+      size *= 2
+    return tuple(windows) + (self.cache_length,)
+
+  def window_for(self, cache_end: int) -> int:
+    """The smallest attention window that covers cache entries [0, cache_end)."""
+    return next((w for w in self.attention_windows if w >= cache_end), self.cache_length)
 
   def bucket_for(self, length: int) -> int:
     if length < 1:
@@ -140,7 +154,7 @@ class DecodeEngine:
     replicated = NamedSharding(mesh, PartitionSpec())
     self._prefill = jax.jit(self._prefill_impl, out_shardings=replicated)
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
-    self._generate = jax.jit(self._generate_impl, donate_argnums=(1,),
+    self._generate = jax.jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
                              out_shardings=(self._state_shardings, replicated))
 
   # ---- placement and memory -------------------------------------------------------------------
@@ -239,16 +253,23 @@ class DecodeEngine:
         top_k=state.top_k.at[slot].set(prefix.top_k), top_p=state.top_p.at[slot].set(prefix.top_p),
         max_new=state.max_new.at[slot].set(prefix.max_new), stop_ids=state.stop_ids.at[slot].set(prefix.stop_ids))
 
-  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
-    """`steps_per_sync` decode steps for every slot (inactive slots compute but change nothing)."""
-    return self._generate(params, decode_state)
+  def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
+    """`steps_per_sync` decode steps for every slot (inactive slots compute but change nothing).
 
-  def _generate_impl(self, params, state: DecodeState):
+    `window`, one of `config.attention_windows`, must exceed every active slot's last write
+    (its cache index + steps_per_sync - 1); the default, the whole cache, always does.
+    """
+    window = self.config.cache_length if window is None else window
+    if window not in self.config.attention_windows:
+      raise ValueError(f"window {window} is not one of {self.config.attention_windows}")
+    return self._generate(params, decode_state, window)
+
+  def _generate_impl(self, params, state: DecodeState, window: int):
     model = nnx.merge(self.graphdef, params)
 
     def step(state: DecodeState, _):
       active = state.active
-      logits, cache = model.forward_with_cache(state.last_token[:, None], state.cache, active[:, None])
+      logits, cache = model.forward_with_cache(state.last_token[:, None], state.cache, active[:, None], window)
       cache = cache.replace(index=jnp.where(active, cache.index, state.cache.index))
       keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.generated)
       tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
