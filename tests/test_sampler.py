@@ -204,3 +204,37 @@ def test_filter_logits_top_k_top_p_by_hand():
   hot = np.exp(np.asarray(filter_logits(logits[:1], jnp.asarray([2.0]), jnp.asarray([0]), jnp.asarray([1.0]))))
   p = np.sqrt([0.5, 0.3, 0.15, 0.05])
   np.testing.assert_allclose(hot[0], p / p.sum(), atol=1e-6)
+
+
+def numpy_kept(logits, temperature, k, p):
+  """Reference top-k/top-p by sorting: the set of kept token ids."""
+  scaled = logits / (temperature if temperature > 0 else 1.0)
+  order = np.argsort(-scaled, kind="stable")
+  probs = np.exp(scaled[order] - scaled.max())
+  probs /= probs.sum()
+  mass_before = np.cumsum(probs) - probs
+  keep = (np.arange(len(order)) < (k or len(order))) & (mass_before < p)
+  return set(order[keep].tolist())
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.integers(0, 12), st.floats(0.05, 1.0), st.floats(0.3, 2.0))
+def test_filter_logits_keeps_the_sorted_reference_set(seed, k, p, temperature):
+  logits = np.random.default_rng(seed).normal(0, 3, (2, 12)).astype(np.float32)
+  out = np.asarray(filter_logits(jnp.asarray(logits), jnp.full((2,), temperature, jnp.float32),
+                                 jnp.full((2,), k, jnp.int32), jnp.full((2,), p, jnp.float32)))
+  for row in range(2):
+    assert set(np.flatnonzero(np.isfinite(out[row])).tolist()) == numpy_kept(logits[row], temperature, k, p)
+    np.testing.assert_allclose(np.exp(out[row]).sum(), 1.0, rtol=1e-5)
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+  from streamrl_jax.sampling import sample_tokens
+  n = 20000
+  logits = jnp.tile(jnp.log(jnp.asarray([0.4, 0.3, 0.2, 0.1, 0.0])), (n, 1))
+  keys = jax.random.split(jax.random.key(0), n)
+  tokens, logprobs = sample_tokens(logits, keys, jnp.ones((n,)), jnp.full((n,), 3, jnp.int32), jnp.ones((n,)))
+  freq = np.bincount(np.asarray(tokens), minlength=5) / n
+  np.testing.assert_allclose(freq, [4 / 9, 3 / 9, 2 / 9, 0, 0], atol=0.015)
+  np.testing.assert_allclose(np.exp(np.asarray(logprobs)), np.array([4, 3, 2, 0, 0])[np.asarray(tokens)] / 9,
+                             rtol=1e-5)

@@ -1,4 +1,8 @@
-"""Token selection for a batch of slots, each with its own temperature, top-k, top-p and RNG key."""
+"""Token selection for a batch of slots, each with its own temperature, top-k, top-p and RNG key.
+
+No sort over the vocabulary (slow on CPU): the top-k and top-p cut-offs are found by bisection on
+the float32 bit patterns of the logits, which after 32 rounds lands exactly on a logit value.
+"""
 
 from __future__ import annotations
 
@@ -6,25 +10,45 @@ import jax
 import jax.numpy as jnp
 
 
+def _sortable_bits(x: jax.Array) -> jax.Array:
+  """uint32 keys that order like the float32 values (IEEE sign-magnitude made monotone)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+  return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _largest_threshold(keys: jax.Array, holds) -> jax.Array:
+  """Per row, the largest key t for which `holds(keys >= t)` is true; `holds` must be monotone
+  and true for the whole row."""
+
+  def body(_, bounds):
+    lo, hi = bounds  # holds(lo); the answer lies in [lo, hi]
+    gap = hi - lo
+    mid = lo + gap // 2 + gap % 2  # ceil of the midpoint, without overflow
+    ok = holds(keys >= mid[:, None])
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+  lo, _ = jax.lax.fori_loop(0, 32, body, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)))
+  return lo
+
+
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
   """Log-probabilities [S, V] of the distribution each slot samples from.
 
   Temperature 0 (greedy) keeps the temperature-1 distribution, whose argmax it takes. Top-k keeps the
-  k largest logits (0 = all); top-p keeps the smallest prefix of the sorted distribution whose mass
-  reaches p (the top token always stays). Ties at the cut-off are kept.
+  k largest logits (0 = all); top-p keeps the smallest set of largest logits whose mass reaches p
+  (the top token always stays). Ties at a cut-off are kept.
   """
   logits = logits.astype(jnp.float32)
   scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
 
   def truncate(scaled):
-    ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
-    vocab = scaled.shape[-1]
-    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (jnp.arange(vocab)[None, :] < k[:, None]) & (mass_before < top_p[:, None])
-    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(scaled >= threshold, scaled, -jnp.inf)
+    keys = _sortable_bits(scaled)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    k = jnp.where(top_k > 0, top_k, scaled.shape[-1])
+    enough_tokens = lambda keep: jnp.sum(keep, axis=-1) >= k  # noqa: E731
+    enough_mass = lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p  # noqa: E731
+    cut = jnp.maximum(_largest_threshold(keys, enough_tokens), _largest_threshold(keys, enough_mass))
+    return jnp.where(keys >= cut[:, None], scaled, -jnp.inf)
 
   needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))
   scaled = jax.lax.cond(needs_truncation, truncate, lambda s: s, scaled)
@@ -32,8 +56,15 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
 
 
 def sample_tokens(logits, keys, temperature, top_k, top_p):
-  """(tokens [S] int32, logprobs [S] float32) for logits [S, V] and one key per slot."""
+  """(tokens [S] int32, logprobs [S] float32) for logits [S, V] and one key per slot.
+
+  Inverse-CDF sampling: one uniform number per slot (not one per vocabulary entry); a token of
+  zero probability is never drawn, since u > 0 picks the first entry whose cumulative mass reaches u.
+  """
   logprobs = filter_logits(logits, temperature, top_k, top_p)
-  drawn = jax.vmap(jax.random.categorical)(keys, logprobs)
+  cumulative = jnp.cumsum(jnp.exp(logprobs), axis=-1)
+  tiny = jnp.finfo(jnp.float32).tiny
+  u = jax.vmap(lambda key: jax.random.uniform(key, (), jnp.float32, minval=tiny))(keys) * cumulative[:, -1]
+  drawn = jnp.minimum(jnp.sum(cumulative < u[:, None], axis=-1), logprobs.shape[-1] - 1)
   tokens = jnp.where(temperature > 0, drawn, jnp.argmax(logprobs, axis=-1)).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
