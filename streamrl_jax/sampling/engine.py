@@ -35,11 +35,18 @@ class EngineConfig:
   steps_per_sync: int = 1  # decode steps per host round trip
   max_stop_tokens: int = 4
   memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
+  # Cache prefixes shorter than the whole cache that a decode step may attend over when every slot
+  # fits (one more compiled `generate` each). On accelerators powers of two pay off; on CPU, XLA
+  # copies mid-size slices of the cache, which costs more than it saves, hence one short window.
+  short_attention_windows: tuple[int, ...] = (64,)
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if value < (0 if field.name == "memory_budget_bytes" else 1):
+      if field.name == "short_attention_windows":
+        if any(w < 1 for w in value):
+          raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
+      elif value < (0 if field.name == "memory_budget_bytes" else 1):
         raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
 
   @property
@@ -56,13 +63,9 @@ class EngineConfig:
 
   @property
   def attention_windows(self) -> tuple[int, ...]:
-    """Cache prefixes that decode steps attend over (one compiled `generate` each): 64, 128, ...,
-    then the whole cache. A step reads only as much cache as its longest slot needs."""
-    windows, size = [], 64
-    while size < self.cache_length:
-      windows.append(size)
-      size *= 2
-    return tuple(windows) + (self.cache_length,)
+    """Cache prefixes that decode steps attend over, ascending, the whole cache last. A step reads
+    only the smallest one that covers its longest slot."""
+    return tuple(sorted({w for w in self.short_attention_windows if w < self.cache_length})) + (self.cache_length,)
 
   def window_for(self, cache_end: int) -> int:
     """The smallest attention window that covers cache entries [0, cache_end)."""
