@@ -1,0 +1,83 @@
+"""Checkpoints with orbax: parameters, optimizer state, step and RNG as arrays; data-iterator state,
+ranker state and anything else JSON-serialisable as metadata. Saves are asynchronous; the last N
+are kept; a restore places every array into the shardings of a template state, so a checkpoint
+written on one mesh shape restores onto another.
+
+Arrays are stored flat under their pytree key paths, so any pytree (nnx.State, optax states) round
+trips without orbax knowing its node types.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+import orbax.checkpoint as ocp
+
+from streamrl_jax.training.step import TrainState, _zero_sums
+
+SAVED_FIELDS = ("params", "opt_state", "step", "rng")
+
+
+def _flatten(tree) -> dict:
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
+
+
+def _unflatten(template, flat: dict):
+  paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+  missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in flat]
+  if missing:
+    raise KeyError(f"checkpoint lacks {len(missing)} arrays of the template (first: {missing[:3]})")
+  return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
+
+
+class Checkpointer:
+  """Keeps the last `max_to_keep` checkpoints of a TrainState under `directory`."""
+
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True):
+    if max_to_keep < 1:
+      raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+    self.directory = Path(directory).absolute()
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                           create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+  def save(self, state: TrainState, extra: dict | None = None) -> int:
+    """Starts saving `state` at its step (returns at once when asynchronous); `extra` is JSON metadata."""
+    step = int(jax.device_get(state.step))
+    arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
+    self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
+                                                     extra=ocp.args.JsonSave(extra or {})), force=True)
+    return step
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  @property
+  def steps(self) -> list[int]:
+    return sorted(self._manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
+    """(state, extra) of `step` (default: latest), arrays placed like the template's (its mesh)."""
+    self.wait()
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    if step not in self.steps:
+      raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; have {self.steps}")
+    saved = {name: getattr(template, name) for name in SAVED_FIELDS}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _flatten(saved))
+    restored = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract),
+                                                                   extra=ocp.args.JsonRestore()))
+    fields = _unflatten(saved, dict(restored.arrays))
+    grad_sum = jax.tree.map(lambda g: g * 0, template.grad_sum)
+    return TrainState(grad_sum=grad_sum, sums=_zero_sums(), **fields), dict(restored.extra or {})
+
+  def close(self) -> None:
+    self._manager.wait_until_finished()
+    self._manager.close()

@@ -1,0 +1,142 @@
+"""Policy objectives, KL estimators, entropy and value losses: pure per-token functions.
+
+Every per-token function returns a loss [B, T] to minimise; `aggregate` turns it into the
+(numerator, denominator) pair whose ratio is the batch loss. Numerators and denominators add up over
+micro-batches, which makes streamed gradient accumulation exact for every aggregation mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from streamrl_jax.training.registry import Registry
+
+OBJECTIVES = Registry("policy objective")
+AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+sg = jax.lax.stop_gradient
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveConfig:
+  """Hyper-parameters of the policy loss."""
+
+  objective: str = "ppo"
+  aggregation: str = "token_mean"
+  clip_low: float = 0.2  # ratio floor 1 - clip_low
+  clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO clip-higher: 0.28)
+  constant_normalizer: float = 1024.0  # tokens per sequence for aggregation="constant" (Dr. GRPO)
+  tis_cap: float = 2.0  # ppo_tis: behaviour weights are clamped at this value
+  behaviour_cap: float = 5.0  # decoupled_ppo: tokens whose behaviour ratio exceeds this are dropped
+  aipo_rho: float = 4.0  # aipo: ratio truncation, 2 to 10 in LlamaRL
+  kl_coef: float = 0.0
+  kl_estimator: str = "k3"
+  kl_in_reward: bool = False  # True: the KL penalty goes into the reward instead of the loss
+  entropy_coef: float = 0.0
+  value_coef: float = 0.5
+  value_clip: float = 0.2
+
+  def __post_init__(self):
+    OBJECTIVES.get(self.objective)
+    if self.aggregation not in AGGREGATIONS:
+      raise ValueError(f"unknown aggregation {self.aggregation!r}; known: {list(AGGREGATIONS)}")
+    if self.kl_estimator not in KL_ESTIMATORS:
+      raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
+    for name in ("clip_low", "clip_high", "value_clip", "constant_normalizer"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ObjectiveConfig.{name} must be > 0, got {getattr(self, name)}")
+    if self.clip_low >= 1:
+      raise ValueError(f"ObjectiveConfig.clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
+    for name in ("aipo_rho", "tis_cap", "behaviour_cap"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"ObjectiveConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def _clipped_surrogate(logp, reference_logp, advantages, cfg: ObjectiveConfig):
+  ratio = jnp.exp(logp - reference_logp)
+  clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+  return -jnp.minimum(ratio * advantages, clipped * advantages)
+
+
+@OBJECTIVES.register("ppo")
+def ppo(logp, batch, cfg: ObjectiveConfig):
+  """Clipped surrogate with ratio pi / pi_old, pi_old the behaviour (sampler) log-probabilities."""
+  return _clipped_surrogate(logp, batch["sampler_logprobs"], batch["advantages"], cfg)
+
+
+@OBJECTIVES.register("ppo_tis")
+def ppo_tis(logp, batch, cfg: ObjectiveConfig):
+  """PPO against the trainer's recomputed old log-probabilities, times the truncated importance
+  weight min(pi_old / mu, tis_cap) of the sampler's policy mu (no gradient through the weight)."""
+  weight = sg(jnp.minimum(jnp.exp(batch["old_logprobs"] - batch["sampler_logprobs"]), cfg.tis_cap))
+  return weight * _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
+
+
+@OBJECTIVES.register("decoupled_ppo")
+def decoupled_ppo(logp, batch, cfg: ObjectiveConfig):
+  """Decoupled PPO: clip around the proximal policy (the trainer's policy before the step, given as
+  old_logprobs), weighted by the behaviour ratio pi_prox / mu; tokens whose behaviour ratio exceeds
+  behaviour_cap are left out of the loss (truncation by masking)."""
+  behaviour = sg(jnp.exp(batch["old_logprobs"] - batch["sampler_logprobs"]))
+  weight = jnp.where(behaviour <= cfg.behaviour_cap, behaviour, 0.0)
+  return weight * _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
+
+
+@OBJECTIVES.register("aipo")
+def aipo(logp, batch, cfg: ObjectiveConfig):
+  """LlamaRL's AIPO: -stop_gradient(min(pi / mu, rho)) * A * log pi. The truncated ratio only
+  weights the gradient; it is never clamped inside the differentiated term."""
+  weight = sg(jnp.minimum(jnp.exp(logp - batch["sampler_logprobs"]), cfg.aipo_rho))
+  return -weight * batch["advantages"] * logp
+
+
+@OBJECTIVES.register("reinforce")
+def reinforce(logp, batch, cfg: ObjectiveConfig):
+  """On-policy policy gradient: -A * log pi."""
+  return -batch["advantages"] * logp
+
+
+def kl_penalty(logp, ref_logp, estimator: str):
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman's k1, k2, k3)."""
+  log_ratio = logp - ref_logp
+  if estimator == "k1":
+    return log_ratio
+  if estimator == "k2":
+    return 0.5 * log_ratio**2
+  if estimator == "k3":
+    return jnp.exp(-log_ratio) + log_ratio - 1.0
+  raise ValueError(f"unknown KL estimator {estimator!r}; known: {list(KL_ESTIMATORS)}")
+
+
+def entropy(logits):
+  """Entropy of the softmax distribution over the last axis."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def clipped_value_loss(values, old_values, returns, clip: float):
+  """PPO value loss: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2)."""
+  clipped = old_values + jnp.clip(values - old_values, -clip, clip)
+  return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def aggregate(per_token, mask, cfg: ObjectiveConfig):
+  """(numerator, denominator) of the batch loss; mask [B, T] marks completion tokens."""
+  mask = mask.astype(jnp.float32)
+  lengths = mask.sum(axis=1)
+  sequences = jnp.sum(lengths > 0)
+  if cfg.aggregation == "token_mean":
+    return jnp.sum(per_token * mask), lengths.sum()
+  if cfg.aggregation == "seq_mean_token_sum":
+    return jnp.sum(per_token * mask), sequences
+  if cfg.aggregation == "seq_mean_token_mean":
+    return jnp.sum(per_token * mask / jnp.maximum(lengths, 1.0)[:, None]), sequences
+  return jnp.sum(per_token * mask), sequences * cfg.constant_normalizer
+
+
+def kl_penalized_rewards(rewards, logp, ref_logp, mask, coef: float, estimator: str = "k1"):
+  """Sequence rewards minus coef * the summed per-token KL (the 'KL in the reward' variant)."""
+  return rewards - coef * jnp.sum(kl_penalty(logp, ref_logp, estimator) * mask, axis=-1)

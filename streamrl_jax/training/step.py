@@ -1,0 +1,206 @@
+"""The train step on the trainer mesh: micro-batches of any size accumulate, the optimizer runs once per
+global batch.
+
+`Trainer.accumulate(state, micro_batch)` adds the gradient of the loss numerator of one micro-batch
+(and its denominator) to the state; `Trainer.apply(state)` divides the summed gradient by the summed
+denominator, so the update equals that of the whole global batch at once, for every aggregation mode.
+Micro-batches are padded to (rows, length) buckets, so compiles stay few.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from streamrl_jax.models import logical_spec, state_shardings
+from streamrl_jax.training.objectives import OBJECTIVES, ObjectiveConfig, aggregate, entropy, kl_penalty
+
+SCHEDULES = ("constant", "cosine", "linear")
+BATCH_KEYS = ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with global-norm clipping and a warm-up then decay schedule."""
+
+  learning_rate: float = 1e-5
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  decay_steps: int = 1000  # for cosine/linear: steps from the end of warm-up to the end value
+  end_lr_fraction: float = 0.0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0  # 0: no clipping
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"unknown schedule {self.schedule!r}; known: {list(SCHEDULES)}")
+    if self.learning_rate <= 0 or self.warmup_steps < 0 or self.decay_steps < 1 or self.max_grad_norm < 0:
+      raise ValueError(f"OptimizerConfig out of range: {self}")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+  end = cfg.learning_rate * cfg.end_lr_fraction
+  decay = {"constant": optax.constant_schedule(cfg.learning_rate),
+           "cosine": optax.cosine_decay_schedule(cfg.learning_rate, cfg.decay_steps, cfg.end_lr_fraction),
+           "linear": optax.linear_schedule(cfg.learning_rate, end, cfg.decay_steps)}[cfg.schedule]
+  if cfg.warmup_steps == 0:
+    return decay
+  warmup = optax.linear_schedule(0.0, cfg.learning_rate, cfg.warmup_steps)
+  return optax.join_schedules([warmup, decay], [cfg.warmup_steps])
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+  adamw = optax.adamw(learning_rate_schedule(cfg), cfg.b1, cfg.b2, cfg.eps, weight_decay=cfg.weight_decay)
+  return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw) if cfg.max_grad_norm else adamw
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: nnx.State
+  opt_state: optax.OptState
+  step: jax.Array  # optimizer steps taken
+  rng: jax.Array  # key data; fold_in(rng, step) for per-step randomness
+  grad_sum: nnx.State  # float32, like params
+  sums: dict  # loss numerator, denominator, tokens, clipped tokens, kl, entropy of this global batch
+
+
+def _zero_sums():
+  return {k: jnp.zeros((), jnp.float32) for k in ("numerator", "denominator", "tokens", "clipped", "kl", "entropy")}
+
+
+def token_logprobs(logits, tokens):
+  """log pi(tokens[:, t] | tokens[:, :t]) aligned with tokens [B, L] (column 0 is 0), and the entropy
+  of the distribution that predicted each token."""
+  logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+  pad = jnp.zeros_like(picked[:, :1])
+  return jnp.concatenate([pad, picked], axis=1), jnp.concatenate([pad, entropy(logits[:, :-1])], axis=1)
+
+
+def _bucket(n: int, minimum: int) -> int:
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
+
+
+class Trainer:
+  """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
+
+  def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
+               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16):
+    if objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None:
+      raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
+    self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
+        graphdef, optimizer, objective, mesh, rules)
+    self.tx = make_optimizer(optimizer)
+    self.min_rows, self.min_length = min_rows, min_length
+    self.ref_params = None if ref_params is None else self.place(ref_params)
+    self._accumulate = jax.jit(self._accumulate_impl, donate_argnums=(0,))
+    self._apply = jax.jit(self._apply_impl, donate_argnums=(0,))
+    self.compiled_shapes: set[tuple[int, int]] = set()
+
+  def place(self, params):
+    return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
+
+  def init_state(self, params, seed: int = 0) -> TrainState:
+    params = self.place(params)
+    grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
+    return TrainState(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
+
+  # ---- host side: validation, padding, placement ----------------------------------------------
+  def prepare(self, batch: dict) -> dict:
+    """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss."""
+    missing = [k for k in BATCH_KEYS if k not in batch]
+    if missing:
+      raise KeyError(f"micro-batch lacks {missing}; it needs {list(BATCH_KEYS)} (+ old_logprobs)")
+    needs_old = self.objective.objective in ("ppo_tis", "decoupled_ppo")
+    if needs_old and "old_logprobs" not in batch:
+      raise KeyError(f"objective {self.objective.objective!r} needs old_logprobs in the micro-batch")
+    rows, length = np.asarray(batch["tokens"]).shape
+    if np.asarray(batch["loss_mask"])[:, 0].any():
+      raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
+    shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
+    out = {}
+    for key in BATCH_KEYS + (("old_logprobs",) if "old_logprobs" in batch else ()):
+      value = np.asarray(batch[key])
+      if key == "advantages" and value.ndim == 1:
+        value = np.repeat(value[:, None], length, axis=1)
+      if value.shape != (rows, length):
+        raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
+      padded = np.zeros(shape, value.dtype)
+      padded[:rows, :length] = value
+      out[key] = padded
+    if "old_logprobs" not in out:
+      out["old_logprobs"] = out["sampler_logprobs"]
+    self.compiled_shapes.add(shape)
+    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+    return jax.device_put(out, sharding)
+
+  def accumulate(self, state: TrainState, batch: dict) -> TrainState:
+    """Adds one micro-batch's gradient to the state (no optimizer step)."""
+    return self._accumulate(state, self.prepare(batch), self.ref_params)
+
+  def apply(self, state: TrainState) -> tuple[TrainState, dict]:
+    """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
+    state, metrics = self._apply(state)
+    return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+
+  # ---- device side --------------------------------------------------------------------------
+  def _per_token_loss(self, params, batch, ref_params):
+    cfg = self.objective
+    model = nnx.merge(self.graphdef, params)
+    logp, ent = token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])
+    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
+    kl = jnp.zeros_like(logp)
+    if ref_params is not None:
+      ref_model = nnx.merge(self.graphdef, ref_params)
+      ref_logp, _ = token_logprobs(ref_model(batch["tokens"], batch["valid"]), batch["tokens"])
+      kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
+      if not cfg.kl_in_reward:
+        per_token = per_token + cfg.kl_coef * kl
+    if cfg.entropy_coef:
+      per_token = per_token - cfg.entropy_coef * ent
+    return per_token, logp, kl, ent
+
+  def _accumulate_impl(self, state: TrainState, batch, ref_params):
+    mask = batch["loss_mask"]
+
+    def loss_fn(params):
+      per_token, logp, kl, ent = self._per_token_loss(params, batch, ref_params)
+      numerator, denominator = aggregate(per_token, mask, self.objective)
+      return numerator, (denominator, logp, kl, ent)
+
+    (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    ratio = jnp.exp(logp - batch["old_logprobs"])
+    clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
+    m = mask.astype(jnp.float32)
+    add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
+               kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m))
+    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.grad_sum, grads)
+    return state.replace(grad_sum=grad_sum, sums={k: state.sums[k] + add[k] for k in state.sums})
+
+  def _apply_impl(self, state: TrainState):
+    denominator = jnp.maximum(state.sums["denominator"], 1e-8)
+    grads = jax.tree.map(lambda g: g / denominator, state.grad_sum)
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    tokens = jnp.maximum(state.sums["tokens"], 1.0)
+    metrics = dict(loss=state.sums["numerator"] / denominator, grad_norm=optax.global_norm(grads),
+                   learning_rate=learning_rate_schedule(self.optimizer_config)(state.step),
+                   tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
+                   kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens)
+    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
+                        grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum), sums=_zero_sums())
+    return new, metrics
