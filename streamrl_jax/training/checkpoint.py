@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 from streamrl_jax.training.step import TrainState, _zero_sums
@@ -47,7 +48,8 @@ class Checkpointer:
   def save(self, state: TrainState, extra: dict | None = None) -> int:
     """Starts saving `state` at its step (returns at once when asynchronous); `extra` is JSON metadata."""
     step = int(jax.device_get(state.step))
-    arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
+    # A private copy: the trainer donates its state to the next step while the save is still running.
+    arrays = jax.tree.map(jnp.copy, _flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
     self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                                      extra=ocp.args.JsonSave(extra or {})), force=True)
     return step

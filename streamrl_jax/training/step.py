@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.objectives import OBJECTIVES, ObjectiveConfig, aggregate, entropy, kl_penalty
@@ -106,9 +106,16 @@ class Trainer:
     self.tx = make_optimizer(optimizer)
     self.min_rows, self.min_length = min_rows, min_length
     self.ref_params = None if ref_params is None else self.place(ref_params)
-    self._accumulate = jax.jit(self._accumulate_impl, donate_argnums=(0,))
-    self._apply = jax.jit(self._apply_impl, donate_argnums=(0,))
+    self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
     self.compiled_shapes: set[tuple[int, int]] = set()
+
+  def _build(self, state: TrainState) -> None:
+    """Pins the state's shardings as the jitted steps' outputs, so that every state (fresh, stepped or
+    restored from a checkpoint) runs through the same executables: resumes are bit-identical."""
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    self._accumulate = jax.jit(self._accumulate_impl, donate_argnums=(0,), out_shardings=shardings)
+    self._apply = jax.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated))
 
   def place(self, params):
     return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
@@ -116,8 +123,17 @@ class Trainer:
   def init_state(self, params, seed: int = 0) -> TrainState:
     params = self.place(params)
     grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
-    return TrainState(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
-                      rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+
+    def on_mesh(x):  # optimizer counters and scalars: replicated on this mesh, not on device 0
+      on = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
+      return x if on else jax.device_put(x, replicated)
+    state = TrainState(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
+                       rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
+    state = jax.tree.map(on_mesh, state)
+    if self._accumulate is None:
+      self._build(state)
+    return state
 
   # ---- host side: validation, padding, placement ----------------------------------------------
   def prepare(self, batch: dict) -> dict:
@@ -197,7 +213,7 @@ class Trainer:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     tokens = jnp.maximum(state.sums["tokens"], 1.0)
-    metrics = dict(loss=state.sums["numerator"] / denominator, grad_norm=optax.global_norm(grads),
+    metrics = dict(loss=state.sums["numerator"] / denominator, grad_norm=optax.tree.norm(grads),
                    learning_rate=learning_rate_schedule(self.optimizer_config)(state.step),
                    tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
                    kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens)
