@@ -144,3 +144,51 @@ def test_bad_micro_batches_and_configs(model_parts):
     trainer_for(graphdef, ObjectiveConfig(kl_coef=0.1))
   with pytest.raises(ValueError, match="unknown schedule"):
     OptimizerConfig(schedule="step")
+
+
+def test_micro_batcher_rechunks_to_the_same_gradient(model_parts):
+  from streamrl_jax.training import MicroBatcher
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef, ObjectiveConfig(aggregation="seq_mean_token_mean"))
+  parts = [make_batch(n, seed=20 + n, length=width) for n, width in [(3, 10), (9, 14), (2, 12), (7, 14)]]
+  widen = lambda a: a if a.ndim == 1 else np.pad(a, ((0, 0), (0, 14 - a.shape[1])))  # noqa: E731
+  full_batch = {k: np.concatenate([widen(p[k]) for p in parts]) for k in parts[0]}
+  full = trainer.accumulate(trainer.init_state(params), full_batch)
+  batcher = MicroBatcher(trainer, chunk_rows=8)
+  streamed = trainer.init_state(params)
+  for part in parts:
+    streamed = batcher.add(streamed, part)
+    assert batcher.pending_rows < 8
+  assert batcher.pending_rows == 21 % 8
+  streamed = batcher.flush(streamed)
+  for a, b in zip(jax.tree.leaves(mean_gradient(streamed)), jax.tree.leaves(mean_gradient(full))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  batcher.rows_seen = 0
+  with pytest.raises(ValueError, match="no rows"):
+    batcher.finish(streamed)
+
+
+def test_critic_value_loss_matches_numpy_and_accumulates(model_parts):
+  from streamrl_jax.models import ValueModel
+  graphdef, params = nnx.split(ValueModel(CONFIG, rngs=nnx.Rngs(1)))
+  params["value_head"].value = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
+  cfg = ObjectiveConfig(value_coef=0.5, value_clip=0.2)
+  mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
+  trainer = Trainer(graphdef, OptimizerConfig(), cfg, mesh, role="critic")
+  batch = make_batch(6, seed=9)
+  rng = np.random.default_rng(9)
+  batch = {k: batch[k] for k in ("tokens", "valid", "loss_mask")}
+  batch.update(returns=rng.normal(size=(6, 14)).astype(np.float32), old_values=rng.normal(size=(6, 14)).astype(np.float32))
+  state = trainer.accumulate(trainer.init_state(params), batch)
+  values = np.asarray(nnx.merge(graphdef, params)(batch["tokens"], batch["valid"]))
+  clipped = batch["old_values"] + np.clip(values - batch["old_values"], -0.2, 0.2)
+  per_token = 0.25 * np.maximum((values - batch["returns"]) ** 2, (clipped - batch["returns"]) ** 2)
+  expected = (per_token * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+  np.testing.assert_allclose(float(state.sums["numerator"] / state.sums["denominator"]), expected, rtol=1e-5)
+  streamed = trainer.init_state(params)
+  for part in split_rows(batch, [2, 4]):
+    streamed = trainer.accumulate(streamed, part)
+  for a, b in zip(jax.tree.leaves(mean_gradient(streamed)), jax.tree.leaves(mean_gradient(state))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  with pytest.raises(KeyError, match="returns"):
+    trainer.accumulate(streamed, {k: v for k, v in batch.items() if k != "returns"})

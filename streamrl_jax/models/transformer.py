@@ -49,12 +49,16 @@ class Transformer(nnx.Module):
   def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, vocab] (float32) for int tokens [B, T]; `attention_mask` [B, T] marks real tokens
     (left or right padding); positions count real tokens only."""
+    return self._logits(self.hidden_states(tokens, attention_mask))
+
+  def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+    """Final-norm hidden states [B, T, hidden] (what the LM head, a value head or a ranker reads)."""
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
     steps = jnp.arange(tokens.shape[1])
     attend = mask[:, None, :] & (steps[None, None, :] <= steps[None, :, None])
     hidden, _ = self._trunk(tokens, positions, attend, None, None)
-    return self._logits(hidden)
+    return hidden
 
   def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None,
                          window: int | None = None) -> tuple[jax.Array, KVCache]:
@@ -85,3 +89,16 @@ class Transformer(nnx.Module):
     else:
       head = self.lm_head[...]
     return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32)
+
+
+class ValueModel(nnx.Module):
+  """A critic for PPO: its own decoder trunk and a scalar head, values [B, T] in float32."""
+
+  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    self.config = config
+    self.trunk = Transformer(config, rngs=rngs)
+    self.value_head = nnx.Param(jnp.zeros((config.hidden_size,), config.weight_dtype), logical_axes=("embed",))
+
+  def __call__(self, tokens, attention_mask=None) -> jax.Array:
+    hidden = self.trunk.hidden_states(tokens, attention_mask)
+    return (hidden @ self.value_head[...].astype(hidden.dtype)).astype(jnp.float32)

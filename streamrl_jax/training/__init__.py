@@ -3,8 +3,9 @@
 from streamrl_jax.training.advantages import ADVANTAGES, compute_advantages, gae
 from streamrl_jax.training.objectives import (AGGREGATIONS, OBJECTIVES, ObjectiveConfig, aggregate,
                                               clipped_value_loss, entropy, kl_penalized_rewards, kl_penalty)
+from streamrl_jax.training.rebatch import MicroBatcher
 from streamrl_jax.training.step import OptimizerConfig, Trainer, TrainState, make_optimizer, token_logprobs
 
-__all__ = ["ADVANTAGES", "AGGREGATIONS", "OBJECTIVES", "ObjectiveConfig", "OptimizerConfig", "TrainState", "Trainer",
+__all__ = ["ADVANTAGES", "MicroBatcher", "AGGREGATIONS", "OBJECTIVES", "ObjectiveConfig", "OptimizerConfig", "TrainState", "Trainer",
            "aggregate", "clipped_value_loss", "compute_advantages", "entropy", "gae", "kl_penalized_rewards",
            "kl_penalty", "make_optimizer", "token_logprobs"]

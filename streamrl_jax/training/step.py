@@ -20,10 +20,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import logical_spec, state_shardings
-from streamrl_jax.training.objectives import OBJECTIVES, ObjectiveConfig, aggregate, entropy, kl_penalty
+from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, entropy,
+                                              kl_penalty)
 
 SCHEDULES = ("constant", "cosine", "linear")
-BATCH_KEYS = ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs")
+BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs"),
+              "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +100,12 @@ class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
-               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16):
-    if objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None:
+               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy"):
+    """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip)."""
+    if role not in BATCH_KEYS:
+      raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
+    self.role = role
+    if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None:
       raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
     self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
         graphdef, optimizer, objective, mesh, rules)
@@ -138,10 +144,11 @@ class Trainer:
   # ---- host side: validation, padding, placement ----------------------------------------------
   def prepare(self, batch: dict) -> dict:
     """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss."""
-    missing = [k for k in BATCH_KEYS if k not in batch]
+    keys = BATCH_KEYS[self.role]
+    missing = [k for k in keys if k not in batch]
     if missing:
-      raise KeyError(f"micro-batch lacks {missing}; it needs {list(BATCH_KEYS)} (+ old_logprobs)")
-    needs_old = self.objective.objective in ("ppo_tis", "decoupled_ppo")
+      raise KeyError(f"micro-batch lacks {missing}; a {self.role} micro-batch needs {list(keys)}")
+    needs_old = self.role == "policy" and self.objective.objective in ("ppo_tis", "decoupled_ppo")
     if needs_old and "old_logprobs" not in batch:
       raise KeyError(f"objective {self.objective.objective!r} needs old_logprobs in the micro-batch")
     rows, length = np.asarray(batch["tokens"]).shape
@@ -149,7 +156,7 @@ class Trainer:
       raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
     shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
     out = {}
-    for key in BATCH_KEYS + (("old_logprobs",) if "old_logprobs" in batch else ()):
+    for key in keys + (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()):
       value = np.asarray(batch[key])
       if key == "advantages" and value.ndim == 1:
         value = np.repeat(value[:, None], length, axis=1)
@@ -158,7 +165,7 @@ class Trainer:
       padded = np.zeros(shape, value.dtype)
       padded[:rows, :length] = value
       out[key] = padded
-    if "old_logprobs" not in out:
+    if self.role == "policy" and "old_logprobs" not in out:
       out["old_logprobs"] = out["sampler_logprobs"]
     self.compiled_shapes.add(shape)
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
@@ -177,6 +184,10 @@ class Trainer:
   def _per_token_loss(self, params, batch, ref_params):
     cfg = self.objective
     model = nnx.merge(self.graphdef, params)
+    if self.role == "critic":
+      values = model(batch["tokens"], batch["valid"])
+      loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
+      return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
     logp, ent = token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
@@ -199,8 +210,11 @@ class Trainer:
       return numerator, (denominator, logp, kl, ent)
 
     (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    ratio = jnp.exp(logp - batch["old_logprobs"])
-    clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
+    if self.role == "policy":
+      ratio = jnp.exp(logp - batch["old_logprobs"])
+      clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
+    else:  # logp holds the values: count tokens whose value update is clipped
+      clipped = jnp.abs(logp - batch["old_values"]) > self.objective.value_clip
     m = mask.astype(jnp.float32)
     add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
                kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m))
