@@ -1,0 +1,30 @@
+"""Simulator speed: 1,000 RL iterations of 1,024 samples on 1,024 devices (7B, one device per engine
+instance, async mode, skew-aware dispatch). Goal: under 60 s on this machine.
+
+Prints one JSON object as its last line: seconds, iterations, samples, devices, and the ablation ladder of
+the paper-72b-20k preset for reference.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from streamrl_jax.sim.presets import ablation_ladder, preset
+
+
+def main() -> dict:
+  config = preset("paper-7b-5k", total_devices=1024, sampler_devices=512, tensor_parallel=1, iterations=1000,
+                  mode="async", dispatch="skew_aware", global_batch=1024)
+  start = time.perf_counter()
+  from streamrl_jax.sim.pipeline import simulate
+  result = simulate(config)
+  seconds = time.perf_counter() - start
+  ladder = ablation_ladder(preset("paper-72b-20k"))["normalized_throughput"]
+  return {"seconds": round(seconds, 2), "iterations": config.iterations, "samples": config.global_batch,
+          "devices": config.total_devices, "samples_per_s_simulated": round(result["samples_per_s"], 2),
+          "paper_72b_20k_normalized_throughput": ladder}
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))

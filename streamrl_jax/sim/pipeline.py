@@ -1,0 +1,184 @@
+"""RL iterations of the four run modes, simulated at cluster scale.
+
+A `SimConfig` fixes the model, hardware, device split, workload and policies; `simulate(config)` runs
+`iterations` RL steps and returns the timeline and throughput. Dispatch uses the same pure policies as
+the real pipeline (`streamrl_jax.scheduling`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from streamrl_jax.scheduling import ptl_at, random_dispatch, skew_aware_dispatch
+from streamrl_jax.sim.instance import simulate_instance
+from streamrl_jax.sim.profiles import (H800, Hardware, LengthDistribution, ModelSpec, memory_max_batch,
+                                       scaled_ptl_curve)
+
+MODES = ("colocated", "disaggregated", "stream", "async")
+DISPATCH = ("random", "skew_aware", "oracle")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  model: ModelSpec
+  lengths: LengthDistribution
+  mode: str = "stream"
+  dispatch: str = "random"
+  total_devices: int = 64
+  sampler_devices: int = 32  # ignored by colocated, which time-shares all devices
+  sampler_hardware: Hardware = H800
+  trainer_hardware: Hardware = H800
+  tensor_parallel: int = 4  # devices per engine instance
+  global_batch: int = 1024
+  prompt_len: int = 512
+  iterations: int = 3
+  staleness: int = 1  # async only
+  micro_batch: int = 64  # samples per streamed micro-batch
+  train_flops_per_token_per_param: float = 16.0  # PPO: actor and critic fwd+bwd (12), ref and old fwd (4)
+  train_mfu: float = 0.35
+  optimizer_step_s: float = 2.0
+  sync_bandwidth_gbs: float = 50.0  # weight sync link; cross-datacenter links are far slower
+  sync_latency_s: float = 0.05
+  colocated_switch_s: float = 10.0  # colocated: offload/reload and reshard between stages, per switch
+  ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
+  alpha: float = 0.2
+  length_drift: float = 0.0  # per-iteration relative growth of output lengths
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"unknown mode {self.mode!r}; known: {list(MODES)}")
+    if self.dispatch not in DISPATCH:
+      raise ValueError(f"unknown dispatch {self.dispatch!r}; known: {list(DISPATCH)}")
+    if self.sync_bandwidth_gbs <= 0 or self.sync_latency_s < 0:
+      raise ValueError("sync bandwidth must be > 0 and latency >= 0")
+    if self.mode != "colocated" and not 0 < self.sampler_devices < self.total_devices:
+      raise ValueError(f"sampler_devices={self.sampler_devices} must leave devices for the trainer "
+                       f"(total {self.total_devices})")
+    if self.global_batch < 1 or self.iterations < 1 or self.micro_batch < 1 or self.staleness < 0:
+      raise ValueError("global_batch, iterations and micro_batch must be >= 1, staleness >= 0")
+
+  @property
+  def generation_devices(self) -> int:
+    return self.total_devices if self.mode == "colocated" else self.sampler_devices
+
+  @property
+  def training_devices(self) -> int:
+    return self.total_devices if self.mode == "colocated" else self.total_devices - self.sampler_devices
+
+
+def noisy_predictions(true_lengths: np.ndarray, recall: float, rng: np.random.Generator) -> np.ndarray:
+  """Predicted lengths whose top-20% recall of the true top 20% is about `recall` (lognormal noise
+  whose width is found by bisection on this batch)."""
+  if recall >= 1.0:
+    return true_lengths.astype(float)
+  noise = rng.standard_normal(len(true_lengths))
+  k = max(1, len(true_lengths) // 5)
+  true_top = set(np.argsort(-true_lengths, kind="stable")[:k])
+  log_len = np.log(true_lengths + rng.uniform(0, 1e-3, len(true_lengths)))
+
+  def recall_at(sigma):
+    predicted = log_len + sigma * noise
+    return len(true_top & set(np.argsort(-predicted)[:k])) / k, predicted
+
+  lo, hi = 0.0, 10.0
+  for _ in range(30):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if recall_at(mid)[0] >= recall else (lo, mid)
+  return np.exp(recall_at(lo)[1])
+
+
+def generation(config: SimConfig, lengths: np.ndarray, rng: np.random.Generator, devices: int):
+  """Finish time of every sample (seconds after generation starts) and the per-instance plan."""
+  instances = max(1, devices // config.tensor_parallel)
+  hw, tp = config.sampler_hardware, config.tensor_parallel
+  curve = scaled_ptl_curve(config.model, hw, tp)
+  max_batch = memory_max_batch(config.model, hw, tp, config.prompt_len + float(np.mean(lengths)))
+  prefill = 2 * config.model.params_b * 1e9 * config.prompt_len / (tp * hw.bf16_tflops * 1e12 * 0.5)
+  if config.dispatch == "random":
+    plan = random_dispatch(len(lengths), instances, max_batch, seed=int(rng.integers(1 << 31)))
+  else:
+    predicted = lengths if config.dispatch == "oracle" else noisy_predictions(lengths, config.ranker_recall, rng)
+    plan = skew_aware_dispatch(list(map(float, predicted)), instances, max_batch, curve, alpha=config.alpha)
+  finish = np.zeros(len(lengths))
+  for order, batch in zip(plan.assignment, plan.batch_sizes):
+    if order:
+      finish[list(order)] = simulate_instance(lengths[list(order)], batch, lambda n: ptl_at(curve, n), prefill)
+  return finish, plan
+
+
+def train_seconds(config: SimConfig, tokens: float, devices: int) -> float:
+  flops = config.train_flops_per_token_per_param * config.model.params_b * 1e9 * tokens
+  return flops / (devices * config.trainer_hardware.bf16_tflops * 1e12 * config.train_mfu)
+
+
+def sync_seconds(config: SimConfig) -> float:
+  return config.sync_latency_s + 2 * config.model.params_b / config.sync_bandwidth_gbs
+
+
+def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarray, start_after: float,
+                      devices: int, stream: bool) -> tuple[float, list[tuple[float, float]]]:
+  """Trainer end time and busy intervals; with `stream`, each micro-batch starts once its samples are
+  in (dynamic-batch pipelining), else the whole batch starts after the last sample."""
+  order = np.argsort(arrivals, kind="stable")
+  free, busy = start_after, []
+  chunk = config.micro_batch if stream else len(order)
+  for i in range(0, len(order), chunk):
+    part = order[i:i + chunk]
+    begin = max(free, float(arrivals[part].max()))
+    free = begin + train_seconds(config, float(tokens[part].sum()), devices)
+    busy.append((begin, free))
+  busy.append((free, free + config.optimizer_step_s))
+  return free + config.optimizer_step_s, busy
+
+
+def simulate(config: SimConfig) -> dict:
+  """Runs the iterations; returns throughput, per-iteration times and the first iteration's timeline."""
+  rng = np.random.default_rng(config.seed)
+  gen_free = train_free = 0.0
+  ready = {0: 0.0}  # policy version -> time its weights are on the sampler
+  gen_times, iteration_ends, timeline = [], [], None
+  for i in range(config.iterations):
+    lengths = config.lengths.sample(rng, config.global_batch, scale=(1 + config.length_drift) ** i)
+    finish, plan = generation(config, lengths, rng, config.generation_devices)
+    if config.mode == "async":
+      version = max(0, i - config.staleness)
+      start = max(gen_free, ready[version])
+    else:
+      start = max(gen_free, train_free)
+    arrivals = start + finish
+    gen_end = float(arrivals.max())
+    tokens = lengths + config.prompt_len
+    if config.mode == "colocated":
+      end, busy = streamed_training(config, arrivals, tokens, gen_end + config.colocated_switch_s,
+                                    config.training_devices, stream=False)
+      end += config.colocated_switch_s
+      ready[i + 1] = end
+      gen_free = end
+    else:
+      end, busy = streamed_training(config, arrivals, tokens, train_free, config.training_devices,
+                                    stream=config.mode in ("stream", "async"))
+      ready[i + 1] = end + sync_seconds(config)
+      gen_free = gen_end if config.mode == "async" else ready[i + 1]
+    train_free = end
+    gen_times.append(gen_end - start)
+    iteration_ends.append(ready[i + 1])
+    if timeline is None:
+      timeline = _timeline(plan, arrivals, start, busy, ready[1], config)
+  total = iteration_ends[-1]
+  return {"samples_per_s": config.global_batch * config.iterations / total, "total_s": total,
+          "iteration_s": float(np.mean(np.diff([0.0] + iteration_ends))), "generation_s": float(np.mean(gen_times)),
+          "timeline": timeline}
+
+
+def _timeline(plan, arrivals, start, busy, synced, config: SimConfig) -> dict:
+  instances = [(start, float(arrivals[list(order)].max()) if order else start) for order in plan.assignment]
+  return {"instances": instances, "long_instances": plan.long_instances, "trainer": busy,
+          "sync": (busy[-1][1], synced) if config.mode != "colocated" else None}
+
+
+def instances_for(devices: int, tensor_parallel: int) -> int:
+  return max(1, math.floor(devices / tensor_parallel))
