@@ -2,6 +2,7 @@
 
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
   streamrl generate [--model DIR] [--prompt TEXT]  batch generation through the KV cache (a demo)
+  streamrl simulate --preset NAME --out DIR       the pipeline at cluster scale: results.json and plots
 """
 
 from __future__ import annotations
@@ -86,6 +87,16 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def cmd_simulate(args) -> int:
+  from streamrl_jax.sim.report import run_report, summary_lines
+
+  results = run_report(args.preset, args.out, iterations=args.iterations, seed=args.seed)
+  for line in summary_lines(results):
+    print(line)
+  print(f"wrote {args.out}/results.json, throughput_by_mode.png, gantt.png, generation_normalized.png")
+  return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
   parser.add_argument("--host-devices", type=int, default=8,
@@ -103,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   gen.set_defaults(run=cmd_generate)
+  sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
+  sim.add_argument("--preset", default="paper-72b-20k",
+                   help="paper-7b-5k, paper-32b-10k, paper-72b-20k or paper-32b-h20-sampler")
+  sim.add_argument("--out", required=True, help="output directory")
+  sim.add_argument("--iterations", type=int, default=3)
+  sim.add_argument("--seed", type=int, default=0)
+  sim.set_defaults(run=cmd_simulate)
   return parser
 
 

@@ -64,8 +64,9 @@ def random_dispatch(num_prompts: int, num_instances: int, max_batch: int, seed: 
   return DispatchPlan(assignment, (max_batch,) * num_instances)
 
 
-def _deal(indices: Sequence[int], predicted: Sequence[float], instances: int) -> list[list[int]]:
-  """Greedy LPT assignment: each prompt (longest first) to the instance with the least predicted work."""
+def lpt_assign(indices: Sequence[int], predicted: Sequence[float], instances: int) -> list[list[int]]:
+  """Greedy LPT assignment: each prompt (longest first) to the instance with the least predicted work;
+  its makespan is within 4/3 of the optimum (Graham)."""
   heap, out = [(0.0, k) for k in range(instances)], [[] for _ in range(instances)]
   for i in sorted(indices, key=lambda i: -predicted[i]):
     load, k = heapq.heappop(heap)
@@ -98,7 +99,7 @@ def skew_aware_dispatch(predicted: Sequence[float], num_instances: int, max_batc
   short_len = short_mean_len or float(np.percentile([predicted[i] for i in short_ids], 50))
   k_long, long_batch, short_batch = _best_split(curve, num_instances, max_batch, n_long, len(short_ids),
                                                 long_len, short_len)
-  assignment = _deal(long_ids, predicted, k_long) + _deal(short_ids, predicted, num_instances - k_long)
+  assignment = lpt_assign(long_ids, predicted, k_long) + lpt_assign(short_ids, predicted, num_instances - k_long)
   batches = (long_batch,) * k_long + (short_batch,) * (num_instances - k_long)
   return DispatchPlan(tuple(tuple(a) for a in assignment), batches, long_instances=k_long)
 
