@@ -25,6 +25,8 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
       "preset": name,
       "normalized_throughput": ladder["normalized_throughput"],
       "samples_per_s_by_mode": {m: round(r["samples_per_s"], 4) for m, r in modes.items()},
+      "samples_per_cost_unit_by_mode": {m: round(r["samples_per_s"] * 3600 / _cost_per_hour(config, m, ladder),
+                                                 3) for m, r in modes.items()},
       "generation_s_normalized_to_random": {d: round(t / generation["random"], 4) for d, t in generation.items()},
       "balanced_split": {"sampler_devices": sampler, "trainer_devices": trainer,
                          "total_devices": config.total_devices},
@@ -34,6 +36,15 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
   (out / "results.json").write_text(json.dumps(results, indent=2))
   _plots(out, results, modes["async"]["timeline"], ladder["runs"]["colocated"]["timeline"])
   return results
+
+
+def _cost_per_hour(config, mode: str, ladder: dict) -> float:
+  """Relative cost per hour of the devices a mode holds (H20 = 1.00, H800 = 2.85)."""
+  if mode == "colocated":
+    return config.total_devices * config.trainer_hardware.cost_per_hour
+  sampler = ladder["sampler_devices"]
+  return (sampler * config.sampler_hardware.cost_per_hour
+          + (config.total_devices - sampler) * config.trainer_hardware.cost_per_hour)
 
 
 def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: dict) -> None:
