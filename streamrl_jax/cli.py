@@ -116,7 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
   gen.set_defaults(run=cmd_generate)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k",
-                   help="paper-7b-5k, paper-32b-10k, paper-72b-20k or paper-32b-h20-sampler")
+                   help="paper-7b-5k, paper-32b-10k, paper-72b-20k, paper-32b-h20-sampler or local-cpu")
   sim.add_argument("--out", required=True, help="output directory")
   sim.add_argument("--iterations", type=int, default=3)
   sim.add_argument("--seed", type=int, default=0)

@@ -91,3 +91,19 @@ def test_empirical_length_lists_are_used():
   draws = lengths.sample(np.random.default_rng(0), 100)
   assert set(draws.tolist()) <= {10, 20, 25}
   assert dataclasses.replace(lengths, max_len=40).sample(np.random.default_rng(0), 100).max() == 30
+
+
+@pytest.mark.parametrize("train_mfu, direction", [(50.0, 1), (0.001, -1)])
+def test_elastic_policy_follows_the_bottleneck(train_mfu, direction):
+  from streamrl_jax.sim.pipeline import simulate_elastic
+  config = small(mode="disaggregated", train_mfu=train_mfu, iterations=4, length_drift=0.1)
+  devices = simulate_elastic(config)["sampler_devices_by_iteration"]
+  steps = np.diff(devices)
+  assert set(steps.tolist()) <= {-1, 0, 1} and 1 <= min(devices) and max(devices) <= 15
+  assert steps[0] == direction
+
+
+def test_local_cpu_preset_uses_the_measured_curve():
+  config = preset("local-cpu")
+  assert dict(config.ptl_curve)[32] == pytest.approx(17.8e-3) and config.max_batch == 32
+  assert simulate(config)["samples_per_s"] > 0

@@ -8,7 +8,6 @@ the real pipeline (`streamrl_jax.scheduling`).
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import numpy as np
 
@@ -46,6 +45,8 @@ class SimConfig:
   ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
   alpha: float = 0.2
   length_drift: float = 0.0  # per-iteration relative growth of output lengths
+  ptl_curve: tuple[tuple[int, float], ...] = ()  # measured (batch, seconds) points; default: scaled from 7B/H800
+  max_batch: int = 0  # 0: what fits in memory
   seed: int = 0
 
   def __post_init__(self):
@@ -95,8 +96,8 @@ def generation(config: SimConfig, lengths: np.ndarray, rng: np.random.Generator,
   """Finish time of every sample (seconds after generation starts) and the per-instance plan."""
   instances = max(1, devices // config.tensor_parallel)
   hw, tp = config.sampler_hardware, config.tensor_parallel
-  curve = scaled_ptl_curve(config.model, hw, tp)
-  max_batch = memory_max_batch(config.model, hw, tp, config.prompt_len + float(np.mean(lengths)))
+  curve = dict(config.ptl_curve) or scaled_ptl_curve(config.model, hw, tp)
+  max_batch = config.max_batch or memory_max_batch(config.model, hw, tp, config.prompt_len + float(np.mean(lengths)))
   prefill = 2 * config.model.params_b * 1e9 * config.prompt_len / (tp * hw.bf16_tflops * 1e12 * 0.5)
   if config.dispatch == "random":
     plan = random_dispatch(len(lengths), instances, max_batch, seed=int(rng.integers(1 << 31)))
@@ -180,5 +181,22 @@ def _timeline(plan, arrivals, start, busy, synced, config: SimConfig) -> dict:
           "sync": (busy[-1][1], synced) if config.mode != "colocated" else None}
 
 
-def instances_for(devices: int, tensor_parallel: int) -> int:
-  return max(1, math.floor(devices / tensor_parallel))
+def simulate_elastic(config: SimConfig, *, hysteresis: float = 0.05) -> dict:
+  """Disaggregated iterations while output lengths drift; before each iteration the elastic policy adds
+  or removes one sampler instance (of `tensor_parallel` devices) from estimates of T_gen at S - tp, S and
+  S + tp and of T_train. Returns the sampler devices and stage times per iteration."""
+  from streamrl_jax.scheduling import elastic_decision
+
+  rng = np.random.default_rng(config.seed)
+  sampler, unit = config.sampler_devices, config.tensor_parallel
+  history = []
+  for i in range(config.iterations):
+    lengths = config.lengths.sample(rng, config.global_batch, scale=(1 + config.length_drift) ** i)
+    gen = {s: float(generation(config, lengths, np.random.default_rng(i), s)[0].max())
+           for s in (sampler - unit, sampler, sampler + unit) if unit <= s <= config.total_devices - unit}
+    train = train_seconds(config, float((lengths + config.prompt_len).sum()), config.total_devices - sampler)
+    history.append({"iteration": i, "sampler_devices": sampler, "t_gen": gen[sampler], "t_train": train})
+    saved = gen[sampler] - gen.get(sampler + unit, gen[sampler])
+    lost = gen.get(sampler - unit, float("inf")) - gen[sampler]
+    sampler += unit * elastic_decision(gen[sampler], train, saved, lost, hysteresis=hysteresis)
+  return {"sampler_devices_by_iteration": [h["sampler_devices"] for h in history], "iterations": history}

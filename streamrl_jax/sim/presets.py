@@ -8,7 +8,7 @@ import numpy as np
 
 from streamrl_jax.scheduling import resource_split
 from streamrl_jax.sim.pipeline import SimConfig, generation, simulate, train_seconds
-from streamrl_jax.sim.profiles import H20, QWEN25, LengthDistribution
+from streamrl_jax.sim.profiles import H20, QWEN25, Hardware, LengthDistribution, ModelSpec
 
 PAPER = {
     # name: (model, max output length, devices, tensor parallel)
@@ -18,12 +18,27 @@ PAPER = {
 }
 
 
+# Measured here: benchmarks/sampler.py (ptl_ms_by_batch) and benchmarks/trainer.py (train_mfu) on 2 CPU cores.
+CPU_2CORE = Hardware("cpu-2core", bf16_tflops=0.16, memory_gb=24.0, bandwidth_tbs=0.02, cost_per_hour=0.05)
+LOCAL_MODEL = ModelSpec("streamrl-10m", params_b=0.00997, layers=8, kv_heads=2, head_dim=64)
+LOCAL_PTL = ((1, 5.3e-3), (2, 5.6e-3), (4, 6.7e-3), (8, 8.3e-3), (16, 11.0e-3), (32, 17.8e-3))
+
+PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "local-cpu"]
+
+
 def preset(name: str, **overrides) -> SimConfig:
+  if name == "local-cpu":
+    fields = dict(model=LOCAL_MODEL, lengths=LengthDistribution(median=24, sigma=0.9, max_len=256),
+                  total_devices=8, sampler_devices=4, tensor_parallel=1, global_batch=128, prompt_len=24,
+                  sampler_hardware=CPU_2CORE, trainer_hardware=CPU_2CORE, train_mfu=0.28, optimizer_step_s=0.05,
+                  colocated_switch_s=0.0, sync_latency_s=0.001, ptl_curve=LOCAL_PTL, max_batch=32, iterations=3)
+    fields.update(overrides)
+    return SimConfig(**fields)
   if name == "paper-32b-h20-sampler":
     config = preset("paper-32b-10k", sampler_hardware=H20)
     return dataclasses.replace(config, **overrides)
   if name not in PAPER:
-    raise ValueError(f"unknown preset {name!r}; known: {sorted(PAPER) + ['paper-32b-h20-sampler']}")
+    raise ValueError(f"unknown preset {name!r}; known: {PRESETS}")
   model, max_len, devices, tp = PAPER[name]
   lengths = LengthDistribution(median=max_len / 6, sigma=0.9, max_len=max_len)
   fields = dict(model=QWEN25[model], lengths=lengths, total_devices=devices, sampler_devices=devices // 2,

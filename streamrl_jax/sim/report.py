@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from streamrl_jax.sim.pipeline import MODES, simulate
+from streamrl_jax.sim.pipeline import MODES, simulate, simulate_elastic
 from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset
 
 
@@ -33,6 +33,9 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
       "config": {k: (v if isinstance(v, (int, float, str)) else str(v))
                  for k, v in dataclasses.asdict(config).items()},
   }
+  drifting = dataclasses.replace(config, mode="disaggregated", dispatch="random", length_drift=0.15,
+                                 iterations=max(6, config.iterations), sampler_devices=sampler)
+  results["elastic"] = simulate_elastic(drifting)
   (out / "results.json").write_text(json.dumps(results, indent=2))
   _plots(out, results, modes["async"]["timeline"], ladder["runs"]["colocated"]["timeline"])
   return results
