@@ -1,0 +1,195 @@
+"""The four run modes from one loop: a sampler thread streams finished groups into the host queue, the
+trainer consumes them and publishes weights; a version gate decides how far generation may run ahead.
+
+  colocated      one mesh; generation of step j needs version j; training waits for the whole batch
+  disaggregated  two meshes; as colocated, across meshes, with a weight sync per step
+  stream         two meshes; the trainer takes each group as it arrives (dynamic-batch pipelining);
+                 generation of step j still needs version j, so training stays on-policy
+  async          two meshes; generation of step j needs version >= j - staleness and picks up newer
+                 weights between decode steps; the trainer streams as in `stream`
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.config import MeshShape
+from streamrl_jax.meshes import build_meshes, mesh_from_devices
+from streamrl_jax.models import state_shardings
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.groups import GroupCollector
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
+from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
+from streamrl_jax.types import SamplingParams
+
+
+@dataclasses.dataclass
+class RunResult:
+  params: nnx.State
+  metrics: list[dict]
+  counters: dict
+  timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
+
+
+def _meshes(config: PipelineConfig, devices):
+  devices = list(jax.devices() if devices is None else devices)
+  if config.mode == "colocated":
+    return (mesh_from_devices(devices, MeshShape(len(devices), 1, 1)),
+            mesh_from_devices(devices, MeshShape(1, len(devices), 1)))
+  return build_meshes(config.mesh, devices)
+
+
+class _Run:
+  """Shared state of one run: the parts, the version gate, counters and the timeline."""
+
+  def __init__(self, config, model, tokenizer, task, devices, params=None):
+    self.config, self.tokenizer, self.task = config, tokenizer, task
+    graphdef, initial = nnx.split(model)
+    params = initial if params is None else params
+    sampler_mesh, trainer_mesh = _meshes(config, devices)
+    engine = DecodeEngine(graphdef, model.config, config.engine, sampler_mesh)
+    self.sampler = StreamingSampler([engine], params, seed=config.seed)
+    self.trainer = Trainer(graphdef, config.optimizer, config.objective, trainer_mesh)
+    self.state = self.trainer.init_state(params, seed=config.seed)
+    dtype = jnp.dtype(config.sync_dtype) if config.sync_dtype else None
+    self.sync = WeightSync(state_shardings(params, sampler_mesh), cast_dtype=dtype)
+    self.queue = SampleQueue(config.queue_capacity)
+    self.start = time.perf_counter()
+    self.timeline = {"sampler": [], "trainer": [], "sync": []}
+    self.counters = dict(prompts_submitted=0, samples_generated=0, samples_trained=0, stale_samples=0,
+                         sampler_wait_s=0.0, trainer_wait_s=0.0)
+    self.error: BaseException | None = None
+    self.stop = threading.Event()
+
+  def now(self) -> float:
+    return time.perf_counter() - self.start
+
+
+def _sampler_loop(run: _Run) -> None:
+  config, sampler = run.config, run.sampler
+  rng = np.random.default_rng(config.seed)
+  try:
+    for step in range(config.steps):
+      waited = time.perf_counter()
+      while not run.stop.is_set():
+        latest = run.sync.latest()
+        version = latest[1] if latest else 0
+        if version >= step - config.max_staleness:
+          break
+        time.sleep(0.002)
+      run.counters["sampler_wait_s"] += time.perf_counter() - waited
+      if run.stop.is_set():
+        return
+      if latest and latest[1] > sampler.version:
+        sampler.update_params(latest[0], latest[1])
+      collector = GroupCollector(config.group_size, run.tokenizer, run.task.reward,
+                                 width=config.engine.max_prompt_length + config.max_new_tokens)
+      knobs = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                             stop_token_ids=(run.tokenizer.eos_id,), num_samples=config.group_size)
+      for i in range(config.prompts_per_step):
+        prompt, _ = run.task.sample(rng)
+        prompt_id = step * config.prompts_per_step + i
+        sampler.submit(run.tokenizer.encode(prompt), knobs, group_id=prompt_id)
+        collector.expect(prompt_id, prompt)
+        run.counters["prompts_submitted"] += 1
+      begin = run.now()
+      while sampler.has_work() and not run.stop.is_set():
+        if config.mode == "async":
+          latest = run.sync.latest()
+          if latest and latest[1] > sampler.version:
+            sampler.update_params(latest[0], latest[1])
+        for sample in sampler.step():
+          run.counters["samples_generated"] += 1
+          shard = collector.add(sample)
+          if shard is not None:
+            run.queue.put(shard)
+      run.timeline["sampler"].append((begin, run.now(), f"step {step}"))
+  except BaseException as err:
+    run.error = err
+  finally:
+    run.queue.close()
+
+
+def _take_step(run: _Run, step: int) -> tuple[list, float]:
+  """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards, wait s)."""
+  config, needed, shards, waited = run.config, run.config.samples_per_step, [], 0.0
+  streamed = config.mode in ("stream", "async")
+  while needed > 0:
+    start = time.perf_counter()
+    try:
+      shard = run.queue.get()
+    except QueueClosed:
+      raise RuntimeError(f"the sampler stopped before step {step} was complete") from run.error
+    waited += time.perf_counter() - start
+    needed -= shard.num_samples
+    shards.append(shard)
+    if streamed:
+      _accumulate(run, shard, step)
+  if not streamed:
+    for shard in shards:
+      _accumulate(run, shard, step)
+  return shards, waited
+
+
+def _accumulate(run: _Run, shard, step: int) -> None:
+  begin = run.now()
+  stale = step - shard.first_versions
+  run.counters["stale_samples"] += int(np.sum(stale > run.config.max_staleness))
+  advantages = compute_advantages(run.config.advantage, shard.rewards, shard.group_ids)
+  run.state = run._batcher.add(run.state, shard.train_batch(advantages))
+  run.counters["samples_trained"] += shard.num_samples
+  run.timeline["trainer"].append((begin, run.now(), f"step {step}"))
+
+
+def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
+                 on_step: Callable[[dict], None] | None = None) -> RunResult:
+  """Runs `config.steps` RL steps; returns the trained parameters, per-step metrics, counters, timeline."""
+  run = _Run(config, model, tokenizer, task, devices, params)
+  run._batcher = MicroBatcher(run.trainer, chunk_rows=config.chunk_rows)
+  thread = threading.Thread(target=_sampler_loop, args=(run,), daemon=True, name="sampler")
+  thread.start()
+  metrics, last_end = [], run.now()
+  try:
+    for step in range(config.steps):
+      shards, waited = _take_step(run, step)
+      begin = run.now()
+      run.state, train_metrics = run._batcher.finish(run.state)
+      run.timeline["trainer"].append((begin, run.now(), f"update {step}"))
+      sync_start = run.now()
+      run.sync.push(run.state.params, step + 1)
+      run.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
+      run.counters["trainer_wait_s"] += waited
+      end = run.now()
+      metrics.append(_step_metrics(run, step, shards, train_metrics, waited, end - last_end))
+      last_end = end
+      if on_step is not None:
+        on_step(metrics[-1])
+  finally:
+    run.stop.set()
+    thread.join()
+    run.sync.wait()
+  if run.error is not None:
+    raise RuntimeError("sampler thread failed") from run.error
+  params = jax.tree.map(np.asarray, run.state.params)
+  return RunResult(params, metrics, dict(run.counters, **{f"queue_{k}": v for k, v in run.queue.stats().items()}),
+                   run.timeline)
+
+
+def _step_metrics(run: _Run, step: int, shards, train: dict, waited: float, wall: float) -> dict:
+  rewards = np.concatenate([s.rewards for s in shards])
+  versions = np.concatenate([s.first_versions for s in shards])
+  seconds = [v for k, v in sorted(run.sync.seconds.items())]
+  return dict(step=step + 1, reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards >= 1.0)),
+              samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
+              staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
+              sampler_idle_frac=min(1.0, run.counters["sampler_wait_s"] / max(run.now(), 1e-9)),
+              weight_sync_s=float(seconds[-1]) if seconds else 0.0, step_s=wall, **train)
