@@ -2,6 +2,7 @@
 
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
   streamrl generate [--model DIR] [--prompt TEXT]  batch generation through the KV cache (a demo)
+  streamrl train --workdir DIR [--config FILE]    RL post-training (default: the CPU demo)
   streamrl simulate --preset NAME --out DIR       the pipeline at cluster scale: results.json and plots
 """
 
@@ -87,6 +88,30 @@ def cmd_generate(args) -> int:
   return 0
 
 
+def cmd_train(args) -> int:
+  from tqdm import tqdm
+
+  from streamrl_jax import gin_config
+  from streamrl_jax.pipeline.train_job import train_job
+
+  gin_config.parse(args.config, args.set)
+  config, job = gin_config.build_run()
+  print(f"streamrl train: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
+        f"workdir {args.workdir}")
+  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True)
+
+  def progress(m):
+    bar.update(1)
+    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
+                    samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}")
+  try:
+    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress)
+  finally:
+    bar.close()
+  print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
+  return 0
+
+
 def cmd_simulate(args) -> int:
   from streamrl_jax.sim.report import run_report, summary_lines
 
@@ -114,6 +139,11 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   gen.set_defaults(run=cmd_generate)
+  train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
+  train.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
+  train.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
+  train.add_argument("--workdir", required=True, help="where metrics, pictures and models go")
+  train.set_defaults(run=cmd_train)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k",
                    help="paper-7b-5k, paper-32b-10k, paper-72b-20k, paper-32b-h20-sampler or local-cpu")

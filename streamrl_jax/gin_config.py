@@ -11,8 +11,13 @@ import dataclasses
 import gin
 
 from streamrl_jax.config import MeshConfig, ModelConfig, RopeScaling
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.train_job import JobConfig
+from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 
-CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling)
+CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
+                  PipelineConfig, JobConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -36,3 +41,16 @@ def build(cls, **defaults):
   if unknown:
     raise ValueError(f"unknown {cls.__name__} bindings {unknown}; fields: {sorted(known)}")
   return cls(**{**defaults, **bound})
+
+
+def build_run() -> tuple[PipelineConfig, JobConfig]:
+  """The pipeline config with its nested parts, each from its own bindings, and the job config."""
+  parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig, **DEMO_ENGINE),
+               optimizer=build(OptimizerConfig, **DEMO_OPTIMIZER), objective=build(ObjectiveConfig))
+  return build(PipelineConfig, **DEMO_PIPELINE, **parts), build(JobConfig)
+
+
+# The CPU demo's defaults (gin bindings override them).
+DEMO_ENGINE = dict(num_slots=32, max_prompt_length=32, max_new_tokens=64, min_prefill_bucket=32)
+DEMO_OPTIMIZER = dict(learning_rate=3e-4)
+DEMO_PIPELINE = dict(mode="async", steps=30, prompts_per_step=16, group_size=8, max_new_tokens=64)

@@ -1,0 +1,141 @@
+"""The main job behind `streamrl train`: optional supervised warm-up, held-out evaluation, the RL run,
+and its outputs (metrics JSONL, TensorBoard events, timeline PNG, Chrome trace, final checkpoint).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.config import MeshShape
+from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, save_hf
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
+from streamrl_jax.pipeline.runner import run_pipeline
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.tasks import ArithmeticTask, CountdownTask
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
+from streamrl_jax.types import SamplingParams
+
+TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """What `streamrl train` runs around the pipeline."""
+
+  task: str = "arithmetic"
+  max_digits: int = 4
+  warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
+  warmup_batch: int = 32
+  warmup_learning_rate: float = 3e-3
+  eval_prompts: int = 128
+  hidden_size: int = 64
+  num_layers: int = 2
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f"JobConfig.task={self.task!r}; known: {sorted(TASKS)}")
+    if self.warmup_steps < 0 or self.eval_prompts < 1:
+      raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
+
+  def make_task(self):
+    return ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
+
+  def model_config(self, tokenizer) -> ModelConfig:
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
+                       intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
+                       num_kv_heads=2, eos_token_id=tokenizer.eos_id)
+
+
+def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=print):
+  """Teacher-forced cross-entropy on (prompt, worked solution) pairs through the RL trainer with the
+  `reinforce` objective and advantage 1: its loss is then the completion tokens' mean NLL."""
+  graphdef, params = nnx.split(model)
+  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=job.warmup_learning_rate, warmup_steps=20),
+                    ObjectiveConfig(objective="reinforce"), mesh)
+  state = trainer.init_state(params, seed=job.seed)
+  rng = np.random.default_rng(job.seed + 1)
+  for step in range(job.warmup_steps):
+    batch = _teacher_batch(tokenizer, [task.sample(rng) for _ in range(job.warmup_batch)], width)
+    state, metrics = trainer.apply(trainer.accumulate(state, batch))
+    if step % 100 == 0 or step == job.warmup_steps - 1:
+      log(f"warm-up step {step + 1}/{job.warmup_steps}: nll {metrics['loss']:.3f}")
+  return nnx.merge(graphdef, jax.device_get(state.params))
+
+
+def _teacher_batch(tokenizer, pairs, width: int) -> dict:
+  tokens = np.zeros((len(pairs), width), np.int32)
+  valid = np.zeros((len(pairs), width), bool)
+  for row, (prompt, solution) in enumerate(pairs):
+    ids = tokenizer.encode(prompt) + tokenizer.encode(solution) + [tokenizer.eos_id]
+    tokens[row, :len(ids)], valid[row, :len(ids)] = ids[:width], True
+  prompt_len = np.array([len(tokenizer.encode(p)) for p, _ in pairs])[:, None]
+  loss_mask = valid & (np.arange(width)[None] >= prompt_len)
+  return dict(tokens=tokens, valid=valid, loss_mask=loss_mask, advantages=np.ones(len(pairs), np.float32),
+              sampler_logprobs=np.zeros((len(pairs), width), np.float32))
+
+
+def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> float:
+  """Greedy accuracy on held-out prompts (their own seed, never used for training)."""
+  graphdef, params = nnx.split(model)
+  engine = DecodeEngine(graphdef, model.config, config.engine, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+  sampler = StreamingSampler([engine], params)
+  rng = np.random.default_rng(10_000 + seed)
+  items = [task.sample(rng)[0] for _ in range(prompts)]
+  knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
+  ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: p for p in items}
+  rewards = [task.reward(ids[s.request_id], tokenizer.decode(s.completion_tokens)) for s in sampler.stream()]
+  return float(np.mean(np.asarray(rewards) >= 1.0))
+
+
+def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None) -> dict:
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tokenizer, task = CharTokenizer(), job.make_task()
+  width = config.engine.max_prompt_length + config.max_new_tokens
+  warm = workdir / "warmup_model"
+  if (warm / "config.json").exists():
+    model = load_hf(warm)
+    log(f"loaded the warm-up model from {warm}")
+  else:
+    model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(job.seed))
+    if job.warmup_steps:
+      model = supervised_warmup(model, tokenizer, task, job, width, log)
+    save_hf(model, warm)
+  before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
+  log(f"held-out accuracy before RL: {before:.3f}")
+  start = time.perf_counter()
+  with (workdir / "metrics.jsonl").open("w") as out:
+    from tensorboardX import SummaryWriter
+    writer = SummaryWriter(str(workdir / "tensorboard"))
+
+    def on_step(m):
+      out.write(json.dumps(m) + "\n")
+      out.flush()
+      for key, value in m.items():
+        writer.add_scalar(key, value, m["step"])
+      if progress is not None:
+        progress(m)
+    result = run_pipeline(config, model, tokenizer, task, on_step=on_step)
+    writer.close()
+  graphdef, _ = nnx.split(model)
+  trained = nnx.merge(graphdef, result.params)
+  after = evaluate(trained, tokenizer, task, config, job.eval_prompts, job.seed)
+  log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
+  save_hf(trained, workdir / "final_model")
+  write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")
+  write_chrome_trace(result.timeline, workdir / "trace.json")
+  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start,
+                 counters=result.counters, steps=len(result.metrics))
+  (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
+  return summary
