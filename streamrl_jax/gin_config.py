@@ -53,4 +53,4 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
 # The CPU demo's defaults (gin bindings override them).
 DEMO_ENGINE = dict(num_slots=32, max_prompt_length=32, max_new_tokens=64, min_prefill_bucket=32)
 DEMO_OPTIMIZER = dict(learning_rate=3e-4)
-DEMO_PIPELINE = dict(mode="async", steps=30, prompts_per_step=16, group_size=8, max_new_tokens=64)
+DEMO_PIPELINE = dict(mode="async", steps=80, prompts_per_step=16, group_size=8, max_new_tokens=64)

@@ -1,0 +1,58 @@
+"""The four run modes on the same model, task, seed and number of samples (long-tailed arithmetic).
+
+A tiny decoder warmed up for a few supervised steps (so completions have realistic, skewed lengths) runs
+`STEPS` GRPO steps in each mode on 8 forced host devices (4 sampler + 4 trainer; colocated uses all 8).
+The first step (compiles) is left out of the rates. Prints one JSON object as its last line: samples_per_s,
+trainer_idle_frac and sampler_idle_frac (dicts by mode), weight_sync_s, and the ratios
+stream_vs_disaggregated, async_vs_disaggregated, async_vs_colocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+
+from streamrl_jax import gin_config  # noqa: E402
+from streamrl_jax.models import CharTokenizer  # noqa: E402
+from streamrl_jax.pipeline import run_pipeline  # noqa: E402
+from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
+from streamrl_jax.models import Transformer  # noqa: E402
+from flax import nnx  # noqa: E402
+
+STEPS = 6
+MODES = ("colocated", "disaggregated", "stream", "async")
+
+
+def main() -> dict:
+  gin_config.parse()
+  config, job = gin_config.build_run()
+  config = dataclasses.replace(config, steps=STEPS)
+  job = dataclasses.replace(job, warmup_steps=100)
+  tokenizer, task = CharTokenizer(), job.make_task()
+  model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
+  model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
+                            log=lambda *_: None)
+  out = {k: {} for k in ("samples_per_s", "trainer_idle_frac", "sampler_idle_frac", "weight_sync_s")}
+  for mode in MODES:
+    result = run_pipeline(dataclasses.replace(config, mode=mode), model, tokenizer, task)
+    steady = result.metrics[1:]
+    seconds = sum(m["step_s"] for m in steady)
+    out["samples_per_s"][mode] = round(config.samples_per_step * len(steady) / seconds, 2)
+    out["trainer_idle_frac"][mode] = round(float(np.mean([m["trainer_idle_frac"] for m in steady])), 3)
+    out["sampler_idle_frac"][mode] = round(steady[-1]["sampler_idle_frac"], 3)
+    out["weight_sync_s"][mode] = round(float(np.mean([m["weight_sync_s"] for m in steady])), 4)
+  rate = out["samples_per_s"]
+  out.update(stream_vs_disaggregated=round(rate["stream"] / rate["disaggregated"], 3),
+             async_vs_disaggregated=round(rate["async"] / rate["disaggregated"], 3),
+             async_vs_colocated=round(rate["async"] / rate["colocated"], 3), steps=STEPS,
+             samples_per_step=config.samples_per_step)
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))
