@@ -60,6 +60,7 @@ class _Run:
     self.sampler = StreamingSampler([engine], params, seed=config.seed)
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, trainer_mesh)
     self.state = self.trainer.init_state(params, seed=config.seed)
+    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
     dtype = jnp.dtype(config.sync_dtype) if config.sync_dtype else None
     self.sync = WeightSync(state_shardings(params, sampler_mesh), cast_dtype=dtype)
     self.queue = SampleQueue(config.queue_capacity)
@@ -145,7 +146,7 @@ def _accumulate(run: _Run, shard, step: int) -> None:
   stale = step - shard.first_versions
   run.counters["stale_samples"] += int(np.sum(stale > run.config.max_staleness))
   advantages = compute_advantages(run.config.advantage, shard.rewards, shard.group_ids)
-  run.state = run._batcher.add(run.state, shard.train_batch(advantages))
+  run.state = run.batcher.add(run.state, shard.train_batch(advantages))
   run.counters["samples_trained"] += shard.num_samples
   run.timeline["trainer"].append((begin, run.now(), f"step {step}"))
 
@@ -154,7 +155,6 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
                  on_step: Callable[[dict], None] | None = None) -> RunResult:
   """Runs `config.steps` RL steps; returns the trained parameters, per-step metrics, counters, timeline."""
   run = _Run(config, model, tokenizer, task, devices, params)
-  run._batcher = MicroBatcher(run.trainer, chunk_rows=config.chunk_rows)
   thread = threading.Thread(target=_sampler_loop, args=(run,), daemon=True, name="sampler")
   thread.start()
   metrics, last_end = [], run.now()
@@ -162,7 +162,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     for step in range(config.steps):
       shards, waited = _take_step(run, step)
       begin = run.now()
-      run.state, train_metrics = run._batcher.finish(run.state)
+      run.state, train_metrics = run.batcher.finish(run.state)
       run.timeline["trainer"].append((begin, run.now(), f"update {step}"))
       sync_start = run.now()
       run.sync.push(run.state.params, step + 1)
