@@ -82,3 +82,20 @@ def test_bad_pipeline_configs():
     PipelineConfig(group_size=1)
   with pytest.raises(ValueError, match="exceeds EngineConfig.max_new_tokens"):
     PipelineConfig(max_new_tokens=500)
+
+
+def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path):
+  from streamrl_jax.training.checkpoint import Checkpointer
+  model = Transformer(MODEL, rngs=nnx.Rngs(0))
+  first = dataclasses.replace(BASE, mode="stream", steps=2)  # stopped after step 2 of 3
+  checkpointer = Checkpointer(tmp_path, max_to_keep=2)
+  run_pipeline(first, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=checkpointer)
+  assert checkpointer.steps == [1, 2]
+  resumed = run_pipeline(dataclasses.replace(BASE, mode="stream"), model, TOKENIZER, DigitTask(max_digits=3),
+                         checkpointer=checkpointer, resume=True)
+  assert resumed.counters["prompts_submitted"] == 4 and [m["step"] for m in resumed.metrics] == [3]
+  for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(results["stream"].params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    run_pipeline(BASE, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=Checkpointer(tmp_path / "empty"),
+                 resume=True)

@@ -51,15 +51,22 @@ def _meshes(config: PipelineConfig, devices):
 class _Run:
   """Shared state of one run: the parts, the version gate, counters and the timeline."""
 
-  def __init__(self, config, model, tokenizer, task, devices, params=None):
+  def __init__(self, config, model, tokenizer, task, devices, params=None, checkpointer=None, resume=False):
     self.config, self.tokenizer, self.task = config, tokenizer, task
     graphdef, initial = nnx.split(model)
     params = initial if params is None else params
     sampler_mesh, trainer_mesh = _meshes(config, devices)
-    engine = DecodeEngine(graphdef, model.config, config.engine, sampler_mesh)
-    self.sampler = StreamingSampler([engine], params, seed=config.seed)
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, trainer_mesh)
     self.state = self.trainer.init_state(params, seed=config.seed)
+    self.start_step = 0
+    if resume:
+      if checkpointer is None or checkpointer.latest_step() is None:
+        raise FileNotFoundError("resume asked for, but there is no checkpoint to resume from")
+      self.state, extra = checkpointer.restore(self.state)
+      self.start_step = int(extra["next_step"])
+    self.checkpointer = checkpointer
+    engine = DecodeEngine(graphdef, model.config, config.engine, sampler_mesh)
+    self.sampler = StreamingSampler([engine], self.state.params, version=self.start_step, seed=config.seed)
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
     dtype = jnp.dtype(config.sync_dtype) if config.sync_dtype else None
     self.sync = WeightSync(state_shardings(params, sampler_mesh), cast_dtype=dtype)
@@ -77,13 +84,13 @@ class _Run:
 
 def _sampler_loop(run: _Run) -> None:
   config, sampler = run.config, run.sampler
-  rng = np.random.default_rng(config.seed)
   try:
-    for step in range(config.steps):
+    for step in range(run.start_step, config.steps):
+      rng = np.random.default_rng([config.seed, step])  # a step's prompts depend on the step alone: resumable
       waited = time.perf_counter()
       while not run.stop.is_set():
         latest = run.sync.latest()
-        version = latest[1] if latest else 0
+        version = latest[1] if latest else run.start_step
         if version >= step - config.max_staleness:
           break
         time.sleep(0.002)
@@ -115,7 +122,8 @@ def _sampler_loop(run: _Run) -> None:
             run.queue.put(shard)
       run.timeline["sampler"].append((begin, run.now(), f"step {step}"))
   except BaseException as err:
-    run.error = err
+    if not (isinstance(err, QueueClosed) and run.stop.is_set()):  # a stop closes the queue under a put
+      run.error = err
   finally:
     run.queue.close()
 
@@ -152,20 +160,27 @@ def _accumulate(run: _Run, shard, step: int) -> None:
 
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
-                 on_step: Callable[[dict], None] | None = None) -> RunResult:
-  """Runs `config.steps` RL steps; returns the trained parameters, per-step metrics, counters, timeline."""
-  run = _Run(config, model, tokenizer, task, devices, params)
+                 on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False) -> RunResult:
+  """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
+
+  With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
+  restores the latest one and continues with the next step. Samples generated for a step that was not
+  trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
+  """
+  run = _Run(config, model, tokenizer, task, devices, params, checkpointer, resume)
   thread = threading.Thread(target=_sampler_loop, args=(run,), daemon=True, name="sampler")
   thread.start()
   metrics, last_end = [], run.now()
   try:
-    for step in range(config.steps):
+    for step in range(run.start_step, config.steps):
       shards, waited = _take_step(run, step)
       begin = run.now()
       run.state, train_metrics = run.batcher.finish(run.state)
       run.timeline["trainer"].append((begin, run.now(), f"update {step}"))
       sync_start = run.now()
       run.sync.push(run.state.params, step + 1)
+      if run.checkpointer is not None:
+        run.checkpointer.save(run.state, extra={"next_step": step + 1})
       run.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
       run.counters["trainer_wait_s"] += waited
       end = run.now()
@@ -175,8 +190,11 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
         on_step(metrics[-1])
   finally:
     run.stop.set()
+    run.queue.close()
     thread.join()
     run.sync.wait()
+    if run.checkpointer is not None:
+      run.checkpointer.wait()
   if run.error is not None:
     raise RuntimeError("sampler thread failed") from run.error
   params = jax.tree.map(np.asarray, run.state.params)
