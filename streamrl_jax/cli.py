@@ -105,7 +105,13 @@ def cmd_train(args) -> int:
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}")
   try:
-    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress)
+    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=args.resume)
+  except KeyboardInterrupt:
+    bar.close()
+    print(f"streamrl train: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
+          f"Continue with: streamrl train --workdir {args.workdir} --resume (and the same --config/--set)",
+          file=sys.stderr)
+    return 130
   finally:
     bar.close()
   print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
@@ -142,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   train.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
   train.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
-  train.add_argument("--workdir", required=True, help="where metrics, pictures and models go")
+  train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
+  train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   train.set_defaults(run=cmd_train)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k",

@@ -28,6 +28,12 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   for name in ("timeline.png", "warmup_model/config.json", "final_model/model.safetensors"):
     assert (tmp_path / name).exists()
   assert list((tmp_path / "tensorboard").iterdir())
+  # Resume with one more step: only step 3 runs, metrics are appended.
+  longer = [a.replace("PipelineConfig.steps=2", "PipelineConfig.steps=3") for a in args]
+  assert cli.main(longer + ["--resume"]) == 0
+  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in lines] == [1, 2, 3]
+  assert json.loads((tmp_path / "summary.json").read_text())["counters"]["samples_trained"] == 4 * 2
 
 
 def test_train_rejects_gin_mistakes(tmp_path, capsys):

@@ -98,7 +98,12 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
   return float(np.mean(np.asarray(rewards) >= 1.0))
 
 
-def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None) -> dict:
+def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
+              resume: bool = False) -> dict:
+  """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
+  `resume` continues from the latest checkpoint in `workdir/checkpoints`."""
+  from streamrl_jax.training.checkpoint import Checkpointer
+
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   tokenizer, task = CharTokenizer(), job.make_task()
@@ -112,10 +117,18 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     if job.warmup_steps:
       model = supervised_warmup(model, tokenizer, task, job, width, log)
     save_hf(model, warm)
-  before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
+  before_file = workdir / "accuracy_before.json"
+  if resume and before_file.exists():
+    before = json.loads(before_file.read_text())["accuracy"]
+  else:
+    before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
+    before_file.write_text(json.dumps({"accuracy": before}))
   log(f"held-out accuracy before RL: {before:.3f}")
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  if resume:
+    log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
   start = time.perf_counter()
-  with (workdir / "metrics.jsonl").open("w") as out:
+  with (workdir / "metrics.jsonl").open("a" if resume else "w") as out:
     from tensorboardX import SummaryWriter
     writer = SummaryWriter(str(workdir / "tensorboard"))
 
@@ -126,8 +139,12 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
         writer.add_scalar(key, value, m["step"])
       if progress is not None:
         progress(m)
-    result = run_pipeline(config, model, tokenizer, task, on_step=on_step)
-    writer.close()
+    try:
+      result = run_pipeline(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer,
+                            resume=resume)
+    finally:
+      writer.close()
+      checkpointer.close()
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
   after = evaluate(trained, tokenizer, task, config, job.eval_prompts, job.seed)
