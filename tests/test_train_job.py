@@ -41,3 +41,37 @@ def test_train_rejects_gin_mistakes(tmp_path, capsys):
   assert "pipelined" in capsys.readouterr().err
   assert cli.main(["train", "--workdir", str(tmp_path), "--set", "PipelineConfig.stepz=3"]) == 2
   assert "stepz" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path):
+  import shutil
+
+  import tokenizers
+  model_dir = tmp_path / "model"
+  shutil.copytree(hf_dirs["qwen2"][0], model_dir)
+  words = ["<pad>", "</s>", "[UNK]", "what", "is", "plus", "?"] + [str(d) for d in range(10)]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["<pad>", "</s>"])
+  tok.save(str(model_dir / "tokenizer.json"))
+  (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text("\n".join(json.dumps({"question": f"what is {a} plus {b} ?", "answer": f"#### {a + b}"})
+                               for a in range(3) for b in range(3)))
+  workdir = tmp_path / "run"
+  args = ["train", "--workdir", str(workdir), "--set", "JobConfig.task='file'",
+          "--set", f"JobConfig.prompt_file='{prompts}'", "--set", f"JobConfig.model_dir='{model_dir}'",
+          "--set", "JobConfig.eval_prompts=4", "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=2",
+          "--set", "PipelineConfig.group_size=2", "--set", "PipelineConfig.max_new_tokens=8",
+          "--set", "EngineConfig.num_slots=4", "--set", "EngineConfig.max_prompt_length=16",
+          "--set", "EngineConfig.max_new_tokens=8", "--set", "EngineConfig.min_prefill_bucket=16"]
+  assert cli.main(args) == 0
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary["counters"]["samples_trained"] == 2 * 2 * 2 and not (workdir / "warmup_model").exists()
+  assert (workdir / "final_model" / "config.json").exists()
+
+
+def test_file_task_config_errors(tmp_path, capsys):
+  assert cli.main(["train", "--workdir", str(tmp_path), "--set", "JobConfig.task='file'"]) == 2
+  assert "prompt_file" in capsys.readouterr().err

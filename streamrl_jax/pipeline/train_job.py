@@ -15,23 +15,27 @@ from flax import nnx
 
 from streamrl_jax.config import MeshShape
 from streamrl_jax.meshes import mesh_from_devices
-from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, save_hf
+from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, save_hf
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler
-from streamrl_jax.tasks import ArithmeticTask, CountdownTask
+from streamrl_jax.tasks import ArithmeticTask, CountdownTask, FileTask, PromptFile
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
-TASKS = {"arithmetic": ArithmeticTask, "countdown": CountdownTask}
+TASKS = ("arithmetic", "countdown", "file")
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
 
-  task: str = "arithmetic"
+  task: str = "arithmetic"  # "file": prompt_file with a numeric answer field (needs model_dir)
+  prompt_file: str = ""
+  prompt_key: str = "question"
+  answer_key: str = "answer"
+  model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json; "" = the tiny demo model
   max_digits: int = 4
   warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
   warmup_batch: int = 32
@@ -43,12 +47,24 @@ class JobConfig:
 
   def __post_init__(self):
     if self.task not in TASKS:
-      raise ValueError(f"JobConfig.task={self.task!r}; known: {sorted(TASKS)}")
+      raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
+    if self.task == "file" and not (self.prompt_file and self.model_dir):
+      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file and JobConfig.model_dir (a Hugging Face "
+                       "checkpoint whose tokenizer can encode the prompts)")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
 
   def make_task(self):
+    if self.task == "file":
+      return FileTask(PromptFile(self.prompt_file, self.prompt_key, self.answer_key))
     return ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
+
+  def load_model(self):
+    """(model, tokenizer, needs warm-up): the checkpoint in model_dir, else the tiny demo decoder."""
+    if self.model_dir:
+      return load_hf(self.model_dir), load_tokenizer(self.model_dir), False
+    tokenizer = CharTokenizer()
+    return Transformer(self.model_config(tokenizer), rngs=nnx.Rngs(self.seed)), tokenizer, self.warmup_steps > 0
 
   def model_config(self, tokenizer) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
@@ -106,16 +122,15 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
 
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  tokenizer, task = CharTokenizer(), job.make_task()
+  task = job.make_task()
+  model, tokenizer, warm_up = job.load_model()
   width = config.engine.max_prompt_length + config.max_new_tokens
   warm = workdir / "warmup_model"
-  if (warm / "config.json").exists():
+  if warm_up and (warm / "config.json").exists():
     model = load_hf(warm)
     log(f"loaded the warm-up model from {warm}")
-  else:
-    model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(job.seed))
-    if job.warmup_steps:
-      model = supervised_warmup(model, tokenizer, task, job, width, log)
+  elif warm_up:
+    model = supervised_warmup(model, tokenizer, task, job, width, log)
     save_hf(model, warm)
   before_file = workdir / "accuracy_before.json"
   if resume and before_file.exists():

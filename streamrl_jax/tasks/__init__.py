@@ -3,7 +3,7 @@
 from streamrl_jax.tasks.arithmetic import (ArithmeticTask, arithmetic_reward, digit_count_probabilities,
                                            worked_solution)
 from streamrl_jax.tasks.countdown import CountdownTask, countdown_reward
-from streamrl_jax.tasks.files import PromptFile, numeric_answer_reward, prompt_iterator
+from streamrl_jax.tasks.files import FileTask, PromptFile, numeric_answer_reward, prompt_iterator
 
-__all__ = ["ArithmeticTask", "CountdownTask", "PromptFile", "arithmetic_reward", "countdown_reward",
+__all__ = ["ArithmeticTask", "CountdownTask", "FileTask", "PromptFile", "arithmetic_reward", "countdown_reward",
            "digit_count_probabilities", "numeric_answer_reward", "prompt_iterator", "worked_solution"]

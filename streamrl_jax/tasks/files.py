@@ -79,3 +79,19 @@ def numeric_answer_reward(answer: str, completion: str, tolerance: float = 1e-6)
     raise ValueError(f"reference answer {answer!r} holds no number")
   got = extract_answer(completion)
   return float(got is not None and abs(got - expected) <= tolerance * max(1.0, abs(expected)))
+
+
+class FileTask:
+  """The pipeline's task interface over a `PromptFile`: each step's prompts are drawn from the file by
+  the step's own RNG (so a resumed run draws the same ones), rewards by the numeric-answer verifier."""
+
+  def __init__(self, source: PromptFile):
+    self.source = source
+    self._answers = {source[i]["prompt"]: source[i]["answer"] for i in range(len(source))}
+
+  def sample(self, rng) -> tuple[str, str]:
+    record = self.source[int(rng.integers(len(self.source)))]
+    return record["prompt"], record["answer"]
+
+  def reward(self, prompt: str, completion: str) -> float:
+    return numeric_answer_reward(self._answers[prompt], completion)
