@@ -238,3 +238,16 @@ def test_sampled_frequencies_follow_the_filtered_distribution():
   np.testing.assert_allclose(freq, [4 / 9, 3 / 9, 2 / 9, 0, 0], atol=0.015)
   np.testing.assert_allclose(np.exp(np.asarray(logprobs)), np.array([4, 3, 2, 0, 0])[np.asarray(tokens)] / 9,
                              rtol=1e-5)
+
+
+def test_admission_policy_orders_the_queue(setup):
+  from streamrl_jax.scheduling import longest_first_admission
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params, admission=longest_first_admission)
+  predicted = [5.0, 50.0, 20.0, 1.0, 40.0, 30.0]
+  ids = [sampler.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=4), predicted_length=p)[0]
+         for p in predicted]
+  samples = {s.request_id: s for s in sampler.stream()}
+  first_wave = min(s.admit_time for s in samples.values())
+  admitted_first = {i for i, rid in enumerate(ids) if samples[rid].admit_time == first_wave}
+  assert admitted_first == {1, 2, 4, 5}  # the four longest predictions take the four slots

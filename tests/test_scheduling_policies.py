@@ -91,3 +91,11 @@ def test_elastic_decision_with_hysteresis():
   assert elastic_decision(40.0, 100.0, saved_by_one_more=10.0, lost_by_one_fewer=20.0) == -1
   assert elastic_decision(70.0, 100.0, saved_by_one_more=10.0, lost_by_one_fewer=25.0) == 0  # would overshoot
   assert elastic_decision(100.0, 78.0, 20.0, 30.0, hysteresis=0.05) == 0  # 22 vs 20 + 5 margin
+
+
+def test_longest_first_admission_by_hand():
+  from types import SimpleNamespace
+
+  from streamrl_jax.scheduling import longest_first_admission
+  pending = [SimpleNamespace(predicted_length=v) for v in (10.0, None, 30.0, 20.0, None, 30.0)]
+  assert longest_first_admission(pending) == [2, 5, 3, 0, 1, 4]

@@ -42,6 +42,13 @@ def fifo_order_indices(n: int) -> list[int]:
   return list(range(n))
 
 
+def longest_first_admission(pending: Sequence) -> list[int]:
+  """An admission policy for `StreamingSampler`: queued requests by descending `predicted_length`
+  (the ranker's score); requests without a prediction keep their arrival order after the rest."""
+  return sorted(range(len(pending)), key=lambda i: (pending[i].predicted_length is None,
+                                                    -(pending[i].predicted_length or 0.0), i))
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
   """Prompt indices per engine instance in admission order, and each instance's batch size."""
