@@ -171,7 +171,7 @@ def test_micro_batcher_rechunks_to_the_same_gradient(model_parts):
 def test_critic_value_loss_matches_numpy_and_accumulates(model_parts):
   from streamrl_jax.models import ValueModel
   graphdef, params = nnx.split(ValueModel(CONFIG, rngs=nnx.Rngs(1)))
-  params["value_head"].value = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
+  params["value_head"][...] = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
   cfg = ObjectiveConfig(value_coef=0.5, value_clip=0.2)
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
   trainer = Trainer(graphdef, OptimizerConfig(), cfg, mesh, role="critic")
