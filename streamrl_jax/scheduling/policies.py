@@ -38,10 +38,6 @@ def lpt_order(predicted: Sequence[float]) -> list[int]:
   return sorted(range(len(predicted)), key=lambda i: -predicted[i])
 
 
-def fifo_order_indices(n: int) -> list[int]:
-  return list(range(n))
-
-
 def longest_first_admission(pending: Sequence) -> list[int]:
   """An admission policy for `StreamingSampler`: queued requests by descending `predicted_length`
   (the ranker's score); requests without a prediction keep their arrival order after the rest."""
