@@ -147,8 +147,7 @@ class StreamingSampler:
         if flight.first is not None:
           token, logprob, done = host_firsts[(inst.index, slot)]
           flight.first = None
-          if self._append(inst, slot, flight, token, logprob, bool(done), now, finished):
-            continue
+          self._append(inst, slot, flight, token, logprob, bool(done), now, finished)
     for (inst, _), out in zip(outputs, host_outputs):
       for j in range(out.tokens.shape[0]):
         for slot in np.flatnonzero(out.active[j]):
@@ -158,11 +157,12 @@ class StreamingSampler:
                          bool(out.done[j, slot]), now, finished)
     return finished
 
-  def _append(self, inst, slot, flight: _InFlight, token, logprob, done, now, finished) -> bool:
+  def _append(self, inst, slot, flight: _InFlight, token, logprob, done, now, finished) -> None:
+    """Records one token; a finishing token frees the slot and appends the Sample to `finished`."""
     flight.tokens.append(int(token))
     flight.logprobs.append(float(logprob))
     if not done:
-      return False
+      return
     del inst.slots[slot]
     request = flight.request
     reason = FINISH_STOP if int(token) in request.params.stop_token_ids else FINISH_LENGTH
@@ -174,7 +174,6 @@ class StreamingSampler:
         submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now))
     self.counters["finished"] += 1
     self.counters["generated_tokens"] += len(flight.tokens)
-    return True
 
   def stream(self) -> Iterator[Sample]:
     """Yields every sample as it finishes until no request is queued or in flight."""
