@@ -14,10 +14,11 @@ from streamrl_jax.config import MeshConfig, ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.train_job import JobConfig
 from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  PipelineConfig, JobConfig)
+                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -46,7 +47,8 @@ def build(cls, **defaults):
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig, **DEMO_ENGINE),
-               optimizer=build(OptimizerConfig, **DEMO_OPTIMIZER), objective=build(ObjectiveConfig))
+               optimizer=build(OptimizerConfig, **DEMO_OPTIMIZER), objective=build(ObjectiveConfig),
+               scheduling=build(SchedulingConfig, ranker=build(RankerConfig)))
   return build(PipelineConfig, **DEMO_PIPELINE, **parts), build(JobConfig)
 
 

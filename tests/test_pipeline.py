@@ -99,3 +99,31 @@ def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     run_pipeline(BASE, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=Checkpointer(tmp_path / "empty"),
                  resume=True)
+
+
+def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path, monkeypatch):
+  """Ranker-driven dispatch over replicas that join and leave while the job runs: every prompt is trained
+  once, the parameters equal the FIFO single-replica run (samples depend on (seed, group, index) only),
+  the ranker's metrics are logged and its state is checkpointed and restored."""
+  from streamrl_jax.pipeline import runner
+  from streamrl_jax.scheduling import SchedulingConfig
+  from streamrl_jax.training.checkpoint import Checkpointer
+  targets = iter([2, 1, 2, 2])
+  monkeypatch.setattr(runner, "elastic_target", lambda config, current, gen_s, train_s: next(targets))
+  scheduling = SchedulingConfig(policy="skew_aware", instances=1, max_instances=2, elastic=True)
+  checkpointer = Checkpointer(tmp_path, max_to_keep=3)
+  config = dataclasses.replace(BASE, mode="stream", scheduling=scheduling)
+  first = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
+                       checkpointer=checkpointer)
+  assert [m["sampler_instances"] for m in first.metrics] == [1, 2, 1]
+  assert first.counters["samples_trained"] == 3 * 16 and first.counters["prompts_submitted"] == 3 * 4
+  for m in first.metrics:
+    assert {"ranker_recall_top20", "ranker_recall_top10", "ranker_recall_top5", "ranker_spearman"} <= set(m)
+  for x, y in zip(jax.tree.leaves(first.params), jax.tree.leaves(results["stream"].params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+  resumed = run_pipeline(dataclasses.replace(config, steps=4), Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER,
+                         DigitTask(max_digits=3), checkpointer=checkpointer, resume=True)
+  assert [m["step"] for m in resumed.metrics] == [4]
+  from streamrl_jax.scheduling import OnlineRanker
+  saved = checkpointer.restore_aux({"ranker": OnlineRanker(scheduling.ranker).state_arrays()})
+  assert int(saved["ranker"]["count"]) == 4 * 4  # 12 prompts restored from step 3's checkpoint, 4 more

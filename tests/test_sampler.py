@@ -251,3 +251,54 @@ def test_admission_policy_orders_the_queue(setup):
   first_wave = min(s.admit_time for s in samples.values())
   admitted_first = {i for i, rid in enumerate(ids) if samples[rid].admit_time == first_wave}
   assert admitted_first == {1, 2, 4, 5}  # the four longest predictions take the four slots
+
+
+def test_slot_limit_caps_busy_slots(setup):
+  engine, params, _, _ = setup
+  sampler = StreamingSampler([engine], params)
+  sampler.set_slot_limits({0: 2})
+  ids = [sampler.submit(PROMPTS[i % 3], SamplingParams(temperature=0.0, max_new_tokens=6))[0] for i in range(5)]
+  seen, busiest = [], 0
+  while sampler.has_work():
+    seen += sampler.step()
+    busiest = max(busiest, sampler.num_in_flight)
+  assert busiest == 2 and sorted(s.request_id for s in seen) == ids
+  with pytest.raises(ValueError, match="slot limit of instance 0 must be >= 0"):
+    sampler.set_slot_limits({0: -1})
+  with pytest.raises(ValueError, match="no engine instance 7"):
+    sampler.set_slot_limits({7: 1})
+
+
+def test_replicas_join_and_retire_mid_stream_without_losing_samples(setup):
+  """A replica added while requests are in flight takes new ones; a retired one finishes its in-flight
+  requests, hands its queue over, and leaves. Every sample equals the single-instance run."""
+  engine, params, model, _ = setup
+  graphdef, _ = nnx.split(model)
+  other = DecodeEngine(graphdef, model.config, ENGINE, mesh_from_devices(jax.devices()[2:4], MeshShape(2, 1, 1)))
+  knobs = [SamplingParams(temperature=1.0, max_new_tokens=4 + 5 * (i % 4)) for i in range(12)]
+  reference = StreamingSampler([engine], params, seed=7)
+  for wave in (0, 100):
+    for i, k in enumerate(knobs):
+      reference.submit(PROMPTS[i % 3], k, group_id=wave + i)
+  expected = {s.group_id: s.completion_tokens for s in reference.stream()}
+
+  sampler = StreamingSampler([engine], params, seed=7)
+  for i, k in enumerate(knobs):
+    sampler.submit(PROMPTS[i % 3], k, group_id=i)
+  samples = sampler.step()
+  added = sampler.add_instance(other)
+  assert sampler.instance_ids == [0, added]
+  for i, k in enumerate(knobs):  # a second wave, spread over both replicas by load
+    sampler.submit(PROMPTS[i % 3], k, group_id=100 + i)
+  samples += sampler.step()
+  assert sampler.num_in_flight > 0
+  sampler.retire_instance(0)  # in flight on 0: they finish there; its queue moves to `added`
+  assert sampler.instance_ids == [added]
+  with pytest.raises(ValueError, match="cannot retire the last"):
+    sampler.retire_instance(added)
+  samples += list(sampler.stream())
+  got = {s.group_id: s for s in samples}
+  assert len(samples) == len(got) == 24
+  assert {s.instance for s in samples} == {0, added}
+  for group, tokens in expected.items():
+    np.testing.assert_array_equal(got[group].completion_tokens, tokens)

@@ -6,6 +6,7 @@ import dataclasses
 
 from streamrl_jax.config import MeshConfig
 from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.scheduling.controller import SchedulingConfig
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
 
 MODES = ("colocated", "disaggregated", "stream", "async")
@@ -29,6 +30,7 @@ class PipelineConfig:
   engine: EngineConfig = EngineConfig()
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   objective: ObjectiveConfig = ObjectiveConfig()
+  scheduling: SchedulingConfig = SchedulingConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:

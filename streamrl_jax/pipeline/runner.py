@@ -26,7 +26,9 @@ from streamrl_jax.meshes import build_meshes, mesh_from_devices
 from streamrl_jax.models import state_shardings
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import GroupCollector
-from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
+from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, longest_first_admission,
+                                     ranking_metrics)
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
 from streamrl_jax.types import SamplingParams
@@ -65,8 +67,19 @@ class _Run:
       self.state, extra = checkpointer.restore(self.state)
       self.start_step = int(extra["next_step"])
     self.checkpointer = checkpointer
-    engine = DecodeEngine(graphdef, model.config, config.engine, sampler_mesh)
-    self.sampler = StreamingSampler([engine], self.state.params, version=self.start_step, seed=config.seed)
+    sched = config.scheduling
+    self.ranker = OnlineRanker(sched.ranker, sampler_mesh) if sched.policy == "skew_aware" else None
+    if resume and self.ranker is not None:
+      self.ranker.load_state_arrays(checkpointer.restore_aux({"ranker": self.ranker.state_arrays()})["ranker"])
+    engines = [DecodeEngine(graphdef, model.config, config.engine, mesh)
+               for mesh in _replica_meshes(sampler_mesh, sched.replica_slots)]
+    self.target_instances = sched.instances
+    self.spare_engines = engines[sched.instances:][::-1]  # popped from the end: replicas join in mesh order
+    admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
+    self.sampler = StreamingSampler(engines[:sched.instances], self.state.params, version=self.start_step,
+                                    admission=admission, seed=config.seed)
+    self.ranker_metrics: dict[int, dict] = {}
+    self.generation_s: dict[int, float] = {}
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
     dtype = jnp.dtype(config.sync_dtype) if config.sync_dtype else None
     self.sync = WeightSync(state_shardings(params, sampler_mesh), cast_dtype=dtype)
@@ -80,6 +93,48 @@ class _Run:
 
   def now(self) -> float:
     return time.perf_counter() - self.start
+
+
+def _replica_meshes(sampler_mesh, replicas: int) -> list:
+  """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
+  if replicas == 1:
+    return [sampler_mesh]
+  if sampler_mesh.devices.size % replicas:
+    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_mesh.devices.size} "
+                     f"sampler devices")
+  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // replicas] * replicas)
+
+
+def _apply_elastic(run: _Run) -> None:
+  """Adds or retires replicas (between decode steps) until the target count takes requests; a retired
+  replica finishes its in-flight requests first and its queued ones move to the others."""
+  sampler = run.sampler
+  while len(sampler.instance_ids) < run.target_instances and run.spare_engines:
+    sampler.add_instance(run.spare_engines.pop())
+  while len(sampler.instance_ids) > max(1, run.target_instances):
+    run.spare_engines.append(sampler.retire_instance(sampler.instance_ids[-1]))
+
+
+def _submit_step(run: _Run, step: int, encoded: list, knobs: SamplingParams) -> np.ndarray | None:
+  """Dispatches one step's requests (group_size per prompt) over the replicas; returns the ranker's
+  predicted lengths per prompt (None without a ranker)."""
+  config, sampler, group = run.config, run.sampler, run.config.group_size
+  predicted = None
+  if run.ranker is not None:
+    predicted = run.ranker.predict_lengths(encoded, default=config.max_new_tokens / 2)
+  per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
+  history = run.ranker.history_lengths if run.ranker is not None else ()
+  dispatch = dispatch_requests(config.scheduling, per_request.tolist(), history, sampler.instance_ids,
+                               config.engine.num_slots, seed=config.seed * 100_003 + step)
+  sampler.set_slot_limits(dispatch.slot_limits)
+  single = dataclasses.replace(knobs, num_samples=1)
+  first_id = step * config.prompts_per_step
+  for requests in dispatch.plan.assignment:
+    for r in requests:
+      i, k = divmod(r, group)
+      sampler.submit(encoded[i], single, group_id=first_id + i, instance=dispatch.instance_of[r],
+                     predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k)
+  return predicted
 
 
 def _sampler_loop(run: _Run) -> None:
@@ -103,20 +158,29 @@ def _sampler_loop(run: _Run) -> None:
                                  width=config.engine.max_prompt_length + config.max_new_tokens)
       knobs = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                              stop_token_ids=(run.tokenizer.eos_id,), num_samples=config.group_size)
-      for i in range(config.prompts_per_step):
-        prompt, _ = run.task.sample(rng)
-        prompt_id = step * config.prompts_per_step + i
-        sampler.submit(run.tokenizer.encode(prompt), knobs, group_id=prompt_id)
-        collector.expect(prompt_id, prompt)
-        run.counters["prompts_submitted"] += 1
+      _apply_elastic(run)
+      prompts = [run.task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+      encoded = [run.tokenizer.encode(p) for p in prompts]
+      first_id = step * config.prompts_per_step
+      for i, prompt in enumerate(prompts):
+        collector.expect(first_id + i, prompt)
       begin = run.now()
+      predicted = _submit_step(run, step, encoded, knobs)
+      run.counters["prompts_submitted"] += len(prompts)
+      lengths, left = np.zeros(len(prompts)), config.samples_per_step
       while sampler.has_work() and not run.stop.is_set():
+        _apply_elastic(run)
         if config.mode == "async":
           latest = run.sync.latest()
           if latest and latest[1] > sampler.version:
             sampler.update_params(latest[0], latest[1])
         for sample in sampler.step():
           run.counters["samples_generated"] += 1
+          lengths[sample.group_id - first_id] += sample.num_tokens / config.group_size
+          left -= 1
+          if left == 0:  # the step's last sample: its metrics are in place before the trainer can finish it
+            run.generation_s[step] = run.now() - begin
+            run.ranker_metrics[step] = _observe_lengths(run, encoded, predicted, lengths)
           shard = collector.add(sample)
           if shard is not None:
             run.queue.put(shard)
@@ -126,6 +190,18 @@ def _sampler_loop(run: _Run) -> None:
       run.error = err
   finally:
     run.queue.close()
+
+
+def _observe_lengths(run: _Run, encoded: list, predicted, lengths: np.ndarray) -> dict:
+  """Ranks this step's predictions against the realised mean lengths, then feeds them to the ranker."""
+  out = dict(sampler_instances=len(run.sampler.instance_ids))
+  if run.ranker is None:
+    return out
+  if len(lengths) >= 2:
+    out.update({f"ranker_{k}": v for k, v in ranking_metrics(predicted, lengths).items()})
+  run.ranker.observe(encoded, lengths)
+  out["ranker_train_steps"] = run.ranker.counters["train_steps"]
+  return out
 
 
 def _take_step(run: _Run, step: int) -> tuple[list, float]:
@@ -170,6 +246,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   run = _Run(config, model, tokenizer, task, devices, params, checkpointer, resume)
   thread = threading.Thread(target=_sampler_loop, args=(run,), daemon=True, name="sampler")
   thread.start()
+  if run.ranker is not None:
+    run.ranker.start()
   metrics, last_end = [], run.now()
   try:
     for step in range(run.start_step, config.steps):
@@ -177,10 +255,14 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
       begin = run.now()
       run.state, train_metrics = run.batcher.finish(run.state)
       run.timeline["trainer"].append((begin, run.now(), f"update {step}"))
+      train_s = sum(e - b for b, e, label in run.timeline["trainer"] if label.endswith(f" {step}"))
+      run.target_instances = elastic_target(config.scheduling, len(run.sampler.instance_ids),
+                                            run.generation_s.get(step, 0.0), train_s)  # before the weights go out
       sync_start = run.now()
       run.sync.push(run.state.params, step + 1)
       if run.checkpointer is not None:
-        run.checkpointer.save(run.state, extra={"next_step": step + 1})
+        aux = {"ranker": run.ranker.state_arrays()} if run.ranker is not None else None
+        run.checkpointer.save(run.state, extra={"next_step": step + 1}, aux=aux)
       run.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
       run.counters["trainer_wait_s"] += waited
       end = run.now()
@@ -193,6 +275,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     run.queue.close()
     thread.join()
     run.sync.wait()
+    if run.ranker is not None:
+      run.ranker.stop()
     if run.checkpointer is not None:
       run.checkpointer.wait()
   if run.error is not None:
@@ -210,4 +294,5 @@ def _step_metrics(run: _Run, step: int, shards, train: dict, waited: float, wall
               samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
               staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, run.counters["sampler_wait_s"] / max(run.now(), 1e-9)),
-              weight_sync_s=float(seconds[-1]) if seconds else 0.0, step_s=wall, **train)
+              weight_sync_s=float(seconds[-1]) if seconds else 0.0, step_s=wall, **run.ranker_metrics.get(step, {}),
+              **train)

@@ -45,14 +45,22 @@ class _Instance:
   state: object
   pending: list = dataclasses.field(default_factory=list)
   slots: dict = dataclasses.field(default_factory=dict)  # slot -> _InFlight
+  slot_limit: int = 0  # slots that may be busy at once (a dispatch plan's batch size); 0: all
+  retiring: bool = False  # takes no new requests; removed once its in-flight requests finish
+
+  @property
+  def capacity(self) -> int:
+    slots = self.engine.config.num_slots
+    return min(slots, self.slot_limit) if self.slot_limit else slots
 
   @property
   def free_slots(self) -> list[int]:
-    return [s for s in range(self.engine.config.num_slots) if s not in self.slots]
+    room = max(0, self.capacity - len(self.slots))
+    return [s for s in range(self.engine.config.num_slots) if s not in self.slots][:room]
 
   @property
   def load(self) -> float:
-    return (len(self.pending) + len(self.slots)) / self.engine.config.num_slots
+    return (len(self.pending) + len(self.slots)) / self.capacity
 
 
 class StreamingSampler:
@@ -64,20 +72,23 @@ class StreamingSampler:
       raise ValueError("StreamingSampler needs at least one engine")
     self.version, self.admission = version, admission
     self._root = jax.random.key(seed)
+    self._params = params
     self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
+    self._next_instance = len(self._instances)
     self._next_id = 0
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
-             predicted_length: float | None = None) -> list[int]:
+             predicted_length: float | None = None, first_sample_index: int = 0) -> list[int]:
     """Queues `params.num_samples` requests for one prompt; returns their request ids.
 
-    `instance` pins them to an engine instance (dispatch policies use this); otherwise the least
-    loaded instance takes them. Samples are reproducible from (seed, group_id, sample_index).
+    `instance` (an id from `instance_ids`) pins them to an engine instance (dispatch policies use
+    this); otherwise the least loaded instance takes them. Samples are reproducible from (seed, group_id, sample_index); their
+    sample indices start at `first_sample_index` (a group may be submitted one sample at a time).
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
-    target = self._instances[instance] if instance is not None else min(self._instances, key=lambda i: i.load)
+    target = self._instance(instance) if instance is not None else min(self._accepting, key=lambda i: i.load)
     target.engine.config.bucket_for(len(prompt))  # validates the prompt length
     if params.max_new_tokens > target.engine.config.max_new_tokens:
       raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds engine instance {target.index}'s "
@@ -85,7 +96,7 @@ class StreamingSampler:
     group_id = self._next_id if group_id is None else group_id
     ids, now = [], time.perf_counter()
     for k in range(params.num_samples):
-      request = Request(self._next_id, prompt, params, group_id, k, predicted_length, now)
+      request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
       target.pending.append(request)
       ids.append(self._next_id)
       self._next_id += 1
@@ -96,7 +107,55 @@ class StreamingSampler:
     """Swaps the weights between decode steps; in-flight requests continue with the new version."""
     for inst in self._instances:
       inst.params = inst.engine.place_params(params)
-    self.version = version
+    self._params, self.version = params, version
+
+  # ---- instances ----------------------------------------------------------------------------
+  @property
+  def _accepting(self) -> list[_Instance]:
+    return [i for i in self._instances if not i.retiring]
+
+  @property
+  def instance_ids(self) -> list[int]:
+    """Ids of the instances that take new requests, in creation order."""
+    return [i.index for i in self._accepting]
+
+  def _instance(self, instance_id: int) -> _Instance:
+    for inst in self._accepting:
+      if inst.index == instance_id:
+        return inst
+    raise ValueError(f"no engine instance {instance_id} taking requests; have {self.instance_ids}")
+
+  def set_slot_limits(self, limits: dict[int, int]) -> None:
+    """Caps how many slots of each instance (by id) may be busy; a cap below the busy count lets the
+    busy ones finish. 0 lifts the cap."""
+    for instance_id, limit in limits.items():
+      if limit < 0:
+        raise ValueError(f"slot limit of instance {instance_id} must be >= 0, got {limit}")
+      self._instance(instance_id).slot_limit = int(limit)
+
+  def add_instance(self, engine: DecodeEngine) -> int:
+    """Starts another engine instance (a sampler replica) with the current weights; returns its id."""
+    inst = _Instance(self._next_instance, engine, engine.place_params(self._params), engine.init_decode_state())
+    self._next_instance += 1
+    self._instances.append(inst)
+    return inst.index
+
+  def retire_instance(self, instance_id: int) -> DecodeEngine:
+    """Stops an instance taking requests: its queued requests move to the others (least loaded first),
+    its in-flight requests finish where they are, then it is dropped. Returns its engine."""
+    inst = self._instance(instance_id)
+    others = [i for i in self._accepting if i is not inst]
+    if not others:
+      raise ValueError("cannot retire the last engine instance taking requests")
+    inst.retiring = True
+    for request in inst.pending:
+      min(others, key=lambda i: i.load).pending.append(request)
+    inst.pending = []
+    self._drop_idle_retired()
+    return inst.engine
+
+  def _drop_idle_retired(self) -> None:
+    self._instances = [i for i in self._instances if not (i.retiring and not i.slots)]
 
   @property
   def num_pending(self) -> int:
@@ -155,6 +214,7 @@ class StreamingSampler:
           if flight is not None:
             self._append(inst, int(slot), flight, out.tokens[j, slot], out.logprobs[j, slot],
                          bool(out.done[j, slot]), now, finished)
+    self._drop_idle_retired()
     return finished
 
   def _append(self, inst, slot, flight: _InFlight, token, logprob, done, now, finished) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 
 from streamrl_jax.training.step import TrainState, _zero_sums
@@ -45,13 +46,16 @@ class Checkpointer:
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, state: TrainState, extra: dict | None = None) -> int:
-    """Starts saving `state` at its step (returns at once when asynchronous); `extra` is JSON metadata."""
+  def save(self, state: TrainState, extra: dict | None = None, aux=None) -> int:
+    """Starts saving `state` at its step (returns at once when asynchronous); `extra` is JSON metadata,
+    `aux` any pytree of arrays saved beside it (the ranker's state), read back by `restore_aux`."""
     step = int(jax.device_get(state.step))
     # A private copy: the trainer donates its state to the next step while the save is still running.
     arrays = jax.tree.map(jnp.copy, _flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
-    self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                                     extra=ocp.args.JsonSave(extra or {})), force=True)
+    items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
+    if aux is not None:
+      items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     return step
 
   def wait(self) -> None:
@@ -79,6 +83,18 @@ class Checkpointer:
     fields = _unflatten(saved, dict(restored.arrays))
     grad_sum = jax.tree.map(lambda g: g * 0, template.grad_sum)
     return TrainState(grad_sum=grad_sum, sums=_zero_sums(), **fields), dict(restored.extra or {})
+
+  def restore_aux(self, template, step: int | None = None):
+    """The `aux` pytree saved with `step` (default: latest), in the structure of `template` (host arrays)."""
+    self.wait()
+    step = self.latest_step() if step is None else step
+    if step is None or step not in self.steps:
+      raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; have {self.steps}")
+    if not (self.directory / str(step) / "aux").exists():
+      raise FileNotFoundError(f"checkpoint {step} in {self.directory} holds no aux state (saved without it)")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), _flatten(template))
+    restored = self._manager.restore(step, args=ocp.args.Composite(aux=ocp.args.StandardRestore(abstract)))
+    return _unflatten(template, {k: np.asarray(v) for k, v in dict(restored.aux).items()})
 
   def close(self) -> None:
     self._manager.wait_until_finished()
