@@ -102,8 +102,11 @@ def cmd_train(args) -> int:
 
   def progress(m):
     bar.update(1)
+    extra = {"replicas": m["sampler_instances"]} if "sampler_instances" in m else {}
+    if "ranker_recall_top20" in m:
+      extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
-                    samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}")
+                    samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
   try:
     summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=args.resume)
   except KeyboardInterrupt:

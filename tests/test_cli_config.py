@@ -1,6 +1,7 @@
 """Mesh configs, gin bindings and the `streamrl` command."""
 
 import json
+from pathlib import Path
 
 import jax
 import pytest
@@ -66,3 +67,14 @@ def test_generate_demo_runs(capsys):
   assert cli.main(["generate", "--prompt", "1+1=", "--max-new-tokens", "5"]) == 0
   out = capsys.readouterr().out
   assert "'1+1=' ->" in out and "generated tokens/s" in out
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs").glob("*.gin")), ids=lambda p: p.name)
+def test_every_shipped_gin_file_builds(path):
+  gin_config.parse([path])
+  config, job = gin_config.build_run()
+  assert config.steps >= 1 and job.task
+  if path.name == "skew_cpu.gin":
+    assert config.scheduling.policy == "skew_aware" and config.scheduling.replica_slots == 2
+    assert config.scheduling.ranker.max_prompt_length == 32
+  gin_config.parse()
