@@ -75,6 +75,6 @@ def test_every_shipped_gin_file_builds(path):
   config, job = gin_config.build_run()
   assert config.steps >= 1 and job.task
   if path.name == "skew_cpu.gin":
-    assert config.scheduling.policy == "skew_aware" and config.scheduling.replica_slots == 2
+    assert config.scheduling.policy == "skew_aware" and config.scheduling.instance_limit == 2
     assert config.scheduling.ranker.max_prompt_length == 32
   gin_config.parse()

@@ -119,6 +119,7 @@ def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path,
   assert first.counters["samples_trained"] == 3 * 16 and first.counters["prompts_submitted"] == 3 * 4
   for m in first.metrics:
     assert {"ranker_recall_top20", "ranker_recall_top10", "ranker_recall_top5", "ranker_spearman"} <= set(m)
+    assert m["generation_s"] > 0 and 0 <= m["ranker_recall_top20"] <= 1 and -1 <= m["ranker_spearman"] <= 1
   for x, y in zip(jax.tree.leaves(first.params), jax.tree.leaves(results["stream"].params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
   resumed = run_pipeline(dataclasses.replace(config, steps=4), Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER,

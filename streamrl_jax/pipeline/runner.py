@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import warnings
 from collections.abc import Callable
 
 import jax
@@ -27,8 +28,8 @@ from streamrl_jax.models import state_shardings
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
-from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, longest_first_admission,
-                                     ranking_metrics)
+from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, lengths_from_scores,
+                                     longest_first_admission, ranking_metrics)
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
 from streamrl_jax.types import SamplingParams
@@ -70,9 +71,12 @@ class _Run:
     sched = config.scheduling
     self.ranker = OnlineRanker(sched.ranker, sampler_mesh) if sched.policy == "skew_aware" else None
     if resume and self.ranker is not None:
-      self.ranker.load_state_arrays(checkpointer.restore_aux({"ranker": self.ranker.state_arrays()})["ranker"])
+      try:
+        self.ranker.load_state_arrays(checkpointer.restore_aux({"ranker": self.ranker.state_arrays()})["ranker"])
+      except FileNotFoundError as err:  # saved by a run without the ranker: it starts fresh and learns online
+        warnings.warn(f"{err}; the output-length ranker starts untrained", stacklevel=2)
     engines = [DecodeEngine(graphdef, model.config, config.engine, mesh)
-               for mesh in _replica_meshes(sampler_mesh, sched.replica_slots)]
+               for mesh in _replica_meshes(sampler_mesh, sched.instance_limit)]
     self.target_instances = sched.instances
     self.spare_engines = engines[sched.instances:][::-1]  # popped from the end: replicas join in mesh order
     admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
@@ -117,13 +121,14 @@ def _apply_elastic(run: _Run) -> None:
 
 def _submit_step(run: _Run, step: int, encoded: list, knobs: SamplingParams) -> np.ndarray | None:
   """Dispatches one step's requests (group_size per prompt) over the replicas; returns the ranker's
-  predicted lengths per prompt (None without a ranker)."""
+  scores per prompt (None without a ranker)."""
   config, sampler, group = run.config, run.sampler, run.config.group_size
-  predicted = None
-  if run.ranker is not None:
-    predicted = run.ranker.predict_lengths(encoded, default=config.max_new_tokens / 2)
-  per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
+  scores = predicted = None
   history = run.ranker.history_lengths if run.ranker is not None else ()
+  if run.ranker is not None:
+    scores = run.ranker.scores(encoded)
+    predicted = lengths_from_scores(scores, history, default=config.max_new_tokens / 2)
+  per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
   dispatch = dispatch_requests(config.scheduling, per_request.tolist(), history, sampler.instance_ids,
                                config.engine.num_slots, seed=config.seed * 100_003 + step)
   sampler.set_slot_limits(dispatch.slot_limits)
@@ -134,7 +139,7 @@ def _submit_step(run: _Run, step: int, encoded: list, knobs: SamplingParams) -> 
       i, k = divmod(r, group)
       sampler.submit(encoded[i], single, group_id=first_id + i, instance=dispatch.instance_of[r],
                      predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k)
-  return predicted
+  return scores
 
 
 def _sampler_loop(run: _Run) -> None:
@@ -165,7 +170,7 @@ def _sampler_loop(run: _Run) -> None:
       for i, prompt in enumerate(prompts):
         collector.expect(first_id + i, prompt)
       begin = run.now()
-      predicted = _submit_step(run, step, encoded, knobs)
+      scores = _submit_step(run, step, encoded, knobs)
       run.counters["prompts_submitted"] += len(prompts)
       lengths, left = np.zeros(len(prompts)), config.samples_per_step
       while sampler.has_work() and not run.stop.is_set():
@@ -180,7 +185,7 @@ def _sampler_loop(run: _Run) -> None:
           left -= 1
           if left == 0:  # the step's last sample: its metrics are in place before the trainer can finish it
             run.generation_s[step] = run.now() - begin
-            run.ranker_metrics[step] = _observe_lengths(run, encoded, predicted, lengths)
+            run.ranker_metrics[step] = _observe_lengths(run, step, encoded, scores, lengths)
           shard = collector.add(sample)
           if shard is not None:
             run.queue.put(shard)
@@ -192,13 +197,14 @@ def _sampler_loop(run: _Run) -> None:
     run.queue.close()
 
 
-def _observe_lengths(run: _Run, encoded: list, predicted, lengths: np.ndarray) -> dict:
-  """Ranks this step's predictions against the realised mean lengths, then feeds them to the ranker."""
-  out = dict(sampler_instances=len(run.sampler.instance_ids))
+def _observe_lengths(run: _Run, step: int, encoded: list, scores, lengths: np.ndarray) -> dict:
+  """Ranks this step's scores (made before it ran) against its realised mean lengths, then feeds them to
+  the ranker."""
+  out = dict(sampler_instances=len(run.sampler.instance_ids), generation_s=run.generation_s[step])
   if run.ranker is None:
     return out
   if len(lengths) >= 2:
-    out.update({f"ranker_{k}": v for k, v in ranking_metrics(predicted, lengths).items()})
+    out.update({f"ranker_{k}": v for k, v in ranking_metrics(scores, lengths).items()})
   run.ranker.observe(encoded, lengths)
   out["ranker_train_steps"] = run.ranker.counters["train_steps"]
   return out

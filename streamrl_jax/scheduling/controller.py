@@ -49,14 +49,14 @@ class SchedulingConfig:
     if not self.ptl_curve:
       raise ValueError("SchedulingConfig.ptl_curve is empty: the latency model needs (batch, seconds) points")
     ptl_at(self.curve, 1)  # validates the points
-    if not 1 <= self.min_instances <= self.instances <= self.replica_slots:
+    if not 1 <= self.min_instances <= self.instances <= self.instance_limit:
       raise ValueError(f"need 1 <= min_instances ({self.min_instances}) <= instances ({self.instances}) <= "
-                       f"max_instances ({self.replica_slots})")
+                       f"max_instances ({self.instance_limit})")
     if self.hysteresis < 0:
       raise ValueError(f"SchedulingConfig.hysteresis must be >= 0, got {self.hysteresis}")
 
   @property
-  def replica_slots(self) -> int:
+  def instance_limit(self) -> int:
     """Sub-meshes the sampler mesh is cut into: the most replicas that can run."""
     return self.max_instances or self.instances
 
@@ -104,4 +104,4 @@ def elastic_target(config: SchedulingConfig, current: int, gen_s: float, train_s
   saved = gen_s / (current + 1)
   lost = gen_s / (current - 1) if current > 1 else float("inf")
   step = elastic_decision(gen_s, train_s, saved, lost, hysteresis=config.hysteresis)
-  return int(np.clip(current + step, config.min_instances, config.replica_slots))
+  return int(np.clip(current + step, config.min_instances, config.instance_limit))
