@@ -93,6 +93,34 @@ def test_ranker_learns_arithmetic_lengths_online():
   assert np.corrcoef(predicted, lengths)[0, 1] > 0.8  # mapped onto the history's lengths
 
 
+def test_ranker_keeps_up_when_lengths_drift():
+  """Lengths that flip (the longest prompts now answered shortest) are learnt from the recent history."""
+  config = RankerConfig(max_prompt_length=24, embed_dim=16, hidden_dim=32, batch_size=32, history=256)
+  ranker = OnlineRanker(config)
+  for round_ in range(4):
+    prompts, lengths = arithmetic_pairs(128, seed=200 + round_)
+    ranker.observe(prompts, lengths)
+    ranker.train(16)
+  held_out, lengths = arithmetic_pairs(256, seed=998)
+  flipped = [100 - n for n in lengths]
+  assert ranking_metrics(ranker.scores(held_out), flipped)["spearman"] < -0.5  # it learnt the old relation
+  for round_ in range(6):
+    prompts, lengths = arithmetic_pairs(128, seed=300 + round_)
+    ranker.observe(prompts, [100 - n for n in lengths])
+    ranker.train(16)
+  metrics = ranking_metrics(ranker.scores(held_out), flipped)
+  assert metrics["recall_top20"] >= 0.8 and metrics["spearman"] > 0.8
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 10_000), min_size=2, max_size=60, unique=True), st.floats(0.01, 0.99))
+def test_recall_is_one_for_any_order_preserving_prediction(actual, fraction):
+  predicted = [3.0 * a + 7.0 for a in actual]
+  assert recall_at(predicted, actual, fraction) == 1.0
+  assert 0.0 <= recall_at(list(reversed(predicted)), actual, fraction) <= 1.0
+  assert ranking_metrics(predicted, actual)["spearman"] == pytest.approx(1.0)
+
+
 def test_background_training_and_checkpoint_round_trip():
   ranker = OnlineRanker(SMALL)
   ranker.start()
