@@ -13,8 +13,8 @@ from jax.sharding import Mesh
 
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, SchedulingConfig, dispatch_requests,
-                                     elastic_target, lengths_from_scores, pairwise_ranking_loss, ranking_metrics,
-                                     recall_at)
+                                     elastic_target, engine_slots, lengths_from_scores, pairwise_ranking_loss,
+                                     ranking_metrics, recall_at)
 from streamrl_jax.scheduling.ranker import encode_prompts
 from streamrl_jax.tasks import ArithmeticTask
 
@@ -174,6 +174,13 @@ def test_skew_aware_dispatch_sends_the_predicted_longest_to_the_long_instances()
   assert dispatch.plan.assignment == ((16, 18), (17, 19), tuple(range(16)))
   assert dispatch.slot_limits == {4: 2, 6: 2, 7: 8}
   assert dispatch.instance_of == (7,) * 16 + (4, 6, 4, 6)
+
+
+def test_engine_slots_round_a_planned_batch_up_to_a_power_of_two():
+  assert [engine_slots(b, 32) for b in (1, 2, 3, 13, 16, 17, 32)] == [1, 2, 4, 16, 16, 32, 32]
+  assert engine_slots(40, 48) == 48  # capped by the configured slots
+  with pytest.raises(ValueError, match="planned batch must be >= 1"):
+    engine_slots(0, 32)
 
 
 def test_elastic_target_by_hand():

@@ -302,3 +302,28 @@ def test_replicas_join_and_retire_mid_stream_without_losing_samples(setup):
   assert {s.instance for s in samples} == {0, added}
   for group, tokens in expected.items():
     np.testing.assert_array_equal(got[group].completion_tokens, tokens)
+
+
+def test_an_idle_instance_swaps_to_an_engine_with_fewer_slots(setup):
+  engine, params, model, _ = setup
+  graphdef, _ = nnx.split(model)
+  small = DecodeEngine(graphdef, model.config, EngineConfig(num_slots=2, max_prompt_length=16, max_new_tokens=60,
+                                                            min_prefill_bucket=8), engine.mesh)
+  knobs = SamplingParams(temperature=1.0, max_new_tokens=9)
+  reference = StreamingSampler([engine], params, seed=5)
+  for i in range(3):
+    reference.submit(PROMPTS[i], knobs, group_id=i)
+  expected = {s.group_id: s.completion_tokens for s in reference.stream()}
+  sampler = StreamingSampler([engine], params, seed=5)
+  sampler.submit(PROMPTS[0], knobs, group_id=0)
+  with pytest.raises(ValueError, match="instance 0 is busy"):
+    sampler.replace_engine(0, small)
+  first = list(sampler.stream())
+  sampler.replace_engine(0, small)
+  for i in (1, 2):
+    sampler.submit(PROMPTS[i], knobs, group_id=i)
+  sampler.step()
+  assert sampler.num_in_flight == 2  # the small engine's two slots
+  samples = first + list(sampler.stream())
+  for s in samples:
+    np.testing.assert_array_equal(s.completion_tokens, expected[s.group_id])

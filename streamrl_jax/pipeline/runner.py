@@ -28,7 +28,8 @@ from streamrl_jax.models import state_shardings
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
-from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, lengths_from_scores,
+from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, engine_slots,
+                                     lengths_from_scores,
                                      longest_first_admission, ranking_metrics)
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
@@ -75,13 +76,15 @@ class _Run:
         self.ranker.load_state_arrays(checkpointer.restore_aux({"ranker": self.ranker.state_arrays()})["ranker"])
       except FileNotFoundError as err:  # saved by a run without the ranker: it starts fresh and learns online
         warnings.warn(f"{err}; the output-length ranker starts untrained", stacklevel=2)
-    engines = [DecodeEngine(graphdef, model.config, config.engine, mesh)
-               for mesh in _replica_meshes(sampler_mesh, sched.instance_limit)]
+    self._graphdef, self._model_config = graphdef, model.config
+    self.replica_meshes = _replica_meshes(sampler_mesh, sched.instance_limit)
+    self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.target_instances = sched.instances
-    self.spare_engines = engines[sched.instances:][::-1]  # popped from the end: replicas join in mesh order
+    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
     admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
-    self.sampler = StreamingSampler(engines[:sched.instances], self.state.params, version=self.start_step,
-                                    admission=admission, seed=config.seed)
+    self.sampler = StreamingSampler([self.engine_for(k) for k in range(sched.instances)], self.state.params,
+                                    version=self.start_step, admission=admission, seed=config.seed)
+    self.mesh_of = {i: i for i in range(sched.instances)}  # sampler instance id -> replica mesh index
     self.ranker_metrics: dict[int, dict] = {}
     self.generation_s: dict[int, float] = {}
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
@@ -98,6 +101,16 @@ class _Run:
   def now(self) -> float:
     return time.perf_counter() - self.start
 
+  def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
+    """The engine of replica mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
+    slots = slots or self.config.engine.num_slots
+    key = (mesh_index, slots)
+    if key not in self._engines:
+      engine_config = dataclasses.replace(self.config.engine, num_slots=slots)
+      self._engines[key] = DecodeEngine(self._graphdef, self._model_config, engine_config,
+                                        self.replica_meshes[mesh_index])
+    return self._engines[key]
+
 
 def _replica_meshes(sampler_mesh, replicas: int) -> list:
   """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
@@ -113,10 +126,13 @@ def _apply_elastic(run: _Run) -> None:
   """Adds or retires replicas (between decode steps) until the target count takes requests; a retired
   replica finishes its in-flight requests first and its queued ones move to the others."""
   sampler = run.sampler
-  while len(sampler.instance_ids) < run.target_instances and run.spare_engines:
-    sampler.add_instance(run.spare_engines.pop())
+  while len(sampler.instance_ids) < run.target_instances and run.spare_meshes:
+    mesh_index = run.spare_meshes.pop()
+    run.mesh_of[sampler.add_instance(run.engine_for(mesh_index))] = mesh_index
   while len(sampler.instance_ids) > max(1, run.target_instances):
-    run.spare_engines.append(sampler.retire_instance(sampler.instance_ids[-1]))
+    last = sampler.instance_ids[-1]
+    sampler.retire_instance(last)
+    run.spare_meshes.append(run.mesh_of.pop(last))
 
 
 def _submit_step(run: _Run, step: int, encoded: list, knobs: SamplingParams) -> np.ndarray | None:
@@ -131,6 +147,10 @@ def _submit_step(run: _Run, step: int, encoded: list, knobs: SamplingParams) -> 
   per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
   dispatch = dispatch_requests(config.scheduling, per_request.tolist(), history, sampler.instance_ids,
                                config.engine.num_slots, seed=config.seed * 100_003 + step)
+  if config.scheduling.resize_engines:  # between steps every replica is idle
+    for instance_id, batch in dispatch.slot_limits.items():
+      slots = engine_slots(batch, config.engine.num_slots)
+      sampler.replace_engine(instance_id, run.engine_for(run.mesh_of[instance_id], slots))
   sampler.set_slot_limits(dispatch.slot_limits)
   single = dataclasses.replace(knobs, num_samples=1)
   first_id = step * config.prompts_per_step

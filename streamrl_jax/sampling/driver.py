@@ -140,6 +140,18 @@ class StreamingSampler:
     self._instances.append(inst)
     return inst.index
 
+  def replace_engine(self, instance_id: int, engine: DecodeEngine) -> None:
+    """Runs an idle instance on another engine (e.g. the same mesh compiled for another slot count)."""
+    inst = self._instance(instance_id)
+    if inst.slots or inst.pending:
+      raise ValueError(f"engine instance {instance_id} is busy ({len(inst.slots)} in flight, {len(inst.pending)} "
+                       f"queued); swap its engine between batches")
+    if engine is inst.engine:
+      return
+    if engine.mesh is not inst.engine.mesh:
+      inst.params = engine.place_params(self._params)
+    inst.engine, inst.state, inst.slot_limit = engine, engine.init_decode_state(), 0
+
   def retire_instance(self, instance_id: int) -> DecodeEngine:
     """Stops an instance taking requests: its queued requests move to the others (least loaded first),
     its in-flight requests finish where they are, then it is dropped. Returns its engine."""

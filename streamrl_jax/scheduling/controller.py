@@ -29,6 +29,9 @@ class SchedulingConfig:
               `max_instances` equal sub-meshes (0: as many as `instances`).
   elastic     add or remove a replica between steps when generation and training times diverge
               (`elastic_decision`), between `min_instances` and `max_instances`.
+  resize_engines  run each replica on an engine compiled for its planned batch size (rounded up to a
+              power of two; one more compile per new size) instead of capping the busy slots of the
+              full-size engine: a static-shape decode step costs its compiled slot count, busy or not.
   """
 
   policy: str = "fifo"
@@ -38,6 +41,7 @@ class SchedulingConfig:
   elastic: bool = False
   alpha: float = 0.2
   hysteresis: float = 0.05
+  resize_engines: bool = True
   ptl_curve: tuple[tuple[int, float], ...] = CPU_PTL_CURVE
   ranker: RankerConfig = RankerConfig()
 
@@ -94,6 +98,13 @@ def dispatch_requests(config: SchedulingConfig, predicted: Sequence[float], hist
     for r in requests:
       instance_of[r] = ids[k]
   return StepDispatch(tuple(instance_of), {ids[k]: b for k, b in enumerate(plan.batch_sizes)}, plan)
+
+
+def engine_slots(batch: int, num_slots: int) -> int:
+  """The compiled slot count for a planned batch: the next power of two, at most `num_slots`."""
+  if batch < 1:
+    raise ValueError(f"a planned batch must be >= 1, got {batch}")
+  return min(num_slots, 1 << (batch - 1).bit_length())
 
 
 def elastic_target(config: SchedulingConfig, current: int, gen_s: float, train_s: float) -> int:
