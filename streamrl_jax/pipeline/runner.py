@@ -7,6 +7,9 @@ trainer consumes them and publishes weights; a version gate decides how far gene
                  generation of step j still needs version j, so training stays on-policy
   async          two meshes; generation of step j needs version >= j - staleness and picks up newer
                  weights between decode steps; the trainer streams as in `stream`
+
+Every mode dispatches a step's requests over the sampler replicas by `SchedulingConfig` (random + FIFO, or
+the output-length ranker's skew-aware plan), and may add or retire a replica between decode steps.
 """
 
 from __future__ import annotations
@@ -29,8 +32,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
 from streamrl_jax.scheduling import (OnlineRanker, dispatch_requests, elastic_target, engine_slots,
-                                     lengths_from_scores,
-                                     longest_first_admission, ranking_metrics)
+                                     lengths_from_scores, longest_first_admission, ranking_metrics)
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
 from streamrl_jax.types import SamplingParams

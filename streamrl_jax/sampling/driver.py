@@ -1,5 +1,8 @@
 """Continuous batching over one or several engine instances; each finished sample leaves at once.
 
+Instances (sampler replicas) can join, retire (draining their in-flight requests) or switch engines while
+the sampler runs; a dispatch plan pins requests to instances and caps their busy slots.
+
 `StreamingSampler.step()` admits queued requests into free slots (in the order of a pluggable, pure
 admission policy), runs one `generate` call per busy instance (dispatched to all instances before
 any result is read, so instances on disjoint devices overlap), reads the step outputs back once, and
@@ -84,8 +87,9 @@ class StreamingSampler:
     """Queues `params.num_samples` requests for one prompt; returns their request ids.
 
     `instance` (an id from `instance_ids`) pins them to an engine instance (dispatch policies use
-    this); otherwise the least loaded instance takes them. Samples are reproducible from (seed, group_id, sample_index); their
-    sample indices start at `first_sample_index` (a group may be submitted one sample at a time).
+    this); otherwise the least loaded instance takes them. Samples are reproducible from (seed,
+    group_id, sample_index), on any instance; sample indices start at `first_sample_index` (a group
+    may be submitted one sample at a time).
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     target = self._instance(instance) if instance is not None else min(self._accepting, key=lambda i: i.load)
