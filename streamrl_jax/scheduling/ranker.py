@@ -174,8 +174,8 @@ def lengths_from_scores(scores: Sequence[float], history: Sequence[float], defau
 
 
 class OnlineRanker:
-  """The ranker as the sampler uses it: `predict` before dispatch, `observe` as lengths come back, and
-  training on the recent history in the background (`start`/`stop`) or on call (`train`)."""
+  """The ranker as the sampler uses it: `scores` / `predict_lengths` before dispatch, `observe` as lengths
+  come back, and training on the recent history in the background (`start`/`stop`) or on call (`train`)."""
 
   def __init__(self, config: RankerConfig = RankerConfig(), mesh: Mesh | None = None):
     self.config = config
