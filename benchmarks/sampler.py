@@ -28,7 +28,7 @@ from model_forward import CONFIG, matmul_peak_gflops  # noqa: E402
 from streamrl_jax.config import MeshShape  # noqa: E402
 from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
 from streamrl_jax.models import Transformer, save_hf  # noqa: E402
-from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler  # noqa: E402
+from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, measure_ptl_curve  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 
 SLOTS, NUM_REQUESTS, MAX_PROMPT, MAX_NEW = 32, 128, 32, 256
@@ -78,22 +78,13 @@ def run_hf(directory, prompts, lengths) -> float:
   return time.perf_counter() - start
 
 
-def ptl_curve(graphdef, params, mesh, batches=(1, 2, 4, 8, 16, 32), steps: int = 24) -> dict[str, float]:
+def ptl_curve(graphdef, params, mesh, batches=(1, 2, 4, 8, 16, 32)) -> dict[str, float]:
   """Per-token decode latency (ms per step) with every one of `batch` slots generating."""
-  out = {}
-  for batch in batches:
-    engine = DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=batch, max_prompt_length=MAX_PROMPT,
-                                                         max_new_tokens=MAX_NEW, min_prefill_bucket=32), mesh)
-    sampler = StreamingSampler([engine], params)
-    for _ in range(batch):
-      sampler.submit([5] * 16, SamplingParams(max_new_tokens=MAX_NEW))
-    sampler.step()
-    sampler.step()  # compiled and warm
-    start = time.perf_counter()
-    for _ in range(steps):
-      sampler.step()
-    out[str(batch)] = round(1e3 * (time.perf_counter() - start) / steps, 3)
-  return out
+  def engine_for(slots):
+    return DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=slots, max_prompt_length=MAX_PROMPT,
+                                                       max_new_tokens=MAX_NEW, min_prefill_bucket=32), mesh)
+  curve = measure_ptl_curve(engine_for, params, batches, steps=24, prompt=[5] * 16)
+  return {str(b): round(1e3 * s, 3) for b, s in curve.items()}
 
 
 def main() -> dict:

@@ -36,7 +36,8 @@ from model_forward import CONFIG  # noqa: E402
 from streamrl_jax.config import MeshShape  # noqa: E402
 from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
-from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, fifo_order, split_mesh  # noqa: E402
+from streamrl_jax.sampling import (DecodeEngine, EngineConfig, StreamingSampler, fifo_order,  # noqa: E402
+                                  measure_ptl_curve, split_mesh)
 from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, longest_first_admission, random_dispatch,  # noqa: E402
                                      ranking_metrics, skew_aware_dispatch)
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
@@ -74,21 +75,6 @@ class Engines:
     return self.cache[key]
 
 
-def ptl_curve(engines: Engines, sizes=(1, 2, 4, 8, 16), steps: int = 16) -> dict[int, float]:
-  """Seconds per decode step with every slot busy, on instance 0's mesh."""
-  curve = {}
-  for size in sizes:
-    sampler = StreamingSampler([engines.get(0, size)], engines.params)
-    for _ in range(size):
-      sampler.submit([5] * 8, SamplingParams(max_new_tokens=MAX_NEW))
-    sampler.step()
-    start = time.perf_counter()
-    for _ in range(steps):
-      sampler.step()
-    curve[size] = (time.perf_counter() - start) / steps
-  return curve
-
-
 def makespan(engines: Engines, plan, prompts, lengths, predicted, admission) -> float:
   """Seconds from submitting the batch to its last sample, every request to its planned instance."""
   sampler = StreamingSampler([engines.get(k, b) for k, b in enumerate(plan.batch_sizes)], engines.params,
@@ -119,7 +105,7 @@ def main() -> dict:
   graphdef, params = nnx.split(model)
   sampler_mesh = mesh_from_devices(jax.devices()[:8], MeshShape(8, 1, 1))
   engines = Engines(graphdef, params, split_mesh(sampler_mesh, [8 // INSTANCES] * INSTANCES))
-  curve = ptl_curve(engines)
+  curve = measure_ptl_curve(lambda slots: engines.get(0, slots), params, (1, 2, 4, 8, 16))  # instance 0's mesh
   ranker = train_ranker(sampler_mesh)
   prompts, lengths = batch(REQUESTS, seed=0)
   ranker.predict_lengths(prompts, default=MAX_NEW / 2)  # compile the scoring shape

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from streamrl_jax.config import MeshShape
 from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import load_hf
-from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, filter_logits, split_mesh
+from streamrl_jax.sampling import (DecodeEngine, EngineConfig, StreamingSampler, filter_logits, measure_ptl_curve,
+                                 split_mesh)
 from streamrl_jax.types import SamplingParams
 
 ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=60, min_prefill_bucket=8)  # windows 64, 76
@@ -327,3 +328,11 @@ def test_an_idle_instance_swaps_to_an_engine_with_fewer_slots(setup):
   samples = first + list(sampler.stream())
   for s in samples:
     np.testing.assert_array_equal(s.completion_tokens, expected[s.group_id])
+
+
+def test_measure_ptl_curve_times_a_full_engine(setup):
+  engine, params, _, _ = setup
+  curve = measure_ptl_curve(lambda slots: engine, params, (ENGINE.num_slots,), steps=3)
+  assert list(curve) == [ENGINE.num_slots] and curve[ENGINE.num_slots] > 0
+  with pytest.raises(ValueError, match="too short to time 80 decode steps"):
+    measure_ptl_curve(lambda slots: engine, params, (4,), steps=80)

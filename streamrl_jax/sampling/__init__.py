@@ -3,7 +3,9 @@
 from streamrl_jax.sampling.driver import AdmissionPolicy, StreamingSampler, fifo_order
 from streamrl_jax.sampling.engine import (DecodeEngine, DecodeState, Engine, EngineConfig, Prefix, StepOutput,
                                           split_mesh)
+from streamrl_jax.sampling.profile import measure_ptl_curve
 from streamrl_jax.sampling.sample import filter_logits, sample_tokens
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "DecodeState", "Engine", "EngineConfig", "Prefix", "StepOutput",
-           "StreamingSampler", "fifo_order", "filter_logits", "sample_tokens", "split_mesh"]
+           "StreamingSampler", "fifo_order", "filter_logits", "measure_ptl_curve", "sample_tokens",
+           "split_mesh"]

@@ -14,7 +14,8 @@ from streamrl_jax.scheduling.ranker import RankerConfig
 
 POLICIES = ("fifo", "skew_aware")
 # Seconds per decode step by batch size, measured on the 2-core CPU this project is developed on with
-# the ~10M-parameter benchmark model (`python benchmarks/sampler.py`, ptl_ms_by_batch). Set your own.
+# the ~10M-parameter benchmark model (`python benchmarks/sampler.py`, ptl_ms_by_batch). Set your own
+# model's, from `streamrl_jax.sampling.measure_ptl_curve`.
 CPU_PTL_CURVE = ((1, 0.0053), (2, 0.0056), (4, 0.0067), (8, 0.0083), (16, 0.0110), (32, 0.0178))
 
 
