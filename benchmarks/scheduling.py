@@ -1,16 +1,18 @@
 """Generation makespan of one long-tailed batch under three schedules, on the real engine.
 
-The batch: long-tailed arithmetic prompts whose output length follows from the prompt (3 tokens per
-character of the worked solution: 24-230 tokens, about a fifth of them beyond 100). Lengths are forced
+The batch: long-tailed arithmetic prompts whose output length follows from the prompt (2 tokens per
+character of the worked solution: 16-150 tokens, P50 36, P90 about 90). Lengths are forced
 with max_new_tokens, so every schedule generates exactly the same tokens. The sampler mesh (8 host
 devices) holds `INSTANCES` engine instances of 2 devices each.
 
   random_fifo   requests shuffled and dealt round-robin, admitted in arrival order, every instance at
                 `SLOTS` slots (the baseline);
   skew_ranker   the output-length ranker (trained online beforehand on other prompts) predicts lengths;
-                `skew_aware_dispatch` splits the instances between the long tail and the rest and
-                sizes their batches from this engine's measured per-token latency curve; longest-first
-                admission inside each instance; an instance runs with the batch size chosen for it;
+                the pipeline's planner (`dispatch_requests`, skew-aware) splits the instances between
+                the long tail and the rest and sizes their batches from this engine's measured per-token
+                latency curve; longest-first admission inside each instance; as in the pipeline, an
+                instance runs an engine compiled for its batch (rounded up to a power of two) with its
+                busy slots capped at the batch;
   skew_oracle   the same with the true lengths.
 
 Variants are interleaved, `REPEATS` times; the best time of each is kept. Prints one JSON object last:
@@ -38,8 +40,8 @@ from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
 from streamrl_jax.sampling import (DecodeEngine, EngineConfig, StreamingSampler, fifo_order,  # noqa: E402
                                   measure_ptl_curve, split_mesh)
-from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, longest_first_admission, random_dispatch,  # noqa: E402
-                                     ranking_metrics, skew_aware_dispatch)
+from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, SchedulingConfig, dispatch_requests,  # noqa: E402
+                                     engine_slots, longest_first_admission, ranking_metrics)
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 
@@ -75,12 +77,15 @@ class Engines:
     return self.cache[key]
 
 
-def makespan(engines: Engines, plan, prompts, lengths, predicted, admission) -> float:
-  """Seconds from submitting the batch to its last sample, every request to its planned instance."""
-  sampler = StreamingSampler([engines.get(k, b) for k, b in enumerate(plan.batch_sizes)], engines.params,
-                             admission=admission)
+def makespan(engines: Engines, dispatch, prompts, lengths, predicted, admission) -> float:
+  """Seconds from submitting the batch to its last sample, each request on its planned instance, each
+  instance on the engine the pipeline would pick for its batch (`engine_slots`) with busy slots capped."""
+  plan = dispatch.plan
+  sampler = StreamingSampler([engines.get(k, engine_slots(b, SLOTS)) for k, b in enumerate(plan.batch_sizes)],
+                             engines.params, admission=admission)
+  sampler.set_slot_limits(dispatch.slot_limits)
   start = time.perf_counter()
-  for k, requests in enumerate(plan.assignment):
+  for k, requests in enumerate(plan.assignment):  # in the plan's order: FIFO admits in it
     for r in requests:
       sampler.submit(prompts[r], SamplingParams(max_new_tokens=lengths[r]), group_id=r, instance=k,
                      predicted_length=float(predicted[r]))
@@ -112,22 +117,23 @@ def main() -> dict:
   start = time.perf_counter()
   predicted = ranker.predict_lengths(prompts, default=MAX_NEW / 2)
   ranker_s = time.perf_counter() - start
-  history = ranker.history_lengths
-  history_lens = dict(long_mean_len=float(np.percentile(history, 90)), short_mean_len=float(np.percentile(history, 50)))
-  plans = {
-      "random_fifo": (random_dispatch(REQUESTS, INSTANCES, SLOTS, seed=0), np.zeros(REQUESTS), fifo_order),
-      "skew_ranker": (skew_aware_dispatch(predicted, INSTANCES, SLOTS, curve, **history_lens), predicted,
-                      longest_first_admission),
-      "skew_oracle": (skew_aware_dispatch(lengths, INSTANCES, SLOTS, curve, **history_lens), np.asarray(lengths, float),
+  history, ids = ranker.history_lengths, list(range(INSTANCES))
+  fifo = SchedulingConfig(policy="fifo", instances=INSTANCES)
+  skew = SchedulingConfig(policy="skew_aware", instances=INSTANCES, ptl_curve=tuple(curve.items()))
+  plans = {  # the pipeline's own planner: dispatch_requests, with the ranker's history for P90 / P50
+      "random_fifo": (dispatch_requests(fifo, [0.0] * REQUESTS, history, ids, SLOTS), np.zeros(REQUESTS),
+                      fifo_order),
+      "skew_ranker": (dispatch_requests(skew, predicted, history, ids, SLOTS), predicted, longest_first_admission),
+      "skew_oracle": (dispatch_requests(skew, lengths, history, ids, SLOTS), np.asarray(lengths, float),
                       longest_first_admission),
   }
-  for name, (plan, _, _) in plans.items():  # compile every engine a plan needs before timing
-    for k, b in enumerate(plan.batch_sizes):
-      engines.get(k, b)
+  for dispatch, _, _ in plans.values():  # compile every engine a plan needs before timing
+    for k, b in enumerate(dispatch.plan.batch_sizes):
+      engines.get(k, engine_slots(b, SLOTS))
   times = {name: [] for name in plans}
   for _ in range(REPEATS):
-    for name, (plan, guess, admission) in plans.items():
-      times[name].append(makespan(engines, plan, prompts, lengths, guess, admission))
+    for name, (dispatch, guess, admission) in plans.items():
+      times[name].append(makespan(engines, dispatch, prompts, lengths, guess, admission))
   best = {name: min(t) for name, t in times.items()}
   metrics = ranking_metrics(predicted, lengths)
   return {
@@ -135,8 +141,8 @@ def main() -> dict:
       "output_len_p50": float(np.median(lengths)), "output_len_p90": float(np.percentile(lengths, 90)),
       "output_len_max": int(max(lengths)),
       "ptl_ms_by_batch": {str(b): round(1e3 * s, 3) for b, s in curve.items()},
-      "plans": {name: {"batch_sizes": list(p.batch_sizes), "long_instances": p.long_instances,
-                       "requests": [len(a) for a in p.assignment]} for name, (p, _, _) in plans.items()},
+      "plans": {name: {"batch_sizes": list(d.plan.batch_sizes), "long_instances": d.plan.long_instances,
+                       "requests": [len(a) for a in d.plan.assignment]} for name, (d, _, _) in plans.items()},
       "makespan_runs_s": {name: [round(x, 3) for x in t] for name, t in times.items()},
       "makespan_s": {name: round(x, 3) for name, x in best.items()},
       "skew_vs_random": round(best["skew_ranker"] / best["random_fifo"], 3),

@@ -279,11 +279,12 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   metrics, last_end = [], run.now()
   try:
     for step in range(run.start_step, config.steps):
+      first_entry = len(run.timeline["trainer"])
       shards, waited = _take_step(run, step)
       begin = run.now()
       run.state, train_metrics = run.batcher.finish(run.state)
       run.timeline["trainer"].append((begin, run.now(), f"update {step}"))
-      train_s = sum(e - b for b, e, label in run.timeline["trainer"] if label.endswith(f" {step}"))
+      train_s = sum(e - b for b, e, _ in run.timeline["trainer"][first_entry:])  # this step's accumulate + update
       run.target_instances = elastic_target(config.scheduling, len(run.sampler.instance_ids),
                                             run.generation_s.get(step, 0.0), train_s)  # before the weights go out
       sync_start = run.now()
