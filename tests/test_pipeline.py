@@ -105,11 +105,11 @@ def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path,
   """Ranker-driven dispatch over replicas that join and leave while the job runs: every prompt is trained
   once, the parameters equal the FIFO single-replica run (samples depend on (seed, group, index) only),
   the ranker's metrics are logged and its state is checkpointed and restored."""
-  from streamrl_jax.pipeline import runner
+  from streamrl_jax.pipeline import trainer_worker
   from streamrl_jax.scheduling import SchedulingConfig
   from streamrl_jax.training.checkpoint import Checkpointer
   targets = iter([2, 1, 2, 2])
-  monkeypatch.setattr(runner, "elastic_target", lambda config, current, gen_s, train_s: next(targets))
+  monkeypatch.setattr(trainer_worker, "elastic_target", lambda config, current, gen_s, train_s: next(targets))
   scheduling = SchedulingConfig(policy="skew_aware", instances=1, max_instances=2, elastic=True)
   checkpointer = Checkpointer(tmp_path, max_to_keep=3)
   config = dataclasses.replace(BASE, mode="stream", scheduling=scheduling)

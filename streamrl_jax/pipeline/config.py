@@ -13,6 +13,27 @@ MODES = ("colocated", "disaggregated", "stream", "async")
 
 
 @dataclasses.dataclass(frozen=True)
+class ModeSpec:
+  """What a run mode means, as flags: the code reads these, never the mode's name.
+
+  shared_mesh    sampler and trainer time-share one mesh
+  streamed       the trainer accumulates each group as it arrives (dynamic-batch pipelining)
+  max_lag        generation of step j needs weights of version >= j - max_lag (0: on-policy)
+  mid_step_swap  the sampler picks up newer weights between decode steps
+  """
+
+  shared_mesh: bool
+  streamed: bool
+  max_lag: int
+  mid_step_swap: bool
+
+  @classmethod
+  def of(cls, mode: str, staleness: int) -> ModeSpec:
+    return {"colocated": cls(True, False, 0, False), "disaggregated": cls(False, False, 0, False),
+            "stream": cls(False, True, 0, False), "async": cls(False, True, staleness, True)}[mode]
+
+
+@dataclasses.dataclass(frozen=True)
 class PipelineConfig:
   mode: str = "async"
   steps: int = 10
@@ -54,6 +75,5 @@ class PipelineConfig:
     return self.prompts_per_step * self.group_size
 
   @property
-  def max_staleness(self) -> int:
-    """Versions a batch may lag: 0 for the on-policy modes."""
-    return self.staleness if self.mode == "async" else 0
+  def spec(self) -> ModeSpec:
+    return ModeSpec.of(self.mode, self.staleness)

@@ -8,8 +8,9 @@ from streamrl_jax.streaming import SampleShard
 from streamrl_jax.types import Sample
 
 
-def samples_to_shard(samples: list[Sample], rewards, width: int) -> SampleShard:
-  """Prompt + completion right-padded to `width`; logprobs aligned with the tokens they score."""
+def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> SampleShard:
+  """Prompt + completion right-padded to `width`; logprobs aligned with the tokens they score; `step` is
+  the RL step the samples were generated for."""
   n = len(samples)
   tokens = np.zeros((n, width), np.int32)
   valid = np.zeros((n, width), bool)
@@ -25,7 +26,8 @@ def samples_to_shard(samples: list[Sample], rewards, width: int) -> SampleShard:
     logprobs[row, p:p + c] = s.logprobs
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
                      rewards=np.asarray(rewards, np.float32), prompt_ids=[s.group_id for s in samples],
-                     group_ids=[s.group_id for s in samples], first_versions=[s.first_version for s in samples],
+                     group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
+                     steps=[step] * n, first_versions=[s.first_version for s in samples],
                      last_versions=[s.last_version for s in samples])
 
 
@@ -34,11 +36,11 @@ class GroupCollector:
 
   def __init__(self, group_size: int, tokenizer, reward_fn, width: int):
     self.group_size, self.tokenizer, self.reward_fn, self.width = group_size, tokenizer, reward_fn, width
-    self._prompts: dict[int, str] = {}
+    self._prompts: dict[int, tuple[str, int]] = {}
     self._pending: dict[int, list[Sample]] = {}
 
-  def expect(self, group_id: int, prompt_text: str) -> None:
-    self._prompts[group_id] = prompt_text
+  def expect(self, group_id: int, prompt_text: str, step: int) -> None:
+    self._prompts[group_id] = (prompt_text, step)
     self._pending[group_id] = []
 
   def add(self, sample: Sample) -> SampleShard | None:
@@ -49,10 +51,10 @@ class GroupCollector:
     if len(group) < self.group_size:
       return None
     del self._pending[sample.group_id]
-    prompt = self._prompts.pop(sample.group_id)
+    prompt, step = self._prompts.pop(sample.group_id)
     group.sort(key=lambda s: s.sample_index)
     rewards = [self.reward_fn(prompt, self.tokenizer.decode(s.completion_tokens)) for s in group]
-    return samples_to_shard(group, rewards, self.width)
+    return samples_to_shard(group, rewards, self.width, step)
 
   @property
   def incomplete_groups(self) -> int:

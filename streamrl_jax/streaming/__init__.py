@@ -1,7 +1,9 @@
-"""Host-side transport between the meshes: typed sample shards, bounded queues, weight sync."""
+"""Host-side transport between the meshes: typed sample shards, bounded queues, weight sync; across
+processes the same records travel over Arrow Flight."""
 
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue, SampleTransport
-from streamrl_jax.streaming.shard import SampleShard, decode_shard, encode_shard
-from streamrl_jax.streaming.weights import WeightSync
+from streamrl_jax.streaming.shard import SampleShard
+from streamrl_jax.streaming.weights import WeightPublisher, WeightSource, WeightSync, cast_floats
 
-__all__ = ["QueueClosed", "SampleQueue", "SampleShard", "SampleTransport", "decode_shard", "encode_shard", "WeightSync"]
+__all__ = ["QueueClosed", "SampleQueue", "SampleShard", "SampleTransport", "WeightPublisher", "WeightSource",
+           "WeightSync", "cast_floats"]

@@ -1,7 +1,6 @@
 """`SampleShard`: finished samples as numpy arrays plus the policy versions that produced them.
 
-`encode_shard` / `decode_shard` turn a shard into bytes and back without pickle (a JSON header followed
-by the raw array buffers), so a network transport can carry the same type.
+Across processes the same record travels as an Arrow record batch (`streaming.sample_schema`).
 """
 
 from __future__ import annotations
@@ -11,8 +10,8 @@ import json
 
 import numpy as np
 
-ROW_FIELDS = {"rewards": np.float32, "prompt_ids": np.int64, "group_ids": np.int64, "first_versions": np.int64,
-              "last_versions": np.int64}
+ROW_FIELDS = {"rewards": np.float32, "prompt_ids": np.int64, "group_ids": np.int64, "sample_indices": np.int64,
+              "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64}
 TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "sampler_logprobs": np.float32}
 
 
@@ -22,6 +21,8 @@ class SampleShard:
 
   tokens [n, L] hold prompt then completion; `valid` marks real tokens, `loss_mask` completion tokens;
   sampler_logprobs [n, L] is the sampler's log-probability of each completion token (0 elsewhere).
+  A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
+  group, and its place in the group.
   """
 
   tokens: np.ndarray
@@ -31,6 +32,8 @@ class SampleShard:
   rewards: np.ndarray
   prompt_ids: np.ndarray
   group_ids: np.ndarray
+  sample_indices: np.ndarray
+  steps: np.ndarray
   first_versions: np.ndarray
   last_versions: np.ndarray
 
@@ -61,27 +64,12 @@ class SampleShard:
     fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in ROW_FIELDS})
     return cls(**fields)
 
+  def keys(self) -> list[tuple[int, int, int]]:
+    """(step, group id, sample index) of every sample: what identifies it whoever generated it."""
+    return list(zip(self.steps.tolist(), self.group_ids.tolist(), self.sample_indices.tolist()))
+
   def train_batch(self, advantages: np.ndarray) -> dict:
     """The micro-batch dict the trainer takes, with one advantage per sample."""
     return dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, sampler_logprobs=self.sampler_logprobs,
                 advantages=np.asarray(advantages, np.float32))
 
-
-def encode_shard(shard: SampleShard) -> bytes:
-  names = list(TOKEN_FIELDS) + list(ROW_FIELDS)
-  arrays = [np.ascontiguousarray(getattr(shard, k)) for k in names]
-  header = json.dumps({"fields": [[k, a.dtype.str, list(a.shape), a.nbytes] for k, a in zip(names, arrays)]})
-  head = header.encode()
-  return len(head).to_bytes(8, "little") + head + b"".join(a.tobytes() for a in arrays)
-
-
-def decode_shard(data: bytes) -> SampleShard:
-  size = int.from_bytes(data[:8], "little")
-  header = json.loads(data[8:8 + size])
-  offset, fields = 8 + size, {}
-  for name, dtype, shape, nbytes in header["fields"]:
-    fields[name] = np.frombuffer(data, np.dtype(dtype), count=int(np.prod(shape)), offset=offset).reshape(shape)
-    offset += nbytes
-  if offset != len(data):
-    raise ValueError(f"shard bytes: {len(data) - offset} bytes left over after the declared arrays")
-  return SampleShard(**fields)

@@ -1,25 +1,52 @@
-"""Weight sync from the trainer mesh to the sampler mesh, versioned, in the background.
+"""Weight transport between the trainer and the sampler: the two interfaces and the in-process one.
 
-`push(params, version)` enqueues a `jax.device_put` into the sampler's shardings (optionally casting to
-bfloat16 first) and returns at once, a worker thread waiting for it, so the transfer overlaps training; `latest()` gives the
-newest completed version for the sampler to swap in between decode steps. Across processes the same
-interface would sit on `jax.experimental.transfer`.
+The trainer calls `publish(params, version)` and goes on (the transfer overlaps its next step); the
+sampler calls `latest()` between decode steps and `wait_for(version)` at a step's version gate. In one
+process, `WeightSync` does a `jax.device_put` into the sampler mesh's shardings (optionally cast to
+bfloat16); across processes the Arrow Flight transport implements the same two interfaces
+(`streaming.flight_server.HostWeightStore`, `streaming.flight_client.FlightWeightReceiver`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.messages import WeightUpdate
+
+
+class WeightPublisher(Protocol):
+  seconds: dict[int, float]  # version -> seconds its transfer took
+
+  def publish(self, params, version: int) -> None: ...
+
+  def wait(self) -> None: ...
+
+
+class WeightSource(Protocol):
+  def latest(self) -> WeightUpdate | None: ...
+
+  def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate: ...
+
+
+def cast_floats(params, dtype):
+  """`params` with floating leaves cast to `dtype` (None: unchanged)."""
+  if dtype is None:
+    return params
+  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
 
 class WeightSync:
+  """In-process `WeightPublisher` and `WeightSource`: versions land on the sampler mesh in the background."""
+
   def __init__(self, target_shardings, *, cast_dtype=None):
     self._shardings, self._dtype = target_shardings, cast_dtype
-    self._lock = threading.Lock()
-    self._latest: tuple[object, int] | None = None
+    self._cond = threading.Condition()
+    self._latest: WeightUpdate | None = None
     self._threads: list[threading.Thread] = []
     self.seconds: dict[int, float] = {}
     self._error: BaseException | None = None
@@ -27,30 +54,45 @@ class WeightSync:
   def _finish(self, placed, version: int, start: float) -> None:
     try:
       jax.block_until_ready(placed)
-      with self._lock:
+      with self._cond:
         self.seconds[version] = time.perf_counter() - start
-        if self._latest is None or version > self._latest[1]:
-          self._latest = (placed, version)
-    except BaseException as err:  # surfaced by latest()/wait(), never lost
-      self._error = err
+        if self._latest is None or version > self._latest.version:
+          self._latest = WeightUpdate(version, placed)
+        self._cond.notify_all()
+    except BaseException as err:  # surfaced by latest()/wait_for()/wait(), never lost
+      with self._cond:
+        self._error = err
+        self._cond.notify_all()
 
-  def push(self, params, version: int) -> None:
+  def publish(self, params, version: int) -> None:
     """Enqueues the copy now (so the trainer may donate `params` to its next step right after) and
     waits for it on a worker thread."""
     start = time.perf_counter()
-    if self._dtype is not None:
-      params = jax.tree.map(lambda x: x.astype(self._dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    placed = jax.device_put(params, self._shardings)
+    placed = jax.device_put(cast_floats(params, self._dtype), self._shardings)
     thread = threading.Thread(target=self._finish, args=(placed, version, start), daemon=True,
                               name=f"weight-sync-{version}")
     thread.start()
     self._threads = [t for t in self._threads if t.is_alive()] + [thread]
 
-  def latest(self) -> tuple[object, int] | None:
-    """(params on the sampler mesh, version) of the newest finished transfer, or None."""
+  def _raise_error(self) -> None:
     if self._error is not None:
       raise RuntimeError("weight sync failed") from self._error
-    with self._lock:
+
+  def latest(self) -> WeightUpdate | None:
+    """The newest version that has landed on the sampler mesh, or None."""
+    with self._cond:
+      self._raise_error()
+      return self._latest
+
+  def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate:
+    """The newest landed version once it is >= `version`; TimeoutError after `timeout` seconds."""
+    with self._cond:
+      ok = self._cond.wait_for(lambda: self._error is not None or (self._latest is not None
+                                                                   and self._latest.version >= version), timeout)
+      self._raise_error()
+      if not ok:
+        have = None if self._latest is None else self._latest.version
+        raise TimeoutError(f"weights of version {version} did not arrive within {timeout} s (have {have})")
       return self._latest
 
   def wait(self) -> None:

@@ -17,22 +17,11 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from streamrl_jax.pytrees import flatten_with_names as _flatten
+from streamrl_jax.pytrees import unflatten_like as _unflatten
 from streamrl_jax.training.step import TrainState, _zero_sums
 
 SAVED_FIELDS = ("params", "opt_state", "step", "rng")
-
-
-def _flatten(tree) -> dict:
-  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path): leaf for path, leaf in leaves}
-
-
-def _unflatten(template, flat: dict):
-  paths, treedef = jax.tree_util.tree_flatten_with_path(template)
-  missing = [jax.tree_util.keystr(p) for p, _ in paths if jax.tree_util.keystr(p) not in flat]
-  if missing:
-    raise KeyError(f"checkpoint lacks {len(missing)} arrays of the template (first: {missing[:3]})")
-  return jax.tree_util.tree_unflatten(treedef, [flat[jax.tree_util.keystr(p)] for p, _ in paths])
 
 
 class Checkpointer:

@@ -1,0 +1,237 @@
+"""The controller: the step plan (which prompts, leased to which sampler), the version gate, the replica
+target and what the samplers reported. It owns this state alone; samplers and the trainer reach it only
+through the typed messages of `streamrl_jax.messages` (directly in one process, over Arrow Flight
+DoAction across processes), each handled under one lock.
+
+A step's prompts depend on (seed, step) alone, so a resumed run continues the data stream exactly. A step
+opens once the trainer has published version >= step - max_lag; its prompts are then cut into one lease per
+live sampler, and samplers pull leases (a sampler that is done early takes the next open step's lease).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest, Leave,
+                                   Register, Registered, StepReport)
+from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
+
+MAX_LEASE_WAIT_S = 30.0
+
+
+@dataclasses.dataclass
+class _StepPlan:
+  prompts: list[str]
+  encoded: list[list[int]]
+  scores: np.ndarray | None
+  unleased: list[Lease]
+  leases: int  # how many leases the step was cut into
+  reports: dict = dataclasses.field(default_factory=dict)  # lease id -> StepReport
+  summary: dict | None = None
+
+
+@dataclasses.dataclass
+class _Sampler:
+  name: str
+  last_seen: float
+  leases: set = dataclasses.field(default_factory=set)
+  told_to_stop: bool = False
+  wait_s: float = 0.0
+
+
+class Controller:
+  """Plans steps and answers the control messages; thread-safe."""
+
+  def __init__(self, config, task, tokenizer, *, start_step: int, settings: dict | None = None, ranker=None,
+               heartbeat_s: float = 2.0):
+    self.config, self.spec, self.task, self.tokenizer, self.ranker = config, config.spec, task, tokenizer, ranker
+    self.settings, self.heartbeat_s, self.start_step = dict(settings or {}), heartbeat_s, start_step
+    self._cond = threading.Condition()
+    self._version = start_step
+    self._next_step = start_step
+    self._plans: dict[int, _StepPlan] = {}
+    self._leases: dict[int, tuple[int, Lease]] = {}  # lease id -> (sampler id, lease)
+    self._samplers: dict[int, _Sampler] = {}
+    self._target_instances = config.scheduling.instances
+    self._finished = False
+    self._next_lease = 0
+    self.busy: dict[str, list] = {}  # sampler name -> [(start, end, label)] in epoch seconds
+    self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
+                         sampler_wait_s=0.0)
+
+  # ---- sampler-facing messages ---------------------------------------------------------------
+  def register(self, message: Register) -> Registered:
+    differing = sorted(k for k in set(self.settings) | set(message.settings)
+                       if self.settings.get(k) != message.settings.get(k))
+    if differing:
+      key = differing[0]
+      raise BadMessage(f"sampler {message.name!r} runs another configuration than the trainer: {len(differing)} "
+                       f"settings differ, first {key} = {message.settings.get(key)!r} (sampler) vs "
+                       f"{self.settings.get(key)!r} (trainer); give both the same --config and --set")
+    with self._cond:
+      sampler_id = self.counters["registered"]
+      self.counters["registered"] += 1
+      self._samplers[sampler_id] = _Sampler(message.name, time.monotonic())
+      self._cond.notify_all()
+    return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.config.steps,
+                      heartbeat_s=self.heartbeat_s)
+
+  def lease(self, message: LeaseRequest) -> LeaseReply:
+    """The next lease of an open step, waiting up to `wait_s` for one to open; finished once the run is over."""
+    deadline = time.monotonic() + min(max(message.wait_s, 0.0), MAX_LEASE_WAIT_S)
+    with self._cond:
+      sampler = self._sampler(message.sampler_id)
+      while True:
+        if self._finished:
+          sampler.told_to_stop = True
+          self._cond.notify_all()
+          return LeaseReply(lease=None, finished=True)
+        lease = self._next_lease_of_open_step()
+        if lease is not None:
+          lease = dataclasses.replace(lease, lease_id=self._next_lease, instances=self._target_instances)
+          self._next_lease += 1
+          self._leases[lease.lease_id] = (message.sampler_id, lease)
+          sampler.leases.add(lease.lease_id)
+          self.counters["leases"] += 1
+          return LeaseReply(lease=lease, finished=False)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          return LeaseReply(lease=None, finished=False)
+        self._cond.wait(remaining)
+
+  def report(self, message: StepReport) -> Ack:
+    """Records what a sampler measured for a lease; the step's summary is made once all its leases reported."""
+    with self._cond:
+      sampler = self._sampler(message.sampler_id)
+      owner, lease = self._leases.get(message.lease_id, (None, None))
+      if owner != message.sampler_id or lease.step != message.step:
+        raise BadMessage(f"sampler {message.sampler_id} reported lease {message.lease_id} of step {message.step}, "
+                         f"which it does not hold")
+      if len(message.lengths) != len(lease.prompts):
+        raise BadMessage(f"report of lease {message.lease_id}: {len(message.lengths)} lengths for "
+                         f"{len(lease.prompts)} prompts")
+      plan = self._plans[lease.step]
+      plan.reports[message.lease_id] = message
+      sampler.leases.discard(message.lease_id)
+      sampler.wait_s += message.wait_s
+      self.busy.setdefault(sampler.name, []).extend((b, e, f"step {message.step}") for b, e in message.busy)
+      self.counters["reports"] += 1
+      self.counters["prompts_submitted"] += len(lease.prompts)
+      self.counters["samples_generated"] += message.samples
+      self.counters["sampler_wait_s"] += message.wait_s
+      if len(plan.reports) == plan.leases:
+        plan.summary = self._summarise(lease.step, plan)
+      self._cond.notify_all()
+    return Ack()
+
+  def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
+    with self._cond:
+      sampler = self._samplers.get(message.sampler_id)
+      if sampler is None:
+        return HeartbeatReply(stop=True)
+      sampler.last_seen = time.monotonic()
+      sampler.told_to_stop |= self._finished
+      return HeartbeatReply(stop=self._finished)
+
+  def leave(self, message: Leave) -> Ack:
+    """A sampler leaves: leases it has not reported go back to their steps for another sampler."""
+    with self._cond:
+      sampler = self._samplers.pop(message.sampler_id, None)
+      for lease_id in sorted(sampler.leases if sampler else ()):
+        _, lease = self._leases.pop(lease_id)
+        self._plans[lease.step].unleased.insert(0, lease)
+      self._cond.notify_all()
+    return Ack()
+
+  # ---- trainer-facing ------------------------------------------------------------------------
+  def published(self, version: int) -> None:
+    """The trainer has published weights of `version`: steps up to version + max_lag may open."""
+    with self._cond:
+      self._version = max(self._version, version)
+      self._cond.notify_all()
+
+  def set_target_instances(self, instances: int) -> None:
+    with self._cond:
+      self._target_instances = instances
+
+  def step_summary(self, step: int, timeout: float = 60.0) -> dict:
+    """generation_s, sampler_instances and the ranker's figures of `step`, once all its leases reported."""
+    with self._cond:
+      if not self._cond.wait_for(lambda: step in self._plans and self._plans[step].summary is not None, timeout):
+        raise TimeoutError(f"the samplers' reports of step {step} did not arrive within {timeout} s")
+      return dict(self._plans.pop(step).summary)
+
+  def sampler_wait_s(self) -> float:
+    """Seconds the samplers waited for leases and weights, per sampler on average."""
+    with self._cond:
+      return self.counters["sampler_wait_s"] / max(1, self.counters["registered"])
+
+  def finish(self) -> None:
+    """No more leases: samplers are told the run is over at their next lease request or heartbeat."""
+    with self._cond:
+      self._finished = True
+      self._cond.notify_all()
+
+  def wait_samplers_told(self, timeout: float) -> bool:
+    """After `finish`: waits until every registered sampler has been told to stop (or left)."""
+    with self._cond:
+      return self._cond.wait_for(lambda: all(s.told_to_stop for s in self._samplers.values()), timeout)
+
+  # ---- planning ------------------------------------------------------------------------------
+  def _sampler(self, sampler_id: int) -> _Sampler:
+    sampler = self._samplers.get(sampler_id)
+    if sampler is None:
+      raise BadMessage(f"unknown sampler id {sampler_id}: register first")
+    sampler.last_seen = time.monotonic()
+    return sampler
+
+  def _next_lease_of_open_step(self) -> Lease | None:
+    for step in sorted(self._plans):
+      if self._plans[step].unleased:
+        return self._plans[step].unleased.pop(0)
+    step = self._next_step
+    if step >= self.config.steps or self._version < step - self.spec.max_lag:
+      return None
+    self._plans[step] = self._plan(step)
+    self._next_step += 1
+    return self._plans[step].unleased.pop(0)
+
+  def _plan(self, step: int) -> _StepPlan:
+    config = self.config
+    rng = np.random.default_rng([config.seed, step])
+    prompts = [self.task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+    encoded = [self.tokenizer.encode(p) for p in prompts]
+    scores, predicted, quantiles = None, (), ()
+    if self.ranker is not None:
+      history = self.ranker.history_lengths
+      scores = self.ranker.scores(encoded)
+      predicted = tuple(float(x) for x in lengths_from_scores(scores, history, default=config.max_new_tokens / 2))
+      if history.size:
+        quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
+    cuts = np.array_split(np.arange(config.prompts_per_step), max(1, min(len(self._samplers), len(prompts))))
+    first = step * config.prompts_per_step
+    leases = [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
+                    prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
+                    if predicted else (), length_quantiles=quantiles, min_version=max(self.start_step, step - self.spec.max_lag),
+                    instances=self._target_instances) for idx in cuts]
+    return _StepPlan(prompts, encoded, scores, leases, len(leases))
+
+  def _summarise(self, step: int, plan: _StepPlan) -> dict:
+    reports = list(plan.reports.values())
+    by_group = {g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)}
+    lengths = np.asarray([by_group[k] for k in sorted(by_group)])
+    out = dict(generation_s=max(r.generation_s for r in reports),
+               sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()))
+    for r in reports:
+      self._leases.pop(r.lease_id)
+    if self.ranker is None:
+      return out
+    if len(lengths) >= 2:
+      out.update({f"ranker_{k}": v for k, v in ranking_metrics(plan.scores, lengths).items()})
+    self.ranker.observe(plan.encoded, lengths)
+    out["ranker_train_steps"] = self.ranker.counters["train_steps"]
+    return out

@@ -1,0 +1,162 @@
+"""The sampler worker: generates the prompts of leased steps on the sampler mesh and streams each finished
+group, scored by the task's reward, to the trainer as a `SampleShard`.
+
+It owns its engines (one per replica sub-mesh and compiled slot count), the continuous-batching driver,
+admission and the replica count; it reaches the rest of the run only through three interfaces: a control
+channel (register / lease / report / leave: the `Controller` itself in one process, its Flight client
+across processes), a sample transport (`put`) and a weight source (`latest` / `wait_for`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import numpy as np
+
+from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, StepReport, WeightUpdate
+from streamrl_jax.pipeline.groups import GroupCollector
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
+from streamrl_jax.scheduling import dispatch_requests, engine_slots, longest_first_admission
+from streamrl_jax.types import SamplingParams
+
+LEASE_POLL_S = 5.0
+
+
+def replica_meshes(sampler_mesh, replicas: int) -> list:
+  """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
+  if replicas == 1:
+    return [sampler_mesh]
+  if sampler_mesh.devices.size % replicas:
+    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_mesh.devices.size} "
+                     f"sampler devices")
+  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // replicas] * replicas)
+
+
+class SamplerWorker:
+  """Leases in, shards and step reports out."""
+
+  def __init__(self, config, graphdef, model_config, tokenizer, task, mesh, *, name: str = "sampler",
+               settings: dict | None = None):
+    self.config, self.spec, self.tokenizer, self.task = config, config.spec, tokenizer, task
+    self.name, self.settings = name, dict(settings or {})
+    self._graphdef, self._model_config = graphdef, model_config
+    sched = config.scheduling
+    self.replica_meshes = replica_meshes(mesh, sched.instance_limit)
+    self._engines: dict[tuple[int, int], DecodeEngine] = {}
+    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
+    self.admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
+    self.sampler: StreamingSampler | None = None
+    self.mesh_of: dict[int, int] = {}  # sampler instance id -> replica mesh index
+    self.target_instances = sched.instances
+    self.sampler_id: int | None = None
+
+  def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
+    """The engine of replica mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
+    slots = slots or self.config.engine.num_slots
+    if (mesh_index, slots) not in self._engines:
+      engine_config = dataclasses.replace(self.config.engine, num_slots=slots)
+      self._engines[(mesh_index, slots)] = DecodeEngine(self._graphdef, self._model_config, engine_config,
+                                                        self.replica_meshes[mesh_index])
+    return self._engines[(mesh_index, slots)]
+
+  # ---- the loop ------------------------------------------------------------------------------
+  def run(self, control, samples, weights, stop: threading.Event) -> None:
+    """Registers, then generates leases until the controller says the run is over or `stop` is set."""
+    self.sampler_id = control.register(Register(name=self.name, settings=self.settings)).sampler_id
+    waited_since = time.perf_counter()
+    while not stop.is_set():
+      reply = control.lease(LeaseRequest(self.sampler_id, wait_s=LEASE_POLL_S))
+      if reply.finished:
+        break
+      if reply.lease is None:
+        continue
+      update = self._wait_for_weights(weights, reply.lease.min_version, stop)
+      if update is None:
+        return
+      self._take_weights(update)
+      self._generate(reply.lease, control, samples, weights, stop, time.perf_counter() - waited_since)
+      waited_since = time.perf_counter()
+    control.leave(Leave(self.sampler_id))
+
+  @staticmethod
+  def _wait_for_weights(weights, version: int, stop: threading.Event) -> WeightUpdate | None:
+    while not stop.is_set():
+      try:
+        return weights.wait_for(version, timeout=1.0)
+      except TimeoutError:
+        continue
+    return None
+
+  def _take_weights(self, update: WeightUpdate) -> None:
+    if self.sampler is None:
+      engines = [self.engine_for(k) for k in range(self.target_instances)]
+      self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
+                                      seed=self.config.seed)
+      self.mesh_of = {i: i for i in range(len(engines))}
+    elif update.version > self.sampler.version:
+      self.sampler.update_params(update.params, update.version)
+
+  def _apply_elastic(self) -> None:
+    """Adds or retires replicas (between decode steps) until the target count takes requests; a retired
+    replica finishes its in-flight requests first and its queued ones move to the others."""
+    sampler = self.sampler
+    while len(sampler.instance_ids) < self.target_instances and self.spare_meshes:
+      mesh_index = self.spare_meshes.pop()
+      self.mesh_of[sampler.add_instance(self.engine_for(mesh_index))] = mesh_index
+    while len(sampler.instance_ids) > max(1, self.target_instances):
+      last = sampler.instance_ids[-1]
+      sampler.retire_instance(last)
+      self.spare_meshes.append(self.mesh_of.pop(last))
+
+  def _generate(self, lease: Lease, control, samples, weights, stop: threading.Event, wait_s: float) -> None:
+    config, sampler, group = self.config, self.sampler, self.config.group_size
+    collector = GroupCollector(group, self.tokenizer, self.task.reward,
+                               width=config.engine.max_prompt_length + config.max_new_tokens)
+    for group_id, prompt in zip(lease.group_ids, lease.prompts):
+      collector.expect(group_id, prompt, lease.step)
+    self.target_instances = lease.instances
+    self._apply_elastic()
+    begin, begin_epoch = time.perf_counter(), time.time()
+    self._submit(lease, [self.tokenizer.encode(p) for p in lease.prompts])
+    index_of = {g: i for i, g in enumerate(lease.group_ids)}
+    lengths, left = np.zeros(len(lease.prompts)), len(lease.prompts) * group
+    while sampler.has_work() and not stop.is_set():
+      self._apply_elastic()
+      if self.spec.mid_step_swap:
+        latest = weights.latest()
+        if latest is not None and latest.version > sampler.version:
+          sampler.update_params(latest.params, latest.version)
+      for sample in sampler.step():
+        lengths[index_of[sample.group_id]] += sample.num_tokens / group
+        left -= 1
+        if left == 0:  # the lease's last sample: its report goes out before its last group does
+          control.report(StepReport(
+              sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
+              generation_s=time.perf_counter() - begin, lengths=tuple(float(x) for x in lengths), wait_s=wait_s,
+              samples=len(lease.prompts) * group, instances=len(sampler.instance_ids),
+              busy=((begin_epoch, time.time()),)))
+        shard = collector.add(sample)
+        if shard is not None:
+          samples.put(shard)
+
+  def _submit(self, lease: Lease, encoded: list) -> None:
+    """Dispatches the lease's requests (group_size per prompt) over the replicas."""
+    config, sampler, group = self.config, self.sampler, self.config.group_size
+    predicted = np.asarray(lease.predicted_lengths, float) if lease.predicted_lengths else None
+    per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
+    dispatch = dispatch_requests(config.scheduling, per_request.tolist(), lease.length_quantiles, sampler.instance_ids,
+                                 config.engine.num_slots, seed=config.seed * 100_003 + lease.step)
+    if config.scheduling.resize_engines:  # between leases every replica is idle
+      for instance_id, batch in dispatch.slot_limits.items():
+        slots = engine_slots(batch, config.engine.num_slots)
+        sampler.replace_engine(instance_id, self.engine_for(self.mesh_of[instance_id], slots))
+    sampler.set_slot_limits(dispatch.slot_limits)
+    single = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
+                            stop_token_ids=(self.tokenizer.eos_id,), num_samples=1)
+    for requests in dispatch.plan.assignment:
+      for r in requests:
+        i, k = divmod(r, group)
+        sampler.submit(encoded[i], single, group_id=lease.group_ids[i], instance=dispatch.instance_of[r],
+                       predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k)

@@ -1,0 +1,130 @@
+"""The trainer worker: trains each step on its samples as they arrive, publishes the new weights, checkpoints.
+
+It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
+run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
+the samplers' step summaries, the replica target). Samples are keyed by (step, group, sample index): one
+that was trained already is dropped and counted, never trained twice; samples of a later step that arrive
+early wait for their step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+
+from streamrl_jax.scheduling import elastic_target
+from streamrl_jax.streaming import SampleShard
+from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
+
+
+class TrainerWorker:
+  """Steps from `start_step` to `config.steps`; `run` returns the per-step metrics."""
+
+  def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False):
+    self.config, self.spec = config, config.spec
+    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh)
+    self.state = self.trainer.init_state(params, seed=config.seed)
+    self.start_step = 0
+    if resume:
+      if checkpointer is None or checkpointer.latest_step() is None:
+        raise FileNotFoundError("resume asked for, but there is no checkpoint to resume from")
+      self.state, extra = checkpointer.restore(self.state)
+      self.start_step = int(extra["next_step"])
+    self.checkpointer = checkpointer
+    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
+    self.counters = dict(samples_trained=0, stale_samples=0, trainer_wait_s=0.0, duplicate_samples=0)
+    self.timeline: dict[str, list] = {"trainer": [], "sync": []}
+    self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
+    self._trained: set = set()  # sample keys of the step being trained
+
+  def run(self, controller, get_shard: Callable[[], SampleShard], weights, *, clock: Callable[[], float],
+          on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None) -> list[dict]:
+    """Publishes the start version, then trains every step. `aux()` gives extra state to checkpoint."""
+    weights.publish(self.state.params, self.start_step)
+    controller.published(self.start_step)
+    metrics, last_end = [], clock()
+    for step in range(self.start_step, self.config.steps):
+      first_entry = len(self.timeline["trainer"])
+      shards, waited = self._take_step(step, get_shard, clock)
+      begin = clock()
+      self.state, train_metrics = self.batcher.finish(self.state)
+      self.timeline["trainer"].append((begin, clock(), f"update {step}"))
+      train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
+      summary = controller.step_summary(step)
+      controller.set_target_instances(elastic_target(self.config.scheduling, summary["sampler_instances"],
+                                                     summary["generation_s"], train_s))  # before the weights go out
+      sync_start = clock()
+      weights.publish(self.state.params, step + 1)
+      controller.published(step + 1)
+      if self.checkpointer is not None:
+        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None)
+      self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
+      self.counters["trainer_wait_s"] += waited
+      end = clock()
+      metrics.append(self._step_metrics(step, shards, train_metrics, waited, end - last_end, summary, weights,
+                                        controller.sampler_wait_s() / max(end, 1e-9)))
+      last_end = end
+      if on_step is not None:
+        on_step(metrics[-1])
+    return metrics
+
+  def _take_step(self, step: int, get_shard, clock) -> tuple[list, float]:
+    """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards, wait s)."""
+    needed, shards, waited = self.config.samples_per_step, [], 0.0
+    self._trained = set()
+    early = self._early.pop(step, [])
+    while needed > 0:
+      if early:
+        shard = early.pop(0)
+      else:
+        start = time.perf_counter()
+        shard = get_shard()
+        waited += time.perf_counter() - start
+      shard_step = _single_step(shard)
+      if shard_step > step:
+        self._early.setdefault(shard_step, []).append(shard)
+        continue
+      keys = shard.keys()
+      if shard_step < step or self._trained.intersection(keys):
+        self.counters["duplicate_samples"] += shard.num_samples  # trained already: delivered twice or late
+        continue
+      self._trained.update(keys)
+      needed -= shard.num_samples
+      shards.append(shard)
+      if self.spec.streamed:
+        self._accumulate(shard, step, clock)
+    if needed < 0:
+      warnings.warn(f"step {step} received {-needed} samples more than a global batch", stacklevel=2)
+    if not self.spec.streamed:
+      for shard in shards:
+        self._accumulate(shard, step, clock)
+    return shards, waited
+
+  def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
+    begin = clock()
+    stale = step - shard.first_versions
+    self.counters["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
+    advantages = compute_advantages(self.config.advantage, shard.rewards, shard.group_ids)
+    self.state = self.batcher.add(self.state, shard.train_batch(advantages))
+    self.counters["samples_trained"] += shard.num_samples
+    self.timeline["trainer"].append((begin, clock(), f"step {step}"))
+
+  def _step_metrics(self, step: int, shards, train: dict, waited: float, wall: float, summary: dict, weights,
+                    sampler_idle: float) -> dict:
+    rewards = np.concatenate([s.rewards for s in shards])
+    versions = np.concatenate([s.first_versions for s in shards])
+    seconds = [v for _, v in sorted(weights.seconds.items())]
+    return dict(step=step + 1, reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards >= 1.0)),
+                samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
+                staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
+                sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
+                step_s=wall, **summary, **train)
+
+
+def _single_step(shard: SampleShard) -> int:
+  if (shard.steps != shard.steps[0]).any():
+    raise ValueError(f"a shard mixes samples of steps {sorted(set(shard.steps.tolist()))}; send one step a shard")
+  return int(shard.steps[0])

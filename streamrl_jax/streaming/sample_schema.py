@@ -1,0 +1,134 @@
+"""The Arrow schema that carries `SampleShard`s between processes, and its checked conversions.
+
+One row per sample: its key (step, group id, sample index), the tokens it trains on (prompt then
+completion, unpadded), which of them carry loss, the sampler's log-probabilities, the reward, the policy
+versions that produced it, and the envelope: the sending sampler's id and the batch's sequence number
+(one value per batch, used to acknowledge and deduplicate). No pickle: the receiver checks every column
+and refuses a malformed batch with a message naming what is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pyarrow as pa
+
+from streamrl_jax.streaming.shard import SampleShard
+
+SCHEMA_NAME = "streamrl.samples/1"
+SAMPLE_SCHEMA = pa.schema([
+    ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
+    ("prompt_id", pa.int64()), ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
+    ("first_version", pa.int64()), ("last_version", pa.int64()),
+], metadata={"schema": SCHEMA_NAME})
+ROWS = {"step": "steps", "group_id": "group_ids", "prompt_id": "prompt_ids", "sample_index": "sample_indices",
+        "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions"}
+LISTS = ("tokens", "loss_mask", "sampler_logprobs")
+
+
+class BadSampleBatch(ValueError):
+  """A sample batch that does not follow `SAMPLE_SCHEMA` or its rules."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleEnvelope:
+  """Who sent a batch, and its place in that sender's sequence."""
+
+  sampler_id: int
+  seq: int
+
+
+def shard_to_batch(shard: SampleShard, envelope: SampleEnvelope) -> pa.RecordBatch:
+  """The shard's rows, each cut to its valid tokens (which must be a prefix of the row)."""
+  lengths = shard.valid.sum(axis=1)
+  if not np.array_equal(shard.valid, np.arange(shard.tokens.shape[1])[None] < lengths[:, None]):
+    raise ValueError("SampleShard.valid must mark a prefix of each row to travel as Arrow lists")
+  offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+  columns = {name: pa.ListArray.from_arrays(offsets, pa.array(getattr(shard, name)[shard.valid])) for name in LISTS}
+  n = shard.num_samples
+  columns.update(sampler_id=pa.array(np.full(n, envelope.sampler_id, np.int64)),
+                 seq=pa.array(np.full(n, envelope.seq, np.int64)))
+  columns.update({wire: pa.array(getattr(shard, field)) for wire, field in ROWS.items()})
+  return pa.record_batch([columns[f.name] for f in SAMPLE_SCHEMA], schema=SAMPLE_SCHEMA)
+
+
+def batch_to_shard(batch: pa.RecordBatch, vocab_size: int) -> tuple[SampleShard, SampleEnvelope]:
+  """Checks a received batch and rebuilds the shard (rows right-padded to the longest); raises
+  `BadSampleBatch` naming the first problem."""
+  _check_schema(batch.schema)
+  if batch.num_rows == 0:
+    raise BadSampleBatch("sample batch has no rows")
+  for column, field in zip(batch.columns, batch.schema):
+    if column.null_count:
+      raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.null_count} nulls")
+  envelope = SampleEnvelope(*(_uniform(batch, name) for name in ("sampler_id", "seq")))
+  lists = {name: _list_column(batch, name) for name in LISTS}
+  lengths = np.diff(lists["tokens"][0])
+  for name in LISTS[1:]:
+    bad = np.flatnonzero(np.diff(lists[name][0]) != lengths)
+    if bad.size:
+      raise BadSampleBatch(f"row {bad[0]}: {name!r} has {np.diff(lists[name][0])[bad[0]]} entries but 'tokens' has "
+                           f"{lengths[bad[0]]}")
+  tokens = lists["tokens"][1]
+  if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
+    row = int(np.searchsorted(lists["tokens"][0], np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0], "right")) - 1
+    raise BadSampleBatch(f"row {row}: token ids must lie in [0, {vocab_size}) (the vocabulary)")
+  if lengths.min() < 2:
+    raise BadSampleBatch(f"row {int(np.argmin(lengths))}: a sample needs at least 2 tokens (prompt and completion)")
+  rows = {field: batch.column(wire).to_numpy() for wire, field in ROWS.items()}
+  _check_rows(rows)
+  width = int(lengths.max())
+  valid = np.arange(width)[None] < lengths[:, None]
+  padded = {}
+  for name, (_, values) in lists.items():
+    padded[name] = np.zeros((batch.num_rows, width), values.dtype)
+    padded[name][valid] = values
+  if padded["loss_mask"][:, 0].any():
+    raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
+                         f"token has no prediction)")
+  return SampleShard(valid=valid, **padded, **rows), envelope
+
+
+def _check_schema(schema: pa.Schema) -> None:
+  if schema.metadata is None or schema.metadata.get(b"schema") != SCHEMA_NAME.encode():
+    raise BadSampleBatch(f"sample batch schema is not {SCHEMA_NAME!r} (metadata {schema.metadata})")
+  got = {f.name: f.type for f in schema}
+  for field in SAMPLE_SCHEMA:
+    if field.name not in got:
+      raise BadSampleBatch(f"sample batch lacks column {field.name!r}")
+    if got[field.name] != field.type:
+      raise BadSampleBatch(f"sample batch column {field.name!r} has type {got[field.name]}, expected {field.type}")
+  extra = sorted(set(got) - set(SAMPLE_SCHEMA.names))
+  if extra or schema.names != SAMPLE_SCHEMA.names:
+    raise BadSampleBatch(f"sample batch columns {schema.names} differ from {SAMPLE_SCHEMA.names} (extra: {extra})")
+
+
+def _uniform(batch: pa.RecordBatch, name: str) -> int:
+  values = batch.column(name).to_numpy()
+  if (values != values[0]).any():
+    raise BadSampleBatch(f"sample batch column {name!r} must hold one value for the whole batch")
+  if values[0] < 0:
+    raise BadSampleBatch(f"sample batch {name!r} must be >= 0, got {values[0]}")
+  return int(values[0])
+
+
+def _list_column(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarray]:
+  """(offsets relative to the first, flat values) of a list column."""
+  column = batch.column(name)
+  offsets = column.offsets.to_numpy()
+  values = column.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
+  return offsets - offsets[0], values
+
+
+def _check_rows(rows: dict) -> None:
+  checks = [("steps", rows["steps"] < 0, "step must be >= 0"),
+            ("group_ids", rows["group_ids"] < 0, "group_id must be >= 0"),
+            ("sample_indices", rows["sample_indices"] < 0, "sample_index must be >= 0"),
+            ("first_versions", rows["first_versions"] < 0, "first_version must be >= 0"),
+            ("last_versions", rows["last_versions"] < rows["first_versions"], "last_version must be >= first_version"),
+            ("rewards", ~np.isfinite(rows["rewards"]), "reward must be finite")]
+  for _, bad, message in checks:
+    if bad.any():
+      raise BadSampleBatch(f"row {int(np.argmax(bad))}: {message}")

@@ -1,0 +1,150 @@
+"""What crosses process boundaries: the Arrow sample schema, weight chunks and the control messages."""
+
+import dataclasses
+import json
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrl_jax.messages import (BadMessage, Lease, LeaseReply, Register, StepReport, decode_message,
+                                   encode_message)
+from streamrl_jax.streaming import SampleShard
+from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
+                                                  shard_to_batch)
+from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, read_manifest, weight_batches,
+                                                  weight_schema)
+
+VOCAB = 50
+
+
+def group_shard(lengths, prompt_len=2, step=3, seed=0) -> SampleShard:
+  rng = np.random.default_rng(seed)
+  n, width = len(lengths), max(lengths) + 3
+  valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
+  return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid,
+                     loss_mask=valid & (np.arange(width)[None] >= prompt_len),
+                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=rng.random(n),
+                     prompt_ids=np.full(n, 7), group_ids=np.full(n, 7), sample_indices=np.arange(n),
+                     steps=np.full(n, step), first_versions=np.full(n, 2), last_versions=np.full(n, 3))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(2, 12), min_size=1, max_size=6))
+def test_sample_batch_round_trip(lengths):
+  shard = group_shard(lengths)
+  back, envelope = batch_to_shard(shard_to_batch(shard, SampleEnvelope(4, 9)), VOCAB)
+  assert envelope == SampleEnvelope(4, 9)
+  width = max(lengths)
+  for field in ("tokens", "valid", "loss_mask", "sampler_logprobs"):
+    np.testing.assert_array_equal(getattr(back, field), getattr(shard, field)[:, :width])
+  for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions"):
+    np.testing.assert_array_equal(getattr(back, field), getattr(shard, field))
+
+
+def _replace_column(batch: pa.RecordBatch, name: str, values) -> pa.RecordBatch:
+  columns = [values if f.name == name else batch.column(i) for i, f in enumerate(batch.schema)]
+  return pa.record_batch(columns, schema=batch.schema)
+
+
+def _bad_batches():
+  good = shard_to_batch(group_shard([5, 6]), SampleEnvelope(0, 1))
+  tokens = good.column("tokens").to_pylist()
+  return {
+      "tokens. has type list<item: int64>, expected list<item: int32>": pa.record_batch(
+          [pa.array(tokens, pa.list_(pa.int64())) if f.name == "tokens" else good.column(i)
+           for i, f in enumerate(good.schema)],
+          schema=pa.schema([pa.field("tokens", pa.list_(pa.int64())) if f.name == "tokens" else f
+                            for f in good.schema], metadata=good.schema.metadata)),
+      "lacks column 'reward'": pa.record_batch(
+          [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
+          schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
+      "not 'streamrl.samples/1'": good.replace_schema_metadata({}),
+      r"\[0, 50\)": _replace_column(good, "tokens", pa.array([t[:-1] + [VOCAB] for t in tokens], pa.list_(pa.int32()))),
+      "'sampler_logprobs' has 4 entries": _replace_column(
+          good, "sampler_logprobs", pa.array([[0.0] * 4, [0.0] * 6], pa.list_(pa.float32()))),
+      "one value for the whole batch": _replace_column(good, "seq", pa.array([1, 2], pa.int64())),
+      "reward must be finite": _replace_column(good, "reward", pa.array([0.5, float("nan")], pa.float32())),
+      "last_version must be >= first_version": _replace_column(good, "last_version", pa.array([1, 3], pa.int64())),
+      "nulls": _replace_column(good, "step", pa.array([3, None], pa.int64())),
+      "loss_mask\\[0\\] must be false": _replace_column(
+          good, "loss_mask", pa.array([[True] * 5, [False] * 6], pa.list_(pa.bool_()))),
+  }
+
+
+@pytest.mark.parametrize("problem", list(_bad_batches()))
+def test_malformed_sample_batches_are_refused_by_name(problem):
+  with pytest.raises(BadSampleBatch, match=problem):
+    batch_to_shard(_bad_batches()[problem], VOCAB)
+
+
+def test_sample_schema_is_fixed():
+  assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "prompt_id", "sample_index", "tokens",
+                                 "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version"]
+  with pytest.raises(ValueError, match="prefix"):
+    bad = group_shard([4])
+    shard_to_batch(dataclasses.replace(bad, valid=bad.valid[:, ::-1], loss_mask=bad.valid[:, ::-1] & False),
+                   SampleEnvelope(0, 0))
+
+
+def _weights():
+  rng = np.random.default_rng(0)
+  return {"['a']": rng.normal(size=(3, 5)).astype(np.float32), "['b']": np.arange(100, dtype=np.int32),
+          "['c']": np.zeros((0, 4), np.float32), "['d']": rng.normal(size=(7,)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("chunk_bytes", [8, 64, 1 << 20])
+def test_weights_reassemble_from_chunks(chunk_bytes):
+  flat = _weights()
+  schema = weight_schema(5, flat)
+  version, manifest = read_manifest(schema, {k: v.shape for k, v in flat.items()})
+  assembler = WeightAssembler(manifest)
+  for batch in weight_batches(schema, flat, chunk_bytes):
+    assembler.add(batch)
+  out = assembler.result()
+  assert version == 5 and list(out) == list(flat) and assembler.bytes == sum(a.nbytes for a in flat.values())
+  for name in flat:
+    np.testing.assert_array_equal(out[name], flat[name])
+    assert out[name].dtype == flat[name].dtype
+
+
+def test_weight_streams_that_do_not_add_up_are_refused():
+  flat = _weights()
+  schema = weight_schema(1, flat)
+  with pytest.raises(BadWeightStream, match=r"weight \['a'\] has shape \(3, 5\), this model expects \(5, 3\)"):
+    read_manifest(schema, {**{k: v.shape for k, v in flat.items()}, "['a']": (5, 3)})
+  with pytest.raises(BadWeightStream, match="missing"):
+    read_manifest(schema, {"['z']": (1,)})
+  _, manifest = read_manifest(schema)
+  assembler = WeightAssembler(manifest)
+  batches = list(weight_batches(schema, flat, 16))
+  for batch in batches[:-1]:
+    assembler.add(batch)
+  with pytest.raises(BadWeightStream, match=r"\['d'\]: 16 of 28 bytes arrived"):
+    assembler.result()
+
+
+def test_control_messages_round_trip_and_are_checked():
+  lease = Lease(lease_id=3, step=2, group_ids=(8, 9), prompts=("1+2=", "3+4="), predicted_lengths=(),
+                length_quantiles=(1.0, 2.0), min_version=1, instances=2)
+  reply = LeaseReply(lease=lease, finished=False)
+  assert decode_message(encode_message(reply), LeaseReply) == reply
+  report = StepReport(sampler_id=0, lease_id=3, step=2, generation_s=1.5, lengths=(3.0, 4.5), wait_s=0.0, samples=8,
+                      instances=1, busy=((1.0, 2.5),))
+  assert decode_message(encode_message(report)) == report
+  assert decode_message(encode_message(Register("s", {"PipelineConfig.mode": "'async'"}))).settings == {
+      "PipelineConfig.mode": "'async'"}
+  body = json.loads(encode_message(report))
+  cases = {"not JSON": b"\x80", "not a known control message": json.dumps({"@type": "Pickle"}).encode(),
+           "unknown fields \\['extra'\\]": json.dumps({**body, "extra": 1}).encode(),
+           "missing fields \\['step'\\]": json.dumps({k: v for k, v in body.items() if k != "step"}).encode(),
+           "StepReport.samples must be int, got str": json.dumps({**body, "samples": "8"}).encode(),
+           r"StepReport.busy\[0\] must have 2 entries": json.dumps({**body, "busy": [[1.0]]}).encode(),
+           "expected a LeaseReply message, got StepReport": encode_message(report)}
+  for problem, data in cases.items():
+    with pytest.raises(BadMessage, match=problem):
+      decode_message(data, LeaseReply if "LeaseReply" in problem else None)
+  with pytest.raises(TypeError, match="not a control message"):
+    encode_message(object())
