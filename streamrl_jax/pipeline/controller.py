@@ -51,7 +51,7 @@ class Controller:
     self.config, self.spec, self.task, self.tokenizer, self.ranker = config, config.spec, task, tokenizer, ranker
     self.settings, self.heartbeat_s, self.start_step = dict(settings or {}), heartbeat_s, start_step
     self._cond = threading.Condition()
-    self._version = start_step
+    self._version = -1  # nothing published yet
     self._next_step = start_step
     self._plans: dict[int, _StepPlan] = {}
     self._leases: dict[int, tuple[int, Lease]] = {}  # lease id -> (sampler id, lease)
@@ -194,11 +194,15 @@ class Controller:
       if self._plans[step].unleased:
         return self._plans[step].unleased.pop(0)
     step = self._next_step
-    if step >= self.config.steps or self._version < step - self.spec.max_lag:
+    if step >= self.config.steps or self._version < self._min_version(step):
       return None
     self._plans[step] = self._plan(step)
     self._next_step += 1
     return self._plans[step].unleased.pop(0)
+
+  def _min_version(self, step: int) -> int:
+    """The version gate: weights a step's generation may start with."""
+    return max(self.start_step, step - self.spec.max_lag)
 
   def _plan(self, step: int) -> _StepPlan:
     config = self.config
@@ -216,7 +220,7 @@ class Controller:
     first = step * config.prompts_per_step
     leases = [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
                     prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
-                    if predicted else (), length_quantiles=quantiles, min_version=max(self.start_step, step - self.spec.max_lag),
+                    if predicted else (), length_quantiles=quantiles, min_version=self._min_version(step),
                     instances=self._target_instances) for idx in cuts]
     return _StepPlan(prompts, encoded, scores, leases, len(leases))
 

@@ -1,0 +1,232 @@
+"""A sampler's side of the Arrow Flight transport: the control channel, the sample sender and the weight
+receiver, over one `FlightConnection` (mutual TLS optional, a deadline on every call, bounded retries while
+the trainer cannot be reached).
+
+`FlightControl` answers the same calls as the in-process `Controller` (register, lease, report, heartbeat,
+leave); `FlightSampleSender.put` is the sample transport's put; `FlightWeightReceiver` is a `WeightSource`
+that fetches each new version in the background and places it onto the sampler's own mesh and shardings.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import jax
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from streamrl_jax.messages import (BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
+                                   Registered, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
+                                   encode_message, Ack)
+from streamrl_jax.pytrees import flatten_with_names, unflatten_like
+from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, TLSFiles
+from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
+from streamrl_jax.streaming.weight_chunks import WeightAssembler, read_manifest
+
+
+class TrainerUnreachable(ConnectionError):
+  """The trainer's server did not answer for longer than the configured limit."""
+
+
+def _message(err: Exception) -> str:
+  return str(err).split(". Detail:")[0]
+
+
+class FlightConnection:
+  """A client of the trainer's server. Every call has a deadline (`timeout_s`, or the call's own); calls
+  that find the server unavailable are retried with backoff for up to `retry_s` seconds in all."""
+
+  def __init__(self, address: str, *, tls: TLSFiles | None = None, timeout_s: float = 60.0, retry_s: float = 120.0):
+    if ":" not in address:
+      raise ValueError(f"--connect {address!r}: expected HOST:PORT")
+    self.address, self.timeout_s, self.retry_s = address, timeout_s, retry_s
+    kwargs = {}
+    if tls is not None:
+      cert, key, ca = tls.read()
+      kwargs = dict(tls_root_certs=ca, cert_chain=cert, private_key=key)
+    self.client = flight.FlightClient(f"{'grpc+tls' if tls else 'grpc+tcp'}://{address}", **kwargs)
+    self.counters = dict(calls=0, retries=0)
+
+  def options(self, timeout: float | None = None) -> flight.FlightCallOptions:
+    return flight.FlightCallOptions(timeout=timeout or self.timeout_s)
+
+  def call(self, fn, *, retry_s: float | None = None):
+    """fn() with retries while the server is unavailable (refusing connections, restarting, or asking for a
+    retry); raises TrainerUnreachable after `retry_s` seconds."""
+    limit = self.retry_s if retry_s is None else retry_s
+    start, pause = time.monotonic(), 0.05
+    while True:
+      self.counters["calls"] += 1
+      try:
+        return fn()
+      except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
+        if time.monotonic() - start + pause > limit:
+          raise TrainerUnreachable(f"the trainer at {self.address} did not take the call for {limit:.0f} s: "
+                                   f"{_message(err)}") from None
+      self.counters["retries"] += 1
+      time.sleep(pause)
+      pause = min(2 * pause, 2.0)
+
+  def action(self, message, reply_type: type, timeout: float | None = None):
+    def once():
+      action = flight.Action("control", encode_message(message))
+      try:
+        results = list(self.client.do_action(action, options=self.options(timeout)))
+      except flight.FlightServerError as err:
+        raise BadMessage(f"the trainer refused {type(message).__name__}: {_message(err)}") from None
+      return decode_message(results[0].body.to_pybytes(), reply_type)
+    return self.call(once)
+
+  def close(self) -> None:
+    self.client.close()
+
+
+class FlightControl:
+  """The control channel of a `SamplerWorker` across processes."""
+
+  def __init__(self, connection: FlightConnection):
+    self.connection = connection
+
+  def register(self, message: Register) -> Registered:
+    return self.connection.action(message, Registered)
+
+  def lease(self, message: LeaseRequest) -> LeaseReply:
+    return self.connection.action(message, LeaseReply, timeout=message.wait_s + self.connection.timeout_s)
+
+  def report(self, message: StepReport) -> Ack:
+    return self.connection.action(message, Ack)
+
+  def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
+    return self.connection.action(message, HeartbeatReply)
+
+  def leave(self, message: Leave) -> Ack:
+    return self.connection.action(message, Ack)
+
+
+class FlightSampleSender:
+  """`put(shard)` sends one shard per DoPut with the next sequence number and waits for its ack; a refusal
+  because the trainer's queue is full is retried for as long as it lasts (backpressure), an unreachable
+  trainer up to the connection's retry limit. The shard is never dropped: put returns once it is acked."""
+
+  def __init__(self, connection: FlightConnection, sampler_id: int):
+    self.connection, self.sampler_id, self.seq = connection, sampler_id, 0
+    self.stats = dict(put_shards=0, put_samples=0, duplicate_acks=0, full_retries=0, put_wait_s=0.0)
+
+  def put(self, shard, timeout: float | None = None) -> None:
+    batch = shard_to_batch(shard, SampleEnvelope(self.sampler_id, self.seq))
+    start = time.perf_counter()
+    while True:
+      try:
+        ack = self.connection.call(lambda: self._send(batch, timeout))
+        break
+      except _QueueFull:
+        self.stats["full_retries"] += 1
+        time.sleep(0.01)
+    self.stats["put_wait_s"] += time.perf_counter() - start
+    if ack.get("seq") != self.seq:
+      raise BadMessage(f"the trainer acknowledged sequence number {ack.get('seq')}, expected {self.seq}")
+    self.stats["duplicate_acks"] += ack.get("status") == "duplicate"
+    self.stats["put_shards"] += 1
+    self.stats["put_samples"] += shard.num_samples
+    self.seq += 1
+
+  def _send(self, batch: pa.RecordBatch, timeout: float | None) -> dict:
+    descriptor = flight.FlightDescriptor.for_command(SAMPLES_COMMAND)
+    try:
+      writer, reader = self.connection.client.do_put(descriptor, SAMPLE_SCHEMA, options=self.connection.options(timeout))
+      with writer:
+        writer.write_batch(batch)
+        writer.done_writing()
+        ack = reader.read()
+    except flight.FlightUnavailableError as err:
+      if "queue full" in str(err):
+        raise _QueueFull() from None
+      raise
+    except flight.FlightServerError as err:
+      raise BadMessage(_message(err)) from None
+    return json.loads(ack.to_pybytes())
+
+
+class _QueueFull(Exception):
+  pass
+
+
+class FlightWeightReceiver:
+  """A `WeightSource` across processes: a background thread waits for each newer version (a long poll),
+  fetches its chunks by DoGet, checks them against `template` (the model's parameter structure), and places
+  them with `shardings` (the sampler mesh's). `latest()` never touches the network."""
+
+  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0):
+    self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
+    self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
+    self._cond = threading.Condition()
+    self._latest: WeightUpdate | None = None
+    self._error: BaseException | None = None
+    self._stop = threading.Event()
+    self.stats = dict(fetches=0, bytes=0, fetch_s=0.0)
+    self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
+    self._thread.start()
+
+  def _loop(self) -> None:
+    try:
+      while not self._stop.is_set():
+        have = -1 if self._latest is None else self._latest.version
+        info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s), VersionInfo,
+                                      timeout=self.poll_s + self.connection.timeout_s)
+        if info.version > have:
+          update = self.fetch(info.version)
+          with self._cond:
+            self._latest = update
+            self._cond.notify_all()
+    except BaseException as err:  # surfaced by latest()/wait_for()
+      with self._cond:
+        self._error = err
+        self._cond.notify_all()
+
+  def fetch(self, version: int) -> WeightUpdate:
+    """One version by DoGet, placed onto the sampler's shardings."""
+    start = time.perf_counter()
+
+    def once():
+      ticket = flight.Ticket(json.dumps({"weights": version}).encode())
+      try:
+        reader = self.connection.client.do_get(ticket, options=self.connection.options())
+        got, manifest = read_manifest(reader.schema, self._expected)
+        assembler = WeightAssembler(manifest)
+        for chunk in reader:
+          assembler.add(chunk.data)
+        return got, assembler
+      except flight.FlightServerError as err:
+        raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
+    got, assembler = self.connection.call(once)
+    params = jax.device_put(unflatten_like(self.template, assembler.result(), "the weight stream"), self.shardings)
+    jax.block_until_ready(params)
+    self.stats["fetches"] += 1
+    self.stats["bytes"] += assembler.bytes
+    self.stats["fetch_s"] += time.perf_counter() - start
+    return WeightUpdate(got, params)
+
+  def _raise_error(self) -> None:
+    if self._error is not None:
+      raise RuntimeError(f"receiving weights from {self.connection.address} failed: {self._error}") from self._error
+
+  def latest(self) -> WeightUpdate | None:
+    with self._cond:
+      self._raise_error()
+      return self._latest
+
+  def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate:
+    with self._cond:
+      ok = self._cond.wait_for(lambda: self._error is not None or (self._latest is not None
+                                                                   and self._latest.version >= version), timeout)
+      self._raise_error()
+      if not ok:
+        raise TimeoutError(f"weights of version {version} did not arrive within {timeout} s")
+      return self._latest
+
+  def close(self) -> None:
+    self._stop.set()
+    self._thread.join(timeout=self.poll_s + self.connection.timeout_s)

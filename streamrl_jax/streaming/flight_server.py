@@ -1,0 +1,224 @@
+"""The trainer's Arrow Flight server (on its process 0): samples in by DoPut, weights out by DoGet, control
+messages by DoAction. It moves typed records and does no math.
+
+- DoPut (descriptor command `samples`): one `SAMPLE_SCHEMA` batch per call. It is checked, deduplicated on
+  (sampler id, sequence number), put into the trainer's bounded `SampleQueue` and acknowledged; a full queue
+  refuses the batch as UNAVAILABLE (the sender keeps it and retries: backpressure, never a drop); a
+  malformed batch is refused with a message naming the problem, and the connection stays usable.
+- DoGet (ticket `{"weights": version}`): the tensors of a published version in chunks (`weight_chunks`).
+- DoAction (type `control`): a JSON control message in, its reply out (`streamrl_jax.messages`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from streamrl_jax.messages import (BadMessage, Heartbeat, LeaseRequest, Leave, Register, StepReport, VersionInfo,
+                                   VersionQuery, decode_message, encode_message)
+from streamrl_jax.pytrees import flatten_with_names
+from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
+from streamrl_jax.streaming.sample_schema import BadSampleBatch, batch_to_shard
+from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, weight_batches, weight_schema
+from streamrl_jax.streaming.weights import cast_floats
+
+SAMPLES_COMMAND = b"samples"
+
+
+@dataclasses.dataclass(frozen=True)
+class TLSFiles:
+  """PEM files for mutual TLS: this side's certificate and key, and the CA that signs the other side's."""
+
+  cert: str
+  key: str
+  ca: str
+
+  def read(self) -> tuple[bytes, bytes, bytes]:
+    out = []
+    for flag, path in (("--tls-cert", self.cert), ("--tls-key", self.key), ("--tls-ca", self.ca)):
+      if not Path(path).is_file():
+        raise FileNotFoundError(f"{flag} {path}: no such file")
+      out.append(Path(path).read_bytes())
+    return tuple(out)
+
+  @classmethod
+  def from_flags(cls, cert: str | None, key: str | None, ca: str | None) -> TLSFiles | None:
+    given = [x for x in (cert, key, ca) if x]
+    if not given:
+      return None
+    if len(given) != 3:
+      raise ValueError("mutual TLS needs all of --tls-cert, --tls-key and --tls-ca")
+    return cls(cert, key, ca)
+
+
+class HostWeightStore:
+  """The trainer side of the weight transport across processes: host copies of the newest versions.
+
+  `publish` copies the parameters on their devices at once (the trainer may donate them to its next step
+  right after) and moves them to the host on a worker thread; `gather`, when given, replaces both (a
+  multi-process trainer all-gathers its shards synchronously on every process)."""
+
+  def __init__(self, *, keep: int = 2, cast_dtype=None, gather=None):
+    self._keep, self._dtype, self._gather = keep, cast_dtype, gather
+    self._cond = threading.Condition()
+    self._versions: dict[int, tuple[pa.Schema, dict]] = {}
+    self._threads: list[threading.Thread] = []
+    self._error: BaseException | None = None
+    self.seconds: dict[int, float] = {}
+
+  def publish(self, params, version: int) -> None:
+    start = time.perf_counter()
+    params = cast_floats(params, self._dtype)
+    if self._gather is not None:
+      self._store(self._gather(params), version, start)
+      return
+    copied = jax.tree.map(jnp.copy, params)
+    thread = threading.Thread(target=self._to_host, args=(copied, version, start), daemon=True,
+                              name=f"weights-to-host-{version}")
+    thread.start()
+    self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+  def _to_host(self, params, version: int, start: float) -> None:
+    try:
+      self._store(jax.tree.map(np.asarray, params), version, start)
+    except BaseException as err:  # surfaced by get()/wait()
+      with self._cond:
+        self._error = err
+        self._cond.notify_all()
+
+  def _store(self, host_params, version: int, start: float) -> None:
+    flat = {k: np.ascontiguousarray(v) for k, v in flatten_with_names(host_params).items()}
+    with self._cond:
+      self._versions[version] = (weight_schema(version, flat), flat)
+      for old in sorted(self._versions)[:-self._keep]:
+        del self._versions[old]
+      self.seconds[version] = time.perf_counter() - start
+      self._cond.notify_all()
+
+  def latest_version(self) -> int:
+    with self._cond:
+      self._raise_error()
+      return max(self._versions, default=-1)
+
+  def wait_version(self, min_version: int, timeout: float) -> int:
+    """The newest stored version, after waiting up to `timeout` s for one >= `min_version`."""
+    with self._cond:
+      self._cond.wait_for(lambda: self._error is not None or max(self._versions, default=-1) >= min_version, timeout)
+      self._raise_error()
+      return max(self._versions, default=-1)
+
+  def get(self, version: int) -> tuple[pa.Schema, dict]:
+    with self._cond:
+      self._raise_error()
+      if version not in self._versions:
+        raise KeyError(f"weights of version {version} are not held; have {sorted(self._versions)}")
+      return self._versions[version]
+
+  def _raise_error(self) -> None:
+    if self._error is not None:
+      raise RuntimeError("moving the weights to the host failed") from self._error
+
+  def wait(self) -> None:
+    for thread in self._threads:
+      thread.join()
+    self.latest_version()
+
+
+class TrainerFlightServer(flight.FlightServerBase):
+  """Serves samples, weights and control for one run; listening from construction, `shutdown()` to stop."""
+
+  def __init__(self, host: str, port: int, *, controller, samples: SampleQueue, weights: HostWeightStore,
+               vocab_size: int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+    scheme = "grpc+tls" if tls else "grpc+tcp"
+    kwargs = {}
+    if tls is not None:
+      cert, key, ca = tls.read()
+      kwargs = dict(tls_certificates=[flight.CertKeyPair(cert, key)], verify_client=True, root_certificates=ca)
+    super().__init__(f"{scheme}://{host}:{port}", **kwargs)
+    self.address = f"{host}:{self.port}"
+    self.controller, self.samples, self.weights = controller, samples, weights
+    self.vocab_size, self.put_wait_s, self.chunk_bytes = vocab_size, put_wait_s, chunk_bytes
+    self._seq_locks: dict[int, threading.Lock] = {}
+    self._last_seq: dict[int, int] = {}
+    self._lock = threading.Lock()
+    self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
+                         full_refusals=0, weight_streams=0, weight_bytes=0, actions=0, bad_actions=0)
+    self._handlers = {Register: controller.register, LeaseRequest: controller.lease, StepReport: controller.report,
+                      Heartbeat: controller.heartbeat, Leave: controller.leave,
+                      VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
+
+  def _count(self, key: str, n: int = 1) -> None:
+    with self._lock:
+      self.counters[key] += n
+
+  # ---- samples -------------------------------------------------------------------------------
+  def do_put(self, context, descriptor, reader, writer):
+    if descriptor.command != SAMPLES_COMMAND:
+      raise flight.FlightServerError(f"DoPut takes the command {SAMPLES_COMMAND!r}, got {descriptor.command!r}")
+    for chunk in reader:
+      try:
+        shard, envelope = batch_to_shard(chunk.data, self.vocab_size)
+      except BadSampleBatch as err:
+        self._count("bad_batches")
+        raise flight.FlightServerError(f"refused sample batch: {err}") from None
+      writer.write(pa.py_buffer(json.dumps(self._accept(shard, envelope)).encode()))
+
+  def _accept(self, shard, envelope) -> dict:
+    with self._lock:
+      lock = self._seq_locks.setdefault(envelope.sampler_id, threading.Lock())
+    with lock:  # a retry waits for an earlier attempt of the same sampler, then sees it as a duplicate
+      if envelope.seq <= self._last_seq.get(envelope.sampler_id, -1):
+        self._count("duplicate_batches")
+        return {"seq": envelope.seq, "status": "duplicate"}
+      try:
+        self.samples.put(shard, timeout=self.put_wait_s)
+      except TimeoutError:
+        self._count("full_refusals")
+        raise flight.FlightUnavailableError(f"sample queue full ({len(self.samples)}/{self.samples.capacity} "
+                                            f"samples); retry") from None
+      except QueueClosed:
+        raise flight.FlightServerError("the trainer is no longer taking samples (run over)") from None
+      self._last_seq[envelope.sampler_id] = envelope.seq
+    self._count("accepted_batches")
+    self._count("accepted_samples", shard.num_samples)
+    return {"seq": envelope.seq, "status": "accepted"}
+
+  # ---- weights -------------------------------------------------------------------------------
+  def do_get(self, context, ticket):
+    try:
+      version = int(json.loads(ticket.ticket)["weights"])
+      schema, flat = self.weights.get(version)
+    except (ValueError, KeyError, TypeError) as err:
+      raise flight.FlightServerError(f"bad weights ticket {ticket.ticket[:100]!r}: {err}") from None
+    self._count("weight_streams")
+    self._count("weight_bytes", sum(a.nbytes for a in flat.values()))
+    return flight.GeneratorStream(schema, weight_batches(schema, flat, self.chunk_bytes))
+
+  # ---- control -------------------------------------------------------------------------------
+  def do_action(self, context, action):
+    if action.type != "control":
+      raise flight.FlightServerError(f"unknown action {action.type!r}; this server takes 'control'")
+    self._count("actions")
+    try:
+      message = decode_message(action.body.to_pybytes())
+      handler = self._handlers.get(type(message))
+      if handler is None:
+        raise BadMessage(f"{type(message).__name__} is a reply, not a request")
+      reply = handler(message)
+    except BadMessage as err:
+      self._count("bad_actions")
+      raise flight.FlightServerError(str(err)) from None
+    return [flight.Result(pa.py_buffer(encode_message(reply)))]
+
+  def list_actions(self, context):
+    return [("control", "a JSON control message (streamrl_jax.messages) in, its reply out")]

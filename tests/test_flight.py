@@ -1,0 +1,181 @@
+"""The Arrow Flight transport on loopback: samples (acks, duplicates, malformed batches, backpressure),
+weights, control messages, mutual TLS, an unreachable trainer."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from flax import nnx
+
+from streamrl_jax.config import MeshShape
+from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.messages import BadMessage, Heartbeat, LeaseRequest, Register, StepReport
+from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, state_shardings
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.streaming import SampleQueue
+from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
+                                                  FlightWeightReceiver, TrainerUnreachable)
+from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, HostWeightStore, TLSFiles, TrainerFlightServer
+from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
+from streamrl_jax.tasks import ArithmeticTask
+from tests.test_wire_formats import VOCAB, group_shard
+from tests.tls_certs import write_test_certificates
+
+CONFIG = PipelineConfig(mode="stream", steps=2, prompts_per_step=4, group_size=2, max_new_tokens=8)
+SETTINGS = {"PipelineConfig.mode": "'stream'"}
+
+
+def make_server(capacity=8, tls=None, **kwargs):
+  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, settings=SETTINGS)
+  queue, store = SampleQueue(capacity), HostWeightStore()
+  server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store, vocab_size=VOCAB,
+                               tls=tls, **kwargs)
+  return server, controller, queue, store
+
+
+@pytest.fixture
+def served():
+  server, controller, queue, store = make_server()
+  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
+  yield server, controller, queue, store, connection
+  connection.close()
+  server.shutdown()
+
+
+def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):
+  server, _, queue, _, connection = served
+  sender = FlightSampleSender(connection, sampler_id=3)
+  sender.put(group_shard([4, 5], seed=1))
+  sender.seq = 0  # a retry of an acked batch (its ack was lost): acked again as a duplicate, not queued twice
+  sender.put(group_shard([4, 5], seed=1))
+  assert sender.stats["duplicate_acks"] == 1 and len(queue) == 2
+  bad = shard_to_batch(group_shard([4, 5]), SampleEnvelope(3, 7))
+  bad = pa.record_batch([pa.array([[1, 2, VOCAB + 5, 1], [1, 2, 3, 4, 5]], pa.list_(pa.int32())) if f.name == "tokens"
+                         else bad.column(i) for i, f in enumerate(bad.schema)], schema=bad.schema)
+  writer, reader = connection.client.do_put(flight.FlightDescriptor.for_command(SAMPLES_COMMAND), SAMPLE_SCHEMA)
+  with pytest.raises(flight.FlightServerError, match=r"row 0: token ids must lie in \[0, 50\)"):
+    with writer:
+      writer.write_batch(bad)
+      writer.done_writing()
+      reader.read()
+  sender.put(group_shard([3, 3], seed=2))  # the connection stays usable
+  assert len(queue) == 4 and server.counters["bad_batches"] == 1 and server.counters["duplicate_batches"] == 1
+  got = queue.get(timeout=1)
+  np.testing.assert_array_equal(got.tokens, group_shard([4, 5], seed=1).tokens[:, :5])
+  with pytest.raises(flight.FlightServerError, match="DoPut takes the command"):
+    writer, reader = connection.client.do_put(flight.FlightDescriptor.for_command(b"other"), SAMPLE_SCHEMA)
+    with writer:
+      writer.write_batch(shard_to_batch(group_shard([3]), SampleEnvelope(0, 0)))
+      writer.done_writing()
+      reader.read()
+
+
+def test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost():
+  server, _, queue, _ = make_server(capacity=4, put_wait_s=0.05)
+  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
+  try:
+    sender = FlightSampleSender(connection, sampler_id=0)
+    sent = [group_shard([3, 4], seed=k) for k in range(6)]
+    thread = threading.Thread(target=lambda: [sender.put(s) for s in sent])
+    thread.start()
+    time.sleep(0.5)
+    assert len(queue) == 4 and thread.is_alive()  # blocked by backpressure, not dropped
+    got = [queue.get(timeout=10) for _ in sent]
+    thread.join(timeout=10)
+    assert not thread.is_alive() and server.counters["full_refusals"] >= 1 and sender.stats["full_retries"] >= 1
+    for a, b in zip(got, sent):
+      np.testing.assert_array_equal(a.rewards, b.rewards)
+  finally:
+    connection.close()
+    server.shutdown()
+
+
+def test_control_messages_over_flight(served):
+  server, controller, _, _, connection = served
+  control = FlightControl(connection)
+  with pytest.raises(BadMessage, match=r"first PipelineConfig.mode = \"'async'\" \(sampler\) vs \"'stream'\""):
+    control.register(Register("s", {"PipelineConfig.mode": "'async'"}))
+  registered = control.register(Register("s", SETTINGS))
+  assert (registered.sampler_id, registered.steps) == (0, 2)
+  assert control.lease(LeaseRequest(0, wait_s=0.1)).lease is None  # no weights published: the gate is closed
+  controller.published(0)
+  lease = control.lease(LeaseRequest(0, wait_s=0.1)).lease
+  assert lease.step == 0 and lease.group_ids == (0, 1, 2, 3) and lease.min_version == 0
+  assert control.lease(LeaseRequest(0, wait_s=0.1)).lease is None  # step 1 needs version 1 (on-policy)
+  with pytest.raises(BadMessage, match="1 lengths for 4 prompts"):
+    control.report(StepReport(0, lease.lease_id, 0, 1.0, (1.0,), 0.0, 8, 1, ()))
+  control.report(StepReport(0, lease.lease_id, 0, 1.0, (1.0, 2.0, 3.0, 4.0), 0.5, 8, 1, ((10.0, 11.0),)))
+  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
+  assert not control.heartbeat(Heartbeat(0)).stop
+  controller.finish()
+  assert control.lease(LeaseRequest(0)).finished and control.heartbeat(Heartbeat(0)).stop
+  assert controller.wait_samplers_told(timeout=1)
+  with pytest.raises(BadMessage, match="unknown sampler id 5"):
+    control.lease(LeaseRequest(5))
+
+
+def test_weights_travel_in_chunks_onto_the_samplers_mesh():
+  server, _, _, store = make_server(chunk_bytes=1000)
+  store._dtype = jnp.bfloat16
+  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
+  try:
+    config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                         num_kv_heads=1)
+    _, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+    mesh = mesh_from_devices(jax.devices()[:2], MeshShape(2, 1, 1))
+    abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[1]
+    receiver = FlightWeightReceiver(connection, abstract, state_shardings(abstract, mesh), poll_s=0.2)
+    with pytest.raises(TimeoutError):
+      receiver.wait_for(0, timeout=0.3)
+    store.publish(params, 0)
+    store.publish(jax.tree.map(lambda x: x * 2, params), 1)
+    update = receiver.wait_for(1, timeout=30)
+    leaf = update.params["layers"][0]["mlp"]["up_proj"][...]
+    assert update.version == 1 and leaf.dtype == jnp.bfloat16 and set(leaf.sharding.device_set) == set(jax.devices()[:2])
+    np.testing.assert_allclose(np.asarray(leaf, np.float32), 2 * np.asarray(params["layers"][0]["mlp"]["up_proj"][...]),
+                               rtol=1e-2)
+    assert receiver.latest().version == 1 and server.counters["weight_streams"] >= 1
+    receiver.close()
+  finally:
+    connection.close()
+    server.shutdown()
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
+  certs = write_test_certificates(tmp_path)
+  server, _, queue, _ = make_server(tls=TLSFiles(str(certs["server_cert"]), str(certs["server_key"]), str(certs["ca"])))
+  try:
+    good = FlightConnection(server.address, tls=TLSFiles(str(certs["client_cert"]), str(certs["client_key"]),
+                                                         str(certs["ca"])), timeout_s=10, retry_s=5)
+    FlightSampleSender(good, 0).put(group_shard([3, 3]))
+    assert len(queue) == 2
+    anonymous = flight.FlightClient(f"grpc+tls://{server.address}", tls_root_certs=certs["ca"].read_bytes())
+    with pytest.raises(flight.FlightError):
+      list(anonymous.do_action(flight.Action("control", b"{}"), options=flight.FlightCallOptions(timeout=5)))
+    plain = flight.FlightClient(f"grpc+tcp://{server.address}")
+    with pytest.raises(flight.FlightError):
+      list(plain.do_action(flight.Action("control", b"{}"), options=flight.FlightCallOptions(timeout=5)))
+    assert len(queue) == 2 and server.counters["actions"] == 0
+  finally:
+    server.shutdown()
+  with pytest.raises(ValueError, match="needs all of"):
+    TLSFiles.from_flags(str(certs["ca"]), None, None)
+  with pytest.raises(FileNotFoundError, match="--tls-key"):
+    TLSFiles(str(certs["ca"]), str(tmp_path / "nope.key"), str(certs["ca"])).read()
+
+
+def test_an_unreachable_trainer_is_reported_after_the_retry_limit():
+  server, _, _, _ = make_server()
+  address = server.address
+  server.shutdown()
+  connection = FlightConnection(address, timeout_s=1, retry_s=0.5)
+  start = time.monotonic()
+  with pytest.raises(TrainerUnreachable, match=f"the trainer at {address} did not take the call"):
+    FlightControl(connection).heartbeat(Heartbeat(0))
+  assert time.monotonic() - start < 10
