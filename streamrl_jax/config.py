@@ -9,7 +9,21 @@ import dataclasses
 
 from streamrl_jax.models.config import ModelConfig, RopeScaling
 
-__all__ = ["MeshConfig", "MeshShape", "ModelConfig", "RopeScaling"]
+__all__ = ["MeshConfig", "MeshShape", "ModelConfig", "RopeScaling", "flat_settings"]
+
+
+def flat_settings(*configs) -> dict[str, str]:
+  """{"PipelineConfig.mode": "'async'", "EngineConfig.num_slots": "32", ...}: every field of the given config
+  dataclasses and of those nested in them, by the class name gin binds it under, values as repr."""
+  out = {}
+  for config in configs:
+    for field in dataclasses.fields(config):
+      value = getattr(config, field.name)
+      if dataclasses.is_dataclass(value):
+        out.update(flat_settings(value))
+      else:
+        out[f"{type(config).__name__}.{field.name}"] = repr(value)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,3 +21,19 @@ def build_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh]:
   sampler, trainer = config.split(len(devices))
   return (mesh_from_devices(devices[: sampler.size], sampler),
           mesh_from_devices(devices[sampler.size: sampler.size + trainer.size], trainer))
+
+
+def role_mesh(config: MeshConfig, role: str, devices=None) -> Mesh:
+  """The mesh of one role running as its own program: its first `MeshConfig.<role>_devices` devices (0: all),
+  laid out as that role's mesh in `build_meshes` (the sampler over "data", the trainer over "fsdp")."""
+  devices = list(jax.devices() if devices is None else devices)
+  if role not in ("sampler", "trainer"):
+    raise ValueError(f"unknown role {role!r}")
+  wanted = getattr(config, f"{role}_devices") or len(devices)
+  tensor = getattr(config, f"{role}_tensor_parallel")
+  if wanted > len(devices):
+    raise ValueError(f"MeshConfig.{role}_devices={wanted} but this {role} has {len(devices)} devices")
+  if wanted % tensor:
+    raise ValueError(f"MeshConfig.{role}_tensor_parallel={tensor} does not divide {wanted} {role} devices")
+  shape = MeshShape(wanted // tensor, 1, tensor) if role == "sampler" else MeshShape(1, wanted // tensor, tensor)
+  return mesh_from_devices(devices[:wanted], shape)

@@ -115,7 +115,7 @@ def test_control_messages_over_flight(served):
   assert not control.heartbeat(Heartbeat(0)).stop
   controller.finish()
   assert control.lease(LeaseRequest(0)).finished and control.heartbeat(Heartbeat(0)).stop
-  assert controller.wait_samplers_told(timeout=1)
+  assert not controller.wait_samplers_left(timeout=0.1)
   with pytest.raises(BadMessage, match="unknown sampler id 5"):
     control.lease(LeaseRequest(5))
 

@@ -165,6 +165,13 @@ class Controller:
         raise TimeoutError(f"the samplers' reports of step {step} did not arrive within {timeout} s")
       return dict(self._plans.pop(step).summary)
 
+  def silent_s(self) -> float | None:
+    """Seconds since any registered sampler was last heard from (None: none registered)."""
+    with self._cond:
+      if not self._samplers:
+        return None
+      return time.monotonic() - max(s.last_seen for s in self._samplers.values())
+
   def sampler_wait_s(self) -> float:
     """Seconds the samplers waited for leases and weights, per sampler on average."""
     with self._cond:
@@ -176,10 +183,10 @@ class Controller:
       self._finished = True
       self._cond.notify_all()
 
-  def wait_samplers_told(self, timeout: float) -> bool:
-    """After `finish`: waits until every registered sampler has been told to stop (or left)."""
+  def wait_samplers_left(self, timeout: float) -> bool:
+    """After `finish`: waits until every registered sampler has left."""
     with self._cond:
-      return self._cond.wait_for(lambda: all(s.told_to_stop for s in self._samplers.values()), timeout)
+      return self._cond.wait_for(lambda: not self._samplers, timeout)
 
   # ---- planning ------------------------------------------------------------------------------
   def _sampler(self, sampler_id: int) -> _Sampler:

@@ -62,9 +62,17 @@ class SamplerWorker:
     return self._engines[(mesh_index, slots)]
 
   # ---- the loop ------------------------------------------------------------------------------
-  def run(self, control, samples, weights, stop: threading.Event) -> None:
-    """Registers, then generates leases until the controller says the run is over or `stop` is set."""
+  def register(self, control) -> int:
+    """Joins the run; returns this sampler's id."""
     self.sampler_id = control.register(Register(name=self.name, settings=self.settings)).sampler_id
+    return self.sampler_id
+
+  def run(self, control, samples, weights, stop: threading.Event) -> None:
+    self.register(control)
+    self.serve(control, samples, weights, stop)
+
+  def serve(self, control, samples, weights, stop: threading.Event) -> None:
+    """Generates leases until the controller says the run is over or `stop` is set, then leaves."""
     waited_since = time.perf_counter()
     while not stop.is_set():
       reply = control.lease(LeaseRequest(self.sampler_id, wait_s=LEASE_POLL_S))
@@ -74,11 +82,14 @@ class SamplerWorker:
         continue
       update = self._wait_for_weights(weights, reply.lease.min_version, stop)
       if update is None:
-        return
+        break
       self._take_weights(update)
       self._generate(reply.lease, control, samples, weights, stop, time.perf_counter() - waited_since)
       waited_since = time.perf_counter()
-    control.leave(Leave(self.sampler_id))
+    try:
+      control.leave(Leave(self.sampler_id))
+    except ConnectionError:  # the trainer is gone already: nothing to hand back
+      pass
 
   @staticmethod
   def _wait_for_weights(weights, version: int, stop: threading.Event) -> WeightUpdate | None:

@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from streamrl_jax.messages import (BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
+from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
                                    Registered, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
-                                   encode_message, Ack)
+                                   encode_message)
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
@@ -49,6 +49,7 @@ class FlightConnection:
       kwargs = dict(tls_root_certs=ca, cert_chain=cert, private_key=key)
     self.client = flight.FlightClient(f"{'grpc+tls' if tls else 'grpc+tcp'}://{address}", **kwargs)
     self.counters = dict(calls=0, retries=0)
+    self._closed = threading.Event()
 
   def options(self, timeout: float | None = None) -> flight.FlightCallOptions:
     return flight.FlightCallOptions(timeout=timeout or self.timeout_s)
@@ -59,6 +60,8 @@ class FlightConnection:
     limit = self.retry_s if retry_s is None else retry_s
     start, pause = time.monotonic(), 0.05
     while True:
+      if self._closed.is_set():
+        raise ConnectionError(f"the connection to {self.address} is closed")
       self.counters["calls"] += 1
       try:
         return fn()
@@ -67,10 +70,10 @@ class FlightConnection:
           raise TrainerUnreachable(f"the trainer at {self.address} did not take the call for {limit:.0f} s: "
                                    f"{_message(err)}") from None
       self.counters["retries"] += 1
-      time.sleep(pause)
+      self._closed.wait(pause)
       pause = min(2 * pause, 2.0)
 
-  def action(self, message, reply_type: type, timeout: float | None = None):
+  def action(self, message, reply_type: type, timeout: float | None = None, retry_s: float | None = None):
     def once():
       action = flight.Action("control", encode_message(message))
       try:
@@ -78,10 +81,11 @@ class FlightConnection:
       except flight.FlightServerError as err:
         raise BadMessage(f"the trainer refused {type(message).__name__}: {_message(err)}") from None
       return decode_message(results[0].body.to_pybytes(), reply_type)
-    return self.call(once)
+    return self.call(once, retry_s=retry_s)
 
   def close(self) -> None:
-    self.client.close()
+    """Ends retries at once; calls under way run to their deadline."""
+    self._closed.set()
 
 
 class FlightControl:
@@ -103,7 +107,8 @@ class FlightControl:
     return self.connection.action(message, HeartbeatReply)
 
   def leave(self, message: Leave) -> Ack:
-    return self.connection.action(message, Ack)
+    """Best effort at the end of a run: a few seconds of retries, not the full connect limit."""
+    return self.connection.action(message, Ack, timeout=5.0, retry_s=5.0)
 
 
 class FlightSampleSender:
@@ -181,9 +186,9 @@ class FlightWeightReceiver:
           with self._cond:
             self._latest = update
             self._cond.notify_all()
-    except BaseException as err:  # surfaced by latest()/wait_for()
+    except BaseException as err:  # surfaced by latest()/wait_for(), unless the receiver was closed
       with self._cond:
-        self._error = err
+        self._error = None if self._stop.is_set() else err
         self._cond.notify_all()
 
   def fetch(self, version: int) -> WeightUpdate:

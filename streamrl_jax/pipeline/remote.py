@@ -1,0 +1,166 @@
+"""The trainer and the sampler as separate programs joined by Arrow Flight: `serve_training` runs the
+trainer worker and the controller behind the trainer's Flight server; `run_sampler` runs a sampler worker
+against it. The workers are those of the in-process `run_pipeline`; only the transports differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.meshes import role_mesh
+from streamrl_jax.messages import Heartbeat
+from streamrl_jax.models import Transformer, state_shardings
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.runner import RunResult, make_ranker, ranker_aux, timeline_of
+from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.streaming import SampleQueue
+from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
+                                                  FlightWeightReceiver)
+from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
+
+
+@dataclasses.dataclass(frozen=True)
+class FlightConfig:
+  """How the trainer and its samplers reach each other across processes."""
+
+  heartbeat_s: float = 2.0  # a sampler's heartbeat period
+  call_timeout_s: float = 60.0  # deadline of one call
+  connect_retry_s: float = 300.0  # how long a sampler keeps trying to reach the trainer (a warm-up takes minutes)
+  sampler_timeout_s: float = 600.0  # the trainer gives up when no sampler has been heard from for this long
+  finish_grace_s: float = 15.0  # after the last step: how long the trainer waits for samplers to learn it
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if getattr(self, field.name) <= 0:
+        raise ValueError(f"FlightConfig.{field.name} must be > 0, got {getattr(self, field.name)}")
+
+
+def parse_address(address: str, flag: str) -> tuple[str, int]:
+  host, _, port = address.rpartition(":")
+  if not host or not port.isdigit():
+    raise ValueError(f"{flag} {address!r}: expected HOST:PORT (port 0 picks a free one)")
+  return host, int(port)
+
+
+def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: str = "127.0.0.1:0",
+                   tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
+                   on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
+                   on_listening: Callable[[str], None] | None = None, devices=None, log=print) -> RunResult:
+  """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
+  the trainer's (default: all of this program's)."""
+  if config.spec.shared_mesh:
+    raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
+  graphdef, params = nnx.split(model)
+  mesh = role_mesh(config.mesh, "trainer", devices)
+  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume)
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  ranker = make_ranker(config, role_mesh(dataclasses.replace(config.mesh, trainer_devices=0), "trainer", local),
+                       checkpointer, resume)
+  controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
+                          heartbeat_s=flight_config.heartbeat_s)
+  queue = SampleQueue(config.queue_capacity)
+  store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
+                               vocab_size=model.config.vocab_size, tls=tls)
+  if on_listening is not None:
+    on_listening(server.address)
+  start_epoch = time.time()
+  if ranker is not None:
+    ranker.start()
+  try:
+    metrics = trainer.run(controller, _waiting_get(queue, controller, flight_config, log), store,
+                          clock=lambda: time.time() - start_epoch, on_step=on_step, aux=ranker_aux(ranker))
+  finally:
+    controller.finish()
+    controller.wait_samplers_left(flight_config.finish_grace_s)
+    server.shutdown()
+    store.wait()
+    if ranker is not None:
+      ranker.stop()
+    if checkpointer is not None:
+      checkpointer.wait()
+  counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
+                  **{f"flight_{k}": v for k, v in server.counters.items()})
+  return RunResult(jax.tree.map(np.asarray, trainer.state.params), metrics, counters,
+                   timeline_of(trainer, controller, start_epoch))
+
+
+def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: FlightConfig, log):
+  """queue.get that says when it waits for samplers, and gives up once none has been heard from for
+  `sampler_timeout_s`."""
+  def get():
+    waited, said = 0.0, False
+    while True:
+      try:
+        return queue.get(timeout=1.0)
+      except TimeoutError:
+        waited += 1.0
+      silent = controller.silent_s()
+      if silent is None and waited >= 10 and not said:
+        log(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
+        said = True
+      if (silent if silent is not None else waited) > flight_config.sampler_timeout_s:
+        raise RuntimeError(f"no sampler has been heard from for {flight_config.sampler_timeout_s:.0f} s "
+                           f"(FlightConfig.sampler_timeout_s); start `streamrl sampler --connect` to this trainer")
+  return get
+
+
+def abstract_model(model_config):
+  """(graphdef, parameter structure without values) of a model config."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))
+
+
+def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
+                name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
+                stop: threading.Event | None = None, devices=None, log=print) -> dict:
+  """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
+  `devices`: the sampler's (default: all of this program's). Returns the sampler's transport statistics."""
+  parse_address(connect, "--connect")
+  stop = stop or threading.Event()
+  connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
+                                retry_s=flight_config.connect_retry_s)
+  control = FlightControl(connection)
+  mesh = role_mesh(config.mesh, "sampler", devices)
+  graphdef, abstract = abstract_model(model_config)
+  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)
+  sampler_id = worker.register(control)
+  log(f"{name}: registered with the trainer at {connect} as sampler {sampler_id}")
+  sender = FlightSampleSender(connection, sampler_id)
+  receiver = FlightWeightReceiver(connection, abstract, state_shardings(abstract, mesh))
+  beat_errors: list[BaseException] = []
+  beat = threading.Thread(target=_heartbeat, args=(control, sampler_id, flight_config.heartbeat_s, stop, beat_errors),
+                          daemon=True, name="heartbeat")
+  beat.start()
+  try:
+    worker.serve(control, sender, receiver, stop)
+  finally:
+    stop.set()
+    connection.close()  # calls still retrying give up at once
+    receiver.close()
+    beat.join()
+    connection.client.close()
+  if beat_errors:
+    raise beat_errors[0]
+  return dict(sender.stats, **{f"weights_{k}": v for k, v in receiver.stats.items()}, **connection.counters)
+
+
+def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: threading.Event, errors: list) -> None:
+  """Beats every `period` s; sets `stop` when the trainer says the run is over or cannot be reached."""
+  try:
+    while not stop.wait(period):
+      if control.heartbeat(Heartbeat(sampler_id)).stop:
+        stop.set()
+  except BaseException as err:
+    if not stop.is_set():  # a call cut short by the end of the run is no error
+      errors.append(err)
+    stop.set()

@@ -1,0 +1,77 @@
+"""The trainer and samplers joined by Arrow Flight on loopback (threads of this process, each role on its own
+devices): every prompt trained once in each mode, stream equals in-process disaggregated, two samplers."""
+
+import dataclasses
+import queue
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.config import MeshConfig, flat_settings
+from streamrl_jax.models import Transformer
+from streamrl_jax.pipeline.remote import FlightConfig, run_sampler, serve_training
+from tests.test_pipeline import BASE, MODEL, TOKENIZER, DigitTask
+
+FAST = FlightConfig(heartbeat_s=0.2, call_timeout_s=30, connect_retry_s=30, sampler_timeout_s=60, finish_grace_s=5)
+
+
+def run_remote(mode: str, samplers: int = 1, **overrides):
+  """(trainer's RunResult, each sampler's stats): the trainer on devices 4-7, samplers on devices 0-3."""
+  config = dataclasses.replace(BASE, mode=mode, mesh=MeshConfig(), **overrides)
+  task, settings = DigitTask(max_digits=3), flat_settings(config)
+  addresses, stats, errors = queue.Queue(), [None] * samplers, []
+
+  def sampler(k: int, address: str):
+    try:
+      devices = np.array_split(np.asarray(jax.devices()[:4]), samplers)[k].tolist()
+      stats[k] = run_sampler(config, MODEL, TOKENIZER, task, connect=address, name=f"sampler-{k}", settings=settings,
+                             flight_config=FAST, devices=devices, log=lambda *_: None)
+    except BaseException as err:
+      errors.append(err)
+
+  def listening(address: str):
+    for k in range(samplers):
+      threading.Thread(target=sampler, args=(k, address), daemon=True, name=f"sampler-{k}").start()
+
+  result = serve_training(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, task, settings=settings,
+                          flight_config=FAST, on_listening=listening, devices=jax.devices()[4:], log=lambda *_: None)
+  for thread in [t for t in threading.enumerate() if t.name.startswith("sampler-")]:
+    thread.join(timeout=60)
+  assert not errors, errors
+  return result, stats
+
+
+@pytest.fixture(scope="module")
+def remote():
+  return {mode: run_remote(mode) for mode in ("disaggregated", "stream", "async")}
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "stream", "async"])
+def test_every_prompt_is_trained_once_across_flight(remote, mode):
+  result, (stats,) = remote[mode]
+  counters = result.counters
+  assert counters["prompts_submitted"] == 3 * 4 and counters["leases"] == 3
+  assert counters["samples_generated"] == counters["samples_trained"] == 3 * 16 == counters["flight_accepted_samples"]
+  assert counters["duplicate_samples"] == 0 and counters["stale_samples"] == 0 and counters["flight_bad_batches"] == 0
+  assert stats["put_samples"] == 3 * 16 and stats["weights_fetches"] >= 1
+  assert [m["step"] for m in result.metrics] == [1, 2, 3]
+  staleness = [m["staleness_max"] for m in result.metrics]
+  assert max(staleness) == (1 if mode == "async" else 0)
+  assert {"sampler-0", "trainer", "sync"} <= set(result.timeline) and result.timeline["sampler-0"]
+
+
+def test_stream_across_flight_ends_with_the_parameters_of_in_process_disaggregated(remote):
+  from tests.test_pipeline import run
+  local = run("disaggregated")
+  for x, y in zip(jax.tree.leaves(remote["stream"][0].params), jax.tree.leaves(local.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_two_samplers_share_the_steps():
+  result, stats = run_remote("async", samplers=2)
+  assert result.counters["samples_trained"] == 3 * 16 and result.counters["duplicate_samples"] == 0
+  assert result.counters["leases"] == 6 and all(s["put_samples"] > 0 for s in stats)
+  assert sum(s["put_samples"] for s in stats) == 3 * 16
