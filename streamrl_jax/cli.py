@@ -2,7 +2,10 @@
 
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
   streamrl generate [--model DIR] [--prompt TEXT]  batch generation through the KV cache (a demo)
-  streamrl train --workdir DIR [--config FILE]    RL post-training (default: the CPU demo)
+  streamrl train --workdir DIR [--config FILE]    RL post-training in one program (default: the CPU demo)
+  streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
+  streamrl sampler --connect H:P                   a sampler of a run across processes
+  streamrl launch local --workdir DIR --samplers N one trainer and N sampler processes on this machine
   streamrl simulate --preset NAME --out DIR       the pipeline at cluster scale: results.json and plots
 """
 
@@ -12,6 +15,7 @@ import argparse
 import importlib.metadata
 import json
 import os
+import signal
 import sys
 import time
 
@@ -89,16 +93,25 @@ def cmd_generate(args) -> int:
 
 
 def cmd_train(args) -> int:
-  from tqdm import tqdm
-
   from streamrl_jax import gin_config
-  from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.pipeline.runner import run_pipeline
 
   gin_config.parse(args.config, args.set)
   config, job = gin_config.build_run()
-  print(f"streamrl train: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
-        f"workdir {args.workdir}")
-  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True)
+  return run_training(args, config, job, run_pipeline, "streamrl train")
+
+
+def run_training(args, config, job, runner, prog: str) -> int:
+  """`train_job` with a progress bar (process 0 of the trainer only), a clean Ctrl-C and the summary line."""
+  import jax
+  from tqdm import tqdm
+
+  from streamrl_jax.pipeline.train_job import train_job
+
+  leader = jax.process_index() == 0
+  print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
+        f"workdir {args.workdir}", flush=True)
+  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True, disable=not leader)
 
   def progress(m):
     bar.update(1)
@@ -108,16 +121,18 @@ def cmd_train(args) -> int:
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
   try:
-    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=args.resume)
+    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=args.resume,
+                        runner=runner)
   except KeyboardInterrupt:
     bar.close()
-    print(f"streamrl train: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
-          f"Continue with: streamrl train --workdir {args.workdir} --resume (and the same --config/--set)",
+    print(f"{prog}: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
+          f"Continue with: {prog} --workdir {args.workdir} --resume (and the same --config/--set)",
           file=sys.stderr)
     return 130
   finally:
     bar.close()
-  print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
+  if leader:
+    print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
   return 0
 
 
@@ -131,14 +146,22 @@ def cmd_simulate(args) -> int:
   return 0
 
 
+def _config_args(parser) -> None:
+  parser.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
+  parser.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
+
+
 def build_parser() -> argparse.ArgumentParser:
+  from streamrl_jax.launcher import add_launch_parser
+  from streamrl_jax.role_commands import add_role_parsers
+
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
-  parser.add_argument("--host-devices", type=int, default=8,
-                      help="CPU devices to force when running on the CPU (default 8; 0 leaves XLA_FLAGS alone)")
+  parser.add_argument("--host-devices", type=int, default=None,
+                      help="CPU devices to force when running on the CPU (default 8; for `trainer` and `sampler`: "
+                           "MeshConfig.<role>_devices, else one per CPU core; 0 leaves XLA_FLAGS alone)")
   sub = parser.add_subparsers(dest="command", required=True)
   info = sub.add_parser("info", help="devices, versions and the mesh split a config would use")
-  info.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
-  info.add_argument("--set", action="append", default=[], help="gin binding, e.g. MeshConfig.sampler_devices=4")
+  _config_args(info)
   info.set_defaults(run=cmd_info)
   gen = sub.add_parser("generate", help="generate from prompts through the KV cache")
   gen.add_argument("--model", help="Hugging Face model directory (default: a tiny random demo model)")
@@ -149,11 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   gen.set_defaults(run=cmd_generate)
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
-  train.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
-  train.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
+  _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
   train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   train.set_defaults(run=cmd_train)
+  add_role_parsers(sub, _config_args)
+  add_launch_parser(sub, _config_args)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k",
                    help="paper-7b-5k, paper-32b-10k, paper-72b-20k, paper-32b-h20-sampler or local-cpu")
@@ -172,10 +196,19 @@ def force_host_devices(count: int) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}".strip()
 
 
+def _interrupt(signum, frame):
+  raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
-  force_host_devices(args.host_devices)
   try:
+    if args.host_devices is None:
+      from streamrl_jax.role_commands import ROLES, role_host_devices
+      args.host_devices = role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch" else 8
+    force_host_devices(args.host_devices)
+    if args.command in ("trainer", "sampler"):  # a launcher's SIGTERM stops them as Ctrl-C does
+      signal.signal(signal.SIGTERM, _interrupt)
     return args.run(args)
   except (ValueError, FileNotFoundError, KeyError) as err:
     print(f"streamrl {args.command}: error: {err}", file=sys.stderr)

@@ -12,13 +12,14 @@ import gin
 
 from streamrl_jax.config import MeshConfig, ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.remote import FlightConfig
 from streamrl_jax.pipeline.train_job import JobConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig)
+                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig, FlightConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -50,6 +51,11 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
                optimizer=build(OptimizerConfig, **DEMO_OPTIMIZER), objective=build(ObjectiveConfig),
                scheduling=build(SchedulingConfig, ranker=build(RankerConfig)))
   return build(PipelineConfig, **DEMO_PIPELINE, **parts), build(JobConfig)
+
+
+def build_flight() -> FlightConfig:
+  """How trainer and samplers reach each other across processes (`FlightConfig` bindings)."""
+  return build(FlightConfig)
 
 
 # The CPU demo's defaults (gin bindings override them).

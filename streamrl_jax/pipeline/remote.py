@@ -12,9 +12,10 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 
+from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.messages import Heartbeat
 from streamrl_jax.models import Transformer, state_shardings
@@ -23,7 +24,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.runner import RunResult, make_ranker, ranker_aux, timeline_of
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
-from streamrl_jax.streaming import SampleQueue
+from streamrl_jax.streaming import SampleQueue, cast_floats
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
                                                   FlightWeightReceiver)
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
@@ -57,28 +58,35 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
-  the trainer's (default: all of this program's)."""
+  the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
+  process 0 serves and the others follow it step by step (`distributed.broadcast_shard`)."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   graphdef, params = nnx.split(model)
+  if jax.process_count() > 1:  # every process starts from process 0's weights
+    params = multihost_utils.broadcast_one_to_all(params)
   mesh = role_mesh(config.mesh, "trainer", devices)
   trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume)
   local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
   ranker = make_ranker(config, role_mesh(dataclasses.replace(config.mesh, trainer_devices=0), "trainer", local),
                        checkpointer, resume)
+  if not is_leader():
+    return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           heartbeat_s=flight_config.heartbeat_s)
   queue = SampleQueue(config.queue_capacity)
-  store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None,
+                          gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
                                vocab_size=model.config.vocab_size, tls=tls)
   if on_listening is not None:
     on_listening(server.address)
+  get_shard = _waiting_get(queue, controller, flight_config, log)
   start_epoch = time.time()
   if ranker is not None:
     ranker.start()
   try:
-    metrics = trainer.run(controller, _waiting_get(queue, controller, flight_config, log), store,
+    metrics = trainer.run(controller, _broadcasting(get_shard) if jax.process_count() > 1 else get_shard, store,
                           clock=lambda: time.time() - start_epoch, on_step=on_step, aux=ranker_aux(ranker))
   finally:
     controller.finish()
@@ -91,8 +99,58 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
       checkpointer.wait()
   counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                   **{f"flight_{k}": v for k, v in server.counters.items()})
-  return RunResult(jax.tree.map(np.asarray, trainer.state.params), metrics, counters,
-                   timeline_of(trainer, controller, start_epoch))
+  return RunResult(gather_to_host(trainer.state.params), metrics, counters, timeline_of(trainer, controller, start_epoch))
+
+
+def _broadcasting(get_shard):
+  """get_shard on process 0 that hands each shard to the trainer's other processes (None tells them to stop)."""
+  def get():
+    try:
+      shard = get_shard()
+    except BaseException:
+      broadcast_shard(None)
+      raise
+    return broadcast_shard(shard)
+  return get
+
+
+class _Follower:
+  """What a non-leading trainer process has instead of the controller and the weight store: it joins the
+  collectives (shards, weight gathers) and keeps nothing."""
+
+  def __init__(self, cast_dtype):
+    self.cast_dtype, self.seconds = cast_dtype, {}
+
+  def published(self, version: int) -> None:
+    pass
+
+  def set_target_instances(self, instances: int) -> None:
+    pass
+
+  def step_summary(self, step: int) -> dict:
+    return dict(generation_s=0.0, sampler_instances=1)
+
+  def sampler_wait_s(self) -> float:
+    return 0.0
+
+  def publish(self, params, version: int) -> None:
+    gather_to_host(cast_floats(params, self.cast_dtype))
+
+  def wait(self) -> None:
+    pass
+
+
+def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult:
+  def get():
+    shard = broadcast_shard(None)
+    if shard is None:
+      raise RuntimeError("the trainer's process 0 stopped the run")
+    return shard
+  follower = _Follower(jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
+  if trainer.checkpointer is not None:
+    trainer.checkpointer.wait()
+  return RunResult(gather_to_host(trainer.state.params), [], dict(trainer.counters), {})
 
 
 def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: FlightConfig, log):

@@ -4,6 +4,7 @@ and its outputs (metrics JSONL, TensorBoard events, timeline PNG, Chrome trace, 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -15,7 +16,8 @@ from flax import nnx
 
 from streamrl_jax.config import MeshShape
 from streamrl_jax.meshes import mesh_from_devices
-from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, save_hf
+from streamrl_jax.models import (CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config,
+                                 save_hf)
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
@@ -66,6 +68,13 @@ class JobConfig:
     tokenizer = CharTokenizer()
     return Transformer(self.model_config(tokenizer), rngs=nnx.Rngs(self.seed)), tokenizer, self.warmup_steps > 0
 
+  def model_spec(self):
+    """(ModelConfig, tokenizer) without the weights: what a sampler needs before the trainer's arrive."""
+    if self.model_dir:
+      return read_hf_config(self.model_dir, dtype="float32", param_dtype="float32"), load_tokenizer(self.model_dir)
+    tokenizer = CharTokenizer()
+    return self.model_config(tokenizer), tokenizer
+
   def model_config(self, tokenizer) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
                        intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
@@ -76,7 +85,7 @@ def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=pr
   """Teacher-forced cross-entropy on (prompt, worked solution) pairs through the RL trainer with the
   `reinforce` objective and advantage 1: its loss is then the completion tokens' mean NLL."""
   graphdef, params = nnx.split(model)
-  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+  mesh = mesh_from_devices(jax.local_devices()[:1], MeshShape(1, 1, 1))
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=job.warmup_learning_rate, warmup_steps=20),
                     ObjectiveConfig(objective="reinforce"), mesh)
   state = trainer.init_state(params, seed=job.seed)
@@ -104,7 +113,8 @@ def _teacher_batch(tokenizer, pairs, width: int) -> dict:
 def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> float:
   """Greedy accuracy on held-out prompts (their own seed, never used for training)."""
   graphdef, params = nnx.split(model)
-  engine = DecodeEngine(graphdef, model.config, config.engine, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+  mesh = mesh_from_devices(jax.local_devices()[:1], MeshShape(1, 1, 1))
+  engine = DecodeEngine(graphdef, model.config, config.engine, mesh)
   sampler = StreamingSampler([engine], params)
   rng = np.random.default_rng(10_000 + seed)
   items = [task.sample(rng)[0] for _ in range(prompts)]
@@ -115,12 +125,18 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
-              resume: bool = False) -> dict:
+              resume: bool = False, runner=run_pipeline) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
-  `resume` continues from the latest checkpoint in `workdir/checkpoints`."""
+  `resume` continues from the latest checkpoint in `workdir/checkpoints`. `runner` runs the RL steps:
+  `run_pipeline` (one program) or the trainer's side of separate programs (`pipeline.remote.serve_training`).
+  In a trainer of several processes every process runs this; only process 0 evaluates and writes files."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
   workdir = Path(workdir)
+  leader = jax.process_index() == 0
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  if resume and checkpointer.latest_step() is None:
+    raise FileNotFoundError(f"--resume: there is no checkpoint in {workdir / 'checkpoints'} to resume from")
   workdir.mkdir(parents=True, exist_ok=True)
   task = job.make_task()
   model, tokenizer, warm_up = job.load_model()
@@ -131,35 +147,27 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     log(f"loaded the warm-up model from {warm}")
   elif warm_up:
     model = supervised_warmup(model, tokenizer, task, job, width, log)
-    save_hf(model, warm)
+    if leader:
+      save_hf(model, warm)
   before_file = workdir / "accuracy_before.json"
-  if resume and before_file.exists():
+  if not leader:
+    before = float("nan")
+  elif resume and before_file.exists():
     before = json.loads(before_file.read_text())["accuracy"]
   else:
     before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
     before_file.write_text(json.dumps({"accuracy": before}))
   log(f"held-out accuracy before RL: {before:.3f}")
-  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   if resume:
     log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
   start = time.perf_counter()
-  with (workdir / "metrics.jsonl").open("a" if resume else "w") as out:
-    from tensorboardX import SummaryWriter
-    writer = SummaryWriter(str(workdir / "tensorboard"))
-
-    def on_step(m):
-      out.write(json.dumps(m) + "\n")
-      out.flush()
-      for key, value in m.items():
-        writer.add_scalar(key, value, m["step"])
-      if progress is not None:
-        progress(m)
-    try:
-      result = run_pipeline(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer,
-                            resume=resume)
-    finally:
-      writer.close()
-      checkpointer.close()
+  try:
+    with _step_outputs(workdir, resume, progress) if leader else contextlib.nullcontext() as on_step:
+      result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume)
+  finally:
+    checkpointer.close()
+  if not leader:
+    return {}
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
   after = evaluate(trained, tokenizer, task, config, job.eval_prompts, job.seed)
@@ -171,3 +179,24 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
                  counters=result.counters, steps=len(result.metrics))
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
+
+
+@contextlib.contextmanager
+def _step_outputs(workdir: Path, resume: bool, progress):
+  """An on_step callback that appends to metrics.jsonl and TensorBoard and updates the progress bar."""
+  from tensorboardX import SummaryWriter
+
+  with (workdir / "metrics.jsonl").open("a" if resume else "w") as out:
+    writer = SummaryWriter(str(workdir / "tensorboard"))
+
+    def on_step(m):
+      out.write(json.dumps(m) + "\n")
+      out.flush()
+      for key, value in m.items():
+        writer.add_scalar(key, value, m["step"])
+      if progress is not None:
+        progress(m)
+    try:
+      yield on_step
+    finally:
+      writer.close()

@@ -1,0 +1,107 @@
+"""Several processes inside one role: `jax.distributed` for that role only, and what its processes share.
+
+A role (the trainer, or one sampler replica) may span processes (hosts): they form one JAX cluster and one
+mesh, and run the same program in lockstep. Its process 0 talks to the other roles; the others follow:
+process 0 broadcasts each sample shard it receives, and the weights it publishes are all-gathered.
+
+Where the cluster comes from, first found wins: the flags `--coordinator --num-processes --process-id`;
+`STREAMRL_COORDINATOR`, `STREAMRL_NUM_PROCESSES`, `STREAMRL_PROCESS_ID`; a JobSet pod (`JOBSET_NAME`,
+`REPLICATED_JOB_NAME`, `JOB_INDEX`, `JOB_COMPLETION_INDEX`, with `STREAMRL_NUM_PROCESSES`: process 0 is pod 0
+of the job, reached by its stable DNS name); a TPU slice (`TPU_WORKER_HOSTNAMES`, `TPU_WORKER_ID`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+DEFAULT_COORDINATOR_PORT = 8476
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+  coordinator: str  # HOST:PORT of the role's process 0
+  num_processes: int
+  process_id: int
+
+  def __post_init__(self):
+    host, _, port = self.coordinator.rpartition(":")
+    if not host or not port.isdigit():
+      raise ValueError(f"coordinator {self.coordinator!r}: expected HOST:PORT")
+    if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+      raise ValueError(f"process id {self.process_id} of {self.num_processes} processes is out of range")
+
+
+def detect(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+           env: Mapping[str, str] = os.environ) -> DistributedConfig | None:
+  """The role's cluster from flags or the environment (see the module doc); None: a single process."""
+  flags = (coordinator, num_processes, process_id)
+  if any(f is not None for f in flags):
+    if any(f is None for f in flags):
+      raise ValueError("--coordinator, --num-processes and --process-id go together")
+    return DistributedConfig(coordinator, int(num_processes), int(process_id))
+  port = int(env.get("STREAMRL_COORDINATOR_PORT", DEFAULT_COORDINATOR_PORT))
+  if "STREAMRL_COORDINATOR" in env:
+    return DistributedConfig(env["STREAMRL_COORDINATOR"], int(_need(env, "STREAMRL_NUM_PROCESSES")),
+                             int(_need(env, "STREAMRL_PROCESS_ID")))
+  if "JOBSET_NAME" in env and "JOB_COMPLETION_INDEX" in env and "STREAMRL_NUM_PROCESSES" in env:
+    jobset, job = env["JOBSET_NAME"], _need(env, "REPLICATED_JOB_NAME")
+    host = f"{jobset}-{job}-{env.get('JOB_INDEX', '0')}-0.{jobset}"
+    return DistributedConfig(f"{host}:{port}", int(env["STREAMRL_NUM_PROCESSES"]), int(env["JOB_COMPLETION_INDEX"]))
+  if "TPU_WORKER_HOSTNAMES" in env and "TPU_WORKER_ID" in env:
+    hosts = [h for h in env["TPU_WORKER_HOSTNAMES"].split(",") if h]
+    if len(hosts) > 1:
+      return DistributedConfig(f"{hosts[0]}:{port}", len(hosts), int(env["TPU_WORKER_ID"]))
+  return None
+
+
+def _need(env: Mapping[str, str], name: str) -> str:
+  if name not in env:
+    raise ValueError(f"the environment sets part of a multi-process role but not {name}")
+  return env[name]
+
+
+def initialize(config: DistributedConfig | None) -> None:
+  """Starts `jax.distributed` for this role (no-op for a single process); call before any other jax use."""
+  if config is None or config.num_processes == 1:
+    return
+  import jax
+  jax.distributed.initialize(config.coordinator, num_processes=config.num_processes, process_id=config.process_id)
+
+
+def is_leader() -> bool:
+  import jax
+  return jax.process_index() == 0
+
+
+def broadcast_shard(shard):
+  """Process 0 passes its shard (or None: stop); every process returns that shard (or None). Collective."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  from streamrl_jax.streaming.shard import ROW_FIELDS, TOKEN_FIELDS, SampleShard
+
+  leader = jax.process_index() == 0
+  head = np.asarray(shard.tokens.shape if leader and shard is not None else (0, 0), np.int64)
+  head = np.asarray(multihost_utils.broadcast_one_to_all(head, is_source=leader))
+  if head[0] == 0:
+    return None
+  fields = {**TOKEN_FIELDS, **ROW_FIELDS}
+  local = {k: (np.asarray(getattr(shard, k)) if leader else np.zeros(head if k in TOKEN_FIELDS else head[:1], dtype))
+           for k, dtype in fields.items()}
+  wire = {k: v.astype(np.int32) if v.dtype in (np.bool_, np.int64) else v for k, v in local.items()}  # as jax holds them
+  got = multihost_utils.broadcast_one_to_all(wire, is_source=leader)
+  return SampleShard(**{k: np.asarray(got[k]).astype(fields[k]) for k in fields})
+
+
+def gather_to_host(tree):
+  """Every process gets the whole of each array of `tree` as numpy (a collective for multi-process arrays)."""
+  import jax
+  from jax.experimental import multihost_utils
+
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  return multihost_utils.process_allgather(tree, tiled=True)

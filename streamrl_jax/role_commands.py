@@ -1,0 +1,106 @@
+"""`streamrl trainer` and `streamrl sampler`: the two roles of a run as separate programs.
+
+Both read the same gin files and `--set` bindings (the trainer refuses a sampler whose settings differ).
+The trainer does what `streamrl train` does (warm-up, evaluation, metrics, checkpoints, `--resume`) and
+serves its samplers over Arrow Flight; a sampler connects, takes leases until the run is over, and exits.
+Either may span several processes (`--coordinator --num-processes --process-id`, or the environment that
+JobSet and GKE set; see `streamrl_jax.distributed`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+
+ROLES = ("trainer", "sampler")
+
+
+def add_role_parsers(sub, common) -> None:
+  trainer = sub.add_parser("trainer", help="the trainer of a run across processes: trains and serves its samplers")
+  common(trainer)
+  trainer.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
+  trainer.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (default loopback; port 0: "
+                                                                "any free one, printed and written to --address-file)")
+  trainer.add_argument("--address-file", help="write the address served on to this file once listening")
+  trainer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
+  trainer.set_defaults(run=cmd_trainer)
+  sampler = sub.add_parser("sampler", help="a sampler of a run across processes: generates for a trainer")
+  common(sampler)
+  sampler.add_argument("--connect", required=True, help="HOST:PORT of the trainer's server")
+  sampler.add_argument("--name", default=f"sampler-{os.getpid()}", help="how the trainer's logs and timeline call it")
+  sampler.set_defaults(run=cmd_sampler)
+  for parser in (trainer, sampler):
+    tls = parser.add_argument_group("mutual TLS (all three, or none)")
+    tls.add_argument("--tls-cert", help="this side's PEM certificate")
+    tls.add_argument("--tls-key", help="this side's PEM private key")
+    tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
+    dist = parser.add_argument_group("several processes in this role (jax.distributed)")
+    dist.add_argument("--coordinator", help="HOST:PORT of this role's process 0")
+    dist.add_argument("--num-processes", type=int)
+    dist.add_argument("--process-id", type=int)
+
+
+def role_host_devices(args) -> int:
+  """CPU devices to force for a role program: `MeshConfig.<role>_devices` (shared among the role's
+  processes), else one per CPU core this process may run on."""
+  from streamrl_jax import gin_config
+  from streamrl_jax.config import MeshConfig
+
+  gin_config.parse(args.config, args.set)
+  wanted = getattr(gin_config.build(MeshConfig), f"{args.command}_devices")
+  if not wanted:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+  processes = args.num_processes or 1
+  return -(-wanted // processes)
+
+
+def _start_role(args):
+  """Initialises the role's cluster, parses the configuration; (PipelineConfig, JobConfig, FlightConfig, TLS,
+  settings)."""
+  from streamrl_jax import distributed, gin_config
+  from streamrl_jax.config import flat_settings
+  from streamrl_jax.streaming.flight_server import TLSFiles
+
+  cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+  tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+  distributed.initialize(cluster)
+  gin_config.parse(args.config, args.set)
+  config, job = gin_config.build_run()
+  return config, job, gin_config.build_flight(), tls, flat_settings(config, job)
+
+
+def cmd_trainer(args) -> int:
+  from streamrl_jax.cli import run_training
+  from streamrl_jax.pipeline.remote import serve_training
+
+  config, job, flight_config, tls, settings = _start_role(args)
+
+  def listening(address: str) -> None:
+    print(f"streamrl trainer: listening on {address}", flush=True)
+    if args.address_file:
+      Path(args.address_file).write_text(address)
+  runner = functools.partial(serve_training, listen=args.listen, tls=tls, settings=settings,
+                             flight_config=flight_config, on_listening=listening)
+  return run_training(args, config, job, runner, "streamrl trainer")
+
+
+def cmd_sampler(args) -> int:
+  from streamrl_jax.pipeline.remote import run_sampler
+
+  config, job, flight_config, tls, settings = _start_role(args)
+  model_config, tokenizer = job.model_spec()
+  try:
+    stats = run_sampler(config, model_config, tokenizer, job.make_task(), connect=args.connect, tls=tls,
+                        name=args.name, settings=settings, flight_config=flight_config,
+                        log=lambda text: print(text, file=sys.stderr, flush=True))
+  except KeyboardInterrupt:
+    print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
+    return 130
+  except ConnectionError as err:
+    print(f"streamrl sampler {args.name}: {err}", file=sys.stderr)
+    return 3
+  print(f"streamrl sampler {args.name}: the run is over; sent {stats['put_samples']} samples in "
+        f"{stats['put_shards']} shards, fetched {stats['weights_fetches']} weight versions", file=sys.stderr)
+  return 0
