@@ -79,6 +79,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                           gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
                                vocab_size=model.config.vocab_size, tls=tls)
+  log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)
   get_shard = _waiting_get(queue, controller, flight_config, log)

@@ -157,7 +157,8 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   else:
     before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
     before_file.write_text(json.dumps({"accuracy": before}))
-  log(f"held-out accuracy before RL: {before:.3f}")
+  if leader:
+    log(f"held-out accuracy before RL: {before:.3f}")
   if resume:
     log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
   start = time.perf_counter()

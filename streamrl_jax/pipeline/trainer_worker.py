@@ -65,7 +65,7 @@ class TrainerWorker:
       self.counters["trainer_wait_s"] += waited
       end = clock()
       metrics.append(self._step_metrics(step, shards, train_metrics, waited, end - last_end, summary, weights,
-                                        controller.sampler_wait_s() / max(end, 1e-9)))
+                                        controller.sampler_wait_s() / max(end, 1e-9), train_s))
       last_end = end
       if on_step is not None:
         on_step(metrics[-1])
@@ -113,7 +113,7 @@ class TrainerWorker:
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
   def _step_metrics(self, step: int, shards, train: dict, waited: float, wall: float, summary: dict, weights,
-                    sampler_idle: float) -> dict:
+                    sampler_idle: float, train_s: float) -> dict:
     rewards = np.concatenate([s.rewards for s in shards])
     versions = np.concatenate([s.first_versions for s in shards])
     seconds = [v for _, v in sorted(weights.seconds.items())]
@@ -121,7 +121,7 @@ class TrainerWorker:
                 samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
                 staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-                step_s=wall, **summary, **train)
+                step_s=wall, train_s=train_s, **summary, **train)
 
 
 def _single_step(shard: SampleShard) -> int:

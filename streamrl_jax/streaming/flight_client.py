@@ -159,6 +159,23 @@ class _QueueFull(Exception):
   pass
 
 
+def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None) -> tuple[int, dict, int]:
+  """(version, {name: host array}, bytes) of one published version by DoGet; `expected` ({name: shape})
+  checks the manifest against the receiver's model."""
+  def once():
+    ticket = flight.Ticket(json.dumps({"weights": version}).encode())
+    try:
+      reader = connection.client.do_get(ticket, options=connection.options())
+      got, manifest = read_manifest(reader.schema, expected)
+      assembler = WeightAssembler(manifest)
+      for chunk in reader:
+        assembler.add(chunk.data)
+      return got, assembler.result(), assembler.bytes
+    except flight.FlightServerError as err:
+      raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
+  return connection.call(once)
+
+
 class FlightWeightReceiver:
   """A `WeightSource` across processes: a background thread waits for each newer version (a long poll),
   fetches its chunks by DoGet, checks them against `template` (the model's parameter structure), and places
@@ -194,23 +211,11 @@ class FlightWeightReceiver:
   def fetch(self, version: int) -> WeightUpdate:
     """One version by DoGet, placed onto the sampler's shardings."""
     start = time.perf_counter()
-
-    def once():
-      ticket = flight.Ticket(json.dumps({"weights": version}).encode())
-      try:
-        reader = self.connection.client.do_get(ticket, options=self.connection.options())
-        got, manifest = read_manifest(reader.schema, self._expected)
-        assembler = WeightAssembler(manifest)
-        for chunk in reader:
-          assembler.add(chunk.data)
-        return got, assembler
-      except flight.FlightServerError as err:
-        raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
-    got, assembler = self.connection.call(once)
-    params = jax.device_put(unflatten_like(self.template, assembler.result(), "the weight stream"), self.shardings)
+    got, flat, nbytes = fetch_weights(self.connection, version, self._expected)
+    params = jax.device_put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
     jax.block_until_ready(params)
     self.stats["fetches"] += 1
-    self.stats["bytes"] += assembler.bytes
+    self.stats["bytes"] += nbytes
     self.stats["fetch_s"] += time.perf_counter() - start
     return WeightUpdate(got, params)
 

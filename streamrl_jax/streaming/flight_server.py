@@ -153,9 +153,10 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._lock = threading.Lock()
     self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
                          full_refusals=0, weight_streams=0, weight_bytes=0, actions=0, bad_actions=0)
-    self._handlers = {Register: controller.register, LeaseRequest: controller.lease, StepReport: controller.report,
-                      Heartbeat: controller.heartbeat, Leave: controller.leave,
-                      VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
+    self._handlers = {VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
+    if controller is not None:  # None: a server of weights alone
+      self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
+                             StepReport: controller.report, Heartbeat: controller.heartbeat, Leave: controller.leave})
 
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
@@ -213,7 +214,7 @@ class TrainerFlightServer(flight.FlightServerBase):
       message = decode_message(action.body.to_pybytes())
       handler = self._handlers.get(type(message))
       if handler is None:
-        raise BadMessage(f"{type(message).__name__} is a reply, not a request")
+        raise BadMessage(f"this server does not take {type(message).__name__} messages")
       reply = handler(message)
     except BadMessage as err:
       self._count("bad_actions")

@@ -1,0 +1,178 @@
+"""`streamrl launch local`, `streamrl trainer` and `streamrl sampler` as real processes on loopback: a run with
+two sampler processes and a trainer of two processes, a clean Ctrl-C with no orphan and a resume; and the
+pure parts (core assignment, the role's cluster from flags or environment)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from streamrl_jax import distributed
+from streamrl_jax.launcher import assign_cores
+
+TINY = """
+PipelineConfig.steps = {steps}
+PipelineConfig.prompts_per_step = 4
+PipelineConfig.group_size = 2
+PipelineConfig.max_new_tokens = 8
+PipelineConfig.mode = 'stream'
+PipelineConfig.seed = 3
+EngineConfig.num_slots = 4
+EngineConfig.max_prompt_length = 16
+EngineConfig.max_new_tokens = 8
+EngineConfig.min_prefill_bucket = 16
+MeshConfig.sampler_devices = 1
+MeshConfig.trainer_devices = {trainer_devices}
+JobConfig.warmup_steps = 0
+JobConfig.eval_prompts = 2
+JobConfig.hidden_size = 32
+FlightConfig.heartbeat_s = 0.5
+"""
+TIMEOUT_S = 240
+
+
+def write_config(path: Path, steps: int = 2, trainer_devices: int = 1) -> str:
+  path.write_text(TINY.format(steps=steps, trainer_devices=trainer_devices))
+  return str(path)
+
+
+def launch(workdir: Path, *args: str) -> subprocess.Popen:
+  env = dict(os.environ, XLA_FLAGS="")  # each program forces its own host devices
+  return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(workdir),
+                           *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def children_of(workdir: Path) -> list[int]:
+  path = workdir / "launch.json"
+  return [c["pid"] for c in json.loads(path.read_text())] if path.exists() else []
+
+
+def alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  return True
+
+
+def finish(proc: subprocess.Popen, workdir: Path, timeout: float = TIMEOUT_S) -> tuple[int, str]:
+  """Waits for the launcher; on any failure kills it and every child it started."""
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+  finally:
+    for pid in [proc.pid] + children_of(workdir):
+      if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+def metrics(workdir: Path) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def final_weights(workdir: Path) -> dict:
+  return load_file(str(workdir / "final_model" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+  """One trainer process and one sampler process, each pinned to its own core."""
+  workdir = tmp_path_factory.mktemp("single")
+  code, out = finish(launch(workdir, "--config", write_config(workdir / "tiny.gin"), "--pin-cores"), workdir)
+  assert code == 0, out
+  return workdir, out
+
+
+@pytest.mark.slow
+def test_launch_local_runs_the_job_across_processes(single):
+  workdir, out = single
+  assert [m["step"] for m in metrics(workdir)] == [1, 2]
+  summary = json.loads((workdir / "summary.json").read_text())
+  counters = summary["counters"]
+  assert counters["samples_trained"] == counters["samples_generated"] == counters["flight_accepted_samples"] == 16
+  assert counters["prompts_submitted"] == 8 and counters["duplicate_samples"] == 0
+  for name in ("timeline.png", "trace.json", "final_model/config.json", "checkpoints", "logs/sampler-0.log"):
+    assert (workdir / name).exists(), name
+  lanes = {e["args"]["name"] for e in json.loads((workdir / "trace.json").read_text())["traceEvents"] if e["ph"] == "M"}
+  assert {"sampler-0", "trainer", "sync"} <= lanes
+  launched = json.loads((workdir / "launch.json").read_text())
+  assert [c["cores"] for c in launched] == [[0], [1]] or len(os.sched_getaffinity(0)) > 2
+  assert not any(alive(c["pid"]) for c in launched)
+  assert "the run is over" in (workdir / "logs" / "sampler-0.log").read_text()
+
+
+@pytest.mark.slow
+def test_two_sampler_processes_and_a_two_process_trainer(single, tmp_path):
+  """Two trainer processes with two host devices each form one 4-device mesh; the run trains what the
+  single-process run trains (stream is on-policy and samples depend on (seed, group, index) only)."""
+  config = write_config(tmp_path / "tiny.gin", trainer_devices=4)
+  code, out = finish(launch(tmp_path, "--config", config, "--samplers", "2", "--trainer-processes", "2"), tmp_path)
+  assert code == 0, out
+  assert "trainer mesh {'data': 1, 'fsdp': 4, 'tensor': 1} over 2 process(es)" in out
+  counters = json.loads((tmp_path / "summary.json").read_text())["counters"]
+  assert counters["samples_trained"] == 16 and counters["prompts_submitted"] == 8 and counters["registered"] == 2
+  assert counters["duplicate_samples"] == 0 and [m["step"] for m in metrics(tmp_path)] == [1, 2]
+  assert (tmp_path / "logs" / "trainer-1.log").exists()
+  ours, theirs = final_weights(tmp_path), final_weights(single[0])
+  assert ours.keys() == theirs.keys()
+  for name in ours:
+    np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
+  config = write_config(tmp_path / "tiny.gin", steps=6)
+  proc = launch(tmp_path, "--config", config)
+  try:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not ((tmp_path / "metrics.jsonl").exists() and metrics(tmp_path)):
+      assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
+      time.sleep(0.2)
+    pids = children_of(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    code, out = finish(proc, tmp_path, timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert code == 130, out
+  assert "stopped" in out and not any(alive(pid) for pid in pids)
+  done = [m["step"] for m in metrics(tmp_path)]
+  assert done and done == list(range(1, len(done) + 1))
+  code, out = finish(launch(tmp_path, "--config", config, "--resume"), tmp_path)
+  assert code == 0, out
+  assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 7))  # every step once, none twice
+
+
+def test_assign_cores():
+  assert assign_cores([0, 1], 1, 1) == [[0], [1]]
+  assert assign_cores([0, 1, 2, 3, 4, 5], 1, 2) == [[0, 1, 2], [3, 4], [5]]
+  assert assign_cores(list(range(8)), 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  assert assign_cores(list(range(5)), 1, 3) == [[0, 1], [2], [3], [4]]
+  with pytest.raises(ValueError, match="needs a core per process: 3 processes, 2 cores"):
+    assign_cores([0, 1], 1, 2)
+
+
+def test_the_roles_cluster_comes_from_flags_or_the_environment():
+  assert distributed.detect(env={}) is None
+  assert distributed.detect("h:1", 2, 1, env={}) == distributed.DistributedConfig("h:1", 2, 1)
+  with pytest.raises(ValueError, match="go together"):
+    distributed.detect("h:1", None, 1, env={})
+  assert distributed.detect(env={"STREAMRL_COORDINATOR": "c:9", "STREAMRL_NUM_PROCESSES": "4",
+                                 "STREAMRL_PROCESS_ID": "3"}) == distributed.DistributedConfig("c:9", 4, 3)
+  jobset = {"JOBSET_NAME": "rl", "REPLICATED_JOB_NAME": "trainer", "JOB_INDEX": "0", "JOB_COMPLETION_INDEX": "2",
+            "STREAMRL_NUM_PROCESSES": "4"}
+  assert distributed.detect(env=jobset) == distributed.DistributedConfig("rl-trainer-0-0.rl:8476", 4, 2)
+  tpu = {"TPU_WORKER_HOSTNAMES": "t0,t1,t2,t3", "TPU_WORKER_ID": "1", "STREAMRL_COORDINATOR_PORT": "1234"}
+  assert distributed.detect(env=tpu) == distributed.DistributedConfig("t0:1234", 4, 1)
+  assert distributed.detect(env={"TPU_WORKER_HOSTNAMES": "t0", "TPU_WORKER_ID": "0"}) is None
+  with pytest.raises(ValueError, match="process id 4 of 4"):
+    distributed.DistributedConfig("h:1", 4, 4)
+  with pytest.raises(ValueError, match="not STREAMRL_PROCESS_ID"):
+    distributed.detect(env={"STREAMRL_COORDINATOR": "c:9", "STREAMRL_NUM_PROCESSES": "4"})
