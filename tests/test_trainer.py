@@ -82,6 +82,17 @@ def test_optimizer_runs_once_per_global_batch(model_parts):
   assert float(state.sums["denominator"]) == 0 and all(float(abs(g).max()) == 0 for g in jax.tree.leaves(state.grad_sum))
 
 
+def test_precompile_covers_every_bucket_and_changes_nothing(model_parts):
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef)
+  state = trainer.precompile(trainer.init_state(params), max_rows=12, max_length=20)
+  assert trainer.compiled_shapes == {(8, 16), (16, 16), (8, 32), (16, 32)}
+  assert float(state.sums["denominator"]) == 0 and float(state.sums["tokens"]) == 0
+  assert all(float(abs(g).max()) == 0 for g in jax.tree.leaves(state.grad_sum))
+  for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 def run_steps(trainer, state, seeds):
   for seed in seeds:
     for part in split_rows(make_batch(10, seed), [3, 7]):

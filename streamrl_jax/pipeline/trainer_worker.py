@@ -13,6 +13,7 @@ import time
 import warnings
 from collections.abc import Callable
 
+import jax
 import numpy as np
 
 from streamrl_jax.scheduling import elastic_target
@@ -43,6 +44,9 @@ class TrainerWorker:
   def run(self, controller, get_shard: Callable[[], SampleShard], weights, *, clock: Callable[[], float],
           on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None) -> list[dict]:
     """Publishes the start version, then trains every step. `aux()` gives extra state to checkpoint."""
+    if self.config.precompile:
+      width = self.config.engine.max_prompt_length + self.config.max_new_tokens
+      self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(self.start_step)
     metrics, last_end = [], clock()
@@ -109,6 +113,7 @@ class TrainerWorker:
     self.counters["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
     advantages = compute_advantages(self.config.advantage, shard.rewards, shard.group_ids)
     self.state = self.batcher.add(self.state, shard.train_batch(advantages))
+    jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self.counters["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 

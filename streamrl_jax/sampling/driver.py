@@ -36,7 +36,7 @@ class _InFlight:
   first_version: int
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
-  first: object = None  # device arrays (token, logprob, done) of the prefill, read at the next sync
+  first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
   cache_end: int = 0  # upper bound of the slot's next cache write index
 
 
@@ -64,6 +64,12 @@ class _Instance:
   @property
   def load(self) -> float:
     return (len(self.pending) + len(self.slots)) / self.capacity
+
+
+@jax.jit
+def _fold_keys(root, groups, indices):
+  fold = lambda g, i: jax.random.key_data(jax.random.fold_in(jax.random.fold_in(root, g), i))  # noqa: E731
+  return jax.vmap(fold)(groups, indices)
 
 
 class StreamingSampler:
@@ -185,20 +191,27 @@ class StreamingSampler:
     return self.num_pending + self.num_in_flight > 0
 
   # ---- the loop -----------------------------------------------------------------------------
-  def _request_key(self, request: Request):
-    key = jax.random.fold_in(jax.random.fold_in(self._root, request.group_id), request.sample_index)
-    return jax.random.key_data(key)
+  def _request_keys(self, requests: Sequence[Request]) -> np.ndarray:
+    """Key data [n, 2] of each request: fold_in(fold_in(root, group_id), sample_index)."""
+    groups = np.asarray([r.group_id for r in requests], np.uint32)
+    indices = np.asarray([r.sample_index for r in requests], np.uint32)
+    return np.asarray(_fold_keys(self._root, groups, indices))
 
   def _admit(self, inst: _Instance, now: float) -> None:
-    for slot in inst.free_slots:
-      if not inst.pending:
-        return
-      request = inst.pending.pop(next(iter(self.admission(inst.pending))))
-      prefix = inst.engine.prefill(inst.params, request.prompt, len(request.prompt), sampling=request.params,
-                                   rng=self._request_key(request))
-      inst.state = inst.engine.insert(prefix, inst.state, slot)
-      inst.slots[slot] = _InFlight(request, now, self.version, cache_end=prefix.valid.shape[1],
-                                   first=(prefix.first_token, prefix.first_logprob, prefix.done))
+    """Fills free slots from the queue in admission order, `prefill_batch` prompts per prefill call."""
+    slots = inst.free_slots
+    chosen = []
+    while len(chosen) < len(slots) and inst.pending:
+      chosen.append(inst.pending.pop(next(iter(self.admission(inst.pending)))))
+    rows = inst.engine.config.prefill_batch
+    for start in range(0, len(chosen), rows):
+      part, targets = chosen[start:start + rows], slots[start:start + rows]
+      prefix = inst.engine.prefill(inst.params, [r.prompt for r in part], samplings=[r.params for r in part],
+                                   rngs=self._request_keys(part))
+      inst.state = inst.engine.insert(prefix, inst.state, targets)
+      firsts = (prefix.first_token, prefix.first_logprob, prefix.done)
+      for row, (request, slot) in enumerate(zip(part, targets)):
+        inst.slots[slot] = _InFlight(request, now, self.version, cache_end=prefix.valid.shape[1], first=(firsts, row))
 
   def step(self) -> list[Sample]:
     """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
@@ -214,13 +227,13 @@ class StreamingSampler:
           flight.cache_end += steps
         outputs.append((inst, out))
         self.counters["decode_calls"] += 1
-    firsts = {(i.index, s): f.first for i in self._instances for s, f in i.slots.items() if f.first is not None}
-    host_firsts, host_outputs = jax.device_get((firsts, [out for _, out in outputs]))
+    calls = {id(f.first[0]): f.first[0] for i in self._instances for f in i.slots.values() if f.first is not None}
+    host_calls, host_outputs = jax.device_get((calls, [out for _, out in outputs]))
     finished, now = [], time.perf_counter()
     for inst in self._instances:
       for slot, flight in list(inst.slots.items()):
         if flight.first is not None:
-          token, logprob, done = host_firsts[(inst.index, slot)]
+          token, logprob, done = (a[flight.first[1]] for a in host_calls[id(flight.first[0])])
           flight.first = None
           self._append(inst, slot, flight, token, logprob, bool(done), now, finished)
     for (inst, _), out in zip(outputs, host_outputs):

@@ -1,8 +1,9 @@
 """The decode engine: JetStream's engine shape (prefill / insert / generate) over a pytree decode state.
 
 Slots are sharded over the mesh's "data" axis and parameters by the model's logical rules. Every
-jitted function is built once here (the one jit boundary of an engine); prompts are padded to
-power-of-two buckets, so an engine compiles at most `2 * len(prefill_buckets) + len(attention_windows)` programs.
+jitted function is built once here (the one jit boundary of an engine). Prompts are prefilled
+`prefill_batch` at a time (padding rows are dropped on insert) and padded to power-of-two buckets, so an
+engine compiles at most `2 * len(prefill_buckets) + len(attention_windows)` programs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+from collections.abc import Sequence
 from typing import Protocol
 
 import flax.struct
@@ -32,6 +34,7 @@ class EngineConfig:
   max_prompt_length: int = 64
   max_new_tokens: int = 64
   min_prefill_bucket: int = 16
+  prefill_batch: int = 8  # prompts prefilled (and inserted) per call
   steps_per_sync: int = 1  # decode steps per host round trip
   max_stop_tokens: int = 4
   memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
@@ -97,21 +100,22 @@ class DecodeState:
 
 @flax.struct.dataclass
 class Prefix:
-  """A prefilled prompt and its first sampled token, ready to insert into a slot."""
+  """`prefill_batch` prefilled prompts (rows past the real ones are padding) and their first sampled
+  tokens, ready to insert into slots."""
 
-  keys: tuple[jax.Array, ...]  # per layer [1, kv_heads, bucket, head_dim]
+  keys: tuple[jax.Array, ...]  # per layer [rows, kv_heads, bucket, head_dim]
   values: tuple[jax.Array, ...]
-  valid: jax.Array  # [1, bucket]
-  true_length: jax.Array  # int32 scalar
-  first_token: jax.Array
+  valid: jax.Array  # [rows, bucket]
+  true_length: jax.Array  # [rows] int32
+  first_token: jax.Array  # [rows]
   first_logprob: jax.Array
-  done: jax.Array  # bool: the first token already ends the request
-  rng: jax.Array
+  done: jax.Array  # [rows] bool: the first token already ends the request
+  rng: jax.Array  # [rows, 2]
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
   max_new: jax.Array
-  stop_ids: jax.Array  # [max_stop_tokens]
+  stop_ids: jax.Array  # [rows, max_stop_tokens]
 
 
 @flax.struct.dataclass
@@ -126,13 +130,23 @@ class StepOutput:
 
 
 class Engine(Protocol):
+  """What `StreamingSampler` calls: an engine on a mesh with a config, parameter placement, and JetStream's
+  prefill / insert / generate over a pytree decode state (prefill and insert take up to
+  `config.prefill_batch` prompts at once)."""
+
+  config: EngineConfig
+  mesh: Mesh
+
+  def place_params(self, params): ...
+
   def init_decode_state(self) -> DecodeState: ...
 
-  def prefill(self, params, tokens, true_length, *, sampling: SamplingParams, rng) -> Prefix: ...
+  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence) -> Prefix: ...
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState: ...
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState: ...
 
-  def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]: ...
+  def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
+    ...
 
 
 def _stop_hit(tokens, stop_ids):
@@ -203,58 +217,64 @@ class DecodeEngine:
   def init_decode_state(self) -> DecodeState:
     return jax.jit(self._empty_state, out_shardings=self._state_shardings)()
 
-  def prefill(self, params, tokens, true_length: int, *, sampling: SamplingParams, rng) -> Prefix:
-    """Runs one prompt (unpadded int tokens) and samples its first token with key data `rng` [2]."""
-    true_length = int(true_length)
-    bucket = self.config.bucket_for(true_length)
-    if len(sampling.stop_token_ids) > self.config.max_stop_tokens:
-      raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
-                       f"{self.config.max_stop_tokens}")
-    if sampling.max_new_tokens > self.config.max_new_tokens:
-      raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds the engine's "
-                       f"EngineConfig.max_new_tokens={self.config.max_new_tokens}")
-    padded = np.zeros((1, bucket), np.int32)
-    padded[0, :true_length] = np.asarray(tokens)[:true_length]
-    stops = np.full((self.config.max_stop_tokens,), -1, np.int32)
-    stops[: len(sampling.stop_token_ids)] = sampling.stop_token_ids
-    knobs = (np.float32(sampling.temperature), np.int32(sampling.top_k), np.float32(sampling.top_p),
-             np.int32(sampling.max_new_tokens), stops)
-    return self._prefill(params, padded, np.int32(true_length), np.asarray(rng, np.uint32), *knobs)
+  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence) -> Prefix:
+    """Runs up to `prefill_batch` prompts (unpadded int tokens) in one call and samples each one's first
+    token with its key data `rngs[i]` [2]; rows are padded to the longest prompt's bucket."""
+    n, rows = len(prompts), self.config.prefill_batch
+    if not 1 <= n <= rows or len(samplings) != n or len(rngs) != n:
+      raise ValueError(f"prefill takes 1..{rows} prompts with one SamplingParams and rng each; got {n}, "
+                       f"{len(samplings)}, {len(rngs)}")
+    bucket = max(self.config.bucket_for(len(p)) for p in prompts)
+    tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones((rows,), np.int32)
+    keys, knobs = np.zeros((rows, 2), np.uint32), _Knobs(rows, self.config.max_stop_tokens)
+    for i, (prompt, sampling, rng) in enumerate(zip(prompts, samplings, rngs)):
+      if sampling.max_new_tokens > self.config.max_new_tokens:
+        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds the engine's "
+                         f"EngineConfig.max_new_tokens={self.config.max_new_tokens}")
+      tokens[i, :len(prompt)], lengths[i], keys[i] = prompt, len(prompt), np.asarray(rng, np.uint32)
+      knobs.set(i, sampling)
+    return self._prefill(params, tokens, lengths, keys, *knobs.arrays())
 
   def _prefill_impl(self, params, tokens, true_length, rng, temperature, top_k, top_p, max_new, stop_ids):
     model = nnx.merge(self.graphdef, params)
-    bucket = tokens.shape[1]
-    mask = jnp.arange(bucket)[None, :] < true_length
-    cache = KVCache.init(self.model_config, 1, bucket)
+    rows, bucket = tokens.shape
+    mask = jnp.arange(bucket)[None, :] < true_length[:, None]
+    cache = KVCache.init(self.model_config, rows, bucket)
     logits, cache = model.forward_with_cache(tokens, cache, mask)
-    last = jax.lax.dynamic_index_in_dim(logits[0], true_length - 1, keepdims=True)
-    key = jax.random.fold_in(jax.random.wrap_key_data(rng), 0)
-    token, logprob = sample_tokens(last, key[None], temperature[None], top_k[None], top_p[None])
-    done = _stop_hit(token[0], stop_ids) | (max_new <= 1)
+    last = logits[jnp.arange(rows), true_length - 1]
+    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
+    token, logprob = sample_tokens(last, keys, temperature, top_k, top_p)
+    done = _stop_hit(token, stop_ids) | (max_new <= 1)
     return Prefix(keys=cache.keys, values=cache.values, valid=cache.valid, true_length=true_length,
-                  first_token=token[0], first_logprob=logprob[0], done=done, rng=rng, temperature=temperature,
+                  first_token=token, first_logprob=logprob, done=done, rng=rng, temperature=temperature,
                   top_k=top_k, top_p=top_p, max_new=max_new, stop_ids=stop_ids)
 
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int) -> DecodeState:
-    if not 0 <= slot < self.config.num_slots:
-      raise ValueError(f"slot {slot} outside 0..{self.config.num_slots - 1}")
-    return self._insert(prefix, decode_state, np.int32(slot))
+  def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
+    """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
+    rows, num_slots = self.config.prefill_batch, self.config.num_slots
+    if len(slots) > rows or len(set(slots)) != len(slots) or any(not 0 <= s < num_slots for s in slots):
+      raise ValueError(f"insert takes up to {rows} distinct slots in 0..{num_slots - 1}, got {list(slots)}")
+    targets = np.full((rows,), num_slots, np.int32)  # out of range: dropped
+    targets[:len(slots)] = slots
+    return self._insert(prefix, decode_state, targets)
 
-  def _insert_impl(self, prefix: Prefix, state: DecodeState, slot):
+  def _insert_impl(self, prefix: Prefix, state: DecodeState, slots):
     cache = state.cache
-    put = lambda big, small: jax.lax.dynamic_update_slice(big, small.astype(big.dtype), (slot,) + (0,) * (big.ndim - 1))  # noqa: E731
-    row_valid = jnp.zeros((1, cache.max_len), bool).at[:, : prefix.valid.shape[1]].set(prefix.valid)
+    bucket = prefix.valid.shape[1]
+    put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+    put_kv = lambda big, small: big.at[slots, :, :bucket].set(small.astype(big.dtype), mode="drop")  # noqa: E731
+    row_valid = jnp.zeros((slots.shape[0], cache.max_len), bool).at[:, :bucket].set(prefix.valid)
     cache = cache.replace(
-        keys=tuple(put(k, pk) for k, pk in zip(cache.keys, prefix.keys)),
-        values=tuple(put(v, pv) for v, pv in zip(cache.values, prefix.values)),
-        valid=put(cache.valid, row_valid), index=cache.index.at[slot].set(prefix.valid.shape[1]),
-        next_position=cache.next_position.at[slot].set(prefix.true_length))
+        keys=tuple(put_kv(k, pk) for k, pk in zip(cache.keys, prefix.keys)),
+        values=tuple(put_kv(v, pv) for v, pv in zip(cache.values, prefix.values)),
+        valid=put(cache.valid, row_valid), index=put(cache.index, jnp.full(slots.shape, bucket, jnp.int32)),
+        next_position=put(cache.next_position, prefix.true_length))
     return state.replace(
-        cache=cache, last_token=state.last_token.at[slot].set(prefix.first_token),
-        rng=state.rng.at[slot].set(prefix.rng), generated=state.generated.at[slot].set(1),
-        active=state.active.at[slot].set(~prefix.done), temperature=state.temperature.at[slot].set(prefix.temperature),
-        top_k=state.top_k.at[slot].set(prefix.top_k), top_p=state.top_p.at[slot].set(prefix.top_p),
-        max_new=state.max_new.at[slot].set(prefix.max_new), stop_ids=state.stop_ids.at[slot].set(prefix.stop_ids))
+        cache=cache, last_token=put(state.last_token, prefix.first_token), rng=put(state.rng, prefix.rng),
+        generated=put(state.generated, jnp.ones(slots.shape, jnp.int32)), active=put(state.active, ~prefix.done),
+        temperature=put(state.temperature, prefix.temperature), top_k=put(state.top_k, prefix.top_k),
+        top_p=put(state.top_p, prefix.top_p), max_new=put(state.max_new, prefix.max_new),
+        stop_ids=put(state.stop_ids, prefix.stop_ids))
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
     """`steps_per_sync` decode steps for every slot (inactive slots compute but change nothing).
@@ -283,6 +303,26 @@ class DecodeEngine:
       return new_state, StepOutput(tokens=tokens, logprobs=logprobs, active=active, done=done)
 
     return jax.lax.scan(step, state, None, length=self.config.steps_per_sync)
+
+
+class _Knobs:
+  """Per-row sampling knobs of a prefill call, as the arrays the jitted prefill takes."""
+
+  def __init__(self, rows: int, max_stops: int):
+    self.temperature, self.top_k = np.ones((rows,), np.float32), np.zeros((rows,), np.int32)
+    self.top_p, self.max_new = np.ones((rows,), np.float32), np.ones((rows,), np.int32)
+    self.stop_ids = np.full((rows, max_stops), -1, np.int32)
+
+  def set(self, row: int, sampling: SamplingParams) -> None:
+    if len(sampling.stop_token_ids) > self.stop_ids.shape[1]:
+      raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
+                       f"{self.stop_ids.shape[1]}")
+    self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, sampling.top_p
+    self.max_new[row] = sampling.max_new_tokens
+    self.stop_ids[row, :len(sampling.stop_token_ids)] = sampling.stop_token_ids
+
+  def arrays(self) -> tuple:
+    return self.temperature, self.top_k, self.top_p, self.max_new, self.stop_ids
 
 
 def split_mesh(mesh: Mesh, devices_per_instance: list[int]) -> list[Mesh]:

@@ -171,6 +171,23 @@ class Trainer:
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
     return jax.device_put(out, sharding)
 
+  def length_buckets(self, max_length: int) -> list[int]:
+    """The padded lengths a micro-batch of up to `max_length` tokens can take."""
+    return sorted({_bucket(n, self.min_length) for n in range(1, max_length + 1)})
+
+  def precompile(self, state: TrainState, max_rows: int, max_length: int) -> TrainState:
+    """Compiles accumulation for every (rows, length) bucket of micro-batches up to `max_rows` x
+    `max_length`, by accumulating batches that carry no loss (the state's values do not change), so that no
+    compile stalls the run later."""
+    rows_buckets = sorted({_bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
+    for rows in rows_buckets:
+      for length in self.length_buckets(max_length):
+        empty = {k: np.zeros((rows, length), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
+        empty.update(tokens=np.zeros((rows, length), np.int32), valid=np.ones((rows, length), bool),
+                     loss_mask=np.zeros((rows, length), bool))
+        state = self.accumulate(state, empty)
+    return state
+
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
     return self._accumulate(state, self.prepare(batch), self.ref_params)
