@@ -14,8 +14,8 @@ from streamrl_jax.messages import (BadMessage, Lease, LeaseReply, Register, Step
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
                                                   shard_to_batch)
-from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, read_manifest, weight_batches,
-                                                  weight_schema)
+from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, partition_tensors,
+                                                  read_manifest, weight_batches, weight_schema)
 
 VOCAB = 50
 
@@ -99,12 +99,13 @@ def _weights():
 def test_weights_reassemble_from_chunks(chunk_bytes):
   flat = _weights()
   schema = weight_schema(5, flat)
-  version, manifest = read_manifest(schema, {k: v.shape for k, v in flat.items()})
+  version, manifest = read_manifest(schema)
   assembler = WeightAssembler(manifest)
   for batch in weight_batches(schema, flat, chunk_bytes):
     assembler.add(batch)
   out = assembler.result()
   assert version == 5 and list(out) == list(flat) and assembler.bytes == sum(a.nbytes for a in flat.values())
+  check_tensors(out, {k: v.shape for k, v in flat.items()})
   for name in flat:
     np.testing.assert_array_equal(out[name], flat[name])
     assert out[name].dtype == flat[name].dtype
@@ -114,9 +115,11 @@ def test_weight_streams_that_do_not_add_up_are_refused():
   flat = _weights()
   schema = weight_schema(1, flat)
   with pytest.raises(BadWeightStream, match=r"weight \['a'\] has shape \(3, 5\), this model expects \(5, 3\)"):
-    read_manifest(schema, {**{k: v.shape for k, v in flat.items()}, "['a']": (5, 3)})
-  with pytest.raises(BadWeightStream, match="missing"):
-    read_manifest(schema, {"['z']": (1,)})
+    check_tensors(flat, {**{k: v.shape for k, v in flat.items()}, "['a']": (5, 3)})
+  with pytest.raises(BadWeightStream, match="missing .*'z'.* unexpected"):
+    check_tensors(flat, {"['z']": (1,)})
+  with pytest.raises(BadWeightStream, match="not 'streamrl.weights/1'"):
+    read_manifest(schema.remove_metadata())
   _, manifest = read_manifest(schema)
   assembler = WeightAssembler(manifest)
   batches = list(weight_batches(schema, flat, 16))
@@ -124,6 +127,15 @@ def test_weight_streams_that_do_not_add_up_are_refused():
     assembler.add(batch)
   with pytest.raises(BadWeightStream, match=r"\['d'\]: 16 of 28 bytes arrived"):
     assembler.result()
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.integers(0, 1000), max_size=30), st.integers(1, 5))
+def test_weight_parts_cover_every_tensor_once_and_balance(nbytes, parts):
+  split = partition_tensors(nbytes, parts)
+  assert len(split) == parts and sorted(i for part in split for i in part) == list(range(len(nbytes)))
+  loads = [sum(nbytes[i] for i in part) for part in split]
+  assert max(loads) <= sum(nbytes) / parts + max(nbytes, default=0)  # LPT's bound
 
 
 def test_control_messages_round_trip_and_are_checked():

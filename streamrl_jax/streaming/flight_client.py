@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 import numpy as np
@@ -24,7 +25,7 @@ from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, L
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
-from streamrl_jax.streaming.weight_chunks import WeightAssembler, read_manifest
+from streamrl_jax.streaming.weight_chunks import WeightAssembler, check_tensors, read_manifest
 
 
 class TrainerUnreachable(ConnectionError):
@@ -159,21 +160,27 @@ class _QueueFull(Exception):
   pass
 
 
-def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None) -> tuple[int, dict, int]:
-  """(version, {name: host array}, bytes) of one published version by DoGet; `expected` ({name: shape})
-  checks the manifest against the receiver's model."""
-  def once():
-    ticket = flight.Ticket(json.dumps({"weights": version}).encode())
+def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None,
+                  streams: int = 2) -> tuple[int, dict, int]:
+  """(version, {name: host array}, bytes) of one published version, fetched as `streams` parallel DoGets of
+  disjoint parts; `expected` ({name: shape}) checks the tensors against the receiver's model."""
+  def part(i: int):
+    ticket = flight.Ticket(json.dumps({"weights": version, "part": i, "parts": streams}).encode())
     try:
       reader = connection.client.do_get(ticket, options=connection.options())
-      got, manifest = read_manifest(reader.schema, expected)
+      got, manifest = read_manifest(reader.schema)
       assembler = WeightAssembler(manifest)
       for chunk in reader:
         assembler.add(chunk.data)
       return got, assembler.result(), assembler.bytes
     except flight.FlightServerError as err:
       raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
-  return connection.call(once)
+  with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
+    results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
+  flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
+  if expected is not None:
+    check_tensors(flat, expected)
+  return results[0][0], flat, sum(r[2] for r in results)
 
 
 class FlightWeightReceiver:

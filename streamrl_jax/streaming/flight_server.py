@@ -28,7 +28,7 @@ from streamrl_jax.messages import (BadMessage, Heartbeat, LeaseRequest, Leave, R
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
 from streamrl_jax.streaming.sample_schema import BadSampleBatch, batch_to_shard
-from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, weight_batches, weight_schema
+from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_tensors, weight_batches, weight_schema
 from streamrl_jax.streaming.weights import cast_floats
 
 SAMPLES_COMMAND = b"samples"
@@ -196,11 +196,20 @@ class TrainerFlightServer(flight.FlightServerBase):
 
   # ---- weights -------------------------------------------------------------------------------
   def do_get(self, context, ticket):
+    """Ticket `{"weights": version}`, or with `"part": i, "parts": n` the i-th of n disjoint parts."""
     try:
-      version = int(json.loads(ticket.ticket)["weights"])
+      request = json.loads(ticket.ticket)
+      version, part, parts = int(request["weights"]), int(request.get("part", 0)), int(request.get("parts", 1))
       schema, flat = self.weights.get(version)
+      if not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts}")
     except (ValueError, KeyError, TypeError) as err:
       raise flight.FlightServerError(f"bad weights ticket {ticket.ticket[:100]!r}: {err}") from None
+    if parts > 1:
+      names = list(flat)
+      chosen = partition_tensors([a.nbytes for a in flat.values()], parts)[part]
+      flat = {names[i]: flat[names[i]] for i in chosen}
+      schema = weight_schema(version, flat)
     self._count("weight_streams")
     self._count("weight_bytes", sum(a.nbytes for a in flat.values()))
     return flight.GeneratorStream(schema, weight_batches(schema, flat, self.chunk_bytes))

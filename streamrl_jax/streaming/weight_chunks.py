@@ -3,7 +3,8 @@
 The schema's metadata carries the version and the manifest (every tensor's name, dtype and shape, in
 order); each batch carries one chunk: (tensor index, byte offset, bytes). A tensor that fits in one chunk
 is received without a copy (a read-only view of the Arrow buffer); a larger one is copied into place.
-The receiver checks the manifest against the tensors it expects and that every byte arrived.
+The receiver checks the manifest against the tensors it expects and that every byte arrived. A version may
+travel as several streams in parallel, each holding a part of the tensors (`partition_tensors`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,19 @@ import pyarrow as pa
 
 SCHEMA_NAME = "streamrl.weights/1"
 CHUNK_COLUMNS = [("tensor", pa.int32()), ("offset", pa.int64()), ("data", pa.large_binary())]
-DEFAULT_CHUNK_BYTES = 16 << 20
+DEFAULT_CHUNK_BYTES = 32 << 20  # larger gRPC messages were slower on loopback; most tensors fit in one
+
+
+def partition_tensors(nbytes: list[int], parts: int) -> list[list[int]]:
+  """Tensor indices per part, the largest first onto the lightest part (LPT), each part in index order."""
+  if parts < 1:
+    raise ValueError(f"parts must be >= 1, got {parts}")
+  loads, out = [0] * parts, [[] for _ in range(parts)]
+  for index in sorted(range(len(nbytes)), key=lambda i: (-nbytes[i], i)):
+    lightest = loads.index(min(loads))
+    out[lightest].append(index)
+    loads[lightest] += nbytes[index]
+  return [sorted(part) for part in out]
 
 
 class BadWeightStream(ValueError):
@@ -40,21 +53,23 @@ def weight_batches(schema: pa.Schema, flat: dict[str, np.ndarray], chunk_bytes: 
       yield pa.record_batch([pa.array([index], pa.int32()), pa.array([offset], pa.int64()), column], schema=schema)
 
 
-def read_manifest(schema: pa.Schema, expected: dict[str, tuple] | None = None) -> tuple[int, list]:
-  """(version, [(name, dtype, shape)]); with `expected` ({name: shape}) the names and shapes must match it."""
+def read_manifest(schema: pa.Schema) -> tuple[int, list]:
+  """(version, [(name, dtype, shape)]) of a weight stream."""
   meta = schema.metadata or {}
   if meta.get(b"schema") != SCHEMA_NAME.encode():
     raise BadWeightStream(f"weight stream schema is not {SCHEMA_NAME!r}")
   manifest = [(name, jnp.dtype(dtype), tuple(shape)) for name, dtype, shape in json.loads(meta[b"tensors"])]
-  if expected is not None:
-    names = [m[0] for m in manifest]
-    if set(names) != set(expected):
-      missing, extra = sorted(set(expected) - set(names)), sorted(set(names) - set(expected))
-      raise BadWeightStream(f"weights differ from this model's: missing {missing[:3]}, unexpected {extra[:3]}")
-    for name, _, shape in manifest:
-      if tuple(expected[name]) != shape:
-        raise BadWeightStream(f"weight {name} has shape {shape}, this model expects {tuple(expected[name])}")
   return int(meta[b"version"]), manifest
+
+
+def check_tensors(flat: dict[str, np.ndarray], expected: dict[str, tuple]) -> None:
+  """The received tensors must be exactly the expected names ({name: shape}) with those shapes."""
+  if set(flat) != set(expected):
+    missing, extra = sorted(set(expected) - set(flat)), sorted(set(flat) - set(expected))
+    raise BadWeightStream(f"weights differ from this model's: missing {missing[:3]}, unexpected {extra[:3]}")
+  for name, array in flat.items():
+    if tuple(expected[name]) != tuple(array.shape):
+      raise BadWeightStream(f"weight {name} has shape {tuple(array.shape)}, this model expects {tuple(expected[name])}")
 
 
 class WeightAssembler:
