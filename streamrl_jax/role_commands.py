@@ -3,8 +3,8 @@
 Both read the same gin files and `--set` bindings (the trainer refuses a sampler whose settings differ).
 The trainer does what `streamrl train` does (warm-up, evaluation, metrics, checkpoints, `--resume`) and
 serves its samplers over Arrow Flight; a sampler connects, takes leases until the run is over, and exits.
-Either may span several processes (`--coordinator --num-processes --process-id`, or the environment that
-JobSet and GKE set; see `streamrl_jax.distributed`).
+The trainer may span several processes (`--coordinator --num-processes --process-id`, or the environment
+that JobSet and GKE set; see `streamrl_jax.distributed`); a sampler is one process (one replica) per host.
 """
 
 from __future__ import annotations
@@ -64,6 +64,9 @@ def _start_role(args):
   from streamrl_jax.streaming.flight_server import TLSFiles
 
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+  if args.command == "sampler" and cluster is not None and cluster.num_processes > 1:
+    raise ValueError("a sampler replica runs in one process: start one `streamrl sampler` per host (each host is a "
+                     "replica of its own); replicas spanning several processes are not supported yet")
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
   distributed.initialize(cluster)
   gin_config.parse(args.config, args.set)
