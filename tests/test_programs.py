@@ -22,7 +22,7 @@ PipelineConfig.steps = {steps}
 PipelineConfig.prompts_per_step = 4
 PipelineConfig.group_size = 2
 PipelineConfig.max_new_tokens = 8
-PipelineConfig.mode = 'stream'
+PipelineConfig.mode = '{mode}'
 PipelineConfig.seed = 3
 EngineConfig.num_slots = 4
 EngineConfig.max_prompt_length = 16
@@ -38,8 +38,8 @@ FlightConfig.heartbeat_s = 0.5
 TIMEOUT_S = 240
 
 
-def write_config(path: Path, steps: int = 2, trainer_devices: int = 1) -> str:
-  path.write_text(TINY.format(steps=steps, trainer_devices=trainer_devices))
+def write_config(path: Path, steps: int = 2, trainer_devices: int = 1, mode: str = "stream") -> str:
+  path.write_text(TINY.format(steps=steps, trainer_devices=trainer_devices, mode=mode))
   return str(path)
 
 
@@ -128,7 +128,7 @@ def test_two_sampler_processes_and_a_two_process_trainer(single, tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
-  config = write_config(tmp_path / "tiny.gin", steps=6)
+  config = write_config(tmp_path / "tiny.gin", steps=6, mode="async")
   proc = launch(tmp_path, "--config", config)
   try:
     deadline = time.monotonic() + TIMEOUT_S

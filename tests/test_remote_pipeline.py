@@ -75,3 +75,13 @@ def test_two_samplers_share_the_steps():
   assert result.counters["samples_trained"] == 3 * 16 and result.counters["duplicate_samples"] == 0
   assert result.counters["leases"] == 6 and all(s["put_samples"] > 0 for s in stats)
   assert sum(s["put_samples"] for s in stats) == 3 * 16
+
+
+def test_colocated_is_one_program_and_a_sampler_is_one_process(capsys):
+  from streamrl_jax import cli
+  with pytest.raises(ValueError, match="colocated.*one program"):
+    serve_training(dataclasses.replace(BASE, mode="colocated"), Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER,
+                   DigitTask(max_digits=3))
+  assert cli.main(["sampler", "--connect", "127.0.0.1:1", "--coordinator", "127.0.0.1:2", "--num-processes", "2",
+                   "--process-id", "0"]) == 2
+  assert "a sampler replica runs in one process" in capsys.readouterr().err

@@ -336,3 +336,30 @@ def test_measure_ptl_curve_times_a_full_engine(setup):
   assert list(curve) == [ENGINE.num_slots] and curve[ENGINE.num_slots] > 0
   with pytest.raises(ValueError, match="too short to time 80 decode steps"):
     measure_ptl_curve(lambda slots: engine, params, (4,), steps=80)
+
+
+def test_a_batched_prefill_equals_prefills_one_at_a_time(setup):
+  engine, params, _, _ = setup
+  placed = engine.place_params(params)
+  knobs = [SamplingParams(temperature=1.0, max_new_tokens=8)] * 3
+  rngs = np.asarray([[1, 2], [3, 4], [5, 6]], np.uint32)
+  batch = engine.prefill(placed, PROMPTS, samplings=knobs, rngs=rngs)  # 3 rows padded to 4, lengths to 16
+  assert batch.valid.shape == (4, 16)
+  for i, prompt in enumerate(PROMPTS):
+    one = engine.prefill(placed, [prompt], samplings=knobs[:1], rngs=rngs[i:i + 1])
+    assert int(one.first_token[0]) == int(batch.first_token[i])
+    np.testing.assert_allclose(one.first_logprob[0], batch.first_logprob[i], atol=1e-5)
+    for k_one, k_batch in zip(one.keys, batch.keys):
+      np.testing.assert_allclose(k_one[0, :, :len(prompt)], k_batch[i, :, :len(prompt)], atol=1e-5)
+  with pytest.raises(ValueError, match="distinct slots"):
+    engine.insert(batch, engine.init_decode_state(), [0, 0])
+  with pytest.raises(ValueError, match="must be a power of two"):
+    EngineConfig(prefill_batch=6)
+
+
+def test_compiles_stay_within_the_stated_bound(setup):
+  """Run last in this module: everything above compiled at most the bound the engine states."""
+  engine, _, _, _ = setup
+  rows, lengths = len(ENGINE.row_buckets), len(ENGINE.prefill_buckets)
+  assert engine._prefill._cache_size() <= rows * lengths and engine._insert._cache_size() <= rows * lengths
+  assert engine._generate._cache_size() <= len(ENGINE.attention_windows)

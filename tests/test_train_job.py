@@ -36,6 +36,13 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   assert json.loads((tmp_path / "summary.json").read_text())["counters"]["samples_trained"] == 4 * 2
 
 
+def test_resume_without_a_checkpoint_fails_before_any_work(tmp_path, capsys, monkeypatch):
+  from streamrl_jax.pipeline import train_job
+  monkeypatch.setattr(train_job, "supervised_warmup", lambda *a, **k: pytest.fail("warmed up before the check"))
+  assert cli.main(["train", "--workdir", str(tmp_path), "--resume"]) == 2
+  assert "no checkpoint" in capsys.readouterr().err
+
+
 def test_train_rejects_gin_mistakes(tmp_path, capsys):
   assert cli.main(["train", "--workdir", str(tmp_path), "--set", "PipelineConfig.mode='pipelined'"]) == 2
   assert "pipelined" in capsys.readouterr().err

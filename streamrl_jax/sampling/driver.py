@@ -198,14 +198,16 @@ class StreamingSampler:
     return np.asarray(_fold_keys(self._root, groups, indices))
 
   def _admit(self, inst: _Instance, now: float) -> None:
-    """Fills free slots from the queue in admission order, `prefill_batch` prompts per prefill call."""
+    """Fills free slots from the queue in admission order, up to `prefill_batch` prompts per prefill call."""
     slots = inst.free_slots
     chosen = []
     while len(chosen) < len(slots) and inst.pending:
       chosen.append(inst.pending.pop(next(iter(self.admission(inst.pending)))))
-    rows = inst.engine.config.prefill_batch
-    for start in range(0, len(chosen), rows):
+    start = 0
+    while start < len(chosen):  # calls of power-of-two sizes: no padding rows (11 = 8 + 2 + 1)
+      rows = min(inst.engine.config.prefill_batch, 1 << ((len(chosen) - start).bit_length() - 1))
       part, targets = chosen[start:start + rows], slots[start:start + rows]
+      start += rows
       prefix = inst.engine.prefill(inst.params, [r.prompt for r in part], samplings=[r.params for r in part],
                                    rngs=self._request_keys(part))
       inst.state = inst.engine.insert(prefix, inst.state, targets)

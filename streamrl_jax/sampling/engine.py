@@ -1,9 +1,10 @@
 """The decode engine: JetStream's engine shape (prefill / insert / generate) over a pytree decode state.
 
 Slots are sharded over the mesh's "data" axis and parameters by the model's logical rules. Every
-jitted function is built once here (the one jit boundary of an engine). Prompts are prefilled
-`prefill_batch` at a time (padding rows are dropped on insert) and padded to power-of-two buckets, so an
-engine compiles at most `2 * len(prefill_buckets) + len(attention_windows)` programs.
+jitted function is built once here (the one jit boundary of an engine). Up to `prefill_batch` prompts are
+prefilled (and inserted) per call, their count padded to a power of two and their length to a power-of-two
+bucket, so an engine compiles at most `2 * len(prefill_buckets) * len(row_buckets) + len(attention_windows)`
+programs.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class EngineConfig:
   max_prompt_length: int = 64
   max_new_tokens: int = 64
   min_prefill_bucket: int = 16
-  prefill_batch: int = 8  # prompts prefilled (and inserted) per call
+  prefill_batch: int = 8  # most prompts prefilled (and inserted) per call; a power of two
   steps_per_sync: int = 1  # decode steps per host round trip
   max_stop_tokens: int = 4
   memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
@@ -51,6 +52,8 @@ class EngineConfig:
           raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
       elif value < (0 if field.name == "memory_budget_bytes" else 1):
         raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
+    if self.prefill_batch & (self.prefill_batch - 1):
+      raise ValueError(f"EngineConfig.prefill_batch={self.prefill_batch} must be a power of two")
 
   @property
   def cache_length(self) -> int:
@@ -63,6 +66,11 @@ class EngineConfig:
       buckets.append(size)
       size *= 2
     return tuple(buckets) + (self.max_prompt_length,)
+
+  @property
+  def row_buckets(self) -> tuple[int, ...]:
+    """Prompts per prefill call: the powers of two up to `prefill_batch`."""
+    return tuple(1 << k for k in range(self.prefill_batch.bit_length()))
 
   @property
   def attention_windows(self) -> tuple[int, ...]:
@@ -219,11 +227,13 @@ class DecodeEngine:
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence) -> Prefix:
     """Runs up to `prefill_batch` prompts (unpadded int tokens) in one call and samples each one's first
-    token with its key data `rngs[i]` [2]; rows are padded to the longest prompt's bucket."""
-    n, rows = len(prompts), self.config.prefill_batch
-    if not 1 <= n <= rows or len(samplings) != n or len(rngs) != n:
-      raise ValueError(f"prefill takes 1..{rows} prompts with one SamplingParams and rng each; got {n}, "
-                       f"{len(samplings)}, {len(rngs)}")
+    token with its key data `rngs[i]` [2]; rows are padded to the longest prompt's bucket, and their count
+    to a row bucket (padding rows are computed and dropped)."""
+    n = len(prompts)
+    if not 1 <= n <= self.config.prefill_batch or len(samplings) != n or len(rngs) != n:
+      raise ValueError(f"prefill takes 1..{self.config.prefill_batch} prompts with one SamplingParams and rng "
+                       f"each; got {n}, {len(samplings)}, {len(rngs)}")
+    rows = next(r for r in self.config.row_buckets if r >= n)
     bucket = max(self.config.bucket_for(len(p)) for p in prompts)
     tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones((rows,), np.int32)
     keys, knobs = np.zeros((rows, 2), np.uint32), _Knobs(rows, self.config.max_stop_tokens)
@@ -251,7 +261,7 @@ class DecodeEngine:
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
-    rows, num_slots = self.config.prefill_batch, self.config.num_slots
+    rows, num_slots = prefix.valid.shape[0], self.config.num_slots
     if len(slots) > rows or len(set(slots)) != len(slots) or any(not 0 <= s < num_slots for s in slots):
       raise ValueError(f"insert takes up to {rows} distinct slots in 0..{num_slots - 1}, got {list(slots)}")
     targets = np.full((rows,), num_slots, np.int32)  # out of range: dropped
