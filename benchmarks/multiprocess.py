@@ -9,9 +9,11 @@ from the same warmed-up model (supervised warm-up done once here) with the same 
 The workload is picked so that the two stages take similar time, the condition the resource-split policy
 creates on a cluster by choosing device counts; here the devices are fixed (a core each), so the workload
 moves instead: long-tailed arithmetic of up to 8 digits (most answers short, a few long, as in RL) on a
-decoder of hidden size 224, 128 engine slots, 8 decode steps per host round trip. Measured in disaggregated
-runs on this machine, hidden sizes 128, 192 and 224 gave generation / training per step of about 1.5, 1.2
-and 0.85; `stage_seconds` below reports the balance of this run.
+decoder of hidden size 160, 128 engine slots, 8 decode steps per host round trip. Measured in disaggregated
+runs on this machine (after batched prefill), hidden sizes 160, 192 and 224 gave generation / training per
+step of about 0.79, 0.73 and 0.61; 160 is the closest to 1 that keeps training the longer stage, so the
+trainer (the stage the modes exist to keep busy) is the one the others must feed. `stage_seconds` below
+reports the balance of this run.
 
 Weights: a ~100M-parameter set of float32 tensors published by a weights-only Flight server in another
 process and fetched by DoGet (chunks reassembled on the host), against a host copy of the same bytes into a

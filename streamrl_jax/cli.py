@@ -21,7 +21,7 @@ import time
 
 DEMO_PROMPTS = ("12+34=", "7*8=", "100-1=", "(2+3)*4=")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "gin-config",
-            "safetensors", "tokenizers")
+            "safetensors", "tokenizers", "pyarrow")
 
 
 def _versions() -> dict[str, str]:
