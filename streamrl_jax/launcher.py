@@ -5,6 +5,8 @@ bar); samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs o
 (`os.sched_setaffinity`, set before the child starts, so XLA sizes its threads to them). Children run in
 their own sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SIGTERM) asks the trainer to
 checkpoint and stop, stops the samplers, and kills whatever has not exited after a grace period: no orphans.
+A sampler that dies is started again (up to `--sampler-restarts` times in all; the trainer leases its
+prompts to the others meanwhile); a trainer that dies stops the run.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def add_launch_parser(sub, common) -> None:
   local.add_argument("--trainer-processes", type=int, default=1,
                      help="processes of the trainer, one jax.distributed cluster (default 1)")
   local.add_argument("--pin-cores", action="store_true", help="run each process on its own CPU cores")
+  local.add_argument("--sampler-restarts", type=int, default=3,
+                     help="how many times in all a sampler that dies is started again (default 3)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   local.set_defaults(run=cmd_launch_local)
 
@@ -126,12 +130,11 @@ def cmd_launch_local(args) -> int:
   try:
     for child in children:
       child.start()
-    (workdir / "launch.json").write_text(json.dumps(
-        [dict(name=c.name, pid=c.proc.pid, cores=c.cores, log=str(c.log) if c.log else None) for c in children],
-        indent=2))
+    _write_manifest(workdir, children)
     logs = ", ".join(f"{c.name}: {c.log}" for c in children if c.log)
     print(f"streamrl launch local: {len(children)} processes ({logs})", file=sys.stderr, flush=True)
-    return _supervise(children, args.trainer_processes)
+    return _supervise(children, args.trainer_processes, args.sampler_restarts,
+                      on_restart=lambda: _write_manifest(workdir, children))
   except KeyboardInterrupt:
     _stop(children)
     print("streamrl launch local: stopped; continue with the same command and --resume", file=sys.stderr)
@@ -141,21 +144,37 @@ def cmd_launch_local(args) -> int:
     signal.signal(signal.SIGTERM, previous)
 
 
+def _write_manifest(workdir: Path, children: list[Child]) -> None:
+  """WORKDIR/launch.json: each child's name, pid, cores and log."""
+  (workdir / "launch.json").write_text(json.dumps(
+      [dict(name=c.name, pid=c.proc.pid, cores=c.cores, log=str(c.log) if c.log else None) for c in children],
+      indent=2))
+
+
 def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
-def _supervise(children: list[Child], trainer_processes: int) -> int:
-  """Waits for the trainer; a trainer or sampler process that fails stops the run (its exit code is returned)."""
+def _supervise(children: list[Child], trainer_processes: int, restarts: int = 0, on_restart=None) -> int:
+  """Waits for the trainer. A sampler that fails is started again while `restarts` last; a trainer process
+  that fails, or a sampler beyond them, stops the run (its exit code is returned)."""
   trainers, samplers = children[:trainer_processes], children[trainer_processes:]
   while any(c.proc.poll() is None for c in trainers):
     for child in children:
       code = child.proc.poll()
-      if code not in (None, 0):
-        print(f"streamrl launch local: {child.name} exited with code {code}"
-              + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
-        _stop(children)
-        return code
+      if code in (None, 0):
+        continue
+      said = f"streamrl launch local: {child.name} exited with code {code}"
+      if child in samplers and restarts > 0:
+        restarts -= 1
+        print(f"{said}; starting it again ({restarts} restart(s) left)", file=sys.stderr, flush=True)
+        child.start()
+        if on_restart is not None:
+          on_restart()
+        continue
+      print(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
+      _stop(children)
+      return code
     time.sleep(0.2)
   deadline = time.monotonic() + SAMPLER_EXIT_GRACE_S
   while any(c.proc.poll() is None for c in samplers) and time.monotonic() < deadline:

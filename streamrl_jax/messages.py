@@ -17,6 +17,11 @@ class BadMessage(ValueError):
   """A control message that is not one of the known records, or whose fields do not fit it."""
 
 
+class RejoinRequired(Exception):
+  """The trainer does not know this sampler (it was declared lost, or the trainer restarted): drop the
+  lease in hand and register again."""
+
+
 @dataclasses.dataclass(frozen=True)
 class WeightUpdate:
   """Parameters of one policy version, placed where the receiver runs them."""
@@ -66,15 +71,16 @@ class Lease:
 
 @dataclasses.dataclass(frozen=True)
 class LeaseReply:
-  """A lease; or none yet (ask again); or `finished`: the run is over, leave."""
+  """A lease; or none yet (ask again); or `finished`: the run is over, leave; or `rejoin`: register again."""
 
   lease: Lease | None
   finished: bool
+  rejoin: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class StepReport:
-  """What a sampler measured while generating one lease; sent before the lease's last samples."""
+  """What a sampler measured while generating one lease; sent once the lease's last samples are acknowledged."""
 
   sampler_id: int
   lease_id: int
@@ -85,6 +91,7 @@ class StepReport:
   samples: int
   instances: int
   busy: tuple[tuple[float, float], ...]  # generation intervals, epoch seconds
+  rss_mb: float = 0.0  # the sampler process's resident memory
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +101,8 @@ class Heartbeat:
 
 @dataclasses.dataclass(frozen=True)
 class HeartbeatReply:
-  stop: bool  # the run is over, or the controller does not know this sampler
+  stop: bool  # the run is over
+  rejoin: bool = False  # the controller does not know this sampler: register again
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,7 @@ class Leave:
 
 @dataclasses.dataclass(frozen=True)
 class Ack:
-  pass
+  rejoin: bool = False  # the sender is not (any more) a sampler of this run: register again
 
 
 MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Lease, LeaseReply, StepReport, Heartbeat,

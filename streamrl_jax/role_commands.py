@@ -10,6 +10,7 @@ that JobSet and GKE set; see `streamrl_jax.distributed`); a sampler is one proce
 from __future__ import annotations
 
 import functools
+import json
 import os
 import sys
 from pathlib import Path
@@ -76,16 +77,22 @@ def _start_role(args):
 
 def cmd_trainer(args) -> int:
   from streamrl_jax.cli import run_training
-  from streamrl_jax.pipeline.remote import serve_training
+  from streamrl_jax.pipeline.remote import describe_event, serve_training
 
   config, job, flight_config, tls, settings = _start_role(args)
+  events = Path(args.workdir) / "events.jsonl"
+
+  def on_event(event: dict) -> None:  # samplers joining, leaving, lost: kept in WORKDIR/events.jsonl
+    with events.open("a") as out:
+      out.write(json.dumps(event) + "\n")
+    print(f"streamrl trainer: {describe_event(event)}", file=sys.stderr, flush=True)
 
   def listening(address: str) -> None:
     print(f"streamrl trainer: listening on {address}", flush=True)
     if args.address_file:
       Path(args.address_file).write_text(address)
   runner = functools.partial(serve_training, listen=args.listen, tls=tls, settings=settings,
-                             flight_config=flight_config, on_listening=listening)
+                             flight_config=flight_config, on_listening=listening, on_event=on_event)
   return run_training(args, config, job, runner, "streamrl trainer")
 
 

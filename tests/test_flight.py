@@ -14,7 +14,7 @@ from flax import nnx
 
 from streamrl_jax.config import MeshShape
 from streamrl_jax.meshes import mesh_from_devices
-from streamrl_jax.messages import BadMessage, Heartbeat, LeaseRequest, Register, StepReport
+from streamrl_jax.messages import BadMessage, Heartbeat, LeaseRequest, Register, RejoinRequired, StepReport
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, state_shardings
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
@@ -49,13 +49,17 @@ def served():
 
 
 def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):
-  server, _, queue, _, connection = served
-  sender = FlightSampleSender(connection, sampler_id=3)
+  server, controller, queue, _, connection = served
+  stranger = FlightSampleSender(connection, sampler_id=3)  # not registered: refused, told to register again
+  with pytest.raises(RejoinRequired):
+    stranger.put(group_shard([4, 5], seed=1))
+  assert len(queue) == 0 and server.counters["rejoin_refusals"] == 1
+  sender = FlightSampleSender(connection, sampler_id=controller.register(Register("s", SETTINGS)).sampler_id)
   sender.put(group_shard([4, 5], seed=1))
   sender.seq = 0  # a retry of an acked batch (its ack was lost): acked again as a duplicate, not queued twice
   sender.put(group_shard([4, 5], seed=1))
   assert sender.stats["duplicate_acks"] == 1 and len(queue) == 2
-  bad = shard_to_batch(group_shard([4, 5]), SampleEnvelope(3, 7))
+  bad = shard_to_batch(group_shard([4, 5]), SampleEnvelope(sender.sampler_id, 7))
   bad = pa.record_batch([pa.array([[1, 2, VOCAB + 5, 1], [1, 2, 3, 4, 5]], pa.list_(pa.int32())) if f.name == "tokens"
                          else bad.column(i) for i, f in enumerate(bad.schema)], schema=bad.schema)
   writer, reader = connection.client.do_put(flight.FlightDescriptor.for_command(SAMPLES_COMMAND), SAMPLE_SCHEMA)
@@ -77,10 +81,10 @@ def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):
 
 
 def test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost():
-  server, _, queue, _ = make_server(capacity=4, put_wait_s=0.05)
+  server, controller, queue, _ = make_server(capacity=4, put_wait_s=0.05)
   connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
   try:
-    sender = FlightSampleSender(connection, sampler_id=0)
+    sender = FlightSampleSender(connection, sampler_id=controller.register(Register("s", SETTINGS)).sampler_id)
     sent = [group_shard([3, 4], seed=k) for k in range(6)]
     thread = threading.Thread(target=lambda: [sender.put(s) for s in sent])
     thread.start()
@@ -102,22 +106,27 @@ def test_control_messages_over_flight(served):
   with pytest.raises(BadMessage, match=r"first PipelineConfig.mode = \"'async'\" \(sampler\) vs \"'stream'\""):
     control.register(Register("s", {"PipelineConfig.mode": "'async'"}))
   registered = control.register(Register("s", SETTINGS))
-  assert (registered.sampler_id, registered.steps) == (0, 2)
-  assert control.lease(LeaseRequest(0, wait_s=0.1)).lease is None  # no weights published: the gate is closed
+  me = registered.sampler_id
+  assert registered.steps == 2
+  assert control.lease(LeaseRequest(me, wait_s=0.1)).lease is None  # no weights published: the gate is closed
   controller.published(0)
-  lease = control.lease(LeaseRequest(0, wait_s=0.1)).lease
+  lease = control.lease(LeaseRequest(me, wait_s=0.1)).lease
   assert lease.step == 0 and lease.group_ids == (0, 1, 2, 3) and lease.min_version == 0
-  assert control.lease(LeaseRequest(0, wait_s=0.1)).lease is None  # step 1 needs version 1 (on-policy)
+  assert control.lease(LeaseRequest(me, wait_s=0.1)).lease is None  # step 1 needs version 1 (on-policy)
   with pytest.raises(BadMessage, match="1 lengths for 4 prompts"):
-    control.report(StepReport(0, lease.lease_id, 0, 1.0, (1.0,), 0.0, 8, 1, ()))
-  control.report(StepReport(0, lease.lease_id, 0, 1.0, (1.0, 2.0, 3.0, 4.0), 0.5, 8, 1, ((10.0, 11.0),)))
-  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
-  assert not control.heartbeat(Heartbeat(0)).stop
+    control.report(StepReport(me, lease.lease_id, 0, 1.0, (1.0,), 0.0, 8, 1, ()))
+  with pytest.raises(BadMessage, match="which it does not hold"):
+    control.report(StepReport(me, lease.lease_id + 1, 0, 1.0, (1.0,), 0.0, 8, 1, ()))
+  control.report(StepReport(me, lease.lease_id, 0, 1.0, (1.0, 2.0, 3.0, 4.0), 0.5, 8, 1, ((10.0, 11.0),), 99.0))
+  summary = controller.step_summary(0, timeout=1)
+  assert summary["generation_s"] == 1.0 and summary["sampler_rss_mb"] == 99.0
+  assert not control.heartbeat(Heartbeat(me)).stop
+  stranger = me + 1  # an id this controller never gave (a sampler of a trainer that restarted): register again
+  assert control.lease(LeaseRequest(stranger, wait_s=0.1)).rejoin and control.heartbeat(Heartbeat(stranger)).rejoin
+  assert control.report(StepReport(stranger, 0, 0, 1.0, (1.0,), 0.0, 8, 1, ())).rejoin
   controller.finish()
-  assert control.lease(LeaseRequest(0)).finished and control.heartbeat(Heartbeat(0)).stop
+  assert control.lease(LeaseRequest(me)).finished and control.heartbeat(Heartbeat(me)).stop
   assert not controller.wait_samplers_left(timeout=0.1)
-  with pytest.raises(BadMessage, match="unknown sampler id 5"):
-    control.lease(LeaseRequest(5))
 
 
 def test_weights_travel_in_chunks_onto_the_samplers_mesh():
@@ -149,11 +158,13 @@ def test_weights_travel_in_chunks_onto_the_samplers_mesh():
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
   certs = write_test_certificates(tmp_path)
-  server, _, queue, _ = make_server(tls=TLSFiles(str(certs["server_cert"]), str(certs["server_key"]), str(certs["ca"])))
+  server, controller, queue, _ = make_server(tls=TLSFiles(str(certs["server_cert"]), str(certs["server_key"]),
+                                                          str(certs["ca"])))
   try:
     good = FlightConnection(server.address, tls=TLSFiles(str(certs["client_cert"]), str(certs["client_key"]),
                                                          str(certs["ca"])), timeout_s=10, retry_s=5)
-    FlightSampleSender(good, 0).put(group_shard([3, 3]))
+    me = FlightControl(good).register(Register("s", SETTINGS)).sampler_id
+    FlightSampleSender(good, me).put(group_shard([3, 3]))
     assert len(queue) == 2
     anonymous = flight.FlightClient(f"grpc+tls://{server.address}", tls_root_certs=certs["ca"].read_bytes())
     with pytest.raises(flight.FlightError):
@@ -161,7 +172,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
     plain = flight.FlightClient(f"grpc+tcp://{server.address}")
     with pytest.raises(flight.FlightError):
       list(plain.do_action(flight.Action("control", b"{}"), options=flight.FlightCallOptions(timeout=5)))
-    assert len(queue) == 2 and server.counters["actions"] == 0
+    assert len(queue) == 2 and server.counters["actions"] == 1  # the good client's register alone
   finally:
     server.shutdown()
   with pytest.raises(ValueError, match="needs all of"):

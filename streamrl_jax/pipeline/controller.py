@@ -6,19 +6,26 @@ DoAction across processes), each handled under one lock.
 A step's prompts depend on (seed, step) alone, so a resumed run continues the data stream exactly. A step
 opens once the trainer has published version >= step - max_lag; its prompts are then cut into one lease per
 live sampler, and samplers pull leases (a sampler that is done early takes the next open step's lease).
+
+Faults: a sampler that leaves, or is silent for `lease_timeout_s` (checked by `start_watchdog`), loses its
+leases, which go back to the front of their steps for the others. A lost sampler's samples that arrive late
+are still taken (the trainer keeps the first copy of each (step, group, sample)), and it is told to register
+again. Sampler ids are random, so a sampler of a trainer that restarted is unknown here and told the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
 from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest, Leave,
                                    Register, Registered, StepReport)
-from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
+from streamrl_jax.scheduling import dispatch_requests, lengths_from_scores, ranking_metrics
 
 MAX_LEASE_WAIT_S = 30.0
 
@@ -41,27 +48,38 @@ class _Sampler:
   leases: set = dataclasses.field(default_factory=set)
   told_to_stop: bool = False
   wait_s: float = 0.0
+  rss_mb: float = 0.0
 
 
 class Controller:
   """Plans steps and answers the control messages; thread-safe."""
 
   def __init__(self, config, task, tokenizer, *, start_step: int, settings: dict | None = None, ranker=None,
-               heartbeat_s: float = 2.0):
+               heartbeat_s: float = 2.0, lease_timeout_s: float = 10.0, summary_timeout_s: float = 600.0,
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
     self.config, self.spec, self.task, self.tokenizer, self.ranker = config, config.spec, task, tokenizer, ranker
     self.settings, self.heartbeat_s, self.start_step = dict(settings or {}), heartbeat_s, start_step
+    self.lease_timeout_s, self.summary_timeout_s, self._on_event = lease_timeout_s, summary_timeout_s, on_event
+    self._clock = clock  # when samplers were last heard from
     self._cond = threading.Condition()
     self._version = -1  # nothing published yet
     self._next_step = start_step
     self._plans: dict[int, _StepPlan] = {}
     self._leases: dict[int, tuple[int, Lease]] = {}  # lease id -> (sampler id, lease)
     self._samplers: dict[int, _Sampler] = {}
+    self._lost: dict[int, str] = {}  # ids declared lost -> name
+    self._re_leased: dict = {}  # (step, group id) of prompts leased again -> the loss, until delivered
+    self._recovered: set = set()  # losses whose prompts were delivered by another sampler
     self._target_instances = config.scheduling.instances
     self._finished = False
     self._next_lease = 0
+    self._watchdog: threading.Thread | None = None
+    self._closed = threading.Event()
     self.busy: dict[str, list] = {}  # sampler name -> [(start, end, label)] in epoch seconds
+    self.events: list[dict] = []  # samplers joining, leaving, lost; leases given again; in epoch seconds
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
-                         sampler_wait_s=0.0)
+                         sampler_wait_s=0.0, samplers_left=0, samplers_lost=0, re_leased_leases=0,
+                         re_leased_prompts=0, late_samples=0, late_reports=0, rejoin_requests=0)
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -73,9 +91,12 @@ class Controller:
                        f"settings differ, first {key} = {message.settings.get(key)!r} (sampler) vs "
                        f"{self.settings.get(key)!r} (trainer); give both the same --config and --set")
     with self._cond:
-      sampler_id = self.counters["registered"]
+      sampler_id = secrets.randbits(62)
+      while sampler_id in self._samplers or sampler_id in self._lost:
+        sampler_id = secrets.randbits(62)
       self.counters["registered"] += 1
-      self._samplers[sampler_id] = _Sampler(message.name, time.monotonic())
+      self._samplers[sampler_id] = _Sampler(message.name, self._clock())
+      self._event("sampler_joined", sampler=message.name, sampler_id=sampler_id, next_step=self._next_step)
       self._cond.notify_all()
     return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.config.steps,
                       heartbeat_s=self.heartbeat_s)
@@ -84,12 +105,17 @@ class Controller:
     """The next lease of an open step, waiting up to `wait_s` for one to open; finished once the run is over."""
     deadline = time.monotonic() + min(max(message.wait_s, 0.0), MAX_LEASE_WAIT_S)
     with self._cond:
-      sampler = self._sampler(message.sampler_id)
       while True:
         if self._finished:
-          sampler.told_to_stop = True
+          if message.sampler_id in self._samplers:
+            self._samplers[message.sampler_id].told_to_stop = True
           self._cond.notify_all()
           return LeaseReply(lease=None, finished=True)
+        sampler = self._samplers.get(message.sampler_id)
+        if sampler is None:  # lost while this request waited, or never known
+          self.counters["rejoin_requests"] += 1
+          return LeaseReply(lease=None, finished=False, rejoin=True)
+        sampler.last_seen = self._clock()
         lease = self._next_lease_of_open_step()
         if lease is not None:
           lease = dataclasses.replace(lease, lease_id=self._next_lease, instances=self._target_instances)
@@ -104,9 +130,14 @@ class Controller:
         self._cond.wait(remaining)
 
   def report(self, message: StepReport) -> Ack:
-    """Records what a sampler measured for a lease; the step's summary is made once all its leases reported."""
+    """Records what a sampler measured for a lease; the step's summary is made once all its leases reported.
+    A lost sampler's report is ignored (its lease went to another) and it is told to register again."""
     with self._cond:
-      sampler = self._sampler(message.sampler_id)
+      sampler = self._samplers.get(message.sampler_id)
+      if sampler is None:
+        self.counters["late_reports"] += 1
+        return Ack(rejoin=True)
+      sampler.last_seen = self._clock()
       owner, lease = self._leases.get(message.lease_id, (None, None))
       if owner != message.sampler_id or lease.step != message.step:
         raise BadMessage(f"sampler {message.sampler_id} reported lease {message.lease_id} of step {message.step}, "
@@ -118,6 +149,7 @@ class Controller:
       plan.reports[message.lease_id] = message
       sampler.leases.discard(message.lease_id)
       sampler.wait_s += message.wait_s
+      sampler.rss_mb = message.rss_mb
       self.busy.setdefault(sampler.name, []).extend((b, e, f"step {message.step}") for b, e in message.busy)
       self.counters["reports"] += 1
       self.counters["prompts_submitted"] += len(lease.prompts)
@@ -128,24 +160,106 @@ class Controller:
       self._cond.notify_all()
     return Ack()
 
+  def on_shard(self, sampler_id: int, step: int, group_ids) -> str:
+    """Whether to take a shard that sampler `sampler_id` delivers: 'accept' (a live sampler), 'late' (a
+    lost one: taken, the trainer drops copies it has) or 'rejoin' (unknown here: refused, register again)."""
+    with self._cond:
+      sampler = self._samplers.get(sampler_id)
+      if sampler is None and sampler_id not in self._lost:
+        self.counters["rejoin_requests"] += 1
+        return "rejoin"
+      if sampler is None:
+        self.counters["late_samples"] += len(group_ids) * self.config.group_size
+        return "late"
+      sampler.last_seen = self._clock()
+      losses = {self._re_leased.pop((step, int(g))) for g in group_ids if (step, int(g)) in self._re_leased}
+      for loss in sorted(losses - self._recovered):  # the first delivery of what a loss handed back
+        self._recovered.add(loss)
+        self._event("re_leased_delivered", sampler=sampler.name, step=step, lost_sampler=loss[1],
+                    since_lost_s=round(time.time() - loss[0], 3))
+      return "accept"
+
   def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
     with self._cond:
       sampler = self._samplers.get(message.sampler_id)
       if sampler is None:
-        return HeartbeatReply(stop=True)
-      sampler.last_seen = time.monotonic()
+        if not self._finished:
+          self.counters["rejoin_requests"] += 1
+        return HeartbeatReply(stop=self._finished, rejoin=not self._finished)
+      sampler.last_seen = self._clock()
       sampler.told_to_stop |= self._finished
       return HeartbeatReply(stop=self._finished)
 
   def leave(self, message: Leave) -> Ack:
     """A sampler leaves: leases it has not reported go back to their steps for another sampler."""
     with self._cond:
-      sampler = self._samplers.pop(message.sampler_id, None)
-      for lease_id in sorted(sampler.leases if sampler else ()):
-        _, lease = self._leases.pop(lease_id)
-        self._plans[lease.step].unleased.insert(0, lease)
-      self._cond.notify_all()
+      if message.sampler_id in self._samplers:
+        self._drop(message.sampler_id, lost=False)
     return Ack()
+
+  # ---- faults --------------------------------------------------------------------------------
+  def expire_silent(self) -> list[str]:
+    """Declares lost every sampler silent for more than `lease_timeout_s`; returns their names."""
+    with self._cond:
+      now = self._clock()
+      silent = [i for i, s in self._samplers.items() if now - s.last_seen > self.lease_timeout_s]
+      return [self._drop(i, lost=True) for i in silent]
+
+  def start_watchdog(self, period: float | None = None) -> None:
+    """Checks for silent samplers every `period` s (default: a quarter of the lease timeout) on a thread of
+    its own. A tick that comes late (this process was paused: SIGSTOP, a long GC, an overloaded host)
+    gives every sampler a fresh start instead of blaming them for our own silence."""
+    period = period or self.lease_timeout_s / 4
+    start = self._clock()
+
+    def watch():
+      last = start
+      while not self._closed.wait(period):
+        now = self._clock()
+        if now - last > 2 * period + 1.0:
+          with self._cond:
+            for sampler in self._samplers.values():
+              sampler.last_seen = now
+            self._event("trainer_paused", seconds=round(now - last - period, 2))
+        else:
+          self.expire_silent()
+        last = now
+    self._watchdog = threading.Thread(target=watch, daemon=True, name="controller-watchdog")
+    self._watchdog.start()
+
+  def close(self) -> None:
+    """Stops the watchdog."""
+    self._closed.set()
+    if self._watchdog is not None:
+      self._watchdog.join()
+
+  def _drop(self, sampler_id: int, *, lost: bool) -> str:
+    """Removes a sampler (lock held); its unreported leases go back to the front of their steps."""
+    sampler = self._samplers.pop(sampler_id)
+    leases = sorted(sampler.leases)
+    loss = (time.time(), sampler.name)
+    for lease_id in reversed(leases):
+      _, lease = self._leases.pop(lease_id)
+      self._plans[lease.step].unleased.insert(0, lease)
+      if lost:
+        self._re_leased.update({(lease.step, g): loss for g in lease.group_ids})
+        self.counters["re_leased_prompts"] += len(lease.prompts)
+    if lost:
+      self._lost[sampler_id] = sampler.name
+      self.counters["samplers_lost"] += 1
+      self.counters["re_leased_leases"] += len(leases)
+    else:
+      self.counters["samplers_left"] += 1
+    self._event("sampler_lost" if lost else "sampler_left", sampler=sampler.name, sampler_id=sampler_id,
+                leases_returned=len(leases))
+    self._cond.notify_all()
+    return sampler.name
+
+  def _event(self, kind: str, **fields) -> None:
+    event = dict(event=kind, t=time.time(), **fields)
+    self.events.append(event)
+    if self._on_event is not None:
+      self._on_event(event)
 
   # ---- trainer-facing ------------------------------------------------------------------------
   def published(self, version: int) -> None:
@@ -158,8 +272,9 @@ class Controller:
     with self._cond:
       self._target_instances = instances
 
-  def step_summary(self, step: int, timeout: float = 60.0) -> dict:
+  def step_summary(self, step: int, timeout: float | None = None) -> dict:
     """generation_s, sampler_instances and the ranker's figures of `step`, once all its leases reported."""
+    timeout = self.summary_timeout_s if timeout is None else timeout
     with self._cond:
       if not self._cond.wait_for(lambda: step in self._plans and self._plans[step].summary is not None, timeout):
         raise TimeoutError(f"the samplers' reports of step {step} did not arrive within {timeout} s")
@@ -170,7 +285,7 @@ class Controller:
     with self._cond:
       if not self._samplers:
         return None
-      return time.monotonic() - max(s.last_seen for s in self._samplers.values())
+      return self._clock() - max(s.last_seen for s in self._samplers.values())
 
   def sampler_wait_s(self) -> float:
     """Seconds the samplers waited for leases and weights, per sampler on average."""
@@ -189,13 +304,6 @@ class Controller:
       return self._cond.wait_for(lambda: not self._samplers, timeout)
 
   # ---- planning ------------------------------------------------------------------------------
-  def _sampler(self, sampler_id: int) -> _Sampler:
-    sampler = self._samplers.get(sampler_id)
-    if sampler is None:
-      raise BadMessage(f"unknown sampler id {sampler_id}: register first")
-    sampler.last_seen = time.monotonic()
-    return sampler
-
   def _next_lease_of_open_step(self) -> Lease | None:
     for step in sorted(self._plans):
       if self._plans[step].unleased:
@@ -216,14 +324,14 @@ class Controller:
     rng = np.random.default_rng([config.seed, step])
     prompts = [self.task.sample(rng)[0] for _ in range(config.prompts_per_step)]
     encoded = [self.tokenizer.encode(p) for p in prompts]
-    scores, predicted, quantiles = None, (), ()
+    scores, predicted, quantiles, history = None, (), (), ()
     if self.ranker is not None:
       history = self.ranker.history_lengths
       scores = self.ranker.scores(encoded)
       predicted = tuple(float(x) for x in lengths_from_scores(scores, history, default=config.max_new_tokens / 2))
       if history.size:
         quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
-    cuts = np.array_split(np.arange(config.prompts_per_step), max(1, min(len(self._samplers), len(prompts))))
+    cuts = self._cut(step, predicted, history)
     first = step * config.prompts_per_step
     leases = [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
                     prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
@@ -231,12 +339,25 @@ class Controller:
                     instances=self._target_instances) for idx in cuts]
     return _StepPlan(prompts, encoded, scores, leases, len(leases))
 
+  def _cut(self, step: int, predicted: tuple, history) -> list:
+    """A step's prompt indices cut into one lease per live sampler: consecutive equal slices, or with
+    skew-aware scheduling and predictions, the dispatch policy's groups (the predicted-longest prompts
+    together on as many samplers as the latency model gives them), prompts standing for their groups."""
+    config = self.config
+    parts = max(1, min(len(self._samplers), config.prompts_per_step))
+    if not predicted or parts == 1 or config.scheduling.policy != "skew_aware":
+      return np.array_split(np.arange(config.prompts_per_step), parts)
+    dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)),
+                                 max(1, config.engine.num_slots // config.group_size), seed=config.seed * 100_003 + step)
+    return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
+
   def _summarise(self, step: int, plan: _StepPlan) -> dict:
     reports = list(plan.reports.values())
     by_group = {g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)}
     lengths = np.asarray([by_group[k] for k in sorted(by_group)])
     out = dict(generation_s=max(r.generation_s for r in reports),
-               sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()))
+               sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
+               sampler_rss_mb=max(r.rss_mb for r in reports))
     for r in reports:
       self._leases.pop(r.lease_id)
     if self.ranker is None:

@@ -34,6 +34,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
@@ -78,6 +79,14 @@ def timeline_of(trainer: TrainerWorker, controller: Controller, start_epoch: flo
   return {**lanes, **trainer.timeline}
 
 
+def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
+  """Per-step figures of this process's memory and the sample queue's depth (now, and the most so far)."""
+  def probe() -> dict:
+    stats = queue.stats()
+    return dict(rss_mb=resident_mb(), queue_depth=stats["depth"], queue_max_depth=stats["max_depth"])
+  return probe
+
+
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
@@ -120,7 +129,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     ranker.start()
   try:
     metrics = trainer.run(controller, get_shard, sync, clock=lambda: time.time() - start_epoch, on_step=on_step,
-                          aux=ranker_aux(ranker))
+                          aux=ranker_aux(ranker), probe=memory_probe(queue))
   finally:
     stop.set()
     controller.finish()

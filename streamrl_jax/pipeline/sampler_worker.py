@@ -15,8 +15,9 @@ import time
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, StepReport, WeightUpdate
+from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport, WeightUpdate
 from streamrl_jax.pipeline.groups import GroupCollector
+from streamrl_jax.resources import resident_mb
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
 from streamrl_jax.scheduling import dispatch_requests, engine_slots, longest_first_admission
 from streamrl_jax.types import SamplingParams
@@ -71,29 +72,49 @@ class SamplerWorker:
     self.register(control)
     self.serve(control, samples, weights, stop)
 
-  def serve(self, control, samples, weights, stop: threading.Event) -> None:
-    """Generates leases until the controller says the run is over or `stop` is set, then leaves."""
+  def serve(self, control, samples, weights, stop: threading.Event, rejoin: threading.Event | None = None) -> str:
+    """Generates leases until the controller says the run is over ('finished'), `stop` is set ('stopped'),
+    or the controller no longer knows this sampler ('rejoin': the lease in hand is dropped, the caller
+    registers again). `rejoin`, when set by another thread (a heartbeat's reply), also ends it."""
+    rejoin = rejoin or threading.Event()
     waited_since = time.perf_counter()
-    while not stop.is_set():
-      reply = control.lease(LeaseRequest(self.sampler_id, wait_s=LEASE_POLL_S))
-      if reply.finished:
-        break
-      if reply.lease is None:
-        continue
-      update = self._wait_for_weights(weights, reply.lease.min_version, stop)
-      if update is None:
-        break
-      self._take_weights(update)
-      self._generate(reply.lease, control, samples, weights, stop, time.perf_counter() - waited_since)
-      waited_since = time.perf_counter()
+    outcome = "stopped"
+    try:
+      while not stop.is_set() and not rejoin.is_set():
+        reply = control.lease(LeaseRequest(self.sampler_id, wait_s=LEASE_POLL_S))
+        if reply.finished:
+          outcome = "finished"
+          break
+        if reply.rejoin:
+          raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
+        if reply.lease is None:
+          continue
+        update = self._wait_for_weights(weights, reply.lease.min_version, stop, rejoin)
+        if update is None:
+          break
+        self._take_weights(update)
+        self._generate(reply.lease, control, samples, weights, stop, time.perf_counter() - waited_since, rejoin)
+        waited_since = time.perf_counter()
+      if rejoin.is_set():
+        raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
+    except RejoinRequired:
+      self.reset()
+      return "rejoin"
     try:
       control.leave(Leave(self.sampler_id))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
+    return outcome
+
+  def reset(self) -> None:
+    """Drops every request in flight and the weights (kept: the compiled engines), as after a restart."""
+    self.sampler, self.mesh_of, self.sampler_id = None, {}, None
+    self.spare_meshes = list(range(self.config.scheduling.instances, self.config.scheduling.instance_limit))[::-1]
+    self.target_instances = self.config.scheduling.instances
 
   @staticmethod
-  def _wait_for_weights(weights, version: int, stop: threading.Event) -> WeightUpdate | None:
-    while not stop.is_set():
+  def _wait_for_weights(weights, version: int, stop: threading.Event, rejoin: threading.Event) -> WeightUpdate | None:
+    while not stop.is_set() and not rejoin.is_set():
       try:
         return weights.wait_for(version, timeout=1.0)
       except TimeoutError:
@@ -121,7 +142,9 @@ class SamplerWorker:
       sampler.retire_instance(last)
       self.spare_meshes.append(self.mesh_of.pop(last))
 
-  def _generate(self, lease: Lease, control, samples, weights, stop: threading.Event, wait_s: float) -> None:
+  def _generate(self, lease: Lease, control, samples, weights, stop: threading.Event, wait_s: float,
+                rejoin: threading.Event) -> None:
+    """Generates one lease, puts each group as it completes, and reports once all are acknowledged."""
     config, sampler, group = self.config, self.sampler, self.config.group_size
     collector = GroupCollector(group, self.tokenizer, self.task.reward,
                                width=config.engine.max_prompt_length + config.max_new_tokens)
@@ -134,6 +157,8 @@ class SamplerWorker:
     index_of = {g: i for i, g in enumerate(lease.group_ids)}
     lengths, left = np.zeros(len(lease.prompts)), len(lease.prompts) * group
     while sampler.has_work() and not stop.is_set():
+      if rejoin.is_set():
+        raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
       self._apply_elastic()
       if self.spec.mid_step_swap:
         latest = weights.latest()
@@ -142,15 +167,17 @@ class SamplerWorker:
       for sample in sampler.step():
         lengths[index_of[sample.group_id]] += sample.num_tokens / group
         left -= 1
-        if left == 0:  # the lease's last sample: its report goes out before its last group does
-          control.report(StepReport(
-              sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
-              generation_s=time.perf_counter() - begin, lengths=tuple(float(x) for x in lengths), wait_s=wait_s,
-              samples=len(lease.prompts) * group, instances=len(sampler.instance_ids),
-              busy=((begin_epoch, time.time()),)))
         shard = collector.add(sample)
         if shard is not None:
           samples.put(shard)
+    if left == 0:
+      reply = control.report(StepReport(
+          sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
+          generation_s=time.perf_counter() - begin, lengths=tuple(float(x) for x in lengths), wait_s=wait_s,
+          samples=len(lease.prompts) * group, instances=len(sampler.instance_ids),
+          busy=((begin_epoch, time.time()),), rss_mb=resident_mb()))
+      if reply.rejoin:
+        raise RejoinRequired(f"{self.name}: the trainer took lease {lease.lease_id} from sampler {self.sampler_id}")
 
   def _submit(self, lease: Lease, encoded: list) -> None:
     """Dispatches the lease's requests (group_size per prompt) over the replicas."""

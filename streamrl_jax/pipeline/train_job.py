@@ -163,7 +163,8 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
   start = time.perf_counter()
   try:
-    with _step_outputs(workdir, resume, progress) if leader else contextlib.nullcontext() as on_step:
+    resumed_at = checkpointer.latest_step() if resume else None
+    with _step_outputs(workdir, resumed_at, progress) if leader else contextlib.nullcontext() as on_step:
       result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume)
   finally:
     checkpointer.close()
@@ -183,11 +184,17 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
 
 
 @contextlib.contextmanager
-def _step_outputs(workdir: Path, resume: bool, progress):
-  """An on_step callback that appends to metrics.jsonl and TensorBoard and updates the progress bar."""
+def _step_outputs(workdir: Path, resumed_at: int | None, progress):
+  """An on_step callback that appends to metrics.jsonl and TensorBoard and updates the progress bar. On a
+  resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a crash, and
+  about to be trained again) are dropped first, so each step appears once."""
   from tensorboardX import SummaryWriter
 
-  with (workdir / "metrics.jsonl").open("a" if resume else "w") as out:
+  path = workdir / "metrics.jsonl"
+  if resumed_at is not None and path.exists():
+    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_at]
+    path.write_text("".join(line + "\n" for line in kept))
+  with path.open("a" if resumed_at is not None else "w") as out:
     writer = SummaryWriter(str(workdir / "tensorboard"))
 
     def on_step(m):

@@ -36,14 +36,20 @@ class TrainerWorker:
       self.start_step = int(extra["next_step"])
     self.checkpointer = checkpointer
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
-    self.counters = dict(samples_trained=0, stale_samples=0, trainer_wait_s=0.0, duplicate_samples=0)
+    # samples_trained counts what went into gradients, unique_samples_trained the distinct (step, group,
+    # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
+    # or trained twice.
+    self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
+                         trainer_wait_s=0.0, duplicate_samples=0)
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
     self._trained: set = set()  # sample keys of the step being trained
 
   def run(self, controller, get_shard: Callable[[], SampleShard], weights, *, clock: Callable[[], float],
-          on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None) -> list[dict]:
-    """Publishes the start version, then trains every step. `aux()` gives extra state to checkpoint."""
+          on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None,
+          probe: Callable[[], dict] | None = None) -> list[dict]:
+    """Publishes the start version, then trains every step. `aux()` gives extra state to checkpoint,
+    `probe()` extra figures for each step's metrics (memory, queue depth)."""
     if self.config.precompile:
       width = self.config.engine.max_prompt_length + self.config.max_new_tokens
       self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
@@ -70,6 +76,8 @@ class TrainerWorker:
       end = clock()
       metrics.append(self._step_metrics(step, shards, train_metrics, waited, end - last_end, summary, weights,
                                         controller.sampler_wait_s() / max(end, 1e-9), train_s))
+      if probe is not None:
+        metrics[-1].update(probe())
       last_end = end
       if on_step is not None:
         on_step(metrics[-1])
@@ -92,8 +100,14 @@ class TrainerWorker:
         self._early.setdefault(shard_step, []).append(shard)
         continue
       keys = shard.keys()
-      if shard_step < step or self._trained.intersection(keys):
-        self.counters["duplicate_samples"] += shard.num_samples  # trained already: delivered twice or late
+      if shard_step == step:
+        self._check_planned(shard, step)
+      seen = len(self._trained.intersection(keys)) if shard_step == step else len(keys)
+      if seen:  # trained already: delivered twice, or late
+        if seen != len(keys):
+          raise ValueError(f"a shard of step {shard_step} holds {seen} samples trained already and "
+                           f"{len(keys) - seen} new ones; a shard must carry whole groups")
+        self.counters["duplicate_samples"] += shard.num_samples
         continue
       self._trained.update(keys)
       needed -= shard.num_samples
@@ -102,10 +116,24 @@ class TrainerWorker:
         self._accumulate(shard, step, clock)
     if needed < 0:
       warnings.warn(f"step {step} received {-needed} samples more than a global batch", stacklevel=2)
+    self.counters["unique_samples_trained"] += len(self._trained)
+    self.counters["samples_planned"] += self.config.samples_per_step
     if not self.spec.streamed:
       for shard in shards:
         self._accumulate(shard, step, clock)
     return shards, waited
+
+  def _check_planned(self, shard: SampleShard, step: int) -> None:
+    """Every sample must be one the step's plan asked for: with unique keys and a full count, the step then
+    trains each of its prompts' samples exactly once."""
+    first, config = step * self.config.prompts_per_step, self.config
+    bad = ((shard.group_ids < first) | (shard.group_ids >= first + config.prompts_per_step)
+           | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size))
+    if bad.any():
+      i = int(np.argmax(bad))
+      raise ValueError(f"step {step} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), "
+                       f"which its plan does not hold (groups {first}..{first + config.prompts_per_step - 1}, "
+                       f"indices 0..{config.group_size - 1})")
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
@@ -122,7 +150,7 @@ class TrainerWorker:
     rewards = np.concatenate([s.rewards for s in shards])
     versions = np.concatenate([s.first_versions for s in shards])
     seconds = [v for _, v in sorted(weights.seconds.items())]
-    return dict(step=step + 1, reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards >= 1.0)),
+    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards >= 1.0)),
                 samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
                 staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,

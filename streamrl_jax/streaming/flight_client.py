@@ -20,10 +20,10 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
-                                   Registered, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
+                                   Registered, RejoinRequired, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
                                    encode_message)
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
-from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, TLSFiles
+from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, VERSION_GONE, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
 from streamrl_jax.streaming.weight_chunks import WeightAssembler, check_tensors, read_manifest
 
@@ -115,11 +115,13 @@ class FlightControl:
 class FlightSampleSender:
   """`put(shard)` sends one shard per DoPut with the next sequence number and waits for its ack; a refusal
   because the trainer's queue is full is retried for as long as it lasts (backpressure), an unreachable
-  trainer up to the connection's retry limit. The shard is never dropped: put returns once it is acked."""
+  trainer up to the connection's retry limit. The shard is never dropped: put returns once it is acked, or
+  raises `RejoinRequired` when the trainer does not know this sampler (its lease is to be dropped)."""
 
   def __init__(self, connection: FlightConnection, sampler_id: int):
     self.connection, self.sampler_id, self.seq = connection, sampler_id, 0
-    self.stats = dict(put_shards=0, put_samples=0, duplicate_acks=0, full_retries=0, put_wait_s=0.0)
+    self.stats = dict(put_shards=0, put_samples=0, duplicate_acks=0, full_retries=0, put_wait_s=0.0,
+                      refused_shards=0)
 
   def put(self, shard, timeout: float | None = None) -> None:
     batch = shard_to_batch(shard, SampleEnvelope(self.sampler_id, self.seq))
@@ -134,6 +136,9 @@ class FlightSampleSender:
     self.stats["put_wait_s"] += time.perf_counter() - start
     if ack.get("seq") != self.seq:
       raise BadMessage(f"the trainer acknowledged sequence number {ack.get('seq')}, expected {self.seq}")
+    if ack.get("status") == "rejoin":
+      self.stats["refused_shards"] += 1
+      raise RejoinRequired(f"the trainer at {self.connection.address} does not know sampler {self.sampler_id}")
     self.stats["duplicate_acks"] += ack.get("status") == "duplicate"
     self.stats["put_shards"] += 1
     self.stats["put_samples"] += shard.num_samples
@@ -160,6 +165,10 @@ class _QueueFull(Exception):
   pass
 
 
+class VersionGone(LookupError):
+  """The trainer no longer holds the weights of this version (it published newer ones, or restarted)."""
+
+
 def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None,
                   streams: int = 2) -> tuple[int, dict, int]:
   """(version, {name: host array}, bytes) of one published version, fetched as `streams` parallel DoGets of
@@ -174,6 +183,8 @@ def fetch_weights(connection: FlightConnection, version: int, expected: dict | N
         assembler.add(chunk.data)
       return got, assembler.result(), assembler.bytes
     except flight.FlightServerError as err:
+      if VERSION_GONE in str(err):
+        raise VersionGone(version) from None
       raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
   with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
     results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
@@ -206,7 +217,10 @@ class FlightWeightReceiver:
         info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s), VersionInfo,
                                       timeout=self.poll_s + self.connection.timeout_s)
         if info.version > have:
-          update = self.fetch(info.version)
+          try:
+            update = self.fetch(info.version)
+          except VersionGone:  # superseded between the query and the fetch: ask again
+            continue
           with self._cond:
             self._latest = update
             self._cond.notify_all()

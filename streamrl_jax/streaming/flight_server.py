@@ -2,7 +2,8 @@
 messages by DoAction. It moves typed records and does no math.
 
 - DoPut (descriptor command `samples`): one `SAMPLE_SCHEMA` batch per call. It is checked, deduplicated on
-  (sampler id, sequence number), put into the trainer's bounded `SampleQueue` and acknowledged; a full queue
+  (sampler id, sequence number), put into the trainer's bounded `SampleQueue` and acknowledged (status
+  `rejoin` instead when the controller does not know the sampler: the shard is not taken); a full queue
   refuses the batch as UNAVAILABLE (the sender keeps it and retries: backpressure, never a drop); a
   malformed batch is refused with a message naming the problem, and the connection stays usable.
 - DoGet (ticket `{"weights": version}`): the tensors of a published version in chunks (`weight_chunks`).
@@ -32,6 +33,7 @@ from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_
 from streamrl_jax.streaming.weights import cast_floats
 
 SAMPLES_COMMAND = b"samples"
+VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +122,7 @@ class HostWeightStore:
     with self._cond:
       self._raise_error()
       if version not in self._versions:
-        raise KeyError(f"weights of version {version} are not held; have {sorted(self._versions)}")
+        raise KeyError(f"{VERSION_GONE}: {version} (have {sorted(self._versions)})")
       return self._versions[version]
 
   def _raise_error(self) -> None:
@@ -152,7 +154,7 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()
     self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
-                         full_refusals=0, weight_streams=0, weight_bytes=0, actions=0, bad_actions=0)
+                         full_refusals=0, rejoin_refusals=0, late_batches=0, weight_streams=0, weight_bytes=0, actions=0, bad_actions=0)
     self._handlers = {VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
     if controller is not None:  # None: a server of weights alone
       self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
@@ -181,6 +183,13 @@ class TrainerFlightServer(flight.FlightServerBase):
       if envelope.seq <= self._last_seq.get(envelope.sampler_id, -1):
         self._count("duplicate_batches")
         return {"seq": envelope.seq, "status": "duplicate"}
+      if self.controller is not None:
+        status = self.controller.on_shard(envelope.sampler_id, int(shard.steps[0]), np.unique(shard.group_ids))
+        if status == "rejoin":  # a sampler of another run (the trainer restarted): not ours to train
+          self._count("rejoin_refusals")
+          return {"seq": envelope.seq, "status": "rejoin"}
+        if status == "late":
+          self._count("late_batches")
       try:
         self.samples.put(shard, timeout=self.put_wait_s)
       except TimeoutError:

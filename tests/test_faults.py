@@ -1,0 +1,285 @@
+"""Faults across processes: samplers lost, frozen, joining and leaving; the trainer frozen, killed and resumed.
+Each prompt of each step is trained exactly once whatever happens (the trainer refuses to finish a step
+otherwise), and the counters say what was leased again, late or refused. The controller's rules are checked
+by hand first, with a clock the test moves; then the programs, as real processes on loopback."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, StepReport
+from streamrl_jax.models import CharTokenizer
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.streaming import SampleShard
+from streamrl_jax.tasks import ArithmeticTask
+from tests.test_programs import TINY, alive
+
+CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
+TIMEOUT_S = 240
+
+
+class Clock:
+  def __init__(self):
+    self.now = 1000.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def make_controller(clock, **kwargs) -> Controller:
+  return Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, lease_timeout_s=5.0,
+                    clock=clock, **kwargs)
+
+
+def report(sampler_id: int, lease) -> StepReport:
+  return StepReport(sampler_id, lease.lease_id, lease.step, 1.0, tuple(1.0 for _ in lease.prompts), 0.0,
+                    len(lease.prompts) * CONFIG.group_size, 1, ())
+
+
+def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_again():
+  clock = Clock()
+  events = []
+  controller = make_controller(clock, on_event=events.append)
+  a, b = (controller.register(Register(name, {})).sampler_id for name in ("a", "b"))
+  assert a != b
+  controller.published(0)
+  lease_a, lease_b = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b))
+  assert sorted(lease_a.group_ids + lease_b.group_ids) == [0, 1, 2, 3]  # step 0 cut in two, one lease each
+  clock.now += 4.0
+  controller.heartbeat(Heartbeat(b))
+  assert controller.expire_silent() == []  # 4 s < lease_timeout_s
+  clock.now += 2.0
+  assert controller.expire_silent() == ["a"]  # a: 6 s silent; b: 2 s
+  again = controller.lease(LeaseRequest(b, 0.0)).lease  # a's prompts, before any later step's
+  assert (again.step, again.group_ids, again.prompts) == (0, lease_a.group_ids, lease_a.prompts)
+  assert again.lease_id != lease_a.lease_id
+  # a comes back: what it delivers is still taken (the trainer keeps the first copy), but it must rejoin
+  assert controller.on_shard(a, 0, lease_a.group_ids[:1]) == "late"
+  assert controller.heartbeat(Heartbeat(a)).rejoin and controller.lease(LeaseRequest(a, 0.0)).rejoin
+  assert controller.report(report(a, lease_a)).rejoin
+  assert controller.on_shard(b, 0, again.group_ids) == "accept"
+  assert controller.on_shard(12345, 0, again.group_ids) == "rejoin"  # never registered here
+  for lease in (lease_b, again):
+    assert not controller.report(report(b, lease)).rejoin
+  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
+  counters = controller.counters
+  assert (counters["samplers_lost"], counters["re_leased_leases"], counters["re_leased_prompts"]) == (1, 1, 2)
+  assert (counters["late_samples"], counters["late_reports"], counters["rejoin_requests"]) == (2, 1, 3)
+  assert [e["event"] for e in events] == ["sampler_joined", "sampler_joined", "sampler_lost", "re_leased_delivered"]
+  assert events[2]["sampler"] == "a" and events[2]["leases_returned"] == 1
+
+
+def test_a_sampler_that_leaves_returns_its_leases_and_a_joiner_takes_the_next_plan():
+  clock = Clock()
+  controller = make_controller(clock)
+  a = controller.register(Register("a", {})).sampler_id
+  controller.published(0)
+  first = controller.lease(LeaseRequest(a, 0.0)).lease
+  assert first.group_ids == (0, 1, 2, 3)  # one sampler: the whole step
+  b = controller.register(Register("b", {})).sampler_id
+  controller.leave(Leave(a))
+  assert controller.lease(LeaseRequest(b, 0.0)).lease.group_ids == first.group_ids
+  c = controller.register(Register("c", {})).sampler_id
+  controller.published(1)
+  leases = [controller.lease(LeaseRequest(s, 0.0)).lease for s in (b, c)]
+  assert [lease.step for lease in leases] == [1, 1] and sorted(leases[0].group_ids + leases[1].group_ids) == [4, 5, 6, 7]
+  assert controller.counters["samplers_left"] == 1 and controller.counters["samplers_lost"] == 0
+
+
+def test_a_late_watchdog_tick_blames_this_process_not_the_samplers():
+  """SIGSTOP of the trainer looks, from inside, like every sampler went silent at once."""
+  clock = Clock()
+  events = []
+  controller = make_controller(clock, on_event=events.append)
+  a = controller.register(Register("a", {})).sampler_id
+  controller.start_watchdog(period=0.02)
+  try:
+    clock.now += 60.0  # the process was paused for a minute
+    deadline = time.monotonic() + 10
+    while not any(e["event"] == "trainer_paused" for e in events) and time.monotonic() < deadline:
+      time.sleep(0.02)
+    time.sleep(0.1)  # later ticks see a fresh heartbeat
+  finally:
+    controller.close()
+  assert any(e["event"] == "trainer_paused" for e in events)
+  assert controller.counters["samplers_lost"] == 0 and not controller.heartbeat(Heartbeat(a)).rejoin
+
+
+def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
+  worker = SimpleNamespace(config=CONFIG)
+  shard = SampleShard(tokens=np.ones((2, 4), np.int32), valid=np.ones((2, 4), bool),
+                      loss_mask=np.ones((2, 4), bool), sampler_logprobs=np.zeros((2, 4), np.float32),
+                      rewards=np.zeros(2, np.float32), group_ids=np.array([4, 8]), prompt_ids=np.array([4, 8]),
+                      first_versions=np.zeros(2, np.int64), last_versions=np.zeros(2, np.int64),
+                      sample_indices=np.array([0, 1]), steps=np.array([1, 1]))
+  with pytest.raises(ValueError, match=r"step 1 received sample \(group 8, index 1\).*groups 4..7"):
+    TrainerWorker._check_planned(worker, shard, 1)
+  TrainerWorker._check_planned(worker, SampleShard(**{**shard.__dict__, "group_ids": np.array([4, 7])}), 1)
+
+
+# ---- the programs ------------------------------------------------------------------------------
+FAULTS = TINY + """
+FlightConfig.lease_timeout_s = 3.0
+FlightConfig.connect_retry_s = 120.0
+"""
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class Programs:
+  """Trainer and sampler processes of one run, each logging to a file; `kill_all` leaves none behind."""
+
+  def __init__(self, workdir: Path, steps: int, mode: str):
+    self.workdir, self.procs, self.logs = workdir, {}, {}
+    self.config = workdir / "faults.gin"
+    self.config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode=mode))
+    self.address = f"127.0.0.1:{free_port()}"
+
+  def start(self, role: str, name: str, *extra: str) -> subprocess.Popen:
+    args = (["trainer", "--workdir", str(self.workdir), "--listen", self.address] if role == "trainer"
+            else ["sampler", "--connect", self.address, "--name", name])
+    log = (self.workdir / f"{name}.log").open("a")
+    proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args, "--config", str(self.config), *extra],
+                            env=dict(os.environ, XLA_FLAGS=""), stdout=log, stderr=subprocess.STDOUT, text=True)
+    self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
+    return proc
+
+  def steps_done(self) -> int:
+    path = self.workdir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+  def wait_until(self, condition, what: str, timeout: float = TIMEOUT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"{what} did not happen within {timeout} s; logs:\n{self.tails()}")
+      if self.procs["trainer"].poll() is not None and not condition():
+        raise RuntimeError(f"the trainer exited ({self.procs['trainer'].returncode}) before {what}:\n{self.tails()}")
+      time.sleep(0.1)
+
+  def wait_exit(self, name: str, timeout: float = TIMEOUT_S) -> int:
+    try:
+      return self.procs[name].wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+      raise TimeoutError(f"{name} still running after {timeout} s; logs:\n{self.tails()}") from None
+
+  def tails(self) -> str:
+    return "\n".join(f"--- {name}\n{path.read_text()[-2500:]}" for name, path in self.logs.items())
+
+  def kill_all(self) -> None:
+    for proc in self.procs.values():
+      if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def check_each_step_once(workdir: Path, steps: int) -> dict:
+  metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+  assert all(m["rss_mb"] > 0 and m["sampler_rss_mb"] > 0 and m["queue_max_depth"] >= 0 for m in metrics)
+  counters = json.loads((workdir / "summary.json").read_text())["counters"]
+  return counters
+
+
+@pytest.mark.slow
+def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
+  """A 20-step run with two samplers: at steps 3, 8 and 13 one is killed (SIGKILL) and a fresh one started;
+  at step 5 one is frozen past the lease timeout and thawed (it is declared lost, comes back, registers again);
+  at step 10 a third one joins. The run completes and trains each prompt of each step exactly once."""
+  steps, chaos = 20, random.Random(7)
+  run = Programs(tmp_path, steps, mode="async")
+  try:
+    run.start("trainer", "trainer")
+    live = []
+
+    def new_sampler() -> None:
+      live.append(f"s{len(run.procs) - 1}")
+      run.start("sampler", live[-1])
+    new_sampler()
+    new_sampler()
+    frozen = None
+    for at, fault in ((3, "kill"), (5, "freeze"), (8, "kill"), (10, "join"), (13, "kill")):
+      run.wait_until(lambda: run.steps_done() >= at, f"step {at}")
+      if fault == "kill":  # any sampler but the frozen one, which must live to register again
+        run.procs[live.pop(chaos.choice([i for i, name in enumerate(live) if name != frozen]))].kill()
+      if fault in ("kill", "join"):
+        new_sampler()
+      else:
+        frozen = live[chaos.randrange(len(live))]
+        os.kill(run.procs[frozen].pid, signal.SIGSTOP)
+        time.sleep(5.0)  # > FlightConfig.lease_timeout_s
+        os.kill(run.procs[frozen].pid, signal.SIGCONT)
+    assert run.wait_exit("trainer") == 0, run.tails()
+    for name in live:
+      assert run.wait_exit(name, timeout=60) == 0, run.tails()
+  finally:
+    run.kill_all()
+  counters = check_each_step_once(tmp_path, steps)
+  assert counters["samples_trained"] == steps * 8 and counters["prompts_submitted"] >= steps * 4
+  assert counters["samplers_lost"] >= 2 and counters["rejoin_requests"] >= 1
+  assert "registering again" in run.logs[frozen].read_text()
+  events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+  joined = [e for e in events if e["event"] == "sampler_joined"]
+  assert len(joined) >= 6 and any(e["next_step"] >= 10 for e in joined)
+
+
+@pytest.mark.slow
+def test_trainer_frozen_then_killed_and_resumed_samplers_reconnect(tmp_path):
+  """The trainer is frozen for 10 s (SIGSTOP: a partition, as samplers see it) at step 3, and killed
+  (SIGKILL) at step 6 and started again with --resume: samplers wait, keep their unacknowledged shards,
+  register with the new trainer, fetch its weights and go on. Samples of the killed trainer's queue are
+  generated again (the new trainer refuses shards of samplers it does not know); each step appears once."""
+  steps = 12
+  run = Programs(tmp_path, steps, mode="stream")
+  try:
+    trainer = run.start("trainer", "trainer")
+    for i in range(2):
+      run.start("sampler", f"s{i}")
+    run.wait_until(lambda: run.steps_done() >= 3, "step 3")
+    os.kill(trainer.pid, signal.SIGSTOP)
+    time.sleep(10.0)
+    os.kill(trainer.pid, signal.SIGCONT)
+    run.wait_until(lambda: run.steps_done() >= 6, "step 6")
+    trainer.kill()
+    trainer.wait(timeout=30)
+    run.start("trainer", "trainer", "--resume")
+    assert run.wait_exit("trainer") == 0, run.tails()
+    for i in range(2):
+      assert run.wait_exit(f"s{i}", timeout=60) == 0, run.tails()
+  finally:
+    run.kill_all()
+  counters = check_each_step_once(tmp_path, steps)
+  assert counters["samplers_lost"] == 0  # the freeze was the trainer's own: no sampler blamed
+  events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+  assert "trainer_paused" in events and "resuming from the checkpoint" in run.logs["trainer"].read_text()
+  assert all("registering again" in run.logs[f"s{i}"].read_text() for i in range(2))
+
+
+@pytest.mark.slow
+def test_a_sampler_that_cannot_reach_the_trainer_exits_with_a_clear_message(tmp_path):
+  run = Programs(tmp_path, 2, mode="stream")
+  proc = run.start("sampler", "lonely", "--set", "FlightConfig.connect_retry_s=2.0")
+  try:
+    code = proc.wait(timeout=120)
+  finally:
+    if alive(proc.pid):
+      proc.kill()
+  assert code == 3
+  assert f"the trainer at {run.address} did not take the call for 2 s" in run.logs["lonely"].read_text()
