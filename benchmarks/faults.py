@@ -4,9 +4,9 @@ Run 1 (the demo task, async, a trainer and two sampler processes on loopback): a
 is killed (SIGKILL); at step JOIN_AT a new one is started; the run goes on to STEPS. `recovery_s` is the
 time from the kill to the first sample of one of its prompts delivered by another sampler (the controller's
 `re_leased_delivered` event; the kill is noticed after `FlightConfig.lease_timeout_s`). Throughput is the
-mean of the per-step `samples_per_s` before the kill, between the loss and the join, and after the joiner
-has started. `lost_samples` and `duplicate_trained` compare what the trainer trained with the plan: every
-step must train exactly its prompts x group size samples, each (step, group, sample) once (the trainer
+mean of the per-step `samples_per_s` before the kill, between the loss and the join, and from 5 s after the
+joiner registered (its compile). `lost_samples` and `duplicate_trained` compare what the trainer trained with
+the plan: every step must train exactly its prompts x group size samples, each (step, group, sample) once (the trainer
 refuses to finish a step otherwise); `duplicates_dropped` counts copies that arrived and were not trained.
 
 Run 2 (a tiny model, RSS_STEPS steps, one sampler): `rss_growth_frac` is the growth of the larger of the
@@ -46,6 +46,7 @@ class Run:
 
   def __init__(self, workdir: Path, sets: tuple[str, ...]):
     self.workdir, self.children = workdir, {}
+    workdir.mkdir(parents=True)
     with socket.socket() as s:
       s.bind(("127.0.0.1", 0))
       self.address = f"127.0.0.1:{s.getsockname()[1]}"

@@ -26,6 +26,7 @@ from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, VERSION_GONE, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
 from streamrl_jax.streaming.weight_chunks import WeightAssembler, check_tensors, read_manifest
+from streamrl_jax.streaming.weights import LatestWeights
 
 
 class TrainerUnreachable(ConnectionError):
@@ -202,9 +203,7 @@ class FlightWeightReceiver:
   def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0):
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
-    self._cond = threading.Condition()
-    self._latest: WeightUpdate | None = None
-    self._error: BaseException | None = None
+    self._held = LatestWeights(f"receiving weights from {connection.address} failed")
     self._stop = threading.Event()
     self.stats = dict(fetches=0, bytes=0, fetch_s=0.0)
     self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
@@ -213,7 +212,7 @@ class FlightWeightReceiver:
   def _loop(self) -> None:
     try:
       while not self._stop.is_set():
-        have = -1 if self._latest is None else self._latest.version
+        have = self._held.version
         info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s), VersionInfo,
                                       timeout=self.poll_s + self.connection.timeout_s)
         if info.version > have:
@@ -221,13 +220,9 @@ class FlightWeightReceiver:
             update = self.fetch(info.version)
           except VersionGone:  # superseded between the query and the fetch: ask again
             continue
-          with self._cond:
-            self._latest = update
-            self._cond.notify_all()
+          self._held.offer(update)
     except BaseException as err:  # surfaced by latest()/wait_for(), unless the receiver was closed
-      with self._cond:
-        self._error = None if self._stop.is_set() else err
-        self._cond.notify_all()
+      self._held.fail(None if self._stop.is_set() else err)
 
   def fetch(self, version: int) -> WeightUpdate:
     """One version by DoGet, placed onto the sampler's shardings."""
@@ -240,23 +235,11 @@ class FlightWeightReceiver:
     self.stats["fetch_s"] += time.perf_counter() - start
     return WeightUpdate(got, params)
 
-  def _raise_error(self) -> None:
-    if self._error is not None:
-      raise RuntimeError(f"receiving weights from {self.connection.address} failed: {self._error}") from self._error
-
   def latest(self) -> WeightUpdate | None:
-    with self._cond:
-      self._raise_error()
-      return self._latest
+    return self._held.latest()
 
   def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate:
-    with self._cond:
-      ok = self._cond.wait_for(lambda: self._error is not None or (self._latest is not None
-                                                                   and self._latest.version >= version), timeout)
-      self._raise_error()
-      if not ok:
-        raise TimeoutError(f"weights of version {version} did not arrive within {timeout} s")
-      return self._latest
+    return self._held.wait_for(version, timeout)
 
   def close(self) -> None:
     self._stop.set()

@@ -40,43 +40,36 @@ def cast_floats(params, dtype):
   return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
-class WeightSync:
-  """In-process `WeightPublisher` and `WeightSource`: versions land on the sampler mesh in the background."""
+class LatestWeights:
+  """The `WeightSource` half that both transports share: the newest update received so far, or the error
+  that stopped receiving (raised by every later read, never lost). `offer` keeps an update if it is newer."""
 
-  def __init__(self, target_shardings, *, cast_dtype=None):
-    self._shardings, self._dtype = target_shardings, cast_dtype
+  def __init__(self, failure: str):
+    self._failure = failure
     self._cond = threading.Condition()
     self._latest: WeightUpdate | None = None
-    self._threads: list[threading.Thread] = []
-    self.seconds: dict[int, float] = {}
     self._error: BaseException | None = None
 
-  def _finish(self, placed, version: int, start: float) -> None:
-    try:
-      jax.block_until_ready(placed)
-      with self._cond:
-        self.seconds[version] = time.perf_counter() - start
-        if self._latest is None or version > self._latest.version:
-          self._latest = WeightUpdate(version, placed)
-        self._cond.notify_all()
-    except BaseException as err:  # surfaced by latest()/wait_for()/wait(), never lost
-      with self._cond:
-        self._error = err
-        self._cond.notify_all()
+  def offer(self, update: WeightUpdate) -> None:
+    with self._cond:
+      if self._latest is None or update.version > self._latest.version:
+        self._latest = update
+      self._cond.notify_all()
 
-  def publish(self, params, version: int) -> None:
-    """Enqueues the copy now (so the trainer may donate `params` to its next step right after) and
-    waits for it on a worker thread."""
-    start = time.perf_counter()
-    placed = jax.device_put(cast_floats(params, self._dtype), self._shardings)
-    thread = threading.Thread(target=self._finish, args=(placed, version, start), daemon=True,
-                              name=f"weight-sync-{version}")
-    thread.start()
-    self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+  def fail(self, err: BaseException | None) -> None:
+    with self._cond:
+      self._error = err
+      self._cond.notify_all()
+
+  @property
+  def version(self) -> int:
+    """The newest version held (-1: none yet)."""
+    with self._cond:
+      return -1 if self._latest is None else self._latest.version
 
   def _raise_error(self) -> None:
     if self._error is not None:
-      raise RuntimeError("weight sync failed") from self._error
+      raise RuntimeError(f"{self._failure}: {self._error}") from self._error
 
   def latest(self) -> WeightUpdate | None:
     """The newest version that has landed on the sampler mesh, or None."""
@@ -94,6 +87,40 @@ class WeightSync:
         have = None if self._latest is None else self._latest.version
         raise TimeoutError(f"weights of version {version} did not arrive within {timeout} s (have {have})")
       return self._latest
+
+
+class WeightSync:
+  """In-process `WeightPublisher` and `WeightSource`: versions land on the sampler mesh in the background."""
+
+  def __init__(self, target_shardings, *, cast_dtype=None):
+    self._shardings, self._dtype = target_shardings, cast_dtype
+    self._held = LatestWeights("weight sync failed")
+    self._threads: list[threading.Thread] = []
+    self.seconds: dict[int, float] = {}
+
+  def _finish(self, placed, version: int, start: float) -> None:
+    try:
+      jax.block_until_ready(placed)
+      self.seconds[version] = time.perf_counter() - start
+      self._held.offer(WeightUpdate(version, placed))
+    except BaseException as err:  # surfaced by latest()/wait_for()/wait(), never lost
+      self._held.fail(err)
+
+  def publish(self, params, version: int) -> None:
+    """Enqueues the copy now (so the trainer may donate `params` to its next step right after) and
+    waits for it on a worker thread."""
+    start = time.perf_counter()
+    placed = jax.device_put(cast_floats(params, self._dtype), self._shardings)
+    thread = threading.Thread(target=self._finish, args=(placed, version, start), daemon=True,
+                              name=f"weight-sync-{version}")
+    thread.start()
+    self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+
+  def latest(self) -> WeightUpdate | None:
+    return self._held.latest()
+
+  def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate:
+    return self._held.wait_for(version, timeout)
 
   def wait(self) -> None:
     for thread in self._threads:
