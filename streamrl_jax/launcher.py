@@ -6,7 +6,10 @@ bar); samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs o
 their own sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SIGTERM) asks the trainer to
 checkpoint and stop, stops the samplers, and kills whatever has not exited after a grace period: no orphans.
 A sampler that dies is started again (up to `--sampler-restarts` times in all; the trainer leases its
-prompts to the others meanwhile); a trainer that dies stops the run.
+prompts to the others meanwhile); a trainer that dies stops the run. With `--max-samplers M`, sampler
+processes are added or retired between steps by the elastic decision (`scheduling.elastic_decision`, on
+each step's generation and training seconds from `metrics.jsonl`), between `--min-samplers` and M; a
+retired sampler hands its leases back as it leaves.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ def add_launch_parser(sub, common) -> None:
   local.add_argument("--pin-cores", action="store_true", help="run each process on its own CPU cores")
   local.add_argument("--sampler-restarts", type=int, default=3,
                      help="how many times in all a sampler that dies is started again (default 3)")
+  local.add_argument("--max-samplers", type=int, default=None,
+                     help="grow and shrink sampler processes by the elastic decision, up to this many")
+  local.add_argument("--min-samplers", type=int, default=1, help="with --max-samplers: the fewest (default 1)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   local.set_defaults(run=cmd_launch_local)
 
@@ -70,6 +76,7 @@ class Child:
   cores: list[int] | None
   log: Path | None  # None: the launcher's terminal
   proc: subprocess.Popen | None = None
+  retired: bool = False  # asked to leave by the elastic decision: its exit is no failure
 
   def start(self) -> None:
     out = self.log.open("ab") if self.log else None
@@ -117,9 +124,41 @@ def plan_children(args, cores: list[int] | None) -> list[Child]:
   return children
 
 
+@dataclasses.dataclass(frozen=True)
+class ElasticSamplers:
+  """Sampler processes between `low` and `high`, changed by at most one per decision; after a change,
+  `cooldown_steps` steps pass before the next decision, so a new sampler's start-up is not misread."""
+
+  low: int
+  high: int
+  hysteresis: float = 0.05
+  cooldown_steps: int = 3
+
+  def __post_init__(self):
+    if not 1 <= self.low <= self.high:
+      raise ValueError(f"need 1 <= --min-samplers ({self.low}) <= --max-samplers ({self.high})")
+
+  def target(self, current: int, generation_s: float, train_s: float) -> int:
+    """The sampler count for the next steps: generation time is assumed to scale as 1 / samplers."""
+    from streamrl_jax.scheduling.policies import elastic_decision
+
+    saved = generation_s / (current + 1)
+    lost = generation_s / (current - 1) if current > 1 else float("inf")
+    change = elastic_decision(generation_s, train_s, saved, lost, hysteresis=self.hysteresis)
+    return int(np.clip(current + change, self.low, self.high))
+
+
 def cmd_launch_local(args) -> int:
   if args.samplers < 1 or args.trainer_processes < 1:
     raise ValueError("--samplers and --trainer-processes must be >= 1")
+  elastic = None
+  if args.max_samplers is not None:
+    elastic = ElasticSamplers(args.min_samplers, args.max_samplers)
+    if not elastic.low <= args.samplers <= elastic.high:
+      raise ValueError(f"--samplers {args.samplers} must lie between --min-samplers {elastic.low} and "
+                       f"--max-samplers {elastic.high}")
+    if args.pin_cores:
+      raise ValueError("--pin-cores splits the cores at start; it cannot be combined with --max-samplers")
   cores = None
   if args.pin_cores:
     cores = assign_cores(sorted(os.sched_getaffinity(0)), args.trainer_processes, args.samplers)
@@ -133,8 +172,7 @@ def cmd_launch_local(args) -> int:
     _write_manifest(workdir, children)
     logs = ", ".join(f"{c.name}: {c.log}" for c in children if c.log)
     print(f"streamrl launch local: {len(children)} processes ({logs})", file=sys.stderr, flush=True)
-    return _supervise(children, args.trainer_processes, args.sampler_restarts,
-                      on_restart=lambda: _write_manifest(workdir, children))
+    return Supervisor(children, args.trainer_processes, workdir, args.sampler_restarts, elastic).run()
   except KeyboardInterrupt:
     _stop(children)
     print("streamrl launch local: stopped; continue with the same command and --resume", file=sys.stderr)
@@ -155,31 +193,100 @@ def _raise_interrupt(signum, frame):
   raise KeyboardInterrupt
 
 
-def _supervise(children: list[Child], trainer_processes: int, restarts: int = 0, on_restart=None) -> int:
-  """Waits for the trainer. A sampler that fails is started again while `restarts` last; a trainer process
-  that fails, or a sampler beyond them, stops the run (its exit code is returned)."""
-  trainers, samplers = children[:trainer_processes], children[trainer_processes:]
-  while any(c.proc.poll() is None for c in trainers):
-    for child in children:
+class Supervisor:
+  """Watches the children until the trainer exits: restarts samplers that fail (while restarts last), stops
+  the run when a trainer process fails, and with `elastic` adds or retires samplers between steps. It runs
+  on the launcher's one thread and owns the children list."""
+
+  def __init__(self, children: list[Child], trainer_processes: int, workdir: Path, restarts: int = 0,
+               elastic: ElasticSamplers | None = None):
+    self.children, self.trainers = children, children[:trainer_processes]
+    self.workdir, self.restarts, self.elastic = workdir, restarts, elastic
+    self.steps_seen, self.changed_at = 0, 1  # the first step (compiles) never counts
+    self.started = len(children) - trainer_processes  # samplers ever started: names stay unique
+
+  def samplers(self) -> list[Child]:
+    return [c for c in self.children if c not in self.trainers]
+
+  def run(self) -> int:
+    while any(c.proc.poll() is None for c in self.trainers):
+      code = self._check_exits()
+      if code is not None:
+        return code
+      if self.elastic is not None:
+        self._scale()
+      time.sleep(0.2)
+    deadline = time.monotonic() + SAMPLER_EXIT_GRACE_S
+    while any(c.proc.poll() is None for c in self.samplers()) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    return self.trainers[0].proc.returncode
+
+  def _check_exits(self) -> int | None:
+    for child in self.children:
       code = child.proc.poll()
-      if code in (None, 0):
+      if code in (None, 0) or child.retired:
         continue
       said = f"streamrl launch local: {child.name} exited with code {code}"
-      if child in samplers and restarts > 0:
-        restarts -= 1
-        print(f"{said}; starting it again ({restarts} restart(s) left)", file=sys.stderr, flush=True)
+      if child not in self.trainers and self.restarts > 0:
+        self.restarts -= 1
+        print(f"{said}; starting it again ({self.restarts} restart(s) left)", file=sys.stderr, flush=True)
         child.start()
-        if on_restart is not None:
-          on_restart()
+        _write_manifest(self.workdir, self.children)
         continue
       print(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
-      _stop(children)
+      _stop(self.children)
       return code
-    time.sleep(0.2)
-  deadline = time.monotonic() + SAMPLER_EXIT_GRACE_S
-  while any(c.proc.poll() is None for c in samplers) and time.monotonic() < deadline:
-    time.sleep(0.2)
-  return trainers[0].proc.returncode
+    return None
+
+  def _scale(self) -> None:
+    """One elastic decision on the mean figures of the last `cooldown_steps` steps, all after the last
+    change (one step's figures are too noisy to act on, and a new sampler needs time to start)."""
+    rows = _read_metrics(self.workdir / "metrics.jsonl")
+    if len(rows) <= self.steps_seen:
+      return
+    self.steps_seen = len(rows)
+    window = self.elastic.cooldown_steps
+    if self.steps_seen - self.changed_at < window:
+      return
+    recent = rows[-window:]
+    generation_s = float(np.mean([r["generation_s"] for r in recent]))
+    train_s = float(np.mean([r["train_s"] for r in recent]))
+    live = [c for c in self.samplers() if not c.retired]
+    target = self.elastic.target(len(live), generation_s, train_s)
+    if target == len(live):
+      return
+    why = (f"generation {generation_s:.2f} s vs training {train_s:.2f} s a step, steps "
+           f"{recent[0]['step']}-{recent[-1]['step']}")
+    if target > len(live):
+      template = self.samplers()[0]
+      child = dataclasses.replace(template, name=f"sampler-{self.started}", proc=None, retired=False,
+                                  argv=_renamed(template.argv, f"sampler-{self.started}"),
+                                  log=template.log.with_name(f"sampler-{self.started}.log"))
+      self.started += 1
+      child.start()
+      self.children.append(child)
+      print(f"streamrl launch local: adding {child.name} ({why})", file=sys.stderr, flush=True)
+    else:
+      child = live[-1]
+      child.retired = True
+      child.signal(signal.SIGTERM)  # it leaves: its leases go back to the plan
+      print(f"streamrl launch local: retiring {child.name} ({why})", file=sys.stderr, flush=True)
+    self.changed_at = self.steps_seen
+    _write_manifest(self.workdir, self.children)
+
+
+def _renamed(argv: list[str], name: str) -> list[str]:
+  i = argv.index("--name")
+  return argv[:i + 1] + [name] + argv[i + 2:]
+
+
+def _read_metrics(path: Path) -> list[dict]:
+  """The complete rows of metrics.jsonl so far (a row being written is left for the next read)."""
+  try:
+    lines = path.read_text().splitlines(keepends=True)
+  except OSError:
+    return []
+  return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
 def _stop(children: list[Child]) -> None:

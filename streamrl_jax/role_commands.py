@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 ROLES = ("trainer", "sampler")
@@ -101,9 +103,18 @@ def cmd_sampler(args) -> int:
 
   config, job, flight_config, tls, settings = _start_role(args)
   model_config, tokenizer = job.model_spec()
+  stop, signalled = threading.Event(), []
+
+  def on_signal(signum, frame):  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
+    if signalled:
+      raise KeyboardInterrupt
+    signalled.append(signum)
+    stop.set()
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, on_signal)
   try:
     stats = run_sampler(config, model_config, tokenizer, job.make_task(), connect=args.connect, tls=tls,
-                        name=args.name, settings=settings, flight_config=flight_config,
+                        name=args.name, settings=settings, flight_config=flight_config, stop=stop,
                         log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
@@ -111,6 +122,9 @@ def cmd_sampler(args) -> int:
   except ConnectionError as err:
     print(f"streamrl sampler {args.name}: {err}", file=sys.stderr)
     return 3
+  if signalled:
+    print(f"streamrl sampler {args.name}: stopped; its leases went back to the trainer", file=sys.stderr)
+    return 130
   print(f"streamrl sampler {args.name}: the run is over; sent {stats['put_samples']} samples in "
         f"{stats['put_shards']} shards, fetched {stats['weights_fetches']} weight versions", file=sys.stderr)
   return 0

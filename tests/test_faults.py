@@ -17,6 +17,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from streamrl_jax.launcher import ElasticSamplers
 from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, StepReport
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
@@ -283,3 +284,42 @@ def test_a_sampler_that_cannot_reach_the_trainer_exits_with_a_clear_message(tmp_
       proc.kill()
   assert code == 3
   assert f"the trainer at {run.address} did not take the call for 2 s" in run.logs["lonely"].read_text()
+
+
+def test_elastic_sampler_count_by_hand():
+  elastic = ElasticSamplers(low=1, high=3, hysteresis=0.05)
+  assert elastic.target(1, generation_s=4.0, train_s=1.0) == 2  # lags by 3 s; one more saves 2 s
+  assert elastic.target(1, generation_s=1.5, train_s=1.0) == 1  # lags by 0.5 s; one more would save 0.75 s
+  assert elastic.target(3, generation_s=9.0, train_s=1.0) == 3  # at the ceiling
+  assert elastic.target(2, generation_s=1.0, train_s=4.0) == 1  # one fewer: 2 s, still ahead of training
+  assert elastic.target(2, generation_s=2.0, train_s=4.0) == 2  # one fewer would make generation 4 s + margin
+  assert elastic.target(1, generation_s=0.1, train_s=4.0) == 1  # at the floor
+  with pytest.raises(ValueError, match="--min-samplers"):
+    ElasticSamplers(low=0, high=2)
+
+
+@pytest.mark.slow
+def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
+  """Long random completions of an untrained model against a tiny training step: generation lags, so the
+  launcher starts a second sampler process, which joins the run; nothing lost or doubled."""
+  config = tmp_path / "elastic.gin"
+  steps = 60  # about 15 s of steps: time for the added process to start and take leases
+  config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode="async").replace(
+      "max_new_tokens = 8", "max_new_tokens = 48"))
+  proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(tmp_path),
+                           "--config", str(config), "--samplers", "1", "--max-samplers", "2"],
+                          env=dict(os.environ, XLA_FLAGS=""), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+  try:
+    out, _ = proc.communicate(timeout=TIMEOUT_S)
+  finally:
+    for pid in [proc.pid] + [c["pid"] for c in json.loads((tmp_path / "launch.json").read_text())
+                             if (tmp_path / "launch.json").exists()]:
+      if alive(pid):
+        os.kill(pid, signal.SIGKILL)
+  assert proc.returncode == 0, out
+  assert "streamrl launch local: adding sampler-1 (generation" in out
+  counters = check_each_step_once(tmp_path, steps)
+  assert counters["samples_trained"] == steps * 8
+  events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+  assert {e["sampler"] for e in events if e["event"] == "sampler_joined"} == {"sampler-0", "sampler-1"}
