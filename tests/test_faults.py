@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -67,11 +68,11 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   assert (again.step, again.group_ids, again.prompts) == (0, lease_a.group_ids, lease_a.prompts)
   assert again.lease_id != lease_a.lease_id
   # a comes back: what it delivers is still taken (the trainer keeps the first copy), but it must rejoin
-  assert controller.on_shard(a, 0, lease_a.group_ids[:1]) == "late"
+  assert controller.on_shard(a, 0, {lease_a.group_ids[0]: 5.0}) == "late"
   assert controller.heartbeat(Heartbeat(a)).rejoin and controller.lease(LeaseRequest(a, 0.0)).rejoin
   assert controller.report(report(a, lease_a)).rejoin
-  assert controller.on_shard(b, 0, again.group_ids) == "accept"
-  assert controller.on_shard(12345, 0, again.group_ids) == "rejoin"  # never registered here
+  assert controller.on_shard(b, 0, {g: 5.0 for g in again.group_ids}) == "accept"
+  assert controller.on_shard(12345, 0, {g: 5.0 for g in again.group_ids}) == "rejoin"  # never registered here
   for lease in (lease_b, again):
     assert not controller.report(report(b, lease)).rejoin
   assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
@@ -80,6 +81,29 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   assert (counters["late_samples"], counters["late_reports"], counters["rejoin_requests"]) == (2, 1, 3)
   assert [e["event"] for e in events] == ["sampler_joined", "sampler_joined", "sampler_lost", "re_leased_delivered"]
   assert events[2]["sampler"] == "a" and events[2]["leases_returned"] == 1
+
+
+def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
+  clock = Clock()
+  controller = make_controller(clock)
+  a, b, c = (controller.register(Register(name, {})).sampler_id for name in ("a", "b", "c"))
+  controller.published(0)
+  lease_a, lease_b, lease_c = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b, c))
+  assert (lease_a.group_ids, lease_b.group_ids, lease_c.group_ids) == ((0, 1), (2,), (3,))
+  assert controller.on_shard(a, 0, {0: 7.0}) == "accept"  # a delivers group 0 of its two, then dies
+  assert controller.on_shard(b, 0, {2: 9.0}) == "accept"  # b delivers its only group, dies before reporting
+  clock.now += 4.0
+  controller.heartbeat(Heartbeat(c))
+  clock.now += 2.0
+  assert sorted(controller.expire_silent()) == ["a", "b"]
+  again = controller.lease(LeaseRequest(c, 0.0)).lease
+  assert (again.group_ids, again.prompts) == ((1,), lease_a.prompts[1:])  # only what is missing
+  assert controller.lease(LeaseRequest(c, 0.0)).lease is None  # nothing of b's to redo; step 1 is gated
+  counters = controller.counters
+  assert (counters["re_leased_prompts"], counters["groups_kept"]) == (1, 2)
+  for lease in (lease_c, again):
+    controller.report(report(c, lease))
+  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0  # made without b's report
 
 
 def test_a_sampler_that_leaves_returns_its_leases_and_a_joiner_takes_the_next_plan():
@@ -323,3 +347,21 @@ def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
   assert counters["samples_trained"] == steps * 8
   events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
   assert {e["sampler"] for e in events if e["event"] == "sampler_joined"} == {"sampler-0", "sampler-1"}
+
+
+def test_a_long_poll_waiting_in_the_controller_does_not_keep_a_silent_sampler_alive():
+  """A frozen sampler's lease request may sit in the controller; its waiting is not the sampler's voice."""
+  clock = Clock()
+  controller = make_controller(clock)
+  a = controller.register(Register("a", {})).sampler_id
+  waiting = threading.Thread(target=controller.lease, args=(LeaseRequest(a, 2.0),))
+  waiting.start()  # no step is open (nothing published): the request waits
+  time.sleep(0.2)
+  clock.now += 6.0
+  controller.set_target_instances(1)
+  with controller._cond:  # wake the waiting request, as any event would
+    controller._cond.notify_all()
+  time.sleep(0.2)
+  assert controller.expire_silent() == ["a"]
+  waiting.join(timeout=5)
+  assert not waiting.is_alive()

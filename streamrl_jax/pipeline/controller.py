@@ -38,6 +38,7 @@ class _StepPlan:
   unleased: list[Lease]
   leases: int  # how many leases the step was cut into
   reports: dict = dataclasses.field(default_factory=dict)  # lease id -> StepReport
+  delivered: dict = dataclasses.field(default_factory=dict)  # group id -> mean completion length
   summary: dict | None = None
 
 
@@ -79,7 +80,7 @@ class Controller:
     self.events: list[dict] = []  # samplers joining, leaving, lost; leases given again; in epoch seconds
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
                          sampler_wait_s=0.0, samplers_left=0, samplers_lost=0, re_leased_leases=0,
-                         re_leased_prompts=0, late_samples=0, late_reports=0, rejoin_requests=0)
+                         re_leased_prompts=0, groups_kept=0, late_samples=0, late_reports=0, rejoin_requests=0)
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -105,6 +106,8 @@ class Controller:
     """The next lease of an open step, waiting up to `wait_s` for one to open; finished once the run is over."""
     deadline = time.monotonic() + min(max(message.wait_s, 0.0), MAX_LEASE_WAIT_S)
     with self._cond:
+      if message.sampler_id in self._samplers:  # heard from now; not again while the request waits here
+        self._samplers[message.sampler_id].last_seen = self._clock()
       while True:
         if self._finished:
           if message.sampler_id in self._samplers:
@@ -115,7 +118,6 @@ class Controller:
         if sampler is None:  # lost while this request waited, or never known
           self.counters["rejoin_requests"] += 1
           return LeaseReply(lease=None, finished=False, rejoin=True)
-        sampler.last_seen = self._clock()
         lease = self._next_lease_of_open_step()
         if lease is not None:
           lease = dataclasses.replace(lease, lease_id=self._next_lease, instances=self._target_instances)
@@ -160,19 +162,24 @@ class Controller:
       self._cond.notify_all()
     return Ack()
 
-  def on_shard(self, sampler_id: int, step: int, group_ids) -> str:
-    """Whether to take a shard that sampler `sampler_id` delivers: 'accept' (a live sampler), 'late' (a
-    lost one: taken, the trainer drops copies it has) or 'rejoin' (unknown here: refused, register again)."""
+  def on_shard(self, sampler_id: int, step: int, lengths: dict[int, float]) -> str:
+    """Whether to take a shard that sampler `sampler_id` delivers ({group id: mean completion length}):
+    'accept' (a live sampler), 'late' (a lost one: taken, the trainer drops copies it has) or 'rejoin'
+    (unknown here: refused, register again). Taken groups are remembered until their step is summarised,
+    so a lease handed back is cut to the groups still missing."""
+    group_ids = [int(g) for g in lengths]
     with self._cond:
       sampler = self._samplers.get(sampler_id)
       if sampler is None and sampler_id not in self._lost:
         self.counters["rejoin_requests"] += 1
         return "rejoin"
+      if step in self._plans:
+        self._plans[step].delivered.update({int(g): float(x) for g, x in lengths.items()})
       if sampler is None:
         self.counters["late_samples"] += len(group_ids) * self.config.group_size
         return "late"
       sampler.last_seen = self._clock()
-      losses = {self._re_leased.pop((step, int(g))) for g in group_ids if (step, int(g)) in self._re_leased}
+      losses = {self._re_leased.pop((step, g)) for g in group_ids if (step, g) in self._re_leased}
       for loss in sorted(losses - self._recovered):  # the first delivery of what a loss handed back
         self._recovered.add(loss)
         self._event("re_leased_delivered", sampler=sampler.name, step=step, lost_sampler=loss[1],
@@ -240,10 +247,20 @@ class Controller:
     loss = (time.time(), sampler.name)
     for lease_id in reversed(leases):
       _, lease = self._leases.pop(lease_id)
-      self._plans[lease.step].unleased.insert(0, lease)
+      plan = self._plans[lease.step]
+      missing = [i for i, g in enumerate(lease.group_ids) if g not in plan.delivered]
+      self.counters["groups_kept"] += len(lease.group_ids) - len(missing)
+      if not missing:  # every group arrived; only the report is lost
+        plan.leases -= 1
+        if len(plan.reports) == plan.leases:
+          plan.summary = self._summarise(lease.step, plan)
+        continue
+      pick = lambda values: tuple(values[i] for i in missing) if values else ()  # noqa: E731
+      plan.unleased.insert(0, dataclasses.replace(lease, group_ids=pick(lease.group_ids), prompts=pick(lease.prompts),
+                                                  predicted_lengths=pick(lease.predicted_lengths)))
       if lost:
-        self._re_leased.update({(lease.step, g): loss for g in lease.group_ids})
-        self.counters["re_leased_prompts"] += len(lease.prompts)
+        self._re_leased.update({(lease.step, lease.group_ids[i]): loss for i in missing})
+        self.counters["re_leased_prompts"] += len(missing)
     if lost:
       self._lost[sampler_id] = sampler.name
       self.counters["samplers_lost"] += 1
@@ -353,11 +370,12 @@ class Controller:
 
   def _summarise(self, step: int, plan: _StepPlan) -> dict:
     reports = list(plan.reports.values())
-    by_group = {g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)}
+    by_group = dict(plan.delivered)  # groups of a lease handed back: their length as delivered
+    by_group.update({g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)})
     lengths = np.asarray([by_group[k] for k in sorted(by_group)])
-    out = dict(generation_s=max(r.generation_s for r in reports),
+    out = dict(generation_s=max((r.generation_s for r in reports), default=0.0),
                sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
-               sampler_rss_mb=max(r.rss_mb for r in reports))
+               sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0))
     for r in reports:
       self._leases.pop(r.lease_id)
     if self.ranker is None:

@@ -184,7 +184,9 @@ class TrainerFlightServer(flight.FlightServerBase):
         self._count("duplicate_batches")
         return {"seq": envelope.seq, "status": "duplicate"}
       if self.controller is not None:
-        status = self.controller.on_shard(envelope.sampler_id, int(shard.steps[0]), np.unique(shard.group_ids))
+        completion = shard.loss_mask.sum(axis=1)
+        lengths = {int(g): float(completion[shard.group_ids == g].mean()) for g in np.unique(shard.group_ids)}
+        status = self.controller.on_shard(envelope.sampler_id, int(shard.steps[0]), lengths)
         if status == "rejoin":  # a sampler of another run (the trainer restarted): not ours to train
           self._count("rejoin_refusals")
           return {"seq": envelope.seq, "status": "rejoin"}
