@@ -7,7 +7,8 @@ time from the kill to the first sample of one of its prompts delivered by anothe
 mean of the per-step `samples_per_s` before the kill, between the loss and the join, and from 5 s after the
 joiner registered (its compile). `lost_samples` and `duplicate_trained` compare what the trainer trained with
 the plan: every step must train exactly its prompts x group size samples, each (step, group, sample) once (the trainer
-refuses to finish a step otherwise); `duplicates_dropped` counts copies that arrived and were not trained.
+refuses to finish a step otherwise); `duplicates_dropped` counts copies that arrived and were not trained,
+`groups_kept` the lost sampler's groups that had arrived and were not leased again.
 
 Run 2 (a tiny model, RSS_STEPS steps, one sampler): `rss_growth_frac` is the growth of the larger of the
 trainer's and the sampler's resident memory from the first tenth of the run (after its first 10 steps) to
@@ -119,6 +120,7 @@ def loss_and_join(workdir: Path) -> dict:
       duplicate_trained=int(counters["samples_trained"] - counters["unique_samples_trained"]),
       duplicates_dropped=counters["duplicate_samples"], late_samples=counters["late_samples"],
       re_leased_leases=counters["re_leased_leases"], re_leased_prompts=counters["re_leased_prompts"],
+      groups_kept=counters["groups_kept"],
       samplers_lost=counters["samplers_lost"], steps_trained=len(metrics))
 
 
