@@ -103,7 +103,8 @@ def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
   assert (counters["re_leased_prompts"], counters["groups_kept"]) == (1, 2)
   for lease in (lease_c, again):
     controller.report(report(c, lease))
-  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0  # made without b's report
+  summary = controller.step_summary(0, timeout=1)  # made without b's report
+  assert summary["generation_s"] == 1.0 and (summary["sampler_instances"], summary["sampler_processes"]) == (1, 1)
 
 
 def test_a_sampler_that_leaves_returns_its_leases_and_a_joiner_takes_the_next_plan():

@@ -375,6 +375,7 @@ class Controller:
     lengths = np.asarray([by_group[k] for k in sorted(by_group)])
     out = dict(generation_s=max((r.generation_s for r in reports), default=0.0),
                sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
+               sampler_processes=len({r.sampler_id for r in reports}),
                sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0))
     for r in reports:
       self._leases.pop(r.lease_id)

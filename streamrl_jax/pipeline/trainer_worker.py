@@ -64,8 +64,10 @@ class TrainerWorker:
       self.timeline["trainer"].append((begin, clock(), f"update {step}"))
       train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
       summary = controller.step_summary(step)
-      controller.set_target_instances(elastic_target(self.config.scheduling, summary["sampler_instances"],
-                                                     summary["generation_s"], train_s))  # before the weights go out
+      # The replica target is per sampler process (each runs its own replicas); before the weights go out.
+      per_process = max(1, round(summary["sampler_instances"] / max(1, summary.get("sampler_processes", 1))))
+      controller.set_target_instances(elastic_target(self.config.scheduling, per_process, summary["generation_s"],
+                                                     train_s))
       sync_start = clock()
       weights.publish(self.state.params, step + 1)
       controller.published(step + 1)
