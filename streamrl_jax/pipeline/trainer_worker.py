@@ -18,7 +18,7 @@ import numpy as np
 
 from streamrl_jax.scheduling import elastic_target
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages
+from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
 
 
 class TrainerWorker:
@@ -26,7 +26,9 @@ class TrainerWorker:
 
   def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False):
     self.config, self.spec = config, config.spec
-    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh)
+    # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
+    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh,
+                           ref_params=params if config.objective.kl_coef > 0 else None)
     self.state = self.trainer.init_state(params, seed=config.seed)
     self.start_step = 0
     if resume:
@@ -141,7 +143,12 @@ class TrainerWorker:
     begin = clock()
     stale = step - shard.first_versions
     self.counters["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-    advantages = compute_advantages(self.config.advantage, shard.rewards, shard.group_ids)
+    rewards, objective = shard.rewards, self.config.objective
+    if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
+      ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
+      rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
+                                                objective.kl_coef, objective.kl_estimator), np.float32)
+    advantages = compute_advantages(self.config.advantage, rewards, shard.group_ids)
     self.state = self.batcher.add(self.state, shard.train_batch(advantages))
     jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self.counters["samples_trained"] += shard.num_samples
@@ -156,7 +163,7 @@ class TrainerWorker:
                 samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
                 staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-                step_s=wall, train_s=train_s, **summary, **train)
+                step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary, **train)
 
 
 def _single_step(shard: SampleShard) -> int:

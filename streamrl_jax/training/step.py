@@ -111,8 +111,10 @@ class Trainer:
         graphdef, optimizer, objective, mesh, rules)
     self.tx = make_optimizer(optimizer)
     self.min_rows, self.min_length = min_rows, min_length
-    self.ref_params = None if ref_params is None else self.place(ref_params)
+    # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
+    self.ref_params = None if ref_params is None else jax.tree.map(jnp.copy, self.place(ref_params))
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
+    self._reference = jax.jit(self._reference_impl)
     self.compiled_shapes: set[tuple[int, int]] = set()
 
   def _build(self, state: TrainState) -> None:
@@ -191,6 +193,23 @@ class Trainer:
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
     return self._accumulate(state, self.prepare(batch), self.ref_params)
+
+  def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """log pi_ref of each token under the frozen reference policy ([rows, length], column 0 is 0): what
+    'KL in the reward' needs before advantages are computed."""
+    if self.ref_params is None:
+      raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
+    rows, length = np.shape(tokens)
+    shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
+    padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
+    padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
+    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+    out = self._reference(self.ref_params, jax.device_put(padded, sharding))
+    return np.asarray(out)[:rows, :length]
+
+  def _reference_impl(self, ref_params, batch):
+    model = nnx.merge(self.graphdef, ref_params)
+    return token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
