@@ -253,12 +253,15 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
         time.sleep(5.0)  # > FlightConfig.lease_timeout_s
         os.kill(run.procs[frozen].pid, signal.SIGCONT)
     assert run.wait_exit("trainer") == 0, run.tails()
-    for name in live:
-      assert run.wait_exit(name, timeout=60) == 0, run.tails()
+    for name in live:  # one started near the end may find the run over before it registers: left to kill_all
+      if "registered with the trainer" in run.logs[name].read_text():
+        assert run.wait_exit(name, timeout=60) == 0, run.tails()
   finally:
     run.kill_all()
   counters = check_each_step_once(tmp_path, steps)
-  assert counters["samples_trained"] == steps * 8 and counters["prompts_submitted"] >= steps * 4
+  # every prompt was either reported in a lease or delivered by a lost sampler before it was lost
+  assert counters["samples_trained"] == steps * 8
+  assert counters["prompts_submitted"] + counters["groups_kept"] == steps * 4
   assert counters["samplers_lost"] >= 2 and counters["rejoin_requests"] >= 1
   assert "registering again" in run.logs[frozen].read_text()
   events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]

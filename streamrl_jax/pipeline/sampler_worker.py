@@ -46,12 +46,8 @@ class SamplerWorker:
     sched = config.scheduling
     self.replica_meshes = replica_meshes(mesh, sched.instance_limit)
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
-    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
     self.admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
-    self.sampler: StreamingSampler | None = None
-    self.mesh_of: dict[int, int] = {}  # sampler instance id -> replica mesh index
-    self.target_instances = sched.instances
-    self.sampler_id: int | None = None
+    self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
     """The engine of replica mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
@@ -107,10 +103,13 @@ class SamplerWorker:
     return outcome
 
   def reset(self) -> None:
-    """Drops every request in flight and the weights (kept: the compiled engines), as after a restart."""
-    self.sampler, self.mesh_of, self.sampler_id = None, {}, None
-    self.spare_meshes = list(range(self.config.scheduling.instances, self.config.scheduling.instance_limit))[::-1]
-    self.target_instances = self.config.scheduling.instances
+    """No requests, weights or id (kept: the compiled engines): the state of a fresh start or a rejoin."""
+    sched = self.config.scheduling
+    self.sampler: StreamingSampler | None = None
+    self.mesh_of: dict[int, int] = {}  # sampler instance id -> replica mesh index
+    self.sampler_id: int | None = None
+    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
+    self.target_instances = sched.instances
 
   @staticmethod
   def _wait_for_weights(weights, version: int, stop: threading.Event, rejoin: threading.Event) -> WeightUpdate | None:
