@@ -364,8 +364,9 @@ class Controller:
     parts = max(1, min(len(self._samplers), config.prompts_per_step))
     if not predicted or parts == 1 or config.scheduling.policy != "skew_aware":
       return np.array_split(np.arange(config.prompts_per_step), parts)
-    dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)),
-                                 max(1, config.engine.num_slots // config.group_size), seed=config.seed * 100_003 + step)
+    slots_in_prompts = max(1, config.engine.num_slots // config.group_size)
+    dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)), slots_in_prompts,
+                                 seed=config.seed * 100_003 + step)
     return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
 
   def _summarise(self, step: int, plan: _StepPlan) -> dict:

@@ -10,7 +10,6 @@ early wait for their step.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -118,8 +117,6 @@ class TrainerWorker:
       shards.append(shard)
       if self.spec.streamed:
         self._accumulate(shard, step, clock)
-    if needed < 0:
-      warnings.warn(f"step {step} received {-needed} samples more than a global batch", stacklevel=2)
     self.counters["unique_samples_trained"] += len(self._trained)
     self.counters["samples_planned"] += self.config.samples_per_step
     if not self.spec.streamed:
@@ -159,7 +156,8 @@ class TrainerWorker:
     rewards = np.concatenate([s.rewards for s in shards])
     versions = np.concatenate([s.first_versions for s in shards])
     seconds = [v for _, v in sorted(weights.seconds.items())]
-    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), accuracy=float(np.mean(rewards >= 1.0)),
+    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()),
+                accuracy=float(np.mean(rewards >= 1.0)),
                 samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
                 staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,

@@ -1,5 +1,5 @@
 """The trainer's Arrow Flight server (on its process 0): samples in by DoPut, weights out by DoGet, control
-messages by DoAction. It moves typed records and does no math.
+messages by DoAction. It moves typed records and does no training math.
 
 - DoPut (descriptor command `samples`): one `SAMPLE_SCHEMA` batch per call. It is checked, deduplicated on
   (sampler id, sequence number), put into the trainer's bounded `SampleQueue` and acknowledged (status
@@ -154,7 +154,8 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()
     self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
-                         full_refusals=0, rejoin_refusals=0, late_batches=0, weight_streams=0, weight_bytes=0, actions=0, bad_actions=0)
+                         full_refusals=0, rejoin_refusals=0, late_batches=0, weight_streams=0, weight_bytes=0,
+                         actions=0, bad_actions=0)
     self._handlers = {VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
     if controller is not None:  # None: a server of weights alone
       self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
