@@ -121,7 +121,8 @@ def run_training(args, config, job, runner, prog: str) -> int:
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
   try:
-    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=args.resume,
+    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
+                        resume="auto" if getattr(args, "auto_resume", False) else args.resume,
                         runner=runner)
   except KeyboardInterrupt:
     bar.close()

@@ -11,6 +11,7 @@ import dataclasses
 import gin
 
 from streamrl_jax.config import MeshConfig, ModelConfig, RopeScaling
+from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.remote import FlightConfig
 from streamrl_jax.pipeline.train_job import JobConfig
@@ -19,7 +20,7 @@ from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig, FlightConfig)
+                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -56,6 +57,11 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
 def build_flight() -> FlightConfig:
   """How trainer and samplers reach each other across processes (`FlightConfig` bindings)."""
   return build(FlightConfig)
+
+
+def build_gke() -> GKEConfig:
+  """Where a run goes on GKE (`GKEConfig` bindings; `streamrl launch gke`)."""
+  return build(GKEConfig)
 
 
 # The CPU demo's defaults (gin bindings override them).

@@ -49,6 +49,8 @@ def add_launch_parser(sub, common) -> None:
   local.add_argument("--min-samplers", type=int, default=1, help="with --max-samplers: the fewest (default 1)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   local.set_defaults(run=cmd_launch_local)
+  from streamrl_jax.gke.command import add_gke_parser
+  add_gke_parser(where, common)
 
 
 def assign_cores(cores: list[int], trainer_processes: int, samplers: int) -> list[list[int]]:

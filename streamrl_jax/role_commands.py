@@ -28,6 +28,9 @@ def add_role_parsers(sub, common) -> None:
                                                                 "any free one, printed and written to --address-file)")
   trainer.add_argument("--address-file", help="write the address served on to this file once listening")
   trainer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
+  trainer.add_argument("--auto-resume", action="store_true",
+                       help="continue from the latest checkpoint if there is one, else start afresh (for restarts "
+                            "by a cluster scheduler)")
   trainer.set_defaults(run=cmd_trainer)
   sampler = sub.add_parser("sampler", help="a sampler of a run across processes: generates for a trainer")
   common(sampler)
@@ -47,16 +50,16 @@ def add_role_parsers(sub, common) -> None:
 
 def role_host_devices(args) -> int:
   """CPU devices to force for a role program: `MeshConfig.<role>_devices` (shared among the role's
-  processes), else one per CPU core this process may run on."""
-  from streamrl_jax import gin_config
+  processes, from flags or the environment), else one per CPU core this process may run on."""
+  from streamrl_jax import distributed, gin_config
   from streamrl_jax.config import MeshConfig
 
   gin_config.parse(args.config, args.set)
   wanted = getattr(gin_config.build(MeshConfig), f"{args.command}_devices")
   if not wanted:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-  processes = args.num_processes or 1
-  return -(-wanted // processes)
+  cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
+  return -(-wanted // (cluster.num_processes if cluster else 1))
 
 
 def _start_role(args):

@@ -56,3 +56,15 @@ def hf_dirs(tmp_path_factory):
     model.save_pretrained(directory, safe_serialization=True)
     out[name] = (directory, model)
   return out
+
+
+@pytest.fixture(scope="session")
+def single_process_run(tmp_path_factory):
+  """`streamrl launch local` of the tiny stream config: one trainer and one sampler process, each pinned to
+  its own core; (workdir, output). Runs of other shapes compare their final weights with this one's."""
+  from tests.test_programs import finish, launch, write_config
+
+  workdir = tmp_path_factory.mktemp("single")
+  code, out = finish(launch(workdir, "--config", write_config(workdir / "tiny.gin"), "--pin-cores"), workdir)
+  assert code == 0, out
+  return workdir, out

@@ -1,6 +1,7 @@
-"""`streamrl launch local`, `streamrl trainer` and `streamrl sampler` as real processes on loopback: a run with
-two sampler processes and a trainer of two processes, a clean Ctrl-C with no orphan and a resume; and the
-pure parts (core assignment, the role's cluster from flags or environment)."""
+"""`streamrl launch local`, `streamrl trainer` and `streamrl sampler` as real processes on loopback: a run, a
+clean Ctrl-C with no orphan and a resume; and the pure parts (core assignment, the role's cluster from flags
+or environment). A trainer of two processes with two samplers runs in tests/test_gke.py, from the rendered
+GKE manifests, and is compared with this module's single-process run."""
 
 import json
 import os
@@ -10,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
@@ -81,18 +81,9 @@ def final_weights(workdir: Path) -> dict:
   return load_file(str(workdir / "final_model" / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-  """One trainer process and one sampler process, each pinned to its own core."""
-  workdir = tmp_path_factory.mktemp("single")
-  code, out = finish(launch(workdir, "--config", write_config(workdir / "tiny.gin"), "--pin-cores"), workdir)
-  assert code == 0, out
-  return workdir, out
-
-
 @pytest.mark.slow
-def test_launch_local_runs_the_job_across_processes(single):
-  workdir, out = single
+def test_launch_local_runs_the_job_across_processes(single_process_run):
+  workdir, out = single_process_run
   assert [m["step"] for m in metrics(workdir)] == [1, 2]
   summary = json.loads((workdir / "summary.json").read_text())
   counters = summary["counters"]
@@ -106,24 +97,6 @@ def test_launch_local_runs_the_job_across_processes(single):
   assert [c["cores"] for c in launched] == [[0], [1]] or len(os.sched_getaffinity(0)) > 2
   assert not any(alive(c["pid"]) for c in launched)
   assert "the run is over" in (workdir / "logs" / "sampler-0.log").read_text()
-
-
-@pytest.mark.slow
-def test_two_sampler_processes_and_a_two_process_trainer(single, tmp_path):
-  """Two trainer processes with two host devices each form one 4-device mesh; the run trains what the
-  single-process run trains (stream is on-policy and samples depend on (seed, group, index) only)."""
-  config = write_config(tmp_path / "tiny.gin", trainer_devices=4)
-  code, out = finish(launch(tmp_path, "--config", config, "--samplers", "2", "--trainer-processes", "2"), tmp_path)
-  assert code == 0, out
-  assert "trainer mesh {'data': 1, 'fsdp': 4, 'tensor': 1} over 2 process(es)" in out
-  counters = json.loads((tmp_path / "summary.json").read_text())["counters"]
-  assert counters["samples_trained"] == 16 and counters["prompts_submitted"] == 8 and counters["registered"] == 2
-  assert counters["duplicate_samples"] == 0 and [m["step"] for m in metrics(tmp_path)] == [1, 2]
-  assert (tmp_path / "logs" / "trainer-1.log").exists()
-  ours, theirs = final_weights(tmp_path), final_weights(single[0])
-  assert ours.keys() == theirs.keys()
-  for name in ours:
-    np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 @pytest.mark.slow

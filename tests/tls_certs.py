@@ -7,7 +7,8 @@ import ipaddress
 from pathlib import Path
 
 
-def write_test_certificates(directory: Path) -> dict[str, Path]:
+def write_test_certificates(directory: Path, dns_names: tuple[str, ...] = ()) -> dict[str, Path]:
+  """PEM files in `directory`; the server certificate also names `dns_names` (wildcards allowed)."""
   from cryptography import x509
   from cryptography.hazmat.primitives import hashes, serialization
   from cryptography.hazmat.primitives.asymmetric import ec
@@ -29,7 +30,7 @@ def write_test_certificates(directory: Path) -> dict[str, Path]:
 
   ca_key, ca_cert = make("streamrl test CA", ca=True)
   server_key, server_cert = make("trainer", ca_key, ca_cert.subject,
-                                 san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+                                 san=[x509.DNSName("localhost"), *map(x509.DNSName, dns_names), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
   client_key, client_cert = make("sampler", ca_key, ca_cert.subject)
   out = {}
   for name, key, cert in (("server", server_key, server_cert), ("client", client_key, client_cert)):

@@ -218,7 +218,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   parse_address(connect, "--connect")
   stop = stop or threading.Event()
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
-                                retry_s=flight_config.connect_retry_s)
+                                retry_s=flight_config.connect_retry_s, log=log)
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)

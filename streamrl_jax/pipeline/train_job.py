@@ -125,9 +125,10 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
-              resume: bool = False, runner=run_pipeline) -> dict:
+              resume: bool | str = False, runner=run_pipeline) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
-  `resume` continues from the latest checkpoint in `workdir/checkpoints`. `runner` runs the RL steps:
+  `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
+  and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
   `run_pipeline` (one program) or the trainer's side of separate programs (`pipeline.remote.serve_training`).
   In a trainer of several processes every process runs this; only process 0 evaluates and writes files."""
   from streamrl_jax.training.checkpoint import Checkpointer
@@ -135,6 +136,9 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   workdir = Path(workdir)
   leader = jax.process_index() == 0
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  if resume == "auto":
+    resume = checkpointer.latest_step() is not None
+    log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
   if resume and checkpointer.latest_step() is None:
     raise FileNotFoundError(f"--resume: there is no checkpoint in {workdir / 'checkpoints'} to resume from")
   workdir.mkdir(parents=True, exist_ok=True)

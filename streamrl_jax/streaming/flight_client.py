@@ -29,6 +29,9 @@ from streamrl_jax.streaming.weight_chunks import WeightAssembler, check_tensors,
 from streamrl_jax.streaming.weights import LatestWeights
 
 
+RETRY_NOTICE_S = 20.0
+
+
 class TrainerUnreachable(ConnectionError):
   """The trainer's server did not answer for longer than the configured limit."""
 
@@ -41,10 +44,11 @@ class FlightConnection:
   """A client of the trainer's server. Every call has a deadline (`timeout_s`, or the call's own); calls
   that find the server unavailable are retried with backoff for up to `retry_s` seconds in all."""
 
-  def __init__(self, address: str, *, tls: TLSFiles | None = None, timeout_s: float = 60.0, retry_s: float = 120.0):
+  def __init__(self, address: str, *, tls: TLSFiles | None = None, timeout_s: float = 60.0, retry_s: float = 120.0,
+               log=None):
     if ":" not in address:
       raise ValueError(f"--connect {address!r}: expected HOST:PORT")
-    self.address, self.timeout_s, self.retry_s = address, timeout_s, retry_s
+    self.address, self.timeout_s, self.retry_s, self.log = address, timeout_s, retry_s, log
     kwargs = {}
     if tls is not None:
       cert, key, ca = tls.read()
@@ -60,7 +64,7 @@ class FlightConnection:
     """fn() with retries while the server is unavailable (refusing connections, restarting, or asking for a
     retry); raises TrainerUnreachable after `retry_s` seconds."""
     limit = self.retry_s if retry_s is None else retry_s
-    start, pause = time.monotonic(), 0.05
+    start, pause, said = time.monotonic(), 0.05, 0.0
     while True:
       if self._closed.is_set():
         raise ConnectionError(f"the connection to {self.address} is closed")
@@ -71,6 +75,11 @@ class FlightConnection:
         if time.monotonic() - start + pause > limit:
           raise TrainerUnreachable(f"the trainer at {self.address} did not take the call for {limit:.0f} s: "
                                    f"{_message(err)}") from None
+        waited = time.monotonic() - start
+        if self.log is not None and waited - said >= RETRY_NOTICE_S:  # a warm-up or a restart: say so now and then
+          said = waited
+          self.log(f"the trainer at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
+                   f"retrying for up to {limit:.0f} s in all")
       self.counters["retries"] += 1
       self._closed.wait(pause)
       pause = min(2 * pause, 2.0)
