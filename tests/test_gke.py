@@ -301,3 +301,44 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   assert ours.keys() == theirs.keys()
   for name in ours:
     np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("launch", ["tpu_v5e_16.gin", "a3_2nodes.gin"])
+def test_the_shipped_launch_configs_render_valid_jobsets(launch, tmp_path, capsys):
+  folder = Path(__file__).resolve().parent.parent / "launchers" / "gke"
+  code, out = run_cli(["launch", "gke", "--config", str(folder / "grpo_file.gin"), "--config", str(folder / launch),
+                       "--set", f"GKEConfig.image='{BASE['image']}'", "--set", f"GKEConfig.bucket='{BASE['bucket']}'",
+                       "--render", str(tmp_path)], capsys)
+  assert code == 0, out
+  for name in ("configmap.yaml", "trainer.yaml", "samplers.yaml"):
+    jobset_api.validate(yaml.safe_load((tmp_path / name).read_text()))
+  summary = json.loads((tmp_path / "launch.json").read_text())
+  assert summary["trainer"]["accelerators"] == 8 and summary["samplers"]["accelerators_each"] * summary["samplers"][
+      "replicas"] == 8
+  gin.clear_config()
+
+
+def test_the_run_mesh_must_fit_the_roles_accelerators():
+  from streamrl_jax.config import MeshConfig
+  gke = GKEConfig(name="rl", **BASE)  # trainer 2x4 (8 chips), samplers 2x2 (4 chips)
+  gke.check_mesh(MeshConfig())
+  gke.check_mesh(MeshConfig(sampler_devices=4, trainer_devices=8, trainer_tensor_parallel=4))
+  with pytest.raises(ValueError, match="MeshConfig.sampler_devices=8, but a sampler on GKE gets 4 google.com/tpu"):
+    gke.check_mesh(MeshConfig(sampler_devices=8))
+  with pytest.raises(ValueError, match="MeshConfig.trainer_tensor_parallel=3 does not divide the trainer's 8"):
+    gke.check_mesh(MeshConfig(trainer_tensor_parallel=3))
+
+
+def test_the_dockerfile_copies_what_the_image_needs():
+  root = Path(__file__).resolve().parent.parent
+  text = (root / "launchers" / "gke" / "Dockerfile").read_text()
+  copied = [line.split()[1:-1] for line in text.splitlines() if line.startswith("COPY ")]
+  for sources in copied:
+    for source in sources:
+      assert (root / source).exists(), f"the Dockerfile copies {source}, which is not in the repository"
+  assert {"streamrl_jax", "pyproject.toml", "configs"} <= {s for sources in copied for s in sources}
+  extras = re.search(r"tpu\|cuda\) pip install \"\.\[\$ACCELERATOR\]\"", text)
+  assert extras, "the Dockerfile installs the tpu or cuda extra"
+  import tomllib
+  optional = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+  assert {"tpu", "cuda"} <= set(optional)

@@ -47,6 +47,7 @@ def cmd_launch_gke(args) -> int:
   config, _ = gin_config.build_run()
   gin_config.build_flight()
   gke = gin_config.build_gke()
+  gke.check_mesh(config.mesh)
   manifests = render(gke, run_config_text(args.config, args.set))
   out = Path(args.render)
   out.mkdir(parents=True, exist_ok=True)

@@ -68,6 +68,17 @@ class GKEConfig:
       raise ValueError(f"GKEConfig.sampler_topology {self.sampler_topology!r} spans {sampler.hosts} hosts; a sampler "
                        "replica is one process: use a single-host topology and more GKEConfig.sampler_replicas")
 
+  def check_mesh(self, mesh) -> None:
+    """Raises unless the run's `MeshConfig` fits the roles' accelerators (0 devices: all of them)."""
+    for role, shape in (("trainer", self.trainer_shape), ("sampler", self.sampler_shape)):
+      wanted = getattr(mesh, f"{role}_devices") or shape.accelerators
+      tensor = getattr(mesh, f"{role}_tensor_parallel")
+      if wanted > shape.accelerators:
+        raise ValueError(f"MeshConfig.{role}_devices={wanted}, but a {role} on GKE gets {shape.accelerators} "
+                         f"{self.spec.resource} (GKEConfig.{role}_topology / hosts); set it to 0 (all of them)")
+      if wanted % tensor:
+        raise ValueError(f"MeshConfig.{role}_tensor_parallel={tensor} does not divide the {role}'s {wanted} devices")
+
   @property
   def spec(self) -> Platform:
     return PLATFORMS[self.platform]

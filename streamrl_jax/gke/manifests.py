@@ -48,11 +48,7 @@ def _trainer(gke: GKEConfig) -> dict:
          *(_field_env(name, path) for name, path in JOBSET_LABELS.items())]
   ports = [{"name": "flight", "containerPort": gke.flight_port},
            {"name": "coordinator", "containerPort": gke.coordinator_port}]
-  mounts = [{"name": "workdir", "mountPath": gke.mount_path}]
-  volumes = [{"name": "workdir", "csi": {"driver": "gcsfuse.csi.storage.gke.io",
-                                         "volumeAttributes": {"bucketName": gke.bucket_name,
-                                                              "mountOptions": "implicit-dirs"}}}]
-  pod = _pod(gke, "trainer", shape, args, env, ports, mounts, volumes, {"gke-gcsfuse/volumes": "true"})
+  pod = _pod(gke, "trainer", shape, args, env, ports)
   job = _job(shape.hosts, backoff_limit=0, pod=pod)
   spec = {"replicatedJobs": [{"name": "trainer", "replicas": 1, "template": job}],
           "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
@@ -68,7 +64,7 @@ def _samplers(gke: GKEConfig) -> dict:
   shape = gke.sampler_shape
   args = ["sampler", "--config", f"{CONFIG_DIR}/{RUN_GIN}", "--connect", trainer_address(gke), "--name", "$(POD_NAME)",
           *_tls_args(gke)]
-  pod = _pod(gke, "sampler", shape, args, [_field_env("POD_NAME", "metadata.name")], [], [], [], {})
+  pod = _pod(gke, "sampler", shape, args, [_field_env("POD_NAME", "metadata.name")], [], read_only=True)
   job = _job(1, backoff_limit=gke.sampler_pod_retries, pod=pod)
   spec = {"replicatedJobs": [{"name": "sampler", "replicas": gke.sampler_replicas, "template": job}],
           "successPolicy": {"operator": "All", "targetReplicatedJobs": ["sampler"]},
@@ -84,11 +80,18 @@ def _job(hosts: int, *, backoff_limit: int, pod: dict) -> dict:
 
 
 def _pod(gke: GKEConfig, role: str, shape: RoleShape, args: list[str], env: list[dict], ports: list[dict],
-         mounts: list[dict], volumes: list[dict], annotations: dict) -> dict:
+         read_only: bool = False) -> dict:
+  """A pod template: the bucket (Cloud Storage FUSE; the trainer writes its workdir there, samplers read
+  model files), the run's config, the TLS secret, the accelerators of one host."""
   platform = gke.spec
   count = str(shape.per_host)
-  mounts = [*mounts, {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
-  volumes = [*volumes, {"name": "config", "configMap": {"name": f"{gke.name}-config"}}]
+  bucket = {"name": "bucket", "mountPath": gke.mount_path}
+  mounts = [{**bucket, "readOnly": True} if read_only else bucket,
+            {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
+  fuse = {"bucketName": gke.bucket_name, "mountOptions": "implicit-dirs"}
+  volumes = [{"name": "bucket", "csi": {"driver": "gcsfuse.csi.storage.gke.io", "readOnly": read_only,
+                                        "volumeAttributes": fuse}},
+             {"name": "config", "configMap": {"name": f"{gke.name}-config"}}]
   if gke.tls_secret_name:
     mounts.append({"name": "tls", "mountPath": TLS_DIR, "readOnly": True})
     volumes.append({"name": "tls", "secret": {"secretName": gke.tls_secret_name, "defaultMode": 0o400}})
@@ -106,9 +109,7 @@ def _pod(gke: GKEConfig, role: str, shape: RoleShape, args: list[str], env: list
           "nodeSelector": platform.selector(shape.topology),
           "tolerations": [{"key": platform.resource, "operator": "Exists", "effect": "NoSchedule"}],
           "containers": [container], "volumes": volumes}
-  metadata = {"labels": _labels(gke, role)}
-  if annotations:
-    metadata["annotations"] = annotations
+  metadata = {"labels": _labels(gke, role), "annotations": {"gke-gcsfuse/volumes": "true"}}  # the FUSE sidecar
   return {"metadata": metadata, "spec": spec}
 
 
