@@ -123,7 +123,7 @@ def run_training(args, config, job, runner, prog: str) -> int:
   try:
     summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
                         resume="auto" if getattr(args, "auto_resume", False) else args.resume,
-                        runner=runner)
+                        runner=runner, role="trainer" if args.command == "trainer" else "train")
   except KeyboardInterrupt:
     bar.close()
     print(f"{prog}: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "

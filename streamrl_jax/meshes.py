@@ -23,17 +23,23 @@ def build_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh]:
           mesh_from_devices(devices[sampler.size: sampler.size + trainer.size], trainer))
 
 
+def role_mesh_shape(config: MeshConfig, role: str, num_devices: int) -> MeshShape:
+  """The mesh shape of one role running as its own program over `num_devices` devices (see `role_mesh`);
+  raises, naming the key, when the config does not fit."""
+  if role not in ("sampler", "trainer"):
+    raise ValueError(f"unknown role {role!r}")
+  wanted = getattr(config, f"{role}_devices") or num_devices
+  tensor = getattr(config, f"{role}_tensor_parallel")
+  if wanted > num_devices:
+    raise ValueError(f"MeshConfig.{role}_devices={wanted} but this {role} has {num_devices} devices")
+  if wanted % tensor:
+    raise ValueError(f"MeshConfig.{role}_tensor_parallel={tensor} does not divide {wanted} {role} devices")
+  return MeshShape(wanted // tensor, 1, tensor) if role == "sampler" else MeshShape(1, wanted // tensor, tensor)
+
+
 def role_mesh(config: MeshConfig, role: str, devices=None) -> Mesh:
   """The mesh of one role running as its own program: its first `MeshConfig.<role>_devices` devices (0: all),
   laid out as that role's mesh in `build_meshes` (the sampler over "data", the trainer over "fsdp")."""
   devices = list(jax.devices() if devices is None else devices)
-  if role not in ("sampler", "trainer"):
-    raise ValueError(f"unknown role {role!r}")
-  wanted = getattr(config, f"{role}_devices") or len(devices)
-  tensor = getattr(config, f"{role}_tensor_parallel")
-  if wanted > len(devices):
-    raise ValueError(f"MeshConfig.{role}_devices={wanted} but this {role} has {len(devices)} devices")
-  if wanted % tensor:
-    raise ValueError(f"MeshConfig.{role}_tensor_parallel={tensor} does not divide {wanted} {role} devices")
-  shape = MeshShape(wanted // tensor, 1, tensor) if role == "sampler" else MeshShape(1, wanted // tensor, tensor)
-  return mesh_from_devices(devices[:wanted], shape)
+  shape = role_mesh_shape(config, role, len(devices))
+  return mesh_from_devices(devices[:shape.size], shape)

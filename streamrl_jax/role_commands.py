@@ -104,8 +104,15 @@ def cmd_trainer(args) -> int:
 def cmd_sampler(args) -> int:
   from streamrl_jax.pipeline.remote import run_sampler
 
+  import jax
+
+  from streamrl_jax.pipeline import preflight
+
   config, job, flight_config, tls, settings = _start_role(args)
   model_config, tokenizer = job.model_spec()
+  task = job.make_task()
+  preflight.check_devices(config, "sampler", len(jax.devices()))
+  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   stop, signalled = threading.Event(), []
 
   def on_signal(signum, frame):  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
@@ -116,7 +123,7 @@ def cmd_sampler(args) -> int:
   for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, on_signal)
   try:
-    stats = run_sampler(config, model_config, tokenizer, job.make_task(), connect=args.connect, tls=tls,
+    stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
                         name=args.name, settings=settings, flight_config=flight_config, stop=stop,
                         log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:

@@ -51,11 +51,11 @@ def test_train_rejects_gin_mistakes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path):
+def word_checkpoint(hf_dirs, model_dir):
+  """The tiny Qwen2 checkpoint with a word-level tokenizer of "what is A plus B ?" prompts."""
   import shutil
 
   import tokenizers
-  model_dir = tmp_path / "model"
   shutil.copytree(hf_dirs["qwen2"][0], model_dir)
   words = ["<pad>", "</s>", "[UNK]", "what", "is", "plus", "?"] + [str(d) for d in range(10)]
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
@@ -63,6 +63,11 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
   tok.add_special_tokens(["<pad>", "</s>"])
   tok.save(str(model_dir / "tokenizer.json"))
   (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
+  return model_dir
+
+
+def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path):
+  model_dir = word_checkpoint(hf_dirs, tmp_path / "model")
   prompts = tmp_path / "prompts.jsonl"
   prompts.write_text("\n".join(json.dumps({"question": f"what is {a} plus {b} ?", "answer": f"#### {a + b}"})
                                for a in range(3) for b in range(3)))

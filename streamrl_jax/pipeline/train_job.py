@@ -14,10 +14,11 @@ import jax
 import numpy as np
 from flax import nnx
 
-from streamrl_jax.config import MeshShape
+from streamrl_jax.config import MeshShape, flat_settings
 from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import (CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config,
                                  save_hf)
+from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
@@ -125,24 +126,29 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
-              resume: bool | str = False, runner=run_pipeline) -> dict:
+              resume: bool | str = False, runner=run_pipeline, role: str = "train") -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
   and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
   `run_pipeline` (one program) or the trainer's side of separate programs (`pipeline.remote.serve_training`).
-  In a trainer of several processes every process runs this; only process 0 evaluates and writes files."""
+  In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
+  `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
-  workdir = Path(workdir)
+  workdir = preflight.check_workdir(workdir)
   leader = jax.process_index() == 0
+  settings = flat_settings(config, job)
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
-  if resume == "auto":
-    resume = checkpointer.latest_step() is not None
+  auto = resume == "auto"
+  resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
+  if auto:
     log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
-  if resume and checkpointer.latest_step() is None:
-    raise FileNotFoundError(f"--resume: there is no checkpoint in {workdir / 'checkpoints'} to resume from")
-  workdir.mkdir(parents=True, exist_ok=True)
+  preflight.check_devices(config, role, len(jax.devices()))
   task = job.make_task()
+  preflight.check_prompts(task, job.model_spec()[1], config.engine.max_prompt_length, job.seed)
+  workdir.mkdir(parents=True, exist_ok=True)
+  if leader:
+    preflight.write_settings(workdir, settings)
   model, tokenizer, warm_up = job.load_model()
   width = config.engine.max_prompt_length + config.max_new_tokens
   warm = workdir / "warmup_model"

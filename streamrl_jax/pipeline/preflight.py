@@ -1,0 +1,96 @@
+"""Mistakes found before any model is built or compiled: the workdir, a resume, the devices, the prompts.
+
+`streamrl train`, `streamrl trainer` and `streamrl sampler` run these first, so a wrong setting costs
+seconds, not a warm-up: each error names the key, file or row to change. A run records its settings in
+WORKDIR/settings.json; a resume that changes one the checkpoint depends on is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from streamrl_jax.meshes import role_mesh_shape
+from streamrl_jax.pipeline.config import PipelineConfig
+
+SETTINGS_FILE = "settings.json"
+# Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
+CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "JobConfig.eval_prompts", "JobConfig.warmup_", "MeshConfig.",
+                        "EngineConfig.", "OptimizerConfig.learning_rate")
+URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
+PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
+
+
+def check_workdir(workdir) -> Path:
+  text = str(workdir)
+  if text.startswith(URL_SCHEMES):
+    raise ValueError(f"--workdir {text}: the job writes its workdir with file APIs; mount the bucket (Cloud Storage "
+                     "FUSE; `streamrl launch gke` does) and pass the mounted path")
+  path = Path(workdir)
+  if path.exists() and not path.is_dir():
+    raise ValueError(f"--workdir {text} is a file, not a directory")
+  return path
+
+
+def check_resume(workdir: Path, settings: dict[str, str], resume: bool | str, latest_step: int | None) -> bool:
+  """Whether the run resumes (`resume` "auto": when there is a checkpoint); raises on a resume without a
+  checkpoint, a fresh start over checkpoints, or a resume whose settings the checkpoint cannot take."""
+  if resume == "auto":
+    resume = latest_step is not None
+  checkpoints = workdir / "checkpoints"
+  if resume and latest_step is None:
+    raise FileNotFoundError(f"--resume: there is no checkpoint in {checkpoints} to resume from")
+  if not resume and latest_step is not None:
+    raise ValueError(f"{workdir} holds checkpoints up to step {latest_step}: continue them with --resume, or start "
+                     f"afresh in another --workdir (or delete {checkpoints} yourself)")
+  saved_file = workdir / SETTINGS_FILE
+  if resume and saved_file.exists():
+    saved = json.loads(saved_file.read_text())
+    changed = sorted(k for k in saved.keys() | settings.keys()
+                     if saved.get(k) != settings.get(k) and not k.startswith(CHANGEABLE_ON_RESUME))
+    if changed:
+      listed = "; ".join(f"{k}: {saved.get(k, '(unset)')} -> {settings.get(k, '(unset)')}" for k in changed)
+      raise ValueError(f"--resume: the checkpoint in {checkpoints} was made with other settings ({listed}); put them "
+                       "back, or start afresh in another --workdir")
+  return bool(resume)
+
+
+def write_settings(workdir: Path, settings: dict[str, str]) -> None:
+  (workdir / SETTINGS_FILE).write_text(json.dumps(settings, indent=1, sort_keys=True))
+
+
+def check_devices(config: PipelineConfig, role: str, num_devices: int) -> None:
+  """The meshes of `role` ("train": both in one program; "trainer"; "sampler") fit `num_devices`."""
+  if role == "trainer" and config.spec.shared_mesh:
+    raise ValueError(f"PipelineConfig.mode={config.mode!r} time-shares one mesh in one program: run `streamrl train`")
+  if role == "train":
+    sampler_devices = num_devices if config.spec.shared_mesh else config.mesh.split(num_devices)[0].size
+  elif role == "trainer":
+    role_mesh_shape(config.mesh, "trainer", num_devices)
+    return
+  else:
+    sampler_devices = role_mesh_shape(config.mesh, "sampler", num_devices).size
+  replicas = config.scheduling.instance_limit
+  if replicas > 1 and sampler_devices % replicas:
+    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_devices} sampler "
+                     "devices")
+
+
+def check_prompts(task, tokenizer, max_prompt_length: int, seed: int = 0) -> None:
+  """Every prompt of a file task (a sample of a generated one) fits `EngineConfig.max_prompt_length`."""
+  source = getattr(task, "source", None)
+  if source is not None:
+    prompts = ((i, source[i]["prompt"]) for i in range(len(source)))
+    where = lambda i: f"{source.path}, row {i}"  # noqa: E731
+  else:
+    rng = np.random.default_rng(seed)
+    prompts = ((i, task.sample(rng)[0]) for i in range(PROMPT_SAMPLES))
+    where = lambda i: f"a prompt of the {type(task).__name__}"  # noqa: E731
+  for i, prompt in prompts:
+    length = len(tokenizer.encode(prompt))
+    if length > max_prompt_length:
+      raise ValueError(f"{where(i)}: {length} prompt tokens exceed EngineConfig.max_prompt_length={max_prompt_length}")
+    if length == 0:
+      raise ValueError(f"{where(i)}: the prompt encodes to no tokens")

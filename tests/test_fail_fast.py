@@ -1,0 +1,104 @@
+"""Configuration and resume mistakes are reported before any model is built or anything is compiled: each
+case runs the real command line in-process with model loading booby-trapped and jax's compile events
+counted, and must end with exit code 2 and a message naming what to change."""
+
+import json
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from streamrl_jax import cli, gin_config
+from streamrl_jax.config import flat_settings
+from streamrl_jax.pipeline import preflight
+from streamrl_jax.pipeline.train_job import JobConfig
+from tests.test_train_job import word_checkpoint
+
+COMPILE_EVENTS = []
+
+
+def _on_event(event: str, duration: float, **kwargs) -> None:
+  if event.startswith("/jax/core/compile/"):
+    COMPILE_EVENTS.append(event)
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_event)
+
+
+@pytest.fixture
+def nothing_built(monkeypatch):
+  """Fails the test if a model is loaded or built; yields the list of compile events seen meanwhile."""
+  def trap(self):
+    raise AssertionError("a model was built before the mistake was reported")
+  monkeypatch.setattr(JobConfig, "load_model", trap)
+  COMPILE_EVENTS.clear()
+  yield COMPILE_EVENTS
+  gin_config.parse()  # leave no bindings behind for other tests
+
+
+def fake_checkpoint(workdir, step: int = 3) -> None:
+  manager = ocp.CheckpointManager(workdir / "checkpoints", options=ocp.CheckpointManagerOptions(create=True))
+  manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave({"x": np.ones(2, np.float32)})))
+  manager.wait_until_finished()
+  manager.close()
+
+
+def prompt_file(tmp_path):
+  path = tmp_path / "prompts.jsonl"
+  rows = [{"question": "what is 1 plus 1 ?", "answer": "2"},
+          {"question": "what is " + "9 plus " * 40 + "1 ?", "answer": "361"}]
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+CASES = {
+    "resume without a checkpoint": (["train", "--resume"], None, "--resume: there is no checkpoint in"),
+    "a bucket URL as workdir": (["train", "--workdir", "gs://bucket/run"], None, "mount the bucket"),
+    "meshes larger than the machine": (["train", "--set", "MeshConfig.sampler_devices=6", "--set",
+                                        "MeshConfig.trainer_devices=6"], None, "devices"),
+    "replicas that do not divide the sampler": (["train", "--set", "SchedulingConfig.max_instances=3"], None,
+                                                "SchedulingConfig.max_instances=3 does not divide the 4 sampler"),
+    "generated prompts too long": (["train", "--set", "EngineConfig.max_prompt_length=4"], None,
+                                   "exceed EngineConfig.max_prompt_length=4"),
+    "a file prompt too long": (["train", "--set", "JobConfig.task='file'", "--set", "JobConfig.model_dir='{hf}'",
+                                "--set", "JobConfig.prompt_file='{prompts}'"], None, "prompts.jsonl, row 1: "),
+    "a fresh start over checkpoints": (["train"], "checkpoint", "holds checkpoints up to step 3: continue them with"),
+    "a resume with another model": (["train", "--resume", "--set", "JobConfig.hidden_size=32"], "settings",
+                                    "JobConfig.hidden_size: 64 -> 32"),
+    "colocated as a trainer program": (["trainer", "--set", "PipelineConfig.mode='colocated'"], None,
+                                       "time-shares one mesh in one program"),
+    "a sampler larger than its machine": (["sampler", "--connect", "127.0.0.1:9", "--set",
+                                           "MeshConfig.sampler_devices=16"], None,
+                                          "MeshConfig.sampler_devices=16 but this sampler has 8 devices"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_mistakes_are_reported_before_any_model_or_compile(case, tmp_path, capsys, hf_dirs, nothing_built):
+  args, before, message = CASES[case]
+  workdir = tmp_path / "run"
+  if before == "checkpoint":
+    fake_checkpoint(workdir)
+  elif before == "settings":
+    fake_checkpoint(workdir)
+    gin_config.parse()
+    preflight.write_settings(workdir, flat_settings(*gin_config.build_run()))  # the default hidden size, 64
+  nothing_built.clear()
+  fill = dict(hf=word_checkpoint(hf_dirs, tmp_path / "model"), prompts=prompt_file(tmp_path))
+  argv = [a.format(**fill) for a in args]
+  if argv[0] != "sampler" and "--workdir" not in argv:
+    argv[1:1] = ["--workdir", str(workdir)]
+  code = cli.main(argv)
+  err = capsys.readouterr().err
+  assert code == 2 and message in err, err
+  assert nothing_built == [], f"compiled before the error: {nothing_built}"
+
+
+def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
+  settings = {"PipelineConfig.steps": "10", "JobConfig.hidden_size": "64"}
+  assert preflight.check_resume(tmp_path, settings, "auto", None) is False
+  preflight.write_settings(tmp_path, settings)
+  assert preflight.check_resume(tmp_path, {**settings, "PipelineConfig.steps": "20"}, "auto", 4) is True
+  with pytest.raises(ValueError, match="JobConfig.hidden_size: 64 -> 32"):
+    preflight.check_resume(tmp_path, {**settings, "JobConfig.hidden_size": "32"}, "auto", 4)
