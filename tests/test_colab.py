@@ -3,6 +3,7 @@ each, plain Python (no shell lines or magics), and every one runs headless (nbcl
 
 import ast
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -14,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
 NOTEBOOKS = ("quickstart", "run_modes", "scheduling", "simulator", "own_checkpoint")
 CELL_TIMEOUT_S = 300
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in IPython's tracebacks
 
 
 def _read(path: Path):
@@ -103,6 +105,6 @@ def test_notebook_runs_headless_at_smoke_sizes(name, tmp_path, kernel_specs):
   try:
     client.execute(env=_kernel_env(tmp_path))
   except CellExecutionError as err:  # its message holds the failing cell's source and the traceback
-    pytest.fail(f"{name}.ipynb: a cell failed\n{err}", pytrace=False)
+    pytest.fail(f"{name}.ipynb: a cell failed\n{re.sub(ANSI, '', str(err))}", pytrace=False)
   print(f"{name}.ipynb ran in {time.perf_counter() - start:.1f} s", file=sys.stderr)
   assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")

@@ -100,8 +100,12 @@ class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
-               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy"):
-    """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip)."""
+               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
+               packed_row_quantum: int = 4):
+    """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
+    Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
+    (with `segment_ids`, see `rebatch.pack_rows`) keep their length and pad rows to a multiple of
+    `packed_row_quantum`."""
     if role not in BATCH_KEYS:
       raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
     self.role = role
@@ -110,12 +114,13 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
         graphdef, optimizer, objective, mesh, rules)
     self.tx = make_optimizer(optimizer)
-    self.min_rows, self.min_length = min_rows, min_length
+    self.min_rows, self.min_length, self.packed_row_quantum = min_rows, min_length, packed_row_quantum
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.ref_params = None if ref_params is None else jax.tree.map(jnp.copy, self.place(ref_params))
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
     self._reference = jax.jit(self._reference_impl)
     self.compiled_shapes: set[tuple[int, int]] = set()
+    self.last_shape = (0, 0)  # the padded shape of the latest micro-batch
 
   def _build(self, state: TrainState) -> None:
     """Pins the state's shardings as the jitted steps' outputs, so that every state (fresh, stepped or
@@ -129,7 +134,9 @@ class Trainer:
     return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
 
   def init_state(self, params, seed: int = 0) -> TrainState:
-    params = self.place(params)
+    # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
+    # steps would then delete under the caller's model.
+    params = jax.tree.map(jnp.copy, self.place(params))
     grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
 
@@ -156,9 +163,15 @@ class Trainer:
     rows, length = np.asarray(batch["tokens"]).shape
     if np.asarray(batch["loss_mask"])[:, 0].any():
       raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
-    shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
+    packed = "segment_ids" in batch
+    if packed:
+      shape = (-(-rows // self.packed_row_quantum) * self.packed_row_quantum, length)
+    else:
+      shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
     out = {}
-    for key in keys + (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()):
+    extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
+        ("segment_ids",) if packed else ())
+    for key in keys + extra:
       value = np.asarray(batch[key])
       if key == "advantages" and value.ndim == 1:
         value = np.repeat(value[:, None], length, axis=1)
@@ -170,6 +183,7 @@ class Trainer:
     if self.role == "policy" and "old_logprobs" not in out:
       out["old_logprobs"] = out["sampler_logprobs"]
     self.compiled_shapes.add(shape)
+    self.last_shape = shape
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
     return jax.device_put(out, sharding)
 
@@ -221,15 +235,16 @@ class Trainer:
     cfg = self.objective
     model = nnx.merge(self.graphdef, params)
     if self.role == "critic":
-      values = model(batch["tokens"], batch["valid"])
+      values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
-    logp, ent = token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])
+    logp, ent = token_logprobs(model(batch["tokens"], batch["valid"], batch.get("segment_ids")), batch["tokens"])
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if ref_params is not None:
       ref_model = nnx.merge(self.graphdef, ref_params)
-      ref_logp, _ = token_logprobs(ref_model(batch["tokens"], batch["valid"]), batch["tokens"])
+      ref_logp, _ = token_logprobs(ref_model(batch["tokens"], batch["valid"], batch.get("segment_ids")),
+                                   batch["tokens"])
       kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
       if not cfg.kl_in_reward:
         per_token = per_token + cfg.kl_coef * kl
@@ -242,7 +257,7 @@ class Trainer:
 
     def loss_fn(params):
       per_token, logp, kl, ent = self._per_token_loss(params, batch, ref_params)
-      numerator, denominator = aggregate(per_token, mask, self.objective)
+      numerator, denominator = aggregate(per_token, mask, self.objective, batch.get("segment_ids"))
       return numerator, (denominator, logp, kl, ent)
 
     (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
