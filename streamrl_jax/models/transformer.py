@@ -15,6 +15,14 @@ from streamrl_jax.models.kv_cache import KVCache
 from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param
 
 
+def packed_positions(segment_ids: jax.Array) -> jax.Array:
+  """Each token's position within its segment [B, T]: 0 where a segment starts (its id differs from the
+  token before), counting up to the segment's end."""
+  steps = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1)
+  return steps - jax.lax.cummax(jnp.where(starts, steps, 0), axis=1)
+
+
 class DecoderLayer(nnx.Module):
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     self.attn_norm = RMSNorm(config)
@@ -46,17 +54,25 @@ class Transformer(nnx.Module):
     if not config.tie_embeddings:
       self.lm_head = _param(rngs, config, (config.hidden_size, config.vocab_size), ("embed", "vocab"))
 
-  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     """Logits [B, T, vocab] (float32) for int tokens [B, T]; `attention_mask` [B, T] marks real tokens
-    (left or right padding); positions count real tokens only."""
-    return self._logits(self.hidden_states(tokens, attention_mask))
+    (left or right padding); positions count real tokens only. `segment_ids` [B, T] (packed rows: samples
+    end to end, 1, 2, ... per row, 0 for padding) keeps each sample to itself: a token attends only within
+    its segment, and positions restart at each segment."""
+    return self._logits(self.hidden_states(tokens, attention_mask, segment_ids))
 
-  def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None) -> jax.Array:
+  def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
     """Final-norm hidden states [B, T, hidden] (what the LM head, a value head or a ranker reads)."""
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
-    positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
     steps = jnp.arange(tokens.shape[1])
     attend = mask[:, None, :] & (steps[None, None, :] <= steps[None, :, None])
+    if segment_ids is None:
+      positions = jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    else:
+      positions = packed_positions(segment_ids)
+      attend = attend & (segment_ids[:, None, :] == segment_ids[:, :, None])
     hidden, _ = self._trunk(tokens, positions, attend, None, None)
     return hidden
 
@@ -99,6 +115,6 @@ class ValueModel(nnx.Module):
     self.trunk = Transformer(config, rngs=rngs)
     self.value_head = nnx.Param(jnp.zeros((config.hidden_size,), config.weight_dtype), logical_axes=("embed",))
 
-  def __call__(self, tokens, attention_mask=None) -> jax.Array:
-    hidden = self.trunk.hidden_states(tokens, attention_mask)
+  def __call__(self, tokens, attention_mask=None, segment_ids=None) -> jax.Array:
+    hidden = self.trunk.hidden_states(tokens, attention_mask, segment_ids)
     return (hidden @ self.value_head[...].astype(hidden.dtype)).astype(jnp.float32)

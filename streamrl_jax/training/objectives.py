@@ -123,17 +123,22 @@ def clipped_value_loss(values, old_values, returns, clip: float):
   return 0.5 * jnp.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
-def aggregate(per_token, mask, cfg: ObjectiveConfig):
-  """(numerator, denominator) of the batch loss; mask [B, T] marks completion tokens."""
+def aggregate(per_token, mask, cfg: ObjectiveConfig, segment_ids=None):
+  """(numerator, denominator) of the batch loss; mask [B, T] marks completion tokens. A row is one sequence,
+  or with `segment_ids` [B, T] (packed rows) each nonzero id of a row is one."""
   mask = mask.astype(jnp.float32)
-  lengths = mask.sum(axis=1)
+  rows, width = mask.shape
+  segments = jnp.ones(mask.shape, jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+  ids = (jnp.arange(rows, dtype=jnp.int32)[:, None] * (width + 1) + segments).reshape(-1)
+  lengths = jax.ops.segment_sum(mask.reshape(-1), ids, num_segments=rows * (width + 1))
   sequences = jnp.sum(lengths > 0)
   if cfg.aggregation == "token_mean":
     return jnp.sum(per_token * mask), lengths.sum()
   if cfg.aggregation == "seq_mean_token_sum":
     return jnp.sum(per_token * mask), sequences
   if cfg.aggregation == "seq_mean_token_mean":
-    return jnp.sum(per_token * mask / jnp.maximum(lengths, 1.0)[:, None]), sequences
+    own_length = jnp.maximum(lengths[ids], 1.0).reshape(rows, width)
+    return jnp.sum(per_token * mask / own_length), sequences
   return jnp.sum(per_token * mask), sequences * cfg.constant_normalizer
 
 

@@ -1,9 +1,12 @@
-"""Re-chunks streamed micro-batches of any size into fixed-size chunks for the train step.
+"""Re-chunks streamed micro-batches of any size into the train step's calls.
 
 Samples arrive in micro-batches of whatever size the sampler finished; padding each to a shape
-bucket would waste compute. `MicroBatcher` keeps the rows that do not fill a chunk on the host and
-carries them into the next one (the accumulated gradient is a sum, so the grouping does not change
-it); only the last chunk of a global batch is padded.
+bucket would waste compute. `MicroBatcher` keeps what does not fill a chunk on the host and carries it
+into the next one (the accumulated gradient is a sum, so the grouping does not change it).
+
+Two ways to cut chunks: `chunk_rows` rows padded to the longest of them (then to a power of two), or,
+with `pack_length`, samples packed end to end into rows of that many tokens (`pack_rows`) and a call
+whenever `chunk_tokens` real tokens are waiting: compute follows the tokens that arrived.
 """
 
 from __future__ import annotations
@@ -13,16 +16,61 @@ import numpy as np
 from streamrl_jax.training.step import Trainer, TrainState
 
 
+def pack_rows(batch: dict, length: int) -> dict:
+  """The batch's samples (rows; their valid tokens contiguous) packed end to end into rows of `length`
+  tokens, first-fit by decreasing length. Every per-token field moves with its tokens; `segment_ids` numbers
+  the samples of a row 1, 2, ... (0: padding). A sample is never split across rows."""
+  valid = np.asarray(batch["valid"], bool)
+  spans = []
+  for row, mask in enumerate(valid):
+    where = np.flatnonzero(mask)
+    if where.size == 0:
+      continue
+    start, count = int(where[0]), int(where.size)
+    if where[-1] - start + 1 != count:
+      raise ValueError(f"row {row}: its valid tokens are not contiguous; a sample cannot be packed")
+    if count > length:
+      raise ValueError(f"row {row}: a sample of {count} tokens does not fit packed rows of {length}")
+    spans.append((row, start, count))
+  spans.sort(key=lambda span: -span[2])
+  fill: list[int] = []
+  placed = []  # (packed row, offset, source row, start, count)
+  for row, start, count in spans:
+    target = next((i for i, used in enumerate(fill) if used + count <= length), len(fill))
+    if target == len(fill):
+      fill.append(0)
+    placed.append((target, fill[target], row, start, count))
+    fill[target] += count
+  out = {k: np.zeros((len(fill), length), np.asarray(v).dtype) for k, v in batch.items()}
+  out["segment_ids"] = np.zeros((len(fill), length), np.int32)
+  segment = [0] * len(fill)
+  for target, offset, row, start, count in sorted(placed):
+    for key, value in batch.items():
+      out[key][target, offset:offset + count] = np.asarray(value)[row, start:start + count]
+    segment[target] += 1
+    out["segment_ids"][target, offset:offset + count] = segment[target]
+  return out
+
+
 class MicroBatcher:
   """`add(state, batch) -> state` runs every full chunk; `finish(state) -> (state, metrics)` runs the
-  rest and the optimizer step. Holds at most `chunk_rows - 1` rows between calls."""
+  rest and the optimizer step. Holds less than one chunk (`chunk_rows` rows, or with `pack_length`,
+  `chunk_tokens` real tokens) between calls."""
 
-  def __init__(self, trainer: Trainer, chunk_rows: int = 16):
+  def __init__(self, trainer: Trainer, chunk_rows: int = 16, pack_length: int = 0, chunk_tokens: int = 0):
     if chunk_rows < 1:
       raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if pack_length < 0 or (pack_length and chunk_tokens < pack_length):
+      raise ValueError(f"packing needs chunk_tokens ({chunk_tokens}) >= pack_length ({pack_length}) > 0")
     self.trainer, self.chunk_rows = trainer, chunk_rows
+    self.pack_length, self.chunk_tokens = pack_length, chunk_tokens
     self._pending: list[dict] = []
     self.rows_seen = 0
+    self.counters = dict(calls=0, real_tokens=0, computed_tokens=0)
+
+  @property
+  def pending_tokens(self) -> int:
+    return sum(int(np.count_nonzero(b["valid"])) for b in self._pending)
 
   @property
   def pending_rows(self) -> int:
@@ -49,14 +97,35 @@ class MicroBatcher:
       batch = _pad_columns(batch, width)
     self._pending.append(batch)
     self.rows_seen += len(batch["tokens"])
+    if self.pack_length:
+      while self.pending_tokens >= self.chunk_tokens:
+        state = self._run(state, self._take_tokens(self.chunk_tokens))
+      return state
     while self.pending_rows >= self.chunk_rows:
-      state = self.trainer.accumulate(state, self._take(self.chunk_rows))
+      state = self._run(state, self._take(self.chunk_rows))
     return state
 
   def flush(self, state: TrainState) -> TrainState:
-    """Runs the pending rows (one padded chunk) without an optimizer step."""
+    """Runs what is pending (one padded chunk) without an optimizer step."""
     if self._pending:
-      state = self.trainer.accumulate(state, self._take(self.pending_rows))
+      chunk = self._take_tokens(self.pending_tokens) if self.pack_length else self._take(self.pending_rows)
+      state = self._run(state, chunk)
+    return state
+
+  def _take_tokens(self, tokens: int) -> dict:
+    """The first pending samples holding up to `tokens` real tokens (at least one), packed."""
+    merged = {k: np.concatenate([b[k] for b in self._pending]) for k in self._pending[0]}
+    counts = np.cumsum(np.count_nonzero(merged["valid"], axis=1))
+    rows = max(1, int(np.searchsorted(counts, tokens, side="right")))
+    rest = {k: v[rows:] for k, v in merged.items()}
+    self._pending = [rest] if len(rest["tokens"]) else []
+    return pack_rows({k: v[:rows] for k, v in merged.items()}, self.pack_length)
+
+  def _run(self, state: TrainState, chunk: dict) -> TrainState:
+    self.counters["calls"] += 1
+    self.counters["real_tokens"] += int(np.count_nonzero(chunk["valid"]))
+    state = self.trainer.accumulate(state, chunk)
+    self.counters["computed_tokens"] += int(np.prod(self.trainer.last_shape))
     return state
 
   def finish(self, state: TrainState) -> tuple[TrainState, dict]:

@@ -1,0 +1,128 @@
+"""Packed sequences: samples end to end in fixed-length rows with segment ids. The packed forward equals
+the unpacked one, no token sees another sample, every objective and aggregation gives the same loss, the
+trainer's packed gradient equals the unpacked one (streamed in token-budget chunks too), and the packer
+places every token once without splitting a sample."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrl_jax.models import Transformer
+from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
+from streamrl_jax.training.objectives import aggregate
+from streamrl_jax.training.rebatch import pack_rows
+from streamrl_jax.training.step import token_logprobs
+from tests.test_trainer import CONFIG, make_batch, mean_gradient, trainer_for
+
+LENGTH = 24  # packed row length: every sample of make_batch(length=14) fits, two or three to a row
+
+
+@pytest.fixture(scope="module")
+def model():
+  return Transformer(CONFIG, rngs=nnx.Rngs(3))
+
+
+def per_token_batch(rows: int, seed: int) -> dict:
+  batch = make_batch(rows, seed=seed)
+  batch["advantages"] = np.repeat(batch["advantages"][:, None], batch["tokens"].shape[1], axis=1)
+  return batch
+
+
+def test_packed_forward_equals_unpacked_and_samples_stay_apart(model):
+  batch = per_token_batch(9, seed=4)
+  valid = np.asarray(batch["valid"])
+  batch["origin"] = np.arange(valid.size, dtype=np.int32).reshape(valid.shape)  # moves with its token
+  packed = pack_rows(batch, LENGTH)
+  assert len(packed["tokens"]) < 9 and packed["segment_ids"].max() >= 2  # samples share rows
+  plain = model(jnp.asarray(batch["tokens"]), jnp.asarray(batch["valid"]))
+  logits = model(jnp.asarray(packed["tokens"]), jnp.asarray(packed["valid"]), jnp.asarray(packed["segment_ids"]))
+  real = packed["segment_ids"] > 0
+  expected = np.asarray(plain).reshape(-1, CONFIG.vocab_size)[packed["origin"][real]]
+  np.testing.assert_allclose(np.asarray(logits)[real], expected, rtol=1e-5, atol=1e-5)
+  assert sorted(packed["origin"][real].tolist()) == sorted(batch["origin"][valid].tolist())
+
+  # Changing one sample's tokens leaves every other sample of its row as it was; without segment ids the
+  # later samples of the row would see it (the check can fail).
+  row = int(np.argmax(packed["segment_ids"].max(axis=1)))
+  first = packed["segment_ids"][row] == 1
+  others = packed["segment_ids"][row] > 1
+  changed = packed["tokens"].copy()
+  changed[row, first] = (changed[row, first] + 7) % CONFIG.vocab_size
+  after = model(jnp.asarray(changed), jnp.asarray(packed["valid"]), jnp.asarray(packed["segment_ids"]))
+  np.testing.assert_allclose(np.asarray(after)[row, others], np.asarray(logits)[row, others], rtol=1e-6, atol=1e-6)
+  leaky = [model(jnp.asarray(t), jnp.asarray(packed["valid"]))[row] for t in (packed["tokens"], changed)]
+  assert np.abs(np.asarray(leaky[0] - leaky[1])[others]).max() > 1e-3
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"])
+def test_every_objective_gives_the_same_loss_packed(aggregation):
+  batch = per_token_batch(11, seed=5)
+  rng = np.random.default_rng(0)
+  batch["logp"] = np.where(batch["valid"], rng.normal(-3.9, 0.3, batch["valid"].shape), 0).astype(np.float32)
+  packed = pack_rows(batch, LENGTH)
+  for objective in OBJECTIVES.names():
+    cfg = ObjectiveConfig(objective=objective, aggregation=aggregation, constant_normalizer=16.0)
+    sums = []
+    for b, segments in ((batch, None), (packed, packed["segment_ids"])):
+      per_token = OBJECTIVES.get(objective)(jnp.asarray(b["logp"]), {k: jnp.asarray(v) for k, v in b.items()}, cfg)
+      sums.append([float(x) for x in aggregate(per_token, jnp.asarray(b["loss_mask"]), cfg,
+                                               None if segments is None else jnp.asarray(segments))])
+    np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5, err_msg=f"{objective}/{aggregation}")
+  if aggregation.startswith("seq"):  # a row of several samples counts each: ignoring the segments would not
+    cfg = ObjectiveConfig(aggregation=aggregation)
+    unsegmented = aggregate(jnp.ones(packed["tokens"].shape), jnp.asarray(packed["loss_mask"]), cfg)
+    assert float(unsegmented[1]) < float(sums[0][1])
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
+def test_packed_gradient_equals_unpacked_streamed_in_token_chunks(model, aggregation):
+  graphdef, params = nnx.split(model)
+  trainer = trainer_for(graphdef, ObjectiveConfig(objective="ppo_tis", aggregation=aggregation, entropy_coef=0.01))
+  batch = make_batch(13, seed=6)
+  full = trainer.accumulate(trainer.init_state(params), batch)
+  batcher = MicroBatcher(trainer, pack_length=LENGTH, chunk_tokens=60)
+  state = trainer.init_state(params)
+  for part in (slice(0, 5), slice(5, 6), slice(6, 13)):
+    state = batcher.add(state, {k: v[part] for k, v in batch.items()})
+  state = batcher.flush(state)
+  assert batcher.counters["calls"] >= 2 and all(shape[1] == LENGTH for shape in trainer.compiled_shapes
+                                                if shape != (16, 16))
+  assert batcher.counters["real_tokens"] == int(batch["valid"].sum())
+  np.testing.assert_allclose(float(state.sums["denominator"]), float(full.sums["denominator"]), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(mean_gradient(state)), jax.tree.leaves(mean_gradient(full))):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 20)), min_size=1, max_size=30), st.integers(20, 40))
+def test_pack_rows_places_every_token_once_and_never_splits_a_sample(spans, length):
+  width = 26
+  valid = np.zeros((len(spans), width), bool)
+  for row, (start, count) in enumerate(spans):
+    valid[row, start:start + count] = True
+  tokens = np.arange(valid.size, dtype=np.int32).reshape(valid.shape)  # every token its own id
+  packed = pack_rows({"tokens": tokens, "valid": valid}, length)
+  seg = packed["segment_ids"]
+  assert packed["tokens"].shape[1] == length and np.array_equal(packed["valid"], seg > 0)
+  assert sorted(packed["tokens"][seg > 0].tolist()) == sorted(tokens[valid].tolist())  # each exactly once
+  for prow in range(len(seg)):
+    ids = seg[prow][seg[prow] > 0]
+    assert list(np.unique(ids)) == list(range(1, ids.max() + 1)) if ids.size else True
+    for s in np.unique(ids):
+      got = packed["tokens"][prow][seg[prow] == s]
+      row = int(got[0]) // width
+      assert np.array_equal(got, tokens[row][valid[row]])  # one whole sample, in order, contiguous
+  total = int(valid.sum())
+  assert len(seg) <= 11 / 9 * -(-total // length) + 1  # first-fit decreasing's bound
+
+
+def test_pack_rows_refuses_what_it_cannot_pack():
+  valid = np.array([[True, False, True]])
+  with pytest.raises(ValueError, match="row 0: its valid tokens are not contiguous"):
+    pack_rows({"tokens": np.zeros((1, 3), np.int32), "valid": valid}, 8)
+  with pytest.raises(ValueError, match="a sample of 3 tokens does not fit packed rows of 2"):
+    pack_rows({"tokens": np.zeros((1, 3), np.int32), "valid": np.ones((1, 3), bool)}, 2)
