@@ -158,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
 
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
   parser.add_argument("--host-devices", type=int, default=None,
-                      help="CPU devices to force when running on the CPU (default 8; for `trainer` and `sampler`: "
-                           "MeshConfig.<role>_devices, else one per CPU core; 0 leaves XLA_FLAGS alone)")
+                      help="CPU devices to force when running on the CPU (default: one per CPU core, at least 2 so "
+                           "both meshes exist, more if MeshConfig asks; for `trainer` and `sampler`: "
+                           "MeshConfig.<role>_devices, else one per core; 0 leaves XLA_FLAGS alone)")
   sub = parser.add_subparsers(dest="command", required=True)
   info = sub.add_parser("info", help="devices, versions and the mesh split a config would use")
   _config_args(info)
@@ -189,6 +190,25 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def cpu_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def default_host_devices(args) -> int:
+  """CPU devices for a one-program run: one per core this process may use (more only splits the same
+  cores into threads that contend), at least 2 so that sampler and trainer meshes both exist, and as many
+  as the config's MeshConfig asks for."""
+  wanted = 0
+  if getattr(args, "config", None) is not None:
+    from streamrl_jax import gin_config
+    from streamrl_jax.config import MeshConfig
+
+    gin_config.parse(args.config, args.set)
+    mesh = gin_config.build(MeshConfig)
+    wanted = mesh.sampler_devices + mesh.trainer_devices
+  return max(2, cpu_cores(), wanted)
+
+
 def force_host_devices(count: int) -> None:
   """Gives the CPU backend `count` devices (two meshes on one host) unless XLA_FLAGS already says;
   only the CPU platform reads this flag, and only before jax starts."""
@@ -206,7 +226,8 @@ def main(argv=None) -> int:
   try:
     if args.host_devices is None:
       from streamrl_jax.role_commands import ROLES, role_host_devices
-      args.host_devices = role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch" else 8
+      args.host_devices = (role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch"
+                           else default_host_devices(args))
     force_host_devices(args.host_devices)
     if args.command in ("trainer", "sampler"):  # a launcher's SIGTERM stops them as Ctrl-C does
       signal.signal(signal.SIGTERM, _interrupt)

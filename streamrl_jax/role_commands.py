@@ -57,7 +57,8 @@ def role_host_devices(args) -> int:
   gin_config.parse(args.config, args.set)
   wanted = getattr(gin_config.build(MeshConfig), f"{args.command}_devices")
   if not wanted:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    from streamrl_jax.cli import cpu_cores
+    return cpu_cores()
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
   return -(-wanted // (cluster.num_processes if cluster else 1))
 

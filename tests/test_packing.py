@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
 from streamrl_jax.training.objectives import aggregate
-from streamrl_jax.training.rebatch import pack_rows
+from streamrl_jax.training.rebatch import pack_rows, packed_pieces
 from streamrl_jax.training.step import token_logprobs
 from tests.test_trainer import CONFIG, make_batch, mean_gradient, trainer_for
 
@@ -126,3 +126,22 @@ def test_pack_rows_refuses_what_it_cannot_pack():
     pack_rows({"tokens": np.zeros((1, 3), np.int32), "valid": valid}, 8)
   with pytest.raises(ValueError, match="a sample of 3 tokens does not fit packed rows of 2"):
     pack_rows({"tokens": np.zeros((1, 3), np.int32), "valid": np.ones((1, 3), bool)}, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 24), min_size=1, max_size=40), st.sampled_from([1, 2, 4]))
+def test_packed_pieces_cover_the_chunk_in_few_shapes(fills, unit):
+  length = 24
+  valid = np.arange(length)[None] < np.asarray(fills)[:, None]
+  chunk = {"tokens": np.arange(valid.size, dtype=np.int32).reshape(valid.shape), "valid": valid}
+  pieces = packed_pieces(chunk, unit)
+  rows = [len(p["tokens"]) for p in pieces]
+  assert sum(rows) == len(fills)
+  for r in rows[:-1]:
+    assert r % unit == 0 and (r // unit) & (r // unit - 1) == 0  # a power of two of units
+  assert rows[-1] <= unit
+  last = pieces[-1]
+  assert last["tokens"].shape[1] % 8 == 0 or last["tokens"].shape[1] == length
+  assert last["tokens"].shape[1] >= int(last["valid"].sum(axis=1).max())
+  kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
+  assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped

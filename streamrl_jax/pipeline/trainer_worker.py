@@ -18,6 +18,7 @@ import numpy as np
 from streamrl_jax.scheduling import elastic_target
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.training.rebatch import chunk_tokens_for
 
 
 class TrainerWorker:
@@ -36,7 +37,8 @@ class TrainerWorker:
       self.state, extra = checkpointer.restore(self.state)
       self.start_step = int(extra["next_step"])
     self.checkpointer = checkpointer
-    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows)
+    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows,
+                                **(_packing(config, graphdef, params, mesh) if config.packing else {}))
     # samples_trained counts what went into gradients, unique_samples_trained the distinct (step, group,
     # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
     # or trained twice.
@@ -53,17 +55,24 @@ class TrainerWorker:
     `probe()` extra figures for each step's metrics (memory, queue depth)."""
     if self.config.precompile:
       width = self.config.engine.max_prompt_length + self.config.max_new_tokens
-      self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
+      if self.batcher.pack_length:
+        self.state = self.trainer.precompile_packed(self.state, self.batcher.chunk_tokens, self.batcher.pack_length)
+      else:
+        self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(self.start_step)
     metrics, last_end = [], clock()
     for step in range(self.start_step, self.config.steps):
       first_entry = len(self.timeline["trainer"])
+      before = dict(self.batcher.counters)
       shards, waited = self._take_step(step, get_shard, clock)
       begin = clock()
       self.state, train_metrics = self.batcher.finish(self.state)
       self.timeline["trainer"].append((begin, clock(), f"update {step}"))
       train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
+      done = {k: v - before[k] for k, v in self.batcher.counters.items()}
+      train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
+                           train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
       summary = controller.step_summary(step)
       # The replica target is per sampler process (each runs its own replicas); before the weights go out.
       per_process = max(1, round(summary["sampler_instances"] / max(1, summary.get("sampler_processes", 1))))
@@ -162,6 +171,23 @@ class TrainerWorker:
                 staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
                 step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary, **train)
+
+
+def _packing(config, graphdef, params, mesh) -> dict:
+  """MicroBatcher settings for packed rows: the row length, and the real tokens per call (a whole step, a
+  quarter of one in `stream` so training overlaps generation; within the activation memory budget)."""
+  from flax import nnx
+
+  length = config.packed_length
+  step_tokens = config.samples_per_step * length
+  wanted = config.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
+                                   else step_tokens)
+  budget = config.train_memory_mb << 20
+  if not budget:
+    stats = mesh.devices.flat[0].memory_stats() or {}
+    budget = int(0.4 * stats["bytes_limit"]) * mesh.devices.size if "bytes_limit" in stats else 2048 << 20
+  model_config = nnx.merge(graphdef, params).config
+  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget))
 
 
 def _single_step(shard: SampleShard) -> int:

@@ -16,6 +16,22 @@ import numpy as np
 from streamrl_jax.training.step import Trainer, TrainState
 
 
+def activation_bytes_per_token(model_config, length: int) -> int:
+  """A float32 training step's live activations per token, roughly: per layer the residual, norms, q/k/v,
+  attention weights over `length` keys, the MLP's three projections; then the logits and their gradient."""
+  c = model_config
+  kv = 2 * c.num_kv_heads * (c.head_dim or c.hidden_size // c.num_heads)
+  per_layer = 6 * c.hidden_size + kv + 3 * c.intermediate_size + 2 * c.num_heads * length
+  return 4 * (c.num_layers * per_layer + 3 * c.vocab_size)
+
+
+def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int) -> int:
+  """Real tokens per trainer call: `wanted`, within `memory_bytes` of activations, a whole number of packed
+  rows of `length` (at least one)."""
+  fits = memory_bytes // activation_bytes_per_token(model_config, length)
+  return max(length, min(wanted, fits) // length * length)
+
+
 def pack_rows(batch: dict, length: int) -> dict:
   """The batch's samples (rows; their valid tokens contiguous) packed end to end into rows of `length`
   tokens, first-fit by decreasing length. Every per-token field moves with its tokens; `segment_ids` numbers
@@ -122,10 +138,15 @@ class MicroBatcher:
     return pack_rows({k: v[:rows] for k, v in merged.items()}, self.pack_length)
 
   def _run(self, state: TrainState, chunk: dict) -> TrainState:
-    self.counters["calls"] += 1
-    self.counters["real_tokens"] += int(np.count_nonzero(chunk["valid"]))
-    state = self.trainer.accumulate(state, chunk)
-    self.counters["computed_tokens"] += int(np.prod(self.trainer.last_shape))
+    """Accumulates a chunk; a packed one in the pieces of `packed_pieces`."""
+    pieces = [chunk]
+    if self.pack_length:
+      pieces = packed_pieces(chunk, self.trainer.packed_row_quantum)
+    for piece in pieces:
+      self.counters["calls"] += 1
+      self.counters["real_tokens"] += int(np.count_nonzero(piece["valid"]))
+      state = self.trainer.accumulate(state, piece)
+      self.counters["computed_tokens"] += int(np.prod(self.trainer.last_shape))
     return state
 
   def finish(self, state: TrainState) -> tuple[TrainState, dict]:
@@ -134,6 +155,27 @@ class MicroBatcher:
       raise ValueError("finish() with no rows since the last optimizer step")
     self.rows_seen = 0
     return self.trainer.apply(self.flush(state))
+
+
+TRIM_MULTIPLE = 8
+
+
+def packed_pieces(chunk: dict, unit: int) -> list[dict]:
+  """A packed chunk cut for the trainer: power-of-two numbers of `unit` rows (the trainer's batch shards),
+  then its last `unit` rows (the last to fill) cut to their longest fill, rounded up to `TRIM_MULTIPLE`
+  columns. Few shapes to compile, and almost no padding: no padded rows, a short last row trimmed."""
+  rows = len(chunk["tokens"])
+  head = (rows - 1) // unit * unit
+  pieces, start = [], 0
+  units = head // unit
+  for bit in reversed(range(units.bit_length())):
+    if units >> bit & 1:
+      pieces.append({k: v[start:start + (unit << bit)] for k, v in chunk.items()})
+      start += unit << bit
+  tail = {k: v[head:] for k, v in chunk.items()}
+  fill = int(np.count_nonzero(tail["valid"], axis=1).max())
+  width = min(tail["tokens"].shape[1], -(-fill // TRIM_MULTIPLE) * TRIM_MULTIPLE)
+  return pieces + [{k: v[:, :width] for k, v in tail.items()}]
 
 
 def _pad_columns(batch: dict, width: int) -> dict:

@@ -100,12 +100,11 @@ class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
-               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
-               packed_row_quantum: int = 4):
+               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy"):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
-    (with `segment_ids`, see `rebatch.pack_rows`) keep their length and pad rows to a multiple of
-    `packed_row_quantum`."""
+    (with `segment_ids`, see `rebatch.pack_rows`) keep their length and pad rows to a multiple of the mesh's
+    batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows)."""
     if role not in BATCH_KEYS:
       raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
     self.role = role
@@ -114,7 +113,9 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
         graphdef, optimizer, objective, mesh, rules)
     self.tx = make_optimizer(optimizer)
-    self.min_rows, self.min_length, self.packed_row_quantum = min_rows, min_length, packed_row_quantum
+    self.min_rows, self.min_length = min_rows, min_length
+    # Packed rows split evenly over the batch axes: their count is a multiple of these.
+    self.packed_row_quantum = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.ref_params = None if ref_params is None else jax.tree.map(jnp.copy, self.place(ref_params))
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
@@ -202,6 +203,23 @@ class Trainer:
         empty.update(tokens=np.zeros((rows, length), np.int32), valid=np.ones((rows, length), bool),
                      loss_mask=np.zeros((rows, length), bool))
         state = self.accumulate(state, empty)
+    return state
+
+  def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
+    """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` real tokens: every
+    power-of-two piece (in units of the batch shards) and every trimmed last piece (see `packed_pieces`)."""
+    from streamrl_jax.training.rebatch import TRIM_MULTIPLE
+
+    unit, rows, shapes = self.packed_row_quantum, self.packed_row_quantum, []
+    while rows <= -(-max_tokens // length) + unit:
+      shapes.append((rows, length))
+      rows *= 2
+    shapes += [(unit, width) for width in range(TRIM_MULTIPLE, length, TRIM_MULTIPLE)]
+    for rows, width in shapes:
+      empty = {k: np.zeros((rows, width), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
+      empty.update(tokens=np.zeros((rows, width), np.int32), valid=np.zeros((rows, width), bool),
+                   loss_mask=np.zeros((rows, width), bool), segment_ids=np.zeros((rows, width), np.int32))
+      state = self.accumulate(state, empty)
     return state
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
