@@ -4,7 +4,8 @@ The setting of issue 12 (what Tunix's GRPO was timed on: 1.67 s per steady step 
 Qwen-shaped decoder of 2.39M parameters (4 layers, hidden 256, MLP 512, 4 heads and 2 KV heads of 64,
 vocabulary 64), 8 prompts x 8 samples per step, prompts of 8 tokens, 64 new tokens each (EOS off, so every
 sample is 72 tokens), AdamW, no KL; 10 steps, the first two left out; the trainer's shapes compiled first
-(`PipelineConfig.precompile`). Modes colocated, stream and async on
+(`PipelineConfig.precompile`); the engine decodes 8 steps per host round trip (`EngineConfig.steps_per_sync`:
+with EOS off nothing is lost to it). Modes colocated, stream and async on
 `streamrl train`'s default devices (one per core), each with the trainer's packed rows (`packing`, the
 default) and without (`chunk_rows` 8 padded to a power of two, as before). Then the same trainer on a
 long-tailed length mix (most samples short, a few at the maximum), packed and not, timed alone.
@@ -77,7 +78,9 @@ class AddTask:
 
 
 def config_for(mode: str, packing: bool) -> PipelineConfig:
-  engine = EngineConfig(num_slots=64, max_prompt_length=PROMPT, max_new_tokens=NEW, min_prefill_bucket=8)
+  # Every sample runs to max_new_tokens (EOS off), so 8 decode steps per host round trip lose nothing.
+  engine = EngineConfig(num_slots=64, max_prompt_length=PROMPT, max_new_tokens=NEW, min_prefill_bucket=8,
+                        steps_per_sync=8)
   return PipelineConfig(mode=mode, steps=STEPS, prompts_per_step=8, group_size=8, max_new_tokens=NEW,
                         staleness=1, packing=packing, precompile=True, engine=engine, optimizer=OptimizerConfig(learning_rate=1e-5),
                         objective=ObjectiveConfig())
