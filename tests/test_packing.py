@@ -136,12 +136,15 @@ def test_packed_pieces_cover_the_chunk_in_few_shapes(fills, unit):
   chunk = {"tokens": np.arange(valid.size, dtype=np.int32).reshape(valid.shape), "valid": valid}
   pieces = packed_pieces(chunk, unit)
   rows = [len(p["tokens"]) for p in pieces]
-  assert sum(rows) == len(fills)
-  for r in rows[:-1]:
-    assert r % unit == 0 and (r // unit) & (r // unit - 1) == 0  # a power of two of units
-  assert rows[-1] <= unit
-  last = pieces[-1]
-  assert last["tokens"].shape[1] % 8 == 0 or last["tokens"].shape[1] == length
-  assert last["tokens"].shape[1] >= int(last["valid"].sum(axis=1).max())
+  for i, r in enumerate(rows):
+    power = r % unit == 0 and (r // unit) & (r // unit - 1) == 0  # a power of two of units
+    assert power or (i == len(rows) - 1 and r <= unit), rows  # else only the last unit of rows
+  padded_rows = sum(rows) - len(fills)
+  assert 0 <= padded_rows <= 0.03 * len(fills) + unit
+  trimmed = [p for p in pieces if p["tokens"].shape[1] < length]
+  assert len(trimmed) <= 1 and all(len(p["tokens"]) <= unit for p in trimmed)
+  for p in trimmed:
+    assert p["tokens"].shape[1] % 8 == 0 and p["tokens"].shape[1] >= int(p["valid"].sum(axis=1).max())
+  assert len(pieces) <= max(1, len(fills) // unit).bit_length() + 1
   kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
   assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped

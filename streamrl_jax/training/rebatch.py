@@ -158,24 +158,35 @@ class MicroBatcher:
 
 
 TRIM_MULTIPLE = 8
+ROW_SLACK = 0.03  # padded rows a packed chunk may take to be sent in fewer calls, as a share of its rows
 
 
 def packed_pieces(chunk: dict, unit: int) -> list[dict]:
-  """A packed chunk cut for the trainer: power-of-two numbers of `unit` rows (the trainer's batch shards),
-  then its last `unit` rows (the last to fill) cut to their longest fill, rounded up to `TRIM_MULTIPLE`
-  columns. Few shapes to compile, and almost no padding: no padded rows, a short last row trimmed."""
-  rows = len(chunk["tokens"])
-  head = (rows - 1) // unit * unit
-  pieces, start = [], 0
+  """A packed chunk cut for the trainer: its full rows in power-of-two numbers of `unit` rows (the trainer's
+  batch shards), rounded up by at most `ROW_SLACK` padded rows where that saves calls; then a last partly
+  filled `unit` of rows cut to its longest fill, rounded up to `TRIM_MULTIPLE` columns. Few shapes to
+  compile, and little padding."""
+  rows, length = chunk["tokens"].shape
+  tail_rows = rows % unit or unit
+  fill = int(np.count_nonzero(chunk["valid"][rows - tail_rows:], axis=1).max())
+  width = min(length, -(-fill // TRIM_MULTIPLE) * TRIM_MULTIPLE)
+  head = rows if width == length and rows % unit == 0 else rows - tail_rows
   units = head // unit
-  for bit in reversed(range(units.bit_length())):
-    if units >> bit & 1:
-      pieces.append({k: v[start:start + (unit << bit)] for k, v in chunk.items()})
-      start += unit << bit
-  tail = {k: v[head:] for k, v in chunk.items()}
-  fill = int(np.count_nonzero(tail["valid"], axis=1).max())
-  width = min(tail["tokens"].shape[1], -(-fill // TRIM_MULTIPLE) * TRIM_MULTIPLE)
-  return pieces + [{k: v[:, :width] for k, v in tail.items()}]
+  for shift in range(units.bit_length(), -1, -1):  # the coarsest rounding within the slack
+    padded = -(-units // (1 << shift)) << shift
+    if padded - units <= ROW_SLACK * units:
+      break
+  pieces, start = [], 0
+  for bit in reversed(range(padded.bit_length())):
+    if padded >> bit & 1:
+      size = unit << bit
+      piece = {k: v[start:min(start + size, head)] for k, v in chunk.items()}
+      missing = size - len(piece["tokens"])
+      pieces.append({k: np.pad(v, ((0, missing), (0, 0))) for k, v in piece.items()} if missing else piece)
+      start += size
+  if head < rows:
+    pieces.append({k: v[head:, :width] for k, v in chunk.items()})
+  return pieces
 
 
 def _pad_columns(batch: dict, width: int) -> dict:
