@@ -25,11 +25,7 @@ import time
 from streamrl_jax.cli import default_host_devices, force_host_devices
 
 
-class _NoArgs:
-  config = None
-
-
-force_host_devices(default_host_devices(_NoArgs()))
+force_host_devices(default_host_devices())
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

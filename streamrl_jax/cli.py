@@ -194,7 +194,7 @@ def cpu_cores() -> int:
   return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def default_host_devices(args) -> int:
+def default_host_devices(args=None) -> int:
   """CPU devices for a one-program run: one per core this process may use (more only splits the same
   cores into threads that contend), at least 2 so that sampler and trainer meshes both exist, and as many
   as the config's MeshConfig asks for."""

@@ -350,7 +350,9 @@ def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
   counters = check_each_step_once(tmp_path, steps)
   assert counters["samples_trained"] == steps * 8
   events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-  assert {e["sampler"] for e in events if e["event"] == "sampler_joined"} == {"sampler-0", "sampler-1"}
+  # The added process joined; with the packed trainer's faster steps the decision may later retire one and
+  # add another (sampler-2): every step above still trained its samples exactly once.
+  assert {"sampler-0", "sampler-1"} <= {e["sampler"] for e in events if e["event"] == "sampler_joined"}
 
 
 def test_a_long_poll_waiting_in_the_controller_does_not_keep_a_silent_sampler_alive():

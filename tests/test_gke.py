@@ -20,6 +20,7 @@ import yaml
 from streamrl_jax import cli, distributed, gin_config
 from streamrl_jax.config import flat_settings
 from streamrl_jax.gke import GKEConfig, render, trainer_address
+from streamrl_jax.launcher import free_port
 from tests import jobset_api
 from tests.test_programs import TINY, alive, final_weights
 from tests.tls_certs import write_test_certificates
@@ -228,11 +229,6 @@ def container_argv(jobset: dict, env: dict, mounts: dict[str, Path], config_map:
     argv.append(word)
   streamrl = Path(sys.executable).parent / "streamrl"
   return [str(streamrl) if argv[0] == "streamrl" and streamrl.exists() else argv[0], *argv[1:]]
-
-
-def free_port() -> int:
-  from streamrl_jax.launcher import free_port as pick
-  return pick()
 
 
 def hosts_namespace() -> list[str] | None:

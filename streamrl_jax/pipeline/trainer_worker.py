@@ -184,7 +184,8 @@ def _packing(config, graphdef, params, mesh) -> dict:
                                    else step_tokens)
   budget = config.train_memory_mb << 20
   if not budget:
-    stats = mesh.devices.flat[0].memory_stats() or {}
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
+    stats = local[0].memory_stats() or {}
     budget = int(0.4 * stats["bytes_limit"]) * mesh.devices.size if "bytes_limit" in stats else 2048 << 20
   model_config = nnx.merge(graphdef, params).config
   return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget))
