@@ -92,6 +92,7 @@ def test_notebook_runs_headless_at_smoke_sizes(name, tmp_path, kernel_specs):
   from jupyter_client.manager import AsyncKernelManager
   from nbclient import NotebookClient
   from nbclient.exceptions import CellExecutionError
+  from nbclient.util import run_sync
 
   nb = _read(COLAB / f"{name}.ipynb")
   workdir = tmp_path / "work"
@@ -106,5 +107,9 @@ def test_notebook_runs_headless_at_smoke_sizes(name, tmp_path, kernel_specs):
     client.execute(env=_kernel_env(tmp_path))
   except CellExecutionError as err:  # its message holds the failing cell's source and the traceback
     pytest.fail(f"{name}.ipynb: a cell failed\n{re.sub(ANSI, '', str(err))}", pytrace=False)
+  finally:  # nbclient leaves a kernel it was given running: stop it (it holds a jax process's memory)
+    if run_sync(km.is_alive)():
+      run_sync(km.shutdown_kernel)(now=True)
+    assert not run_sync(km.is_alive)()
   print(f"{name}.ipynb ran in {time.perf_counter() - start:.1f} s", file=sys.stderr)
   assert all(c.get("execution_count") for c in nb.cells if c.cell_type == "code")
