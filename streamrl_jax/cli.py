@@ -19,6 +19,8 @@ import signal
 import sys
 import time
 
+from streamrl_jax import distributed
+
 DEMO_PROMPTS = ("12+34=", "7*8=", "100-1=", "(2+3)*4=")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "gin-config",
             "safetensors", "tokenizers", "pyarrow")
@@ -231,10 +233,18 @@ def main(argv=None) -> int:
     force_host_devices(args.host_devices)
     if args.command in ("trainer", "sampler"):  # a launcher's SIGTERM stops them as Ctrl-C does
       signal.signal(signal.SIGTERM, _interrupt)
-    return args.run(args)
+    code = args.run(args)
   except (ValueError, FileNotFoundError, KeyError) as err:
     print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
-    return 2
+    code = 2
+  except BaseException:
+    if distributed.joined():  # say why, then leave without waiting for the others (see leave_on_failure)
+      import traceback
+      traceback.print_exc()
+      distributed.leave_on_failure(1)
+    raise
+  distributed.leave_on_failure(code)
+  return code
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 from collections.abc import Mapping
 
 import numpy as np
@@ -64,12 +65,32 @@ def _need(env: Mapping[str, str], name: str) -> str:
   return env[name]
 
 
+_STARTED: list[DistributedConfig] = []  # the cluster this process joined, if any
+
+
 def initialize(config: DistributedConfig | None) -> None:
   """Starts `jax.distributed` for this role (no-op for a single process); call before any other jax use."""
   if config is None or config.num_processes == 1:
     return
   import jax
   jax.distributed.initialize(config.coordinator, num_processes=config.num_processes, process_id=config.process_id)
+  _STARTED.append(config)
+
+
+def joined() -> bool:
+  """Whether this process is one of several in a jax.distributed cluster."""
+  return bool(_STARTED)
+
+
+def leave_on_failure(code: int) -> None:
+  """A process of a multi-process role that fails leaves at once with `code`: at a normal exit it would wait
+  in jax.distributed's shutdown for the others, which wait for it in turn, so the role would hang instead of
+  failing (and a cluster would never restart it). Its death tells the others, whose coordination service
+  then stops them. A no-op for a single process or on success."""
+  if code and _STARTED:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_leader() -> bool:

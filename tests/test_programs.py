@@ -149,3 +149,4 @@ def test_the_roles_cluster_comes_from_flags_or_the_environment():
     distributed.DistributedConfig("h:1", 4, 4)
   with pytest.raises(ValueError, match="not STREAMRL_PROCESS_ID"):
     distributed.detect(env={"STREAMRL_COORDINATOR": "c:9", "STREAMRL_NUM_PROCESSES": "4"})
+
