@@ -199,10 +199,7 @@ class Trainer:
     rows_buckets = sorted({_bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
       for length in self.length_buckets(max_length):
-        empty = {k: np.zeros((rows, length), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
-        empty.update(tokens=np.zeros((rows, length), np.int32), valid=np.ones((rows, length), bool),
-                     loss_mask=np.zeros((rows, length), bool))
-        state = self.accumulate(state, empty)
+        state = self.accumulate(state, self._lossless_batch(rows, length, packed=False))
     return state
 
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
@@ -216,11 +213,17 @@ class Trainer:
       rows *= 2
     shapes += [(unit, width) for width in range(TRIM_MULTIPLE, length, TRIM_MULTIPLE)]
     for rows, width in shapes:
-      empty = {k: np.zeros((rows, width), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
-      empty.update(tokens=np.zeros((rows, width), np.int32), valid=np.zeros((rows, width), bool),
-                   loss_mask=np.zeros((rows, width), bool), segment_ids=np.zeros((rows, width), np.int32))
-      state = self.accumulate(state, empty)
+      state = self.accumulate(state, self._lossless_batch(rows, width, packed=True))
     return state
+
+  def _lossless_batch(self, rows: int, length: int, packed: bool) -> dict:
+    """A micro-batch of this shape that carries no loss (accumulating it compiles and changes nothing)."""
+    batch = {k: np.zeros((rows, length), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
+    batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
+                 loss_mask=np.zeros((rows, length), bool))
+    if packed:
+      batch["segment_ids"] = np.zeros((rows, length), np.int32)
+    return batch
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
