@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2_cpu.gin"
 MODEL = "smollm2-135m-instruct"
 SLOTS, REQUESTS, TAIL_FRACTION = 16, 64, 0.15
+PROMPT_BUCKET = 48  # the chat prompts are 47 tokens: one prefill bucket that fits them
 PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",
                   "Write a haiku about the sea.", "def fibonacci(n):")
 
@@ -115,7 +116,8 @@ def part_speed() -> dict:
   graphdef, params = nnx.split(model)
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
   engine = DecodeEngine(graphdef, model.config, EngineConfig(
-      num_slots=SLOTS, max_prompt_length=64, max_new_tokens=128, min_prefill_bucket=64, steps_per_sync=4), mesh)
+      num_slots=SLOTS, max_prompt_length=PROMPT_BUCKET, max_new_tokens=128, min_prefill_bucket=PROMPT_BUCKET,
+      steps_per_sync=4), mesh)
 
   def run_engine(prompts, lengths) -> float:
     sampler = StreamingSampler([engine], params)

@@ -82,3 +82,63 @@ def test_prompt_iterator_resumes_exactly(tmp_path):
   resumed.set_state(state)
   assert [next(resumed)["row"] for _ in range(6)] == rest
   assert sorted(seen + rest[:2]) == list(range(1, 8))  # one epoch: every prompt once
+
+
+def test_sums_reward_by_hand():
+  from streamrl_jax.tasks import format_ok, sums_reward
+
+  prompt = "What is 47 + 85? Reply with only the number."
+  assert sums_reward(prompt, "132") == 1.0
+  assert sums_reward(prompt, "47 + 85 = 132") == 1.0  # the last integer counts
+  assert sums_reward(prompt, "The answer is 1,32.") == 1.0  # commas between digits are ignored
+  assert sums_reward(prompt, "132, or maybe 133") == 0.0
+  assert sums_reward(prompt, "-132") == 0.0 and sums_reward(prompt, "no number") == 0.0
+  assert sums_reward("What is 1 + 2 + 3? Reply with only the number.", "6") == 1.0
+  assert format_ok(" 132\n") and format_ok("1,320") and not format_ok("132.") and not format_ok("It is 132")
+  with pytest.raises(ValueError, match="not a sums prompt"):
+    sums_reward("47+85=", "132")
+
+
+@given(st.integers(0, 2**32 - 1), st.integers(1, 3), st.integers(2, 3))
+def test_sums_splits_are_disjoint_and_answers_right(seed, digits, terms):
+  from streamrl_jax.tasks import SumsTask, sums_reward
+  from streamrl_jax.tasks.sums import is_heldout
+
+  rng = np.random.default_rng(seed)
+  for split in ("train", "heldout"):
+    prompt, answer = SumsTask(digits, terms, split).sample(rng)
+    numbers = tuple(int(t) for t in prompt[len("What is "):-len("? Reply with only the number.")].split(" + "))
+    assert len(numbers) == terms and all(len(str(n)) == digits or (digits == 1 and n < 10) for n in numbers)
+    assert is_heldout(numbers) == (split == "heldout") and int(answer) == sum(numbers)
+    assert sums_reward(prompt, answer) == 1.0
+
+
+def test_heldout_is_a_fifth_of_the_two_digit_pairs():
+  from streamrl_jax.tasks.sums import is_heldout
+
+  share = np.mean([is_heldout((a, b)) for a in range(10, 100) for b in range(10, 100)])
+  assert 0.17 < share < 0.23
+
+
+def test_chat_task_wraps_prompts_and_rewards_the_question():
+  from streamrl_jax.models.chat import ChatFormat
+  from streamrl_jax.tasks import ChatTask, SumsTask
+
+  chat = ChatFormat("<s>user: ", "\nassistant: ")
+  task = ChatTask(SumsTask(), chat)
+  prompt, answer = task.sample(np.random.default_rng(0))
+  assert prompt.startswith("<s>user: What is ") and prompt.endswith("number.\nassistant: ")
+  assert task.reward(prompt, answer) == 1.0 and task.reward(prompt, answer + "1") == 0.0
+
+
+def test_job_config_refuses_real_tasks_without_a_model():
+  from streamrl_jax.pipeline.train_job import JobConfig
+
+  for bad, key in ((dict(task="sums"), "needs a pretrained model"), (dict(chat=True), "JobConfig.chat needs"),
+                   (dict(model="a", model_dir="b"), "not both")):
+    with pytest.raises(ValueError, match=key):
+      JobConfig(**bad)
+  job = JobConfig(task="sums", model="smollm2-135m-instruct", chat=True)
+  with pytest.raises(ValueError, match="has no chat template"):
+    job.make_task(CharTokenizer())
+  assert JobConfig(task="sums", model="x").make_task(split="eval").split == "heldout"
