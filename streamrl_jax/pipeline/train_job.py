@@ -59,11 +59,11 @@ class JobConfig:
       raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
     if self.model and self.model_dir:
       raise ValueError("set JobConfig.model or JobConfig.model_dir, not both")
+    if self.task == "file" and not self.prompt_file:
+      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
     if self.task in ("file", "sums") and not self.pretrained:
       raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
                        "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
-    if self.task == "file" and not self.prompt_file:
-      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
     if self.chat and not self.pretrained:
       raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
