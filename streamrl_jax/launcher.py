@@ -205,6 +205,7 @@ class Supervisor:
     self.children, self.trainers = children, children[:trainer_processes]
     self.workdir, self.restarts, self.elastic = workdir, restarts, elastic
     self.steps_seen, self.changed_at = 0, 1  # the first step (compiles) never counts
+    self.waiting_for: Child | None = None  # an added sampler that has not joined yet: no decision until it has
     self.started = len(children) - trainer_processes  # samplers ever started: names stay unique
 
   def samplers(self) -> list[Child]:
@@ -241,19 +242,25 @@ class Supervisor:
     return None
 
   def _scale(self) -> None:
-    """One elastic decision on the mean figures of the last `cooldown_steps` steps, all after the last
-    change (one step's figures are too noisy to act on, and a new sampler needs time to start)."""
-    rows = _read_metrics(self.workdir / "metrics.jsonl")
+    """One elastic decision on the median figures of the last `cooldown_steps` steps, all after the last
+    change took effect: a sampler the launcher added counts once it has joined the run (its start-up and
+    first compile take far longer than a step), and the median keeps one step's recompile from reading as
+    slow training."""
+    rows = _read_jsonl(self.workdir / "metrics.jsonl")
     if len(rows) <= self.steps_seen:
       return
     self.steps_seen = len(rows)
+    live = [c for c in self.samplers() if not c.retired]
+    if self.waiting_for is not None:
+      if self.waiting_for.proc.poll() is None and self.waiting_for.name not in _joined(self.workdir):
+        return
+      self.waiting_for, self.changed_at = None, self.steps_seen
     window = self.elastic.cooldown_steps
     if self.steps_seen - self.changed_at < window:
       return
     recent = rows[-window:]
-    generation_s = float(np.mean([r["generation_s"] for r in recent]))
-    train_s = float(np.mean([r["train_s"] for r in recent]))
-    live = [c for c in self.samplers() if not c.retired]
+    generation_s = float(np.median([r["generation_s"] for r in recent]))
+    train_s = float(np.median([r["train_s"] for r in recent]))
     target = self.elastic.target(len(live), generation_s, train_s)
     if target == len(live):
       return
@@ -267,6 +274,7 @@ class Supervisor:
       self.started += 1
       child.start()
       self.children.append(child)
+      self.waiting_for = child
       print(f"streamrl launch local: adding {child.name} ({why})", file=sys.stderr, flush=True)
     else:
       child = live[-1]
@@ -282,8 +290,13 @@ def _renamed(argv: list[str], name: str) -> list[str]:
   return argv[:i + 1] + [name] + argv[i + 2:]
 
 
-def _read_metrics(path: Path) -> list[dict]:
-  """The complete rows of metrics.jsonl so far (a row being written is left for the next read)."""
+def _joined(workdir: Path) -> set[str]:
+  """Names of the samplers that have registered with the trainer so far (WORKDIR/events.jsonl)."""
+  return {e.get("sampler") for e in _read_jsonl(workdir / "events.jsonl") if e.get("event") == "sampler_joined"}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+  """The complete rows of a JSON-lines file (metrics.jsonl, events.jsonl) so far (a row being written is left for the next read)."""
   try:
     lines = path.read_text().splitlines(keepends=True)
   except OSError:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from streamrl_jax.launcher import ElasticSamplers
+from streamrl_jax.launcher import Child, ElasticSamplers, Supervisor
 from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, StepReport
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
@@ -326,14 +326,61 @@ def test_elastic_sampler_count_by_hand():
     ElasticSamplers(low=0, high=2)
 
 
+def test_the_launcher_decides_again_only_once_an_added_sampler_has_joined(tmp_path):
+  """The supervisor's elastic loop on metrics and events it is handed: generation lags, so it adds a sampler;
+  while that one has not joined, lagging steps add nobody; once it has joined and `cooldown_steps` steps have
+  passed, the next one is added. One step's recompile (train_s 5 s) among three does not stop a decision."""
+  metrics, events = tmp_path / "metrics.jsonl", tmp_path / "events.jsonl"
+
+  def steps(first: int, last: int, train_s=lambda step: 0.1) -> None:
+    with metrics.open("a") as out:
+      for step in range(first, last + 1):
+        out.write(json.dumps(dict(step=step, generation_s=1.0, train_s=train_s(step))) + "\n")
+
+  def joined(name: str) -> None:
+    with events.open("a") as out:
+      out.write(json.dumps(dict(event="sampler_joined", sampler=name)) + "\n")
+  wait = [sys.executable, "-c", "import time; time.sleep(60)"]
+  children = [Child("trainer", wait, None, None), Child("sampler-0", wait + ["--name", "sampler-0"], None,
+                                                         tmp_path / "sampler-0.log")]
+  supervisor = Supervisor(children, 1, tmp_path, elastic=ElasticSamplers(low=1, high=3))
+  try:
+    for child in children:
+      child.start()
+    joined("sampler-0")
+    steps(1, 4, train_s=lambda step: 5.0 if step == 3 else 0.1)
+    supervisor._scale()
+    assert [c.name for c in supervisor.samplers()] == ["sampler-0", "sampler-1"]
+    assert children[-1].argv[-1] == "sampler-1"
+    steps(5, 12)
+    supervisor._scale()  # sampler-1 is still starting: its absence from the figures is no reason to add more
+    assert len(supervisor.samplers()) == 2
+    joined("sampler-1")
+    steps(13, 13)
+    supervisor._scale()  # joined at step 13: the window starts there
+    steps(14, 15)
+    supervisor._scale()
+    assert len(supervisor.samplers()) == 2
+    steps(16, 16)
+    supervisor._scale()
+    assert [c.name for c in supervisor.samplers()] == ["sampler-0", "sampler-1", "sampler-2"]
+  finally:
+    for child in supervisor.children:
+      child.signal(signal.SIGKILL)
+      if child.proc is not None:
+        child.proc.wait(timeout=10)
+
+
 @pytest.mark.slow
 def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
-  """Long random completions of an untrained model against a tiny training step: generation lags, so the
-  launcher starts a second sampler process, which joins the run; nothing lost or doubled."""
+  """Long random completions (128 tokens) of an untrained model against a tiny training step: generation
+  lags, so the launcher starts a second sampler process, which joins the run; nothing lost or doubled. The
+  launcher makes no further decision until the added process has joined, so a slow start is never read as
+  a sampler that does not help (and retired before it ever took a lease)."""
   config = tmp_path / "elastic.gin"
-  steps = 60  # about 15 s of steps: time for the added process to start and take leases
+  steps = 60  # about 50 s of steps after the first: time for the added process to start and take leases
   config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode="async").replace(
-      "max_new_tokens = 8", "max_new_tokens = 48"))
+      "max_new_tokens = 8", "max_new_tokens = 128"))
   proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(tmp_path),
                            "--config", str(config), "--samplers", "1", "--max-samplers", "2"],
                           env=dict(os.environ, XLA_FLAGS=""), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
