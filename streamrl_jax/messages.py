@@ -3,18 +3,26 @@
 Samples travel as `SampleShard` (Arrow across processes) and weights as `WeightUpdate` (Arrow chunks
 across processes); everything else is one of the control records below. On the wire a record is JSON
 `{"@type": name, ...fields}`; decoding checks the type name, the field names and each field's type, and
-raises `BadMessage` naming the first problem. No pickle.
+raises `BadMessage` naming the first problem. No pickle. What a peer sends is bounded: the message's size,
+every number finite and within 64 bits (NaN and infinities refused), every wait and count within `LIMITS`,
+and error texts quote at most `QUOTE_CHARS` of what was sent.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 
 
 class BadMessage(ValueError):
   """A control message that is not one of the known records, or whose fields do not fit it."""
+
+
+class BadShard(ValueError):
+  """A sample shard that breaks the run's rules: samples outside the sender's leases, a step mixed with
+  another, a group not whole."""
 
 
 class RejoinRequired(Exception):
@@ -130,6 +138,25 @@ class Ack:
   rejoin: bool = False  # the sender is not (any more) a sampler of this run: register again
 
 
+MAX_MESSAGE_BYTES = 4 << 20  # a Register's settings, a Lease's prompts: far below this
+QUOTE_CHARS = 80
+INT_RANGE = (-(1 << 63), (1 << 63) - 1)
+# Per field: the range its value (or each entry of a tuple) must lie in, or a string's most characters.
+LIMITS = {
+    "LeaseRequest.wait_s": (0.0, 60.0), "VersionQuery.wait_s": (0.0, 60.0), "VersionQuery.min_version": (-1, 1 << 62),
+    "Register.name": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
+    "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
+    "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
+    "Registered.heartbeat_s": (0.0, 1e6),
+}
+
+
+def quote(value, limit: int = QUOTE_CHARS) -> str:
+  """repr(value), cut to `limit` characters: what a refusal may echo of what a peer sent."""
+  text = repr(value)
+  return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Lease, LeaseReply, StepReport, Heartbeat,
                                           HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
@@ -151,14 +178,20 @@ def encode_message(message) -> bytes:
 
 def decode_message(data: bytes, expected: type | None = None):
   """The record in `data`; with `expected`, it must be of that type."""
+  if len(data) > MAX_MESSAGE_BYTES:
+    raise BadMessage(f"control message of {len(data)} bytes exceeds {MAX_MESSAGE_BYTES}")
   try:
-    obj = json.loads(data)
-  except (UnicodeDecodeError, json.JSONDecodeError) as err:
-    raise BadMessage(f"control message is not JSON: {err}") from None
+    obj = json.loads(data, parse_constant=_no_constant)
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+    raise BadMessage(f"control message is not JSON: {str(err)[:QUOTE_CHARS]}") from None
   message = _from_json(obj, "message")
   if expected is not None and not isinstance(message, expected):
     raise BadMessage(f"expected a {expected.__name__} message, got {type(message).__name__}")
   return message
+
+
+def _no_constant(name: str):
+  raise BadMessage(f"control message holds {name}: numbers must be finite")
 
 
 def _from_json(obj, where: str):
@@ -168,11 +201,29 @@ def _from_json(obj, where: str):
   fields = {f.name: f for f in dataclasses.fields(cls)}
   given = set(obj) - {"@type"}
   if given - set(fields):
-    raise BadMessage(f"{cls.__name__}: unknown fields {sorted(given - set(fields))}")
+    raise BadMessage(f"{cls.__name__}: unknown fields {quote(sorted(given - set(fields)))}")
   required = {n for n, f in fields.items() if f.default is dataclasses.MISSING}
   if required - given:
     raise BadMessage(f"{cls.__name__}: missing fields {sorted(required - given)}")
-  return cls(**{name: _field_value(obj[name], fields[name].type, f"{cls.__name__}.{name}") for name in given})
+  values = {}
+  for name in given:
+    where = f"{cls.__name__}.{name}"
+    values[name] = _field_value(obj[name], fields[name].type, where)
+    _check_limit(values[name], LIMITS.get(where), where)
+  return cls(**values)
+
+
+def _check_limit(value, limit, where: str) -> None:
+  if limit is None:
+    return
+  if isinstance(value, tuple):
+    for i, v in enumerate(value):
+      _check_limit(v, limit, f"{where}[{i}]")
+  elif isinstance(limit, int):
+    if len(value) > limit:
+      raise BadMessage(f"{where} has {len(value)} characters; at most {limit}")
+  elif not limit[0] <= value <= limit[1]:
+    raise BadMessage(f"{where} must lie in [{limit[0]}, {limit[1]}], got {quote(value)}")
 
 
 def _field_value(value, annotation: str, where: str):
@@ -196,5 +247,9 @@ def _field_value(value, annotation: str, where: str):
   if allowed is None:
     raise TypeError(f"{where}: annotation {annotation!r} is not supported by the codec")
   if not isinstance(value, allowed) or (bool not in allowed and isinstance(value, bool)):
-    raise BadMessage(f"{where} must be {annotation}, got {type(value).__name__} {value!r}")
+    raise BadMessage(f"{where} must be {annotation}, got {type(value).__name__} {quote(value)}")
+  if isinstance(value, float) and not math.isfinite(value):
+    raise BadMessage(f"{where} must be finite, got {value}")
+  if isinstance(value, int) and not isinstance(value, bool) and not INT_RANGE[0] <= value <= INT_RANGE[1]:
+    raise BadMessage(f"{where} does not fit 64 bits")
   return float(value) if annotation == "float" else value

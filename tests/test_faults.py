@@ -6,6 +6,7 @@ by hand first, with a clock the test moves; then the programs, as real processes
 import json
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -13,7 +14,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +23,7 @@ from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, Step
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer_worker import _refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
 from tests.test_programs import TINY, alive
@@ -43,6 +43,17 @@ class Clock:
 def make_controller(clock, **kwargs) -> Controller:
   return Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, lease_timeout_s=5.0,
                     clock=clock, **kwargs)
+
+
+def groups(step: int, group_ids, completion: int = 5) -> SampleShard:
+  """Whole groups of `step` (CONFIG.group_size samples each), `completion` tokens after a 1-token prompt."""
+  rows = [(g, i) for g in group_ids for i in range(CONFIG.group_size)]
+  n, width = len(rows), completion + 1
+  return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
+                     loss_mask=np.arange(width)[None].repeat(n, 0) > 0, sampler_logprobs=np.zeros((n, width), np.float32),
+                     rewards=np.zeros(n, np.float32), group_ids=[g for g, _ in rows], prompt_ids=[g for g, _ in rows],
+                     first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
+                     sample_indices=[i for _, i in rows], steps=np.full(n, step))
 
 
 def report(sampler_id: int, lease) -> StepReport:
@@ -68,11 +79,11 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   assert (again.step, again.group_ids, again.prompts) == (0, lease_a.group_ids, lease_a.prompts)
   assert again.lease_id != lease_a.lease_id
   # a comes back: what it delivers is still taken (the trainer keeps the first copy), but it must rejoin
-  assert controller.on_shard(a, 0, {lease_a.group_ids[0]: 5.0}) == "late"
+  assert controller.on_shard(a, groups(0, [lease_a.group_ids[0]])) == "late"
   assert controller.heartbeat(Heartbeat(a)).rejoin and controller.lease(LeaseRequest(a, 0.0)).rejoin
   assert controller.report(report(a, lease_a)).rejoin
-  assert controller.on_shard(b, 0, {g: 5.0 for g in again.group_ids}) == "accept"
-  assert controller.on_shard(12345, 0, {g: 5.0 for g in again.group_ids}) == "rejoin"  # never registered here
+  assert controller.on_shard(b, groups(0, again.group_ids)) == "accept"
+  assert controller.on_shard(12345, groups(0, again.group_ids)) == "rejoin"  # never registered here
   for lease in (lease_b, again):
     assert not controller.report(report(b, lease)).rejoin
   assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
@@ -90,8 +101,8 @@ def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
   controller.published(0)
   lease_a, lease_b, lease_c = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b, c))
   assert (lease_a.group_ids, lease_b.group_ids, lease_c.group_ids) == ((0, 1), (2,), (3,))
-  assert controller.on_shard(a, 0, {0: 7.0}) == "accept"  # a delivers group 0 of its two, then dies
-  assert controller.on_shard(b, 0, {2: 9.0}) == "accept"  # b delivers its only group, dies before reporting
+  assert controller.on_shard(a, groups(0, [0], completion=7)) == "accept"  # a delivers group 0 of its two, then dies
+  assert controller.on_shard(b, groups(0, [2], completion=9)) == "accept"  # b delivers its only group, dies before reporting
   clock.now += 4.0
   controller.heartbeat(Heartbeat(c))
   clock.now += 2.0
@@ -143,16 +154,24 @@ def test_a_late_watchdog_tick_blames_this_process_not_the_samplers():
   assert controller.counters["samplers_lost"] == 0 and not controller.heartbeat(Heartbeat(a)).rejoin
 
 
+def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
+  n = len(group_ids)
+  return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
+                     loss_mask=np.ones((n, width), bool), sampler_logprobs=np.zeros((n, width), np.float32),
+                     rewards=np.zeros(n, np.float32), group_ids=np.array(group_ids), prompt_ids=np.array(group_ids),
+                     first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
+                     sample_indices=np.array(sample_indices), steps=np.full(n, step))
+
+
 def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
-  worker = SimpleNamespace(config=CONFIG)
-  shard = SampleShard(tokens=np.ones((2, 4), np.int32), valid=np.ones((2, 4), bool),
-                      loss_mask=np.ones((2, 4), bool), sampler_logprobs=np.zeros((2, 4), np.float32),
-                      rewards=np.zeros(2, np.float32), group_ids=np.array([4, 8]), prompt_ids=np.array([4, 8]),
-                      first_versions=np.zeros(2, np.int64), last_versions=np.zeros(2, np.int64),
-                      sample_indices=np.array([0, 1]), steps=np.array([1, 1]))
-  with pytest.raises(ValueError, match=r"step 1 received sample \(group 8, index 1\).*groups 4..7"):
-    TrainerWorker._check_planned(worker, shard, 1)
-  TrainerWorker._check_planned(worker, SampleShard(**{**shard.__dict__, "group_ids": np.array([4, 7])}), 1)
+  assert re.search(r"step 1 received sample \(group 8, index 1\).*groups 4..7",
+                   _refusal(shard_of(1, [4, 8], [0, 1]), 1, CONFIG))
+  assert _refusal(shard_of(1, [4, 7], [0, 1]), 1, CONFIG) is None
+  assert "index 2" in _refusal(shard_of(1, [4, 4], [0, 2]), 1, CONFIG)  # group_size 2: indices 0 and 1
+  assert "holds a sample twice" in _refusal(shard_of(1, [4, 4], [1, 1]), 1, CONFIG)
+  assert "the run has 3 steps" in _refusal(shard_of(7, [28, 28], [0, 1]), 1, CONFIG)
+  mixed = SampleShard(**{**shard_of(1, [4, 4], [0, 1]).__dict__, "steps": np.array([1, 2])})
+  assert "mixes samples of steps [1, 2]" in _refusal(mixed, 1, CONFIG)
 
 
 # ---- the programs ------------------------------------------------------------------------------

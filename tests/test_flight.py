@@ -34,9 +34,17 @@ SETTINGS = {"PipelineConfig.mode": "'stream'"}
 def make_server(capacity=8, tls=None, **kwargs):
   controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, settings=SETTINGS)
   queue, store = SampleQueue(capacity), HostWeightStore()
-  server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store, vocab_size=VOCAB,
+  server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store, limits=VOCAB,
                                tls=tls, **kwargs)
   return server, controller, queue, store
+
+
+def leased_sender(connection, controller) -> FlightSampleSender:
+  """A registered sampler holding the lease of step 0 (groups 0..3, the run's only sampler)."""
+  sampler_id = controller.register(Register("s", SETTINGS)).sampler_id
+  controller.published(0)
+  assert controller.lease(LeaseRequest(sampler_id, 0.0)).lease.group_ids == (0, 1, 2, 3)
+  return FlightSampleSender(connection, sampler_id)
 
 
 @pytest.fixture
@@ -54,10 +62,10 @@ def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):
   with pytest.raises(RejoinRequired):
     stranger.put(group_shard([4, 5], seed=1))
   assert len(queue) == 0 and server.counters["rejoin_refusals"] == 1
-  sender = FlightSampleSender(connection, sampler_id=controller.register(Register("s", SETTINGS)).sampler_id)
-  sender.put(group_shard([4, 5], seed=1))
+  sender = leased_sender(connection, controller)
+  sender.put(group_shard([4, 5], seed=1, step=0, group=0))
   sender.seq = 0  # a retry of an acked batch (its ack was lost): acked again as a duplicate, not queued twice
-  sender.put(group_shard([4, 5], seed=1))
+  sender.put(group_shard([4, 5], seed=1, step=0, group=0))
   assert sender.stats["duplicate_acks"] == 1 and len(queue) == 2
   bad = shard_to_batch(group_shard([4, 5]), SampleEnvelope(sender.sampler_id, 7))
   bad = pa.record_batch([pa.array([[1, 2, VOCAB + 5, 1], [1, 2, 3, 4, 5]], pa.list_(pa.int32())) if f.name == "tokens"
@@ -68,7 +76,7 @@ def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):
       writer.write_batch(bad)
       writer.done_writing()
       reader.read()
-  sender.put(group_shard([3, 3], seed=2))  # the connection stays usable
+  sender.put(group_shard([3, 3], seed=2, step=0, group=1))  # the connection stays usable
   assert len(queue) == 4 and server.counters["bad_batches"] == 1 and server.counters["duplicate_batches"] == 1
   got = queue.get(timeout=1)
   np.testing.assert_array_equal(got.tokens, group_shard([4, 5], seed=1).tokens[:, :5])
@@ -84,8 +92,8 @@ def test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost():
   server, controller, queue, _ = make_server(capacity=4, put_wait_s=0.05)
   connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
   try:
-    sender = FlightSampleSender(connection, sampler_id=controller.register(Register("s", SETTINGS)).sampler_id)
-    sent = [group_shard([3, 4], seed=k) for k in range(6)]
+    sender = leased_sender(connection, controller)
+    sent = [group_shard([3, 4], seed=k, step=0, group=k % 4) for k in range(6)]
     thread = threading.Thread(target=lambda: [sender.put(s) for s in sent])
     thread.start()
     time.sleep(0.5)
@@ -103,7 +111,7 @@ def test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost():
 def test_control_messages_over_flight(served):
   server, controller, _, _, connection = served
   control = FlightControl(connection)
-  with pytest.raises(BadMessage, match=r"first PipelineConfig.mode = \"'async'\" \(sampler\) vs \"'stream'\""):
+  with pytest.raises(BadMessage, match=r"first 'PipelineConfig.mode' = \"'async'\" \(sampler\) vs \"'stream'\""):
     control.register(Register("s", {"PipelineConfig.mode": "'async'"}))
   registered = control.register(Register("s", SETTINGS))
   me = registered.sampler_id
@@ -164,7 +172,9 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
     good = FlightConnection(server.address, tls=TLSFiles(str(certs["client_cert"]), str(certs["client_key"]),
                                                          str(certs["ca"])), timeout_s=10, retry_s=5)
     me = FlightControl(good).register(Register("s", SETTINGS)).sampler_id
-    FlightSampleSender(good, me).put(group_shard([3, 3]))
+    controller.published(0)
+    controller.lease(LeaseRequest(me, 0.0))
+    FlightSampleSender(good, me).put(group_shard([3, 3], step=0, group=0))
     assert len(queue) == 2
     anonymous = flight.FlightClient(f"grpc+tls://{server.address}", tls_root_certs=certs["ca"].read_bytes())
     with pytest.raises(flight.FlightError):
@@ -173,6 +183,12 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
     with pytest.raises(flight.FlightError):
       list(plain.do_action(flight.Action("control", b"{}"), options=flight.FlightCallOptions(timeout=5)))
     assert len(queue) == 2 and server.counters["actions"] == 1  # the good client's register alone
+    (tmp_path / "other").mkdir()
+    other = write_test_certificates(tmp_path / "other")  # a certificate of another CA: the handshake fails
+    stranger = FlightConnection(server.address, tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]),
+                                                             str(certs["ca"])), timeout_s=2, retry_s=1)
+    with pytest.raises(TrainerUnreachable, match="TLS handshake failed.*--tls-cert"):
+      FlightControl(stranger).register(Register("s", SETTINGS))
   finally:
     server.shutdown()
   with pytest.raises(ValueError, match="needs all of"):

@@ -12,6 +12,8 @@ from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.training.checkpoint import Checkpointer
+from streamrl_jax.training.objectives import OBJECTIVES
+from streamrl_jax.training.step import token_logprobs
 
 CONFIG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2)
 MESH_SHAPE = MeshShape(1, 4, 1)
@@ -65,6 +67,27 @@ def test_unequal_micro_batches_give_the_full_batch_gradient(model_parts, mode):
   for a, b in zip(jax.tree.leaves(mean_gradient(streamed)), jax.tree.leaves(mean_gradient(full))):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   assert trainer.compiled_shapes == {(8, 16), (16, 16)}
+
+
+def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_parts, objective="ppo_tis"):
+  """The pipeline sends no old_logprobs: within a step every micro-batch is accumulated at the same
+  parameters, so the policy before the step is the current one, and the gradient equals the one with the
+  trainer's own log-probabilities given explicitly (and differs from the sampler's standing in for them)."""
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef, ObjectiveConfig(objective=objective, tis_cap=50.0, behaviour_cap=50.0))
+  batch = make_batch(6, seed=3)
+  del batch["old_logprobs"]
+  model = nnx.merge(graphdef, params)
+  own = np.asarray(token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])[0])
+  default = mean_gradient(trainer.accumulate(trainer.init_state(params), batch))
+  given = mean_gradient(trainer.accumulate(trainer.init_state(params), dict(batch, old_logprobs=own)))
+  sampler = mean_gradient(trainer.accumulate(trainer.init_state(params),
+                                             dict(batch, old_logprobs=batch["sampler_logprobs"])))
+  for a, b, c in zip(jax.tree.leaves(default), jax.tree.leaves(given), jax.tree.leaves(sampler)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+  assert max(float(np.abs(a - c).max()) for a, c in zip(jax.tree.leaves(default), jax.tree.leaves(sampler))) > 1e-4
+  assert [n for n in OBJECTIVES.names() if getattr(OBJECTIVES.get(n), "uses_old_logprobs", False)] == [
+      "decoupled_ppo", "ppo_tis"]  # the same path for both
 
 
 def test_optimizer_runs_once_per_global_batch(model_parts):

@@ -23,8 +23,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest, Leave,
-                                   Register, Registered, StepReport)
+from streamrl_jax.messages import (Ack, BadMessage, BadShard, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest,
+                                   Leave, Register, Registered, StepReport, quote)
 from streamrl_jax.scheduling import dispatch_requests, lengths_from_scores, ranking_metrics
 
 MAX_LEASE_WAIT_S = 30.0
@@ -71,6 +71,7 @@ class Controller:
     self._lost: dict[int, str] = {}  # ids declared lost -> name
     self._re_leased: dict = {}  # (step, group id) of prompts leased again -> the loss, until delivered
     self._recovered: set = set()  # losses whose prompts were delivered by another sampler
+    self._granted: dict[int, set] = {}  # sampler id -> (step, group id) ever leased to it, steps not yet trained
     self._target_instances = config.scheduling.instances
     self._finished = False
     self._next_lease = 0
@@ -80,7 +81,8 @@ class Controller:
     self.events: list[dict] = []  # samplers joining, leaving, lost; leases given again; in epoch seconds
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
                          sampler_wait_s=0.0, samplers_left=0, samplers_lost=0, re_leased_leases=0,
-                         re_leased_prompts=0, groups_kept=0, late_samples=0, late_reports=0, rejoin_requests=0)
+                         re_leased_prompts=0, groups_kept=0, late_samples=0, late_reports=0, rejoin_requests=0,
+                         trained_refusals=0, refused_batches=0)
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -88,9 +90,9 @@ class Controller:
                        if self.settings.get(k) != message.settings.get(k))
     if differing:
       key = differing[0]
-      raise BadMessage(f"sampler {message.name!r} runs another configuration than the trainer: {len(differing)} "
-                       f"settings differ, first {key} = {message.settings.get(key)!r} (sampler) vs "
-                       f"{self.settings.get(key)!r} (trainer); give both the same --config and --set")
+      raise BadMessage(f"sampler {quote(message.name)} runs another configuration than the trainer: {len(differing)} "
+                       f"settings differ, first {quote(key)} = {quote(message.settings.get(key))} (sampler) vs "
+                       f"{quote(self.settings.get(key))} (trainer); give both the same --config and --set")
     with self._cond:
       sampler_id = secrets.randbits(62)
       while sampler_id in self._samplers or sampler_id in self._lost:
@@ -123,6 +125,7 @@ class Controller:
           lease = dataclasses.replace(lease, lease_id=self._next_lease, instances=self._target_instances)
           self._next_lease += 1
           self._leases[lease.lease_id] = (message.sampler_id, lease)
+          self._granted.setdefault(message.sampler_id, set()).update((lease.step, g) for g in lease.group_ids)
           sampler.leases.add(lease.lease_id)
           self.counters["leases"] += 1
           return LeaseReply(lease=lease, finished=False)
@@ -162,17 +165,40 @@ class Controller:
       self._cond.notify_all()
     return Ack()
 
-  def on_shard(self, sampler_id: int, step: int, lengths: dict[int, float]) -> str:
-    """Whether to take a shard that sampler `sampler_id` delivers ({group id: mean completion length}):
-    'accept' (a live sampler), 'late' (a lost one: taken, the trainer drops copies it has) or 'rejoin'
-    (unknown here: refused, register again). Taken groups are remembered until their step is summarised,
-    so a lease handed back is cut to the groups still missing."""
-    group_ids = [int(g) for g in lengths]
+  def on_shard(self, sampler_id: int, shard) -> str:
+    """Whether to take a `SampleShard` that sampler `sampler_id` delivers: 'accept' (a live sampler), 'late'
+    (a lost one: taken, the trainer drops copies it has), 'trained' (its step is trained already: not
+    taken, nothing to do) or 'rejoin' (unknown here: refused, register again). A shard that breaks the
+    rules is refused with `BadShard` naming the first broken one: one step, whole groups (each sample index
+    of a group once), and only groups of leases this sampler was given. Taken groups are remembered until
+    their step is summarised, so a lease handed back is cut to the groups still missing."""
+    step = int(shard.steps[0])
+    if (shard.steps != step).any():
+      raise BadShard(f"a shard mixes steps {sorted(set(shard.steps.tolist()))[:4]}; send one step a shard")
+    group_size = self.config.group_size
+    completion = shard.loss_mask.sum(axis=1)
+    lengths = {}
+    for g in np.unique(shard.group_ids):
+      rows = shard.group_ids == g
+      if sorted(shard.sample_indices[rows].tolist()) != list(range(group_size)):
+        raise BadShard(f"group {int(g)} of step {step} carries sample indices "
+                       f"{quote(sorted(shard.sample_indices[rows].tolist()))}; a shard carries whole groups, "
+                       f"indices 0..{group_size - 1} once each")
+      lengths[int(g)] = float(completion[rows].mean())
+    group_ids = list(lengths)
     with self._cond:
       sampler = self._samplers.get(sampler_id)
       if sampler is None and sampler_id not in self._lost:
         self.counters["rejoin_requests"] += 1
         return "rejoin"
+      if step < self._version:  # published version v: steps below v are trained
+        self.counters["trained_refusals"] += 1
+        return "trained"
+      granted = self._granted.get(sampler_id, set())
+      foreign = [g for g in group_ids if (step, g) not in granted]
+      if foreign:
+        name = sampler.name if sampler is not None else self._lost[sampler_id]
+        raise BadShard(f"group {foreign[0]} of step {step} was never leased to sampler {quote(name)}")
       if step in self._plans:
         self._plans[step].delivered.update({int(g): float(x) for g, x in lengths.items()})
       if sampler is None:
@@ -185,6 +211,12 @@ class Controller:
         self._event("re_leased_delivered", sampler=sampler.name, step=step, lost_sampler=loss[1],
                     since_lost_s=round(time.time() - loss[0], 3))
       return "accept"
+
+  def shard_refused(self, reason: str) -> None:
+    """The door refused a sample batch (malformed, or outside the sender's leases): an event, a count."""
+    with self._cond:
+      self.counters["refused_batches"] += 1
+      self._event("shard_refused", reason=reason[:300])
 
   def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
     with self._cond:
@@ -283,6 +315,10 @@ class Controller:
     """The trainer has published weights of `version`: steps up to version + max_lag may open."""
     with self._cond:
       self._version = max(self._version, version)
+      for sampler_id, granted in list(self._granted.items()):
+        granted.difference_update({k for k in granted if k[0] < self._version})
+        if not granted and sampler_id not in self._samplers:
+          del self._granted[sampler_id]
       self._cond.notify_all()
 
   def set_target_instances(self, instances: int) -> None:

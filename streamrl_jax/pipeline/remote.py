@@ -28,6 +28,7 @@ from streamrl_jax.streaming import SampleQueue, cast_floats
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
                                                   FlightWeightReceiver)
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
+from streamrl_jax.streaming.sample_schema import WireLimits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +87,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None,
                           gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
-                               vocab_size=model.config.vocab_size, tls=tls)
+                               limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)
@@ -203,6 +204,8 @@ def describe_event(event: dict) -> str:
   if kind == "re_leased_delivered":
     return (f"prompts of lost sampler {event['lost_sampler']} (step {event['step']}) delivered by {name}, "
             f"{event['since_lost_s']} s after the loss")
+  if kind == "shard_refused":
+    return event["reason"]
   if kind == "trainer_paused":
     return f"this trainer was paused for {event['seconds']} s; samplers get a fresh heartbeat timeout"
   return f"{kind}: {event}"

@@ -3,8 +3,11 @@
 It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
 run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
 the samplers' step summaries, the replica target). Samples are keyed by (step, group, sample index): one
-that was trained already is dropped and counted, never trained twice; samples of a later step that arrive
-early wait for their step.
+that was trained already is dropped and counted, never trained twice (a shard's groups are taken apart,
+so a shard holding a trained group beside new ones trains the new ones); samples of a later step that
+arrive early wait for their step. A shard the step's plan does not hold, or one mixing steps, is dropped
+and counted (`refused_samples`), never a reason to stop: across processes the Flight server's door refuses
+such shards before they are acknowledged, so the counter stays 0 there.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class TrainerWorker:
     # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
     # or trained twice.
     self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
-                         trainer_wait_s=0.0, duplicate_samples=0)
+                         trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0)
+    self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
     self._trained: set = set()  # sample keys of the step being trained
@@ -107,20 +111,23 @@ class TrainerWorker:
         start = time.perf_counter()
         shard = get_shard()
         waited += time.perf_counter() - start
-      shard_step = _single_step(shard)
+      problem = _refusal(shard, step, self.config)
+      if problem:
+        self.counters["refused_samples"] += shard.num_samples
+        self.refusals.append(problem)
+        continue
+      shard_step = int(shard.steps[0])
       if shard_step > step:
         self._early.setdefault(shard_step, []).append(shard)
         continue
       keys = shard.keys()
-      if shard_step == step:
-        self._check_planned(shard, step)
-      seen = len(self._trained.intersection(keys)) if shard_step == step else len(keys)
-      if seen:  # trained already: delivered twice, or late
-        if seen != len(keys):
-          raise ValueError(f"a shard of step {shard_step} holds {seen} samples trained already and "
-                           f"{len(keys) - seen} new ones; a shard must carry whole groups")
-        self.counters["duplicate_samples"] += shard.num_samples
-        continue
+      new = np.asarray([shard_step == step and key not in self._trained for key in keys], bool)
+      if not new.all():  # trained already: delivered twice, or late
+        self.counters["duplicate_samples"] += int((~new).sum())
+        if not new.any():
+          continue
+        shard = shard.take(np.flatnonzero(new))
+        keys = shard.keys()
       self._trained.update(keys)
       needed -= shard.num_samples
       shards.append(shard)
@@ -132,18 +139,6 @@ class TrainerWorker:
       for shard in shards:
         self._accumulate(shard, step, clock)
     return shards, waited
-
-  def _check_planned(self, shard: SampleShard, step: int) -> None:
-    """Every sample must be one the step's plan asked for: with unique keys and a full count, the step then
-    trains each of its prompts' samples exactly once."""
-    first, config = step * self.config.prompts_per_step, self.config
-    bad = ((shard.group_ids < first) | (shard.group_ids >= first + config.prompts_per_step)
-           | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size))
-    if bad.any():
-      i = int(np.argmax(bad))
-      raise ValueError(f"step {step} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), "
-                       f"which its plan does not hold (groups {first}..{first + config.prompts_per_step - 1}, "
-                       f"indices 0..{config.group_size - 1})")
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
@@ -191,7 +186,23 @@ def _packing(config, graphdef, params, mesh) -> dict:
   return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget))
 
 
-def _single_step(shard: SampleShard) -> int:
+def _refusal(shard: SampleShard, step: int, config) -> str | None:
+  """Why a shard cannot be trained (None: it can): it mixes steps, is of a step beyond the run, holds a
+  key twice, or holds a sample its step's plan does not (groups step * prompts_per_step onwards, indices
+  below group_size). With unique keys and a full count, a step trains each of its samples exactly once."""
   if (shard.steps != shard.steps[0]).any():
-    raise ValueError(f"a shard mixes samples of steps {sorted(set(shard.steps.tolist()))}; send one step a shard")
-  return int(shard.steps[0])
+    return f"a shard mixes samples of steps {sorted(set(shard.steps.tolist()))[:4]}"
+  shard_step = int(shard.steps[0])
+  if shard_step >= config.steps:
+    return f"a shard of step {shard_step}; the run has {config.steps} steps"
+  if len(set(shard.keys())) != shard.num_samples:
+    return f"a shard of step {shard_step} holds a sample twice"
+  first = shard_step * config.prompts_per_step
+  bad = ((shard.group_ids < first) | (shard.group_ids >= first + config.prompts_per_step)
+         | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size))
+  if bad.any():
+    i = int(np.argmax(bad))
+    return (f"step {shard_step} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), which "
+            f"its plan does not hold (groups {first}..{first + config.prompts_per_step - 1}, indices "
+            f"0..{config.group_size - 1})")
+  return None

@@ -49,6 +49,7 @@ class FlightConnection:
     if ":" not in address:
       raise ValueError(f"--connect {address!r}: expected HOST:PORT")
     self.address, self.timeout_s, self.retry_s, self.log = address, timeout_s, retry_s, log
+    self.tls = tls is not None
     kwargs = {}
     if tls is not None:
       cert, key, ca = tls.read()
@@ -74,7 +75,7 @@ class FlightConnection:
       except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
         if time.monotonic() - start + pause > limit:
           raise TrainerUnreachable(f"the trainer at {self.address} did not take the call for {limit:.0f} s: "
-                                   f"{_message(err)}") from None
+                                   f"{_message(err)}{self._tls_hint(err)}") from None
         waited = time.monotonic() - start
         if self.log is not None and waited - said >= RETRY_NOTICE_S:  # a warm-up or a restart: say so now and then
           said = waited
@@ -83,6 +84,14 @@ class FlightConnection:
       self.counters["retries"] += 1
       self._closed.wait(pause)
       pause = min(2 * pause, 2.0)
+
+  def _tls_hint(self, err: Exception) -> str:
+    """gRPC reports a refused TLS handshake as a closed socket; say what to check."""
+    text = str(err).lower()
+    if not self.tls or not any(w in text for w in ("socket closed", "handshake", "ssl", "certificate")):
+      return ""
+    return ("; the TLS handshake failed: the trainer must trust this sampler's --tls-cert (signed by the trainer's "
+            "--tls-ca) and this sampler's --tls-ca must sign the trainer's certificate, for the host it dials")
 
   def action(self, message, reply_type: type, timeout: float | None = None, retry_s: float | None = None):
     def once():
@@ -130,8 +139,8 @@ class FlightSampleSender:
 
   def __init__(self, connection: FlightConnection, sampler_id: int):
     self.connection, self.sampler_id, self.seq = connection, sampler_id, 0
-    self.stats = dict(put_shards=0, put_samples=0, duplicate_acks=0, full_retries=0, put_wait_s=0.0,
-                      refused_shards=0)
+    self.stats = dict(put_shards=0, put_samples=0, duplicate_acks=0, trained_acks=0, full_retries=0,
+                      put_wait_s=0.0, refused_shards=0)
 
   def put(self, shard, timeout: float | None = None) -> None:
     batch = shard_to_batch(shard, SampleEnvelope(self.sampler_id, self.seq))
@@ -150,6 +159,7 @@ class FlightSampleSender:
       self.stats["refused_shards"] += 1
       raise RejoinRequired(f"the trainer at {self.connection.address} does not know sampler {self.sampler_id}")
     self.stats["duplicate_acks"] += ack.get("status") == "duplicate"
+    self.stats["trained_acks"] += ack.get("status") == "trained"  # another sampler's copy was trained
     self.stats["put_shards"] += 1
     self.stats["put_samples"] += shard.num_samples
     self.seq += 1

@@ -1,11 +1,13 @@
 """The trainer's Arrow Flight server (on its process 0): samples in by DoPut, weights out by DoGet, control
 messages by DoAction. It moves typed records and does no training math.
 
-- DoPut (descriptor command `samples`): one `SAMPLE_SCHEMA` batch per call. It is checked, deduplicated on
-  (sampler id, sequence number), put into the trainer's bounded `SampleQueue` and acknowledged (status
-  `rejoin` instead when the controller does not know the sampler: the shard is not taken); a full queue
-  refuses the batch as UNAVAILABLE (the sender keeps it and retries: backpressure, never a drop); a
-  malformed batch is refused with a message naming the problem, and the connection stays usable.
+- DoPut (descriptor command `samples`): one `SAMPLE_SCHEMA` batch per call. It is checked against the run's
+  `WireLimits` and the controller's lease rules, deduplicated on (sampler id, sequence number), put into the
+  trainer's bounded `SampleQueue` and acknowledged (status `rejoin` instead when the controller does not
+  know the sampler, `trained` when its step is trained already: neither is taken); a full queue refuses the
+  batch as UNAVAILABLE (the sender keeps it and retries: backpressure, never a drop); a malformed batch or
+  one outside the sender's leases is refused with a message naming the row and the rule, counted, and the
+  connection stays usable. Nothing is acknowledged as accepted that the trainer will not take.
 - DoGet (ticket `{"weights": version}`): the tensors of a published version in chunks (`weight_chunks`).
 - DoAction (type `control`): a JSON control message in, its reply out (`streamrl_jax.messages`).
 """
@@ -24,11 +26,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from streamrl_jax.messages import (BadMessage, Heartbeat, LeaseRequest, Leave, Register, StepReport, VersionInfo,
-                                   VersionQuery, decode_message, encode_message)
+from streamrl_jax.messages import (QUOTE_CHARS, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave, Register,
+                                   StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
-from streamrl_jax.streaming.sample_schema import BadSampleBatch, batch_to_shard
+from streamrl_jax.streaming.sample_schema import BadSampleBatch, WireLimits, batch_to_shard
 from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_tensors, weight_batches, weight_schema
 from streamrl_jax.streaming.weights import cast_floats
 
@@ -139,7 +141,7 @@ class TrainerFlightServer(flight.FlightServerBase):
   """Serves samples, weights and control for one run; listening from construction, `shutdown()` to stop."""
 
   def __init__(self, host: str, port: int, *, controller, samples: SampleQueue, weights: HostWeightStore,
-               vocab_size: int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
+               limits: WireLimits | int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     scheme = "grpc+tls" if tls else "grpc+tcp"
     kwargs = {}
@@ -149,13 +151,14 @@ class TrainerFlightServer(flight.FlightServerBase):
     super().__init__(f"{scheme}://{host}:{port}", **kwargs)
     self.address = f"{host}:{self.port}"
     self.controller, self.samples, self.weights = controller, samples, weights
-    self.vocab_size, self.put_wait_s, self.chunk_bytes = vocab_size, put_wait_s, chunk_bytes
+    self.limits = limits if isinstance(limits, WireLimits) else WireLimits(int(limits))
+    self.put_wait_s, self.chunk_bytes = put_wait_s, chunk_bytes
     self._seq_locks: dict[int, threading.Lock] = {}
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()
     self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
-                         full_refusals=0, rejoin_refusals=0, late_batches=0, weight_streams=0, weight_bytes=0,
-                         actions=0, bad_actions=0)
+                         full_refusals=0, rejoin_refusals=0, late_batches=0, trained_batches=0, weight_streams=0,
+                         weight_bytes=0, bad_tickets=0, actions=0, bad_actions=0)
     self._handlers = {VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
     if controller is not None:  # None: a server of weights alone
       self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
@@ -169,13 +172,18 @@ class TrainerFlightServer(flight.FlightServerBase):
   def do_put(self, context, descriptor, reader, writer):
     if descriptor.command != SAMPLES_COMMAND:
       raise flight.FlightServerError(f"DoPut takes the command {SAMPLES_COMMAND!r}, got {descriptor.command!r}")
-    for chunk in reader:
-      try:
-        shard, envelope = batch_to_shard(chunk.data, self.vocab_size)
-      except BadSampleBatch as err:
-        self._count("bad_batches")
-        raise flight.FlightServerError(f"refused sample batch: {err}") from None
-      writer.write(pa.py_buffer(json.dumps(self._accept(shard, envelope)).encode()))
+    try:
+      for chunk in reader:
+        shard, envelope = batch_to_shard(chunk.data, self.limits)
+        writer.write(pa.py_buffer(json.dumps(self._accept(shard, envelope)).encode()))
+    except flight.FlightError:  # the queue's backpressure, the run's end: as raised
+      raise
+    except (BadSampleBatch, BadShard, pa.ArrowException) as err:  # Arrow: a stream unlike the schema it announced
+      self._count("bad_batches")
+      reason = f"refused sample batch: {_bounded(err)}"
+      if self.controller is not None:
+        self.controller.shard_refused(reason)
+      raise flight.FlightServerError(reason) from None
 
   def _accept(self, shard, envelope) -> dict:
     with self._lock:
@@ -184,13 +192,18 @@ class TrainerFlightServer(flight.FlightServerBase):
       if envelope.seq <= self._last_seq.get(envelope.sampler_id, -1):
         self._count("duplicate_batches")
         return {"seq": envelope.seq, "status": "duplicate"}
+      if shard.num_samples > self.samples.capacity:
+        raise BadShard(f"{shard.num_samples} samples in one batch exceed the trainer's queue "
+                       f"({self.samples.capacity} samples)")
       if self.controller is not None:
-        completion = shard.loss_mask.sum(axis=1)
-        lengths = {int(g): float(completion[shard.group_ids == g].mean()) for g in np.unique(shard.group_ids)}
-        status = self.controller.on_shard(envelope.sampler_id, int(shard.steps[0]), lengths)
+        status = self.controller.on_shard(envelope.sampler_id, shard)
         if status == "rejoin":  # a sampler of another run (the trainer restarted): not ours to train
           self._count("rejoin_refusals")
           return {"seq": envelope.seq, "status": "rejoin"}
+        if status == "trained":  # its step is trained: another sampler's copy was taken
+          self._count("trained_batches")
+          self._last_seq[envelope.sampler_id] = envelope.seq
+          return {"seq": envelope.seq, "status": "trained"}
         if status == "late":
           self._count("late_batches")
       try:
@@ -210,13 +223,17 @@ class TrainerFlightServer(flight.FlightServerBase):
   def do_get(self, context, ticket):
     """Ticket `{"weights": version}`, or with `"part": i, "parts": n` the i-th of n disjoint parts."""
     try:
+      if len(ticket.ticket) > 1024:
+        raise ValueError(f"a ticket of {len(ticket.ticket)} bytes")
       request = json.loads(ticket.ticket)
       version, part, parts = int(request["weights"]), int(request.get("part", 0)), int(request.get("parts", 1))
       schema, flat = self.weights.get(version)
-      if not 0 <= part < parts:
-        raise ValueError(f"part {part} of {parts}")
-    except (ValueError, KeyError, TypeError) as err:
-      raise flight.FlightServerError(f"bad weights ticket {ticket.ticket[:100]!r}: {err}") from None
+      if not 1 <= parts <= len(flat) or not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts} (parts: 1 to the {len(flat)} tensors)")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+      if VERSION_GONE not in str(err):
+        self._count("bad_tickets")
+      raise flight.FlightServerError(f"bad weights ticket {ticket.ticket[:QUOTE_CHARS]!r}: {_bounded(err)}") from None
     if parts > 1:
       names = list(flat)
       chosen = partition_tensors([a.nbytes for a in flat.values()], parts)[part]
@@ -239,8 +256,14 @@ class TrainerFlightServer(flight.FlightServerBase):
       reply = handler(message)
     except BadMessage as err:
       self._count("bad_actions")
-      raise flight.FlightServerError(str(err)) from None
+      raise flight.FlightServerError(_bounded(err)) from None
     return [flight.Result(pa.py_buffer(encode_message(reply)))]
 
   def list_actions(self, context):
     return [("control", "a JSON control message (streamrl_jax.messages) in, its reply out")]
+
+
+def _bounded(err: Exception, limit: int = 500) -> str:
+  """An error's text, cut so that no refusal carries much of what a peer sent (gRPC metadata is small)."""
+  text = str(err)
+  return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"

@@ -4,7 +4,10 @@ One row per sample: its key (step, group id, sample index), the tokens it trains
 completion, unpadded), which of them carry loss, the sampler's log-probabilities, the reward, the policy
 versions that produced it, and the envelope: the sending sampler's id and the batch's sequence number
 (one value per batch, used to acknowledge and deduplicate). No pickle: the receiver checks every column
-and refuses a malformed batch with a message naming what is wrong.
+against the run's `WireLimits` (nulls at every level, finite floats within range, token ids in the
+vocabulary, lengths and row counts within the run's own limits) and refuses a malformed batch with a
+message naming the row and the rule. Lease rules (which sampler may send which sample) are the
+controller's, not the codec's.
 """
 
 from __future__ import annotations
@@ -28,8 +31,29 @@ ROWS = {"step": "steps", "group_id": "group_ids", "prompt_id": "prompt_ids", "sa
 LISTS = ("tokens", "loss_mask", "sampler_logprobs")
 
 
+# What a sampler can produce: a sampled token's log-probability is <= 0 and, in float32, above about -104
+# (the smallest positive float's log); anything far outside would turn importance weights into 0 or inf.
+LOGPROB_RANGE = (-1000.0, 1e-3)
+MAX_ABS_REWARD = 1e6
+
+
 class BadSampleBatch(ValueError):
   """A sample batch that does not follow `SAMPLE_SCHEMA` or its rules."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WireLimits:
+  """What a batch of this run may hold: token ids below `vocab_size`, at most `max_tokens` per sample
+  (prompt and completion) and `max_rows` samples per batch."""
+
+  vocab_size: int
+  max_tokens: int = 1 << 20
+  max_rows: int = 1 << 16
+
+  @classmethod
+  def of_run(cls, config, vocab_size: int) -> WireLimits:
+    """A pipeline run's limits: its longest prompt and completion, a step's samples."""
+    return cls(vocab_size, config.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +78,26 @@ def shard_to_batch(shard: SampleShard, envelope: SampleEnvelope) -> pa.RecordBat
   return pa.record_batch([columns[f.name] for f in SAMPLE_SCHEMA], schema=SAMPLE_SCHEMA)
 
 
-def batch_to_shard(batch: pa.RecordBatch, vocab_size: int) -> tuple[SampleShard, SampleEnvelope]:
+def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[SampleShard, SampleEnvelope]:
   """Checks a received batch and rebuilds the shard (rows right-padded to the longest); raises
-  `BadSampleBatch` naming the first problem."""
+  `BadSampleBatch` naming the first problem. `limits`: the run's, or a vocabulary size alone."""
+  limits = limits if isinstance(limits, WireLimits) else WireLimits(int(limits))
+  vocab_size = limits.vocab_size
   _check_schema(batch.schema)
+  try:
+    batch.validate(full=True)  # offsets within bounds, buffers of the right size
+  except pa.ArrowException as err:
+    raise BadSampleBatch(f"sample batch is not well-formed Arrow: {str(err)[:200]}") from None
   if batch.num_rows == 0:
     raise BadSampleBatch("sample batch has no rows")
+  if batch.num_rows > limits.max_rows:
+    raise BadSampleBatch(f"sample batch has {batch.num_rows} rows; this run takes at most {limits.max_rows} "
+                         f"(a step's samples)")
   for column, field in zip(batch.columns, batch.schema):
     if column.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.null_count} nulls")
+    if field.name in LISTS and column.values.null_count:
+      raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.values.null_count} nulls inside its lists")
   envelope = SampleEnvelope(*(_uniform(batch, name) for name in ("sampler_id", "seq")))
   lists = {name: _list_column(batch, name) for name in LISTS}
   lengths = np.diff(lists["tokens"][0])
@@ -77,6 +112,15 @@ def batch_to_shard(batch: pa.RecordBatch, vocab_size: int) -> tuple[SampleShard,
     raise BadSampleBatch(f"row {row}: token ids must lie in [0, {vocab_size}) (the vocabulary)")
   if lengths.min() < 2:
     raise BadSampleBatch(f"row {int(np.argmin(lengths))}: a sample needs at least 2 tokens (prompt and completion)")
+  if lengths.max() > limits.max_tokens:
+    raise BadSampleBatch(f"row {int(np.argmax(lengths))}: {int(lengths.max())} tokens; this run's samples hold at most "
+                         f"{limits.max_tokens} (prompt and completion)")
+  logprobs = lists["sampler_logprobs"][1]
+  bad = ~np.isfinite(logprobs) | (logprobs < LOGPROB_RANGE[0]) | (logprobs > LOGPROB_RANGE[1])
+  if bad.any():
+    row = int(np.searchsorted(lists["sampler_logprobs"][0], np.flatnonzero(bad)[0], "right")) - 1
+    raise BadSampleBatch(f"row {row}: sampler_logprobs must be finite and in [{LOGPROB_RANGE[0]:g}, 0], got "
+                         f"{logprobs[np.flatnonzero(bad)[0]]!r}")
   rows = {field: batch.column(wire).to_numpy() for wire, field in ROWS.items()}
   _check_rows(rows)
   width = int(lengths.max())
@@ -125,10 +169,11 @@ def _list_column(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarr
 def _check_rows(rows: dict) -> None:
   checks = [("steps", rows["steps"] < 0, "step must be >= 0"),
             ("group_ids", rows["group_ids"] < 0, "group_id must be >= 0"),
+            ("prompt_ids", rows["prompt_ids"] < 0, "prompt_id must be >= 0"),
             ("sample_indices", rows["sample_indices"] < 0, "sample_index must be >= 0"),
             ("first_versions", rows["first_versions"] < 0, "first_version must be >= 0"),
             ("last_versions", rows["last_versions"] < rows["first_versions"], "last_version must be >= first_version"),
-            ("rewards", ~np.isfinite(rows["rewards"]), "reward must be finite")]
+            ("rewards", ~(np.abs(rows["rewards"]) <= MAX_ABS_REWARD), f"reward must be finite, |reward| <= {MAX_ABS_REWARD:g}")]
   for _, bad, message in checks:
     if bad.any():
       raise BadSampleBatch(f"row {int(np.argmax(bad))}: {message}")

@@ -64,6 +64,11 @@ class SampleShard:
     fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in ROW_FIELDS})
     return cls(**fields)
 
+  def take(self, rows) -> SampleShard:
+    """The samples at `rows` (indices), in that order."""
+    rows = np.asarray(rows, np.int64)
+    return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS}})
+
   def keys(self) -> list[tuple[int, int, int]]:
     """(step, group id, sample index) of every sample: what identifies it whoever generated it."""
     return list(zip(self.steps.tolist(), self.group_ids.tolist(), self.sample_indices.tolist()))

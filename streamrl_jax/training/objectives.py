@@ -55,6 +55,23 @@ class ObjectiveConfig:
         raise ValueError(f"ObjectiveConfig.{name} must be >= 1, got {getattr(self, name)}")
 
 
+def uses_old_logprobs(fn):
+  """Marks an objective that compares with the trainer's own policy before the step (`old_logprobs`)."""
+  fn.uses_old_logprobs = True
+  return fn
+
+
+def with_old_logprobs(batch: dict, logp, objective: str) -> dict:
+  """`batch` with `old_logprobs`: as given; else, for an objective that uses them, the trainer's policy
+  before this step's update, which is `logp` without gradient (every micro-batch of a step is accumulated at
+  the same parameters and the update comes once, at the end: exact, and no second forward); else the
+  sampler's (what the clipped-ratio figure compares with)."""
+  if "old_logprobs" in batch:
+    return batch
+  own = getattr(OBJECTIVES.get(objective), "uses_old_logprobs", False)
+  return {**batch, "old_logprobs": sg(logp) if own else batch["sampler_logprobs"]}
+
+
 def _clipped_surrogate(logp, reference_logp, advantages, cfg: ObjectiveConfig):
   ratio = jnp.exp(logp - reference_logp)
   clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -68,6 +85,7 @@ def ppo(logp, batch, cfg: ObjectiveConfig):
 
 
 @OBJECTIVES.register("ppo_tis")
+@uses_old_logprobs
 def ppo_tis(logp, batch, cfg: ObjectiveConfig):
   """PPO against the trainer's recomputed old log-probabilities, times the truncated importance
   weight min(pi_old / mu, tis_cap) of the sampler's policy mu (no gradient through the weight)."""
@@ -76,6 +94,7 @@ def ppo_tis(logp, batch, cfg: ObjectiveConfig):
 
 
 @OBJECTIVES.register("decoupled_ppo")
+@uses_old_logprobs
 def decoupled_ppo(logp, batch, cfg: ObjectiveConfig):
   """Decoupled PPO: clip around the proximal policy (the trainer's policy before the step, given as
   old_logprobs), weighted by the behaviour ratio pi_prox / mu; tokens whose behaviour ratio exceeds

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, entropy,
-                                              kl_penalty)
+                                              kl_penalty, with_old_logprobs)
 
 SCHEDULES = ("constant", "cosine", "linear")
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs"),
@@ -158,9 +158,6 @@ class Trainer:
     missing = [k for k in keys if k not in batch]
     if missing:
       raise KeyError(f"micro-batch lacks {missing}; a {self.role} micro-batch needs {list(keys)}")
-    needs_old = self.role == "policy" and self.objective.objective in ("ppo_tis", "decoupled_ppo")
-    if needs_old and "old_logprobs" not in batch:
-      raise KeyError(f"objective {self.objective.objective!r} needs old_logprobs in the micro-batch")
     rows, length = np.asarray(batch["tokens"]).shape
     if np.asarray(batch["loss_mask"])[:, 0].any():
       raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
@@ -181,8 +178,6 @@ class Trainer:
       padded = np.zeros(shape, value.dtype)
       padded[:rows, :length] = value
       out[key] = padded
-    if self.role == "policy" and "old_logprobs" not in out:
-      out["old_logprobs"] = out["sampler_logprobs"]
     self.compiled_shapes.add(shape)
     self.last_shape = shape
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
@@ -260,6 +255,7 @@ class Trainer:
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
     logp, ent = token_logprobs(model(batch["tokens"], batch["valid"], batch.get("segment_ids")), batch["tokens"])
+    batch = with_old_logprobs(batch, logp, cfg.objective)
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if ref_params is not None:
@@ -283,7 +279,7 @@ class Trainer:
 
     (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     if self.role == "policy":
-      ratio = jnp.exp(logp - batch["old_logprobs"])
+      ratio = jnp.exp(logp - with_old_logprobs(batch, logp, self.objective.objective)["old_logprobs"])
       clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
     else:  # logp holds the values: count tokens whose value update is clipped
       clipped = jnp.abs(logp - batch["old_values"]) > self.objective.value_clip
