@@ -44,6 +44,10 @@ def test_kv_cache_decoding_equals_full_forward(hf_dirs, name):
   incremental = np.concatenate(steps, axis=1)
   np.testing.assert_allclose(incremental[full_mask], full[full_mask], atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(cache.next_position), full_mask.sum(1))
+  at = np.array([11, 7, 5])  # one real token of each row: the head runs there alone
+  picked, _ = model.forward_with_cache(jnp.asarray(full_tokens), KVCache.init(model.config, len(PROMPTS), 14),
+                                       jnp.asarray(full_mask), logits_at=jnp.asarray(at))
+  np.testing.assert_allclose(np.asarray(picked)[:, 0], full[np.arange(len(PROMPTS)), at], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", MODELS)

@@ -54,8 +54,8 @@ def generate(model: Transformer, tokens, mask, max_new_tokens: int, *, temperatu
 def _generate(graphdef, state, tokens, mask, key, max_new_tokens, temperature):
   model = nnx.merge(graphdef, state)
   cache = KVCache.init(model.config, tokens.shape[0], tokens.shape[1] + max_new_tokens)
-  logits, cache = model.forward_with_cache(tokens, cache, mask)
-  last = jnp.take_along_axis(logits, last_valid_index(mask)[:, None, None], axis=1)[:, 0]
+  logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=last_valid_index(mask))
+  last = logits[:, 0]
 
   def pick(logits, step):
     if temperature == 0.0:

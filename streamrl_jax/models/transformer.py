@@ -76,18 +76,22 @@ class Transformer(nnx.Module):
     hidden, _ = self._trunk(tokens, positions, attend, None, None)
     return hidden
 
-  def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None,
-                         window: int | None = None) -> tuple[jax.Array, KVCache]:
+  def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None, window: int | None = None,
+                         logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Runs tokens [B, T] after what `cache` holds; returns (logits [B, T, vocab], updated cache).
 
     `window` (static) limits attention to the first `window` cache entries; every row's valid
     entries, this chunk's included, must lie below it. Decoding then reads only that much cache.
+    `logits_at` [B] (int): the logits of that position of each row alone, [B, 1, vocab] (a prefill needs
+    the last prompt token's; the LM head over every position would be a fifth of a small model's work).
     """
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     positions, write_index, attend, bookkeeping = cache.chunk_layout(mask)
     attend = attend if window is None else attend[..., :window]
     hidden, kv = self._trunk(tokens, positions, attend, list(zip(cache.keys, cache.values)), write_index)
     new_cache = cache.replace(keys=tuple(k for k, _ in kv), values=tuple(v for _, v in kv), **bookkeeping)
+    if logits_at is not None:
+      hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
     return self._logits(hidden), new_cache
 
   def _trunk(self, tokens, positions, attend, kv_caches, write_index):

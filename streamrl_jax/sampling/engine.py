@@ -250,8 +250,8 @@ class DecodeEngine:
     rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
-    logits, cache = model.forward_with_cache(tokens, cache, mask)
-    last = logits[jnp.arange(rows), true_length - 1]
+    logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
+    last = logits[:, 0]
     keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
     token, logprob = sample_tokens(last, keys, temperature, top_k, top_p)
     done = _stop_hit(token, stop_ids) | (max_new <= 1)
