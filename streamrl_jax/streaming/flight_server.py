@@ -36,6 +36,7 @@ from streamrl_jax.streaming.weights import cast_floats
 
 SAMPLES_COMMAND = b"samples"
 VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted
+MAX_PARTS = 64  # a weights ticket asks for at most this many parts (or one a tensor, when there are more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,8 +229,9 @@ class TrainerFlightServer(flight.FlightServerBase):
       request = json.loads(ticket.ticket)
       version, part, parts = int(request["weights"]), int(request.get("part", 0)), int(request.get("parts", 1))
       schema, flat = self.weights.get(version)
-      if not 1 <= parts <= len(flat) or not 0 <= part < parts:
-        raise ValueError(f"part {part} of {parts} (parts: 1 to the {len(flat)} tensors)")
+      most = max(len(flat), MAX_PARTS)
+      if not 1 <= parts <= most or not 0 <= part < parts:
+        raise ValueError(f"part {part} of {parts} (parts: 1 to {most})")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
       if VERSION_GONE not in str(err):
         self._count("bad_tickets")
