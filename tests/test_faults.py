@@ -345,7 +345,7 @@ def test_elastic_sampler_count_by_hand():
     ElasticSamplers(low=0, high=2)
 
 
-def test_the_launcher_decides_again_only_once_an_added_sampler_has_joined(tmp_path):
+def test_the_launcher_decides_again_only_once_an_added_sampler_has_joined(tmp_path, monkeypatch):
   """The supervisor's elastic loop on metrics and events it is handed: generation lags, so it adds a sampler;
   while that one has not joined, lagging steps add nobody; once it has joined and `cooldown_steps` steps have
   passed, the next one is added. One step's recompile (train_s 5 s) among three does not stop a decision."""
@@ -359,6 +359,8 @@ def test_the_launcher_decides_again_only_once_an_added_sampler_has_joined(tmp_pa
   def joined(name: str) -> None:
     with events.open("a") as out:
       out.write(json.dumps(dict(event="sampler_joined", sampler=name)) + "\n")
+  # Plain children: the launcher's own start runs Python between fork and exec, unsafe in this (JAX) process.
+  monkeypatch.setattr(Child, "start", lambda child: setattr(child, "proc", subprocess.Popen(child.argv)))
   wait = [sys.executable, "-c", "import time; time.sleep(60)"]
   children = [Child("trainer", wait, None, None), Child("sampler-0", wait + ["--name", "sampler-0"], None,
                                                          tmp_path / "sampler-0.log")]
