@@ -47,13 +47,20 @@ def leased_sender(connection, controller) -> FlightSampleSender:
   return FlightSampleSender(connection, sampler_id)
 
 
+def serving(**kwargs):
+  """A server (its controller, queue and store) and a client connection to it; both closed afterwards."""
+  server, controller, queue, store = make_server(**kwargs)
+  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
+  try:
+    yield server, controller, queue, store, connection
+  finally:
+    connection.close()
+    server.shutdown()
+
+
 @pytest.fixture
 def served():
-  server, controller, queue, store = make_server()
-  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
-  yield server, controller, queue, store, connection
-  connection.close()
-  server.shutdown()
+  yield from serving()
 
 
 def test_samples_are_acked_deduplicated_and_malformed_ones_refused(served):

@@ -18,12 +18,11 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.streaming.flight_client import FlightConnection, FlightSampleSender
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND
-from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, WireLimits,
+from streamrl_jax.streaming.sample_schema import (BadSampleBatch, SampleEnvelope, WireLimits,
                                                   batch_to_shard, shard_to_batch)
 from streamrl_jax.tasks import ArithmeticTask
-from tests.test_flight import SETTINGS, leased_sender, make_server
+from tests.test_flight import SETTINGS, leased_sender, serving
 from tests.test_wire_formats import VOCAB, _replace_column, group_shard
 
 LIMITS = WireLimits(VOCAB, max_tokens=24, max_rows=8)
@@ -137,11 +136,7 @@ def test_4_the_trainer_takes_new_groups_beside_trained_ones_and_drops_the_rest_w
 # ---- 5 and 8: memory and the queue over Flight ---------------------------------------------------
 @pytest.fixture
 def door():
-  server, controller, queue, store = make_server(capacity=4)
-  connection = FlightConnection(server.address, timeout_s=10, retry_s=2)
-  yield server, controller, queue, store, connection
-  connection.close()
-  server.shutdown()
+  yield from serving(capacity=4)
 
 
 def test_5_shards_of_far_off_steps_are_refused_and_hold_no_memory(door):

@@ -152,7 +152,7 @@ class TrainerFlightServer(flight.FlightServerBase):
     super().__init__(f"{scheme}://{host}:{port}", **kwargs)
     self.address = f"{host}:{self.port}"
     self.controller, self.samples, self.weights = controller, samples, weights
-    self.limits = limits if isinstance(limits, WireLimits) else WireLimits(int(limits))
+    self.limits = limits  # batch_to_shard's: the run's, or a vocabulary size alone
     self.put_wait_s, self.chunk_bytes = put_wait_s, chunk_bytes
     self._seq_locks: dict[int, threading.Lock] = {}
     self._last_seq: dict[int, int] = {}
