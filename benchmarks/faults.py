@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from streamrl_jax.launcher import Child
+from streamrl_jax.commands.launch_local import Child
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_AT, JOIN_AT = 40, 10, 20
@@ -43,7 +43,7 @@ TINY = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConf
 
 
 class Run:
-  """A trainer and its samplers as processes (`launcher.Child`), logs in the workdir."""
+  """A trainer and its samplers as processes (`commands.launch_local.Child`), logs in the workdir."""
 
   def __init__(self, workdir: Path, sets: tuple[str, ...]):
     self.workdir, self.children = workdir, {}

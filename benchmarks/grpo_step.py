@@ -36,8 +36,7 @@ from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer  # noqa:
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline  # noqa: E402
 from streamrl_jax.sampling import EngineConfig  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer  # noqa: E402
-from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
-from streamrl_jax.config import MeshShape  # noqa: E402
+from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 
 STEPS, SKIP = 10, 2
 PROMPT, NEW = 8, 64

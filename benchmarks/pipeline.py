@@ -29,7 +29,7 @@ MODES = ("colocated", "disaggregated", "stream", "async")
 
 
 def main() -> dict:
-  gin_config.parse()
+  gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS)
   job = dataclasses.replace(job, warmup_steps=100)

@@ -30,7 +30,7 @@ VARIANTS = {"fifo_1_replica": SchedulingConfig(), "fifo_2_replicas": SchedulingC
 
 
 def main() -> dict:
-  gin_config.parse()
+  gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS, mode="stream")
   job = dataclasses.replace(job, warmup_steps=100, max_digits=8)

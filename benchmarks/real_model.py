@@ -103,8 +103,7 @@ def part_speed() -> dict:
   import transformers
   from flax import nnx
 
-  from streamrl_jax.config import MeshShape
-  from streamrl_jax.meshes import mesh_from_devices
+  from streamrl_jax.meshes import single_device_mesh
   from streamrl_jax.models import load_hf, load_tokenizer
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler
@@ -114,7 +113,7 @@ def part_speed() -> dict:
   model, tokenizer = load_hf(directory), load_tokenizer(directory)
   prompts, lengths = _speed_workload(tokenizer)
   graphdef, params = nnx.split(model)
-  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+  mesh = single_device_mesh(jax.devices()[0])
   engine = DecodeEngine(graphdef, model.config, EngineConfig(
       num_slots=SLOTS, max_prompt_length=PROMPT_BUCKET, max_new_tokens=128, min_prefill_bucket=PROMPT_BUCKET,
       steps_per_sync=4), mesh)

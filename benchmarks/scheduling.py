@@ -35,13 +35,11 @@ from flax import nnx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG  # noqa: E402
 
-from streamrl_jax.config import MeshShape  # noqa: E402
-from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
+from streamrl_jax.meshes import MeshShape, mesh_from_devices, split_mesh  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
-from streamrl_jax.sampling import (DecodeEngine, EngineConfig, StreamingSampler, fifo_order,  # noqa: E402
-                                  measure_ptl_curve, split_mesh)
+from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, measure_ptl_curve  # noqa: E402
 from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, SchedulingConfig, dispatch_requests,  # noqa: E402
-                                     engine_slots, longest_first_admission, ranking_metrics)
+                                     engine_slots, fifo_order, longest_first_admission, ranking_metrics)
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 

@@ -25,8 +25,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG, matmul_peak_gflops  # noqa: E402
 
-from streamrl_jax.config import MeshShape  # noqa: E402
-from streamrl_jax.meshes import mesh_from_devices  # noqa: E402
+from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 from streamrl_jax.models import Transformer  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer  # noqa: E402
 

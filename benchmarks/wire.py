@@ -60,7 +60,7 @@ WIDTH = PROMPT_LENGTH + NEW_TOKENS
 def _run_settings(run: Run) -> tuple[dict, int]:
   """The trainer's settings (what a sampler registers with) and its vocabulary size."""
   from streamrl_jax import gin_config
-  from streamrl_jax.config import flat_settings
+  from streamrl_jax.settings import flat_settings
 
   gin_config.parse([run.config[1]], list(SETS))
   config, job = gin_config.build_run()

@@ -21,6 +21,7 @@ import sys
 import time
 
 from streamrl_jax import distributed
+from streamrl_jax.resources import cpu_cores
 
 DEMO_PROMPTS = ("12+34=", "7*8=", "100-1=", "(2+3)*4=")
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "grain", "numpy", "gin-config",
@@ -41,9 +42,9 @@ def cmd_info(args) -> int:
   import jax
 
   from streamrl_jax import gin_config
-  from streamrl_jax.config import MeshConfig
+  from streamrl_jax.meshes import MeshConfig
 
-  gin_config.parse(args.config, args.set)
+  gin_config.parse(gin_config.run_files(args.config), args.set)
   mesh_config = gin_config.build(MeshConfig)
   devices = jax.devices()
   info = {"python": sys.version.split()[0], "versions": _versions(), "backend": jax.default_backend(),
@@ -113,51 +114,6 @@ def cmd_convert(args) -> int:
   return 0
 
 
-def cmd_train(args) -> int:
-  from streamrl_jax import gin_config
-  from streamrl_jax.pipeline.runner import run_pipeline
-
-  gin_config.parse(args.config, args.set)
-  config, job = gin_config.build_run()
-  return run_training(args, config, job, run_pipeline, "streamrl train")
-
-
-def run_training(args, config, job, runner, prog: str) -> int:
-  """`train_job` with a progress bar (process 0 of the trainer only), a clean Ctrl-C and the summary line."""
-  import jax
-  from tqdm import tqdm
-
-  from streamrl_jax.pipeline.train_job import train_job
-
-  leader = jax.process_index() == 0
-  print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
-        f"workdir {args.workdir}", flush=True)
-  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True, disable=not leader)
-
-  def progress(m):
-    bar.update(1)
-    extra = {"replicas": m["sampler_instances"]} if "sampler_instances" in m else {}
-    if "ranker_recall_top20" in m:
-      extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
-    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
-                    samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
-  try:
-    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
-                        resume="auto" if getattr(args, "auto_resume", False) else args.resume,
-                        runner=runner, role="trainer" if args.command == "trainer" else "train")
-  except KeyboardInterrupt:
-    bar.close()
-    print(f"{prog}: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
-          f"Continue with: {prog} --workdir {args.workdir} --resume (and the same --config/--set)",
-          file=sys.stderr)
-    return 130
-  finally:
-    bar.close()
-  if leader:
-    print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
-  return 0
-
-
 def cmd_simulate(args) -> int:
   from streamrl_jax.sim.report import run_report, summary_lines
 
@@ -174,8 +130,9 @@ def _config_args(parser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-  from streamrl_jax.launcher import add_launch_parser
-  from streamrl_jax.role_commands import add_role_parsers
+  from streamrl_jax.commands.launch_local import add_launch_parser
+  from streamrl_jax.commands.roles import add_role_parsers
+  from streamrl_jax.commands.train import cmd_train
 
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
   parser.add_argument("--host-devices", type=int, default=None,
@@ -218,10 +175,6 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-def cpu_cores() -> int:
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def default_host_devices(args=None) -> int:
   """CPU devices for a one-program run: one per core this process may use (more only splits the same
   cores into threads that contend), at least 2 so that sampler and trainer meshes both exist, and as many
@@ -229,9 +182,9 @@ def default_host_devices(args=None) -> int:
   wanted = 0
   if getattr(args, "config", None) is not None:
     from streamrl_jax import gin_config
-    from streamrl_jax.config import MeshConfig
+    from streamrl_jax.meshes import MeshConfig
 
-    gin_config.parse(args.config, args.set)
+    gin_config.parse(gin_config.run_files(args.config), args.set)
     mesh = gin_config.build(MeshConfig)
     wanted = mesh.sampler_devices + mesh.trainer_devices
   return max(2, cpu_cores(), wanted)
@@ -253,7 +206,7 @@ def main(argv=None) -> int:
   args = build_parser().parse_args(argv)
   try:
     if args.host_devices is None:
-      from streamrl_jax.role_commands import ROLES, role_host_devices
+      from streamrl_jax.commands.roles import ROLES, role_host_devices
       args.host_devices = (role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch"
                            else default_host_devices(args))
     force_host_devices(args.host_devices)

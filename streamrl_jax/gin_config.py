@@ -7,18 +7,25 @@ Only this module knows gin; the dataclasses stay plain. A gin file writes e.g.
 from __future__ import annotations
 
 import dataclasses
+import sys
+from pathlib import Path
 
 import gin
 
-from streamrl_jax.config import MeshConfig, ModelConfig, RopeScaling
 from streamrl_jax.gke.launch_config import GKEConfig
+from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.models.config import ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.remote import FlightConfig
 from streamrl_jax.pipeline.train_job import JobConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
+from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 
+CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
+               Path(sys.prefix) / "share" / "streamrl_jax" / "configs")  # an install (pyproject data-files)
+DEMO_CONFIG = next((d / "demo_cpu.gin" for d in CONFIG_DIRS if (d / "demo_cpu.gin").is_file()),
+                   CONFIG_DIRS[0] / "demo_cpu.gin")
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
                   RankerConfig, SchedulingConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
@@ -29,7 +36,7 @@ def parse(config_files=(), bindings=()) -> None:
   """Parses gin files and binding strings; a mistake is raised as ValueError naming it."""
   gin.clear_config()
   try:
-    gin.parse_config_files_and_bindings(list(config_files), list(bindings))
+    gin.parse_config_files_and_bindings([str(f) for f in config_files], list(bindings))
   except (ValueError, KeyError, SyntaxError, IOError) as err:
     raise ValueError(f"bad gin configuration: {err}") from err
 
@@ -46,12 +53,22 @@ def build(cls, **defaults):
   return cls(**{**defaults, **bound})
 
 
+def run_files(config_files) -> list[str]:
+  """The gin files of a run: those given, else the CPU demo's (`configs/demo_cpu.gin`, the one place its
+  values are written)."""
+  if config_files:
+    return list(config_files)
+  if not DEMO_CONFIG.is_file():
+    raise FileNotFoundError(f"no --config given, and the CPU demo's demo_cpu.gin is in none of "
+                            f"{[str(d) for d in CONFIG_DIRS]}; pass --config FILE")
+  return [str(DEMO_CONFIG)]
+
+
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
-  parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig, **DEMO_ENGINE),
-               optimizer=build(OptimizerConfig, **DEMO_OPTIMIZER), objective=build(ObjectiveConfig),
-               scheduling=build(SchedulingConfig, ranker=build(RankerConfig)))
-  return build(PipelineConfig, **DEMO_PIPELINE, **parts), build(JobConfig)
+  parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
+               objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)))
+  return build(PipelineConfig, **parts), build(JobConfig)
 
 
 def build_flight() -> FlightConfig:
@@ -63,8 +80,3 @@ def build_gke() -> GKEConfig:
   """Where a run goes on GKE (`GKEConfig` bindings; `streamrl launch gke`)."""
   return build(GKEConfig)
 
-
-# The CPU demo's defaults (gin bindings override them).
-DEMO_ENGINE = dict(num_slots=32, max_prompt_length=32, max_new_tokens=64, min_prefill_bucket=32)
-DEMO_OPTIMIZER = dict(learning_rate=3e-4)
-DEMO_PIPELINE = dict(mode="async", steps=80, prompts_per_step=16, group_size=8, max_new_tokens=64)

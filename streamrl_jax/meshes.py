@@ -1,18 +1,79 @@
-"""Builds the sampler and trainer meshes on disjoint devices from a `MeshConfig`."""
+"""Every mesh of a run is built here: the mesh config (how devices split between the sampler and the
+trainer), both meshes of one program, one role's mesh as its own program, the sampler's replica
+sub-meshes, a process's local share of a mesh, and the one-device mesh of tools and warm-up."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from streamrl_jax.config import MeshConfig, MeshShape
-
 AXES = ("data", "fsdp", "tensor")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshShape:
+  """Sizes of the ("data", "fsdp", "tensor") axes of one mesh."""
+
+  data: int
+  fsdp: int
+  tensor: int
+
+  @property
+  def size(self) -> int:
+    return self.data * self.fsdp * self.tensor
+
+  def as_dict(self) -> dict[str, int]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """How devices split between the sampler mesh and the trainer mesh.
+
+  The sampler replicates weights over "data" (one engine slot group per data shard) and splits
+  them over "tensor"; the trainer shards them over "fsdp" and "tensor".
+  0 devices means: the sampler gets half (rounded up), the trainer the rest.
+  """
+
+  sampler_devices: int = 0
+  trainer_devices: int = 0
+  sampler_tensor_parallel: int = 1
+  trainer_tensor_parallel: int = 1
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if value < 0 or (field.name.endswith("parallel") and value < 1):
+        raise ValueError(f"MeshConfig.{field.name}={value} is out of range")
+
+  def split(self, num_devices: int) -> tuple[MeshShape, MeshShape]:
+    """(sampler, trainer) mesh shapes over `num_devices` devices; raises if they do not fit."""
+    if num_devices < 2:
+      raise ValueError(f"two meshes need at least 2 devices, found {num_devices}")
+    sampler = self.sampler_devices or (num_devices - self.trainer_devices if self.trainer_devices
+                                       else (num_devices + 1) // 2)
+    trainer = self.trainer_devices or num_devices - sampler
+    if sampler < 1 or trainer < 1 or sampler + trainer > num_devices:
+      raise ValueError(f"MeshConfig asks for {sampler} sampler + {trainer} trainer devices, "
+                       f"but {num_devices} are available")
+    for name, n, tp in (("sampler", sampler, self.sampler_tensor_parallel),
+                        ("trainer", trainer, self.trainer_tensor_parallel)):
+      if n % tp:
+        raise ValueError(f"MeshConfig.{name}_tensor_parallel={tp} does not divide {n} {name} devices")
+    return (MeshShape(data=sampler // self.sampler_tensor_parallel, fsdp=1, tensor=self.sampler_tensor_parallel),
+            MeshShape(data=1, fsdp=trainer // self.trainer_tensor_parallel, tensor=self.trainer_tensor_parallel))
 
 
 def mesh_from_devices(devices, shape: MeshShape) -> Mesh:
   return Mesh(np.asarray(devices).reshape(shape.data, shape.fsdp, shape.tensor), AXES)
+
+
+def single_device_mesh(device=None) -> Mesh:
+  """A mesh of one device (default: this process's first): warm-up, tools, benchmarks."""
+  return mesh_from_devices([device if device is not None else jax.local_devices()[0]], MeshShape(1, 1, 1))
 
 
 def build_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh]:
@@ -21,6 +82,16 @@ def build_meshes(config: MeshConfig, devices=None) -> tuple[Mesh, Mesh]:
   sampler, trainer = config.split(len(devices))
   return (mesh_from_devices(devices[: sampler.size], sampler),
           mesh_from_devices(devices[sampler.size: sampler.size + trainer.size], trainer))
+
+
+def pipeline_meshes(config: MeshConfig, shared: bool, devices=None) -> tuple[Mesh, Mesh]:
+  """(sampler_mesh, trainer_mesh) of a run in one program: disjoint (`build_meshes`), or with `shared` (the
+  colocated mode) the same devices twice, laid out over "data" for the sampler and "fsdp" for the trainer."""
+  devices = list(jax.devices() if devices is None else devices)
+  if shared:
+    return (mesh_from_devices(devices, MeshShape(len(devices), 1, 1)),
+            mesh_from_devices(devices, MeshShape(1, len(devices), 1)))
+  return build_meshes(config, devices)
 
 
 def role_mesh_shape(config: MeshConfig, role: str, num_devices: int) -> MeshShape:
@@ -43,3 +114,37 @@ def role_mesh(config: MeshConfig, role: str, devices=None) -> Mesh:
   devices = list(jax.devices() if devices is None else devices)
   shape = role_mesh_shape(config, role, len(devices))
   return mesh_from_devices(devices[:shape.size], shape)
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+  """This process's devices of `mesh`, over "fsdp" with the parent's tensor size where it divides them:
+  what a process of a multi-process trainer runs its own work on (the output-length ranker)."""
+  local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+  tensor = mesh.shape.get("tensor", 1)
+  tensor = tensor if len(local) % tensor == 0 else 1
+  return mesh_from_devices(local, MeshShape(1, len(local) // tensor, tensor))
+
+
+def split_mesh(mesh: Mesh, devices_per_instance: list[int]) -> list[Mesh]:
+  """Disjoint sub-meshes of `mesh` (its devices in order), each ("data", "fsdp", "tensor") with the
+  parent's tensor size and the rest on "data"."""
+  devices = list(mesh.devices.flat)
+  if sum(devices_per_instance) > len(devices):
+    raise ValueError(f"instances ask for {sum(devices_per_instance)} devices; the sampler mesh has {len(devices)}")
+  tensor = mesh.shape.get("tensor", 1)
+  out, start = [], 0
+  for n in devices_per_instance:
+    t = tensor if n % tensor == 0 else 1
+    out.append(mesh_from_devices(devices[start:start + n], MeshShape(n // t, 1, t)))
+    start += n
+  return out
+
+
+def replica_meshes(sampler_mesh: Mesh, replicas: int) -> list[Mesh]:
+  """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
+  if replicas == 1:
+    return [sampler_mesh]
+  if sampler_mesh.devices.size % replicas:
+    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_mesh.devices.size} "
+                     f"sampler devices")
+  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // replicas] * replicas)

@@ -1,4 +1,4 @@
-"""What this process holds of the machine: resident memory, for the per-step memory figures."""
+"""What this process holds of the machine: its CPU cores and resident memory."""
 
 from __future__ import annotations
 
@@ -15,3 +15,7 @@ def resident_mb() -> float:
   except (OSError, ValueError, IndexError):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+
+
+def cpu_cores() -> int:
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

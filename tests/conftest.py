@@ -62,7 +62,7 @@ def hf_dirs(tmp_path_factory):
 def single_process_run(tmp_path_factory):
   """`streamrl launch local` of the tiny stream config: one trainer and one sampler process, each pinned to
   its own core; (workdir, output). Runs of other shapes compare their final weights with this one's."""
-  from tests.test_programs import finish, launch, write_config
+  from tests.processes import finish, launch, write_config
 
   workdir = tmp_path_factory.mktemp("single")
   code, out = finish(launch(workdir, "--config", write_config(workdir / "tiny.gin"), "--pin-cores"), workdir)

@@ -7,8 +7,7 @@ import jax
 import pytest
 
 from streamrl_jax import cli, gin_config
-from streamrl_jax.config import MeshConfig, MeshShape
-from streamrl_jax.meshes import build_meshes
+from streamrl_jax.meshes import MeshConfig, MeshShape, build_meshes
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -77,4 +76,20 @@ def test_every_shipped_gin_file_builds(path):
   if path.name == "skew_cpu.gin":
     assert config.scheduling.policy == "skew_aware" and config.scheduling.instance_limit == 2
     assert config.scheduling.ranker.max_prompt_length == 32
+  gin_config.parse()
+
+
+def test_without_a_config_a_run_reads_the_cpu_demo_file_alone():
+  """The CPU demo's values live in configs/demo_cpu.gin only: no --config reads that file, and what it builds
+  differs from the library's defaults (which no demo value shadows)."""
+  from streamrl_jax.settings import flat_settings
+
+  assert gin_config.run_files([]) == [str(gin_config.DEMO_CONFIG)] and gin_config.DEMO_CONFIG.name == "demo_cpu.gin"
+  assert gin_config.run_files(["x.gin"]) == ["x.gin"]
+  gin_config.parse(gin_config.run_files([]))
+  demo = flat_settings(*gin_config.build_run())
+  gin_config.parse()
+  defaults = flat_settings(*gin_config.build_run())
+  differing = {k for k in demo if demo[k] != defaults[k]}
+  assert {"PipelineConfig.steps", "EngineConfig.num_slots", "OptimizerConfig.learning_rate"} <= differing
   gin_config.parse()

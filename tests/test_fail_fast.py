@@ -10,10 +10,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from streamrl_jax import cli, gin_config
-from streamrl_jax.config import flat_settings
+from streamrl_jax.settings import flat_settings
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.train_job import JobConfig
-from tests.test_train_job import word_checkpoint
+from tests.checkpoints import word_checkpoint
 
 COMPILE_EVENTS = []
 

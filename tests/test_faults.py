@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from streamrl_jax.launcher import Child, ElasticSamplers, Supervisor
+from streamrl_jax.commands.launch_local import Child, ElasticSamplers, Supervisor
 from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, StepReport
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
@@ -26,7 +26,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.trainer_worker import _refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
-from tests.test_programs import TINY, alive
+from tests.processes import TINY, alive
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
 TIMEOUT_S = 240
@@ -238,7 +238,11 @@ class Programs:
 def check_each_step_once(workdir: Path, steps: int) -> dict:
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-  assert all(m["rss_mb"] > 0 and m["sampler_rss_mb"] > 0 and m["queue_max_depth"] >= 0 for m in metrics)
+  assert all(m["rss_mb"] > 0 and m["sampler_rss_mb"] > 0 for m in metrics)
+  # The queue's depth now never exceeds its running maximum, which never falls; every sample passed through it.
+  assert all(0 <= m["queue_depth"] <= m["queue_max_depth"] for m in metrics)
+  assert [m["queue_max_depth"] for m in metrics] == sorted(m["queue_max_depth"] for m in metrics)
+  assert metrics[-1]["queue_max_depth"] >= 1
   counters = json.loads((workdir / "summary.json").read_text())["counters"]
   return counters
 

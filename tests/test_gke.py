@@ -18,11 +18,11 @@ import pytest
 import yaml
 
 from streamrl_jax import cli, distributed, gin_config
-from streamrl_jax.config import flat_settings
+from streamrl_jax.settings import flat_settings
 from streamrl_jax.gke import GKEConfig, render, trainer_address
-from streamrl_jax.launcher import free_port
+from streamrl_jax.commands.launch_local import free_port
 from tests import jobset_api
-from tests.test_programs import TINY, alive, final_weights
+from tests.processes import TINY, alive, final_weights
 from tests.tls_certs import write_test_certificates
 
 BASE = dict(image="us-docker.pkg.dev/proj/repo/streamrl:1", bucket="gs://my-bucket/runs")
@@ -315,7 +315,7 @@ def test_the_shipped_launch_configs_render_valid_jobsets(launch, tmp_path, capsy
 
 
 def test_the_run_mesh_must_fit_the_roles_accelerators():
-  from streamrl_jax.config import MeshConfig
+  from streamrl_jax.meshes import MeshConfig
   gke = GKEConfig(name="rl", **BASE)  # trainer 2x4 (8 chips), samplers 2x2 (4 chips)
   gke.check_mesh(MeshConfig())
   gke.check_mesh(MeshConfig(sampler_devices=4, trainer_devices=8, trainer_tensor_parallel=4))

@@ -9,8 +9,8 @@ from flax import nnx
 from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
-from tests.test_pipeline import BASE, MODEL, run
-from tests.test_trainer import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows
+from tests.pipeline_setup import BASE, MODEL, run
+from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows
 
 
 def numpy_logprobs(graphdef, params, tokens, valid):

@@ -7,34 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl_jax.config import MeshConfig
-from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
+from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
-from streamrl_jax.sampling import EngineConfig
-from streamrl_jax.tasks import ArithmeticTask
-
-TOKENIZER = CharTokenizer()
-MODEL = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2)
-
-
-class DigitTask(ArithmeticTask):
-  """Arithmetic prompts with a dense reward (the fraction of digits in the completion), so that
-  advantages and gradients are non-zero even for an untrained model."""
-
-  @staticmethod
-  def reward(prompt: str, completion: str) -> float:
-    return sum(c.isdigit() for c in completion) / max(1, len(completion))
-
-
-BASE = PipelineConfig(steps=3, prompts_per_step=4, group_size=4, max_new_tokens=12, seed=1,
-                      engine=EngineConfig(num_slots=8, max_prompt_length=16, max_new_tokens=12, min_prefill_bucket=16),
-                      mesh=MeshConfig(sampler_devices=4, trainer_devices=4))
-
-
-def run(mode: str, **overrides):
-  config = dataclasses.replace(BASE, mode=mode, **overrides)
-  return run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3))
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +80,10 @@ def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path,
   """Ranker-driven dispatch over replicas that join and leave while the job runs: every prompt is trained
   once, the parameters equal the FIFO single-replica run (samples depend on (seed, group, index) only),
   the ranker's metrics are logged and its state is checkpointed and restored."""
-  from streamrl_jax.pipeline import trainer_worker
   from streamrl_jax.scheduling import SchedulingConfig
   from streamrl_jax.training.checkpoint import Checkpointer
   targets = iter([2, 1, 2, 2])
-  monkeypatch.setattr(trainer_worker, "elastic_target", lambda config, current, gen_s, train_s: next(targets))
+  monkeypatch.setattr(SchedulingConfig, "replica_target", lambda self, current, gen_s, train_s: next(targets))
   scheduling = SchedulingConfig(policy="skew_aware", instances=1, max_instances=2, elastic=True)
   checkpointer = Checkpointer(tmp_path, max_to_keep=3)
   config = dataclasses.replace(BASE, mode="stream", scheduling=scheduling)

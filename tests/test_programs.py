@@ -6,79 +6,13 @@ GKE manifests, and is compared with this module's single-process run."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from safetensors.numpy import load_file
 
 from streamrl_jax import distributed
-from streamrl_jax.launcher import assign_cores
-
-TINY = """
-PipelineConfig.steps = {steps}
-PipelineConfig.prompts_per_step = 4
-PipelineConfig.group_size = 2
-PipelineConfig.max_new_tokens = 8
-PipelineConfig.mode = '{mode}'
-PipelineConfig.seed = 3
-EngineConfig.num_slots = 4
-EngineConfig.max_prompt_length = 16
-EngineConfig.max_new_tokens = 8
-EngineConfig.min_prefill_bucket = 16
-MeshConfig.sampler_devices = 1
-MeshConfig.trainer_devices = {trainer_devices}
-JobConfig.warmup_steps = 0
-JobConfig.eval_prompts = 2
-JobConfig.hidden_size = 32
-FlightConfig.heartbeat_s = 0.5
-"""
-TIMEOUT_S = 240
-
-
-def write_config(path: Path, steps: int = 2, trainer_devices: int = 1, mode: str = "stream") -> str:
-  path.write_text(TINY.format(steps=steps, trainer_devices=trainer_devices, mode=mode))
-  return str(path)
-
-
-def launch(workdir: Path, *args: str) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS="")  # each program forces its own host devices
-  return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(workdir),
-                           *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def children_of(workdir: Path) -> list[int]:
-  path = workdir / "launch.json"
-  return [c["pid"] for c in json.loads(path.read_text())] if path.exists() else []
-
-
-def alive(pid: int) -> bool:
-  try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
-    return False
-  return True
-
-
-def finish(proc: subprocess.Popen, workdir: Path, timeout: float = TIMEOUT_S) -> tuple[int, str]:
-  """Waits for the launcher; on any failure kills it and every child it started."""
-  try:
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
-  finally:
-    for pid in [proc.pid] + children_of(workdir):
-      if alive(pid):
-        os.kill(pid, signal.SIGKILL)
-
-
-def metrics(workdir: Path) -> list[dict]:
-  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(workdir: Path) -> dict:
-  return load_file(str(workdir / "final_model" / "model.safetensors"))
+from streamrl_jax.commands.launch_local import assign_cores
+from tests.processes import TIMEOUT_S, alive, children_of, finish, launch, metrics, write_config
 
 
 @pytest.mark.slow
@@ -94,7 +28,7 @@ def test_launch_local_runs_the_job_across_processes(single_process_run):
   lanes = {e["args"]["name"] for e in json.loads((workdir / "trace.json").read_text())["traceEvents"] if e["ph"] == "M"}
   assert {"sampler-0", "trainer", "sync"} <= lanes
   launched = json.loads((workdir / "launch.json").read_text())
-  assert [c["cores"] for c in launched] == [[0], [1]] or len(os.sched_getaffinity(0)) > 2
+  assert [c["cores"] for c in launched] == assign_cores(sorted(os.sched_getaffinity(0)), 1, 1)  # --pin-cores
   assert not any(alive(c["pid"]) for c in launched)
   assert "the run is over" in (workdir / "logs" / "sampler-0.log").read_text()
 

@@ -11,10 +11,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl_jax.config import MeshConfig, flat_settings
+from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.settings import flat_settings
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline.remote import FlightConfig, run_sampler, serve_training
-from tests.test_pipeline import BASE, MODEL, TOKENIZER, DigitTask
+from streamrl_jax.pipeline.sampler_program import run_sampler
+from streamrl_jax.pipeline.trainer_program import serve_training
+from streamrl_jax.streaming.flight_config import FlightConfig
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 
 FAST = FlightConfig(heartbeat_s=0.2, call_timeout_s=30, connect_retry_s=30, sampler_timeout_s=60, finish_grace_s=5)
 
@@ -65,7 +68,7 @@ def test_every_prompt_is_trained_once_across_flight(remote, mode):
 
 
 def test_stream_across_flight_ends_with_the_parameters_of_in_process_disaggregated(remote):
-  from tests.test_pipeline import run
+  from tests.pipeline_setup import run
   local = run("disaggregated")
   for x, y in zip(jax.tree.leaves(remote["stream"][0].params), jax.tree.leaves(local.params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

@@ -9,11 +9,9 @@ from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamrl_jax.config import MeshShape
-from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.meshes import MeshShape, mesh_from_devices, split_mesh
 from streamrl_jax.models import load_hf
-from streamrl_jax.sampling import (DecodeEngine, EngineConfig, StreamingSampler, filter_logits, measure_ptl_curve,
-                                 split_mesh)
+from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, filter_logits, measure_ptl_curve
 from streamrl_jax.types import SamplingParams
 
 ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=60, min_prefill_bucket=8)  # windows 64, 76

@@ -99,3 +99,16 @@ def test_longest_first_admission_by_hand():
   from streamrl_jax.scheduling import longest_first_admission
   pending = [SimpleNamespace(predicted_length=v) for v in (10.0, None, 30.0, 20.0, None, 30.0)]
   assert longest_first_admission(pending) == [2, 5, 3, 0, 1, 4]
+
+
+def test_scheduling_policies_are_registered_with_their_admission_and_ranker_need():
+  from streamrl_jax.scheduling import (SCHEDULING_POLICIES, SchedulingConfig, fifo_order,
+                                       longest_first_admission)
+
+  assert SCHEDULING_POLICIES.names() == ["fifo", "skew_aware"]
+  assert SchedulingConfig(policy="fifo").scheduling_policy.admission is fifo_order
+  skew = SchedulingConfig(policy="skew_aware").scheduling_policy
+  assert skew.admission is longest_first_admission and skew.needs_ranker
+  assert not SCHEDULING_POLICIES.get("fifo").needs_ranker
+  with pytest.raises(ValueError, match=r"SchedulingConfig.policy='lifo'; known: \['fifo', 'skew_aware'\]"):
+    SchedulingConfig(policy="lifo")

@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl_jax.config import MeshShape
-from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, Transformer, shard_model, state_shardings
 from streamrl_jax.streaming import QueueClosed, SampleQueue, SampleShard, WeightSync
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from streamrl_jax import cli
+from tests.checkpoints import word_checkpoint
 
 DEMO_GIN = str(Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.gin")
 KEYS = ("step", "reward_mean", "accuracy", "samples_per_s", "staleness_mean", "trainer_idle_frac", "sampler_idle_frac",
@@ -51,21 +52,6 @@ def test_train_rejects_gin_mistakes(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def word_checkpoint(hf_dirs, model_dir):
-  """The tiny Qwen2 checkpoint with a word-level tokenizer of "what is A plus B ?" prompts."""
-  import shutil
-
-  import tokenizers
-  shutil.copytree(hf_dirs["qwen2"][0], model_dir)
-  words = ["<pad>", "</s>", "[UNK]", "what", "is", "plus", "?"] + [str(d) for d in range(10)]
-  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
-  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-  tok.add_special_tokens(["<pad>", "</s>"])
-  tok.save(str(model_dir / "tokenizer.json"))
-  (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
-  return model_dir
-
-
 def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path):
   model_dir = word_checkpoint(hf_dirs, tmp_path / "model")
   prompts = tmp_path / "prompts.jsonl"

@@ -22,8 +22,8 @@ from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND
 from streamrl_jax.streaming.sample_schema import (BadSampleBatch, SampleEnvelope, WireLimits,
                                                   batch_to_shard, shard_to_batch)
 from streamrl_jax.tasks import ArithmeticTask
-from tests.test_flight import SETTINGS, leased_sender, serving
-from tests.test_wire_formats import VOCAB, _replace_column, group_shard
+from tests.flight_setup import SETTINGS, leased_sender, serving
+from tests.wire_samples import VOCAB, _replace_column, group_shard
 
 LIMITS = WireLimits(VOCAB, max_tokens=24, max_rows=8)
 CONFIG = PipelineConfig(mode="async", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)

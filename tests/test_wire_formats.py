@@ -11,25 +11,11 @@ from hypothesis import strategies as st
 
 from streamrl_jax.messages import (BadMessage, Lease, LeaseReply, Register, StepReport, decode_message,
                                    encode_message)
-from streamrl_jax.streaming import SampleShard
 from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
                                                   shard_to_batch)
 from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, partition_tensors,
                                                   read_manifest, weight_batches, weight_schema)
-
-VOCAB = 50
-
-
-def group_shard(lengths, prompt_len=2, step=3, seed=0, group=7) -> SampleShard:
-  """One group (`group`) of `step`: a sample of each length, indices 0, 1, ..."""
-  rng = np.random.default_rng(seed)
-  n, width = len(lengths), max(lengths) + 3
-  valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
-  return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid,
-                     loss_mask=valid & (np.arange(width)[None] >= prompt_len),
-                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=rng.random(n),
-                     prompt_ids=np.full(n, group), group_ids=np.full(n, group), sample_indices=np.arange(n),
-                     steps=np.full(n, step), first_versions=np.full(n, 2), last_versions=np.full(n, 3))
+from tests.wire_samples import VOCAB, _replace_column, group_shard
 
 
 @settings(max_examples=25, deadline=None)
@@ -43,11 +29,6 @@ def test_sample_batch_round_trip(lengths):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field)[:, :width])
   for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field))
-
-
-def _replace_column(batch: pa.RecordBatch, name: str, values) -> pa.RecordBatch:
-  columns = [values if f.name == name else batch.column(i) for i, f in enumerate(batch.schema)]
-  return pa.record_batch(columns, schema=batch.schema)
 
 
 def _bad_batches():

@@ -122,3 +122,8 @@ class ValueModel(nnx.Module):
   def __call__(self, tokens, attention_mask=None, segment_ids=None) -> jax.Array:
     hidden = self.trunk.hidden_states(tokens, attention_mask, segment_ids)
     return (hidden @ self.value_head[...].astype(hidden.dtype)).astype(jnp.float32)
+
+
+def abstract_model(model_config):
+  """(graphdef, parameter structure without values) of a model config."""
+  return nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))

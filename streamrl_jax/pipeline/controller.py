@@ -1,5 +1,6 @@
-"""The controller: the step plan (which prompts, leased to which sampler), the version gate, the replica
-target and what the samplers reported. It owns this state alone; samplers and the trainer reach it only
+"""The controller: the step plans (made by the pure functions of `step_plan`), the leases and the samplers'
+roster, the version gate, the replica target (by the elastic rule, from each trained step's times) and what
+the samplers reported. It owns this state alone; samplers and the trainer reach it only
 through the typed messages of `streamrl_jax.messages` (directly in one process, over Arrow Flight
 DoAction across processes), each handled under one lock.
 
@@ -25,21 +26,11 @@ import numpy as np
 
 from streamrl_jax.messages import (Ack, BadMessage, BadShard, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest,
                                    Leave, Register, Registered, StepReport, quote)
-from streamrl_jax.scheduling import dispatch_requests, lengths_from_scores, ranking_metrics
+from streamrl_jax.pipeline.step_plan import StepPlan, cut_prompts, min_version, step_leases, step_prompts
+from streamrl_jax.pipeline.watchdog import Watchdog
+from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
 
 MAX_LEASE_WAIT_S = 30.0
-
-
-@dataclasses.dataclass
-class _StepPlan:
-  prompts: list[str]
-  encoded: list[list[int]]
-  scores: np.ndarray | None
-  unleased: list[Lease]
-  leases: int  # how many leases the step was cut into
-  reports: dict = dataclasses.field(default_factory=dict)  # lease id -> StepReport
-  delivered: dict = dataclasses.field(default_factory=dict)  # group id -> mean completion length
-  summary: dict | None = None
 
 
 @dataclasses.dataclass
@@ -65,7 +56,7 @@ class Controller:
     self._cond = threading.Condition()
     self._version = -1  # nothing published yet
     self._next_step = start_step
-    self._plans: dict[int, _StepPlan] = {}
+    self._plans: dict[int, StepPlan] = {}
     self._leases: dict[int, tuple[int, Lease]] = {}  # lease id -> (sampler id, lease)
     self._samplers: dict[int, _Sampler] = {}
     self._lost: dict[int, str] = {}  # ids declared lost -> name
@@ -75,8 +66,7 @@ class Controller:
     self._target_instances = config.scheduling.instances
     self._finished = False
     self._next_lease = 0
-    self._watchdog: threading.Thread | None = None
-    self._closed = threading.Event()
+    self._watchdog: Watchdog | None = None
     self.busy: dict[str, list] = {}  # sampler name -> [(start, end, label)] in epoch seconds
     self.events: list[dict] = []  # samplers joining, leaving, lost; leases given again; in epoch seconds
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
@@ -246,31 +236,21 @@ class Controller:
 
   def start_watchdog(self, period: float | None = None) -> None:
     """Checks for silent samplers every `period` s (default: a quarter of the lease timeout) on a thread of
-    its own. A tick that comes late (this process was paused: SIGSTOP, a long GC, an overloaded host)
-    gives every sampler a fresh start instead of blaming them for our own silence."""
-    period = period or self.lease_timeout_s / 4
-    start = self._clock()
-
-    def watch():
-      last = start
-      while not self._closed.wait(period):
-        now = self._clock()
-        if now - last > 2 * period + 1.0:
-          with self._cond:
-            for sampler in self._samplers.values():
-              sampler.last_seen = now
-            self._event("trainer_paused", seconds=round(now - last - period, 2))
-        else:
-          self.expire_silent()
-        last = now
-    self._watchdog = threading.Thread(target=watch, daemon=True, name="controller-watchdog")
+    its own; a late tick (this process was paused) gives every sampler a fresh start instead."""
+    self._watchdog = Watchdog(period or self.lease_timeout_s / 4, self.expire_silent, self._paused, self._clock)
     self._watchdog.start()
+
+  def _paused(self, seconds: float) -> None:
+    with self._cond:
+      now = self._clock()
+      for sampler in self._samplers.values():
+        sampler.last_seen = now
+      self._event("trainer_paused", seconds=round(seconds, 2))
 
   def close(self) -> None:
     """Stops the watchdog."""
-    self._closed.set()
     if self._watchdog is not None:
-      self._watchdog.join()
+      self._watchdog.close()
 
   def _drop(self, sampler_id: int, *, lost: bool) -> str:
     """Removes a sampler (lock held); its unreported leases go back to the front of their steps."""
@@ -325,6 +305,14 @@ class Controller:
     with self._cond:
       self._target_instances = instances
 
+  def step_trained(self, step: int, train_s: float) -> dict:
+    """The trainer has trained `step` in `train_s` s: sets the replica target of the next leases by the elastic
+    rule (per sampler process: each runs its own replicas) and returns the step's summary."""
+    summary = self.step_summary(step)
+    per_process = max(1, round(summary["sampler_instances"] / max(1, summary.get("sampler_processes", 1))))
+    self.set_target_instances(self.config.scheduling.replica_target(per_process, summary["generation_s"], train_s))
+    return summary
+
   def step_summary(self, step: int, timeout: float | None = None) -> dict:
     """generation_s, sampler_instances and the ranker's figures of `step`, once all its leases reported."""
     timeout = self.summary_timeout_s if timeout is None else timeout
@@ -369,13 +357,11 @@ class Controller:
     return self._plans[step].unleased.pop(0)
 
   def _min_version(self, step: int) -> int:
-    """The version gate: weights a step's generation may start with."""
-    return max(self.start_step, step - self.spec.max_lag)
+    return min_version(self.start_step, step, self.spec.max_lag)
 
-  def _plan(self, step: int) -> _StepPlan:
+  def _plan(self, step: int) -> StepPlan:
     config = self.config
-    rng = np.random.default_rng([config.seed, step])
-    prompts = [self.task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+    prompts = step_prompts(config, self.task, step)
     encoded = [self.tokenizer.encode(p) for p in prompts]
     scores, predicted, quantiles, history = None, (), (), ()
     if self.ranker is not None:
@@ -384,28 +370,12 @@ class Controller:
       predicted = tuple(float(x) for x in lengths_from_scores(scores, history, default=config.max_new_tokens / 2))
       if history.size:
         quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
-    cuts = self._cut(step, predicted, history)
-    first = step * config.prompts_per_step
-    leases = [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
-                    prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
-                    if predicted else (), length_quantiles=quantiles, min_version=self._min_version(step),
-                    instances=self._target_instances) for idx in cuts]
-    return _StepPlan(prompts, encoded, scores, leases, len(leases))
+    cuts = cut_prompts(config, step, predicted, history, parts=len(self._samplers))
+    leases = step_leases(config, step, prompts, cuts, predicted, quantiles, self._min_version(step),
+                         self._target_instances)
+    return StepPlan(prompts, encoded, scores, leases, len(leases))
 
-  def _cut(self, step: int, predicted: tuple, history) -> list:
-    """A step's prompt indices cut into one lease per live sampler: consecutive equal slices, or with
-    skew-aware scheduling and predictions, the dispatch policy's groups (the predicted-longest prompts
-    together on as many samplers as the latency model gives them), prompts standing for their groups."""
-    config = self.config
-    parts = max(1, min(len(self._samplers), config.prompts_per_step))
-    if not predicted or parts == 1 or config.scheduling.policy != "skew_aware":
-      return np.array_split(np.arange(config.prompts_per_step), parts)
-    slots_in_prompts = max(1, config.engine.num_slots // config.group_size)
-    dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)), slots_in_prompts,
-                                 seed=config.seed * 100_003 + step)
-    return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
-
-  def _summarise(self, step: int, plan: _StepPlan) -> dict:
+  def _summarise(self, step: int, plan: StepPlan) -> dict:
     reports = list(plan.reports.values())
     by_group = dict(plan.delivered)  # groups of a lease handed back: their length as delivered
     by_group.update({g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)})

@@ -1,7 +1,8 @@
 """The four run modes in one process: a sampler worker on a thread, the trainer worker on the caller's, and
 the controller between them, joined by the in-process transports (a bounded `SampleQueue` for samples, a
 `WeightSync` for weights). Across processes the same workers run in `streamrl trainer` and `streamrl
-sampler` over Arrow Flight (`pipeline.remote`).
+sampler` over Arrow Flight (`pipeline.trainer_program`, `pipeline.sampler_program`); the trainer's side of
+both is `pipeline.trainer_session`.
 
   colocated      one mesh; generation of step j needs version j; training waits for the whole batch
   disaggregated  two meshes; as colocated, across meshes, with a weight sync per step
@@ -16,10 +17,7 @@ the output-length ranker's skew-aware plan), and may add or retire a replica bet
 
 from __future__ import annotations
 
-import dataclasses
 import threading
-import time
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -27,64 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from streamrl_jax.config import MeshShape
-from streamrl_jax.meshes import build_meshes, mesh_from_devices
+from streamrl_jax.meshes import pipeline_meshes
 from streamrl_jax.models import state_shardings
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
-from streamrl_jax.resources import resident_mb
-from streamrl_jax.scheduling import OnlineRanker
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
-
-
-@dataclasses.dataclass
-class RunResult:
-  params: nnx.State
-  metrics: list[dict]
-  counters: dict
-  timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
-
-
-def _meshes(config: PipelineConfig, devices):
-  devices = list(jax.devices() if devices is None else devices)
-  if config.spec.shared_mesh:
-    return (mesh_from_devices(devices, MeshShape(len(devices), 1, 1)),
-            mesh_from_devices(devices, MeshShape(1, len(devices), 1)))
-  return build_meshes(config.mesh, devices)
-
-
-def make_ranker(config: PipelineConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
-  """The output-length ranker for skew-aware scheduling (None otherwise), restored with a resumed run."""
-  if config.scheduling.policy != "skew_aware":
-    return None
-  ranker = OnlineRanker(config.scheduling.ranker, mesh)
-  if resume:
-    try:
-      ranker.load_state_arrays(checkpointer.restore_aux({"ranker": ranker.state_arrays()})["ranker"])
-    except FileNotFoundError as err:  # saved by a run without the ranker: it starts fresh and learns online
-      warnings.warn(f"{err}; the output-length ranker starts untrained", stacklevel=3)
-  return ranker
-
-
-def ranker_aux(ranker: OnlineRanker | None) -> Callable[[], dict] | None:
-  return None if ranker is None else (lambda: {"ranker": ranker.state_arrays()})
-
-
-def timeline_of(trainer: TrainerWorker, controller: Controller, start_epoch: float) -> dict:
-  """Busy intervals per lane (each sampler, the trainer, weight syncs), seconds from the run's start."""
-  lanes = {name: [(b - start_epoch, e - start_epoch, label) for b, e, label in spans]
-           for name, spans in sorted(controller.busy.items())}
-  return {**lanes, **trainer.timeline}
-
-
-def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
-  """Per-step figures of this process's memory and the sample queue's depth (now, and the most so far)."""
-  def probe() -> dict:
-    stats = queue.stats()
-    return dict(rss_mb=resident_mb(), queue_depth=stats["depth"], queue_max_depth=stats["max_depth"])
-  return probe
 
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
@@ -97,7 +45,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   """
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
-  sampler_mesh, trainer_mesh = _meshes(config, devices)
+  sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
   trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=checkpointer, resume=resume)
   ranker = make_ranker(config, sampler_mesh, checkpointer, resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
@@ -122,26 +70,16 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     except QueueClosed:
       raise RuntimeError("the sampler stopped before the run was complete") from (errors[0] if errors else None)
 
-  start_epoch = time.time()
   thread = threading.Thread(target=sample, daemon=True, name="sampler")
-  thread.start()
-  if ranker is not None:
-    ranker.start()
-  try:
-    metrics = trainer.run(controller, get_shard, sync, clock=lambda: time.time() - start_epoch, on_step=on_step,
-                          aux=ranker_aux(ranker), probe=memory_probe(queue))
-  finally:
+
+  def teardown() -> None:
     stop.set()
     controller.finish()
     queue.close()
     thread.join()
-    sync.wait()
-    if ranker is not None:
-      ranker.stop()
-    if checkpointer is not None:
-      checkpointer.wait()
+  result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
+                         start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
+                         on_step=on_step)
   if errors:
     raise RuntimeError("the sampler thread failed") from errors[0]
-  counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()})
-  return RunResult(jax.tree.map(np.asarray, trainer.state.params), metrics, counters,
-                   timeline_of(trainer, controller, start_epoch))
+  return result

@@ -18,21 +18,12 @@ import numpy as np
 from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport, WeightUpdate
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
-from streamrl_jax.sampling import DecodeEngine, StreamingSampler, fifo_order, split_mesh
-from streamrl_jax.scheduling import dispatch_requests, engine_slots, longest_first_admission
+from streamrl_jax.meshes import replica_meshes
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.scheduling import dispatch_requests, engine_slots
 from streamrl_jax.types import SamplingParams
 
 LEASE_POLL_S = 5.0
-
-
-def replica_meshes(sampler_mesh, replicas: int) -> list:
-  """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
-  if replicas == 1:
-    return [sampler_mesh]
-  if sampler_mesh.devices.size % replicas:
-    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_mesh.devices.size} "
-                     f"sampler devices")
-  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // replicas] * replicas)
 
 
 class SamplerWorker:
@@ -46,7 +37,7 @@ class SamplerWorker:
     sched = config.scheduling
     self.replica_meshes = replica_meshes(mesh, sched.instance_limit)
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
-    self.admission = longest_first_admission if sched.policy == "skew_aware" else fifo_order
+    self.admission = sched.scheduling_policy.admission
     self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:

@@ -14,16 +14,16 @@ import jax
 import numpy as np
 from flax import nnx
 
-from streamrl_jax.config import MeshShape, flat_settings
-from streamrl_jax.meshes import mesh_from_devices
+from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import (CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config,
                                  save_hf)
+from streamrl_jax.models.chat import ChatFormat
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler
-from streamrl_jax.models.chat import ChatFormat
+from streamrl_jax.settings import flat_settings
 from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, PromptFile, SumsTask
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
@@ -122,7 +122,7 @@ def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=pr
   """Teacher-forced cross-entropy on (prompt, worked solution) pairs through the RL trainer with the
   `reinforce` objective and advantage 1: its loss is then the completion tokens' mean NLL."""
   graphdef, params = nnx.split(model)
-  mesh = mesh_from_devices(jax.local_devices()[:1], MeshShape(1, 1, 1))
+  mesh = single_device_mesh()
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=job.warmup_learning_rate, warmup_steps=20),
                     ObjectiveConfig(objective="reinforce"), mesh)
   state = trainer.init_state(params, seed=job.seed)
@@ -160,7 +160,7 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
 def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> list:
   """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed."""
   graphdef, params = nnx.split(model)
-  mesh = mesh_from_devices(jax.local_devices()[:1], MeshShape(1, 1, 1))
+  mesh = single_device_mesh()
   engine = DecodeEngine(graphdef, model.config, config.engine, mesh)
   sampler = StreamingSampler([engine], params)
   rng = np.random.default_rng(10_000 + seed)
@@ -179,7 +179,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
   and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
-  `run_pipeline` (one program) or the trainer's side of separate programs (`pipeline.remote.serve_training`).
+  `run_pipeline` (one program) or the trainer's side of separate programs (`trainer_program.serve_training`).
   In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
   `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built."""
   from streamrl_jax.training.checkpoint import Checkpointer

@@ -18,10 +18,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from streamrl_jax.scheduling import elastic_target
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
-from streamrl_jax.training.rebatch import chunk_tokens_for
+from streamrl_jax.training.packing import chunk_tokens_for
 
 
 class TrainerWorker:
@@ -77,11 +76,7 @@ class TrainerWorker:
       done = {k: v - before[k] for k, v in self.batcher.counters.items()}
       train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
                            train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
-      summary = controller.step_summary(step)
-      # The replica target is per sampler process (each runs its own replicas); before the weights go out.
-      per_process = max(1, round(summary["sampler_instances"] / max(1, summary.get("sampler_processes", 1))))
-      controller.set_target_instances(elastic_target(self.config.scheduling, per_process, summary["generation_s"],
-                                                     train_s))
+      summary = controller.step_trained(step, train_s)  # before the weights go out: the next replica target
       sync_start = clock()
       weights.publish(self.state.params, step + 1)
       controller.published(step + 1)

@@ -1,11 +1,9 @@
 """Generation on the sampler mesh: the decode engine and the continuous-batching driver."""
 
-from streamrl_jax.sampling.driver import AdmissionPolicy, StreamingSampler, fifo_order
-from streamrl_jax.sampling.engine import (DecodeEngine, DecodeState, Engine, EngineConfig, Prefix, StepOutput,
-                                          split_mesh)
+from streamrl_jax.sampling.driver import AdmissionPolicy, StreamingSampler
+from streamrl_jax.sampling.engine import DecodeEngine, DecodeState, Engine, EngineConfig, Prefix, StepOutput
 from streamrl_jax.sampling.profile import measure_ptl_curve
 from streamrl_jax.sampling.sample import filter_logits, sample_tokens
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "DecodeState", "Engine", "EngineConfig", "Prefix", "StepOutput",
-           "StreamingSampler", "fifo_order", "filter_logits", "measure_ptl_curve", "sample_tokens",
-           "split_mesh"]
+           "StreamingSampler", "filter_logits", "measure_ptl_curve", "sample_tokens"]

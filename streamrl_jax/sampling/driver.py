@@ -19,14 +19,10 @@ import jax
 import numpy as np
 
 from streamrl_jax.sampling.engine import DecodeEngine
+from streamrl_jax.scheduling.policies import fifo_order
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
 
-AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]
-
-
-def fifo_order(pending: Sequence[Request]) -> Sequence[int]:
-  """Admit in arrival order."""
-  return range(len(pending))
+AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduling.policies.fifo_order`
 
 
 @dataclasses.dataclass

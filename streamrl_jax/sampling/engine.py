@@ -334,17 +334,3 @@ class _Knobs:
   def arrays(self) -> tuple:
     return self.temperature, self.top_k, self.top_p, self.max_new, self.stop_ids
 
-
-def split_mesh(mesh: Mesh, devices_per_instance: list[int]) -> list[Mesh]:
-  """Disjoint sub-meshes of `mesh` (its devices in order), each ("data", "fsdp", "tensor") with the
-  parent's tensor size and the rest on "data"."""
-  devices = list(mesh.devices.flat)
-  if sum(devices_per_instance) > len(devices):
-    raise ValueError(f"instances ask for {sum(devices_per_instance)} devices; the sampler mesh has {len(devices)}")
-  tensor = mesh.shape.get("tensor", 1)
-  out, start = [], 0
-  for n in devices_per_instance:
-    t = tensor if n % tensor == 0 else 1
-    out.append(Mesh(np.asarray(devices[start:start + n]).reshape(n // t, 1, t), ("data", "fsdp", "tensor")))
-    start += n
-  return out

@@ -38,6 +38,11 @@ def lpt_order(predicted: Sequence[float]) -> list[int]:
   return sorted(range(len(predicted)), key=lambda i: -predicted[i])
 
 
+def fifo_order(pending: Sequence) -> Sequence[int]:
+  """An admission policy for `StreamingSampler`: queued requests in arrival order."""
+  return range(len(pending))
+
+
 def longest_first_admission(pending: Sequence) -> list[int]:
   """An admission policy for `StreamingSampler`: queued requests by descending `predicted_length`
   (the ranker's score); requests without a prediction keep their arrival order after the rest."""
@@ -158,3 +163,15 @@ def elastic_decision(t_gen: float, t_train: float, saved_by_one_more: float, los
   if t_train - (t_gen + lost_by_one_fewer) > margin:
     return -1
   return 0
+
+
+def elastic_target(current: int, gen_s: float, train_s: float, *, low: int, high: int,
+                   hysteresis: float = 0.05) -> int:
+  """The replica count for the next step, within [low, high], changed by at most one: generation time is
+  assumed to scale as 1 / replicas, so one more saves gen_s / (n + 1) and one fewer costs gen_s / (n - 1).
+  The in-process replicas (`SchedulingConfig.elastic`) and `streamrl launch local`'s sampler processes both
+  follow this rule."""
+  saved = gen_s / (current + 1)
+  lost = gen_s / (current - 1) if current > 1 else float("inf")
+  change = elastic_decision(gen_s, train_s, saved, lost, hysteresis=hysteresis)
+  return int(np.clip(current + change, low, high))

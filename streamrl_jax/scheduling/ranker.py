@@ -27,6 +27,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from scipy import stats
 
+from streamrl_jax.meshes import single_device_mesh
+
 RECALL_FRACTIONS = (0.2, 0.1, 0.05)
 
 
@@ -179,7 +181,7 @@ class OnlineRanker:
 
   def __init__(self, config: RankerConfig = RankerConfig(), mesh: Mesh | None = None):
     self.config = config
-    self.mesh = mesh if mesh is not None else Mesh(np.asarray(jax.devices()[:1]), ("data",))
+    self.mesh = mesh if mesh is not None else single_device_mesh(jax.devices()[0])
     self.graphdef, state = init_ranker(config)
     self._train_step = make_train_step(self.graphdef, config)
     self._score = make_scorer(self.graphdef, self.mesh)

@@ -11,12 +11,12 @@ import dataclasses
 
 import numpy as np
 
+from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.scheduling import ptl_at, random_dispatch, skew_aware_dispatch
 from streamrl_jax.sim.instance import simulate_instance
 from streamrl_jax.sim.profiles import (H800, Hardware, LengthDistribution, ModelSpec, memory_max_batch,
                                        scaled_ptl_curve)
 
-MODES = ("colocated", "disaggregated", "stream", "async")
 DISPATCH = ("random", "skew_aware", "oracle")
 
 
@@ -56,19 +56,24 @@ class SimConfig:
       raise ValueError(f"unknown dispatch {self.dispatch!r}; known: {list(DISPATCH)}")
     if self.sync_bandwidth_gbs <= 0 or self.sync_latency_s < 0:
       raise ValueError("sync bandwidth must be > 0 and latency >= 0")
-    if self.mode != "colocated" and not 0 < self.sampler_devices < self.total_devices:
+    if not self.spec.shared_mesh and not 0 < self.sampler_devices < self.total_devices:
       raise ValueError(f"sampler_devices={self.sampler_devices} must leave devices for the trainer "
                        f"(total {self.total_devices})")
     if self.global_batch < 1 or self.iterations < 1 or self.micro_batch < 1 or self.staleness < 0:
       raise ValueError("global_batch, iterations and micro_batch must be >= 1, staleness >= 0")
 
   @property
+  def spec(self) -> ModeSpec:
+    """The mode's meaning as flags (the simulator reads these, never the mode's name)."""
+    return ModeSpec.of(self.mode, self.staleness)
+
+  @property
   def generation_devices(self) -> int:
-    return self.total_devices if self.mode == "colocated" else self.sampler_devices
+    return self.total_devices if self.spec.shared_mesh else self.sampler_devices
 
   @property
   def training_devices(self) -> int:
-    return self.total_devices if self.mode == "colocated" else self.total_devices - self.sampler_devices
+    return self.total_devices if self.spec.shared_mesh else self.total_devices - self.sampler_devices
 
 
 def noisy_predictions(true_lengths: np.ndarray, recall: float, rng: np.random.Generator) -> np.ndarray:
@@ -142,28 +147,24 @@ def simulate(config: SimConfig) -> dict:
   gen_free = train_free = 0.0
   ready = {0: 0.0}  # policy version -> time its weights are on the sampler
   gen_times, iteration_ends, timeline = [], [], None
+  spec = config.spec
   for i in range(config.iterations):
     lengths = config.lengths.sample(rng, config.global_batch, scale=(1 + config.length_drift) ** i)
     finish, plan = generation(config, lengths, rng, config.generation_devices)
-    if config.mode == "async":
-      version = max(0, i - config.staleness)
-      start = max(gen_free, ready[version])
-    else:
-      start = max(gen_free, train_free)
+    start = max(gen_free, ready[max(0, i - spec.max_lag)])  # the version gate
     arrivals = start + finish
     gen_end = float(arrivals.max())
     tokens = lengths + config.prompt_len
-    if config.mode == "colocated":
+    if spec.shared_mesh:  # training waits for the whole batch and the switch of the mesh to training
       end, busy = streamed_training(config, arrivals, tokens, gen_end + config.colocated_switch_s,
                                     config.training_devices, stream=False)
       end += config.colocated_switch_s
       ready[i + 1] = end
-      gen_free = end
     else:
       end, busy = streamed_training(config, arrivals, tokens, train_free, config.training_devices,
-                                    stream=config.mode in ("stream", "async"))
+                                    stream=spec.streamed)
       ready[i + 1] = end + sync_seconds(config)
-      gen_free = gen_end if config.mode == "async" else ready[i + 1]
+    gen_free = gen_end
     train_free = end
     gen_times.append(gen_end - start)
     iteration_ends.append(ready[i + 1])
@@ -178,7 +179,7 @@ def simulate(config: SimConfig) -> dict:
 def _timeline(plan, arrivals, start, busy, synced, config: SimConfig) -> dict:
   instances = [(start, float(arrivals[list(order)].max()) if order else start) for order in plan.assignment]
   return {"instances": instances, "long_instances": plan.long_instances, "trainer": busy,
-          "sync": (busy[-1][1], synced) if config.mode != "colocated" else None}
+          "sync": (busy[-1][1], synced) if not config.spec.shared_mesh else None}
 
 
 def simulate_elastic(config: SimConfig, *, hysteresis: float = 0.05) -> dict:

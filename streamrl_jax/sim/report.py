@@ -6,7 +6,8 @@ import dataclasses
 import json
 from pathlib import Path
 
-from streamrl_jax.sim.pipeline import MODES, simulate, simulate_elastic
+from streamrl_jax.modes import MODES, ModeSpec
+from streamrl_jax.sim.pipeline import simulate, simulate_elastic
 from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset
 
 
@@ -43,7 +44,7 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
 
 def _cost_per_hour(config, mode: str, ladder: dict) -> float:
   """Relative cost per hour of the devices a mode holds (H20 = 1.00, H800 = 2.85)."""
-  if mode == "colocated":
+  if ModeSpec.of(mode, config.staleness).shared_mesh:
     return config.total_devices * config.trainer_hardware.cost_per_hour
   sampler = ladder["sampler_devices"]
   return (sampler * config.sampler_hardware.cost_per_hour

@@ -6,7 +6,6 @@ Across processes the same record travels as an Arrow record batch (`streaming.sa
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from streamrl_jax.training.registry import Registry
+from streamrl_jax.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator")
 EPS = 1e-6

@@ -12,7 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from streamrl_jax.training.registry import Registry
+from streamrl_jax.registry import Registry
 
 OBJECTIVES = Registry("policy objective")
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant")

@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, entropy,
                                               kl_penalty, with_old_logprobs)
+from streamrl_jax.training.packing import packed_shapes
 
 SCHEDULES = ("constant", "cosine", "linear")
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs"),
@@ -103,7 +104,7 @@ class Trainer:
                rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy"):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
-    (with `segment_ids`, see `rebatch.pack_rows`) keep their length and pad rows to a multiple of the mesh's
+    (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
     batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows)."""
     if role not in BATCH_KEYS:
       raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
@@ -200,14 +201,7 @@ class Trainer:
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
     """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` real tokens: every
     power-of-two piece (in units of the batch shards) and every trimmed last piece (see `packed_pieces`)."""
-    from streamrl_jax.training.rebatch import TRIM_MULTIPLE
-
-    unit, rows, shapes = self.packed_row_quantum, self.packed_row_quantum, []
-    while rows <= -(-max_tokens // length) + unit:
-      shapes.append((rows, length))
-      rows *= 2
-    shapes += [(unit, width) for width in range(TRIM_MULTIPLE, length, TRIM_MULTIPLE)]
-    for rows, width in shapes:
+    for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
       state = self.accumulate(state, self._lossless_batch(rows, width, packed=True))
     return state
 

@@ -52,12 +52,12 @@ def role_host_devices(args) -> int:
   """CPU devices to force for a role program: `MeshConfig.<role>_devices` (shared among the role's
   processes, from flags or the environment), else one per CPU core this process may run on."""
   from streamrl_jax import distributed, gin_config
-  from streamrl_jax.config import MeshConfig
+  from streamrl_jax.meshes import MeshConfig
 
-  gin_config.parse(args.config, args.set)
+  gin_config.parse(gin_config.run_files(args.config), args.set)
   wanted = getattr(gin_config.build(MeshConfig), f"{args.command}_devices")
   if not wanted:
-    from streamrl_jax.cli import cpu_cores
+    from streamrl_jax.resources import cpu_cores
     return cpu_cores()
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
   return -(-wanted // (cluster.num_processes if cluster else 1))
@@ -67,7 +67,7 @@ def _start_role(args):
   """Initialises the role's cluster, parses the configuration; (PipelineConfig, JobConfig, FlightConfig, TLS,
   settings)."""
   from streamrl_jax import distributed, gin_config
-  from streamrl_jax.config import flat_settings
+  from streamrl_jax.settings import flat_settings
   from streamrl_jax.streaming.flight_server import TLSFiles
 
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
@@ -76,14 +76,15 @@ def _start_role(args):
                      "replica of its own); replicas spanning several processes are not supported yet")
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
   distributed.initialize(cluster)
-  gin_config.parse(args.config, args.set)
+  gin_config.parse(gin_config.run_files(args.config), args.set)
   config, job = gin_config.build_run()
   return config, job, gin_config.build_flight(), tls, flat_settings(config, job)
 
 
 def cmd_trainer(args) -> int:
-  from streamrl_jax.cli import run_training
-  from streamrl_jax.pipeline.remote import describe_event, serve_training
+  from streamrl_jax.commands.train import run_training
+  from streamrl_jax.pipeline.events import describe_event
+  from streamrl_jax.pipeline.trainer_program import serve_training
 
   config, job, flight_config, tls, settings = _start_role(args)
   events = Path(args.workdir) / "events.jsonl"
@@ -103,7 +104,7 @@ def cmd_trainer(args) -> int:
 
 
 def cmd_sampler(args) -> int:
-  from streamrl_jax.pipeline.remote import run_sampler
+  from streamrl_jax.pipeline.sampler_program import run_sampler
 
   import jax
 

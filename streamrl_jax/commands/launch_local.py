@@ -49,7 +49,7 @@ def add_launch_parser(sub, common) -> None:
   local.add_argument("--min-samplers", type=int, default=1, help="with --max-samplers: the fewest (default 1)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   local.set_defaults(run=cmd_launch_local)
-  from streamrl_jax.gke.command import add_gke_parser
+  from streamrl_jax.commands.launch_gke import add_gke_parser
   add_gke_parser(where, common)
 
 
@@ -141,13 +141,10 @@ class ElasticSamplers:
       raise ValueError(f"need 1 <= --min-samplers ({self.low}) <= --max-samplers ({self.high})")
 
   def target(self, current: int, generation_s: float, train_s: float) -> int:
-    """The sampler count for the next steps: generation time is assumed to scale as 1 / samplers."""
-    from streamrl_jax.scheduling.policies import elastic_decision
+    """The sampler count for the next steps, by the one elastic rule (`policies.elastic_target`)."""
+    from streamrl_jax.scheduling.policies import elastic_target
 
-    saved = generation_s / (current + 1)
-    lost = generation_s / (current - 1) if current > 1 else float("inf")
-    change = elastic_decision(generation_s, train_s, saved, lost, hysteresis=self.hysteresis)
-    return int(np.clip(current + change, self.low, self.high))
+    return elastic_target(current, generation_s, train_s, low=self.low, high=self.high, hysteresis=self.hysteresis)
 
 
 def cmd_launch_local(args) -> int:

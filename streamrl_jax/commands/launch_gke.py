@@ -43,6 +43,7 @@ def cmd_launch_gke(args) -> int:
   from streamrl_jax import gin_config
   from streamrl_jax.gke import render, trainer_address
 
+  args.config = gin_config.run_files(args.config)
   gin_config.parse(args.config, args.set)  # the run's own config must build here, before anything is written
   config, _ = gin_config.build_run()
   gin_config.build_flight()

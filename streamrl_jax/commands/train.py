@@ -1,0 +1,52 @@
+"""`streamrl train`, and what it shares with `streamrl trainer`: the training job with a progress bar, a clean
+Ctrl-C and the summary line."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def cmd_train(args) -> int:
+  from streamrl_jax import gin_config
+  from streamrl_jax.pipeline.runner import run_pipeline
+
+  gin_config.parse(gin_config.run_files(args.config), args.set)
+  config, job = gin_config.build_run()
+  return run_training(args, config, job, run_pipeline, "streamrl train")
+
+
+def run_training(args, config, job, runner, prog: str) -> int:
+  """`train_job` with a progress bar (process 0 of the trainer only), a clean Ctrl-C and the summary line."""
+  import jax
+  from tqdm import tqdm
+
+  from streamrl_jax.pipeline.train_job import train_job
+
+  leader = jax.process_index() == 0
+  print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
+        f"workdir {args.workdir}", flush=True)
+  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True, disable=not leader)
+
+  def progress(m):
+    bar.update(1)
+    extra = {"replicas": m["sampler_instances"]} if "sampler_instances" in m else {}
+    if "ranker_recall_top20" in m:
+      extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
+    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
+                    samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
+  try:
+    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
+                        resume="auto" if getattr(args, "auto_resume", False) else args.resume,
+                        runner=runner, role="trainer" if args.command == "trainer" else "train")
+  except KeyboardInterrupt:
+    bar.close()
+    print(f"{prog}: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
+          f"Continue with: {prog} --workdir {args.workdir} --resume (and the same --config/--set)",
+          file=sys.stderr)
+    return 130
+  finally:
+    bar.close()
+  if leader:
+    print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
+  return 0

@@ -1,0 +1,93 @@
+"""The sampler program (`streamrl sampler`): a sampler worker that takes leases from a trainer over Arrow
+Flight, with a heartbeat thread, and registers again when the trainer no longer knows it. The worker is the
+in-process run's; only the transports differ.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from streamrl_jax.meshes import role_mesh
+from streamrl_jax.messages import Heartbeat
+from streamrl_jax.models import abstract_model, state_shardings
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
+                                                  FlightWeightReceiver)
+from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
+from streamrl_jax.streaming.flight_server import TLSFiles
+
+
+def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
+                name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
+                stop: threading.Event | None = None, devices=None, log=print) -> dict:
+  """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
+  When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease
+  in hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this
+  program's). Returns the sampler's transport statistics."""
+  parse_address(connect, "--connect")
+  stop = stop or threading.Event()
+  connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
+                                retry_s=flight_config.connect_retry_s, log=log)
+  control = FlightControl(connection)
+  mesh = role_mesh(config.mesh, "sampler", devices)
+  graphdef, abstract = abstract_model(model_config)
+  shardings = state_shardings(abstract, mesh)
+  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)
+  sender = FlightSampleSender(connection, -1)
+  stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0)
+  try:
+    while not stop.is_set():
+      sampler_id = worker.register(control)
+      stats["sessions"] += 1
+      log(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
+          + (" (again)" if stats["sessions"] > 1 else ""))
+      sender.sampler_id = sampler_id
+      outcome = _session(worker, control, sender, FlightWeightReceiver(connection, abstract, shardings), sampler_id,
+                         flight_config.heartbeat_s, stop, stats)
+      if outcome != "rejoin":
+        break
+      log(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); its lease "
+          f"is dropped, registering again")
+  finally:
+    connection.close()  # calls still retrying give up at once
+    connection.client.close()
+  return dict(sender.stats, **stats, **connection.counters)
+
+
+def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, period: float,
+             stop: threading.Event, stats: dict) -> str:
+  """One registration's serve loop with its heartbeat thread and weight receiver; returns serve's outcome."""
+  ended, rejoin, errors = threading.Event(), threading.Event(), []
+  beat = threading.Thread(target=_heartbeat, args=(control, sampler_id, period, stop, ended, rejoin, errors),
+                          daemon=True, name="heartbeat")
+  beat.start()
+  try:
+    outcome = worker.serve(control, sender, receiver, stop, rejoin)
+  finally:
+    ended.set()
+    receiver.close()
+    beat.join()
+    for key, value in receiver.stats.items():
+      stats[f"weights_{key}"] += value
+  if errors:
+    raise errors[0]
+  return outcome
+
+
+def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: threading.Event, ended: threading.Event,
+               rejoin: threading.Event, errors: list) -> None:
+  """Beats every `period` s until the session ends; sets `stop` when the trainer says the run is over or
+  cannot be reached, `rejoin` when it no longer knows this sampler."""
+  try:
+    while not ended.wait(period) and not stop.is_set():
+      reply = control.heartbeat(Heartbeat(sampler_id))
+      if reply.stop:
+        stop.set()
+      elif reply.rejoin:
+        rejoin.set()
+        return
+  except BaseException as err:
+    if not stop.is_set() and not ended.is_set():  # a call cut short by the end of the run is no error
+      errors.append(err)
+    stop.set()

@@ -1,0 +1,61 @@
+"""The plan of one step as pure functions of plain data: its prompts (from (seed, step) alone, so a resumed run
+continues the data stream exactly), the version gate, the cut of its prompts into one lease per live sampler,
+and the leases. The `Controller` keeps the plans, the roster and the leases; it decides nothing here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from streamrl_jax.messages import Lease, StepReport
+from streamrl_jax.scheduling import dispatch_requests
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """A step's prompts, their ranker scores, the leases not yet taken, and what came back."""
+
+  prompts: list[str]
+  encoded: list[list[int]]
+  scores: np.ndarray | None
+  unleased: list[Lease]
+  leases: int  # how many leases the step was cut into
+  reports: dict[int, StepReport] = dataclasses.field(default_factory=dict)  # lease id -> report
+  delivered: dict = dataclasses.field(default_factory=dict)  # group id -> mean completion length
+  summary: dict | None = None
+
+
+def step_prompts(config, task, step: int) -> list[str]:
+  """The prompts of `step`: `prompts_per_step` draws of the task from a generator seeded by (seed, step)."""
+  rng = np.random.default_rng([config.seed, step])
+  return [task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+
+
+def min_version(start_step: int, step: int, max_lag: int) -> int:
+  """The version gate: the oldest weights a step's generation may start with."""
+  return max(start_step, step - max_lag)
+
+
+def cut_prompts(config, step: int, predicted: Sequence[float], history, parts: int) -> list[np.ndarray]:
+  """A step's prompt indices cut into one lease per live sampler (`parts`): consecutive equal slices, or with
+  a policy that needs the ranker and its predictions, the dispatch policy's groups (the predicted-longest
+  prompts together on as many samplers as the latency model gives them), prompts standing for their groups."""
+  parts = max(1, min(parts, config.prompts_per_step))
+  if not predicted or parts == 1 or not config.scheduling.scheduling_policy.needs_ranker:
+    return np.array_split(np.arange(config.prompts_per_step), parts)
+  slots_in_prompts = max(1, config.engine.num_slots // config.group_size)
+  dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)), slots_in_prompts,
+                               seed=config.seed * 100_003 + step)
+  return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
+
+
+def step_leases(config, step: int, prompts: Sequence[str], cuts: Sequence[np.ndarray], predicted: Sequence[float],
+                quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
+  """One lease per cut (lease ids are given when a sampler takes one); group ids number the run's prompts."""
+  first = step * config.prompts_per_step
+  return [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
+                prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
+                if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances)
+          for idx in cuts]

@@ -1,0 +1,139 @@
+"""The trainer program (`streamrl trainer`): the trainer worker and the controller behind the trainer's Arrow
+Flight server, samplers in other processes. The trainer's side is the in-process run's
+(`trainer_session.train_session`); only the transports differ. A trainer of several processes: process 0
+serves, the others follow it step by step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
+from streamrl_jax.meshes import local_mesh, role_mesh
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.events import describe_event
+from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.streaming import SampleQueue, cast_floats
+from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
+from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
+from streamrl_jax.streaming.sample_schema import WireLimits
+
+
+def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: str = "127.0.0.1:0",
+                   tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
+                   on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
+                   on_listening: Callable[[str], None] | None = None, devices=None, log=print,
+                   on_event: Callable[[dict], None] | None = None) -> RunResult:
+  """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
+  the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
+  process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
+  the controller's events (samplers joining, leaving, lost); by default they are logged."""
+  if config.spec.shared_mesh:
+    raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
+  graphdef, params = nnx.split(model)
+  if jax.process_count() > 1:  # every process starts from process 0's weights
+    params = multihost_utils.broadcast_one_to_all(params)
+  mesh = role_mesh(config.mesh, "trainer", devices)
+  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume)
+  ranker = make_ranker(config, local_mesh(mesh), checkpointer, resume)
+  if not is_leader():
+    return _follow(config, trainer, ranker)
+  controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
+                          heartbeat_s=flight_config.heartbeat_s, lease_timeout_s=flight_config.lease_timeout_s,
+                          summary_timeout_s=flight_config.sampler_timeout_s,
+                          on_event=on_event or (lambda e: log(describe_event(e))))
+  queue = SampleQueue(config.queue_capacity)
+  store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None,
+                          gather=gather_to_host if jax.process_count() > 1 else None)
+  server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
+                               limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls)
+  log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
+  if on_listening is not None:
+    on_listening(server.address)
+  get_shard = _waiting_get(queue, controller, flight_config, log)
+  if jax.process_count() > 1:
+    get_shard = _broadcasting(get_shard)
+
+  def teardown() -> None:
+    controller.finish()
+    controller.wait_samplers_left(flight_config.finish_grace_s)
+    controller.close()
+    server.shutdown()
+  return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
+                       start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
+                       extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+
+def _broadcasting(get_shard):
+  """get_shard on process 0 that hands each shard to the trainer's other processes (None tells them to stop)."""
+  def get():
+    try:
+      shard = get_shard()
+    except BaseException:
+      broadcast_shard(None)
+      raise
+    return broadcast_shard(shard)
+  return get
+
+
+class _Follower:
+  """What a non-leading trainer process has instead of the controller and the weight store: it joins the
+  collectives (shards, weight gathers) and keeps nothing."""
+
+  def __init__(self, cast_dtype):
+    self.cast_dtype, self.seconds = cast_dtype, {}
+
+  def published(self, version: int) -> None:
+    pass
+
+  def step_trained(self, step: int, train_s: float) -> dict:
+    return dict(generation_s=0.0, sampler_instances=1)
+
+  def sampler_wait_s(self) -> float:
+    return 0.0
+
+  def publish(self, params, version: int) -> None:
+    gather_to_host(cast_floats(params, self.cast_dtype))
+
+  def wait(self) -> None:
+    pass
+
+
+def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult:
+  def get():
+    shard = broadcast_shard(None)
+    if shard is None:
+      raise RuntimeError("the trainer's process 0 stopped the run")
+    return shard
+  follower = _Follower(jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
+  if trainer.checkpointer is not None:
+    trainer.checkpointer.wait()
+  return RunResult(gather_to_host(trainer.state.params), [], dict(trainer.counters), {})
+
+
+def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: FlightConfig, log):
+  """queue.get that says when it waits for samplers, and gives up once none has been heard from for
+  `sampler_timeout_s`."""
+  def get():
+    waited, said = 0.0, False
+    while True:
+      try:
+        return queue.get(timeout=1.0)
+      except TimeoutError:
+        waited += 1.0
+      silent = controller.silent_s()
+      if silent is None and waited >= 10 and not said:
+        log(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
+        said = True
+      if (silent if silent is not None else waited) > flight_config.sampler_timeout_s:
+        raise RuntimeError(f"no sampler has been heard from for {flight_config.sampler_timeout_s:.0f} s "
+                           f"(FlightConfig.sampler_timeout_s); start `streamrl sampler --connect` to this trainer")
+  return get

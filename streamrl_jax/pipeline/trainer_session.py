@@ -1,0 +1,90 @@
+"""The trainer's side of a run, shared by the in-process run (`runner.run_pipeline`) and the trainer program
+(`trainer_program.serve_training`): the output-length ranker, the trainer worker's steps, the teardown in
+order, the merged counters and the `RunResult`. The two differ only in where shards come from, where
+weights go and what they stop at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from collections.abc import Callable
+
+from flax import nnx
+
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.resources import resident_mb
+from streamrl_jax.scheduling import OnlineRanker
+from streamrl_jax.streaming import SampleQueue
+
+
+@dataclasses.dataclass
+class RunResult:
+  params: nnx.State
+  metrics: list[dict]
+  counters: dict
+  timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
+
+
+def make_ranker(config: PipelineConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
+  """The output-length ranker when the scheduling policy needs one (None otherwise), restored with a
+  resumed run."""
+  if not config.scheduling.scheduling_policy.needs_ranker:
+    return None
+  ranker = OnlineRanker(config.scheduling.ranker, mesh)
+  if resume:
+    try:
+      ranker.load_state_arrays(checkpointer.restore_aux({"ranker": ranker.state_arrays()})["ranker"])
+    except FileNotFoundError as err:  # saved by a run without the ranker: it starts fresh and learns online
+      warnings.warn(f"{err}; the output-length ranker starts untrained", stacklevel=3)
+  return ranker
+
+
+def ranker_aux(ranker: OnlineRanker | None) -> Callable[[], dict] | None:
+  """What a checkpoint keeps of the ranker besides the trainer state."""
+  return None if ranker is None else (lambda: {"ranker": ranker.state_arrays()})
+
+
+def timeline_of(trainer: TrainerWorker, controller: Controller, start_epoch: float) -> dict:
+  """Busy intervals per lane (each sampler, the trainer, weight syncs), seconds from the run's start."""
+  lanes = {name: [(b - start_epoch, e - start_epoch, label) for b, e, label in spans]
+           for name, spans in sorted(controller.busy.items())}
+  return {**lanes, **trainer.timeline}
+
+
+def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
+  """Per-step figures of this process's memory and the sample queue's depth (now, and the most so far)."""
+  def probe() -> dict:
+    stats = queue.stats()
+    return dict(rss_mb=resident_mb(), queue_depth=stats["depth"], queue_max_depth=stats["max_depth"])
+  return probe
+
+
+def train_session(trainer: TrainerWorker, controller: Controller, get_shard, weights, queue: SampleQueue, *,
+                  ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
+                  teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
+                  extra_counters: Callable[[], dict] = dict) -> RunResult:
+  """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
+  publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
+  waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
+  trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`."""
+  start_epoch = time.time()
+  start()
+  if ranker is not None:
+    ranker.start()
+  try:
+    metrics = trainer.run(controller, get_shard, weights, clock=lambda: time.time() - start_epoch, on_step=on_step,
+                          aux=ranker_aux(ranker), probe=memory_probe(queue))
+  finally:
+    teardown()
+    weights.wait()
+    if ranker is not None:
+      ranker.stop()
+    if checkpointer is not None:
+      checkpointer.wait()
+  counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
+                  **extra_counters())
+  return RunResult(to_host(trainer.state.params), metrics, counters, timeline_of(trainer, controller, start_epoch))

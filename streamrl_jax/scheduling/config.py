@@ -1,0 +1,79 @@
+"""What the sampler's scheduling is told by a run: the policy by name, the replica counts and the latency
+curve its dispatch plans with."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl_jax.scheduling.policies import elastic_target, ptl_at
+from streamrl_jax.scheduling.ranker import RankerConfig
+from streamrl_jax.scheduling.registry import SCHEDULING_POLICIES, SchedulingPolicy
+
+# Seconds per decode step by batch size, measured on the 2-core CPU this project is developed on with
+# the ~10M-parameter benchmark model (`python benchmarks/sampler.py`, ptl_ms_by_batch). Set your own
+# model's, from `streamrl_jax.sampling.measure_ptl_curve`.
+CPU_PTL_CURVE = ((1, 0.0053), (2, 0.0056), (4, 0.0067), (8, 0.0083), (16, 0.0110), (32, 0.0178))
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulingConfig:
+  """How the sampler dispatches and admits requests, and whether it grows or shrinks.
+
+  policy      a name in `SCHEDULING_POLICIES`. "fifo": requests dealt at random over the instances,
+              admitted in arrival order, every instance at full batch; "skew_aware": the ranker's predicted-longest `alpha` share goes
+              to long-tail instances sized by the latency model, admission is longest-first.
+  instances   engine instances (sampler replicas) at start; the sampler mesh is cut into
+              `max_instances` equal sub-meshes (0: as many as `instances`).
+  elastic     add or remove a replica between steps when generation and training times diverge
+              (`policies.elastic_target`), between `min_instances` and `max_instances`.
+  resize_engines  run each replica on an engine compiled for its planned batch size (rounded up to a
+              power of two; one more compile per new size) instead of capping the busy slots of the
+              full-size engine: a static-shape decode step costs its compiled slot count, busy or not.
+  """
+
+  policy: str = "fifo"
+  instances: int = 1
+  max_instances: int = 0
+  min_instances: int = 1
+  elastic: bool = False
+  alpha: float = 0.2
+  hysteresis: float = 0.05
+  resize_engines: bool = True
+  ptl_curve: tuple[tuple[int, float], ...] = CPU_PTL_CURVE
+  ranker: RankerConfig = RankerConfig()
+
+  def __post_init__(self):
+    if self.policy not in SCHEDULING_POLICIES.names():
+      raise ValueError(f"SchedulingConfig.policy={self.policy!r}; known: {SCHEDULING_POLICIES.names()}")
+    if not 0 < self.alpha < 1:
+      raise ValueError(f"SchedulingConfig.alpha must be in (0, 1), got {self.alpha}")
+    if not self.ptl_curve:
+      raise ValueError("SchedulingConfig.ptl_curve is empty: the latency model needs (batch, seconds) points")
+    ptl_at(self.curve, 1)  # validates the points
+    if not 1 <= self.min_instances <= self.instances <= self.instance_limit:
+      raise ValueError(f"need 1 <= min_instances ({self.min_instances}) <= instances ({self.instances}) <= "
+                       f"max_instances ({self.instance_limit})")
+    if self.hysteresis < 0:
+      raise ValueError(f"SchedulingConfig.hysteresis must be >= 0, got {self.hysteresis}")
+
+  @property
+  def instance_limit(self) -> int:
+    """Sub-meshes the sampler mesh is cut into: the most replicas that can run."""
+    return self.max_instances or self.instances
+
+  @property
+  def scheduling_policy(self) -> SchedulingPolicy:
+    """The registered policy `policy` names: its dispatch, admission order and whether it needs the ranker."""
+    return SCHEDULING_POLICIES.get(self.policy)
+
+  def replica_target(self, current: int, gen_s: float, train_s: float) -> int:
+    """The replica count for the next step: `current` unless `elastic`, else the elastic rule
+    (`policies.elastic_target`) between `min_instances` and `instance_limit`."""
+    if not self.elastic:
+      return current
+    return elastic_target(current, gen_s, train_s, low=self.min_instances, high=self.instance_limit,
+                          hysteresis=self.hysteresis)
+
+  @property
+  def curve(self) -> dict[int, float]:
+    return {int(b): float(s) for b, s in self.ptl_curve}

@@ -1,0 +1,96 @@
+"""The package's import drawing: no circle between modules, and no import that runs back up a floor."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "streamrl_jax"
+# Floors, lowest first: a module may import from its own floor or below, never above.
+FLOORS = (
+    ("types", "messages", "pytrees", "registry", "settings", "meshes", "modes", "resources"),  # plain records and helpers
+    ("models", "tasks"),  # the decoder, tokenizers and prompt datasets
+    ("training", "streaming", "scheduling", "sampling", "sim", "distributed", "gke"),  # the parts
+    ("pipeline",),  # workers, controller, sessions, programs, the training job
+    ("gin_config",),  # the config layer binds every part's config
+    ("commands", "cli"),  # the `streamrl` command
+)
+
+
+def _modules() -> dict[str, Path]:
+  out = {}
+  for path in PACKAGE.rglob("*.py"):
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+  return out
+
+
+def import_graph() -> dict[str, set[str]]:
+  """Module -> the package's modules it imports (at module level or inside functions)."""
+  modules = _modules()
+
+  def resolve(name: str) -> str:
+    while name and name not in modules:
+      name = name.rpartition(".")[0]
+    return name
+  graph = {}
+  for name, path in modules.items():
+    targets = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("streamrl_jax"):
+        targets |= {resolve(f"{node.module}.{alias.name}") for alias in node.names}
+      elif isinstance(node, ast.Import):
+        targets |= {resolve(alias.name) for alias in node.names if alias.name.startswith("streamrl_jax")}
+    graph[name] = targets - {name, "streamrl_jax"}
+  return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """Strongly connected components of more than one node (Tarjan)."""
+  index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+  def visit(node):
+    index[node] = low[node] = len(index)
+    stack.append(node)
+    on_stack.add(node)
+    for nxt in sorted(graph.get(node, ())):
+      if nxt not in index:
+        visit(nxt)
+        low[node] = min(low[node], low[nxt])
+      elif nxt in on_stack:
+        low[node] = min(low[node], index[nxt])
+    if low[node] == index[node]:
+      component = []
+      while True:
+        top = stack.pop()
+        on_stack.discard(top)
+        component.append(top)
+        if top == node:
+          break
+      if len(component) > 1:
+        found.append(sorted(component))
+  for node in sorted(graph):
+    if node not in index:
+      visit(node)
+  return found
+
+
+def floor_of(module: str) -> int:
+  top = module.split(".")[1]
+  return next(i for i, names in enumerate(FLOORS) if top in names)
+
+
+def test_circles_are_found_by_hand():
+  assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_module_imports_in_a_circle():
+  assert circles(import_graph()) == []
+
+
+def test_every_module_has_a_floor_and_no_import_runs_back_up():
+  graph = import_graph()
+  upward = [(a, b) for a, targets in sorted(graph.items()) if a != "streamrl_jax" for b in sorted(targets)
+            if floor_of(b) > floor_of(a)]
+  assert upward == []

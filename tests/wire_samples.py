@@ -1,0 +1,25 @@
+"""Sample shards and Arrow batches for the wire tests."""
+
+import numpy as np
+import pyarrow as pa
+from streamrl_jax.streaming import SampleShard
+
+
+VOCAB = 50
+
+
+def group_shard(lengths, prompt_len=2, step=3, seed=0, group=7) -> SampleShard:
+  """One group (`group`) of `step`: a sample of each length, indices 0, 1, ..."""
+  rng = np.random.default_rng(seed)
+  n, width = len(lengths), max(lengths) + 3
+  valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
+  return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid,
+                     loss_mask=valid & (np.arange(width)[None] >= prompt_len),
+                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=rng.random(n),
+                     prompt_ids=np.full(n, group), group_ids=np.full(n, group), sample_indices=np.arange(n),
+                     steps=np.full(n, step), first_versions=np.full(n, 2), last_versions=np.full(n, 3))
+
+
+def _replace_column(batch: pa.RecordBatch, name: str, values) -> pa.RecordBatch:
+  columns = [values if f.name == name else batch.column(i) for i, f in enumerate(batch.schema)]
+  return pa.record_batch(columns, schema=batch.schema)
