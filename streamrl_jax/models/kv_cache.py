@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.layers import grouped_attention
 
 
 @flax.struct.dataclass
@@ -49,6 +50,24 @@ class KVCache:
     bookkeeping = dict(valid=valid, index=self.index + t,
                        next_position=self.next_position + token_mask.sum(axis=1, dtype=jnp.int32))
     return positions, write_index, mask, bookkeeping
+
+
+@flax.struct.dataclass
+class ContiguousLayer:
+  """One layer of a `KVCache` during a chunk: writes the chunk at `write_index` [B, T] and attends over the
+  first `mask.shape[-1]` entries (a short window reads less of the cache)."""
+
+  keys: jax.Array  # [B, kv_heads, max_len, head_dim]
+  values: jax.Array
+  write_index: jax.Array  # [B, T]
+
+  def attend(self, q, k, v, mask):
+    rows = jnp.arange(q.shape[0])[:, None]
+    keys = self.keys.at[rows, :, self.write_index].set(k.astype(self.keys.dtype))
+    values = self.values.at[rows, :, self.write_index].set(v.astype(self.values.dtype))
+    window = mask.shape[-1]
+    out = grouped_attention(q, keys[:, :, :window].astype(q.dtype), values[:, :, :window].astype(q.dtype), mask)
+    return self.replace(keys=keys, values=values), out
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=None) -> int:

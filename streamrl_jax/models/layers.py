@@ -87,30 +87,23 @@ class Attention(nnx.Module):
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
     return out
 
-  def __call__(self, x, positions, mask, kv_cache=None, write_index=None):
-    """x [B, T, H]; mask [B, T, S] says which keys each query sees (with a cache, S may be shorter
-    than the cache: attention then reads only its first S entries).
+  def __call__(self, x, positions, mask, kv_cache=None):
+    """x [B, T, H]; mask [B, T, S] says which keys each query sees.
 
-    Without a cache the keys are the chunk itself (S = T). With `kv_cache = (keys, values)` of
-    shape [B, kv_heads, S, head_dim], the chunk's keys and values are first written at
-    `write_index` [B, T]. Keys and values are kept heads-major, [B, kv_heads, S, head_dim], so
-    attention reads the cache without transposing it. Returns (output [B, T, H], updated (keys, values) or None).
+    Without a cache the keys are the chunk itself (S = T). With a layer cache (`kv_cache.ContiguousLayer`,
+    `paged_cache.PagedLayer`: anything with `attend(q, k, v, mask) -> (cache, out)`), the cache writes the
+    chunk's keys and values [B, T, kv_heads, head_dim] where it keeps them and attends over what it holds.
+    Returns (output [B, T, H], the updated layer cache or None).
     """
     cfg = self.config
     inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
     q = apply_rope(self._project(x, self.q_proj, "q_bias"), positions, inv_freq)
     k = apply_rope(self._project(x, self.k_proj, "k_bias"), positions, inv_freq)
     v = self._project(x, self.v_proj, "v_bias")
-    if kv_cache is not None:
-      rows = jnp.arange(x.shape[0])[:, None]
-      k = kv_cache[0].at[rows, :, write_index].set(k.astype(kv_cache[0].dtype))
-      v = kv_cache[1].at[rows, :, write_index].set(v.astype(kv_cache[1].dtype))
-      kv_cache = (k, v)
-      window = mask.shape[-1]  # attend to the first `window` cache entries only
-      k, v = k[:, :, :window], v[:, :, :window]
+    if kv_cache is None:
+      out = grouped_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     else:
-      k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
-    out = grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+      kv_cache, out = kv_cache.attend(q, k, v, mask)
     out = jnp.einsum("btnd,ndh->bth", out, self.o_proj[...].astype(x.dtype))
     if self.config.o_bias:
       out = out + self.o_bias[...].astype(x.dtype)

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from streamrl_jax.models.config import ModelConfig
-from streamrl_jax.models.kv_cache import KVCache
+from streamrl_jax.models.kv_cache import ContiguousLayer, KVCache
 from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param
+from streamrl_jax.models.paged_cache import PagedLayer, PagePool, chunk_mask
 
 
 def packed_positions(segment_ids: jax.Array) -> jax.Array:
@@ -30,14 +31,14 @@ class DecoderLayer(nnx.Module):
     self.mlp_norm = RMSNorm(config)
     self.mlp = MLP(config, rngs=rngs)
 
-  def __call__(self, x, positions, mask, kv_cache=None, write_index=None):
-    attn_out, kv_cache = self.attn(self.attn_norm(x), positions, mask, kv_cache, write_index)
+  def __call__(self, x, positions, mask, kv_cache=None):
+    attn_out, kv_cache = self.attn(self.attn_norm(x), positions, mask, kv_cache)
     x = x + attn_out
     return x + self.mlp(self.mlp_norm(x)), kv_cache
 
 
-def _run_layer(layer, x, positions, mask, kv_cache, write_index):
-  return layer(x, positions, mask, kv_cache, write_index)
+def _run_layer(layer, x, positions, mask, kv_cache):
+  return layer(x, positions, mask, kv_cache)
 
 
 _remat_layer = nnx.remat(_run_layer)
@@ -73,7 +74,7 @@ class Transformer(nnx.Module):
     else:
       positions = packed_positions(segment_ids)
       attend = attend & (segment_ids[:, None, :] == segment_ids[:, :, None])
-    hidden, _ = self._trunk(tokens, positions, attend, None, None)
+    hidden, _ = self._trunk(tokens, positions, attend, None)
     return hidden
 
   def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None, window: int | None = None,
@@ -88,18 +89,40 @@ class Transformer(nnx.Module):
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     positions, write_index, attend, bookkeeping = cache.chunk_layout(mask)
     attend = attend if window is None else attend[..., :window]
-    hidden, kv = self._trunk(tokens, positions, attend, list(zip(cache.keys, cache.values)), write_index)
-    new_cache = cache.replace(keys=tuple(k for k, _ in kv), values=tuple(v for _, v in kv), **bookkeeping)
+    layers = [ContiguousLayer(k, v, write_index) for k, v in zip(cache.keys, cache.values)]
+    hidden, layers = self._trunk(tokens, positions, attend, layers)
+    new_cache = cache.replace(keys=tuple(c.keys for c in layers), values=tuple(c.values for c in layers),
+                              **bookkeeping)
+    return self._head_at(hidden, logits_at), new_cache
+
+  def forward_paged(self, tokens, pool: PagePool, table, length, attention_mask=None, window: int | None = None,
+                    logits_at: jax.Array | None = None) -> tuple[jax.Array, PagePool]:
+    """Runs tokens [B, T] (their real ones a prefix of each row, `attention_mask`) after the `length` [B]
+    tokens each row holds in its pages (`table` [B, pages_per_row] into `pool`); returns (logits, pool).
+
+    `window` (static, a multiple of the page size): attention reads only the first `window` tokens of each
+    row; every row's tokens, this chunk's included, must lie below it. `logits_at` as in `forward_with_cache`.
+    """
+    mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+    window = window or table.shape[1] * pool.page_size
+    positions = jnp.maximum(length[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
+    attend = chunk_mask(length, mask, window)
+    layers = [PagedLayer(k, v, table, length, mask) for k, v in zip(pool.keys, pool.values)]
+    hidden, layers = self._trunk(tokens, positions, attend, layers)
+    pool = pool.replace(keys=tuple(c.keys for c in layers), values=tuple(c.values for c in layers))
+    return self._head_at(hidden, logits_at), pool
+
+  def _head_at(self, hidden, logits_at):
     if logits_at is not None:
       hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
-    return self._logits(hidden), new_cache
+    return self._logits(hidden)
 
-  def _trunk(self, tokens, positions, attend, kv_caches, write_index):
+  def _trunk(self, tokens, positions, attend, kv_caches):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
     run = _remat_layer if self.config.remat else _run_layer
     new_kv = []
     for i, layer in enumerate(self.layers):
-      x, kv = run(layer, x, positions, attend, None if kv_caches is None else kv_caches[i], write_index)
+      x, kv = run(layer, x, positions, attend, None if kv_caches is None else kv_caches[i])
       new_kv.append(kv)
     return self.final_norm(x), new_kv
 

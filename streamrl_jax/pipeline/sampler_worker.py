@@ -19,7 +19,7 @@ from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, RejoinRe
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.meshes import replica_meshes
-from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
 from streamrl_jax.types import SamplingParams
 
@@ -45,8 +45,8 @@ class SamplerWorker:
     slots = slots or self.config.engine.num_slots
     if (mesh_index, slots) not in self._engines:
       engine_config = dataclasses.replace(self.config.engine, num_slots=slots)
-      self._engines[(mesh_index, slots)] = DecodeEngine(self._graphdef, self._model_config, engine_config,
-                                                        self.replica_meshes[mesh_index])
+      self._engines[(mesh_index, slots)] = make_engine(self._graphdef, self._model_config, engine_config,
+                                                       self.replica_meshes[mesh_index])
     return self._engines[(mesh_index, slots)]
 
   # ---- the loop ------------------------------------------------------------------------------

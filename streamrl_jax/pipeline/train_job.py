@@ -22,7 +22,7 @@ from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
-from streamrl_jax.sampling import DecodeEngine, StreamingSampler
+from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, PromptFile, SumsTask
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
@@ -161,7 +161,7 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed."""
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
-  engine = DecodeEngine(graphdef, model.config, config.engine, mesh)
+  engine = make_engine(graphdef, model.config, config.engine, mesh)
   sampler = StreamingSampler([engine], params)
   rng = np.random.default_rng(10_000 + seed)
   items = [task.sample(rng)[0] for _ in range(prompts)]

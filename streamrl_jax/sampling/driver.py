@@ -34,6 +34,7 @@ class _InFlight:
   logprobs: list = dataclasses.field(default_factory=list)
   first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
   cache_end: int = 0  # upper bound of the slot's next cache write index
+  resumed: bool = False  # admitted again after a preemption: its first token is one it had already
 
 
 @dataclasses.dataclass
@@ -81,7 +82,8 @@ class StreamingSampler:
     self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
     self._next_instance = len(self._instances)
     self._next_id = 0
-    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0)
+    self._resume: dict[int, _InFlight] = {}  # request id -> a preempted request's progress, until admitted again
+    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -95,10 +97,10 @@ class StreamingSampler:
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     target = self._instance(instance) if instance is not None else min(self._accepting, key=lambda i: i.load)
-    target.engine.config.bucket_for(len(prompt))  # validates the prompt length
-    if params.max_new_tokens > target.engine.config.max_new_tokens:
-      raise ValueError(f"max_new_tokens={params.max_new_tokens} exceeds engine instance {target.index}'s "
-                       f"EngineConfig.max_new_tokens={target.engine.config.max_new_tokens}")
+    try:
+      target.engine.check_request(len(prompt), params.max_new_tokens)
+    except ValueError as err:
+      raise ValueError(f"engine instance {target.index}: {err}") from None
     group_id = self._next_id if group_id is None else group_id
     ids, now = [], time.perf_counter()
     for k in range(params.num_samples):
@@ -194,7 +196,8 @@ class StreamingSampler:
     return np.asarray(_fold_keys(self._root, groups, indices))
 
   def _admit(self, inst: _Instance, now: float) -> None:
-    """Fills free slots from the queue in admission order, up to `prefill_batch` prompts per prefill call."""
+    """Fills free slots from the queue in admission order, up to `prefill_batch` prompts per prefill call,
+    while the engine has the memory (`admissible`); what does not fit goes back to the front of the queue."""
     slots = inst.free_slots
     chosen = []
     while len(chosen) < len(slots) and inst.pending:
@@ -202,14 +205,48 @@ class StreamingSampler:
     start = 0
     while start < len(chosen):  # calls of power-of-two sizes: no padding rows (11 = 8 + 2 + 1)
       rows = min(inst.engine.config.prefill_batch, 1 << ((len(chosen) - start).bit_length() - 1))
-      part, targets = chosen[start:start + rows], slots[start:start + rows]
-      start += rows
-      prefix = inst.engine.prefill(inst.params, [r.prompt for r in part], samplings=[r.params for r in part],
-                                   rngs=self._request_keys(part))
+      part = chosen[start:start + rows]
+      prompts, resume = zip(*(self._prompt_of(r) for r in part))
+      fits = inst.engine.admissible(inst.state, prompts, [0 if x is None else x[1] for x in resume])
+      if fits < len(part):
+        inst.pending[0:0] = chosen[start + fits:]
+        chosen, part = chosen[:start + fits], part[:fits]
+        if not part:
+          break
+      targets = slots[start:start + len(part)]
+      start += len(part)
+      extra = {"resume": resume[:len(part)]} if any(resume[:len(part)]) else {}
+      prefix = inst.engine.prefill(inst.params, prompts[:len(part)], samplings=[r.params for r in part],
+                                   rngs=self._request_keys(part), **extra)
       inst.state = inst.engine.insert(prefix, inst.state, targets)
       firsts = (prefix.first_token, prefix.first_logprob, prefix.done)
       for row, (request, slot) in enumerate(zip(part, targets)):
-        inst.slots[slot] = _InFlight(request, now, self.version, cache_end=prefix.valid.shape[1], first=(firsts, row))
+        flight = self._resume.pop(request.request_id, None)
+        if flight is None:
+          flight = _InFlight(request, now, self.version)
+        flight.resumed = bool(resume[row])
+        flight.cache_end, flight.first = prefix.valid.shape[1], (firsts, row)
+        inst.slots[slot] = flight
+
+  def _prompt_of(self, request: Request) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """(tokens to prefill, resume): a preempted request's prompt and tokens so far but its last, which is
+    the next input (resume = (that token, tokens generated)); a fresh one's prompt and None."""
+    flight = self._resume.get(request.request_id)
+    if flight is None:
+      return request.prompt, None
+    so_far = np.asarray(flight.tokens[:-1], np.int32)
+    return np.concatenate([request.prompt, so_far]), (flight.tokens[-1], len(flight.tokens))
+
+  def _preempt(self, inst: _Instance, slots: list[int]) -> None:
+    """Requests the engine preempted to free memory go back to the front of a queue with their progress."""
+    for slot in reversed(slots):
+      flight = inst.slots.pop(slot)
+      if flight.first is not None:
+        raise RuntimeError(f"engine instance {inst.index} preempted slot {slot} before its first token was read")
+      self._resume[flight.request.request_id] = flight
+      target = inst if not inst.retiring else min(self._accepting, key=lambda i: i.load)
+      target.pending.insert(0, flight.request)
+      self.counters["preempted"] += 1
 
   def step(self) -> list[Sample]:
     """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
@@ -217,6 +254,10 @@ class StreamingSampler:
     outputs = []
     for inst in self._instances:
       self._admit(inst, now)
+      if inst.slots:  # rows whose first token is unread are never preempted: they have just been admitted
+        progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()}
+        inst.state, preempted = inst.engine.make_room(inst.state, progress)
+        self._preempt(inst, preempted)
       if inst.slots:
         steps = inst.engine.config.steps_per_sync
         window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
@@ -233,6 +274,9 @@ class StreamingSampler:
         if flight.first is not None:
           token, logprob, done = (a[flight.first[1]] for a in host_calls[id(flight.first[0])])
           flight.first = None
+          if flight.resumed:  # its first token is the last one it had: recorded already
+            flight.resumed = False
+            continue
           self._append(inst, slot, flight, token, logprob, bool(done), now, finished)
     for (inst, _), out in zip(outputs, host_outputs):
       for j in range(out.tokens.shape[0]):
@@ -251,6 +295,7 @@ class StreamingSampler:
     if not done:
       return
     del inst.slots[slot]
+    inst.state = inst.engine.release(inst.state, slot)
     request = flight.request
     reason = FINISH_STOP if int(token) in request.params.stop_token_ids else FINISH_LENGTH
     finished.append(Sample(

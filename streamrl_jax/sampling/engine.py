@@ -43,17 +43,31 @@ class EngineConfig:
   # fits (one more compiled `generate` each). On accelerators powers of two pay off; on CPU, XLA
   # copies mid-size slices of the cache, which costs more than it saves, hence one short window.
   short_attention_windows: tuple[int, ...] = (64,)
+  # "contiguous": a KV cache of cache_length per slot; "paged": a pool of pages that rows take as they grow,
+  # a GRPO group's prompt prefilled once and its full pages shared (`paged_engine`).
+  kv_layout: str = "contiguous"
+  page_size: int = 16  # tokens per page (paged); divides every attention window
+  kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
 
   def __post_init__(self):
+    if self.kv_layout not in KV_LAYOUTS:
+      raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
+      if field.name == "kv_layout":
+        continue
       if field.name == "short_attention_windows":
         if any(w < 1 for w in value):
           raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
-      elif value < (0 if field.name == "memory_budget_bytes" else 1):
+      elif value < (0 if field.name in ("memory_budget_bytes", "kv_pages") else 1):
         raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
     if self.prefill_batch & (self.prefill_batch - 1):
       raise ValueError(f"EngineConfig.prefill_batch={self.prefill_batch} must be a power of two")
+    if self.kv_layout == "paged":
+      bad = [w for w in self.attention_windows if w % self.page_size]
+      if bad:
+        raise ValueError(f"EngineConfig.page_size={self.page_size} does not divide the attention windows {bad} "
+                         f"(max_prompt_length + max_new_tokens and short_attention_windows)")
 
   @property
   def cache_length(self) -> int:
@@ -88,6 +102,9 @@ class EngineConfig:
     if length > self.max_prompt_length:
       raise ValueError(f"prompt of {length} tokens exceeds EngineConfig.max_prompt_length={self.max_prompt_length}")
     return next(b for b in self.prefill_buckets if b >= length)
+
+
+KV_LAYOUTS = ("contiguous", "paged")
 
 
 @flax.struct.dataclass
@@ -156,9 +173,38 @@ class Engine(Protocol):
   def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
     ...
 
+  # Memory that rows take as they grow (the paged engine's); the contiguous engine has each slot's already.
+  def check_request(self, prompt_length: int, max_new_tokens: int) -> None: ...
+
+  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int]) -> int: ...
+
+  def make_room(self, decode_state, progress: dict[int, int]) -> tuple[object, list[int]]: ...
+
+  def release(self, decode_state, slot: int): ...
+
 
 def _stop_hit(tokens, stop_ids):
   return jnp.any((tokens[..., None] == stop_ids) & (stop_ids >= 0), axis=-1)
+
+
+def sample_next(state, logits):
+  """The sampling half of a decode step, the same for every engine: each active row's next token from
+  `logits` [S, 1, vocab] with its key folded by its token count; returns (the changed row fields, StepOutput)."""
+  active = state.active
+  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.generated)
+  tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
+  generated = state.generated + active
+  done = active & (_stop_hit(tokens, state.stop_ids) | (generated >= state.max_new))
+  changes = dict(last_token=jnp.where(active, tokens, state.last_token), generated=generated, active=active & ~done)
+  return changes, StepOutput(tokens=tokens, logprobs=logprobs, active=active, done=done)
+
+
+def first_tokens(last_logits, rng, temperature, top_k, top_p, max_new, stop_ids):
+  """The first token of each request from its prompt's last logits [R, vocab], with key fold_in(rng, 0);
+  returns (token, logprob, done)."""
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
+  token, logprob = sample_tokens(last_logits, keys, temperature, top_k, top_p)
+  return token, logprob, _stop_hit(token, stop_ids) | (max_new <= 1)
 
 
 def device_memory_budget(device) -> int:
@@ -212,6 +258,26 @@ class DecodeEngine:
           f"budget is {budget / 2**20:.1f} MiB; lower num_slots, max_prompt_length or max_new_tokens")
     return report
 
+  # ---- memory as rows grow: every slot holds its whole cache already -----------------------------
+  def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
+    """Raises, naming the key, when a request cannot run on this engine."""
+    self.config.bucket_for(prompt_length)
+    if max_new_tokens > self.config.max_new_tokens:
+      raise ValueError(f"max_new_tokens={max_new_tokens} exceeds EngineConfig.max_new_tokens="
+                       f"{self.config.max_new_tokens}")
+
+  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int]) -> int:
+    """How many of `prompts` (in order) have the memory to start: all, a free slot is enough here."""
+    return len(prompts)
+
+  def make_room(self, decode_state, progress: dict[int, int]) -> tuple[DecodeState, list[int]]:
+    """Memory for the busy slots' next `steps_per_sync` tokens: always there; nothing is preempted."""
+    return decode_state, []
+
+  def release(self, decode_state, slot: int) -> DecodeState:
+    """A finished slot's memory goes back: nothing to do, insert overwrites it."""
+    return decode_state
+
   # ---- the Engine API ---------------------------------------------------------------------------
   def _empty_state(self) -> DecodeState:
     s, ec = self.config.num_slots, self.config
@@ -251,10 +317,7 @@ class DecodeEngine:
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
     logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
-    last = logits[:, 0]
-    keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
-    token, logprob = sample_tokens(last, keys, temperature, top_k, top_p)
-    done = _stop_hit(token, stop_ids) | (max_new <= 1)
+    token, logprob, done = first_tokens(logits[:, 0], rng, temperature, top_k, top_p, max_new, stop_ids)
     return Prefix(keys=cache.keys, values=cache.values, valid=cache.valid, true_length=true_length,
                   first_token=token, first_logprob=logprob, done=done, rng=rng, temperature=temperature,
                   top_k=top_k, top_p=top_p, max_new=max_new, stop_ids=stop_ids)
@@ -304,13 +367,8 @@ class DecodeEngine:
       active = state.active
       logits, cache = model.forward_with_cache(state.last_token[:, None], state.cache, active[:, None], window)
       cache = cache.replace(index=jnp.where(active, cache.index, state.cache.index))
-      keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.generated)
-      tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
-      generated = state.generated + active
-      done = active & (_stop_hit(tokens, state.stop_ids) | (generated >= state.max_new))
-      new_state = state.replace(cache=cache, last_token=jnp.where(active, tokens, state.last_token),
-                                generated=generated, active=active & ~done)
-      return new_state, StepOutput(tokens=tokens, logprobs=logprobs, active=active, done=done)
+      changes, out = sample_next(state, logits)
+      return state.replace(cache=cache, **changes), out
 
     return jax.lax.scan(step, state, None, length=self.config.steps_per_sync)
 

@@ -1,0 +1,105 @@
+"""The paged engine against the contiguous one: the same greedy tokens with shared prompts, rows of very
+different lengths and preemptions mid-sample; every page back in the pool after a run; bad configs refused."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.meshes import MeshShape, mesh_from_devices
+from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.sampling import EngineConfig, StreamingSampler
+from streamrl_jax.sampling.engines import make_engine
+from streamrl_jax.types import SamplingParams
+
+MODEL = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+CONTIGUOUS = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=48, min_prefill_bucket=16,
+                          prefill_batch=4, steps_per_sync=2)
+PAGED = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=48, min_prefill_bucket=16, prefill_batch=4,
+                     steps_per_sync=2, kv_layout="paged", page_size=8)
+# (prompt, completion length): prompts of one group repeated, lengths from 1 to the maximum
+REQUESTS = [([5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], 40), ([5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], 3),
+            ([17, 2, 30], 48), ([17, 2, 30], 1), ([40, 41, 42, 43, 44, 45, 46, 47, 48], 20), ([9] * 16, 33),
+            ([33, 34], 7), ([5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], 12)]
+
+
+@pytest.fixture(scope="module")
+def model_parts():
+  model = Transformer(MODEL, rngs=nnx.Rngs(3))
+  graphdef, params = nnx.split(model)
+  return graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+
+
+def generate_all(engine, params, requests=REQUESTS):
+  """Greedy completions by request id, and the sampler. Equal prompts admitted in one call share pages."""
+  sampler = StreamingSampler([engine], params)
+  ids = []
+  for i, (prompt, length) in enumerate(requests):
+    ids += sampler.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=length), group_id=i)
+  out = {s.request_id: s for s in sampler.stream()}
+  assert sorted(out) == ids  # every request finished once
+  return out, sampler
+
+
+def assert_same_samples(paged: dict, contiguous: dict) -> None:
+  for rid, sample in contiguous.items():
+    np.testing.assert_array_equal(paged[rid].completion_tokens, sample.completion_tokens, err_msg=f"request {rid}")
+    np.testing.assert_allclose(paged[rid].logprobs, sample.logprobs, atol=2e-4, err_msg=f"request {rid}")
+
+
+def pool_is_empty(sampler) -> bool:
+  state = sampler._instances[0].state
+  return (not np.asarray(state.pages.refcount).any() and (np.asarray(state.pages.table) == -1).all()
+          and not np.asarray(state.pages.length).any())
+
+
+def test_paged_greedy_equals_contiguous_with_shared_prompts_and_mixed_lengths(model_parts):
+  graphdef, params, mesh = model_parts
+  contiguous, _ = generate_all(make_engine(graphdef, MODEL, CONTIGUOUS, mesh), params)
+  engine = make_engine(graphdef, MODEL, PAGED, mesh)
+  paged, sampler = generate_all(engine, params)
+  assert_same_samples(paged, contiguous)
+  assert [len(paged[r].completion_tokens) for r in sorted(paged)] == [n for _, n in REQUESTS]
+  assert engine.counters["preempted"] == 0 and pool_is_empty(sampler)
+
+
+def test_a_group_prompt_is_prefilled_once_and_its_pages_shared(model_parts):
+  graphdef, params, mesh = model_parts
+  prompt = list(range(3, 14))  # 11 tokens: one full page of 8 shared, the partly filled second one copied
+  group = [(prompt, 6)] * 4
+  engine = make_engine(graphdef, MODEL, PAGED, mesh)
+  sampler = StreamingSampler([engine], params)
+  sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, num_samples=4), group_id=7)
+  sampler.step()  # admits the group in one prefill call and decodes
+  state = sampler._instances[0].state
+  tables, refcount = np.asarray(state.pages.table), np.asarray(state.pages.refcount)
+  assert engine.counters["prefill_tokens"] == len(prompt) and engine.counters["prompts_shared"] == 3
+  assert len({tables[s, 0] for s in range(4)}) == 1 and refcount[tables[0, 0]] == 4  # the full page: once
+  assert len({tables[s, 1] for s in range(4)}) == 4  # the partial page: a copy each
+  samples = {s.sample_index: s for s in sampler.stream()}
+  contiguous = StreamingSampler([make_engine(graphdef, MODEL, CONTIGUOUS, mesh)], params)
+  contiguous.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, num_samples=4), group_id=7)
+  for s in contiguous.stream():  # the same keys: the same samples as four separate prefills
+    np.testing.assert_array_equal(samples[s.sample_index].completion_tokens, s.completion_tokens)
+  assert pool_is_empty(sampler) and len(group) == 4
+
+
+def test_rows_preempted_when_pages_run_out_resume_as_one_continuous_generation(model_parts):
+  graphdef, params, mesh = model_parts
+  contiguous, _ = generate_all(make_engine(graphdef, MODEL, CONTIGUOUS, mesh), params)
+  tight = EngineConfig(**{**PAGED.__dict__, "kv_pages": 12})  # 96 tokens for 4 rows of up to 64
+  engine = make_engine(graphdef, MODEL, tight, mesh)
+  paged, sampler = generate_all(engine, params)
+  assert engine.counters["preempted"] > 0 and sampler.counters["preempted"] == engine.counters["preempted"]
+  assert_same_samples(paged, contiguous)
+  assert pool_is_empty(sampler)
+
+
+def test_bad_paged_configs_are_refused_naming_the_key(model_parts):
+  graphdef, _, mesh = model_parts
+  with pytest.raises(ValueError, match=r"EngineConfig.page_size=12 does not divide the attention windows \[64\]"):
+    EngineConfig(**{**PAGED.__dict__, "page_size": 12})
+  with pytest.raises(ValueError, match=r"EngineConfig.kv_pages=4 holds 32 tokens, fewer than one row"):
+    make_engine(graphdef, MODEL, EngineConfig(**{**PAGED.__dict__, "kv_pages": 4}), mesh)
+  with pytest.raises(ValueError, match=r"EngineConfig.kv_layout='ring'; known: \['contiguous', 'paged'\]"):
+    EngineConfig(kv_layout="ring")
