@@ -48,9 +48,16 @@ def assert_same_samples(paged: dict, contiguous: dict) -> None:
 
 
 def pool_is_empty(sampler) -> bool:
-  state = sampler._instances[0].state
-  return (not np.asarray(state.pages.refcount).any() and (np.asarray(state.pages.table) == -1).all()
-          and not np.asarray(state.pages.length).any())
+  """No slot holds a page; reference counts are exactly the prefix cache's holdings, and zero once it is
+  dropped (a leaked page fails)."""
+  inst = sampler._instances[0]
+  state, slots = inst.state, inst.engine.config.num_slots
+  table, refcount = np.asarray(state.pages.table), np.asarray(state.pages.refcount)
+  held = np.bincount(table[table >= 0], minlength=refcount.shape[0])
+  if (table[:slots] != -1).any() or np.asarray(state.pages.length)[:slots].any() or (held != refcount).any():
+    return False
+  state = inst.engine.drop_prefix_cache(state)
+  return not np.asarray(state.pages.refcount).any() and (np.asarray(state.pages.table) == -1).all()
 
 
 def test_paged_greedy_equals_contiguous_with_shared_prompts_and_mixed_lengths(model_parts):
@@ -74,8 +81,8 @@ def test_a_group_prompt_is_prefilled_once_and_its_pages_shared(model_parts):
   state = sampler._instances[0].state
   tables, refcount = np.asarray(state.pages.table), np.asarray(state.pages.refcount)
   assert engine.counters["prefill_tokens"] == len(prompt) and engine.counters["prompts_shared"] == 3
-  assert len({tables[s, 0] for s in range(4)}) == 1 and refcount[tables[0, 0]] == 4  # the full page: once
-  assert len({tables[s, 1] for s in range(4)}) == 4  # the partial page: a copy each
+  assert len({tables[s, 0] for s in range(4)}) == 1 and refcount[tables[0, 0]] == 5  # the full page: once, held
+  assert len({tables[s, 1] for s in range(4)}) == 4  # by the 4 rows and the prefix cache; the partial: a copy each
   samples = {s.sample_index: s for s in sampler.stream()}
   contiguous = StreamingSampler([make_engine(graphdef, MODEL, CONTIGUOUS, mesh)], params)
   contiguous.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, num_samples=4), group_id=7)
@@ -103,3 +110,28 @@ def test_bad_paged_configs_are_refused_naming_the_key(model_parts):
     make_engine(graphdef, MODEL, EngineConfig(**{**PAGED.__dict__, "kv_pages": 4}), mesh)
   with pytest.raises(ValueError, match=r"EngineConfig.kv_layout='ring'; known: \['contiguous', 'paged'\]"):
     EngineConfig(kv_layout="ring")
+
+
+def test_the_prefix_cache_serves_a_group_across_calls_but_never_across_weight_versions(model_parts):
+  graphdef, params, mesh = model_parts
+  prompt = list(range(3, 14))
+  engine = make_engine(graphdef, MODEL, PAGED, mesh)
+  sampler = StreamingSampler([engine], params)
+  knobs = SamplingParams(temperature=1.0, max_new_tokens=5, num_samples=2)
+  sampler.submit(prompt, knobs, group_id=1)
+  first = {s.sample_index: s for s in sampler.stream()}
+  sampler.submit(prompt, knobs, group_id=1, first_sample_index=2)  # the rest of the group, in a later call
+  later = {s.sample_index: s for s in sampler.stream()}
+  assert engine.counters["prefill_tokens"] == len(prompt) and engine.counters["prefix_cache_hits"] == 2
+  contiguous = StreamingSampler([make_engine(graphdef, MODEL, CONTIGUOUS, mesh)], params)
+  contiguous.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=5, num_samples=4), group_id=1)
+  for s in contiguous.stream():  # the cached prompt gives the samples four separate prefills give
+    np.testing.assert_array_equal({**first, **later}[s.sample_index].completion_tokens, s.completion_tokens)
+  other = jax.tree.map(lambda x: x * 1.5, params)
+  sampler.update_params(other, version=1)
+  sampler.submit(prompt, knobs, group_id=2)
+  list(sampler.stream())
+  assert engine.counters["prefill_tokens"] == 2 * len(prompt)  # new weights: prefilled again
+  assert engine.counters["prefix_cache_hits"] == 2
+  assert [key[1] for key, _ in sampler._instances[0].state.cache] == [1]  # the old version's entry is gone
+  assert pool_is_empty(sampler)

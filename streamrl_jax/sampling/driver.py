@@ -207,7 +207,7 @@ class StreamingSampler:
       rows = min(inst.engine.config.prefill_batch, 1 << ((len(chosen) - start).bit_length() - 1))
       part = chosen[start:start + rows]
       prompts, resume = zip(*(self._prompt_of(r) for r in part))
-      fits = inst.engine.admissible(inst.state, prompts, [0 if x is None else x[1] for x in resume])
+      fits = inst.engine.admissible(inst.state, prompts, [0 if x is None else x[1] for x in resume], self.version)
       if fits < len(part):
         inst.pending[0:0] = chosen[start + fits:]
         chosen, part = chosen[:start + fits], part[:fits]
@@ -217,7 +217,7 @@ class StreamingSampler:
       start += len(part)
       extra = {"resume": resume[:len(part)]} if any(resume[:len(part)]) else {}
       prefix = inst.engine.prefill(inst.params, prompts[:len(part)], samplings=[r.params for r in part],
-                                   rngs=self._request_keys(part), **extra)
+                                   rngs=self._request_keys(part), version=self.version, **extra)
       inst.state = inst.engine.insert(prefix, inst.state, targets)
       firsts = (prefix.first_token, prefix.first_logprob, prefix.done)
       for row, (request, slot) in enumerate(zip(part, targets)):

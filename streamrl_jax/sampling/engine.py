@@ -48,18 +48,20 @@ class EngineConfig:
   kv_layout: str = "contiguous"
   page_size: int = 16  # tokens per page (paged); divides every attention window
   kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
+  share_prompts: bool = True  # paged: requests of one prompt share its prefill and full pages
+  prefix_cache_rows: int = 8  # paged: prompts whose pages and last logits stay cached for later calls
 
   def __post_init__(self):
     if self.kv_layout not in KV_LAYOUTS:
       raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if field.name == "kv_layout":
+      if isinstance(value, (bool, str)):
         continue
       if field.name == "short_attention_windows":
         if any(w < 1 for w in value):
           raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
-      elif value < (0 if field.name in ("memory_budget_bytes", "kv_pages") else 1):
+      elif value < (0 if field.name in ("memory_budget_bytes", "kv_pages", "prefix_cache_rows") else 1):
         raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
     if self.prefill_batch & (self.prefill_batch - 1):
       raise ValueError(f"EngineConfig.prefill_batch={self.prefill_batch} must be a power of two")
@@ -166,7 +168,8 @@ class Engine(Protocol):
 
   def init_decode_state(self) -> DecodeState: ...
 
-  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence) -> Prefix: ...
+  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
+              version: int = 0) -> Prefix: ...
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState: ...
 
@@ -176,7 +179,7 @@ class Engine(Protocol):
   # Memory that rows take as they grow (the paged engine's); the contiguous engine has each slot's already.
   def check_request(self, prompt_length: int, max_new_tokens: int) -> None: ...
 
-  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int]) -> int: ...
+  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int], version: int = 0) -> int: ...
 
   def make_room(self, decode_state, progress: dict[int, int]) -> tuple[object, list[int]]: ...
 
@@ -266,7 +269,7 @@ class DecodeEngine:
       raise ValueError(f"max_new_tokens={max_new_tokens} exceeds EngineConfig.max_new_tokens="
                        f"{self.config.max_new_tokens}")
 
-  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int]) -> int:
+  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int], version: int = 0) -> int:
     """How many of `prompts` (in order) have the memory to start: all, a free slot is enough here."""
     return len(prompts)
 
@@ -291,10 +294,12 @@ class DecodeEngine:
   def init_decode_state(self) -> DecodeState:
     return jax.jit(self._empty_state, out_shardings=self._state_shardings)()
 
-  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence) -> Prefix:
+  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
+              version: int = 0) -> Prefix:
     """Runs up to `prefill_batch` prompts (unpadded int tokens) in one call and samples each one's first
     token with its key data `rngs[i]` [2]; rows are padded to the longest prompt's bucket, and their count
-    to a row bucket (padding rows are computed and dropped)."""
+    to a row bucket (padding rows are computed and dropped). `version` (of the weights) keys a prefix cache;
+    this engine keeps none."""
     n = len(prompts)
     if not 1 <= n <= self.config.prefill_batch or len(samplings) != n or len(rngs) != n:
       raise ValueError(f"prefill takes 1..{self.config.prefill_batch} prompts with one SamplingParams and rng "

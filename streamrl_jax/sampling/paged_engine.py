@@ -4,8 +4,11 @@ grow, so memory follows the tokens generated rather than `max_prompt_length + ma
 - Pages are bookkept on the host in a `paged_cache.PageState` (reference counts, each row's page table, its
   length), changed only by the pure functions of `paged_cache` (reserve, fork, release), jitted on the CPU.
   The host therefore knows exactly what is free; the device gets each call's page tables as an argument.
-- A prefill call prefills each distinct prompt once: requests with the same prompt tokens (a GRPO group)
-  share its full pages (reference counted) and copy only its partly filled last page.
+- A prompt is prefilled once: requests with the same prompt tokens (a GRPO group) share its full pages
+  (reference counted) and copy only its partly filled last page. A prompt's pages and last logits stay in a
+  prefix cache keyed by (prompt tokens, weight version) while pages allow (`EngineConfig.prefix_cache_rows`
+  entries, least recently used evicted first), so a group admitted over several calls is prefilled once; a
+  new weight version drops the older entries (a prefix is never reused after the weights change).
 - Admission is by free pages (`admissible`): a request starts when pages remain for its prompt and a
   first `steps_per_sync` tokens. Before each decode call `make_room` reserves every busy row's next tokens;
   when the pool runs out, the row with the least progress is preempted (its pages freed); the driver
@@ -14,11 +17,12 @@ grow, so memory follows the tokens generated rather than `max_prompt_length + ma
 
 The pool's heads are split over "tensor"; rows are not split over "data" (more sampler replicas are the
 data-parallel form). Compiles: prefill and insert one each per (distinct-prompt row bucket, request row
-bucket, length bucket), generate one per attention window.
+bucket, length bucket), generate one per (busy-row bucket: a power of two up to num_slots, attention window).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -39,7 +43,8 @@ from streamrl_jax.types import SamplingParams
 
 @flax.struct.dataclass
 class PagedRows:
-  """The device half of a paged engine's state: the page pool and every row's decode fields."""
+  """The device half of a paged engine's state: the page pool, every row's decode fields, and the last
+  logits of each prefix-cache entry."""
 
   pool: PagePool
   length: jax.Array  # [S] int32: tokens the row holds in its pages
@@ -52,60 +57,56 @@ class PagedRows:
   top_p: jax.Array
   max_new: jax.Array
   stop_ids: jax.Array  # [S, max_stop_tokens]
+  prefix_logits: jax.Array  # [C, vocab] float32: the last prompt token's logits of cache entry c
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedState:
-  """A paged engine instance's state: the device rows and the host's page bookkeeping."""
+  """A paged engine instance's state: the device rows and, on the host, the page bookkeeping (rows
+  0..S-1 are the slots, S..S+C-1 the prefix-cache entries) and the cache's keys in use order."""
 
   rows: PagedRows
   pages: PageState  # on the CPU: reference counts, tables, lengths (an upper bound while a call runs)
+  cache: tuple = ()  # ((prompt tokens, version), cache row), least recently used first
 
 
 @flax.struct.dataclass
-class GroupPrefill:
-  """A prefill call's device outputs: distinct prompts' keys and values, and each request's first token."""
+class FirstTokens:
+  """Each request's first token from an insert call (the driver reads them at its next sync)."""
 
-  keys: tuple[jax.Array, ...]  # per layer [U, kv_heads, bucket, head_dim]
-  values: tuple[jax.Array, ...]
-  valid: jax.Array  # [U, bucket]
   first_token: jax.Array  # [R]
   first_logprob: jax.Array
-  done: jax.Array  # [R]
-  rng: jax.Array
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
-  max_new: jax.Array
-  stop_ids: jax.Array
-  generated: jax.Array  # [R]: tokens already generated (1, or a resumed request's count)
+  done: jax.Array
 
 
 @dataclasses.dataclass
 class PagedPrefix:
-  """What `prefill` hands to `insert`: the device outputs and, per request, its distinct prompt row, its
-  length and whether it is that prompt's first request (the one that writes the pages)."""
+  """A prefill call's plan (`prefill` only checks and lays out; `insert` prefills what the prefix cache does
+  not hold): per request its prompt, sampling arrays and resume state; after `insert`, its first tokens."""
 
-  device: GroupPrefill
-  source: list[int]
-  lengths: list[int]
-  leader: list[bool]
+  prompts: list[np.ndarray]
+  keys: list  # (prompt tokens, version) of each request; None: not shared (resumed, or sharing off)
+  resume: list  # (last token, generated) or None
+  arrays: tuple  # rng, temperature, top_k, top_p, max_new, stop_ids over the padded request rows
+  bucket: int  # length bucket of the longest prompt
+  params: object = None  # the weights the prompts are prefilled with
+  firsts: FirstTokens | None = None
 
   @property
   def first_token(self):
-    return self.device.first_token
+    return self.firsts.first_token
 
   @property
   def first_logprob(self):
-    return self.device.first_logprob
+    return self.firsts.first_logprob
 
   @property
   def done(self):
-    return self.device.done
+    return self.firsts.done
 
   @property
-  def valid(self):
-    return self.device.valid
+  def valid(self):  # the driver reads its width: the cache length a row's prompt may reach
+    return np.zeros((1, self.bucket), bool)
 
 
 class PagedDecodeEngine:
@@ -116,15 +117,15 @@ class PagedDecodeEngine:
     self.page_size = config.page_size
     self.pages_per_row = config.cache_length // config.page_size
     self.num_pages = config.kv_pages or config.num_slots * self.pages_per_row
+    self.cache_rows = config.prefix_cache_rows if config.share_prompts else 0
     if self.num_pages < self.pages_per_row:
       raise ValueError(f"EngineConfig.kv_pages={self.num_pages} holds {self.num_pages * self.page_size} tokens, "
                        f"fewer than one row at full length ({config.cache_length}); raise kv_pages")
     self.memory = self._check_memory()
     replicated = NamedSharding(mesh, PartitionSpec())
     self._shardings = self._state_shardings()
-    self._prefill = jax.jit(self._prefill_impl, out_shardings=replicated)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._shardings)
-    self._generate = jax.jit(self._generate_impl, static_argnums=(3,), donate_argnums=(1,),
+    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=(self._shardings, replicated))
+    self._generate = jax.jit(self._generate_impl, static_argnums=(4,), donate_argnums=(1,),
                              out_shardings=(self._shardings, replicated))
     self._deactivate = jax.jit(lambda rows, slot: rows.replace(active=rows.active.at[slot].set(False)),
                                donate_argnums=(0,), out_shardings=self._shardings)
@@ -134,7 +135,7 @@ class PagedDecodeEngine:
     self._fork = jax.jit(fork, static_argnums=(3,))
     self._release = jax.jit(release)
     self._advance = jax.jit(advance)
-    self.counters = dict(prefill_tokens=0, prompts_shared=0, preempted=0)
+    self.counters = dict(prefill_tokens=0, prompts_shared=0, prefix_cache_hits=0, preempted=0, evicted=0)
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
@@ -173,15 +174,43 @@ class PagedDecodeEngine:
         last_token=jnp.zeros((s,), jnp.int32), rng=jnp.zeros((s, 2), jnp.uint32), generated=jnp.zeros((s,), jnp.int32),
         active=jnp.zeros((s,), bool), temperature=jnp.ones((s,), jnp.float32), top_k=jnp.zeros((s,), jnp.int32),
         top_p=jnp.ones((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
-        stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32))
+        stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32),
+        prefix_logits=jnp.zeros((max(1, self.cache_rows), self.model_config.vocab_size), jnp.float32))
 
   def init_decode_state(self) -> PagedState:
     rows = jax.jit(self._empty_rows, out_shardings=self._shardings)()
-    pages = jax.device_put(PageState.init(self.num_pages, self.config.num_slots, self.pages_per_row), self._cpu)
-    return PagedState(rows, pages)
+    pages = PageState.init(self.num_pages, self.config.num_slots + self.cache_rows, self.pages_per_row)
+    return PagedState(rows, jax.device_put(pages, self._cpu))
 
   def free_pages(self, state: PagedState) -> int:
     return int(np.count_nonzero(np.asarray(state.pages.refcount) == 0))
+
+  def _evictable_pages(self, state: PagedState, keep=()) -> int:
+    """Pages that only prefix-cache entries (but those of `keep`) hold: what evicting them would free."""
+    refcount, table = np.asarray(state.pages.refcount), np.asarray(state.pages.table)
+    held = collections.Counter(int(p) for key, row in state.cache if key not in keep for p in table[row] if p >= 0)
+    return sum(1 for page, n in held.items() if refcount[page] == n)
+
+  def _evict(self, state: PagedState, wanted_free: int, keep=()) -> PagedState:
+    """Drops prefix-cache entries, least recently used first (not those in `keep`), until `wanted_free` pages
+    are free or none is left."""
+    cache, pages = list(state.cache), state.pages
+    for entry in list(cache):
+      if int(np.count_nonzero(np.asarray(pages.refcount) == 0)) >= wanted_free:
+        break
+      if entry[0] in keep:
+        continue
+      pages = self._release(pages, entry[1])
+      cache.remove(entry)
+      self.counters["evicted"] += 1
+    return dataclasses.replace(state, pages=pages, cache=tuple(cache))
+
+  def drop_prefix_cache(self, state: PagedState) -> PagedState:
+    """Every prefix-cache entry's pages go back to the pool."""
+    pages = state.pages
+    for _, row in state.cache:
+      pages = self._release(pages, row)
+    return PagedState(state.rows, pages, ())
 
   # ---- requests and memory ----------------------------------------------------------------------
   def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
@@ -192,39 +221,60 @@ class PagedDecodeEngine:
       raise ValueError(f"max_new_tokens={max_new_tokens} exceeds EngineConfig.max_new_tokens="
                        f"{self.config.max_new_tokens}")
 
-  def admissible(self, state: PagedState, prompts: Sequence, resumed: Sequence[int]) -> int:
-    """How many of `prompts` (one prefill call's, in order) can start: pages must remain for each one's
-    prompt and first `steps_per_sync` tokens; a request whose prompt an earlier one of the call has (not a
-    resumed one, `resumed[i] > 0` tokens) needs only its partly filled last page and its first tokens."""
-    free, seen, chunk, ps = self.free_pages(state), set(), self.config.steps_per_sync, self.page_size
-    for i, (prompt, extra) in enumerate(zip(prompts, resumed)):
+  def _needs(self, state: PagedState, prompts: Sequence, keys: Sequence) -> list[int]:
+    """Pages each request of a call takes for its prompt and first `steps_per_sync` tokens: all of them for a
+    prompt prefilled here; beyond the shared full pages for one an earlier request or the cache holds."""
+    chunk, ps, seen = self.config.steps_per_sync, self.page_size, {k for k, _ in state.cache}
+    out = []
+    for prompt, key in zip(prompts, keys):
       length = len(prompt)
-      key = tuple(np.asarray(prompt).tolist()) if not extra else None
-      need = pages_for(length + chunk, ps) - (length // ps if key is not None and key in seen else 0)
-      if need > free:
-        return i
-      free -= need
+      out.append(pages_for(length + chunk, ps) - (length // ps if key is not None and key in seen else 0))
       if key is not None:
         seen.add(key)
+    return out
+
+  def admissible(self, state: PagedState, prompts: Sequence, resumed: Sequence[int], version: int = 0) -> int:
+    """How many of `prompts` (one prefill call's, in order) can start: after the busy rows' next
+    `steps_per_sync` tokens, pages must remain (free, or held only by the prefix cache) for each one's prompt
+    and first tokens (`_needs`). A run of one prompt's requests is not cut unless it starts the call."""
+    slots, chunk = self.config.num_slots, self.config.steps_per_sync
+    length, held = np.asarray(state.pages.length)[:slots], np.asarray(state.pages.pages_held())[:slots]
+    growth = int(np.maximum(pages_for(length + chunk, self.page_size) - held, 0)[held > 0].sum())
+    keys = self._keys(prompts, resumed, version)
+    free = self.free_pages(state) + self._evictable_pages(state, keep=set(keys)) - growth
+    for i, need in enumerate(self._needs(state, prompts, keys)):
+      if need > free:
+        run = i  # do not cut a run of one prompt's requests (a group shares one prefill) unless it is the first
+        while run > 0 and keys[i] is not None and keys[run - 1] == keys[i]:
+          run -= 1
+        return run or i
+      free -= need
     return len(prompts)
 
+  def _keys(self, prompts, resumed, version) -> list:
+    return [(tuple(np.asarray(p).tolist()), version) if not extra and self.config.share_prompts else None
+            for p, extra in zip(prompts, resumed)]
+
   def make_room(self, state: PagedState, progress: dict[int, int]) -> tuple[PagedState, list[int]]:
-    """Reserves pages for every busy slot's next `steps_per_sync` tokens. While the pool cannot hold them, the
-    slot with the least progress (`progress[slot]` tokens; ties: the highest slot) is preempted: its pages
-    go back and its row stops. Returns (state, the preempted slots, in order)."""
-    slots, preempted, pages = sorted(progress), [], state.pages
+    """Reserves pages for every busy slot's next `steps_per_sync` tokens. While the pool cannot hold them,
+    prefix-cache entries go first, then the slot with the least progress (`progress[slot]` tokens; ties: the
+    highest slot) is preempted: its pages go back and its row stops. Returns (state, the preempted slots)."""
+    slots, preempted = sorted(progress), []
     while slots:
-      need = np.asarray(pages.length)[slots] + self.config.steps_per_sync
-      pages, ok = self._reserve_rows(pages, np.asarray(slots, np.int32), need.astype(np.int32), self.page_size)
+      need = np.asarray(state.pages.length)[slots] + self.config.steps_per_sync
+      pages, ok = self._reserve_rows(state.pages, np.asarray(slots, np.int32), need.astype(np.int32), self.page_size)
+      state = dataclasses.replace(state, pages=pages)
       if np.asarray(ok).all():
         break
+      if state.cache:  # cached prefixes go before any row: until one more page is free
+        state = self._evict(state, self.free_pages(state) + 1)
+        continue
       victim = min(slots, key=lambda s: (progress[s], -s))
       slots.remove(victim)
       preempted.append(victim)
-      pages = self._release(pages, victim)
-      state = dataclasses.replace(state, rows=self._deactivate(state.rows, victim))
+      state = PagedState(self._deactivate(state.rows, victim), self._release(state.pages, victim), state.cache)
       self.counters["preempted"] += 1
-    return dataclasses.replace(state, pages=pages), preempted
+    return state, preempted
 
   def release(self, state: PagedState, slot: int) -> PagedState:
     """A finished slot's pages go back to the pool (shared ones once their last holder is done)."""
@@ -238,126 +288,200 @@ class PagedDecodeEngine:
     return min(self.config.cache_length, 1 << (length - 1).bit_length())
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
-              resume: Sequence[tuple[int, int] | None] | None = None) -> PagedPrefix:
-    """Prefills each distinct prompt of up to `prefill_batch` requests once and gives every request its first
-    token (`rngs[i]`: its key data). `resume[i] = (last token, tokens generated)` continues a preempted request
-    whose `prompts[i]` is its prompt + tokens so far but the last: that token is its next input, not sampled."""
+              resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> PagedPrefix:
+    """Plans a call of up to `prefill_batch` requests (`rngs[i]`: request i's key data); `insert` prefills each
+    distinct prompt the prefix cache does not hold for `version` once. `resume[i] = (last token, tokens
+    generated)` continues a preempted request whose `prompts[i]` is its prompt + tokens so far but the last:
+    that token is its next input, not sampled."""
     n, ec = len(prompts), self.config
     resume = list(resume) if resume is not None else [None] * n
     if not 1 <= n <= ec.prefill_batch or len(samplings) != n or len(rngs) != n or len(resume) != n:
       raise ValueError(f"prefill takes 1..{ec.prefill_batch} prompts with one SamplingParams, rng and resume each")
-    distinct, source, leader = {}, [], []
-    for i, prompt in enumerate(prompts):
-      key = (tuple(np.asarray(prompt).tolist()), i if resume[i] else -1)
-      leader.append(key not in distinct)
-      source.append(distinct.setdefault(key, len(distinct)))
-    uniques = [np.asarray(prompts[source.index(u)]) for u in range(len(distinct))]
-    u_rows = next(r for r in ec.row_buckets if r >= len(uniques))
-    m_rows = next(r for r in ec.row_buckets if r >= n)
-    bucket = max(self._bucket(len(p)) for p in uniques)
-    tokens, lengths = np.zeros((u_rows, bucket), np.int32), np.ones((u_rows,), np.int32)
-    for u, prompt in enumerate(uniques):
-      tokens[u, :len(prompt)], lengths[u] = prompt, len(prompt)
-    keys, knobs = np.zeros((m_rows, 2), np.uint32), _Knobs(m_rows, ec.max_stop_tokens)
-    src, given, generated = np.zeros((m_rows,), np.int32), np.full((m_rows,), -1, np.int32), np.ones((m_rows,), np.int32)
+    rows = next(r for r in ec.row_buckets if r >= n)
+    keys, knobs = np.zeros((rows, 2), np.uint32), _Knobs(rows, ec.max_stop_tokens)
     for i, (sampling, rng) in enumerate(zip(samplings, rngs)):
       if sampling.max_new_tokens > ec.max_new_tokens:
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds EngineConfig.max_new_tokens="
                          f"{ec.max_new_tokens}")
-      keys[i], src[i] = np.asarray(rng, np.uint32), source[i]
+      keys[i] = np.asarray(rng, np.uint32)
       knobs.set(i, sampling)
-      if resume[i]:
-        given[i], generated[i] = resume[i]
-    self.counters["prefill_tokens"] += int(sum(len(p) for p in uniques))
-    self.counters["prompts_shared"] += n - len(uniques)
-    device = self._prefill(params, tokens, lengths, src, given, generated, keys, *knobs.arrays())
-    return PagedPrefix(device, source, [int(len(uniques[s])) for s in source], leader)
-
-  def _prefill_impl(self, params, tokens, true_length, source, given, generated, rng, temperature, top_k, top_p,
-                    max_new, stop_ids):
-    model = nnx.merge(self.graphdef, params)
-    rows, bucket = tokens.shape
-    mask = jnp.arange(bucket)[None, :] < true_length[:, None]
-    logits, cache = model.forward_with_cache(tokens, KVCache.init(self.model_config, rows, bucket), mask,
-                                             logits_at=true_length - 1)
-    token, logprob, done = first_tokens(logits[source, 0], rng, temperature, top_k, top_p, max_new, stop_ids)
-    resumed = given >= 0
-    return GroupPrefill(keys=cache.keys, values=cache.values, valid=cache.valid,
-                        first_token=jnp.where(resumed, given, token), first_logprob=jnp.where(resumed, 0.0, logprob),
-                        done=done & ~resumed, rng=rng, temperature=temperature, top_k=top_k, top_p=top_p,
-                        max_new=max_new, stop_ids=stop_ids, generated=generated)
+    prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    return PagedPrefix(prompts, self._keys(prompts, [bool(r) for r in resume], version), resume,
+                       (keys, *knobs.arrays()), max(self._bucket(len(p)) for p in prompts), params)
 
   def insert(self, prefix: PagedPrefix, state: PagedState, slots: Sequence[int]) -> PagedState:
-    """Request i of `prefix` takes slot `slots[i]`: a prompt's first request takes pages for it and writes
-    them; the others share its full pages and copy its partly filled last one. The slots must be free and
-    `admissible` must have said the pages are there."""
-    n, num_slots = len(prefix.source), self.config.num_slots
+    """Request i of `prefix` takes slot `slots[i]`. A prompt neither the cache nor an earlier request holds is
+    prefilled into the pages of its first request's slot; the others fork: they share its (or the cache
+    entry's) full pages and copy its partly filled last page; each samples its first token from the prompt's
+    last logits with its own key. New prompts enter the prefix cache. `admissible` must have said the pages
+    are there; the slots must be free."""
+    n, num_slots, ec = len(prefix.prompts), self.config.num_slots, self.config
     if len(slots) != n or len(set(slots)) != n or any(not 0 <= s < num_slots for s in slots):
       raise ValueError(f"insert takes {n} distinct slots in 0..{num_slots - 1}, got {list(slots)}")
-    rows = prefix.device.first_token.shape[0]
-    targets = np.full((rows,), num_slots, np.int32)
-    targets[:n] = slots
-    lengths, leaders = np.zeros((rows,), np.int32), np.zeros((rows,), bool)
-    copy_from, copy_to = np.full((rows,), -1, np.int32), np.full((rows,), -1, np.int32)
-    pages, slot_of_source = state.pages, {}
-    for i, slot in enumerate(slots):
-      source, length = prefix.source[i], prefix.lengths[i]
-      lengths[i] = length
-      if prefix.leader[i]:
-        pages, ok = self._reserve(pages, slot, length, self.page_size)
-        pages = self._advance(pages, np.eye(num_slots, dtype=np.int32)[slot] * length)
-        slot_of_source[source], leaders[i] = slot, True
+    versions = {key[1] for key in prefix.keys if key is not None}
+    if versions:  # entries of older weights can never be used again
+      stale = tuple(e for e in state.cache if e[0][1] < max(versions))
+      for entry in stale:
+        state = dataclasses.replace(state, pages=self._release(state.pages, entry[1]))
+      state = dataclasses.replace(state, cache=tuple(e for e in state.cache if e not in stale))
+    cached = {key: row for key, row in state.cache}
+    needed = sum(self._needs(state, prefix.prompts, prefix.keys))
+    state = self._evict(state, needed, keep={k for k in prefix.keys if k in cached})
+    cached = {key: row for key, row in state.cache}
+    rows = prefix.arrays[0].shape[0]
+    # Distinct prompts to prefill (a resumed request, or with sharing off every request, is its own).
+    fresh, source = {}, []  # key -> fresh row; per request: ("fresh", u) or ("cache", entry)
+    for i, key in enumerate(prefix.keys):
+      if key is not None and key in cached:
+        source.append(("cache", cached[key]))
       else:
-        pages, ok, copy_from[i], copy_to[i] = self._fork(pages, slot_of_source[source], slot, self.page_size)
+        source.append(("fresh", fresh.setdefault(key if key is not None else ("own", i), len(fresh))))
+    u_rows = next(r for r in ec.row_buckets if r >= max(1, len(fresh)))
+    tokens, lengths = np.zeros((u_rows, prefix.bucket), np.int32), np.ones((u_rows,), np.int32)
+    for i, (kind, u) in enumerate(source):
+      if kind == "fresh":
+        tokens[u, :len(prefix.prompts[i])], lengths[u] = prefix.prompts[i], len(prefix.prompts[i])
+    # Pages, on the host: the first request of a fresh prompt reserves and writes; the rest fork.
+    pages, holder = state.pages, {}  # fresh row -> the slot that writes it
+    plan = _InsertPlan(rows, num_slots + self.cache_rows)
+    for i, (slot, (kind, u)) in enumerate(zip(slots, source)):
+      length = len(prefix.prompts[i])
+      plan.slots[i], plan.lengths[i] = slot, length
+      plan.logit_row[i] = u if kind == "fresh" else u_rows + (u - num_slots)
+      if kind == "fresh" and u not in holder:
+        pages, ok = self._reserve(pages, slot, length, self.page_size)
+        pages = self._advance(pages, _one_hot(pages.length.shape[0], slot, length))
+        holder[u], plan.writer[i], plan.write_row[i] = slot, True, u
+      else:
+        pages, ok, plan.copy_from[i], plan.copy_to[i] = self._fork(pages, holder[u] if kind == "fresh" else u, slot,
+                                                                   self.page_size)
       if not bool(ok):
         raise RuntimeError(f"the page pool ran out inserting into slot {slot}; `admissible` should have held it back")
-    table = np.asarray(pages.table)[np.minimum(targets, num_slots - 1)]
-    new_rows = self._insert(prefix.device, state.rows, targets, table, leaders, lengths,
-                            np.asarray(prefix.source + [0] * (rows - n), np.int32), copy_from, copy_to)
-    return PagedState(new_rows, pages)
+    self.counters["prefill_tokens"] += int(sum(lengths[:len(fresh)]))
+    self.counters["prompts_shared"] += sum(1 for kind, _ in source if kind == "fresh") - len(fresh)
+    self.counters["prefix_cache_hits"] += sum(1 for kind, _ in source if kind == "cache")
+    cache = [e for e in state.cache]
+    for key, u in fresh.items():  # a new entry forks the writer's row; the oldest goes when the cache is full
+      if key[0] == "own" or not self.cache_rows:
+        continue
+      used = {row for _, row in cache}
+      if len(cache) == self.cache_rows:
+        pages = self._release(pages, cache.pop(0)[1])
+        used = {row for _, row in cache}
+      row = next(r for r in range(num_slots, num_slots + self.cache_rows) if r not in used)
+      pages, ok, plan.cache_copy_from[u], plan.cache_copy_to[u] = self._fork(pages, holder[u], row, self.page_size)
+      if bool(ok):
+        cache.append((key, row))
+        plan.cache_entry[u] = row - num_slots
+    hits = [e for e in cache if e[0] in {k for k in prefix.keys}]
+    cache = [e for e in cache if e not in hits] + hits  # most recently used last
+    given, generated = np.full((rows,), -1, np.int32), np.ones((rows,), np.int32)
+    for i, resume in enumerate(prefix.resume):
+      if resume:
+        given[i], generated[i] = resume
+    new_rows, prefix.firsts = self._insert(prefix.params, state.rows, tokens, lengths, plan.arrays(np.asarray(pages.table)),
+                                           prefix.arrays, given, generated)
+    return PagedState(new_rows, pages, tuple(cache))
 
-  def _insert_impl(self, prefix: GroupPrefill, rows: PagedRows, slots, table, leaders, lengths, source, copy_from,
-                   copy_to):
-    bucket = prefix.valid.shape[1]
-    write = leaders[:, None] & (jnp.arange(bucket)[None, :] < lengths[:, None])
-    start = jnp.zeros_like(lengths)
-    pool = rows.pool
-    new_k, new_v = [], []
-    for k_pages, v_pages, k, v in zip(pool.keys, pool.values, prefix.keys, prefix.values):
-      k_tok, v_tok = k[source].transpose(0, 2, 1, 3), v[source].transpose(0, 2, 1, 3)  # [R, bucket, kv, d]
-      k_pages, v_pages = write_layer(k_pages, v_pages, table, start, k_tok, v_tok, write)
-      new_k.append(k_pages)
-      new_v.append(v_pages)
-    pool = copy_pages(pool.replace(keys=tuple(new_k), values=tuple(new_v)), copy_from, copy_to)
+  def _insert_impl(self, params, rows: PagedRows, tokens, lengths, plan: dict, arrays: tuple, given, generated):
+    """Prefills the fresh prompts (tokens [U, bucket]) into a scratch cache, writes them into the writers'
+    pages, copies the forks' and new cache entries' partly filled pages, samples every request's first token
+    from its prompt's last logits (fresh, or a cache entry's) and sets its slot's fields."""
+    model = nnx.merge(self.graphdef, params)
+    u_rows, bucket = tokens.shape
+    mask = jnp.arange(bucket)[None, :] < lengths[:, None]
+    logits, scratch = model.forward_with_cache(tokens, KVCache.init(self.model_config, u_rows, bucket), mask,
+                                               logits_at=lengths - 1)
+    rng, temperature, top_k, top_p, max_new, stop_ids = arrays
+    write = plan["writer"][:, None] & (jnp.arange(bucket)[None, :] < plan["lengths"][:, None])
+    pool, src = rows.pool, plan["write_row"]
+    keys, values = [], []
+    for k_pages, v_pages, k, v in zip(pool.keys, pool.values, scratch.keys, scratch.values):
+      k_pages, v_pages = write_layer(k_pages, v_pages, plan["table"], jnp.zeros_like(plan["lengths"]),
+                                     k[src].transpose(0, 2, 1, 3), v[src].transpose(0, 2, 1, 3), write)
+      keys.append(k_pages)
+      values.append(v_pages)
+    pool = pool.replace(keys=tuple(keys), values=tuple(values))
+    pool = copy_pages(pool, plan["copy_from"], plan["copy_to"])  # after the writes: forks copy written pages
+    pool = copy_pages(pool, plan["cache_copy_from"], plan["cache_copy_to"])
+    all_logits = jnp.concatenate([logits[:, 0], rows.prefix_logits], axis=0)
+    token, logprob, done = first_tokens(all_logits[plan["logit_row"]], rng, temperature, top_k, top_p, max_new,
+                                        stop_ids)
+    resumed = given >= 0
+    token, done = jnp.where(resumed, given, token), done & ~resumed
+    entry = plan["cache_entry"][:u_rows]  # fresh row -> the cache entry it fills (out of range: none)
+    prefix_logits = rows.prefix_logits.at[entry].set(logits[:, 0], mode="drop")
+    slots = plan["slots"]
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
-    return rows.replace(
-        pool=pool, length=put(rows.length, lengths), last_token=put(rows.last_token, prefix.first_token),
-        rng=put(rows.rng, prefix.rng), generated=put(rows.generated, prefix.generated),
-        active=put(rows.active, ~prefix.done), temperature=put(rows.temperature, prefix.temperature),
-        top_k=put(rows.top_k, prefix.top_k), top_p=put(rows.top_p, prefix.top_p),
-        max_new=put(rows.max_new, prefix.max_new), stop_ids=put(rows.stop_ids, prefix.stop_ids))
+    rows = rows.replace(
+        pool=pool, prefix_logits=prefix_logits, length=put(rows.length, plan["lengths"]), last_token=put(rows.last_token, token),
+        rng=put(rows.rng, rng), generated=put(rows.generated, generated), active=put(rows.active, ~done),
+        temperature=put(rows.temperature, temperature), top_k=put(rows.top_k, top_k), top_p=put(rows.top_p, top_p),
+        max_new=put(rows.max_new, max_new), stop_ids=put(rows.stop_ids, stop_ids))
+    return rows, FirstTokens(first_token=token, first_logprob=jnp.where(resumed, 0.0, logprob), done=done)
+
 
   def generate(self, params, state: PagedState, window: int | None = None) -> tuple[PagedState, StepOutput]:
-    """`steps_per_sync` decode steps for every row; `make_room` must have reserved their pages. `window`, one
-    of `config.attention_windows`, must exceed every active row's last write."""
+    """`steps_per_sync` decode steps for the rows that hold pages, gathered into the smallest power-of-two
+    batch that holds them (a row is its table and a few scalars: no keys or values move), so a step costs the
+    busy rows, not every slot. `make_room` must have reserved their pages. `window`, one of
+    `config.attention_windows`, must exceed every active row's last write."""
     window = self.config.cache_length if window is None else window
     if window not in self.config.attention_windows:
       raise ValueError(f"window {window} is not one of {self.config.attention_windows}")
-    table = np.asarray(state.pages.table)
-    rows, out = self._generate(params, state.rows, table, window)
-    busy = (table[:, 0] >= 0).astype(np.int32)  # rows holding pages; lengths become an upper bound
-    return PagedState(rows, self._advance(state.pages, busy * self.config.steps_per_sync)), out
+    table = np.asarray(state.pages.table)[:self.config.num_slots]
+    busy = table[:, 0] >= 0
+    idx = np.flatnonzero(busy)
+    batch = 1 << max(0, len(idx) - 1).bit_length()
+    idx = np.concatenate([idx, np.flatnonzero(~busy)[:batch - len(idx)]]).astype(np.int32)  # free rows pad
+    rows, out = self._generate(params, state.rows, table[idx], idx, window)
+    grown = np.zeros((state.pages.length.shape[0],), np.int32)
+    grown[:len(busy)] = busy * self.config.steps_per_sync
+    return PagedState(rows, self._advance(state.pages, grown), state.cache), out
 
-  def _generate_impl(self, params, rows: PagedRows, table, window: int):
+  def _generate_impl(self, params, rows: PagedRows, table, idx, window: int):
     model = nnx.merge(self.graphdef, params)
     table = table[:, :window // self.page_size]
+    fields = [f.name for f in dataclasses.fields(PagedRows) if f.name not in ("pool", "prefix_logits")]
+    sub = rows.replace(**{name: getattr(rows, name)[idx] for name in fields})
 
-    def step(rows: PagedRows, _):
-      active = rows.active
-      logits, pool = model.forward_paged(rows.last_token[:, None], rows.pool, table, rows.length, active[:, None],
+    def step(sub: PagedRows, _):
+      active = sub.active
+      logits, pool = model.forward_paged(sub.last_token[:, None], sub.pool, table, sub.length, active[:, None],
                                          window)
-      changes, out = sample_next(rows, logits)
-      return rows.replace(pool=pool, length=rows.length + active, **changes), out
+      changes, out = sample_next(sub, logits)
+      return sub.replace(pool=pool, length=sub.length + active, **changes), out
 
-    return jax.lax.scan(step, rows, None, length=self.config.steps_per_sync)
+    sub, out = jax.lax.scan(step, sub, None, length=self.config.steps_per_sync)
+    rows = rows.replace(pool=sub.pool, **{name: getattr(rows, name).at[idx].set(getattr(sub, name)) for name in fields})
+    spread = lambda x: jnp.zeros(x.shape[:1] + (self.config.num_slots,), x.dtype).at[:, idx].set(x)  # noqa: E731
+    return rows, jax.tree.map(spread, out)
 
+
+class _InsertPlan:
+  """An insert call's host-made arrays: per request its slot, length, logits row and page ops; per fresh prompt
+  the cache entry it fills and the copy of its partly filled page into that entry."""
+
+  def __init__(self, rows: int, table_rows: int):
+    self.table_rows = table_rows
+    self.slots = np.full((rows,), 1 << 30, np.int32)  # out of range: a padding row writes nothing
+    self.lengths = np.zeros((rows,), np.int32)
+    self.logit_row = np.zeros((rows,), np.int32)
+    self.writer = np.zeros((rows,), bool)
+    self.write_row = np.zeros((rows,), np.int32)
+    self.copy_from, self.copy_to = np.full((rows,), -1, np.int32), np.full((rows,), -1, np.int32)
+    self.cache_copy_from, self.cache_copy_to = np.full((rows,), -1, np.int32), np.full((rows,), -1, np.int32)
+    self.cache_entry = np.full((rows,), 1 << 30, np.int32)
+
+  def arrays(self, table: np.ndarray) -> dict:
+    """The plan as the jitted insert takes it; `table` rows of the requests' slots (the writers' pages)."""
+    return dict(slots=self.slots, lengths=self.lengths, logit_row=self.logit_row, writer=self.writer,
+                write_row=self.write_row, copy_from=self.copy_from, copy_to=self.copy_to,
+                cache_copy_from=self.cache_copy_from, cache_copy_to=self.cache_copy_to, cache_entry=self.cache_entry,
+                table=table[np.minimum(self.slots, self.table_rows - 1)])
+
+
+def _one_hot(size: int, index: int, value: int) -> np.ndarray:
+  out = np.zeros((size,), np.int32)
+  out[index] = value
+  return out

@@ -1,0 +1,150 @@
+"""The paged engine against the contiguous one at equal KV memory, on the benchmark model (~10M parameters).
+
+1. Long-tailed lengths (the sampler benchmark's workload: 128 requests, 85% of outputs 12-36 tokens, 15%
+   200-256): the contiguous engine holds 16 slots of 288 tokens; the paged engine the same 4,608 tokens as
+   288 pages of 16, over up to 64 rows. `paged_vs_contiguous` is the tokens/s ratio; rows in flight are the
+   mean busy rows per decode call.
+2. GRPO groups (G = 8, prompts of 256 tokens, outputs of 16-64): the same budget (16 slots of 320 tokens, 320
+   pages). `shared_vs_unshared` is the samples/s ratio of the paged engine with a group's prompt prefilled
+   once and its pages shared against the same engine prefilling every request (`share_prompts=False`);
+   `prefill_tokens_per_group` is what the shared arm prefilled per group.
+3. `decode_overhead`: seconds of a decode call at equal rows (16) and lengths, paged over contiguous, minus 1.
+
+Arms run interleaved, best of two. Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from flax import nnx
+
+sys.path.insert(0, str(Path(__file__).parent))
+from model_forward import CONFIG  # noqa: E402
+from sampler import MAX_NEW, MAX_PROMPT, workload  # noqa: E402
+
+from streamrl_jax.meshes import single_device_mesh  # noqa: E402
+from streamrl_jax.models import Transformer  # noqa: E402
+from streamrl_jax.sampling import EngineConfig, StreamingSampler, kv_tokens, make_engine  # noqa: E402
+from streamrl_jax.types import SamplingParams  # noqa: E402
+
+SLOTS, ROWS, PAGE = 16, 64, 16
+GROUP, GROUPS, GROUP_PROMPT, GROUP_NEW = 8, 12, 256, 64
+
+
+def run(engine, params, requests) -> dict:
+  """Generates every (prompt, length, group id) request; seconds, tokens, samples, mean rows in flight."""
+  sampler = StreamingSampler([engine], params)
+  for prompt, length, group in requests:
+    sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=length), group_id=group)
+  start, tokens, samples, rows = time.perf_counter(), 0, 0, []
+  while sampler.has_work():
+    finished = sampler.step()
+    rows.append(sampler.num_in_flight + len(finished))
+    tokens += sum(s.num_tokens for s in finished)
+    samples += len(finished)
+  seconds = time.perf_counter() - start
+  assert samples == len(requests) and tokens == sum(n for _, n, _ in requests), (samples, tokens)
+  return dict(seconds=seconds, tokens=tokens, samples=samples, rows_in_flight=float(np.mean(rows)),
+              preempted=sampler.counters["preempted"])
+
+
+def long_tailed(graphdef, params, mesh) -> dict:
+  prompts, lengths = workload()
+  requests = [(p, n, i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+  common = dict(max_prompt_length=MAX_PROMPT, max_new_tokens=MAX_NEW, min_prefill_bucket=32, steps_per_sync=4)
+  engines = {"contiguous": make_engine(graphdef, CONFIG, EngineConfig(num_slots=SLOTS, **common), mesh),
+             "paged": make_engine(graphdef, CONFIG, EngineConfig(num_slots=ROWS, kv_layout="paged", page_size=PAGE,
+                                                                 kv_pages=SLOTS * (MAX_PROMPT + MAX_NEW) // PAGE,
+                                                                 **common), mesh)}
+  assert kv_tokens(engines["paged"]) == kv_tokens(engines["contiguous"])
+  return _arms(engines, params, requests, warm=[(p, 4, i) for p, _, i in requests[:ROWS]])
+
+
+def grouped(graphdef, params, mesh) -> dict:
+  rng = np.random.default_rng(1)
+  requests = []
+  for g in range(GROUPS):
+    prompt = rng.integers(3, CONFIG.vocab_size, GROUP_PROMPT).tolist()
+    requests += [(prompt, int(n), g) for n in rng.integers(16, GROUP_NEW + 1, GROUP)]
+  common = dict(num_slots=ROWS, max_prompt_length=GROUP_PROMPT, max_new_tokens=GROUP_NEW,
+                min_prefill_bucket=GROUP_PROMPT, steps_per_sync=4, kv_layout="paged", page_size=PAGE,
+                kv_pages=SLOTS * (GROUP_PROMPT + GROUP_NEW) // PAGE)
+  engines = {"shared": make_engine(graphdef, CONFIG, EngineConfig(**common), mesh),
+             "unshared": make_engine(graphdef, CONFIG, EngineConfig(**common, share_prompts=False), mesh)}
+  out = _arms(engines, params, requests, warm=requests[:2 * GROUP])
+  out["prefill_tokens_per_group"] = out.pop("shared_prefill_tokens") / (2 * GROUPS)  # two timed runs
+  out.pop("unshared_prefill_tokens")
+  return out
+
+
+def _arms(engines: dict, params, requests, warm) -> dict:
+  for engine in engines.values():
+    run(engine, params, warm)  # compiles
+    if hasattr(engine, "counters"):  # the paged engine's
+      engine.counters.update(prefill_tokens=0, prompts_shared=0, preempted=0)
+  results = {name: [] for name in engines}
+  for _ in range(2):
+    for name, engine in engines.items():
+      results[name].append(run(engine, params, requests))
+  out = {}
+  for name, runs in results.items():
+    best = min(runs, key=lambda r: r["seconds"])
+    out.update({f"{name}_tokens_per_s": round(best["tokens"] / best["seconds"], 1),
+                f"{name}_samples_per_s": round(best["samples"] / best["seconds"], 2),
+                f"{name}_rows_in_flight": round(best["rows_in_flight"], 1), f"{name}_preempted": best["preempted"],
+                f"{name}_prefill_tokens": getattr(engines[name], "counters", {}).get("prefill_tokens", 0)})
+  return out
+
+
+def decode_overhead(graphdef, params, mesh, calls: int = 30) -> dict:
+  """Seconds per decode call (4 steps) with 16 rows of 40-token prompts, contiguous and paged at one window."""
+  common = dict(num_slots=SLOTS, max_prompt_length=64, max_new_tokens=256, min_prefill_bucket=64, steps_per_sync=4,
+                prefill_batch=16)
+  engines = {"contiguous": make_engine(graphdef, CONFIG, EngineConfig(**common), mesh),
+             "paged": make_engine(graphdef, CONFIG, EngineConfig(**common, kv_layout="paged", page_size=PAGE), mesh)}
+  prompts = [list(range(3 + i, 43 + i)) for i in range(SLOTS)]
+  knobs = [SamplingParams(temperature=1.0, max_new_tokens=256)] * SLOTS
+  keys = np.stack([np.asarray([0, i], np.uint32) for i in range(SLOTS)])
+  states = {}
+  for name, engine in engines.items():
+    placed = engine.place_params(params)
+    state = engine.insert(engine.prefill(placed, prompts, samplings=knobs, rngs=keys), engine.init_decode_state(),
+                          list(range(SLOTS)))
+    states[name] = (placed, state)
+  seconds = {name: [] for name in engines}
+  window = engines["paged"].config.window_for(40 + 4 * (calls + 2))
+  for _ in range(calls):
+    for name, engine in engines.items():
+      placed, state = states[name]
+      state, _ = engine.make_room(state, {s: 1 for s in range(SLOTS)})
+      begin = time.perf_counter()
+      state, out = engine.generate(placed, state, window)
+      jax.block_until_ready(out.tokens)
+      seconds[name].append(time.perf_counter() - begin)
+      states[name] = (placed, state)
+  median = {name: float(np.median(v[2:])) for name, v in seconds.items()}  # the first calls compile
+  return dict(decode_call_s_contiguous=round(median["contiguous"], 5), decode_call_s_paged=round(median["paged"], 5),
+              decode_overhead=round(median["paged"] / median["contiguous"] - 1, 3), decode_window=window)
+
+
+def main() -> dict:
+  graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+  mesh = single_device_mesh(jax.devices()[0])
+  out = dict(kv_budget_tokens=SLOTS * (MAX_PROMPT + MAX_NEW), page_size=PAGE, paged_rows=ROWS)
+  out.update(long_tailed(graphdef, params, mesh))
+  out["paged_vs_contiguous"] = round(out["paged_tokens_per_s"] / out["contiguous_tokens_per_s"], 3)
+  out.update(grouped(graphdef, params, mesh))
+  out["group_prompt_tokens"] = GROUP_PROMPT
+  out["shared_vs_unshared"] = round(out["shared_samples_per_s"] / out["unshared_samples_per_s"], 3)
+  out.update(decode_overhead(graphdef, params, mesh))
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))
