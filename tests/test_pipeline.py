@@ -102,3 +102,14 @@ def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path,
   from streamrl_jax.scheduling import OnlineRanker
   saved = checkpointer.restore_aux({"ranker": OnlineRanker(scheduling.ranker).state_arrays()})
   assert int(saved["ranker"]["count"]) == 4 * 4  # 12 prompts restored from step 3's checkpoint, 4 more
+
+
+def test_the_paged_engine_runs_the_pipeline_to_the_contiguous_engines_weights(results):
+  """stream-mode GRPO (on-policy: no timing in what is sampled) with the sampler on the paged engine: every
+  prompt trained once, and the same samples (the same keys, the same logits up to float noise) give the
+  contiguous run's parameters."""
+  engine = dataclasses.replace(BASE.engine, kv_layout="paged", page_size=4)
+  paged = run("stream", engine=engine)
+  assert paged.counters["samples_generated"] == paged.counters["samples_trained"] == 3 * 16
+  for x, y in zip(jax.tree.leaves(paged.params), jax.tree.leaves(results["stream"].params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)

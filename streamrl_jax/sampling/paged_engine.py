@@ -135,7 +135,9 @@ class PagedDecodeEngine:
     self._fork = jax.jit(fork, static_argnums=(3,))
     self._release = jax.jit(release)
     self._advance = jax.jit(advance)
-    self.counters = dict(prefill_tokens=0, prompts_shared=0, prefix_cache_hits=0, preempted=0, evicted=0)
+    # prefill_tokens: prompts prefilled; resume_prefill_tokens: preempted requests' prompt + tokens, again
+    self.counters = dict(prefill_tokens=0, resume_prefill_tokens=0, prompts_shared=0, prefix_cache_hits=0,
+                         preempted=0, evicted=0)
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
@@ -357,7 +359,9 @@ class PagedDecodeEngine:
                                                                    self.page_size)
       if not bool(ok):
         raise RuntimeError(f"the page pool ran out inserting into slot {slot}; `admissible` should have held it back")
-    self.counters["prefill_tokens"] += int(sum(lengths[:len(fresh)]))
+    resumed_rows = {u for i, (kind, u) in enumerate(source) if kind == "fresh" and prefix.resume[i]}
+    self.counters["prefill_tokens"] += int(sum(lengths[u] for u in range(len(fresh)) if u not in resumed_rows))
+    self.counters["resume_prefill_tokens"] += int(sum(lengths[u] for u in resumed_rows))
     self.counters["prompts_shared"] += sum(1 for kind, _ in source if kind == "fresh") - len(fresh)
     self.counters["prefix_cache_hits"] += sum(1 for kind, _ in source if kind == "cache")
     cache = [e for e in state.cache]
