@@ -30,6 +30,12 @@ def model_parts():
   return graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
 
 
+@pytest.fixture(scope="module")
+def contiguous_samples(model_parts):
+  graphdef, params, mesh = model_parts
+  return generate_all(make_engine(graphdef, MODEL, CONTIGUOUS, mesh), params)[0]
+
+
 def generate_all(engine, params, requests=REQUESTS):
   """Greedy completions by request id, and the sampler. Equal prompts admitted in one call share pages."""
   sampler = StreamingSampler([engine], params)
@@ -60,9 +66,9 @@ def pool_is_empty(sampler) -> bool:
   return not np.asarray(state.pages.refcount).any() and (np.asarray(state.pages.table) == -1).all()
 
 
-def test_paged_greedy_equals_contiguous_with_shared_prompts_and_mixed_lengths(model_parts):
+def test_paged_greedy_equals_contiguous_with_shared_prompts_and_mixed_lengths(model_parts, contiguous_samples):
   graphdef, params, mesh = model_parts
-  contiguous, _ = generate_all(make_engine(graphdef, MODEL, CONTIGUOUS, mesh), params)
+  contiguous = contiguous_samples
   engine = make_engine(graphdef, MODEL, PAGED, mesh)
   paged, sampler = generate_all(engine, params)
   assert_same_samples(paged, contiguous)
@@ -91,9 +97,9 @@ def test_a_group_prompt_is_prefilled_once_and_its_pages_shared(model_parts):
   assert pool_is_empty(sampler) and len(group) == 4
 
 
-def test_rows_preempted_when_pages_run_out_resume_as_one_continuous_generation(model_parts):
+def test_rows_preempted_when_pages_run_out_resume_as_one_continuous_generation(model_parts, contiguous_samples):
   graphdef, params, mesh = model_parts
-  contiguous, _ = generate_all(make_engine(graphdef, MODEL, CONTIGUOUS, mesh), params)
+  contiguous = contiguous_samples
   tight = EngineConfig(**{**PAGED.__dict__, "kv_pages": 12})  # 96 tokens for 4 rows of up to 64
   engine = make_engine(graphdef, MODEL, tight, mesh)
   paged, sampler = generate_all(engine, params)
