@@ -38,6 +38,7 @@ from streamrl_jax.models.paged_cache import (PagePool, PageState, advance, check
                                              pages_for, release, reserve, reserve_rows, write_layer)
 from streamrl_jax.sampling.engine import (EngineConfig, StepOutput, _Knobs, device_memory_budget, first_tokens,
                                           sample_next)
+from streamrl_jax.sampling.paged_prefill import FirstTokens, InsertPlan, PagedPrefix, one_hot
 from streamrl_jax.types import SamplingParams
 
 
@@ -68,45 +69,6 @@ class PagedState:
   rows: PagedRows
   pages: PageState  # on the CPU: reference counts, tables, lengths (an upper bound while a call runs)
   cache: tuple = ()  # ((prompt tokens, version), cache row), least recently used first
-
-
-@flax.struct.dataclass
-class FirstTokens:
-  """Each request's first token from an insert call (the driver reads them at its next sync)."""
-
-  first_token: jax.Array  # [R]
-  first_logprob: jax.Array
-  done: jax.Array
-
-
-@dataclasses.dataclass
-class PagedPrefix:
-  """A prefill call's plan (`prefill` only checks and lays out; `insert` prefills what the prefix cache does
-  not hold): per request its prompt, sampling arrays and resume state; after `insert`, its first tokens."""
-
-  prompts: list[np.ndarray]
-  keys: list  # (prompt tokens, version) of each request; None: not shared (resumed, or sharing off)
-  resume: list  # (last token, generated) or None
-  arrays: tuple  # rng, temperature, top_k, top_p, max_new, stop_ids over the padded request rows
-  bucket: int  # length bucket of the longest prompt
-  params: object = None  # the weights the prompts are prefilled with
-  firsts: FirstTokens | None = None
-
-  @property
-  def first_token(self):
-    return self.firsts.first_token
-
-  @property
-  def first_logprob(self):
-    return self.firsts.first_logprob
-
-  @property
-  def done(self):
-    return self.firsts.done
-
-  @property
-  def valid(self):  # the driver reads its width: the cache length a row's prompt may reach
-    return np.zeros((1, self.bucket), bool)
 
 
 class PagedDecodeEngine:
@@ -345,14 +307,14 @@ class PagedDecodeEngine:
         tokens[u, :len(prefix.prompts[i])], lengths[u] = prefix.prompts[i], len(prefix.prompts[i])
     # Pages, on the host: the first request of a fresh prompt reserves and writes; the rest fork.
     pages, holder = state.pages, {}  # fresh row -> the slot that writes it
-    plan = _InsertPlan(rows, num_slots + self.cache_rows)
+    plan = InsertPlan(rows, num_slots + self.cache_rows)
     for i, (slot, (kind, u)) in enumerate(zip(slots, source)):
       length = len(prefix.prompts[i])
       plan.slots[i], plan.lengths[i] = slot, length
       plan.logit_row[i] = u if kind == "fresh" else u_rows + (u - num_slots)
       if kind == "fresh" and u not in holder:
         pages, ok = self._reserve(pages, slot, length, self.page_size)
-        pages = self._advance(pages, _one_hot(pages.length.shape[0], slot, length))
+        pages = self._advance(pages, one_hot(pages.length.shape[0], slot, length))
         holder[u], plan.writer[i], plan.write_row[i] = slot, True, u
       else:
         pages, ok, plan.copy_from[i], plan.copy_to[i] = self._fork(pages, holder[u] if kind == "fresh" else u, slot,
@@ -460,32 +422,3 @@ class PagedDecodeEngine:
     rows = rows.replace(pool=sub.pool, **{name: getattr(rows, name).at[idx].set(getattr(sub, name)) for name in fields})
     spread = lambda x: jnp.zeros(x.shape[:1] + (self.config.num_slots,), x.dtype).at[:, idx].set(x)  # noqa: E731
     return rows, jax.tree.map(spread, out)
-
-
-class _InsertPlan:
-  """An insert call's host-made arrays: per request its slot, length, logits row and page ops; per fresh prompt
-  the cache entry it fills and the copy of its partly filled page into that entry."""
-
-  def __init__(self, rows: int, table_rows: int):
-    self.table_rows = table_rows
-    self.slots = np.full((rows,), 1 << 30, np.int32)  # out of range: a padding row writes nothing
-    self.lengths = np.zeros((rows,), np.int32)
-    self.logit_row = np.zeros((rows,), np.int32)
-    self.writer = np.zeros((rows,), bool)
-    self.write_row = np.zeros((rows,), np.int32)
-    self.copy_from, self.copy_to = np.full((rows,), -1, np.int32), np.full((rows,), -1, np.int32)
-    self.cache_copy_from, self.cache_copy_to = np.full((rows,), -1, np.int32), np.full((rows,), -1, np.int32)
-    self.cache_entry = np.full((rows,), 1 << 30, np.int32)
-
-  def arrays(self, table: np.ndarray) -> dict:
-    """The plan as the jitted insert takes it; `table` rows of the requests' slots (the writers' pages)."""
-    return dict(slots=self.slots, lengths=self.lengths, logit_row=self.logit_row, writer=self.writer,
-                write_row=self.write_row, copy_from=self.copy_from, copy_to=self.copy_to,
-                cache_copy_from=self.cache_copy_from, cache_copy_to=self.cache_copy_to, cache_entry=self.cache_entry,
-                table=table[np.minimum(self.slots, self.table_rows - 1)])
-
-
-def _one_hot(size: int, index: int, value: int) -> np.ndarray:
-  out = np.zeros((size,), np.int32)
-  out[index] = value
-  return out
