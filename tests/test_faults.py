@@ -235,13 +235,16 @@ class Programs:
         proc.wait(timeout=30)
 
 
-def check_each_step_once(workdir: Path, steps: int) -> dict:
+def check_each_step_once(workdir: Path, steps: int, trainer_restarts: int = 0) -> dict:
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in metrics] == list(range(1, steps + 1))
   assert all(m["rss_mb"] > 0 and m["sampler_rss_mb"] > 0 for m in metrics)
-  # The queue's depth now never exceeds its running maximum, which never falls; every sample passed through it.
+  # The queue's depth now never exceeds its running maximum, which never falls within one trainer process (a
+  # restarted trainer's queue starts empty); every sample passed through it.
   assert all(0 <= m["queue_depth"] <= m["queue_max_depth"] for m in metrics)
-  assert [m["queue_max_depth"] for m in metrics] == sorted(m["queue_max_depth"] for m in metrics)
+  maxima = [m["queue_max_depth"] for m in metrics]
+  falls = sum(later < earlier for earlier, later in zip(maxima, maxima[1:]))
+  assert falls <= trainer_restarts, maxima
   assert metrics[-1]["queue_max_depth"] >= 1
   counters = json.loads((workdir / "summary.json").read_text())["counters"]
   return counters
@@ -317,7 +320,7 @@ def test_trainer_frozen_then_killed_and_resumed_samplers_reconnect(tmp_path):
       assert run.wait_exit(f"s{i}", timeout=60) == 0, run.tails()
   finally:
     run.kill_all()
-  counters = check_each_step_once(tmp_path, steps)
+  counters = check_each_step_once(tmp_path, steps, trainer_restarts=1)
   assert counters["samplers_lost"] == 0  # the freeze was the trainer's own: no sampler blamed
   events = [json.loads(line)["event"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
   assert "trainer_paused" in events and "resuming from the checkpoint" in run.logs["trainer"].read_text()
