@@ -66,20 +66,23 @@ def long_tailed(graphdef, params, mesh) -> dict:
   return _arms(engines, params, requests)
 
 
-def grouped(graphdef, params, mesh) -> dict:
+def grouped(graphdef, params, mesh, config=CONFIG, groups: int = GROUPS, new_tokens: int = GROUP_NEW) -> dict:
+  """GRPO groups of G random prompts of GROUP_PROMPT tokens, outputs of 16 to `new_tokens`, shared and unshared."""
   rng = np.random.default_rng(1)
   requests = []
-  for g in range(GROUPS):
-    prompt = rng.integers(3, CONFIG.vocab_size, GROUP_PROMPT).tolist()
-    requests += [(prompt, int(n), g) for n in rng.integers(16, GROUP_NEW + 1, GROUP)]
-  common = dict(num_slots=ROWS, max_prompt_length=GROUP_PROMPT, max_new_tokens=GROUP_NEW,
+  for g in range(groups):
+    prompt = rng.integers(3, config.vocab_size, GROUP_PROMPT).tolist()
+    requests += [(prompt, int(n), g) for n in rng.integers(16, new_tokens + 1, GROUP)]
+  common = dict(num_slots=ROWS, max_prompt_length=GROUP_PROMPT, max_new_tokens=new_tokens,
                 min_prefill_bucket=GROUP_PROMPT, steps_per_sync=4, kv_layout="paged", page_size=PAGE,
-                kv_pages=SLOTS * (GROUP_PROMPT + GROUP_NEW) // PAGE)
-  engines = {"shared": make_engine(graphdef, CONFIG, EngineConfig(**common), mesh),
-             "unshared": make_engine(graphdef, CONFIG, EngineConfig(**common, share_prompts=False), mesh)}
+                kv_pages=SLOTS * (GROUP_PROMPT + new_tokens) // PAGE)
+  engines = {"shared": make_engine(graphdef, config, EngineConfig(**common), mesh),
+             "unshared": make_engine(graphdef, config, EngineConfig(**common, share_prompts=False), mesh)}
   out = _arms(engines, params, requests)
-  out["prefill_tokens_per_group"] = out.pop("shared_prefill_tokens") / (2 * GROUPS)  # two timed runs
+  out["prefill_tokens_per_group"] = out.pop("shared_prefill_tokens") / (2 * groups)  # two timed runs
   out.pop("unshared_prefill_tokens")
+  out["group_prompt_tokens"] = GROUP_PROMPT
+  out["shared_vs_unshared"] = round(out["shared_samples_per_s"] / out["unshared_samples_per_s"], 3)
   return out
 
 
@@ -104,12 +107,12 @@ def _arms(engines: dict, params, requests) -> dict:
   return out
 
 
-def decode_overhead(graphdef, params, mesh, calls: int = 30) -> dict:
+def decode_overhead(graphdef, params, mesh, config=CONFIG, calls: int = 30) -> dict:
   """Seconds per decode call (4 steps) with 16 rows of 40-token prompts, contiguous and paged at one window."""
   common = dict(num_slots=SLOTS, max_prompt_length=64, max_new_tokens=256, min_prefill_bucket=64, steps_per_sync=4,
                 prefill_batch=16)
-  engines = {"contiguous": make_engine(graphdef, CONFIG, EngineConfig(**common), mesh),
-             "paged": make_engine(graphdef, CONFIG, EngineConfig(**common, kv_layout="paged", page_size=PAGE), mesh)}
+  engines = {"contiguous": make_engine(graphdef, config, EngineConfig(**common), mesh),
+             "paged": make_engine(graphdef, config, EngineConfig(**common, kv_layout="paged", page_size=PAGE), mesh)}
   prompts = [list(range(3 + i, 43 + i)) for i in range(SLOTS)]
   knobs = [SamplingParams(temperature=1.0, max_new_tokens=256)] * SLOTS
   keys = np.stack([np.asarray([0, i], np.uint32) for i in range(SLOTS)])
@@ -142,8 +145,6 @@ def main() -> dict:
   out.update(long_tailed(graphdef, params, mesh))
   out["paged_vs_contiguous"] = round(out["paged_tokens_per_s"] / out["contiguous_tokens_per_s"], 3)
   out.update(grouped(graphdef, params, mesh))
-  out["group_prompt_tokens"] = GROUP_PROMPT
-  out["shared_vs_unshared"] = round(out["shared_samples_per_s"] / out["unshared_samples_per_s"], 3)
   out.update(decode_overhead(graphdef, params, mesh))
   return out
 

@@ -15,7 +15,9 @@ Four parts, each in its own process (so each starts from clean memory and its ow
 
 - paged: the speed part's workload (sampled at temperature 1) through the contiguous engine (16 slots) and
   the paged one at equal KV memory (32 rows over 16 x 176 tokens of pages), one timed run each after one that
-  compiles: `smollm2_paged_vs_contiguous`.
+  compiles: `smollm2_paged_vs_contiguous`; then `benchmarks/paged.py`'s GRPO groups (4 groups of 8, prompts of
+  256 tokens, outputs of 16-32: `smollm2_shared_vs_unshared`, `smollm2_prefill_tokens_per_group`) and decode
+  step (`smollm2_decode_overhead`) on this model.
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
 Prints one JSON object as its last line.
@@ -164,7 +166,7 @@ def part_paged() -> dict:
   from flax import nnx
 
   sys.path.insert(0, str(Path(__file__).parent))
-  from paged import run
+  from paged import decode_overhead, grouped, run
 
   from streamrl_jax.meshes import single_device_mesh
   from streamrl_jax.models import load_hf, load_tokenizer
@@ -193,7 +195,10 @@ def part_paged() -> dict:
           "smollm2_paged_vs_contiguous": round(rate["paged"] / rate["contiguous"], 3),
           "smollm2_paged_rows_in_flight": round(timed["paged"]["rows_in_flight"], 1),
           "smollm2_contiguous_rows_in_flight": round(timed["contiguous"]["rows_in_flight"], 1),
-          "smollm2_paged_preempted": timed["paged"]["preempted"]}
+          "smollm2_paged_preempted": timed["paged"]["preempted"],
+          **{f"smollm2_{k}": v for k, v in grouped(graphdef, params, mesh, model.config, groups=4,
+                                                   new_tokens=32).items()},
+          **{f"smollm2_{k}": v for k, v in decode_overhead(graphdef, params, mesh, model.config, calls=12).items()}}
 
 
 def part_rl(steps: int) -> dict:
