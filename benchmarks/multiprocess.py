@@ -84,7 +84,7 @@ def serve_weights(ready, stop) -> None:
   store = HostWeightStore()
   store.publish(params, 1)
   store.wait()
-  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, vocab_size=1)
+  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
   ready.put(server.address)
   stop.wait()
   server.shutdown()

@@ -17,9 +17,9 @@ CONFIG = PipelineConfig(mode="stream", steps=2, prompts_per_step=4, group_size=2
 SETTINGS = {"PipelineConfig.mode": "'stream'"}
 
 
-def make_server(capacity=8, tls=None, **kwargs):
+def make_server(capacity=8, tls=None, precision=None, **kwargs):
   controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, settings=SETTINGS)
-  queue, store = SampleQueue(capacity), HostWeightStore()
+  queue, store = SampleQueue(capacity), HostWeightStore(precision=precision)
   server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store, limits=VOCAB,
                                tls=tls, **kwargs)
   return server, controller, queue, store

@@ -14,7 +14,8 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.messages import BadMessage, Heartbeat, LeaseRequest, Register, RejoinRequired, StepReport
-from streamrl_jax.models import ModelConfig, Transformer, state_shardings
+from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.models.precision import SamplerPrecision, decode, encode, landing, to_wire, wire_bytes
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
                                                   FlightWeightReceiver, TrainerUnreachable)
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, TLSFiles
@@ -111,8 +112,10 @@ def test_control_messages_over_flight(served):
 
 
 def test_weights_travel_in_chunks_onto_the_samplers_mesh():
-  server, _, _, store = make_server(chunk_bytes=1000)
-  store._dtype = jnp.bfloat16
+  """int8 weights (quantized on the trainer's side: a quarter of the bytes move) in chunks of 1000 bytes,
+  dequantized on the sampler's mesh."""
+  precision = SamplerPrecision("int8")
+  server, _, _, store = make_server(chunk_bytes=1000, precision=precision)
   connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
   try:
     config = ModelConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
@@ -120,17 +123,21 @@ def test_weights_travel_in_chunks_onto_the_samplers_mesh():
     _, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
     mesh = mesh_from_devices(jax.devices()[:2], MeshShape(2, 1, 1))
     abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))[1]
-    receiver = FlightWeightReceiver(connection, abstract, state_shardings(abstract, mesh), poll_s=0.2)
+    weights = landing(abstract, precision, mesh)
+    receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, poll_s=0.2,
+                                    finish=weights.finish)
     with pytest.raises(TimeoutError):
       receiver.wait_for(0, timeout=0.3)
     store.publish(params, 0)
     store.publish(jax.tree.map(lambda x: x * 2, params), 1)
     update = receiver.wait_for(1, timeout=30)
     leaf = update.params["layers"][0]["mlp"]["up_proj"][...]
-    assert update.version == 1 and leaf.dtype == jnp.bfloat16 and set(leaf.sharding.device_set) == set(jax.devices()[:2])
-    np.testing.assert_allclose(np.asarray(leaf, np.float32), 2 * np.asarray(params["layers"][0]["mlp"]["up_proj"][...]),
-                               rtol=1e-2)
+    assert update.version == 1 and leaf.dtype == jnp.float32 and set(leaf.sharding.device_set) == set(jax.devices()[:2])
+    expected = decode(encode(jax.tree.map(lambda x: x * 2, params), "int8"))["layers"][0]["mlp"]["up_proj"][...]
+    np.testing.assert_allclose(np.asarray(leaf), np.asarray(expected), rtol=1e-6)
     assert receiver.latest().version == 1 and server.counters["weight_streams"] >= 1
+    per_version = receiver.stats["bytes"] / receiver.stats["fetches"]  # version 0 may have been fetched too
+    assert per_version == wire_bytes(to_wire(params, precision)) < 0.45 * wire_bytes(to_wire(params, SamplerPrecision()))
     receiver.close()
   finally:
     connection.close()

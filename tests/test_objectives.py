@@ -43,6 +43,7 @@ NP_OBJECTIVES = {
     "ppo": lambda c: np_clip_surrogate(LOGP, SAMPLER, ADV, c.clip_low, c.clip_high),
     "ppo_tis": lambda c: np.minimum(np.exp(OLD - SAMPLER), c.tis_cap) * np_clip_surrogate(LOGP, OLD, ADV, c.clip_low,
                                                                                         c.clip_high),
+    "ppo_recomputed": lambda c: np_clip_surrogate(LOGP, OLD, ADV, c.clip_low, c.clip_high),
     "decoupled_ppo": lambda c: np.where(np.exp(OLD - SAMPLER) <= c.behaviour_cap, np.exp(OLD - SAMPLER), 0.0)
     * np_clip_surrogate(LOGP, OLD, ADV, c.clip_low, c.clip_high),
     "aipo": lambda c: -np.minimum(np.exp(LOGP - SAMPLER), c.aipo_rho) * ADV * LOGP,

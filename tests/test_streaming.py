@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
-from streamrl_jax.models import ModelConfig, Transformer, shard_model, state_shardings
+from streamrl_jax.models import ModelConfig, Transformer, shard_model
+from streamrl_jax.models.precision import SamplerPrecision, landing
 from streamrl_jax.streaming import QueueClosed, SampleQueue, SampleShard, WeightSync
 
 
@@ -73,7 +74,8 @@ def test_weight_sync_moves_versions_to_the_sampler_mesh():
   trainer_mesh = mesh_from_devices(jax.devices()[4:8], MeshShape(1, 4, 1))
   sampler_mesh = mesh_from_devices(jax.devices()[:4], MeshShape(4, 1, 1))
   _, params = nnx.split(shard_model(Transformer(config, rngs=nnx.Rngs(0)), trainer_mesh))
-  sync = WeightSync(state_shardings(params, sampler_mesh), cast_dtype=jnp.bfloat16)
+  precision = SamplerPrecision("bfloat16")
+  sync = WeightSync(landing(params, precision, sampler_mesh), precision)
   assert sync.latest() is None
   with pytest.raises(TimeoutError, match="version 1"):
     sync.wait_for(1, timeout=0.05)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
@@ -27,7 +28,8 @@ class PipelineConfig:
   train_memory_mb: int = 0  # activation memory a trainer call may use; 0: 40% of a device's, 2048 on the CPU
   precompile: bool = False  # compile every trainer micro-batch shape before the first step (no stalls later)
   queue_capacity: int = 256  # samples in the host queue before the sampler blocks
-  sync_dtype: str = ""  # "bfloat16": cast weights for the sampler; "": keep
+  sampler_precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
+  quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   engine: EngineConfig = EngineConfig()
@@ -55,6 +57,7 @@ class PipelineConfig:
     if self.max_new_tokens > self.engine.max_new_tokens:
       raise ValueError(f"PipelineConfig.max_new_tokens={self.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={self.engine.max_new_tokens}")
+    SamplerPrecision(self.sampler_precision, self.quantize_on)  # refuses an unknown precision or side
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 
@@ -66,6 +69,10 @@ class PipelineConfig:
   def packed_length(self) -> int:
     """Packed trainer rows' length: `pack_length`, or the longest sample rounded up to a multiple of 8."""
     return self.pack_length or -(-(self.engine.max_prompt_length + self.max_new_tokens) // 8) * 8
+
+  @property
+  def precision(self) -> SamplerPrecision:
+    return SamplerPrecision(self.sampler_precision, self.quantize_on)
 
   @property
   def spec(self) -> ModeSpec:

@@ -94,3 +94,17 @@ def check_prompts(task, tokenizer, max_prompt_length: int, seed: int = 0) -> Non
       raise ValueError(f"{where(i)}: {length} prompt tokens exceed EngineConfig.max_prompt_length={max_prompt_length}")
     if length == 0:
       raise ValueError(f"{where(i)}: the prompt encodes to no tokens")
+
+
+UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
+
+
+def precision_advice(config: PipelineConfig) -> str | None:
+  """A warning for a sampler that computes in lower precision than the trainer under an objective that ignores
+  the sampler's log-probabilities (the mismatch then biases every step); None when nothing to say."""
+  if config.sampler_precision == "float32" or config.objective.objective not in UNCORRECTED:
+    return None
+  return (f"PipelineConfig.sampler_precision={config.sampler_precision!r} with ObjectiveConfig.objective="
+          f"{config.objective.objective!r}: the sampler-vs-trainer mismatch goes uncorrected; 'ppo_tis' (the "
+          "documented choice for low-precision samplers), 'decoupled_ppo' or 'aipo' weight each token by it")
+

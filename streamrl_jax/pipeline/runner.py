@@ -21,12 +21,11 @@ import threading
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from streamrl_jax.meshes import pipeline_meshes
-from streamrl_jax.models import state_shardings
+from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
@@ -50,8 +49,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   ranker = make_ranker(config, sampler_mesh, checkpointer, resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.queue_capacity)
-  sync = WeightSync(state_shardings(params, sampler_mesh),
-                    cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  sync = WeightSync(landing(params, config.precision, sampler_mesh), config.precision)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
   stop, errors = threading.Event(), []
 

@@ -9,7 +9,8 @@ import threading
 
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.messages import Heartbeat
-from streamrl_jax.models import abstract_model, state_shardings
+from streamrl_jax.models import abstract_model
+from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
@@ -32,7 +33,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)
-  shardings = state_shardings(abstract, mesh)
+  weights = landing(abstract, config.precision, mesh)
   worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0)
@@ -43,7 +44,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       log(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
           + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
-      outcome = _session(worker, control, sender, FlightWeightReceiver(connection, abstract, shardings), sampler_id,
+      outcome = _session(worker, control, sender, FlightWeightReceiver(connection, weights.template, weights.shardings,
+                                                                             finish=weights.finish), sampler_id,
                          flight_config.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break

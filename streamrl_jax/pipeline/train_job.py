@@ -193,6 +193,8 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   if auto:
     log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
   preflight.check_devices(config, role, len(jax.devices()))
+  if advice := preflight.precision_advice(config):
+    log(f"warning: {advice}")
   _, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)

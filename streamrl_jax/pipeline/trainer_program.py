@@ -10,18 +10,18 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
+from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
-from streamrl_jax.streaming import SampleQueue, cast_floats
+from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
 from streamrl_jax.streaming.sample_schema import WireLimits
@@ -51,7 +51,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                           summary_timeout_s=flight_config.sampler_timeout_s,
                           on_event=on_event or (lambda e: log(describe_event(e))))
   queue = SampleQueue(config.queue_capacity)
-  store = HostWeightStore(cast_dtype=jnp.dtype(config.sync_dtype) if config.sync_dtype else None,
+  store = HostWeightStore(precision=config.precision,
                           gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
                                limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls)
@@ -87,8 +87,8 @@ class _Follower:
   """What a non-leading trainer process has instead of the controller and the weight store: it joins the
   collectives (shards, weight gathers) and keeps nothing."""
 
-  def __init__(self, cast_dtype):
-    self.cast_dtype, self.seconds = cast_dtype, {}
+  def __init__(self, precision: SamplerPrecision):
+    self.precision, self.seconds = precision, {}
 
   def published(self, version: int) -> None:
     pass
@@ -100,7 +100,7 @@ class _Follower:
     return 0.0
 
   def publish(self, params, version: int) -> None:
-    gather_to_host(cast_floats(params, self.cast_dtype))
+    gather_to_host(to_wire(params, self.precision))
 
   def wait(self) -> None:
     pass
@@ -112,7 +112,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
     if shard is None:
       raise RuntimeError("the trainer's process 0 stopped the run")
     return shard
-  follower = _Follower(jnp.dtype(config.sync_dtype) if config.sync_dtype else None)
+  follower = _Follower(config.precision)
   trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
   if trainer.checkpointer is not None:
     trainer.checkpointer.wait()

@@ -3,7 +3,7 @@ processes the same records travel over Arrow Flight."""
 
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue, SampleTransport
 from streamrl_jax.streaming.shard import SampleShard
-from streamrl_jax.streaming.weights import WeightPublisher, WeightSource, WeightSync, cast_floats
+from streamrl_jax.streaming.weights import WeightPublisher, WeightSource, WeightSync
 
 __all__ = ["QueueClosed", "SampleQueue", "SampleShard", "SampleTransport", "WeightPublisher", "WeightSource",
-           "WeightSync", "cast_floats"]
+           "WeightSync"]

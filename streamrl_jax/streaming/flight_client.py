@@ -219,8 +219,10 @@ class FlightWeightReceiver:
   fetches its chunks by DoGet, checks them against `template` (the model's parameter structure), and places
   them with `shardings` (the sampler mesh's). `latest()` never touches the network."""
 
-  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0):
+  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None):
+    """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
+    self._finish = finish or (lambda placed: placed)
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
     self._held = LatestWeights(f"receiving weights from {connection.address} failed")
     self._stop = threading.Event()
@@ -248,7 +250,7 @@ class FlightWeightReceiver:
     start = time.perf_counter()
     got, flat, nbytes = fetch_weights(self.connection, version, self._expected)
     params = jax.device_put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
-    jax.block_until_ready(params)
+    params = jax.block_until_ready(self._finish(params))
     self.stats["fetches"] += 1
     self.stats["bytes"] += nbytes
     self.stats["fetch_s"] += time.perf_counter() - start

@@ -32,7 +32,7 @@ from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
 from streamrl_jax.streaming.sample_schema import BadSampleBatch, WireLimits, batch_to_shard
 from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_tensors, weight_batches, weight_schema
-from streamrl_jax.streaming.weights import cast_floats
+from streamrl_jax.models.precision import SamplerPrecision, to_wire
 
 SAMPLES_COMMAND = b"samples"
 VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted
@@ -70,10 +70,11 @@ class HostWeightStore:
 
   `publish` copies the parameters on their devices at once (the trainer may donate them to its next step
   right after) and moves them to the host on a worker thread; `gather`, when given, replaces both (a
-  multi-process trainer all-gathers its shards synchronously on every process)."""
+  multi-process trainer all-gathers its shards synchronously on every process). With a `precision`, a version
+  is stored as its wire pytree (`models.precision.to_wire`); without, as the parameters."""
 
-  def __init__(self, *, keep: int = 2, cast_dtype=None, gather=None):
-    self._keep, self._dtype, self._gather = keep, cast_dtype, gather
+  def __init__(self, *, keep: int = 2, precision: SamplerPrecision | None = None, gather=None):
+    self._keep, self._precision, self._gather = keep, precision, gather
     self._cond = threading.Condition()
     self._versions: dict[int, tuple[pa.Schema, dict]] = {}
     self._threads: list[threading.Thread] = []
@@ -82,7 +83,8 @@ class HostWeightStore:
 
   def publish(self, params, version: int) -> None:
     start = time.perf_counter()
-    params = cast_floats(params, self._dtype)
+    if self._precision is not None:
+      params = to_wire(params, self._precision)
     if self._gather is not None:
       self._store(self._gather(params), version, start)
       return

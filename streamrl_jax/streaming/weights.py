@@ -1,9 +1,9 @@
 """Weight transport between the trainer and the sampler: the two interfaces and the in-process one.
 
 The trainer calls `publish(params, version)` and goes on (the transfer overlaps its next step); the
-sampler calls `latest()` between decode steps and `wait_for(version)` at a step's version gate. In one
-process, `WeightSync` does a `jax.device_put` into the sampler mesh's shardings (optionally cast to
-bfloat16); across processes the Arrow Flight transport implements the same two interfaces
+sampler calls `latest()` between decode steps and `wait_for(version)` at a step's version gate. A version
+travels at the sampler's precision (`models.precision`: the trainer's half `to_wire`, the sampler's `Landing`).
+In one process, `WeightSync` does a `jax.device_put` into the sampler mesh's shardings; across processes the Arrow Flight transport implements the same two interfaces
 (`streaming.flight_server.HostWeightStore`, `streaming.flight_client.FlightWeightReceiver`).
 """
 
@@ -14,9 +14,9 @@ import time
 from typing import Protocol
 
 import jax
-import jax.numpy as jnp
 
 from streamrl_jax.messages import WeightUpdate
+from streamrl_jax.models.precision import Landing, SamplerPrecision, to_wire
 
 
 class WeightPublisher(Protocol):
@@ -31,13 +31,6 @@ class WeightSource(Protocol):
   def latest(self) -> WeightUpdate | None: ...
 
   def wait_for(self, version: int, timeout: float | None = None) -> WeightUpdate: ...
-
-
-def cast_floats(params, dtype):
-  """`params` with floating leaves cast to `dtype` (None: unchanged)."""
-  if dtype is None:
-    return params
-  return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
 
 
 class LatestWeights:
@@ -92,15 +85,15 @@ class LatestWeights:
 class WeightSync:
   """In-process `WeightPublisher` and `WeightSource`: versions land on the sampler mesh in the background."""
 
-  def __init__(self, target_shardings, *, cast_dtype=None):
-    self._shardings, self._dtype = target_shardings, cast_dtype
+  def __init__(self, landing: Landing, precision: SamplerPrecision = SamplerPrecision()):
+    self._landing, self._precision = landing, precision
     self._held = LatestWeights("weight sync failed")
     self._threads: list[threading.Thread] = []
     self.seconds: dict[int, float] = {}
 
   def _finish(self, placed, version: int, start: float) -> None:
     try:
-      jax.block_until_ready(placed)
+      placed = jax.block_until_ready(self._landing.finish(placed))
       self.seconds[version] = time.perf_counter() - start
       self._held.offer(WeightUpdate(version, placed))
     except BaseException as err:  # surfaced by latest()/wait_for()/wait(), never lost
@@ -110,7 +103,7 @@ class WeightSync:
     """Enqueues the copy now (so the trainer may donate `params` to its next step right after) and
     waits for it on a worker thread."""
     start = time.perf_counter()
-    placed = jax.device_put(cast_floats(params, self._dtype), self._shardings)
+    placed = jax.device_put(to_wire(params, self._precision), self._landing.shardings)
     thread = threading.Thread(target=self._finish, args=(placed, version, start), daemon=True,
                               name=f"weight-sync-{version}")
     thread.start()

@@ -93,6 +93,15 @@ def ppo_tis(logp, batch, cfg: ObjectiveConfig):
   return weight * _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
 
 
+@OBJECTIVES.register("ppo_recomputed")
+@uses_old_logprobs
+def ppo_recomputed(logp, batch, cfg: ObjectiveConfig):
+  """PPO against the trainer's recomputed old log-probabilities alone: the sampler's mu plays no part, so a
+  sampler that computes differently (lower precision) biases the gradient uncorrected. The baseline that
+  `ppo_tis` corrects."""
+  return _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
+
+
 @OBJECTIVES.register("decoupled_ppo")
 @uses_old_logprobs
 def decoupled_ppo(logp, batch, cfg: ObjectiveConfig):

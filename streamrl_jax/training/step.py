@@ -77,8 +77,20 @@ class TrainState:
   sums: dict  # loss numerator, denominator, tokens, clipped tokens, kl, entropy of this global batch
 
 
+SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max")
+MAXED = ("mismatch_max",)  # accumulated by maximum, the others by sum
+
+
 def _zero_sums():
-  return {k: jnp.zeros((), jnp.float32) for k in ("numerator", "denominator", "tokens", "clipped", "kl", "entropy")}
+  return {k: jnp.zeros((), jnp.float32) for k in SUMS}
+
+
+def logprob_mismatch(logp, sampler_logprobs, mask):
+  """(sum, max) over the masked tokens of the sampler-vs-trainer gap: KL(mu || pi) per token by the k3
+  estimator on the sampled tokens (pi/mu - 1 - log(pi/mu), >= 0, zero only where they agree), and the
+  largest |log pi - log mu|."""
+  delta = jnp.where(mask, logp - sampler_logprobs, 0.0)
+  return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
 
 
 def token_logprobs(logits, tokens):
@@ -272,16 +284,19 @@ class Trainer:
       return numerator, (denominator, logp, kl, ent)
 
     (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    mismatch = mismatch_max = jnp.zeros((), jnp.float32)
     if self.role == "policy":
       ratio = jnp.exp(logp - with_old_logprobs(batch, logp, self.objective.objective)["old_logprobs"])
       clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
+      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["sampler_logprobs"], mask)
     else:  # logp holds the values: count tokens whose value update is clipped
       clipped = jnp.abs(logp - batch["old_values"]) > self.objective.value_clip
     m = mask.astype(jnp.float32)
     add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
-               kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m))
+               kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m), mismatch_kl=mismatch, mismatch_max=mismatch_max)
     grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.grad_sum, grads)
-    return state.replace(grad_sum=grad_sum, sums={k: state.sums[k] + add[k] for k in state.sums})
+    sums = {k: jnp.maximum(state.sums[k], add[k]) if k in MAXED else state.sums[k] + add[k] for k in state.sums}
+    return state.replace(grad_sum=grad_sum, sums=sums)
 
   def _apply_impl(self, state: TrainState):
     denominator = jnp.maximum(state.sums["denominator"], 1e-8)
@@ -292,7 +307,8 @@ class Trainer:
     metrics = dict(loss=state.sums["numerator"] / denominator, grad_norm=optax.tree.norm(grads),
                    learning_rate=learning_rate_schedule(self.optimizer_config)(state.step),
                    tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
-                   kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens)
+                   kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens,
+                   logprob_mismatch_kl=state.sums["mismatch_kl"] / tokens, logprob_mismatch_max=state.sums["mismatch_max"])
     new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
                         grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum), sums=_zero_sums())
     return new, metrics
