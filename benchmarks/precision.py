@@ -10,10 +10,12 @@ sampler-vs-trainer mismatch, sampler tokens/s, and what the mismatch does to RL 
    precision's weights; the float32 trainer's log-probabilities of the sampled tokens against the sampler's:
    `mismatch_kl_<precision>` (mean per token of the k3 estimate of KL(mu || pi)), `mismatch_max_<precision>`;
    the sampler's `tokens_per_s_<precision>` (the same requests, after a run that compiles).
-3. RL: `streamrl train` on the demo (async GRPO, STEPS steps, the warm-up shared) with a float32 sampler,
-   an int8 sampler corrected (`ppo_tis`), and an int8 sampler uncorrected (`ppo_recomputed`, the sampler's
-   log-probabilities unused); held-out greedy accuracy on EVAL prompts after equal steps:
-   `int8_accuracy_gap` (float32 minus corrected int8) and `int8_uncorrected_accuracy_gap`.
+3. RL: `streamrl train` on the demo in `stream` mode (on-policy GRPO, so that the only gap between sampler
+   and trainer is the precision; STEPS steps, the warm-up shared) with a float32 sampler, an int8 sampler
+   corrected (`ppo_tis`), and an int8 sampler uncorrected (`ppo_recomputed`, the sampler's log-probabilities
+   unused); held-out greedy accuracy on EVAL prompts after equal steps: `int8_accuracy_gap` (float32 minus
+   corrected int8) and `int8_uncorrected_accuracy_gap`; each arm's `pipeline_mismatch_kl` (the trainer's metric,
+   mean over steps).
 
 Prints one JSON object as its last line.
 """
@@ -132,7 +134,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int) -> dict:
 def rl_arm(workdir: Path, warm: Path, precision: str, objective: str) -> dict:
   workdir.mkdir(parents=True)
   shutil.copytree(warm, workdir / "warmup_model")
-  sets = [f"PipelineConfig.steps={STEPS}", f"PipelineConfig.sampler_precision='{precision}'",
+  sets = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"PipelineConfig.sampler_precision='{precision}'",
           f"ObjectiveConfig.objective='{objective}'", f"JobConfig.eval_prompts={EVAL}"]
   command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--workdir", str(workdir)]
   for binding in sets:

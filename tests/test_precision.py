@@ -134,3 +134,15 @@ def test_the_trainer_reports_no_mismatch_for_its_own_logprobs_and_some_for_other
   assert 1e-7 < metrics["int8"]["logprob_mismatch_kl"] < metrics["shifted"]["logprob_mismatch_kl"]
   d = (own - quantized)[loss_mask]  # the trainer's log-probabilities against the int8 sampler's, by numpy
   np.testing.assert_allclose(metrics["int8"]["logprob_mismatch_kl"], np.mean(np.exp(d) - 1 - d), rtol=0.05)
+
+
+def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
+  from streamrl_jax.pipeline import PipelineConfig
+  from streamrl_jax.pipeline.preflight import precision_advice
+  from streamrl_jax.training import ObjectiveConfig as Objective
+  assert precision_advice(PipelineConfig(sampler_precision="int8", objective=Objective("ppo_tis"))) is None
+  assert precision_advice(PipelineConfig(objective=Objective("ppo_recomputed"))) is None  # float32: nothing to correct
+  advice = precision_advice(PipelineConfig(sampler_precision="bfloat16", objective=Objective("ppo_recomputed")))
+  assert "sampler_precision='bfloat16'" in advice and "'ppo_tis'" in advice
+  with pytest.raises(ValueError, match="quantize_on='gpu'"):
+    PipelineConfig(quantize_on="gpu")
