@@ -55,7 +55,7 @@ def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_p
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
   assert max(float(np.abs(a - c).max()) for a, c in zip(jax.tree.leaves(default), jax.tree.leaves(sampler))) > 1e-4
   assert [n for n in OBJECTIVES.names() if getattr(OBJECTIVES.get(n), "uses_old_logprobs", False)] == [
-      "decoupled_ppo", "ppo_tis"]  # the same path for both
+      "decoupled_ppo", "ppo_recomputed", "ppo_tis"]  # the same path for each
 
 
 def test_optimizer_runs_once_per_global_batch(model_parts):
