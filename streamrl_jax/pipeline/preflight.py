@@ -107,4 +107,3 @@ def precision_advice(config: PipelineConfig) -> str | None:
   return (f"PipelineConfig.sampler_precision={config.sampler_precision!r} with ObjectiveConfig.objective="
           f"{config.objective.objective!r}: the sampler-vs-trainer mismatch goes uncorrected; 'ppo_tis' (the "
           "documented choice for low-precision samplers), 'decoupled_ppo' or 'aipo' weight each token by it")
-

@@ -44,9 +44,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       log(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
           + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
-      outcome = _session(worker, control, sender, FlightWeightReceiver(connection, weights.template, weights.shardings,
-                                                                             finish=weights.finish), sampler_id,
-                         flight_config.heartbeat_s, stop, stats)
+      receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish)
+      outcome = _session(worker, control, sender, receiver, sampler_id, flight_config.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
       log(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); its lease "
