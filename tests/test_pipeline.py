@@ -125,3 +125,14 @@ def test_an_int8_sampler_is_measured_against_the_float32_trainer(results):
   low = [m["logprob_mismatch_kl"] for m in int8.metrics]
   assert max(same) < 1e-6 and all(m["logprob_mismatch_max"] < 1e-3 for m in results["stream"].metrics), same
   assert min(low) > 10 * max(same) and all(m["logprob_mismatch_max"] > 1e-3 for m in int8.metrics), low
+
+
+def test_the_trainer_scores_tokens_at_the_samplers_temperature(results):
+  """Sampled at temperature 0.6, on-policy: the trainer divides its logits by the same temperature, so its
+  log-probabilities of the sampled tokens are the sampler's (mismatch float noise only, as at temperature 1);
+  scoring them untempered would put a gap of the temperature's size between the two."""
+  cold = run("stream", temperature=0.6)
+  assert cold.counters["samples_trained"] == 3 * 16
+  assert all(m["logprob_mismatch_kl"] < 1e-6 and m["logprob_mismatch_max"] < 1e-3 for m in cold.metrics), cold.metrics
+  with pytest.raises(ValueError, match="PipelineConfig.temperature must be > 0"):
+    dataclasses.replace(BASE, temperature=0.0)

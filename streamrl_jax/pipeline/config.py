@@ -52,6 +52,9 @@ class PipelineConfig:
     for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "chunk_rows", "queue_capacity"):
       if getattr(self, name) < 1:
         raise ValueError(f"PipelineConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.temperature <= 0:
+      raise ValueError(f"PipelineConfig.temperature must be > 0 (RL trains on sampled tokens' log-probabilities), "
+                       f"got {self.temperature}")
     if self.staleness < 0:
       raise ValueError(f"PipelineConfig.staleness must be >= 0, got {self.staleness}")
     if self.max_new_tokens > self.engine.max_new_tokens:

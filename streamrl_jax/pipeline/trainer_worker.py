@@ -29,7 +29,7 @@ class TrainerWorker:
   def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False):
     self.config, self.spec = config, config.spec
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
-    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh,
+    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
                            ref_params=params if config.objective.kl_coef > 0 else None)
     self.state = self.trainer.init_state(params, seed=config.seed)
     self.start_step = 0

@@ -113,11 +113,19 @@ class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
-               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy"):
+               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
+               temperature: float = 1.0):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
     (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
-    batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows)."""
+    batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows).
+    `temperature` is the sampler's: the policy's (and the reference's) logits are divided by it before
+    log-probabilities, so tokens are scored under the distribution they were sampled from (on-policy, the
+    ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature)."""
+    if temperature <= 0:
+      raise ValueError(f"the trainer's temperature must be > 0 (greedy samples have no log-probability to "
+                       f"train on), got {temperature}")
+    self.temperature = float(temperature)
     if role not in BATCH_KEYS:
       raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
     self.role = role
@@ -245,7 +253,7 @@ class Trainer:
 
   def _reference_impl(self, ref_params, batch):
     model = nnx.merge(self.graphdef, ref_params)
-    return token_logprobs(model(batch["tokens"], batch["valid"]), batch["tokens"])[0]
+    return token_logprobs(self._tempered(model(batch["tokens"], batch["valid"])), batch["tokens"])[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
@@ -253,6 +261,9 @@ class Trainer:
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
   # ---- device side --------------------------------------------------------------------------
+  def _tempered(self, logits):
+    return logits if self.temperature == 1.0 else logits.astype(jnp.float32) / self.temperature
+
   def _per_token_loss(self, params, batch, ref_params):
     cfg = self.objective
     model = nnx.merge(self.graphdef, params)
@@ -260,13 +271,14 @@ class Trainer:
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
-    logp, ent = token_logprobs(model(batch["tokens"], batch["valid"], batch.get("segment_ids")), batch["tokens"])
+    logp, ent = token_logprobs(self._tempered(model(batch["tokens"], batch["valid"], batch.get("segment_ids"))),
+                               batch["tokens"])
     batch = with_old_logprobs(batch, logp, cfg.objective)
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if ref_params is not None:
       ref_model = nnx.merge(self.graphdef, ref_params)
-      ref_logp, _ = token_logprobs(ref_model(batch["tokens"], batch["valid"], batch.get("segment_ids")),
+      ref_logp, _ = token_logprobs(self._tempered(ref_model(batch["tokens"], batch["valid"], batch.get("segment_ids"))),
                                    batch["tokens"])
       kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
       if not cfg.kl_in_reward:
