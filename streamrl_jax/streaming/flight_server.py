@@ -28,11 +28,11 @@ import pyarrow.flight as flight
 
 from streamrl_jax.messages import (QUOTE_CHARS, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave, Register,
                                    StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
+from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
 from streamrl_jax.streaming.sample_schema import BadSampleBatch, WireLimits, batch_to_shard
 from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_tensors, weight_batches, weight_schema
-from streamrl_jax.models.precision import SamplerPrecision, to_wire
 
 SAMPLES_COMMAND = b"samples"
 VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted

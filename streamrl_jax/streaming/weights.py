@@ -2,8 +2,9 @@
 
 The trainer calls `publish(params, version)` and goes on (the transfer overlaps its next step); the
 sampler calls `latest()` between decode steps and `wait_for(version)` at a step's version gate. A version
-travels at the sampler's precision (`models.precision`: the trainer's half `to_wire`, the sampler's `Landing`).
-In one process, `WeightSync` does a `jax.device_put` into the sampler mesh's shardings; across processes the Arrow Flight transport implements the same two interfaces
+travels at the sampler's precision (`models.precision`: the trainer's half `to_wire`, the sampler's
+`Landing`). In one process, `WeightSync` does a `jax.device_put` into the sampler mesh's shardings; across
+processes the Arrow Flight transport implements the same two interfaces
 (`streaming.flight_server.HostWeightStore`, `streaming.flight_client.FlightWeightReceiver`).
 """
 
