@@ -105,9 +105,8 @@ def wire_template(abstract: nnx.State, precision: str) -> dict:
   return jax.eval_shape(lambda p: encode(p, precision), abstract)
 
 
-def wire_shardings(abstract: nnx.State, precision: str, mesh, rules=None) -> dict:
-  """Values sharded like the parameters; scales (a few per output channel) replicated."""
-  template = wire_template(abstract, precision)
+def wire_shardings(template: dict, mesh, rules=None) -> dict:
+  """For a wire template: values sharded like the parameters; scales (a few per output channel) replicated."""
   replicated = NamedSharding(mesh, PartitionSpec())
   return {"values": state_shardings(template["values"], mesh, rules),
           "scales": jax.tree.map(lambda _: replicated, template["scales"])}
@@ -137,8 +136,10 @@ class Landing:
 
 
 def landing(abstract: nnx.State, precision: SamplerPrecision, mesh, rules=None) -> Landing:
+  """The sampler's half of `precision` for parameters shaped like `abstract`, on `mesh`."""
   sent = precision.on_trainer.precision
-  template, shardings = wire_template(abstract, sent), wire_shardings(abstract, sent, mesh, rules)
+  template = wire_template(abstract, sent)
+  shardings = wire_shardings(template, mesh, rules)
   if precision.quantize_on == "sampler" and precision.precision != "float32":
     finish = jax.jit(lambda wire: decode(encode(decode(wire), precision.precision)))
   elif template["scales"]:
