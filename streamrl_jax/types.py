@@ -36,6 +36,21 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
+class Progress:
+  """The tokens a request generated before it was interrupted (handed back, preempted, recomputed), each
+  with its log-probability and the policy version that sampled it; it resumes after the last."""
+
+  tokens: tuple[int, ...]
+  logprobs: tuple[float, ...]
+  versions: tuple[int, ...]
+
+  def __post_init__(self):
+    if not len(self.tokens) == len(self.logprobs) == len(self.versions):
+      raise ValueError(f"Progress holds {len(self.tokens)} tokens, {len(self.logprobs)} log-probabilities and "
+                       f"{len(self.versions)} versions; one of each per token")
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
   """One sequence to generate. `group_id` ties the samples of one prompt together."""
 
@@ -58,6 +73,7 @@ class Sample:
   prompt_tokens: np.ndarray  # int32 [prompt_len]
   completion_tokens: np.ndarray  # int32 [n]
   logprobs: np.ndarray  # float32 [n], under the sampling distribution used for each token
+  token_versions: np.ndarray  # int32 [n]: the policy version that sampled each token
   finish_reason: str
   first_version: int  # policy version that produced the first completion token
   last_version: int  # ... and the last one

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices, split_mesh
@@ -212,12 +212,16 @@ def numpy_kept(logits, temperature, k, p):
   probs = np.exp(scaled[order] - scaled.max())
   probs /= probs.sum()
   mass_before = np.cumsum(probs) - probs
-  keep = (np.arange(len(order)) < (k or len(order))) & (mass_before < p)
+  p = np.float32(p)  # as the sampler holds it
+  keep = (np.arange(len(order)) < (k or len(order))) & ((mass_before < p) | (p >= 1.0))  # top_p 1: off
   return set(order[keep].tolist())
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(0, 12), st.floats(0.05, 1.0), st.floats(0.3, 2.0))
+@example(2, 0, 1.0, 0.5)  # float32 mass before the last token rounds to 1.0: top_p 1 must still keep it
+@example(3375, 9, 1.0, 0.5625)  # ... also beside top-k (the top 8 tokens' float32 mass is 1.0)
+@example(2, 0, 0.9999999999999999, 0.5)  # 1.0 in float32
 def test_filter_logits_keeps_the_sorted_reference_set(seed, k, p, temperature):
   logits = np.random.default_rng(seed).normal(0, 3, (2, 12)).astype(np.float32)
   out = np.asarray(filter_logits(jnp.asarray(logits), jnp.full((2,), temperature, jnp.float32),

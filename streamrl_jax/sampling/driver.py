@@ -20,7 +20,7 @@ import numpy as np
 
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.scheduling.policies import fifo_order
-from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Sample, SamplingParams
+from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Request, Sample, SamplingParams
 
 AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduling.policies.fifo_order`
 
@@ -29,9 +29,9 @@ AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduli
 class _InFlight:
   request: Request
   admit_time: float
-  first_version: int
   tokens: list = dataclasses.field(default_factory=list)
   logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)  # the policy version of each token
   first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
   cache_end: int = 0  # upper bound of the slot's next cache write index
   resumed: bool = False  # admitted again after a preemption: its first token is one it had already
@@ -83,19 +83,29 @@ class StreamingSampler:
     self._next_instance = len(self._instances)
     self._next_id = 0
     self._resume: dict[int, _InFlight] = {}  # request id -> a preempted request's progress, until admitted again
-    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0)
+    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
+                         resumed_partial=0)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
-             predicted_length: float | None = None, first_sample_index: int = 0) -> list[int]:
+             predicted_length: float | None = None, first_sample_index: int = 0,
+             progress: Progress | None = None) -> list[int]:
     """Queues `params.num_samples` requests for one prompt; returns their request ids.
 
     `instance` (an id from `instance_ids`) pins them to an engine instance (dispatch policies use
     this); otherwise the least loaded instance takes them. Samples are reproducible from (seed,
     group_id, sample_index), on any instance; sample indices start at `first_sample_index` (a group
-    may be submitted one sample at a time).
+    may be submitted one sample at a time). `progress` (one sample only) resumes a partial rollout after
+    its tokens so far, which keep their log-probabilities and versions.
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if progress is not None and progress.tokens:
+      if params.num_samples != 1:
+        raise ValueError(f"a partial rollout resumes one sample; got num_samples={params.num_samples}")
+      if len(progress.tokens) >= params.max_new_tokens or progress.tokens[-1] in params.stop_token_ids:
+        raise ValueError(f"a partial rollout of {len(progress.tokens)} tokens (last {progress.tokens[-1]}) is "
+                         f"finished already (max_new_tokens={params.max_new_tokens}, stop ids "
+                         f"{list(params.stop_token_ids)}): nothing to resume")
     target = self._instance(instance) if instance is not None else min(self._accepting, key=lambda i: i.load)
     try:
       target.engine.check_request(len(prompt), params.max_new_tokens)
@@ -105,17 +115,45 @@ class StreamingSampler:
     ids, now = [], time.perf_counter()
     for k in range(params.num_samples):
       request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
+      if progress is not None and progress.tokens:
+        self._resume[request.request_id] = _InFlight(request, now, list(progress.tokens), list(progress.logprobs),
+                                                     list(progress.versions))
+        self.counters["resumed_partial"] += 1
       target.pending.append(request)
       ids.append(self._next_id)
       self._next_id += 1
     self.counters["submitted"] += len(ids)
     return ids
 
-  def update_params(self, params, version: int) -> None:
-    """Swaps the weights between decode steps; in-flight requests continue with the new version."""
+  def update_params(self, params, version: int, *, recompute: bool = False) -> None:
+    """Swaps the weights between decode steps; in-flight requests continue with the new version. Their KV
+    cache, written by the old weights, is kept; with `recompute` each is prefilled again (prompt + tokens so
+    far) by the new weights at its next admission. Tokens keep the version that sampled them."""
     for inst in self._instances:
       inst.params = inst.engine.place_params(params)
     self._params, self.version = params, version
+    if recompute:
+      for inst in self._instances:
+        slots = [s for s, f in inst.slots.items() if f.tokens]
+        for slot in slots:
+          inst.state = inst.engine.release(inst.state, slot)
+        self._requeue(inst, slots)
+        self.counters["recomputed"] += len(slots)
+
+  def in_flight_progress(self) -> list[tuple[Request, Progress]]:
+    """Every queued or running request with its tokens so far (a partial rollout to hand over when the
+    sampler stops), in submission order."""
+    requests = [r for inst in self._instances for r in inst.pending]
+    requests += [f.request for inst in self._instances for f in inst.slots.values()]
+    flights = {f.request.request_id: f for inst in self._instances for f in inst.slots.values()}
+    flights.update(self._resume)
+    out = []
+    for request in sorted(requests, key=lambda r: r.request_id):
+      flight = flights.get(request.request_id)
+      tokens = flight.tokens if flight is not None else []
+      out.append((request, Progress(tuple(tokens), tuple(flight.logprobs) if tokens else (),
+                                    tuple(flight.versions) if tokens else ())))
+    return out
 
   # ---- instances ----------------------------------------------------------------------------
   @property
@@ -223,7 +261,7 @@ class StreamingSampler:
       for row, (request, slot) in enumerate(zip(part, targets)):
         flight = self._resume.pop(request.request_id, None)
         if flight is None:
-          flight = _InFlight(request, now, self.version)
+          flight = _InFlight(request, now)
         flight.resumed = bool(resume[row])
         flight.cache_end, flight.first = prefix.valid.shape[1], (firsts, row)
         inst.slots[slot] = flight
@@ -237,16 +275,16 @@ class StreamingSampler:
     so_far = np.asarray(flight.tokens[:-1], np.int32)
     return np.concatenate([request.prompt, so_far]), (flight.tokens[-1], len(flight.tokens))
 
-  def _preempt(self, inst: _Instance, slots: list[int]) -> None:
-    """Requests the engine preempted to free memory go back to the front of a queue with their progress."""
+  def _requeue(self, inst: _Instance, slots: list[int]) -> None:
+    """Requests taken off their slots (preempted, or to recompute their cache) go back to the front of a
+    queue with their progress."""
     for slot in reversed(slots):
       flight = inst.slots.pop(slot)
       if flight.first is not None:
-        raise RuntimeError(f"engine instance {inst.index} preempted slot {slot} before its first token was read")
+        raise RuntimeError(f"engine instance {inst.index} gave up slot {slot} before its first token was read")
       self._resume[flight.request.request_id] = flight
       target = inst if not inst.retiring else min(self._accepting, key=lambda i: i.load)
       target.pending.insert(0, flight.request)
-      self.counters["preempted"] += 1
 
   def step(self) -> list[Sample]:
     """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
@@ -257,7 +295,8 @@ class StreamingSampler:
       if inst.slots:  # rows whose first token is unread are never preempted: they have just been admitted
         progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()}
         inst.state, preempted = inst.engine.make_room(inst.state, progress)
-        self._preempt(inst, preempted)
+        self._requeue(inst, preempted)
+        self.counters["preempted"] += len(preempted)
       if inst.slots:
         steps = inst.engine.config.steps_per_sync
         window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
@@ -292,6 +331,7 @@ class StreamingSampler:
     """Records one token; a finishing token frees the slot and appends the Sample to `finished`."""
     flight.tokens.append(int(token))
     flight.logprobs.append(float(logprob))
+    flight.versions.append(self.version)
     if not done:
       return
     del inst.slots[slot]
@@ -301,8 +341,8 @@ class StreamingSampler:
     finished.append(Sample(
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
         prompt_tokens=request.prompt, completion_tokens=np.asarray(flight.tokens, np.int32),
-        logprobs=np.asarray(flight.logprobs, np.float32), finish_reason=reason,
-        first_version=flight.first_version, last_version=self.version, instance=inst.index,
+        logprobs=np.asarray(flight.logprobs, np.float32), token_versions=np.asarray(flight.versions, np.int32),
+        finish_reason=reason, first_version=flight.versions[0], last_version=flight.versions[-1], instance=inst.index,
         submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now))
     self.counters["finished"] += 1
     self.counters["generated_tokens"] += len(flight.tokens)

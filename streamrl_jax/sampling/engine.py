@@ -4,7 +4,8 @@ Slots are sharded over the mesh's "data" axis and parameters by the model's logi
 jitted function is built once here (the one jit boundary of an engine). Up to `prefill_batch` prompts are
 prefilled (and inserted) per call, their count padded to a power of two and their length to a power-of-two
 bucket, so an engine compiles at most `2 * len(prefill_buckets) * len(row_buckets) + len(attention_windows)`
-programs.
+programs, and `2 * len(resume_buckets) * len(row_buckets)` more once requests resume after their prompt's length
+(partial rollouts, caches recomputed for new weights).
 """
 
 from __future__ import annotations
@@ -105,6 +106,25 @@ class EngineConfig:
       raise ValueError(f"prompt of {length} tokens exceeds EngineConfig.max_prompt_length={self.max_prompt_length}")
     return next(b for b in self.prefill_buckets if b >= length)
 
+  @property
+  def resume_buckets(self) -> tuple[int, ...]:
+    """Length buckets past max_prompt_length that only resumed requests use: powers of two, the cache last."""
+    buckets, size = [], 1 << self.max_prompt_length.bit_length()
+    while size < self.cache_length:
+      buckets.append(size)
+      size *= 2
+    return tuple(buckets) + (self.cache_length,)
+
+  def resume_bucket_for(self, length: int) -> int:
+    """The length bucket of a resumed request's prefill (its prompt + tokens so far but the last), which may
+    exceed max_prompt_length (then one of `resume_buckets`)."""
+    if length <= self.max_prompt_length:
+      return self.bucket_for(length)
+    if length >= self.cache_length:
+      raise ValueError(f"a resumed request of {length} tokens does not fit the cache of {self.cache_length} "
+                       f"(max_prompt_length + max_new_tokens)")
+    return next(b for b in self.resume_buckets if b >= length)
+
 
 KV_LAYOUTS = ("contiguous", "paged")
 
@@ -137,6 +157,7 @@ class Prefix:
   first_token: jax.Array  # [rows]
   first_logprob: jax.Array
   done: jax.Array  # [rows] bool: the first token already ends the request
+  generated: jax.Array  # [rows] int32: completion tokens once the first is in (1; a resumed request's count)
   rng: jax.Array  # [rows, 2]
   temperature: jax.Array
   top_k: jax.Array
@@ -169,7 +190,7 @@ class Engine(Protocol):
   def init_decode_state(self) -> DecodeState: ...
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
-              version: int = 0) -> Prefix: ...
+              resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix: ...
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState: ...
 
@@ -295,37 +316,47 @@ class DecodeEngine:
     return jax.jit(self._empty_state, out_shardings=self._state_shardings)()
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
-              version: int = 0) -> Prefix:
+              resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix:
     """Runs up to `prefill_batch` prompts (unpadded int tokens) in one call and samples each one's first
     token with its key data `rngs[i]` [2]; rows are padded to the longest prompt's bucket, and their count
-    to a row bucket (padding rows are computed and dropped). `version` (of the weights) keys a prefix cache;
-    this engine keeps none."""
+    to a row bucket (padding rows are computed and dropped). `resume[i] = (last token, tokens generated)`
+    continues a request whose `prompts[i]` is its prompt + tokens so far but the last (preempted, handed
+    over, or recomputed with new weights): that token is its next input, not sampled. `version` (of the
+    weights) keys a prefix cache; this engine keeps none."""
     n = len(prompts)
-    if not 1 <= n <= self.config.prefill_batch or len(samplings) != n or len(rngs) != n:
-      raise ValueError(f"prefill takes 1..{self.config.prefill_batch} prompts with one SamplingParams and rng "
-                       f"each; got {n}, {len(samplings)}, {len(rngs)}")
+    resume = list(resume) if resume is not None else [None] * n
+    if not 1 <= n <= self.config.prefill_batch or len(samplings) != n or len(rngs) != n or len(resume) != n:
+      raise ValueError(f"prefill takes 1..{self.config.prefill_batch} prompts with one SamplingParams, rng and "
+                       f"resume each; got {n}, {len(samplings)}, {len(rngs)}, {len(resume)}")
     rows = next(r for r in self.config.row_buckets if r >= n)
-    bucket = max(self.config.bucket_for(len(p)) for p in prompts)
+    bucket = max(self.config.resume_bucket_for(len(p)) if r else self.config.bucket_for(len(p))
+                 for p, r in zip(prompts, resume))
     tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones((rows,), np.int32)
     keys, knobs = np.zeros((rows, 2), np.uint32), _Knobs(rows, self.config.max_stop_tokens)
+    given, generated = np.full((rows,), -1, np.int32), np.ones((rows,), np.int32)
     for i, (prompt, sampling, rng) in enumerate(zip(prompts, samplings, rngs)):
       if sampling.max_new_tokens > self.config.max_new_tokens:
         raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds the engine's "
                          f"EngineConfig.max_new_tokens={self.config.max_new_tokens}")
       tokens[i, :len(prompt)], lengths[i], keys[i] = prompt, len(prompt), np.asarray(rng, np.uint32)
       knobs.set(i, sampling)
-    return self._prefill(params, tokens, lengths, keys, *knobs.arrays())
+      if resume[i]:
+        given[i], generated[i] = resume[i]
+    return self._prefill(params, tokens, lengths, keys, given, generated, *knobs.arrays())
 
-  def _prefill_impl(self, params, tokens, true_length, rng, temperature, top_k, top_p, max_new, stop_ids):
+  def _prefill_impl(self, params, tokens, true_length, rng, given, generated, temperature, top_k, top_p, max_new,
+                    stop_ids):
     model = nnx.merge(self.graphdef, params)
     rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
     logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
     token, logprob, done = first_tokens(logits[:, 0], rng, temperature, top_k, top_p, max_new, stop_ids)
+    resumed = given >= 0
     return Prefix(keys=cache.keys, values=cache.values, valid=cache.valid, true_length=true_length,
-                  first_token=token, first_logprob=logprob, done=done, rng=rng, temperature=temperature,
-                  top_k=top_k, top_p=top_p, max_new=max_new, stop_ids=stop_ids)
+                  first_token=jnp.where(resumed, given, token), first_logprob=jnp.where(resumed, 0.0, logprob),
+                  done=done & ~resumed, generated=generated, rng=rng, temperature=temperature, top_k=top_k,
+                  top_p=top_p, max_new=max_new, stop_ids=stop_ids)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
@@ -345,11 +376,11 @@ class DecodeEngine:
     cache = cache.replace(
         keys=tuple(put_kv(k, pk) for k, pk in zip(cache.keys, prefix.keys)),
         values=tuple(put_kv(v, pv) for v, pv in zip(cache.values, prefix.values)),
-        valid=put(cache.valid, row_valid), index=put(cache.index, jnp.full(slots.shape, bucket, jnp.int32)),
+        valid=put(cache.valid, row_valid), index=put(cache.index, prefix.true_length),
         next_position=put(cache.next_position, prefix.true_length))
     return state.replace(
         cache=cache, last_token=put(state.last_token, prefix.first_token), rng=put(state.rng, prefix.rng),
-        generated=put(state.generated, jnp.ones(slots.shape, jnp.int32)), active=put(state.active, ~prefix.done),
+        generated=put(state.generated, prefix.generated), active=put(state.active, ~prefix.done),
         temperature=put(state.temperature, prefix.temperature), top_k=put(state.top_k, prefix.top_k),
         top_p=put(state.top_p, prefix.top_p), max_new=put(state.max_new, prefix.max_new),
         stop_ids=put(state.stop_ids, prefix.stop_ids))

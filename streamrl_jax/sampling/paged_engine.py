@@ -245,12 +245,6 @@ class PagedDecodeEngine:
     return dataclasses.replace(state, pages=self._release(state.pages, slot))
 
   # ---- prefill / insert / generate --------------------------------------------------------------
-  def _bucket(self, length: int) -> int:
-    """A prompt's length bucket; a resumed prompt (prompt + tokens so far) may exceed max_prompt_length."""
-    if length <= self.config.max_prompt_length:
-      return self.config.bucket_for(length)
-    return min(self.config.cache_length, 1 << (length - 1).bit_length())
-
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
               resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> PagedPrefix:
     """Plans a call of up to `prefill_batch` requests (`rngs[i]`: request i's key data); `insert` prefills each
@@ -271,7 +265,7 @@ class PagedDecodeEngine:
       knobs.set(i, sampling)
     prompts = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     return PagedPrefix(prompts, self._keys(prompts, [bool(r) for r in resume], version), resume,
-                       (keys, *knobs.arrays()), max(self._bucket(len(p)) for p in prompts), params)
+                       (keys, *knobs.arrays()), max(self.config.resume_bucket_for(len(p)) for p in prompts), params)
 
   def insert(self, prefix: PagedPrefix, state: PagedState, slots: Sequence[int]) -> PagedState:
     """Request i of `prefix` takes slot `slots[i]`. A prompt neither the cache nor an earlier request holds is

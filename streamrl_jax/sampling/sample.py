@@ -47,7 +47,9 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     k = jnp.where(top_k > 0, top_k, scaled.shape[-1])
     enough_tokens = lambda keep: jnp.sum(keep, axis=-1) >= k  # noqa: E731
     enough_mass = lambda keep: jnp.sum(jnp.where(keep, probs, 0.0), axis=-1) >= top_p  # noqa: E731
-    cut = jnp.maximum(_largest_threshold(keys, enough_tokens), _largest_threshold(keys, enough_mass))
+    # top_p 1 is off: in float32 the mass of the largest tokens can round to 1 before the tail is in
+    mass_cut = jnp.where(top_p >= 1.0, jnp.min(keys, axis=-1), _largest_threshold(keys, enough_mass))
+    cut = jnp.maximum(_largest_threshold(keys, enough_tokens), mass_cut)
     return jnp.where(keys >= cut[:, None], scaled, -jnp.inf)
 
   needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))

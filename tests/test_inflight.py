@@ -1,0 +1,114 @@
+"""Weights updated in flight and partial rollouts, at the driver: each token's version and log-probability
+against full forwards of that version's weights; a rollout resumed on another sampler against one never
+interrupted."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.meshes import MeshShape, mesh_from_devices
+from streamrl_jax.models import load_hf
+from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler
+from streamrl_jax.types import Progress, SamplingParams
+
+ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=40, min_prefill_bucket=8)
+PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4, 60, 61, 62, 70, 3, 11]]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30)
+SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=30)
+
+
+@pytest.fixture(scope="module")
+def setup(hf_dirs):
+  directory, _ = hf_dirs["qwen2"]
+  model = load_hf(directory)
+  graphdef, params = nnx.split(model)
+  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+  return DecodeEngine(graphdef, model.config, ENGINE, mesh), graphdef, params
+
+
+def token_logprobs(graphdef, params, sample) -> np.ndarray:
+  """log pi(token) of each completion token under `params`, from one full forward."""
+  full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
+  logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(jnp.asarray(full[None, :-1]))[0])
+  n = len(sample.prompt_tokens)
+  return np.asarray(logp[n - 1:])[np.arange(sample.num_tokens), sample.completion_tokens]
+
+
+def run_with_update(engine, params, new_params, *, recompute: bool, sampling=SAMPLED, before: int = 6):
+  sampler = StreamingSampler([engine], params, seed=4)
+  for prompt in PROMPTS:
+    sampler.submit(prompt, sampling)
+  for _ in range(before):
+    assert not sampler.step()
+  sampler.update_params(new_params, version=1, recompute=recompute)
+  return sampler, sorted(sampler.stream(), key=lambda s: s.request_id)
+
+
+def test_a_row_crossing_an_update_records_each_tokens_version_and_its_own_weights_logprob(setup):
+  engine, graphdef, params = setup
+  new = jax.tree.map(lambda x: x * 1.3, params)
+  sampler, samples = run_with_update(engine, params, new, recompute=True)
+  assert sampler.counters["recomputed"] == len(PROMPTS)
+  for sample in samples:
+    versions = sample.token_versions
+    cut = int(np.argmax(versions == 1))
+    assert cut == 7  # the prefill's token and 6 decode steps came from version 0
+    np.testing.assert_array_equal(versions, [0] * cut + [1] * (sample.num_tokens - cut))
+    assert (sample.first_version, sample.last_version) == (0, 1)
+    # each token's log-probability is that of the weights that sampled it, given everything before it
+    np.testing.assert_allclose(sample.logprobs[:cut], token_logprobs(graphdef, params, sample)[:cut], atol=2e-5)
+    np.testing.assert_allclose(sample.logprobs[cut:], token_logprobs(graphdef, new, sample)[cut:], atol=2e-5)
+
+
+def test_kept_cache_continues_without_prefill_and_differs_from_recompute_after_the_update(setup):
+  engine, graphdef, params = setup
+  new = jax.tree.map(lambda x: x * 1.3, params)
+  kept_sampler, kept = run_with_update(engine, params, new, recompute=False, sampling=GREEDY)
+  _, recomputed = run_with_update(engine, params, new, recompute=True, sampling=GREEDY)
+  assert kept_sampler.counters["recomputed"] == 0
+  for a, b in zip(kept, recomputed):
+    np.testing.assert_array_equal(a.token_versions, b.token_versions)
+    np.testing.assert_array_equal(a.completion_tokens[:7], b.completion_tokens[:7])
+    np.testing.assert_allclose(a.logprobs[:7], token_logprobs(graphdef, params, a)[:7], atol=2e-5)
+    # the first token after the update attends over the old cache: not the new weights' own forward
+    assert abs(a.logprobs[7] - token_logprobs(graphdef, new, a)[7]) > 1e-4
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_partial_rollout_resumed_elsewhere_equals_one_never_interrupted(setup, sampling):
+  engine, _, params = setup
+  reference = StreamingSampler([engine], params, seed=9)
+  for g, prompt in enumerate(PROMPTS):
+    reference.submit(prompt, sampling, group_id=g)
+  whole = {s.group_id: s for s in reference.stream()}
+
+  first = StreamingSampler([engine], params, seed=9)
+  for g, prompt in enumerate(PROMPTS):
+    first.submit(prompt, sampling, group_id=g)
+  for _ in range(12):
+    assert not first.step()
+  handed = first.in_flight_progress()
+  assert [len(p.tokens) for _, p in handed] == [13, 13]
+  second = StreamingSampler([engine], params, seed=9)  # another sampler: no state shared but the weights
+  for request, progress in handed:
+    second.submit(request.prompt, request.params, group_id=request.group_id, progress=progress)
+  assert second.counters["resumed_partial"] == 2
+  resumed = {s.group_id: s for s in second.stream()}
+  for g in whole:
+    np.testing.assert_array_equal(resumed[g].completion_tokens, whole[g].completion_tokens)
+    np.testing.assert_allclose(resumed[g].logprobs, whole[g].logprobs, atol=2e-5)
+
+
+def test_progress_that_cannot_resume_is_refused(setup):
+  engine, _, params = setup
+  sampler = StreamingSampler([engine], params)
+  with pytest.raises(ValueError, match="one of each per token"):
+    Progress((1, 2), (0.0,), (0, 0))
+  with pytest.raises(ValueError, match="finished already"):
+    sampler.submit(PROMPTS[0], SamplingParams(max_new_tokens=2), progress=Progress((1, 2), (-1.0, -1.0), (0, 0)))
+  with pytest.raises(ValueError, match="one sample"):
+    sampler.submit(PROMPTS[0], SamplingParams(num_samples=2), progress=Progress((1,), (-1.0,), (0,)))
+  with pytest.raises(ValueError, match="does not fit the cache"):
+    ENGINE.resume_bucket_for(ENGINE.cache_length)
