@@ -75,8 +75,8 @@ class Sample:
   logprobs: np.ndarray  # float32 [n], under the sampling distribution used for each token
   token_versions: np.ndarray  # int32 [n]: the policy version that sampled each token
   finish_reason: str
-  first_version: int  # policy version that produced the first completion token
-  last_version: int  # ... and the last one
+  first_version: int  # the oldest policy version among its tokens' (the first token's, unless handed over)
+  last_version: int  # ... and the newest
   instance: int
   submit_time: float
   admit_time: float

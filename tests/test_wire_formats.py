@@ -25,7 +25,7 @@ def test_sample_batch_round_trip(lengths):
   back, envelope = batch_to_shard(shard_to_batch(shard, SampleEnvelope(4, 9)), VOCAB)
   assert envelope == SampleEnvelope(4, 9)
   width = max(lengths)
-  for field in ("tokens", "valid", "loss_mask", "sampler_logprobs"):
+  for field in ("tokens", "valid", "loss_mask", "sampler_logprobs", "token_versions"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field)[:, :width])
   for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field))
@@ -43,7 +43,7 @@ def _bad_batches():
       "lacks column 'reward'": pa.record_batch(
           [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
           schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
-      "not 'streamrl.samples/1'": good.replace_schema_metadata({}),
+      "not 'streamrl.samples/2'": good.replace_schema_metadata({}),
       r"\[0, 50\)": _replace_column(good, "tokens", pa.array([t[:-1] + [VOCAB] for t in tokens], pa.list_(pa.int32()))),
       "'sampler_logprobs' has 4 entries": _replace_column(
           good, "sampler_logprobs", pa.array([[0.0] * 4, [0.0] * 6], pa.list_(pa.float32()))),
@@ -51,6 +51,10 @@ def _bad_batches():
       "reward must be finite": _replace_column(good, "reward", pa.array([0.5, float("nan")], pa.float32())),
       "last_version must be >= first_version": _replace_column(good, "last_version", pa.array([1, 3], pa.int64())),
       "nulls": _replace_column(good, "step", pa.array([3, None], pa.int64())),
+      "row 1: token_versions must be >= 0": _replace_column(
+          good, "token_versions", pa.array([[0, 0, 2, 3, 3], [0, 0, 2, -1, 3, 3]], pa.list_(pa.int64()))),
+      "row 0: the newest of token_versions must be last_version": _replace_column(
+          good, "token_versions", pa.array([[0, 0, 2, 2, 2], [0, 0, 2, 3, 3, 3]], pa.list_(pa.int64()))),
       "loss_mask\\[0\\] must be false": _replace_column(
           good, "loss_mask", pa.array([[True] * 5, [False] * 6], pa.list_(pa.bool_()))),
   }
@@ -64,7 +68,8 @@ def test_malformed_sample_batches_are_refused_by_name(problem):
 
 def test_sample_schema_is_fixed():
   assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "prompt_id", "sample_index", "tokens",
-                                 "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version"]
+                                 "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version",
+                                 "token_versions"]
   with pytest.raises(ValueError, match="prefix"):
     bad = group_shard([4])
     shard_to_batch(dataclasses.replace(bad, valid=bad.valid[:, ::-1], loss_mask=bad.valid[:, ::-1] & False),

@@ -13,11 +13,13 @@ def group_shard(lengths, prompt_len=2, step=3, seed=0, group=7) -> SampleShard:
   rng = np.random.default_rng(seed)
   n, width = len(lengths), max(lengths) + 3
   valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
-  return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid,
-                     loss_mask=valid & (np.arange(width)[None] >= prompt_len),
+  loss_mask = valid & (np.arange(width)[None] >= prompt_len)
+  versions = np.where(loss_mask, np.where(np.arange(width)[None] > prompt_len, 3, 2), 0)  # an update after token 1
+  return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid, loss_mask=loss_mask,
                      sampler_logprobs=-rng.random((n, width)) * valid, rewards=rng.random(n),
                      prompt_ids=np.full(n, group), group_ids=np.full(n, group), sample_indices=np.arange(n),
-                     steps=np.full(n, step), first_versions=np.full(n, 2), last_versions=np.full(n, 3))
+                     steps=np.full(n, step), first_versions=np.full(n, 2),
+                     last_versions=np.where(loss_mask.sum(1) > 1, 3, 2), token_versions=versions)
 
 
 def _replace_column(batch: pa.RecordBatch, name: str, values) -> pa.RecordBatch:

@@ -26,7 +26,8 @@ import numpy as np
 
 from streamrl_jax.messages import (Ack, BadMessage, BadShard, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest,
                                    Leave, Register, Registered, StepReport, quote)
-from streamrl_jax.pipeline.step_plan import StepPlan, cut_prompts, min_version, step_leases, step_prompts
+from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version, step_group_ids,
+                                             step_leases, step_prompts)
 from streamrl_jax.pipeline.watchdog import Watchdog
 from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
 
@@ -72,7 +73,7 @@ class Controller:
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
                          sampler_wait_s=0.0, samplers_left=0, samplers_lost=0, re_leased_leases=0,
                          re_leased_prompts=0, groups_kept=0, late_samples=0, late_reports=0, rejoin_requests=0,
-                         trained_refusals=0, refused_batches=0)
+                         trained_refusals=0, refused_batches=0, prompts_backfilled=0, groups_regenerated=0)
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -301,6 +302,48 @@ class Controller:
           del self._granted[sampler_id]
       self._cond.notify_all()
 
+  def backfill(self, step: int, filtered: list[int]) -> int:
+    """Dynamic sampling: the trainer did not train the groups `filtered` of `step` (their rewards were all
+    equal); leases as many more prompts of the step as its backfill bound still allows, before any later
+    step's. Returns how many (an event records the filtered groups)."""
+    with self._cond:
+      plan = self._plans.get(step)
+      count = 0 if plan is None else backfill_count(self.config, plan.backfilled, len(filtered))
+      self._event("groups_filtered", step=step, group_ids=list(filtered), backfilled=count)
+      if count <= 0:
+        return 0
+      prompts = backfill_prompts(self.config, self.task, step, plan.backfilled, count)
+      ids = step_group_ids(self.config, step)[1][plan.backfilled:plan.backfilled + count]
+      self._hand_out(step, plan, ids, prompts)
+      plan.backfilled += count
+      self.counters["prompts_backfilled"] += count
+      return count
+
+  def regenerate(self, step: int, group_ids: list[int]) -> None:
+    """The trainer refused the groups `group_ids` of `step` (a token older than the staleness bound): they are
+    leased again, to be generated afresh."""
+    with self._cond:
+      plan = self._plans.get(step)
+      if plan is None:
+        return
+      planned, extra = step_group_ids(self.config, step)
+      prompts = [plan.prompts[g - planned.start] if g in planned else
+                 backfill_prompts(self.config, self.task, step, g - extra.start, 1)[0] for g in group_ids]
+      for g in group_ids:
+        plan.delivered.pop(g, None)
+      self._hand_out(step, plan, group_ids, prompts)
+      self.counters["groups_regenerated"] += len(group_ids)
+      self._event("groups_regenerated", step=step, group_ids=list(group_ids))
+
+  def _hand_out(self, step: int, plan: StepPlan, group_ids, prompts) -> None:
+    """One more lease of `step` (lock held), taken before any later step's."""
+    plan.unleased.append(Lease(lease_id=-1, step=step, group_ids=tuple(int(g) for g in group_ids),
+                               prompts=tuple(prompts), predicted_lengths=(), length_quantiles=(),
+                               min_version=self._min_version(step), instances=self._target_instances))
+    plan.leases += 1
+    plan.summary = None
+    self._cond.notify_all()
+
   def set_target_instances(self, instances: int) -> None:
     with self._cond:
       self._target_instances = instances
@@ -319,7 +362,10 @@ class Controller:
     with self._cond:
       if not self._cond.wait_for(lambda: step in self._plans and self._plans[step].summary is not None, timeout):
         raise TimeoutError(f"the samplers' reports of step {step} did not arrive within {timeout} s")
-      return dict(self._plans.pop(step).summary)
+      plan = self._plans.pop(step)
+      for lease_id in plan.reports:  # kept until now: a lease added late (a backfill) summarises the step again
+        self._leases.pop(lease_id, None)
+      return dict(plan.summary)
 
   def silent_s(self) -> float | None:
     """Seconds since any registered sampler was last heard from (None: none registered)."""
@@ -379,17 +425,18 @@ class Controller:
     reports = list(plan.reports.values())
     by_group = dict(plan.delivered)  # groups of a lease handed back: their length as delivered
     by_group.update({g: length for r in reports for g, length in zip(self._leases[r.lease_id][1].group_ids, r.lengths)})
-    lengths = np.asarray([by_group[k] for k in sorted(by_group)])
+    planned = step_group_ids(self.config, step)[0]  # the ranker scored these; backfilled ones are apart
+    lengths = np.asarray([by_group[k] for k in sorted(by_group) if k in planned])
     out = dict(generation_s=max((r.generation_s for r in reports), default=0.0),
                sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
                sampler_processes=len({r.sampler_id for r in reports}),
                sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0))
-    for r in reports:
-      self._leases.pop(r.lease_id)
     if self.ranker is None:
       return out
     if len(lengths) >= 2:
       out.update({f"ranker_{k}": v for k, v in ranking_metrics(plan.scores, lengths).items()})
-    self.ranker.observe(plan.encoded, lengths)
+    if not plan.observed:  # once a step, also when a late lease (a backfill) summarises it again
+      self.ranker.observe(plan.encoded, lengths)
+      plan.observed = True
     out["ranker_train_steps"] = self.ranker.counters["train_steps"]
     return out

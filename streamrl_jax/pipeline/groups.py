@@ -16,6 +16,7 @@ def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> S
   valid = np.zeros((n, width), bool)
   loss_mask = np.zeros((n, width), bool)
   logprobs = np.zeros((n, width), np.float32)
+  versions = np.zeros((n, width), np.int64)
   for row, s in enumerate(samples):
     p, c = len(s.prompt_tokens), len(s.completion_tokens)
     if p + c > width:
@@ -24,11 +25,12 @@ def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> S
     valid[row, :p + c] = True
     loss_mask[row, p:p + c] = True
     logprobs[row, p:p + c] = s.logprobs
+    versions[row, p:p + c] = s.token_versions
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
                      rewards=np.asarray(rewards, np.float32), prompt_ids=[s.group_id for s in samples],
                      group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
                      steps=[step] * n, first_versions=[s.first_version for s in samples],
-                     last_versions=[s.last_version for s in samples])
+                     last_versions=[s.last_version for s in samples], token_versions=versions)
 
 
 class GroupCollector:

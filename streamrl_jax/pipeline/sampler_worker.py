@@ -15,15 +15,41 @@ import time
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport, WeightUpdate
+from streamrl_jax.meshes import replica_meshes
+from streamrl_jax.messages import (
+  Lease,
+  LeaseRequest,
+  Leave,
+  Register,
+  RejoinRequired,
+  StepReport,
+  WeightUpdate,
+)
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
-from streamrl_jax.meshes import replica_meshes
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
 from streamrl_jax.types import SamplingParams
 
 LEASE_POLL_S = 5.0
+LEASE_REPOLL_S = 0.05  # in flight: how often a busy sampler asks whether the next lease is open
+
+
+@dataclasses.dataclass
+class _LeaseRun:
+  """A lease being generated: its groups' collector, and what its report will say."""
+
+  lease: Lease
+  collector: GroupCollector
+  wait_s: float  # waiting for the lease and its weights
+  begin: float
+  begin_epoch: float
+  lengths: np.ndarray  # mean completion tokens per prompt, in lease order
+  left: int  # samples not yet finished
+
+  @property
+  def index_of(self) -> dict[int, int]:
+    return {g: i for i, g in enumerate(self.lease.group_ids)}
 
 
 class SamplerWorker:
@@ -61,27 +87,47 @@ class SamplerWorker:
 
   def serve(self, control, samples, weights, stop: threading.Event, rejoin: threading.Event | None = None) -> str:
     """Generates leases until the controller says the run is over ('finished'), `stop` is set ('stopped'),
-    or the controller no longer knows this sampler ('rejoin': the lease in hand is dropped, the caller
-    registers again). `rejoin`, when set by another thread (a heartbeat's reply), also ends it."""
+    or the controller no longer knows this sampler ('rejoin': the leases in hand are dropped, the caller
+    registers again). `rejoin`, when set by another thread (a heartbeat's reply), also ends it.
+
+    One lease at a time, or with `in_flight` a second one as soon as every request of the first is admitted:
+    its requests fill the slots that the first one's long tail leaves free, and the weights it needs are
+    taken between two decode calls, without draining the rows in flight."""
     rejoin = rejoin or threading.Event()
-    waited_since = time.perf_counter()
+    runs: dict[int, _LeaseRun] = {}
+    held, waited_since, polled = None, time.perf_counter(), 0.0
     outcome = "stopped"
     try:
       while not stop.is_set() and not rejoin.is_set():
-        reply = control.lease(LeaseRequest(self.sampler_id, wait_s=LEASE_POLL_S))
-        if reply.finished:
-          outcome = "finished"
-          break
-        if reply.rejoin:
-          raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
-        if reply.lease is None:
+        busy = bool(runs)
+        if held is None and self._wants_lease(runs, polled):
+          polled = time.perf_counter()
+          reply = control.lease(LeaseRequest(self.sampler_id, wait_s=0.0 if busy else LEASE_POLL_S))
+          if reply.finished:
+            outcome = "finished"
+            break
+          if reply.rejoin:
+            raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
+          held = reply.lease
+        if held is not None:
+          if busy:  # rows are running: take the weights once they are here, decode meanwhile
+            update = weights.latest()
+            update = update if update is not None and update.version >= held.min_version else None
+          else:
+            update = self._wait_for_weights(weights, held.min_version, stop, rejoin)
+            if update is None:
+              break
+          if update is not None:
+            self._take_weights(update)
+            runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since)
+            held = None
+        if not runs:
           continue
-        update = self._wait_for_weights(weights, reply.lease.min_version, stop, rejoin)
-        if update is None:
-          break
-        self._take_weights(update)
-        self._generate(reply.lease, control, samples, weights, stop, time.perf_counter() - waited_since, rejoin)
-        waited_since = time.perf_counter()
+        self._decode(runs, samples, weights)
+        for run in [r for r in runs.values() if r.left == 0]:
+          self._report(control, run)
+          del runs[run.lease.lease_id]
+          waited_since = time.perf_counter()
       if rejoin.is_set():
         raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
     except RejoinRequired:
@@ -92,6 +138,14 @@ class SamplerWorker:
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
     return outcome
+
+  def _wants_lease(self, runs: dict, polled: float) -> bool:
+    """Whether to ask for a lease now: when idle; with `in_flight`, also when the one lease in hand has every
+    request admitted (asked at most every LEASE_REPOLL_S while rows run)."""
+    if not runs:
+      return True
+    return (self.config.in_flight and len(runs) == 1 and self.sampler.num_pending == 0
+            and time.perf_counter() - polled >= LEASE_REPOLL_S)
 
   def reset(self) -> None:
     """No requests, weights or id (kept: the compiled engines): the state of a fresh start or a rejoin."""
@@ -118,7 +172,7 @@ class SamplerWorker:
                                       seed=self.config.seed)
       self.mesh_of = {i: i for i in range(len(engines))}
     elif update.version > self.sampler.version:
-      self.sampler.update_params(update.params, update.version)
+      self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")
 
   def _apply_elastic(self) -> None:
     """Adds or retires replicas (between decode steps) until the target count takes requests; a retired
@@ -132,42 +186,47 @@ class SamplerWorker:
       sampler.retire_instance(last)
       self.spare_meshes.append(self.mesh_of.pop(last))
 
-  def _generate(self, lease: Lease, control, samples, weights, stop: threading.Event, wait_s: float,
-                rejoin: threading.Event) -> None:
-    """Generates one lease, puts each group as it completes, and reports once all are acknowledged."""
-    config, sampler, group = self.config, self.sampler, self.config.group_size
-    collector = GroupCollector(group, self.tokenizer, self.task.reward,
-                               width=config.engine.max_prompt_length + config.max_new_tokens)
+  def _start(self, lease: Lease, wait_s: float) -> _LeaseRun:
+    """Submits a lease's requests (group_size per prompt) and returns what tracks it until it is reported."""
+    collector = GroupCollector(self.config.group_size, self.tokenizer, self.task.reward,
+                               width=self.config.engine.max_prompt_length + self.config.max_new_tokens)
     for group_id, prompt in zip(lease.group_ids, lease.prompts):
       collector.expect(group_id, prompt, lease.step)
     self.target_instances = lease.instances
     self._apply_elastic()
-    begin, begin_epoch = time.perf_counter(), time.time()
+    run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
+                    np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
     self._submit(lease, [self.tokenizer.encode(p) for p in lease.prompts])
-    index_of = {g: i for i, g in enumerate(lease.group_ids)}
-    lengths, left = np.zeros(len(lease.prompts)), len(lease.prompts) * group
-    while sampler.has_work() and not stop.is_set():
-      if rejoin.is_set():
-        raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
-      self._apply_elastic()
-      if self.spec.mid_step_swap:
-        latest = weights.latest()
-        if latest is not None and latest.version > sampler.version:
-          sampler.update_params(latest.params, latest.version)
-      for sample in sampler.step():
-        lengths[index_of[sample.group_id]] += sample.num_tokens / group
-        left -= 1
-        shard = collector.add(sample)
-        if shard is not None:
-          samples.put(shard)
-    if left == 0:
-      reply = control.report(StepReport(
-          sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
-          generation_s=time.perf_counter() - begin, lengths=tuple(float(x) for x in lengths), wait_s=wait_s,
-          samples=len(lease.prompts) * group, instances=len(sampler.instance_ids),
-          busy=((begin_epoch, time.time()),), rss_mb=resident_mb()))
-      if reply.rejoin:
-        raise RejoinRequired(f"{self.name}: the trainer took lease {lease.lease_id} from sampler {self.sampler_id}")
+    return run
+
+  def _decode(self, runs: dict, samples, weights) -> None:
+    """One driver step: newer weights first (async: between decode calls), then each finished sample to its
+    lease's collector, and each complete group out."""
+    sampler, group = self.sampler, self.config.group_size
+    self._apply_elastic()
+    if self.spec.mid_step_swap:
+      latest = weights.latest()
+      if latest is not None and latest.version > sampler.version:
+        sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
+    owner = {g: run for run in runs.values() for g in run.lease.group_ids}
+    for sample in sampler.step():
+      run = owner[sample.group_id]
+      run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / group
+      run.left -= 1
+      shard = run.collector.add(sample)
+      if shard is not None:
+        samples.put(shard)
+
+  def _report(self, control, run: _LeaseRun) -> None:
+    """The lease's step report, once its last group is out."""
+    lease = run.lease
+    reply = control.report(StepReport(
+        sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
+        generation_s=time.perf_counter() - run.begin, lengths=tuple(float(x) for x in run.lengths), wait_s=run.wait_s,
+        samples=len(lease.prompts) * self.config.group_size, instances=len(self.sampler.instance_ids),
+        busy=((run.begin_epoch, time.time()),), rss_mb=resident_mb()))
+    if reply.rejoin:
+      raise RejoinRequired(f"{self.name}: the trainer took lease {lease.lease_id} from sampler {self.sampler_id}")
 
   def _submit(self, lease: Lease, encoded: list) -> None:
     """Dispatches the lease's requests (group_size per prompt) over the replicas."""
@@ -176,7 +235,7 @@ class SamplerWorker:
     per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
     dispatch = dispatch_requests(config.scheduling, per_request.tolist(), lease.length_quantiles, sampler.instance_ids,
                                  config.engine.num_slots, seed=config.seed * 100_003 + lease.step)
-    if config.scheduling.resize_engines:  # between leases every replica is idle
+    if config.scheduling.resize_engines and not sampler.has_work():  # idle between leases (not in flight)
       for instance_id, batch in dispatch.slot_limits.items():
         slots = engine_slots(batch, config.engine.num_slots)
         sampler.replace_engine(instance_id, self.engine_for(self.mesh_of[instance_id], slots))

@@ -23,6 +23,8 @@ class StepPlan:
   unleased: list[Lease]
   leases: int  # how many leases the step was cut into
   reports: dict[int, StepReport] = dataclasses.field(default_factory=dict)  # lease id -> report
+  backfilled: int = 0  # prompts added by dynamic sampling
+  observed: bool = False  # the ranker has learnt from this step's lengths
   delivered: dict = dataclasses.field(default_factory=dict)  # group id -> mean completion length
   summary: dict | None = None
 
@@ -31,6 +33,27 @@ def step_prompts(config, task, step: int) -> list[str]:
   """The prompts of `step`: `prompts_per_step` draws of the task from a generator seeded by (seed, step)."""
   rng = np.random.default_rng([config.seed, step])
   return [task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+
+
+def backfill_prompts(config, task, step: int, start: int, count: int) -> list[str]:
+  """Backfill prompts start..start+count-1 of `step` (dynamic sampling): draws of a generator seeded by (seed,
+  step, 1), so a resumed step adds the same prompts in the same order."""
+  rng = np.random.default_rng([config.seed, step, 1])
+  return [task.sample(rng)[0] for _ in range(start + count)][start:]
+
+
+def backfill_count(config, used: int, filtered: int) -> int:
+  """How many prompts dynamic sampling adds for `filtered` untrained groups when `used` were added already."""
+  return max(0, min(filtered, config.backfill_per_step - used))
+
+
+def step_group_ids(config, step: int) -> tuple[range, range]:
+  """The group ids of `step`: its planned prompts', then those dynamic sampling may add. Each step has
+prompts_per_step + backfill_per_step consecutive ids (without dynamic sampling the planned ones alone), fixed by
+the step whatever the run's length, so a resumed run that runs longer keys its samples the same."""
+  first = step * (config.prompts_per_step + config.backfill_per_step)
+  extra = first + config.prompts_per_step
+  return range(first, extra), range(extra, extra + config.backfill_per_step)
 
 
 def min_version(start_step: int, step: int, max_lag: int) -> int:
@@ -54,7 +77,7 @@ def cut_prompts(config, step: int, predicted: Sequence[float], history, parts: i
 def step_leases(config, step: int, prompts: Sequence[str], cuts: Sequence[np.ndarray], predicted: Sequence[float],
                 quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
   """One lease per cut (lease ids are given when a sampler takes one); group ids number the run's prompts."""
-  first = step * config.prompts_per_step
+  first = step_group_ids(config, step)[0].start
   return [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
                 prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
                 if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances)

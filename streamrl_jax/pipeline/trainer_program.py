@@ -15,10 +15,11 @@ from jax.experimental import multihost_utils
 
 from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
-from streamrl_jax.models.precision import SamplerPrecision, to_wire
+from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
+from streamrl_jax.pipeline.step_plan import backfill_count
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.streaming import SampleQueue
@@ -87,8 +88,18 @@ class _Follower:
   """What a non-leading trainer process has instead of the controller and the weight store: it joins the
   collectives (shards, weight gathers) and keeps nothing."""
 
-  def __init__(self, precision: SamplerPrecision):
-    self.precision, self.seconds = precision, {}
+  def __init__(self, config: PipelineConfig):
+    self.config, self.precision, self.seconds = config, config.precision, {}
+    self._backfilled: dict[int, int] = {}
+
+  def backfill(self, step: int, filtered: list[int]) -> int:
+    """The count the controller on process 0 grants, by the same rule (the shards are the same)."""
+    count = backfill_count(self.config, self._backfilled.get(step, 0), len(filtered))
+    self._backfilled[step] = self._backfilled.get(step, 0) + count
+    return count
+
+  def regenerate(self, step: int, group_ids: list[int]) -> None:
+    pass
 
   def published(self, version: int) -> None:
     pass
@@ -112,7 +123,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
     if shard is None:
       raise RuntimeError("the trainer's process 0 stopped the run")
     return shard
-  follower = _Follower(config.precision)
+  follower = _Follower(config)
   trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
   if trainer.checkpointer is not None:
     trainer.checkpointer.wait()

@@ -8,6 +8,10 @@ so a shard holding a trained group beside new ones trains the new ones); samples
 arrive early wait for their step. A shard the step's plan does not hold, or one mixing steps, is dropped
 and counted (`refused_samples`), never a reason to stop: across processes the Flight server's door refuses
 such shards before they are acknowledged, so the counter stays 0 there.
+
+A group with a token older than the staleness bound (step - max_lag) is not trained: the controller leases
+it again (`groups_regenerated`). With dynamic sampling, a group whose rewards are all equal is not trained
+either; the controller adds prompts to the step in its place, up to the backfill bound.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.training.packing import chunk_tokens_for
 
 
@@ -45,7 +50,8 @@ class TrainerWorker:
     # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
     # or trained twice.
     self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
-                         trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0)
+                         trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0, groups_filtered=0,
+                         groups_backfilled=0, groups_regenerated=0)
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
@@ -68,9 +74,12 @@ class TrainerWorker:
     for step in range(self.start_step, self.config.steps):
       first_entry = len(self.timeline["trainer"])
       before = dict(self.batcher.counters)
-      shards, waited = self._take_step(step, get_shard, clock)
+      shards, waited, received = self._take_step(step, controller, get_shard, clock)
       begin = clock()
-      self.state, train_metrics = self.batcher.finish(self.state)
+      if self.batcher.rows_seen:
+        self.state, train_metrics = self.batcher.finish(self.state)
+      else:  # dynamic sampling filtered every group and nothing was left to backfill: no update
+        train_metrics = {"update_skipped": 1.0}
       self.timeline["trainer"].append((begin, clock(), f"update {step}"))
       train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
       done = {k: v - before[k] for k, v in self.batcher.counters.items()}
@@ -81,12 +90,13 @@ class TrainerWorker:
       weights.publish(self.state.params, step + 1)
       controller.published(step + 1)
       if self.checkpointer is not None:
-        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None)
+        # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
+        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
       self.counters["trainer_wait_s"] += waited
       end = clock()
-      metrics.append(self._step_metrics(step, shards, train_metrics, waited, end - last_end, summary, weights,
-                                        controller.sampler_wait_s() / max(end, 1e-9), train_s))
+      metrics.append(self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary,
+                                        weights, controller.sampler_wait_s() / max(end, 1e-9), train_s))
       if probe is not None:
         metrics[-1].update(probe())
       last_end = end
@@ -94,9 +104,11 @@ class TrainerWorker:
         on_step(metrics[-1])
     return metrics
 
-  def _take_step(self, step: int, get_shard, clock) -> tuple[list, float]:
-    """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards, wait s)."""
+  def _take_step(self, step: int, controller, get_shard, clock) -> tuple[list, float, dict]:
+    """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
+    what arrived: rewards of every group, trained or not, and the groups filtered and backfilled)."""
     needed, shards, waited = self.config.samples_per_step, [], 0.0
+    received = dict(rewards=[], filtered=0, backfilled=0)
     self._trained = set()
     early = self._early.pop(step, [])
     while needed > 0:
@@ -123,17 +135,44 @@ class TrainerWorker:
           continue
         shard = shard.take(np.flatnonzero(new))
         keys = shard.keys()
+      stale = self._too_stale(shard, step)
+      if stale:
+        controller.regenerate(step, stale)
+        shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
+        self.counters["groups_regenerated"] += len(stale)
+        if not shard.num_samples:
+          continue
+        keys = shard.keys()
       self._trained.update(keys)
       needed -= shard.num_samples
+      received["rewards"].append(shard.rewards)
+      if self.config.dynamic_sampling:
+        flat = _equal_reward_groups(shard)
+        if flat:
+          granted = controller.backfill(step, flat)
+          needed += granted * self.config.group_size
+          received["filtered"] += len(flat)
+          received["backfilled"] += granted
+          shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, flat)))
+          if not shard.num_samples:
+            continue
       shards.append(shard)
       if self.spec.streamed:
         self._accumulate(shard, step, clock)
-    self.counters["unique_samples_trained"] += len(self._trained)
-    self.counters["samples_planned"] += self.config.samples_per_step
+    self.counters["unique_samples_trained"] += sum(s.num_samples for s in shards)
+    self.counters["samples_planned"] += self.config.samples_per_step + (received["backfilled"]
+                                                                        - received["filtered"]) * self.config.group_size
+    self.counters["groups_filtered"] += received["filtered"]
+    self.counters["groups_backfilled"] += received["backfilled"]
     if not self.spec.streamed:
       for shard in shards:
         self._accumulate(shard, step, clock)
-    return shards, waited
+    return shards, waited, received
+
+  def _too_stale(self, shard: SampleShard, step: int) -> list[int]:
+    """Groups of `shard` holding a token sampled by weights older than step - max_lag."""
+    oldest = step - self.spec.max_lag
+    return sorted({int(g) for g in shard.group_ids[shard.first_versions < oldest]})
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
@@ -150,15 +189,18 @@ class TrainerWorker:
     self.counters["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
-  def _step_metrics(self, step: int, shards, train: dict, waited: float, wall: float, summary: dict, weights,
-                    sampler_idle: float, train_s: float) -> dict:
-    rewards = np.concatenate([s.rewards for s in shards])
-    versions = np.concatenate([s.first_versions for s in shards])
+  def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float, summary: dict,
+                    weights, sampler_idle: float, train_s: float) -> dict:
+    rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
+    stale = np.concatenate([s.token_staleness(step) for s in shards]) if shards else np.zeros(1)
     seconds = [v for _, v in sorted(weights.seconds.items())]
+    flat = sum(len(_equal_reward_groups(s)) for s in shards)
     return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()),
-                accuracy=float(np.mean(rewards >= 1.0)),
-                samples_per_s=len(rewards) / max(wall, 1e-9), staleness_mean=float(np.mean(step - versions)),
-                staleness_max=int(np.max(step - versions)), trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
+                accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
+                staleness_mean=float(np.mean(stale)), staleness_max=int(np.max(stale)),  # per trained token
+                groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
+                prompts_leased=self.config.prompts_per_step + received["backfilled"], equal_reward_groups_trained=flat,
+                trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
                 step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary, **train)
 
@@ -183,7 +225,7 @@ def _packing(config, graphdef, params, mesh) -> dict:
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:
   """Why a shard cannot be trained (None: it can): it mixes steps, is of a step beyond the run, holds a
-  key twice, or holds a sample its step's plan does not (groups step * prompts_per_step onwards, indices
+  key twice, or holds a sample its step's plan does not (groups `step_group_ids`, indices
   below group_size). With unique keys and a full count, a step trains each of its samples exactly once."""
   if (shard.steps != shard.steps[0]).any():
     return f"a shard mixes samples of steps {sorted(set(shard.steps.tolist()))[:4]}"
@@ -192,12 +234,19 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
     return f"a shard of step {shard_step}; the run has {config.steps} steps"
   if len(set(shard.keys())) != shard.num_samples:
     return f"a shard of step {shard_step} holds a sample twice"
-  first = shard_step * config.prompts_per_step
-  bad = ((shard.group_ids < first) | (shard.group_ids >= first + config.prompts_per_step)
-         | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size))
+  planned, extra = step_group_ids(config, shard_step)
+  ours = np.isin(shard.group_ids, np.asarray(planned)) | np.isin(shard.group_ids, np.asarray(extra))
+  bad = ~ours | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size)
   if bad.any():
     i = int(np.argmax(bad))
+    backfill = f", backfill groups {extra.start}..{extra.stop - 1}" if len(extra) else ""
     return (f"step {shard_step} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), which "
-            f"its plan does not hold (groups {first}..{first + config.prompts_per_step - 1}, indices "
+            f"its plan does not hold (groups {planned.start}..{planned.stop - 1}{backfill}, indices "
             f"0..{config.group_size - 1})")
   return None
+
+
+def _equal_reward_groups(shard: SampleShard) -> list[int]:
+  """Groups of `shard` whose rewards are all equal: no advantage, nothing to learn (DAPO's dynamic sampling)."""
+  return sorted(int(g) for g in np.unique(shard.group_ids)
+                if np.ptp(shard.rewards[shard.group_ids == g]) == 0)

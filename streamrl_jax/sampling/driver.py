@@ -342,7 +342,7 @@ class StreamingSampler:
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
         prompt_tokens=request.prompt, completion_tokens=np.asarray(flight.tokens, np.int32),
         logprobs=np.asarray(flight.logprobs, np.float32), token_versions=np.asarray(flight.versions, np.int32),
-        finish_reason=reason, first_version=flight.versions[0], last_version=flight.versions[-1], instance=inst.index,
+        finish_reason=reason, first_version=min(flight.versions), last_version=max(flight.versions), instance=inst.index,
         submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now))
     self.counters["finished"] += 1
     self.counters["generated_tokens"] += len(flight.tokens)

@@ -1,8 +1,8 @@
 """The Arrow schema that carries `SampleShard`s between processes, and its checked conversions.
 
 One row per sample: its key (step, group id, sample index), the tokens it trains on (prompt then
-completion, unpadded), which of them carry loss, the sampler's log-probabilities, the reward, the policy
-versions that produced it, and the envelope: the sending sampler's id and the batch's sequence number
+completion, unpadded), which of them carry loss, the sampler's log-probabilities and the policy version
+that sampled each token, the reward, the oldest and newest of those versions, and the envelope: the sending sampler's id and the batch's sequence number
 (one value per batch, used to acknowledge and deduplicate). No pickle: the receiver checks every column
 against the run's `WireLimits` (nulls at every level, finite floats within range, token ids in the
 vocabulary, lengths and row counts within the run's own limits) and refuses a malformed batch with a
@@ -19,16 +19,16 @@ import pyarrow as pa
 
 from streamrl_jax.streaming.shard import SampleShard
 
-SCHEMA_NAME = "streamrl.samples/1"
+SCHEMA_NAME = "streamrl.samples/2"  # /2: token_versions
 SAMPLE_SCHEMA = pa.schema([
     ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
     ("prompt_id", pa.int64()), ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
-    ("first_version", pa.int64()), ("last_version", pa.int64()),
+    ("first_version", pa.int64()), ("last_version", pa.int64()), ("token_versions", pa.list_(pa.int64())),
 ], metadata={"schema": SCHEMA_NAME})
 ROWS = {"step": "steps", "group_id": "group_ids", "prompt_id": "prompt_ids", "sample_index": "sample_indices",
         "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions"}
-LISTS = ("tokens", "loss_mask", "sampler_logprobs")
+LISTS = ("tokens", "loss_mask", "sampler_logprobs", "token_versions")
 
 
 # What a sampler can produce: a sampled token's log-probability is <= 0 and, in float32, above about -104
@@ -132,6 +132,7 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
   if padded["loss_mask"][:, 0].any():
     raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
                          f"token has no prediction)")
+  _check_token_versions(padded["token_versions"], padded["loss_mask"], rows)
   return SampleShard(valid=valid, **padded, **rows), envelope
 
 
@@ -164,6 +165,19 @@ def _list_column(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarr
   offsets = column.offsets.to_numpy()
   values = column.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]]
   return offsets - offsets[0], values
+
+
+def _check_token_versions(versions: np.ndarray, loss_mask: np.ndarray, rows: dict) -> None:
+  """Every trained token's version is one of its sample's: >= 0, its oldest first_version, its newest last_version."""
+  big = np.iinfo(np.int64)
+  oldest = np.where(loss_mask, versions, big.max).min(axis=1)
+  newest = np.where(loss_mask, versions, big.min).max(axis=1)
+  has = loss_mask.any(axis=1)
+  for bad, message in ((has & (oldest < 0), "token_versions must be >= 0"),
+                       (has & (oldest != rows["first_versions"]), "the oldest of token_versions must be first_version"),
+                       (has & (newest != rows["last_versions"]), "the newest of token_versions must be last_version")):
+    if bad.any():
+      raise BadSampleBatch(f"row {int(np.argmax(bad))}: {message}")
 
 
 def _check_rows(rows: dict) -> None:

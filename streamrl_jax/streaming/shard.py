@@ -11,7 +11,8 @@ import numpy as np
 
 ROW_FIELDS = {"rewards": np.float32, "prompt_ids": np.int64, "group_ids": np.int64, "sample_indices": np.int64,
               "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64}
-TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "sampler_logprobs": np.float32}
+TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "sampler_logprobs": np.float32,
+                "token_versions": np.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,8 +20,10 @@ class SampleShard:
   """n finished samples, right-padded to a common length L.
 
   tokens [n, L] hold prompt then completion; `valid` marks real tokens, `loss_mask` completion tokens;
-  sampler_logprobs [n, L] is the sampler's log-probability of each completion token (0 elsewhere).
-  A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
+  sampler_logprobs [n, L] is the sampler's log-probability of each completion token (0 elsewhere), and
+  token_versions [n, L] the policy version that sampled it (0 elsewhere; when not given, every completion
+  token is taken to be of its sample's first version). first_versions and last_versions are the oldest and
+  newest of a sample's token versions. A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
   group, and its place in the group.
   """
 
@@ -35,9 +38,15 @@ class SampleShard:
   steps: np.ndarray
   first_versions: np.ndarray
   last_versions: np.ndarray
+  token_versions: np.ndarray | None = None
 
   def __post_init__(self):
     n, length = np.shape(self.tokens)
+    if self.token_versions is None:
+      if not np.array_equal(self.first_versions, self.last_versions):
+        raise ValueError("SampleShard.token_versions must be given when a sample's tokens are of several versions")
+      first = np.asarray(self.first_versions, np.int64).reshape(-1, 1)
+      object.__setattr__(self, "token_versions", np.where(np.asarray(self.loss_mask, bool), first, 0))
     for name, dtype in {**TOKEN_FIELDS, **ROW_FIELDS}.items():
       value = np.asarray(getattr(self, name), dtype)
       expected = (n, length) if name in TOKEN_FIELDS else (n,)
@@ -54,6 +63,10 @@ class SampleShard:
   @property
   def min_version(self) -> int:
     return int(self.first_versions.min()) if len(self.first_versions) else 0
+
+  def token_staleness(self, step: int) -> np.ndarray:
+    """step - version of every completion token, flat: how many updates behind each trained token is."""
+    return step - self.token_versions[self.loss_mask]
 
   @classmethod
   def concat(cls, shards: list[SampleShard]) -> SampleShard:

@@ -35,10 +35,11 @@ class Checkpointer:
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-  def save(self, state: TrainState, extra: dict | None = None, aux=None) -> int:
-    """Starts saving `state` at its step (returns at once when asynchronous); `extra` is JSON metadata,
-    `aux` any pytree of arrays saved beside it (the ranker's state), read back by `restore_aux`."""
-    step = int(jax.device_get(state.step))
+  def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None) -> int:
+    """Starts saving `state` as checkpoint `step` (default: its optimizer step; returns at once when
+    asynchronous); `extra` is JSON metadata, `aux` any pytree of arrays saved beside it (the ranker's state),
+    read back by `restore_aux`."""
+    step = int(jax.device_get(state.step)) if step is None else step
     # A private copy: the trainer donates its state to the next step while the save is still running.
     arrays = jax.tree.map(jnp.copy, _flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
     items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))

@@ -1,0 +1,175 @@
+"""Weights updated in flight, the staleness bound per token, and dynamic sampling, through the in-process
+pipeline on the tiny model (the same shapes as test_pipeline: no new compiles)."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.models import Transformer
+from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
+from streamrl_jax.pipeline.trainer_worker import _equal_reward_groups, _refusal
+from streamrl_jax.tasks import ArithmeticTask
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
+from tests.wire_samples import group_shard
+
+
+class FirstDigitTask(ArithmeticTask):
+  """Reward 1 when the completion starts with a digit: an untrained model gets it now and then, so some groups'
+  rewards are all equal (all 0, or all 1) and others are not."""
+
+  @staticmethod
+  def reward(prompt: str, completion: str) -> float:
+    return float(completion[:1].isdigit())
+
+
+def run_first_digit(mode: str, checkpointer=None, resume=False, **overrides):
+  config = dataclasses.replace(BASE, mode=mode, **overrides)
+  return run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, FirstDigitTask(max_digits=3),
+                      checkpointer=checkpointer, resume=resume)
+
+
+def overlapping(intervals) -> int:
+  """How many consecutive (start, end) intervals, in start order, overlap the one before."""
+  spans = sorted(intervals)
+  return sum(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.fixture(scope="module")
+def in_flight():
+  return {cache: run("async", in_flight=True, in_flight_cache=cache, steps=4) for cache in ("keep", "recompute")}
+
+
+@pytest.mark.parametrize("cache", ["keep", "recompute"])
+def test_in_flight_trains_every_sample_once_and_overlaps_leases(in_flight, cache):
+  result = in_flight[cache]
+  counters = result.counters
+  assert counters["samples_generated"] == counters["samples_trained"] == 4 * 16 == counters["unique_samples_trained"]
+  assert counters["stale_samples"] == counters["groups_regenerated"] == 0
+  assert [m["step"] for m in result.metrics] == [1, 2, 3, 4]
+  assert all(m["staleness_max"] <= BASE.staleness for m in result.metrics)  # per trained token
+  assert max(m["staleness_max"] for m in result.metrics) == 1
+  # the next lease starts while the last one's rows still run
+  (busy,) = [spans for name, spans in result.timeline.items() if name.startswith("sampler")]
+  assert overlapping([(b, e) for b, e, _ in busy]) >= 1
+
+
+def test_between_samples_never_overlaps_leases():
+  result = run("async", steps=3)
+  (busy,) = [spans for name, spans in result.timeline.items() if name.startswith("sampler")]
+  assert overlapping([(b, e) for b, e, _ in busy]) == 0
+
+
+def test_in_flight_is_refused_where_no_update_can_be_taken_in_flight():
+  for mode in ("colocated", "disaggregated", "stream"):
+    with pytest.raises(ValueError, match="in_flight needs mode='async'"):
+      PipelineConfig(mode=mode, in_flight=True)
+  with pytest.raises(ValueError, match="in_flight_cache='drop'"):
+    PipelineConfig(in_flight_cache="drop")
+  with pytest.raises(ValueError, match="backfill_limit must be >= 0"):
+    PipelineConfig(backfill_limit=-1)
+
+
+@pytest.fixture(scope="module")
+def dynamic():
+  return {on: run_first_digit("async", dynamic_sampling=on, backfill_limit=3) for on in (False, True)}
+
+
+def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynamic):
+  plain, filtered = dynamic[False], dynamic[True]
+  assert sum(m["equal_reward_groups_trained"] for m in plain.metrics) > 0  # the task does make such groups
+  assert sum(m["groups_filtered"] for m in plain.metrics) == 0
+  metrics = filtered.metrics
+  assert all(m["equal_reward_groups_trained"] == 0 for m in metrics)
+  assert sum(m["groups_filtered"] for m in metrics) > 0 and sum(m["groups_backfilled"] for m in metrics) > 0
+  for m in metrics:
+    assert m["groups_backfilled"] == backfill_count(filtered_config(), 0, m["groups_filtered"])
+    assert m["prompts_leased"] == 4 + m["groups_backfilled"]
+  counters = filtered.counters
+  trained_groups = sum(4 + m["groups_backfilled"] - m["groups_filtered"] for m in metrics)
+  assert counters["samples_trained"] == trained_groups * 4 == counters["unique_samples_trained"]
+  assert counters["prompts_submitted"] == sum(m["prompts_leased"] for m in metrics)
+  assert counters["prompts_backfilled"] == sum(m["groups_backfilled"] for m in metrics)
+
+
+def filtered_config() -> PipelineConfig:
+  return dataclasses.replace(BASE, dynamic_sampling=True, backfill_limit=3)
+
+
+def test_dynamic_sampling_resumes_exactly(tmp_path):
+  from streamrl_jax.training.checkpoint import Checkpointer
+  whole = run_first_digit("stream", dynamic_sampling=True, backfill_limit=3)
+  checkpointer = Checkpointer(tmp_path, max_to_keep=2)
+  run_first_digit("stream", checkpointer=checkpointer, dynamic_sampling=True, backfill_limit=3, steps=2)
+  resumed = run_first_digit("stream", checkpointer=checkpointer, resume=True, dynamic_sampling=True, backfill_limit=3)
+  assert [m["step"] for m in resumed.metrics] == [3]
+  last, again = whole.metrics[-1], resumed.metrics[0]
+  for key in ("groups_filtered", "groups_backfilled", "prompts_leased", "reward_mean"):
+    assert again[key] == last[key], key
+  for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(whole.params)):
+    np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_backfill_prompts_and_ids_are_fixed_by_seed_and_step():
+  config, task = filtered_config(), DigitTask(max_digits=3)
+  assert backfill_prompts(config, task, 2, 0, 3) == backfill_prompts(config, task, 2, 0, 1) + \
+      backfill_prompts(config, task, 2, 1, 2)
+  assert backfill_prompts(config, task, 2, 0, 3) != backfill_prompts(config, task, 1, 0, 3)
+  planned, extra = step_group_ids(config, 1)
+  assert list(planned) == [7, 8, 9, 10] and list(extra) == [11, 12, 13]
+  assert step_group_ids(dataclasses.replace(config, steps=50), 1) == (planned, extra)  # whatever the run's length
+  assert [backfill_count(config, used, 2) for used in range(5)] == [2, 2, 1, 0, 0]
+  assert step_group_ids(BASE, 1)[1] == range(12, 12)  # off: no backfill ids
+
+
+def test_the_trainer_refuses_groups_outside_the_plan_naming_the_backfill_range():
+  shard = group_shard([5, 6], step=1, group=20)
+  assert "backfill groups 11..13" in _refusal(shard, 1, filtered_config())
+  assert _refusal(group_shard([5, 6], step=1, group=12), 1, filtered_config()) is None
+  assert "groups 4..7, indices" in _refusal(group_shard([5, 6], step=1, group=12), 1, BASE)
+
+
+def test_equal_reward_groups_by_hand():
+  shard = group_shard([5, 6, 5, 6], group=3)
+  shard = dataclasses.replace(shard, group_ids=np.asarray([3, 3, 8, 8]), rewards=np.asarray([1.0, 1.0, 0.0, 0.5]))
+  assert _equal_reward_groups(shard) == [3]
+
+
+class _Recorder:
+  """The controller as the trainer worker sees it, recording what it is asked."""
+
+  def __init__(self):
+    self.regenerated, self.backfills = [], []
+
+  def regenerate(self, step, group_ids):
+    self.regenerated.append((step, list(group_ids)))
+
+  def backfill(self, step, filtered):
+    self.backfills.append((step, list(filtered)))
+    return 0
+
+
+def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+  config = dataclasses.replace(BASE, mode="async")  # step 2 takes tokens of version 1 or newer
+  graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
+  worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+
+  def group(g, oldest):
+    shard = group_shard([9, 10, 11, 12], step=2, group=g)
+    versions = np.where(shard.loss_mask, np.where(np.arange(shard.tokens.shape[1])[None] > 2, 2, oldest), 0)
+    return dataclasses.replace(shard, tokens=shard.tokens % MODEL.vocab_size, token_versions=versions,
+                               first_versions=np.full(4, oldest), last_versions=np.full(4, 2))
+
+  arriving = [group(8, 0), group(9, 1), group(10, 1), group(8, 1), group(11, 2)]
+  recorder = _Recorder()
+  shards, _, _ = worker._take_step(2, recorder, lambda: arriving.pop(0), clock=lambda: 0.0)
+  assert recorder.regenerated == [(2, [8])] and not arriving  # its second copy, within the bound, is trained
+  assert sorted(int(s.group_ids[0]) for s in shards) == [8, 9, 10, 11]
+  assert worker.counters["groups_regenerated"] == 1 and worker.counters["samples_trained"] == 16
+  stale = np.concatenate([s.token_staleness(2) for s in shards])
+  assert stale.max() == 1 and stale.min() == 0
