@@ -43,9 +43,9 @@ WORKLOAD = ("JobConfig.hidden_size=160", "JobConfig.max_digits=8", "JobConfig.wa
 WEIGHT_PARAMS = 100_000_000
 
 
-def streamrl(*args: str, host_devices: int | None = None) -> list[str]:
+def streamrl(*args: str, host_devices: int | None = None, workload: tuple[str, ...] = WORKLOAD) -> list[str]:
   head = [sys.executable, "-m", "streamrl_jax.cli"] + ([f"--host-devices={host_devices}"] if host_devices else [])
-  sets = [a for s in WORKLOAD for a in ("--set", s)]
+  sets = [a for s in workload for a in ("--set", s)]
   return head + list(args) + ["--config", str(ROOT / "configs" / "demo_cpu.gin")] + sets
 
 
@@ -63,10 +63,10 @@ def run_mode(mode: str, workdir: Path, warm: Path) -> list[dict]:
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-def warm_up(directory: Path) -> Path:
+def warm_up(directory: Path, workload: tuple[str, ...] = WORKLOAD) -> Path:
   """The warm-up that `streamrl train` would do, once, saved where every mode's workdir links to it."""
   done = subprocess.run(streamrl("train", "--workdir", str(directory), "--set", "PipelineConfig.steps=1",
-                                 "--set", "PipelineConfig.mode='colocated'", host_devices=1),
+                                 "--set", "PipelineConfig.mode='colocated'", host_devices=1, workload=workload),
                         capture_output=True, text=True, timeout=900, env=dict(os.environ, XLA_FLAGS=""))
   if done.returncode:
     raise RuntimeError(f"warm-up failed:\n{done.stderr[-3000:]}")
