@@ -63,6 +63,25 @@ class LeaseRequest:
 
 
 @dataclasses.dataclass(frozen=True)
+class Partial:
+  """A sample a sampler began (or finished, its group not whole) before handing its lease back: its tokens so
+  far, each with its log-probability and the policy version that sampled it. Whoever takes the lease next
+  resumes it after its last token (or, `finished`, scores it as it is)."""
+
+  group_id: int
+  sample_index: int
+  tokens: tuple[int, ...]
+  logprobs: tuple[float, ...]
+  versions: tuple[int, ...]
+  finished: bool
+
+  def __post_init__(self):
+    if not 0 < len(self.tokens) == len(self.logprobs) == len(self.versions):
+      raise BadMessage(f"Partial of group {self.group_id}: {len(self.tokens)} tokens, {len(self.logprobs)} "
+                       f"log-probabilities, {len(self.versions)} versions; one of each per token, at least one")
+
+
+@dataclasses.dataclass(frozen=True)
 class Lease:
   """Prompts of one step leased to one sampler: generate `group_size` samples of each with weights of
   version >= `min_version`; `instances` is the replica count the controller wants the sampler to run."""
@@ -75,6 +94,7 @@ class Lease:
   length_quantiles: tuple[float, ...]  # percentiles 0..100 of recently realised lengths, or empty
   min_version: int
   instances: int
+  partials: tuple[Partial, ...] = ()  # samples of these groups begun elsewhere (partial rollouts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,9 +148,10 @@ class VersionInfo:
 
 @dataclasses.dataclass(frozen=True)
 class Leave:
-  """A sampler leaves; leases it has not reported go back to the plan."""
+  """A sampler leaves; leases it has not reported go back to the plan, with the samples it had begun."""
 
   sampler_id: int
+  partials: tuple[Partial, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +168,8 @@ LIMITS = {
     "Register.name": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
-    "Registered.heartbeat_s": (0.0, 1e6),
+    "Registered.heartbeat_s": (0.0, 1e6), "Partial.tokens": (0, (1 << 31) - 1), "Partial.logprobs": (-1000.0, 1e-3),
+    "Partial.versions": (0, 1 << 62), "Partial.sample_index": (0, 1 << 20), "Partial.group_id": (0, 1 << 62),
 }
 
 
@@ -157,8 +179,8 @@ def quote(value, limit: int = QUOTE_CHARS) -> str:
   return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Lease, LeaseReply, StepReport, Heartbeat,
-                                          HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack)}
+MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Partial, Lease, LeaseReply, StepReport,
+                                          Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
 
 

@@ -173,3 +173,89 @@ def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   assert worker.counters["groups_regenerated"] == 1 and worker.counters["samples_trained"] == 16
   stale = np.concatenate([s.token_staleness(2) for s in shards])
   assert stale.max() == 1 and stale.min() == 0
+
+
+class _Weights:
+  """A weight source holding one version."""
+
+  def __init__(self, params):
+    from streamrl_jax.messages import WeightUpdate
+    self.update = WeightUpdate(0, params)
+
+  def latest(self):
+    return self.update
+
+  def wait_for(self, version, timeout):
+    return self.update
+
+
+class _Sink:
+  """The sample transport as the trainer's door is: the controller hears of each shard; keeps them; sets `stop`
+  once `stop_after` have come."""
+
+  def __init__(self, controller, worker, stop_after):
+    import threading
+    self.controller, self.worker, self.stop_after = controller, worker, stop_after
+    self.shards, self.stop = [], threading.Event()
+
+  def put(self, shard):
+    assert self.controller.on_shard(self.worker.sampler_id, shard) == "accept"
+    self.shards.append(shard)
+    if self.stop is not None and len(self.shards) >= self.stop_after:
+      self.stop.set()
+
+
+@pytest.fixture(scope="module")
+def worker_parts():
+  from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+  config = dataclasses.replace(BASE, steps=1)
+  model = Transformer(MODEL, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
+
+  def make():
+    worker = SamplerWorker(config, graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh)
+    worker.weights = _Weights(params)
+    return worker
+  return make
+
+
+def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_interrupted(worker_parts):
+  from streamrl_jax.messages import Leave
+  from streamrl_jax.pipeline.controller import Controller
+  config = dataclasses.replace(BASE, steps=1)
+  reference = worker_parts()
+  controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
+  controller.published(0)
+  reference.register(controller)
+  whole = _Sink(controller, reference, 4)  # stops after the step's 4 groups
+  reference.serve(controller, whole, reference.weights, whole.stop)
+
+  controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
+  controller.published(0)
+  first, second = worker_parts(), worker_parts()
+  first.register(controller)
+  early = _Sink(controller, first, 1)  # leaves once its first group is out: the others are begun
+  assert first.serve(controller, early, first.weights, early.stop) == "stopped"
+  handed = controller.counters["partial_samples_handed_back"]
+  assert handed >= 4  # samples of 3 groups were running or finished
+  second.register(controller)
+  rest = _Sink(controller, second, 3)
+  second.serve(controller, rest, second.weights, rest.stop)
+  assert 0 < second.sampler.counters["resumed_partial"] <= handed
+  got = {k: (s.tokens[r], s.sampler_logprobs[r]) for s in early.shards + rest.shards
+         for r, k in enumerate(s.keys())}
+  want = {k: (s.tokens[r], s.sampler_logprobs[r]) for s in whole.shards for r, k in enumerate(s.keys())}
+  assert sorted(got) == sorted(want) and len(want) == 16  # every sample once
+  for key in want:  # the same tokens and log-probabilities as a generation never interrupted
+    np.testing.assert_array_equal(got[key][0], want[key][0])
+    np.testing.assert_allclose(got[key][1], want[key][1], atol=2e-5)
+  # bad partials refuse the whole Leave, naming the sample
+  third = worker_parts()
+  third.register(controller)
+  from streamrl_jax.messages import BadMessage, Partial
+  with pytest.raises(BadMessage, match="group 99, which is not of a lease it holds"):
+    controller.leave(Leave(third.sampler_id, partials=(Partial(99, 0, (1,), (-1.0,), (0,), False),)))
+  with pytest.raises(BadMessage, match="one of each per token"):
+    Partial(1, 0, (1, 2), (-1.0,), (0, 0), False)

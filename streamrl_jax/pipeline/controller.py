@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 
 from streamrl_jax.messages import (Ack, BadMessage, BadShard, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest,
-                                   Leave, Register, Registered, StepReport, quote)
+                                   Leave, Partial, Register, Registered, StepReport, quote)
 from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version, step_group_ids,
                                              step_leases, step_prompts)
 from streamrl_jax.pipeline.watchdog import Watchdog
@@ -73,7 +73,8 @@ class Controller:
     self.counters = dict(registered=0, leases=0, reports=0, prompts_submitted=0, samples_generated=0,
                          sampler_wait_s=0.0, samplers_left=0, samplers_lost=0, re_leased_leases=0,
                          re_leased_prompts=0, groups_kept=0, late_samples=0, late_reports=0, rejoin_requests=0,
-                         trained_refusals=0, refused_batches=0, prompts_backfilled=0, groups_regenerated=0)
+                         trained_refusals=0, refused_batches=0, prompts_backfilled=0, groups_regenerated=0,
+                         partial_samples_handed_back=0)
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -221,11 +222,31 @@ class Controller:
       return HeartbeatReply(stop=self._finished)
 
   def leave(self, message: Leave) -> Ack:
-    """A sampler leaves: leases it has not reported go back to their steps for another sampler."""
+    """A sampler leaves: leases it has not reported go back to their steps for another sampler, with the
+    samples it had begun (partial rollouts), which the next sampler resumes. Partials that are not of this
+    sampler's open leases, or longer than a sample may be, refuse the whole message (its leases then go back
+    without them when it is declared lost)."""
     with self._cond:
       if message.sampler_id in self._samplers:
-        self._drop(message.sampler_id, lost=False)
+        self._check_partials(message.sampler_id, message.partials)
+        self._drop(message.sampler_id, lost=False, partials=message.partials)
     return Ack()
+
+  def _check_partials(self, sampler_id: int, partials: tuple[Partial, ...]) -> None:
+    groups = {g for lease_id in self._samplers[sampler_id].leases for g in self._leases[lease_id][1].group_ids}
+    seen = set()
+    for p in partials:
+      key = (p.group_id, p.sample_index)
+      problem = ("is not of a lease it holds" if p.group_id not in groups else
+                 "is not in the group" if p.sample_index >= self.config.group_size else
+                 "is there twice" if key in seen else
+                 f"has {len(p.tokens)} tokens, more than max_new_tokens={self.config.max_new_tokens}"
+                 if len(p.tokens) > self.config.max_new_tokens or (len(p.tokens) == self.config.max_new_tokens
+                                                                    and not p.finished) else None)
+      if problem:
+        raise BadMessage(f"sampler {sampler_id} hands back sample {p.sample_index} of group {p.group_id}, which "
+                         f"{problem}")
+      seen.add(key)
 
   # ---- faults --------------------------------------------------------------------------------
   def expire_silent(self) -> list[str]:
@@ -253,8 +274,9 @@ class Controller:
     if self._watchdog is not None:
       self._watchdog.close()
 
-  def _drop(self, sampler_id: int, *, lost: bool) -> str:
-    """Removes a sampler (lock held); its unreported leases go back to the front of their steps."""
+  def _drop(self, sampler_id: int, *, lost: bool, partials: tuple[Partial, ...] = ()) -> str:
+    """Removes a sampler (lock held); its unreported leases go back to the front of their steps, with the
+    `partials` of their groups not yet delivered."""
     sampler = self._samplers.pop(sampler_id)
     leases = sorted(sampler.leases)
     loss = (time.time(), sampler.name)
@@ -269,8 +291,10 @@ class Controller:
           plan.summary = self._summarise(lease.step, plan)
         continue
       pick = lambda values: tuple(values[i] for i in missing) if values else ()  # noqa: E731
+      begun = tuple(p for p in partials if p.group_id in {lease.group_ids[i] for i in missing})
       plan.unleased.insert(0, dataclasses.replace(lease, group_ids=pick(lease.group_ids), prompts=pick(lease.prompts),
-                                                  predicted_lengths=pick(lease.predicted_lengths)))
+                                                  predicted_lengths=pick(lease.predicted_lengths), partials=begun))
+      self.counters["partial_samples_handed_back"] += len(begun)
       if lost:
         self._re_leased.update({(lease.step, lease.group_ids[i]): loss for i in missing})
         self.counters["re_leased_prompts"] += len(missing)

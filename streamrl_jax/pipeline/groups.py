@@ -58,6 +58,10 @@ class GroupCollector:
     rewards = [self.reward_fn(prompt, self.tokenizer.decode(s.completion_tokens)) for s in group]
     return samples_to_shard(group, rewards, self.width, step)
 
+  def held(self) -> list[Sample]:
+    """The finished samples of groups not yet whole."""
+    return [sample for group in self._pending.values() for sample in group]
+
   @property
   def incomplete_groups(self) -> int:
     return len(self._pending)

@@ -16,23 +16,17 @@ import time
 import numpy as np
 
 from streamrl_jax.meshes import replica_meshes
-from streamrl_jax.messages import (
-  Lease,
-  LeaseRequest,
-  Leave,
-  Register,
-  RejoinRequired,
-  StepReport,
-  WeightUpdate,
-)
+from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Partial, Register, RejoinRequired, StepReport,
+                                   WeightUpdate)
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
-from streamrl_jax.types import SamplingParams
+from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Sample, SamplingParams
 
 LEASE_POLL_S = 5.0
 LEASE_REPOLL_S = 0.05  # in flight: how often a busy sampler asks whether the next lease is open
+PARTIAL_TOKENS = 100_000  # the most tokens of begun samples a leaving sampler hands back (a Leave stays < 4 MiB)
 
 
 @dataclasses.dataclass
@@ -119,7 +113,7 @@ class SamplerWorker:
               break
           if update is not None:
             self._take_weights(update)
-            runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since)
+            runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since, samples)
             held = None
         if not runs:
           continue
@@ -134,7 +128,7 @@ class SamplerWorker:
       self.reset()
       return "rejoin"
     try:
-      control.leave(Leave(self.sampler_id))
+      control.leave(Leave(self.sampler_id, partials=self._partials(runs) if outcome == "stopped" else ()))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
     return outcome
@@ -186,8 +180,9 @@ class SamplerWorker:
       sampler.retire_instance(last)
       self.spare_meshes.append(self.mesh_of.pop(last))
 
-  def _start(self, lease: Lease, wait_s: float) -> _LeaseRun:
-    """Submits a lease's requests (group_size per prompt) and returns what tracks it until it is reported."""
+  def _start(self, lease: Lease, wait_s: float, samples) -> _LeaseRun:
+    """Submits a lease's requests (group_size per prompt; samples begun elsewhere resume after their tokens,
+    finished ones are scored as they are) and returns what tracks it until it is reported."""
     collector = GroupCollector(self.config.group_size, self.tokenizer, self.task.reward,
                                width=self.config.engine.max_prompt_length + self.config.max_new_tokens)
     for group_id, prompt in zip(lease.group_ids, lease.prompts):
@@ -196,13 +191,31 @@ class SamplerWorker:
     self._apply_elastic()
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
                     np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
-    self._submit(lease, [self.tokenizer.encode(p) for p in lease.prompts])
+    encoded = [self.tokenizer.encode(p) for p in lease.prompts]
+    self._submit(lease, encoded)
+    for partial in (p for p in lease.partials if p.finished):
+      i = run.index_of[partial.group_id]
+      self._collect(run, Sample(
+          request_id=-1, group_id=partial.group_id, sample_index=partial.sample_index,
+          prompt_tokens=np.asarray(encoded[i], np.int32), completion_tokens=np.asarray(partial.tokens, np.int32),
+          logprobs=np.asarray(partial.logprobs, np.float32), token_versions=np.asarray(partial.versions, np.int32),
+          finish_reason=FINISH_STOP if partial.tokens[-1] == self.tokenizer.eos_id else FINISH_LENGTH,
+          first_version=min(partial.versions), last_version=max(partial.versions), instance=-1,
+          submit_time=run.begin, admit_time=run.begin, finish_time=run.begin), samples)
     return run
+
+  def _collect(self, run: _LeaseRun, sample: Sample, samples) -> None:
+    """A finished sample into its lease's collector; a complete group goes out."""
+    run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
+    run.left -= 1
+    shard = run.collector.add(sample)
+    if shard is not None:
+      samples.put(shard)
 
   def _decode(self, runs: dict, samples, weights) -> None:
     """One driver step: newer weights first (async: between decode calls), then each finished sample to its
     lease's collector, and each complete group out."""
-    sampler, group = self.sampler, self.config.group_size
+    sampler = self.sampler
     self._apply_elastic()
     if self.spec.mid_step_swap:
       latest = weights.latest()
@@ -210,12 +223,7 @@ class SamplerWorker:
         sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
     owner = {g: run for run in runs.values() for g in run.lease.group_ids}
     for sample in sampler.step():
-      run = owner[sample.group_id]
-      run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / group
-      run.left -= 1
-      shard = run.collector.add(sample)
-      if shard is not None:
-        samples.put(shard)
+      self._collect(owner[sample.group_id], sample, samples)
 
   def _report(self, control, run: _LeaseRun) -> None:
     """The lease's step report, once its last group is out."""
@@ -242,8 +250,33 @@ class SamplerWorker:
     sampler.set_slot_limits(dispatch.slot_limits)
     single = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
                             stop_token_ids=(self.tokenizer.eos_id,), num_samples=1)
+    begun = {(p.group_id, p.sample_index): p for p in lease.partials}
     for requests in dispatch.plan.assignment:
       for r in requests:
         i, k = divmod(r, group)
+        partial = begun.get((lease.group_ids[i], k))
+        if partial is not None and partial.finished:
+          continue  # scored as it is (`_start`)
+        progress = None if partial is None else Progress(partial.tokens, partial.logprobs, partial.versions)
         sampler.submit(encoded[i], single, group_id=lease.group_ids[i], instance=dispatch.instance_of[r],
-                       predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k)
+                       predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k,
+                       progress=progress)
+
+  def _partials(self, runs: dict) -> tuple[Partial, ...]:
+    """What this sampler has begun of the leases in hand, to hand back as it leaves: each running or preempted
+    request's tokens so far, and each finished sample of a group not yet whole (within PARTIAL_TOKENS)."""
+    if self.sampler is None:
+      return ()
+    out, budget = [], PARTIAL_TOKENS
+    for request, progress in self.sampler.in_flight_progress():
+      if progress.tokens and len(progress.tokens) <= budget:
+        out.append(Partial(request.group_id, request.sample_index, progress.tokens, progress.logprobs,
+                           progress.versions, finished=False))
+        budget -= len(progress.tokens)
+    for run in runs.values():
+      for sample in run.collector.held():
+        if sample.num_tokens <= budget:
+          out.append(Partial(sample.group_id, sample.sample_index, tuple(sample.completion_tokens.tolist()),
+                             tuple(sample.logprobs.tolist()), tuple(sample.token_versions.tolist()), finished=True))
+          budget -= sample.num_tokens
+    return tuple(out)
