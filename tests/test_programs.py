@@ -84,3 +84,23 @@ def test_the_roles_cluster_comes_from_flags_or_the_environment():
   with pytest.raises(ValueError, match="not STREAMRL_PROCESS_ID"):
     distributed.detect(env={"STREAMRL_COORDINATOR": "c:9", "STREAMRL_NUM_PROCESSES": "4"})
 
+
+
+@pytest.mark.slow
+def test_in_flight_with_dynamic_sampling_across_processes(tmp_path):
+  """Async in flight with dynamic sampling as programs: backfilled groups pass the trainer's door, every step
+  ends, no group with equal rewards is trained (the untrained tiny model earns 0 everywhere: every group is
+  filtered, the backfill bound is reached and the steps make no update)."""
+  config = write_config(tmp_path / "tiny.gin", steps=3, mode="async")
+  code, out = finish(launch(tmp_path, "--config", config, "--set", "PipelineConfig.in_flight=True",
+                            "--set", "PipelineConfig.dynamic_sampling=True", "--set", "PipelineConfig.backfill_limit=2"),
+                     tmp_path)
+  assert code == 0, out
+  steps = metrics(tmp_path)
+  assert [m["step"] for m in steps] == [1, 2, 3]
+  for m in steps:
+    assert m["equal_reward_groups_trained"] == 0 and m["prompts_leased"] == 4 + m["groups_backfilled"]
+    assert m["groups_filtered"] == 4 + 2 and m["groups_backfilled"] == 2 and m["update_skipped"] == 1.0
+  counters = json.loads((tmp_path / "summary.json").read_text())["counters"]
+  assert counters["flight_accepted_samples"] == 3 * 6 * 2 and counters["samples_trained"] == 0
+  assert counters["prompts_backfilled"] == 6 and counters["refused_batches"] == 0

@@ -26,7 +26,7 @@ from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Sample, Sam
 
 LEASE_POLL_S = 5.0
 LEASE_REPOLL_S = 0.05  # in flight: how often a busy sampler asks whether the next lease is open
-PARTIAL_TOKENS = 100_000  # the most tokens of begun samples a leaving sampler hands back (a Leave stays < 4 MiB)
+PARTIAL_TOKENS = 60_000  # the most tokens of begun samples a leaving sampler hands back (a Leave stays < 2 MB)
 
 
 @dataclasses.dataclass
