@@ -14,6 +14,8 @@ by Arrow Flight on loopback. The first SKIP steps (compiles, the pipeline fillin
 - `stream` (on-policy): `accuracy_gap_vs_stream` is its held-out greedy accuracy minus in-flight's.
 - `dynamic_sampling` (in flight): groups whose rewards are all equal are not trained and the step is
   backfilled; `equal_reward_groups_trained` must be 0.
+- The sampler alone (`sampler_arms`), where it is the bottleneck: back-to-back leases of a long-tailed workload
+  with a new version after each, drained between leases or in flight: `sampler_inflight_vs_between`.
 
 Prints one JSON object as its last line.
 """
@@ -25,6 +27,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -72,8 +75,53 @@ def steady_rates(metrics: list[dict]) -> dict:
               token_staleness_mean=round(float(np.mean([m["staleness_mean"] for m in metrics])), 3))
 
 
+def sampler_arms(leases: int = 5, rounds: int = 1) -> dict:
+  """The sampler alone, where it is the bottleneck: `leases` leases of benchmarks/sampler.py's long-tailed
+  workload (128 requests, 15% of them 200-256 tokens, 32 slots, ~10M parameters), a new weight version after
+  each. `between`: a lease drains before the next one starts and the version is taken in between; `in_flight`:
+  the next lease and its version come as soon as every request of the last is admitted. Samples/s, the two
+  interleaved over `rounds` after a warm-up."""
+  import jax
+  from flax import nnx
+  from model_forward import CONFIG
+  from sampler import MAX_NEW, MAX_PROMPT, SLOTS, workload
+
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  from streamrl_jax.models import Transformer
+  from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler
+  from streamrl_jax.types import SamplingParams
+  graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+  engine = DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=SLOTS, max_prompt_length=MAX_PROMPT,
+                                                       max_new_tokens=MAX_NEW, steps_per_sync=4),
+                        mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+  work = [workload(seed) for seed in range(leases)]
+
+  def run(in_flight: bool) -> float:
+    sampler = StreamingSampler([engine], params)
+    start, finished, submitted = time.perf_counter(), 0, 0
+    while finished < leases * len(work[0][0]):
+      ready = not sampler.has_work() or (in_flight and sampler.num_pending == 0)
+      if submitted < leases and ready:
+        if submitted:
+          sampler.update_params(params, version=submitted)
+        for g, (prompt, length) in enumerate(zip(*work[submitted])):
+          sampler.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=length), group_id=submitted * 1000 + g)
+        submitted += 1
+      finished += len(sampler.step())
+    return finished / (time.perf_counter() - start)
+
+  run(True)  # compiles
+  rates = {"between": [], "in_flight": []}
+  for _ in range(rounds):
+    for arm in rates:
+      rates[arm].append(run(arm == "in_flight"))
+  out = {arm: round(float(np.median(r)), 2) for arm, r in rates.items()}
+  print("sampler", out, file=sys.stderr, flush=True)
+  return dict(sampler_samples_per_s=out, sampler_inflight_vs_between=round(out["in_flight"] / out["between"], 3))
+
+
 def main() -> dict:
-  out: dict = {"arms": {}}
+  out: dict = {"arms": {}, **sampler_arms()}
   with tempfile.TemporaryDirectory(prefix="streamrl-inflight-") as tmp:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tmp) / "xla"))  # compiles shared by the runs
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

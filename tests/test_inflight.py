@@ -112,3 +112,29 @@ def test_progress_that_cannot_resume_is_refused(setup):
     sampler.submit(PROMPTS[0], SamplingParams(num_samples=2), progress=Progress((1,), (-1.0,), (0,)))
   with pytest.raises(ValueError, match="does not fit the cache"):
     ENGINE.resume_bucket_for(ENGINE.cache_length)
+
+
+def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probability(setup):
+  """A row that crossed an update: each token's behaviour log-probability is its own version's, and the
+  corrections of ppo_tis, decoupled_ppo and aipo use it token by token (numpy below), not one per sample."""
+  from streamrl_jax.training.objectives import OBJECTIVES, ObjectiveConfig
+  engine, graphdef, params = setup
+  new = jax.tree.map(lambda x: x * 1.3, params)
+  _, samples = run_with_update(engine, params, new, recompute=True)
+  sample = samples[0]
+  mu = sample.logprobs[None]  # the sampler's: version 0 then version 1
+  pi = token_logprobs(graphdef, new, sample)[None]  # the trainer's policy, version 1
+  advantages = np.full_like(mu, 0.7)
+  cfg = ObjectiveConfig(tis_cap=1.5, behaviour_cap=1.5, aipo_rho=1.5)
+  batch = dict(sampler_logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages))
+  ratio = np.exp(pi - mu)
+  surrogate = -np.minimum(advantages, np.clip(1.0, 0.8, 1.2) * advantages)  # pi / pi_old = 1
+  expected = {"ppo_tis": np.minimum(ratio, 1.5) * surrogate,
+              "decoupled_ppo": np.where(ratio <= 1.5, ratio, 0.0) * surrogate,
+              "aipo": -np.minimum(ratio, 1.5) * advantages * pi}
+  cut = int(np.argmax(sample.token_versions == 1))
+  np.testing.assert_allclose(ratio[0, cut:], 1.0, atol=1e-4)  # the new version's tokens: on-policy
+  assert np.abs(ratio[0, :cut] - 1.0).max() > 1e-3  # the old version's: corrected
+  for name, want in expected.items():
+    got = np.asarray(OBJECTIVES.get(name)(jnp.asarray(pi), batch, cfg))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
