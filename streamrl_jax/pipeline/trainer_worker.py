@@ -22,9 +22,9 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
-from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.training.packing import chunk_tokens_for
 
 
