@@ -116,10 +116,11 @@ def take_step(shards, step=1):
   trained = []
   worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, _early={}, _trained=set(), refusals=[],
                            counters=dict(unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
-                                         refused_samples=0),
+                                         refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
+  worker._too_stale = lambda shard, step: TrainerWorker._too_stale(worker, shard, step)
   feed = iter(shards)
-  TrainerWorker._take_step(worker, step, lambda: next(feed), clock=time.monotonic)
+  TrainerWorker._take_step(worker, step, None, lambda: next(feed), clock=time.monotonic)  # no controller needed
   return worker, sorted(k for s in trained for k in s.keys())
 
 
