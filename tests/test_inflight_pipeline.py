@@ -259,3 +259,18 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
     controller.leave(Leave(third.sampler_id, partials=(Partial(99, 0, (1,), (-1.0,), (0,), False),)))
   with pytest.raises(BadMessage, match="one of each per token"):
     Partial(1, 0, (1, 2), (-1.0,), (0, 0), False)
+
+
+def test_partials_a_leaving_sampler_may_hand_back_by_hand():
+  from streamrl_jax.messages import Partial
+  from streamrl_jax.pipeline.step_plan import partial_problem
+  config = BASE  # group_size 4, max_new_tokens 12
+
+  def p(group=5, index=0, n=3, finished=False):
+    return Partial(group, index, (1,) * n, (-1.0,) * n, (0,) * n, finished)
+  assert partial_problem(config, {5, 6}, [p(), p(index=1), p(6, 3, 12, finished=True)]) is None
+  assert partial_problem(config, {5}, [p(), p(group=7)]) == "sample 0 of group 7, which is not of a lease it holds"
+  assert "which is not in the group" in partial_problem(config, {5}, [p(index=4)])
+  assert "which is there twice" in partial_problem(config, {5}, [p(), p()])
+  assert "more than max_new_tokens=12" in partial_problem(config, {5}, [p(n=12)])  # unfinished: nothing to resume
+  assert "more than max_new_tokens=12" in partial_problem(config, {5}, [p(n=13, finished=True)])

@@ -26,8 +26,8 @@ import numpy as np
 
 from streamrl_jax.messages import (Ack, BadMessage, BadShard, Heartbeat, HeartbeatReply, Lease, LeaseReply, LeaseRequest,
                                    Leave, Partial, Register, Registered, StepReport, quote)
-from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version, step_group_ids,
-                                             step_leases, step_prompts)
+from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version,
+                                             partial_problem, step_group_ids, step_leases, step_prompts)
 from streamrl_jax.pipeline.watchdog import Watchdog
 from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
 
@@ -228,25 +228,12 @@ class Controller:
     without them when it is declared lost)."""
     with self._cond:
       if message.sampler_id in self._samplers:
-        self._check_partials(message.sampler_id, message.partials)
+        held = {g for lease_id in self._samplers[message.sampler_id].leases for g in self._leases[lease_id][1].group_ids}
+        problem = partial_problem(self.config, held, message.partials)
+        if problem:
+          raise BadMessage(f"sampler {message.sampler_id} hands back {problem}")
         self._drop(message.sampler_id, lost=False, partials=message.partials)
     return Ack()
-
-  def _check_partials(self, sampler_id: int, partials: tuple[Partial, ...]) -> None:
-    groups = {g for lease_id in self._samplers[sampler_id].leases for g in self._leases[lease_id][1].group_ids}
-    seen = set()
-    for p in partials:
-      key = (p.group_id, p.sample_index)
-      problem = ("is not of a lease it holds" if p.group_id not in groups else
-                 "is not in the group" if p.sample_index >= self.config.group_size else
-                 "is there twice" if key in seen else
-                 f"has {len(p.tokens)} tokens, more than max_new_tokens={self.config.max_new_tokens}"
-                 if len(p.tokens) > self.config.max_new_tokens or (len(p.tokens) == self.config.max_new_tokens
-                                                                    and not p.finished) else None)
-      if problem:
-        raise BadMessage(f"sampler {sampler_id} hands back sample {p.sample_index} of group {p.group_id}, which "
-                         f"{problem}")
-      seen.add(key)
 
   # ---- faults --------------------------------------------------------------------------------
   def expire_silent(self) -> list[str]:

@@ -40,10 +40,10 @@ class _LeaseRun:
   begin_epoch: float
   lengths: np.ndarray  # mean completion tokens per prompt, in lease order
   left: int  # samples not yet finished
+  index_of: dict[int, int] = dataclasses.field(init=False)  # group id -> place in the lease
 
-  @property
-  def index_of(self) -> dict[int, int]:
-    return {g: i for i, g in enumerate(self.lease.group_ids)}
+  def __post_init__(self):
+    self.index_of = {g: i for i, g in enumerate(self.lease.group_ids)}
 
 
 class SamplerWorker:
@@ -221,9 +221,11 @@ class SamplerWorker:
       latest = weights.latest()
       if latest is not None and latest.version > sampler.version:
         sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
-    owner = {g: run for run in runs.values() for g in run.lease.group_ids}
-    for sample in sampler.step():
-      self._collect(owner[sample.group_id], sample, samples)
+    finished = sampler.step()
+    if finished:
+      owner = {g: run for run in runs.values() for g in run.lease.group_ids}
+      for sample in finished:
+        self._collect(owner[sample.group_id], sample, samples)
 
   def _report(self, control, run: _LeaseRun) -> None:
     """The lease's step report, once its last group is out."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, StepReport
+from streamrl_jax.messages import Lease, Partial, StepReport
 from streamrl_jax.scheduling import dispatch_requests
 
 
@@ -82,3 +82,22 @@ def step_leases(config, step: int, prompts: Sequence[str], cuts: Sequence[np.nda
                 prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
                 if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances)
           for idx in cuts]
+
+
+def partial_problem(config, held: set, partials: Sequence[Partial]) -> str | None:
+  """What is wrong with the first of `partials` a leaving sampler hands back, given the groups of the leases it
+  holds (None: nothing): a group it does not hold, an index outside the group, a sample twice, or more tokens
+  than a sample may have."""
+  seen = set()
+  for p in partials:
+    key = (p.group_id, p.sample_index)
+    longest = config.max_new_tokens if p.finished else config.max_new_tokens - 1
+    problem = ("is not of a lease it holds" if p.group_id not in held else
+               "is not in the group" if p.sample_index >= config.group_size else
+               "is there twice" if key in seen else
+               f"has {len(p.tokens)} tokens, more than max_new_tokens={config.max_new_tokens} allows"
+               if len(p.tokens) > longest else None)
+    if problem:
+      return f"sample {p.sample_index} of group {p.group_id}, which {problem}"
+    seen.add(key)
+  return None
