@@ -5,8 +5,8 @@ additions of up to 4 digits, most answers short and a few long, 16 prompts x 8 s
 slots), DEMO_STEPS steps from one shared warm-up: the trainer on one CPU core, one sampler on the other, joined
 by Arrow Flight on loopback. The first SKIP steps (compiles, the pipeline filling) are left out of the rates.
 
-- `between` (async as StreamRL has it: a sampler takes new weights only once its lease is done, so its next
-  lease waits for the last one's longest row), `in_flight` (the next lease starts while the last one's rows
+- `between` (async as before in_flight: one lease at a time, so a sampler's next lease waits for the last
+  one's longest row; newer weights are still taken between decode calls inside a lease), `in_flight` (the next lease starts while the last one's rows
   run; new weights are applied between two decode calls, rows keep their KV cache) and `in_flight_recompute`
   (rows in flight are prefilled again with the new weights): `inflight_vs_between_samples` is the samples/s
   ratio; `trainer_idle_frac` the in-flight trainer's share of each step spent waiting for samples;
