@@ -99,9 +99,13 @@ def filtered_config() -> PipelineConfig:
   return dataclasses.replace(BASE, dynamic_sampling=True, backfill_limit=3)
 
 
-def test_dynamic_sampling_resumes_exactly(tmp_path):
+def test_dynamic_sampling_resumes_exactly_and_filters_alike_in_colocated_mode(tmp_path):
   from streamrl_jax.training.checkpoint import Checkpointer
   whole = run_first_digit("stream", dynamic_sampling=True, backfill_limit=3)
+  colocated = run_first_digit("colocated", dynamic_sampling=True, backfill_limit=3)  # on-policy: the same groups
+  counts = lambda result: [(m["groups_filtered"], m["groups_backfilled"], m["equal_reward_groups_trained"])  # noqa: E731
+                           for m in result.metrics]
+  assert counts(colocated) == counts(whole) and sum(f for f, _, _ in counts(whole)) > 0
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
   run_first_digit("stream", checkpointer=checkpointer, dynamic_sampling=True, backfill_limit=3, steps=2)
   resumed = run_first_digit("stream", checkpointer=checkpointer, resume=True, dynamic_sampling=True, backfill_limit=3)
