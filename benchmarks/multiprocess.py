@@ -100,7 +100,7 @@ def _address(ready, server) -> str:
   raise RuntimeError(f"the weights server did not start (exit code {server.exitcode})")
 
 
-def weight_transfer() -> dict:
+def weight_transfer(streams: int = 2) -> dict:
   from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
   ctx = multiprocessing.get_context("spawn")
   ready, stop = ctx.Queue(), ctx.Event()
@@ -111,7 +111,7 @@ def weight_transfer() -> dict:
     flight_s, copy_s, prefaulted_s, nbytes = [], [], [], 0
     for _ in range(3):
       start = time.perf_counter()
-      _, flat, nbytes = fetch_weights(connection, 1)
+      _, flat, nbytes = fetch_weights(connection, 1, streams=streams)
       flight_s.append(time.perf_counter() - start)
       source = np.concatenate([a.reshape(-1) for a in flat.values()])
       del flat

@@ -40,10 +40,13 @@ class WeightUpdate:
 
 @dataclasses.dataclass(frozen=True)
 class Register:
-  """A sampler joins. `settings` are its configuration bindings, checked against the trainer's."""
+  """A sampler joins. `settings` are its configuration bindings, checked against the trainer's; `site` its
+  datacenter's label, `relay` the address where it serves the weight versions it holds ("": it does not)."""
 
   name: str
   settings: dict
+  site: str = ""
+  relay: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,15 +138,18 @@ class HeartbeatReply:
 
 @dataclasses.dataclass(frozen=True)
 class VersionQuery:
-  """The newest published version, waiting up to `wait_s` for one >= `min_version`."""
+  """The newest published version, waiting up to `wait_s` for one >= `min_version`; `sampler_id` (when
+  given) gets its place in the version's broadcast tree."""
 
   min_version: int
   wait_s: float = 0.0
+  sampler_id: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
 class VersionInfo:
   version: int  # -1: nothing published yet
+  source: str = ""  # the relay (HOST:PORT) to fetch it from; "": the trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +171,7 @@ INT_RANGE = (-(1 << 63), (1 << 63) - 1)
 # Per field: the range its value (or each entry of a tuple) must lie in, or a string's most characters.
 LIMITS = {
     "LeaseRequest.wait_s": (0.0, 60.0), "VersionQuery.wait_s": (0.0, 60.0), "VersionQuery.min_version": (-1, 1 << 62),
-    "Register.name": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
+    "Register.name": 256, "Register.site": 64, "Register.relay": 256, "VersionInfo.source": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
     "Registered.heartbeat_s": (0.0, 1e6), "Partial.tokens": (0, (1 << 31) - 1), "Partial.logprobs": (-1000.0, 1e-3),

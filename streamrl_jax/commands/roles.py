@@ -36,8 +36,14 @@ def add_role_parsers(sub, common) -> None:
   common(sampler)
   sampler.add_argument("--connect", required=True, help="HOST:PORT of the trainer's server")
   sampler.add_argument("--name", default=f"sampler-{os.getpid()}", help="how the trainer's logs and timeline call it")
+  sampler.add_argument("--relay-listen", help="HOST:PORT where this sampler serves the weight versions it holds to "
+                       "other samplers (the broadcast tree; port 0 picks a free one); default: it serves none")
+  sampler.add_argument("--relay-host", help="the host other samplers dial for this relay (when --relay-listen binds "
+                       "0.0.0.0, e.g. the pod's IP)")
   sampler.set_defaults(run=cmd_sampler)
   for parser in (trainer, sampler):
+    parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
+                        "every weight version across, from the trainer's site, and passes it on inside")
     tls = parser.add_argument_group("mutual TLS (all three, or none)")
     tls.add_argument("--tls-cert", help="this side's PEM certificate")
     tls.add_argument("--tls-key", help="this side's PEM private key")
@@ -99,7 +105,7 @@ def cmd_trainer(args) -> int:
     if args.address_file:
       Path(args.address_file).write_text(address)
   runner = functools.partial(serve_training, listen=args.listen, tls=tls, settings=settings,
-                             flight_config=flight_config, on_listening=listening, on_event=on_event)
+                             flight_config=flight_config, on_listening=listening, on_event=on_event, site=args.site)
   return run_training(args, config, job, runner, "streamrl trainer")
 
 
@@ -126,7 +132,8 @@ def cmd_sampler(args) -> int:
     signal.signal(sig, on_signal)
   try:
     stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
-                        name=args.name, settings=settings, flight_config=flight_config, stop=stop,
+                        name=args.name, settings=settings, flight_config=flight_config, stop=stop, site=args.site,
+                        relay_listen=args.relay_listen, relay_host=args.relay_host,
                         log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)

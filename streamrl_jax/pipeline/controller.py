@@ -30,6 +30,8 @@ from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_
                                              partial_problem, step_group_ids, step_leases, step_prompts)
 from streamrl_jax.pipeline.watchdog import Watchdog
 from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
+from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_tree, draw_tree
+from streamrl_jax.streaming.flight_config import parse_address
 
 MAX_LEASE_WAIT_S = 30.0
 
@@ -42,6 +44,8 @@ class _Sampler:
   told_to_stop: bool = False
   wait_s: float = 0.0
   rss_mb: float = 0.0
+  site: str = ""
+  relay: str = ""  # where it serves the weight versions it holds ("": it does not)
 
 
 class Controller:
@@ -49,11 +53,14 @@ class Controller:
 
   def __init__(self, config, task, tokenizer, *, start_step: int, settings: dict | None = None, ranker=None,
                heartbeat_s: float = 2.0, lease_timeout_s: float = 10.0, summary_timeout_s: float = 600.0,
-               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
+               site: str = "", weight_fanout: int = 1):
     self.config, self.spec, self.task, self.tokenizer, self.ranker = config, config.spec, task, tokenizer, ranker
     self.settings, self.heartbeat_s, self.start_step = dict(settings or {}), heartbeat_s, start_step
     self.lease_timeout_s, self.summary_timeout_s, self._on_event = lease_timeout_s, summary_timeout_s, on_event
     self._clock = clock  # when samplers were last heard from
+    self.site, self.weight_fanout = site, weight_fanout  # the trainer's site; children per node of a weight tree
+    self._trees: dict[int, dict[int, int | None]] = {}  # version -> {sampler id: parent id, None: the trainer}
     self._cond = threading.Condition()
     self._version = -1  # nothing published yet
     self._next_step = start_step
@@ -85,13 +92,19 @@ class Controller:
       raise BadMessage(f"sampler {quote(message.name)} runs another configuration than the trainer: {len(differing)} "
                        f"settings differ, first {quote(key)} = {quote(message.settings.get(key))} (sampler) vs "
                        f"{quote(self.settings.get(key))} (trainer); give both the same --config and --set")
+    if message.relay:
+      try:
+        parse_address(message.relay, "Register.relay")
+      except ValueError as err:
+        raise BadMessage(f"sampler {quote(message.name)}: {err}") from None
     with self._cond:
       sampler_id = secrets.randbits(62)
       while sampler_id in self._samplers or sampler_id in self._lost:
         sampler_id = secrets.randbits(62)
       self.counters["registered"] += 1
-      self._samplers[sampler_id] = _Sampler(message.name, self._clock())
-      self._event("sampler_joined", sampler=message.name, sampler_id=sampler_id, next_step=self._next_step)
+      self._samplers[sampler_id] = _Sampler(message.name, self._clock(), site=message.site, relay=message.relay)
+      self._event("sampler_joined", sampler=message.name, sampler_id=sampler_id, next_step=self._next_step,
+                  site=message.site, relay=message.relay)
       self._cond.notify_all()
     return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.config.steps,
                       heartbeat_s=self.heartbeat_s)
@@ -301,6 +314,26 @@ class Controller:
     self.events.append(event)
     if self._on_event is not None:
       self._on_event(event)
+
+  def weight_source(self, sampler_id: int, version: int) -> str:
+    """Where `sampler_id` fetches `version` from: its parent's relay address in the version's broadcast tree
+    (`scheduling.broadcast`, made at the version's first query from the samplers then registered, and put in
+    the timeline as a `broadcast_tree` event), or "" for the trainer (not in that tree, or its parent is gone)."""
+    with self._cond:
+      if version not in self._trees:
+        members = [TreeMember(i, s.site, bool(s.relay)) for i, s in self._samplers.items()]
+        previous = self._trees[max(self._trees)] if self._trees else None
+        self._trees[version] = tree = broadcast_tree(members, self.site, self.weight_fanout)
+        for old in sorted(self._trees)[:-4]:
+          del self._trees[old]
+        if any(parent is not None for parent in tree.values()):  # relays at work: the timeline shows the tree
+          names = {i: self._samplers[i].name for i in tree}
+          self._event("broadcast_tree", version=version, parents={names[c]: names.get(p) for c, p in tree.items()},
+                      drawing=draw_tree(tree, names, {i: self._samplers[i].site for i in tree}),
+                      unchanged=tree == previous)
+      parent = self._trees[version].get(sampler_id)
+      holder = self._samplers.get(parent) if parent is not None else None
+      return holder.relay if holder is not None else ""
 
   # ---- trainer-facing ------------------------------------------------------------------------
   def published(self, version: int) -> None:

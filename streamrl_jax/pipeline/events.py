@@ -19,6 +19,10 @@ def describe_event(event: dict) -> str:
             f"{event['since_lost_s']} s after the loss")
   if kind == "shard_refused":
     return event["reason"]
+  if kind == "broadcast_tree":
+    if event.get("unchanged"):
+      return f"weights of version {event['version']} go down the same tree"
+    return f"weights of version {event['version']} go down this tree:\n{event['drawing']}"
   if kind == "trainer_paused":
     return f"this trainer was paused for {event['seconds']} s; samplers get a fresh heartbeat timeout"
   return f"{kind}: {event}"

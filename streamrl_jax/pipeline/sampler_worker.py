@@ -70,9 +70,10 @@ class SamplerWorker:
     return self._engines[(mesh_index, slots)]
 
   # ---- the loop ------------------------------------------------------------------------------
-  def register(self, control) -> int:
-    """Joins the run; returns this sampler's id."""
-    self.sampler_id = control.register(Register(name=self.name, settings=self.settings)).sampler_id
+  def register(self, control, *, site: str = "", relay: str = "") -> int:
+    """Joins the run (from datacenter `site`, serving weights at `relay` when given); returns this sampler's id."""
+    self.sampler_id = control.register(Register(name=self.name, settings=self.settings, site=site,
+                                                 relay=relay)).sampler_id
     return self.sampler_id
 
   def run(self, control, samples, weights, stop: threading.Event) -> None:

@@ -32,11 +32,12 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
-                   on_event: Callable[[dict], None] | None = None) -> RunResult:
+                   on_event: Callable[[dict], None] | None = None, site: str = "") -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
-  the controller's events (samplers joining, leaving, lost); by default they are logged."""
+  the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
+  the trainer's datacenter label (samplers of other sites get one copy of each version across)."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   graphdef, params = nnx.split(model)
@@ -50,7 +51,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           heartbeat_s=flight_config.heartbeat_s, lease_timeout_s=flight_config.lease_timeout_s,
                           summary_timeout_s=flight_config.sampler_timeout_s,
-                          on_event=on_event or (lambda e: log(describe_event(e))))
+                          on_event=on_event or (lambda e: log(describe_event(e))), site=site,
+                          weight_fanout=flight_config.weight_fanout)
   queue = SampleQueue(config.queue_capacity)
   store = HostWeightStore(precision=config.precision,
                           gather=gather_to_host if jax.process_count() > 1 else None)

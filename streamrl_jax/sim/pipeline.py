@@ -13,6 +13,7 @@ import numpy as np
 
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.scheduling import ptl_at, random_dispatch, skew_aware_dispatch
+from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_seconds, broadcast_tree
 from streamrl_jax.sim.instance import simulate_instance
 from streamrl_jax.sim.profiles import (H800, Hardware, LengthDistribution, ModelSpec, memory_max_batch,
                                        scaled_ptl_curve)
@@ -39,8 +40,15 @@ class SimConfig:
   train_flops_per_token_per_param: float = 16.0  # PPO: actor and critic fwd+bwd (12), ref and old fwd (4)
   train_mfu: float = 0.5  # calibrated: with it the 32B/64-GPU balanced split lands on the paper's 40/24
   optimizer_step_s: float = 2.0
-  sync_bandwidth_gbs: float = 50.0  # weight sync link; cross-datacenter links are far slower
-  sync_latency_s: float = 0.05
+  sync_bandwidth_gbs: float = 50.0  # the trainer's link for weights (GB/s)
+  sync_latency_s: float = 0.05  # per version, before its first byte moves
+  sampler_link_gbs: float = 0.0  # each sampler's link (0: as the trainer's)
+  sampler_sites: tuple[int, ...] = ()  # samplers per site, the trainer's first (default: one per engine, all there)
+  inter_site_gbs: float = 0.0  # the link between sites, shared by the copies crossing it (needed with sites)
+  broadcast: str = "tree"  # how versions reach the samplers: "tree" (relays, scheduling.broadcast) or "star"
+  weight_fanout: int = 1
+  weight_bytes_per_param: float = 2.0  # bf16 on the wire
+  weight_chunk_mb: float = 8.0
   colocated_switch_s: float = 10.0  # colocated: offload/reload and reshard between stages, per switch
   ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
   alpha: float = 0.2
@@ -54,8 +62,12 @@ class SimConfig:
       raise ValueError(f"unknown mode {self.mode!r}; known: {list(MODES)}")
     if self.dispatch not in DISPATCH:
       raise ValueError(f"unknown dispatch {self.dispatch!r}; known: {list(DISPATCH)}")
-    if self.sync_bandwidth_gbs <= 0 or self.sync_latency_s < 0:
+    if self.sync_bandwidth_gbs <= 0 or self.sync_latency_s < 0 or self.sampler_link_gbs < 0:
       raise ValueError("sync bandwidth must be > 0 and latency >= 0")
+    if self.broadcast not in ("tree", "star"):
+      raise ValueError(f"SimConfig.broadcast must be 'tree' or 'star', got {self.broadcast!r}")
+    if len(self.sampler_sites) > 1 and self.inter_site_gbs <= 0:
+      raise ValueError(f"SimConfig.sampler_sites={self.sampler_sites} spans sites: give inter_site_gbs > 0")
     if not self.spec.shared_mesh and not 0 < self.sampler_devices < self.total_devices:
       raise ValueError(f"sampler_devices={self.sampler_devices} must leave devices for the trainer "
                        f"(total {self.total_devices})")
@@ -122,7 +134,16 @@ def train_seconds(config: SimConfig, tokens: float, devices: int) -> float:
 
 
 def sync_seconds(config: SimConfig) -> float:
-  return config.sync_latency_s + 2 * config.model.params_b / config.sync_bandwidth_gbs
+  """Seconds until every sampler holds a new version: the broadcast tree (or star) of `scheduling.broadcast`
+  over the samplers' sites and the links' speeds."""
+  sites = config.sampler_sites or (max(1, config.generation_devices // config.tensor_parallel),)
+  site_of = [str(site) for site, count in enumerate(sites) for _ in range(count)]
+  members = [TreeMember(i, site, config.broadcast == "tree") for i, site in enumerate(site_of)]
+  parents = broadcast_tree(members, "0", config.weight_fanout)
+  return config.sync_latency_s + broadcast_seconds(
+      parents, dict(enumerate(site_of)), model_bytes=config.model.params_b * 1e9 * config.weight_bytes_per_param,
+      trainer_bps=config.sync_bandwidth_gbs * 1e9, sampler_bps=(config.sampler_link_gbs or config.sync_bandwidth_gbs) * 1e9,
+      inter_site_bps=config.inter_site_gbs * 1e9 or None, trainer_site="0", chunk_bytes=config.weight_chunk_mb * 2**20)
 
 
 def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarray, start_after: float,

@@ -23,7 +23,9 @@ CPU_2CORE = Hardware("cpu-2core", bf16_tflops=0.16, memory_gb=24.0, bandwidth_tb
 LOCAL_MODEL = ModelSpec("streamrl-10m", params_b=0.00997, layers=8, kv_heads=2, head_dim=64)
 LOCAL_PTL = ((1, 5.3e-3), (2, 5.6e-3), (4, 6.7e-3), (8, 8.3e-3), (16, 11.0e-3), (32, 17.8e-3))
 
-PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "local-cpu"]
+PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "cross-datacenter", "local-cpu"]
+# Samplers in another datacenter (StreamRL's H20 case): 200 Gb/s trainer and sampler links, 10 Gb/s between.
+CROSS_DATACENTER = dict(sync_bandwidth_gbs=25.0, sampler_link_gbs=25.0, inter_site_gbs=1.25)
 
 
 def preset(name: str, **overrides) -> SimConfig:
@@ -34,6 +36,10 @@ def preset(name: str, **overrides) -> SimConfig:
                   colocated_switch_s=0.0, sync_latency_s=0.001, ptl_curve=LOCAL_PTL, max_batch=32, iterations=3)
     fields.update(overrides)
     return SimConfig(**fields)
+  if name == "cross-datacenter":  # every sampler engine at the second site; one copy of a version crosses
+    config = preset("paper-32b-h20-sampler", **CROSS_DATACENTER)
+    engines = max(1, config.generation_devices // config.tensor_parallel)
+    return dataclasses.replace(config, **{"sampler_sites": (0, engines), **overrides})
   if name == "paper-32b-h20-sampler":
     config = preset("paper-32b-10k", sampler_hardware=H20)
     return dataclasses.replace(config, **overrides)

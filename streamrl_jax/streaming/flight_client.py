@@ -25,7 +25,9 @@ from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, L
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, VERSION_GONE, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
-from streamrl_jax.streaming.weight_chunks import WeightAssembler, check_tensors, read_manifest
+from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, chunk_rows,
+                                                  part_indices, read_manifest, weights_ticket)
+from streamrl_jax.streaming.weight_relay import RelayStore
 from streamrl_jax.streaming.weights import LatestWeights
 
 
@@ -189,44 +191,73 @@ class VersionGone(LookupError):
   """The trainer no longer holds the weights of this version (it published newer ones, or restarted)."""
 
 
-def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None,
-                  streams: int = 2) -> tuple[int, dict, int]:
-  """(version, {name: host array}, bytes) of one published version, fetched as `streams` parallel DoGets of
-  disjoint parts; `expected` ({name: shape}) checks the tensors against the receiver's model."""
+def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None, streams: int = 2,
+                  sink: RelayStore | None = None) -> tuple[int, dict, int]:
+  """(version, {name: host array}, bytes) of one version, fetched as `streams` parallel DoGets of disjoint parts
+  from `connection` (the trainer, or a relay); `expected` ({name: shape}) checks the tensors against the
+  receiver's model. With a `sink` (this sampler's relay), every chunk is also handed on as it arrives, and the
+  version is marked whole, or failed, at the end."""
   def part(i: int):
-    ticket = flight.Ticket(json.dumps({"weights": version, "part": i, "parts": streams}).encode())
+    added = False
     try:
-      reader = connection.client.do_get(ticket, options=connection.options())
-      got, manifest = read_manifest(reader.schema)
-      assembler = WeightAssembler(manifest)
+      reader = connection.client.do_get(flight.Ticket(weights_ticket(version, i, streams)), options=connection.options())
+      got, manifest, indices = read_manifest(reader.schema)
+      if got != version or indices != part_indices(manifest, i, streams):
+        raise BadWeightStream(f"asked for part {i} of {streams} of version {version}, got {len(indices)} tensors "
+                              f"of version {got}")
+      if sink is not None:
+        sink.begin(version, manifest)
+      assembler = WeightAssembler(manifest, indices)
       for chunk in reader:
-        assembler.add(chunk.data)
+        for index, offset, data in chunk_rows(chunk.data):
+          assembler.place(index, offset, data)
+          if sink is not None:
+            sink.add(version, index, offset, data)
+            added = True
       return got, assembler.result(), assembler.bytes
     except flight.FlightServerError as err:
       if VERSION_GONE in str(err):
         raise VersionGone(version) from None
-      raise BadMessage(f"fetching weights of version {version}: {_message(err)}") from None
-  with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
-    results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
-  flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
-  if expected is not None:
-    check_tensors(flat, expected)
-  return results[0][0], flat, sum(r[2] for r in results)
+      raise BadMessage(f"fetching weights of version {version} from {connection.address}: {_message(err)}") from None
+    except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
+      if added:  # chunks went on to this sampler's children: a retry would repeat them
+        raise BadMessage(f"the stream of version {version} from {connection.address} broke: {_message(err)}") from None
+      raise
+  try:
+    with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
+      results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
+    flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
+    if expected is not None:
+      check_tensors(flat, expected)
+  except BaseException as err:
+    if sink is not None:
+      sink.fail(version, f"{type(err).__name__}: {err}")
+    raise
+  if sink is not None:
+    sink.complete(version)
+  return version, flat, sum(r[2] for r in results)
 
 
 class FlightWeightReceiver:
   """A `WeightSource` across processes: a background thread waits for each newer version (a long poll),
-  fetches its chunks by DoGet, checks them against `template` (the model's parameter structure), and places
-  them with `shardings` (the sampler mesh's). `latest()` never touches the network."""
+  fetches its chunks by DoGet from where the trainer says (its parent relay in the version's broadcast tree,
+  falling back to the trainer when that fails), checks them against `template` (the model's parameter
+  structure), and places them with `shardings` (the sampler mesh's). With a `relay` store, what arrives is
+  served on to this sampler's children as it comes. `latest()` never touches the network."""
 
-  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None):
+  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None,
+               sampler_id: int = -1, relay: RelayStore | None = None, tls: TLSFiles | None = None, streams: int = 2,
+               log=None):
     """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
+    self.sampler_id, self.relay, self.tls, self.streams, self.log = sampler_id, relay, tls, streams, log
+    self._sources: dict[str, FlightConnection] = {}
+    self.held_at: dict[int, float] = {}  # version -> time.time() it landed
     self._finish = finish or (lambda placed: placed)
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
     self._held = LatestWeights(f"receiving weights from {connection.address} failed")
     self._stop = threading.Event()
-    self.stats = dict(fetches=0, bytes=0, fetch_s=0.0)
+    self.stats = dict(fetches=0, bytes=0, fetch_s=0.0, relay_fetches=0, relay_fallbacks=0)
     self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
     self._thread.start()
 
@@ -234,27 +265,48 @@ class FlightWeightReceiver:
     try:
       while not self._stop.is_set():
         have = self._held.version
-        info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s), VersionInfo,
+        info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s,
+                                                   sampler_id=self.sampler_id), VersionInfo,
                                       timeout=self.poll_s + self.connection.timeout_s)
         if info.version > have:
           try:
-            update = self.fetch(info.version)
+            update = self.fetch(info.version, info.source)
           except VersionGone:  # superseded between the query and the fetch: ask again
             continue
           self._held.offer(update)
     except BaseException as err:  # surfaced by latest()/wait_for(), unless the receiver was closed
       self._held.fail(None if self._stop.is_set() else err)
 
-  def fetch(self, version: int) -> WeightUpdate:
-    """One version by DoGet, placed onto the sampler's shardings."""
+  def fetch(self, version: int, source: str = "") -> WeightUpdate:
+    """One version by DoGet from `source` (a relay; "": the trainer), placed onto the sampler's shardings. A
+    relay that refuses, breaks off or sends what does not add up: the version is fetched whole from the trainer."""
     start = time.perf_counter()
-    got, flat, nbytes = fetch_weights(self.connection, version, self._expected)
+    got = None
+    if source:
+      try:
+        got, flat, nbytes = fetch_weights(self._source(source), version, self._expected, self.streams, self.relay)
+        self.stats["relay_fetches"] += 1
+      except Exception as err:  # noqa: BLE001 - whatever went wrong there, the trainer has the version
+        self.stats["relay_fallbacks"] += 1
+        if self.log is not None:
+          self.log(f"weights of version {version} from relay {source} failed ({_message(err)[:200]}); "
+                   f"fetching them from the trainer")
+    if got is None:
+      got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay)
     params = jax.device_put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
     params = jax.block_until_ready(self._finish(params))
     self.stats["fetches"] += 1
     self.stats["bytes"] += nbytes
     self.stats["fetch_s"] += time.perf_counter() - start
+    self.held_at[got] = time.time()
     return WeightUpdate(got, params)
+
+  def _source(self, address: str) -> FlightConnection:
+    """A connection to a relay: short retries, since the trainer is there to fall back to."""
+    if address not in self._sources:
+      self._sources[address] = FlightConnection(address, tls=self.tls, timeout_s=self.connection.timeout_s,
+                                                retry_s=2.0)
+    return self._sources[address]
 
   def latest(self) -> WeightUpdate | None:
     return self._held.latest()
@@ -264,4 +316,8 @@ class FlightWeightReceiver:
 
   def close(self) -> None:
     self._stop.set()
+    for source in self._sources.values():
+      source.close()
     self._thread.join(timeout=self.poll_s + self.connection.timeout_s)
+    for source in self._sources.values():
+      source.client.close()

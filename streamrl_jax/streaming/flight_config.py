@@ -16,8 +16,12 @@ class FlightConfig:
   connect_retry_s: float = 300.0  # how long a sampler keeps trying to reach the trainer (a warm-up, a restart)
   sampler_timeout_s: float = 600.0  # the trainer gives up when no sampler has been heard from for this long
   finish_grace_s: float = 15.0  # after the last step: how long the trainer waits for samplers to learn it
+  weight_fanout: int = 1  # children per node of a version's broadcast tree (1: a chain, best when links are equal)
+  weight_streams: int = 2  # parallel DoGet streams per weight fetch, each a part of the tensors
 
   def __post_init__(self):
+    if self.weight_streams > 64:
+      raise ValueError(f"FlightConfig.weight_streams must be <= 64, got {self.weight_streams}")
     for field in dataclasses.fields(self):
       if getattr(self, field.name) <= 0:
         raise ValueError(f"FlightConfig.{field.name} must be > 0, got {getattr(self, field.name)}")

@@ -32,11 +32,11 @@ from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
 from streamrl_jax.streaming.sample_schema import BadSampleBatch, WireLimits, batch_to_shard
-from streamrl_jax.streaming.weight_chunks import DEFAULT_CHUNK_BYTES, partition_tensors, weight_batches, weight_schema
+from streamrl_jax.streaming.weight_chunks import (DEFAULT_CHUNK_BYTES, manifest_of, part_indices, read_weights_ticket,
+                                                  weight_batches, weight_schema)
 
 SAMPLES_COMMAND = b"samples"
 VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted
-MAX_PARTS = 64  # a weights ticket asks for at most this many parts (or one a tensor, when there are more)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +65,14 @@ class TLSFiles:
     return cls(cert, key, ca)
 
 
+def server_tls_options(tls: TLSFiles | None) -> dict:
+  """FlightServerBase keyword arguments for mutual TLS (none without `tls`)."""
+  if tls is None:
+    return {}
+  cert, key, ca = tls.read()
+  return dict(tls_certificates=[flight.CertKeyPair(cert, key)], verify_client=True, root_certificates=ca)
+
+
 class HostWeightStore:
   """The trainer side of the weight transport across processes: host copies of the newest versions.
 
@@ -76,7 +84,7 @@ class HostWeightStore:
   def __init__(self, *, keep: int = 2, precision: SamplerPrecision | None = None, gather=None):
     self._keep, self._precision, self._gather = keep, precision, gather
     self._cond = threading.Condition()
-    self._versions: dict[int, tuple[pa.Schema, dict]] = {}
+    self._versions: dict[int, tuple[list, list]] = {}  # version -> (manifest, host arrays in its order)
     self._threads: list[threading.Thread] = []
     self._error: BaseException | None = None
     self.seconds: dict[int, float] = {}
@@ -105,7 +113,7 @@ class HostWeightStore:
   def _store(self, host_params, version: int, start: float) -> None:
     flat = {k: np.ascontiguousarray(v) for k, v in flatten_with_names(host_params).items()}
     with self._cond:
-      self._versions[version] = (weight_schema(version, flat), flat)
+      self._versions[version] = (manifest_of(flat), list(flat.values()))
       for old in sorted(self._versions)[:-self._keep]:
         del self._versions[old]
       self.seconds[version] = time.perf_counter() - start
@@ -123,7 +131,8 @@ class HostWeightStore:
       self._raise_error()
       return max(self._versions, default=-1)
 
-  def get(self, version: int) -> tuple[pa.Schema, dict]:
+  def get(self, version: int) -> tuple[list, list]:
+    """(manifest, host arrays) of a held version; KeyError once it is no longer held."""
     with self._cond:
       self._raise_error()
       if version not in self._versions:
@@ -147,11 +156,7 @@ class TrainerFlightServer(flight.FlightServerBase):
                limits: WireLimits | int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES):
     scheme = "grpc+tls" if tls else "grpc+tcp"
-    kwargs = {}
-    if tls is not None:
-      cert, key, ca = tls.read()
-      kwargs = dict(tls_certificates=[flight.CertKeyPair(cert, key)], verify_client=True, root_certificates=ca)
-    super().__init__(f"{scheme}://{host}:{port}", **kwargs)
+    super().__init__(f"{scheme}://{host}:{port}", **server_tls_options(tls))
     self.address = f"{host}:{self.port}"
     self.controller, self.samples, self.weights = controller, samples, weights
     self.limits = limits  # batch_to_shard's: the run's, or a vocabulary size alone
@@ -162,7 +167,7 @@ class TrainerFlightServer(flight.FlightServerBase):
     self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
                          full_refusals=0, rejoin_refusals=0, late_batches=0, trained_batches=0, weight_streams=0,
                          weight_bytes=0, bad_tickets=0, actions=0, bad_actions=0)
-    self._handlers = {VersionQuery: lambda q: VersionInfo(weights.wait_version(q.min_version, min(q.wait_s, 30.0)))}
+    self._handlers = {VersionQuery: self._version_info}
     if controller is not None:  # None: a server of weights alone
       self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
                              StepReport: controller.report, Heartbeat: controller.heartbeat, Leave: controller.leave})
@@ -224,28 +229,28 @@ class TrainerFlightServer(flight.FlightServerBase):
 
   # ---- weights -------------------------------------------------------------------------------
   def do_get(self, context, ticket):
-    """Ticket `{"weights": version}`, or with `"part": i, "parts": n` the i-th of n disjoint parts."""
+    """Ticket `weight_chunks.weights_ticket(version, part, parts)`: the part's tensors of a held version."""
     try:
-      if len(ticket.ticket) > 1024:
-        raise ValueError(f"a ticket of {len(ticket.ticket)} bytes")
-      request = json.loads(ticket.ticket)
-      version, part, parts = int(request["weights"]), int(request.get("part", 0)), int(request.get("parts", 1))
-      schema, flat = self.weights.get(version)
-      most = max(len(flat), MAX_PARTS)
-      if not 1 <= parts <= most or not 0 <= part < parts:
-        raise ValueError(f"part {part} of {parts} (parts: 1 to {most})")
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+      version, part, parts = read_weights_ticket(ticket.ticket)
+      manifest, arrays = self.weights.get(version)
+    except (ValueError, KeyError) as err:
       if VERSION_GONE not in str(err):
         self._count("bad_tickets")
       raise flight.FlightServerError(f"bad weights ticket {ticket.ticket[:QUOTE_CHARS]!r}: {_bounded(err)}") from None
-    if parts > 1:
-      names = list(flat)
-      chosen = partition_tensors([a.nbytes for a in flat.values()], parts)[part]
-      flat = {names[i]: flat[names[i]] for i in chosen}
-      schema = weight_schema(version, flat)
+    indices = part_indices(manifest, part, parts)
     self._count("weight_streams")
-    self._count("weight_bytes", sum(a.nbytes for a in flat.values()))
-    return flight.GeneratorStream(schema, weight_batches(schema, flat, self.chunk_bytes))
+    self._count("weight_bytes", sum(arrays[i].nbytes for i in indices))
+    schema = weight_schema(version, manifest, indices)
+    return flight.GeneratorStream(schema, weight_batches(schema, arrays, self.chunk_bytes))
+
+  def _version_info(self, query: VersionQuery) -> VersionInfo:
+    """The newest version (a long poll), with where the asking sampler fetches it: its parent in the version's
+    broadcast tree (`Controller.weight_source`), or "" for this server."""
+    version = self.weights.wait_version(query.min_version, min(query.wait_s, 30.0))
+    source = ""
+    if self.controller is not None and query.sampler_id >= 0 and version >= 0:
+      source = self.controller.weight_source(query.sampler_id, version)
+    return VersionInfo(version, source)
 
   # ---- control -------------------------------------------------------------------------------
   def do_action(self, context, action):
