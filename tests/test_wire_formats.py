@@ -13,8 +13,9 @@ from streamrl_jax.messages import (BadMessage, Lease, LeaseReply, Register, Step
                                    encode_message)
 from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
                                                   shard_to_batch)
-from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, partition_tensors,
-                                                  read_manifest, weight_batches, weight_schema)
+from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, manifest_of,
+                                                  part_indices, partition_tensors, read_manifest, read_weights_ticket,
+                                                  weight_batches, weight_schema, weights_ticket)
 from tests.wire_samples import VOCAB, _replace_column, group_shard
 
 
@@ -85,10 +86,10 @@ def _weights():
 @pytest.mark.parametrize("chunk_bytes", [8, 64, 1 << 20])
 def test_weights_reassemble_from_chunks(chunk_bytes):
   flat = _weights()
-  schema = weight_schema(5, flat)
-  version, manifest = read_manifest(schema)
-  assembler = WeightAssembler(manifest)
-  for batch in weight_batches(schema, flat, chunk_bytes):
+  schema = weight_schema(5, manifest_of(flat))
+  version, manifest, part = read_manifest(schema)
+  assembler = WeightAssembler(manifest, part)
+  for batch in weight_batches(schema, list(flat.values()), chunk_bytes):
     assembler.add(batch)
   out = assembler.result()
   assert version == 5 and list(out) == list(flat) and assembler.bytes == sum(a.nbytes for a in flat.values())
@@ -100,20 +101,60 @@ def test_weights_reassemble_from_chunks(chunk_bytes):
 
 def test_weight_streams_that_do_not_add_up_are_refused():
   flat = _weights()
-  schema = weight_schema(1, flat)
+  schema = weight_schema(1, manifest_of(flat))
   with pytest.raises(BadWeightStream, match=r"weight \['a'\] has shape \(3, 5\), this model expects \(5, 3\)"):
     check_tensors(flat, {**{k: v.shape for k, v in flat.items()}, "['a']": (5, 3)})
   with pytest.raises(BadWeightStream, match="missing .*'z'.* unexpected"):
     check_tensors(flat, {"['z']": (1,)})
-  with pytest.raises(BadWeightStream, match="not 'streamrl.weights/1'"):
+  with pytest.raises(BadWeightStream, match="not 'streamrl.weights/2'"):
     read_manifest(schema.remove_metadata())
-  _, manifest = read_manifest(schema)
+  _, manifest, _ = read_manifest(schema)
   assembler = WeightAssembler(manifest)
-  batches = list(weight_batches(schema, flat, 16))
+  batches = list(weight_batches(schema, list(flat.values()), 16))
   for batch in batches[:-1]:
     assembler.add(batch)
   with pytest.raises(BadWeightStream, match=r"\['d'\]: 16 of 28 bytes arrived"):
     assembler.result()
+  assembler = WeightAssembler(manifest)
+  assembler.add(batches[0])
+  with pytest.raises(BadWeightStream, match=r"chunk at byte 0 of weight \['a'\]; 16 bytes of it had arrived"):
+    assembler.add(batches[0])  # a repeated chunk
+  with pytest.raises(BadWeightStream, match=r"chunk at byte 32 of weight \['a'\]; 16 bytes"):
+    assembler.add(batches[2])  # a gap
+  one_part = WeightAssembler(manifest, [1])
+  with pytest.raises(BadWeightStream, match="chunk of tensor 0, which this stream's part does not carry"):
+    one_part.add(batches[0])
+  bad = schema.with_metadata({**schema.metadata, b"part": b"[0, 9]"})
+  with pytest.raises(BadWeightStream, match=r"part \[0, 9\] is not a set of tensors of its manifest \(4\)"):
+    read_manifest(bad)
+
+
+def test_a_part_of_a_version_carries_the_whole_manifest_and_its_own_tensors():
+  flat = _weights()
+  manifest = manifest_of(flat)
+  arrays = list(flat.values())
+  got = {}
+  for i in range(3):
+    schema = weight_schema(7, manifest, part_indices(manifest, i, 3))
+    version, seen, part = read_manifest(schema)
+    assert version == 7 and seen == manifest and part == part_indices(manifest, i, 3)
+    assembler = WeightAssembler(seen, part)
+    for batch in weight_batches(schema, arrays, 8):
+      assembler.add(batch)
+    got.update(assembler.result())
+  assert list(sorted(got)) == sorted(flat)
+  for name in flat:
+    np.testing.assert_array_equal(got[name], flat[name])
+
+
+def test_weights_tickets_round_trip_and_bad_ones_name_the_problem():
+  assert read_weights_ticket(weights_ticket(3, 1, 4)) == (3, 1, 4)
+  assert read_weights_ticket(b'{"weights": 2}') == (2, 0, 1)
+  for raw, match in [(b"[]", "bad weights ticket"), (b'{"weights": "x"}', "bad weights ticket"),
+                     (weights_ticket(1, 4, 4), "part 4 of 4"), (weights_ticket(1, 0, 65), "part 0 of 65"),
+                     (b"x" * 2000, "a ticket of 2000 bytes")]:
+    with pytest.raises(ValueError, match=match):
+      read_weights_ticket(raw)
 
 
 @settings(max_examples=50, deadline=None)

@@ -128,12 +128,12 @@ class Lines:
 
 
 def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions: int = 1, trainer_site: str = "",
-                  fanout: int = 1, mb: float = 8.0, tensors: int = 8, kill: str | None = None,
+                  fanout: int = 1, mb: float = 8.0, tensors: int = 8, kill=None,
                   kill_after_s: float = 0.5, timeout: float = 120.0, on_version=None) -> dict:
   """Starts a trainer node and `samplers` [(name, site, serves a relay)] with `spawn(name, argv) -> Popen`
   (stdin and stdout pipes, text), `ip(name)` the host each listens on; publishes `versions` versions one after
-  another, each once every live sampler holds the last. `kill`: a sampler killed `kill_after_s` after the
-  last version is published. Returns {"versions": [{version, published, held: {name: t}, crc_ok, trees}],
+  another, each once every live sampler holds the last. `kill(previous version's record) -> name`: a sampler
+  killed `kill_after_s` after the last version is published. Returns {"versions": [{version, published, held: {name: t}, crc_ok, trees}],
   "stats": {name: the sampler's last line}}. `on_version(version)` runs before each publish."""
   import subprocess
   node = [sys.executable, str(Path(__file__).resolve())]
@@ -158,18 +158,20 @@ def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions:
     trainer_proc.stdin.write(f"publish {version}\n")
     trainer_proc.stdin.flush()
     published = trainer_lines.next("published", timeout)
+    killed = None
     if kill is not None and version == versions:
+      killed = kill(out[-1])
       time.sleep(kill_after_s)
-      procs[kill].kill()
+      procs[killed].kill()
     held, crc_ok = {}, True
     for name in procs:
-      if name == kill and version == versions:
+      if name == killed:
         continue
       row = lines[name].next("held", timeout)
       if row["held"] != version:
         raise RuntimeError(f"{name} holds version {row['held']}, expected {version}")
       held[name], crc_ok, stats[name] = row["t"], crc_ok and row["crc"] == published["crc"], row
-    out.append(dict(version=version, published=published["t"], held=held, crc_ok=crc_ok,
+    out.append(dict(version=version, published=published["t"], held=held, crc_ok=crc_ok, killed=killed,
                     trees=[t for t in published["trees"] if t["version"] == version]))
   for proc in [trainer_proc, *procs.values()]:
     if proc.poll() is None:
