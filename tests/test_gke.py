@@ -109,6 +109,25 @@ def test_a_misspelled_or_misplaced_field_fails_validation():
     assert caught.type is not TypeError, f"{what}: {caught.value}"  # a real finding, not a bug in the check
 
 
+def test_samplers_of_a_site_relay_weights_at_their_pod_ip():
+  gke = GKEConfig(name="rl", **BASE, site="dc2", relay_port=8480)
+  manifests = render(gke, RUN_GIN)
+  for manifest in manifests.values():
+    jobset_api.validate(yaml.safe_load(yaml.safe_dump(manifest)))
+  trainer, samplers = manifests["trainer.yaml"], manifests["samplers.yaml"]
+  (container,) = pod_spec(samplers)["containers"]
+  args = container["args"]
+  assert args[args.index("--site") + 1] == "dc2" and args[args.index("--relay-listen") + 1] == "0.0.0.0:8480"
+  assert args[args.index("--relay-host") + 1] == "$(POD_IP)"
+  assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in container["env"]
+  assert {"name": "relay", "containerPort": 8480} in container["ports"]
+  trainer_args = pod_spec(trainer)["containers"][0]["args"]
+  assert trainer_args[trainer_args.index("--site") + 1] == "dc2"
+  assert samplers["metadata"]["labels"]["streamrl/site"] == trainer["metadata"]["labels"]["streamrl/site"] == "dc2"
+  plain = pod_spec(render(GKEConfig(name="rl", **BASE), RUN_GIN)["samplers.yaml"])["containers"][0]["args"]
+  assert "--relay-listen" not in plain and "--site" not in plain
+
+
 @pytest.mark.parametrize("settings, message", [
     (dict(image=""), "GKEConfig.image is required"),
     (dict(bucket="my-bucket"), "GKEConfig.bucket"),
@@ -120,6 +139,8 @@ def test_a_misspelled_or_misplaced_field_fails_validation():
     (dict(sampler_topology="4x4"), "sampler_topology '4x4' spans 4 hosts"),
     (dict(platform="gpu-a3", accelerators_per_host=3), "not 3"),
     (dict(flight_port=8476), "must differ"),
+    (dict(relay_port=70000), "GKEConfig.relay_port 70000 is not a port"),
+    (dict(site="DC_1"), "GKEConfig.site 'DC_1'"),
 ])
 def test_launch_config_mistakes_name_the_key(settings, message):
   with pytest.raises(ValueError, match=re.escape(message)):

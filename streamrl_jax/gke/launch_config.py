@@ -34,6 +34,8 @@ class GKEConfig:
   sampler_max_restarts: int = 10  # whole-sampler-JobSet restarts, after a replica used up its pod retries
   sampler_pod_retries: int = 3  # a failed sampler pod is started again this often before its Job fails
   mount_path: str = "/gcs"  # where the bucket is mounted in the containers
+  site: str = ""  # this cluster's datacenter label (`--site` of both roles, label streamrl/site)
+  relay_port: int = 0  # samplers serve the weights they hold here to the others (the broadcast tree); 0: none
 
   def __post_init__(self):
     if not NAME.fullmatch(self.name) or len(self.name) > MAX_NAME:
@@ -53,6 +55,10 @@ class GKEConfig:
         raise ValueError(f"GKEConfig.{key} {getattr(self, key)} is not a port")
     if self.flight_port == self.coordinator_port:
       raise ValueError("GKEConfig.flight_port and GKEConfig.coordinator_port must differ")
+    if self.relay_port and not 1 <= self.relay_port <= 65535:
+      raise ValueError(f"GKEConfig.relay_port {self.relay_port} is not a port (0: samplers serve no relay)")
+    if not re.fullmatch(r"([a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?)?", self.site):
+      raise ValueError(f"GKEConfig.site {self.site!r}: lower-case letters, digits and '-' (a label value)")
     for key in ("sampler_replicas",):
       if getattr(self, key) < 1:
         raise ValueError(f"GKEConfig.{key} must be >= 1")

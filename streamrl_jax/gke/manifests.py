@@ -43,7 +43,7 @@ def render(gke: GKEConfig, run_config: str) -> dict[str, dict]:
 def _trainer(gke: GKEConfig) -> dict:
   shape = gke.trainer_shape
   args = ["trainer", "--config", f"{CONFIG_DIR}/{RUN_GIN}", "--workdir", gke.workdir,
-          "--listen", f"0.0.0.0:{gke.flight_port}", "--auto-resume", *_tls_args(gke)]
+          "--listen", f"0.0.0.0:{gke.flight_port}", "--auto-resume", *_tls_args(gke), *_site_args(gke)]
   env = [_env("STREAMRL_NUM_PROCESSES", str(shape.hosts)), _env("STREAMRL_COORDINATOR_PORT", str(gke.coordinator_port)),
          *(_field_env(name, path) for name, path in JOBSET_LABELS.items())]
   ports = [{"name": "flight", "containerPort": gke.flight_port},
@@ -63,8 +63,13 @@ def _trainer(gke: GKEConfig) -> dict:
 def _samplers(gke: GKEConfig) -> dict:
   shape = gke.sampler_shape
   args = ["sampler", "--config", f"{CONFIG_DIR}/{RUN_GIN}", "--connect", trainer_address(gke), "--name", "$(POD_NAME)",
-          *_tls_args(gke)]
-  pod = _pod(gke, "sampler", shape, args, [_field_env("POD_NAME", "metadata.name")], [], read_only=True)
+          *_tls_args(gke), *_site_args(gke)]
+  env, ports = [_field_env("POD_NAME", "metadata.name")], []
+  if gke.relay_port:  # serves the versions it holds to the samplers below it, dialled at the pod's IP
+    args += ["--relay-listen", f"0.0.0.0:{gke.relay_port}", "--relay-host", "$(POD_IP)"]
+    env.append(_field_env("POD_IP", "status.podIP"))
+    ports.append({"name": "relay", "containerPort": gke.relay_port})
+  pod = _pod(gke, "sampler", shape, args, env, ports, read_only=True)
   job = _job(1, backoff_limit=gke.sampler_pod_retries, pod=pod)
   spec = {"replicatedJobs": [{"name": "sampler", "replicas": gke.sampler_replicas, "template": job}],
           "successPolicy": {"operator": "All", "targetReplicatedJobs": ["sampler"]},
@@ -119,9 +124,14 @@ def _tls_args(gke: GKEConfig) -> list[str]:
   return ["--tls-cert", f"{TLS_DIR}/tls.crt", "--tls-key", f"{TLS_DIR}/tls.key", "--tls-ca", f"{TLS_DIR}/ca.crt"]
 
 
+def _site_args(gke: GKEConfig) -> list[str]:
+  return ["--site", gke.site] if gke.site else []
+
+
 def _labels(gke: GKEConfig, component: str) -> dict[str, str]:
-  return {"app.kubernetes.io/name": "streamrl", "app.kubernetes.io/instance": gke.name,
-          "app.kubernetes.io/component": component}
+  labels = {"app.kubernetes.io/name": "streamrl", "app.kubernetes.io/instance": gke.name,
+            "app.kubernetes.io/component": component}
+  return {**labels, "streamrl/site": gke.site} if gke.site else labels
 
 
 def _metadata(gke: GKEConfig, name: str, component: str) -> dict:
