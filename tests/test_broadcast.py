@@ -292,3 +292,28 @@ def test_the_shaped_link_harness_says_why_it_cannot_run(monkeypatch):
   monkeypatch.setattr(shaped_links.os, "geteuid", lambda: 0)
   monkeypatch.setattr(shaped_links.shutil, "which", lambda name: None)
   assert shaped_links.unavailable() == "needs iproute2 (ip, tc)"
+
+
+def test_a_relay_speaks_mutual_tls_and_a_stranger_falls_back_to_the_trainer(tmp_path, trainer_server):
+  from streamrl_jax.streaming.flight_server import TLSFiles
+  from tests.tls_certs import write_test_certificates
+  certs = write_test_certificates(tmp_path)
+  relay_tls = TLSFiles(str(certs["server_cert"]), str(certs["server_key"]), str(certs["ca"]))  # names 127.0.0.1
+  child_tls = TLSFiles(str(certs["client_cert"]), str(certs["client_key"]), str(certs["ca"]))
+  relay = RelayServer("127.0.0.1", 0, RelayStore(), tls=relay_tls)
+  try:
+    fetch_weights(FlightConnection(trainer_server.address), 1, sink=relay.store)
+    _, flat, _ = fetch_weights(FlightConnection(relay.address, tls=child_tls), 1)
+    for name, array in _expected_flat(1).items():
+      np.testing.assert_array_equal(flat[name], array)
+    (tmp_path / "other").mkdir()
+    other = write_test_certificates(tmp_path / "other")  # signed by another CA: refused at the handshake
+    stranger = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
+                                                                              _params(0).items()}, None,
+                                    tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]), str(certs["ca"])))
+    try:
+      assert stranger.fetch(1, relay.address).version == 1 and stranger.stats["relay_fallbacks"] == 1
+    finally:
+      stranger.close()
+  finally:
+    relay.shutdown()
