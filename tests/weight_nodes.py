@@ -181,6 +181,7 @@ def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions:
 
 
 def main() -> None:
+  from streamrl_jax.streaming.flight_config import FlightConfig
   parser = argparse.ArgumentParser()
   parser.add_argument("role", choices=["trainer", "sampler"])
   parser.add_argument("--listen", default="127.0.0.1:0")
@@ -188,7 +189,7 @@ def main() -> None:
   parser.add_argument("--name", default="s")
   parser.add_argument("--site", default="")
   parser.add_argument("--fanout", type=int, default=1)
-  parser.add_argument("--streams", type=int, default=2)
+  parser.add_argument("--streams", type=int, default=FlightConfig().weight_streams)
   parser.add_argument("--relay-listen")
   parser.add_argument("--mb", type=float, default=8.0)
   parser.add_argument("--tensors", type=int, default=8)

@@ -57,7 +57,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   store = HostWeightStore(precision=config.precision,
                           gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
-                               limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls)
+                               limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls,
+                               chunk_bytes=flight_config.weight_chunk_mb << 20)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)

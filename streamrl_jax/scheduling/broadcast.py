@@ -85,7 +85,7 @@ def draw_tree(parents: dict[int, int | None], names: dict[int, str], sites: dict
 
 def broadcast_seconds(parents: dict[int, int | None], sites: dict[int, str], *, model_bytes: float,
                       trainer_bps: float, sampler_bps: float, inter_site_bps: float | None = None,
-                      trainer_site: str = "", chunk_bytes: float = 8 << 20) -> float:
+                      trainer_site: str = "", chunk_bytes: float = 32 << 20) -> float:
   """Seconds until every sampler holds a version sent down `parents` in chunks, each node forwarding a chunk
   once it has it. Rates in bytes/s: a node's uplink (the trainer's or a sampler's) is shared by its children,
   a sampler's downlink is `sampler_bps`, and the edges that cross sites share `inter_site_bps`. A node's

@@ -48,7 +48,7 @@ class SimConfig:
   broadcast: str = "tree"  # how versions reach the samplers: "tree" (relays, scheduling.broadcast) or "star"
   weight_fanout: int = 1
   weight_bytes_per_param: float = 2.0  # bf16 on the wire
-  weight_chunk_mb: float = 8.0
+  weight_chunk_mb: float = 32.0
   colocated_switch_s: float = 10.0  # colocated: offload/reload and reshard between stages, per switch
   ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
   alpha: float = 0.2

@@ -17,7 +17,8 @@ class FlightConfig:
   sampler_timeout_s: float = 600.0  # the trainer gives up when no sampler has been heard from for this long
   finish_grace_s: float = 15.0  # after the last step: how long the trainer waits for samplers to learn it
   weight_fanout: int = 1  # children per node of a version's broadcast tree (1: a chain, best when links are equal)
-  weight_streams: int = 2  # parallel DoGet streams per weight fetch, each a part of the tensors
+  weight_streams: int = 4  # parallel DoGet streams per weight fetch, each a part of the tensors
+  weight_chunk_mb: int = 32  # a tensor travels in chunks of at most this; a relay forwards a chunk once it has it
 
   def __post_init__(self):
     if self.weight_streams > 64:

@@ -21,7 +21,7 @@ import pyarrow as pa
 
 SCHEMA_NAME = "streamrl.weights/2"
 CHUNK_COLUMNS = [("tensor", pa.int32()), ("offset", pa.int64()), ("data", pa.large_binary())]
-DEFAULT_CHUNK_BYTES = 8 << 20  # a relay forwards a chunk once it has it whole: smaller chunks pipeline a tree better
+DEFAULT_CHUNK_BYTES = 32 << 20  # most tensors fit in one (received without a copy); a relay forwards whole chunks
 
 
 def partition_tensors(nbytes: list[int], parts: int) -> list[list[int]]:
