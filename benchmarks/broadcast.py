@@ -3,7 +3,7 @@ namespaces, and the trainer's weight stream against memcpy on loopback.
 
 - Loopback, one sampler: a ~100M-parameter float32 version fetched by DoGet from a weights-only server in
   another process (`multiprocess.weight_transfer`, 2 and 4 parallel streams), against a host copy of the same
-  bytes into a fresh buffer, in the same run: `loopback_vs_memcpy` (default streams) and the best of both.
+  bytes into a fresh buffer, in the same run: `loopback_vs_memcpy` (`FlightConfig.weight_streams`) and the best.
 - Shaped star: a trainer node and 4 sampler nodes on one site, every link shaped to LINK_MBIT both ways, a
   MODEL_MB version: seconds from publish until every sampler holds it, relays on (the tree of
   `scheduling.broadcast`, fan-out `FlightConfig.weight_fanout`) and off (every sampler pulls from the
@@ -105,6 +105,8 @@ def shaped() -> dict:
       out["tree_drawing"], out["tree_relay_fallbacks"] = run["tree"], run["relay_fallbacks"]
     print("one site", "tree" if relays else "star", run, file=sys.stderr, flush=True)
   out["tree_vs_star"] = round(out["tree_s"] / out["star_s"], 3)
+  out["sim_one_site_tree_s"] = round(simulated_seconds(STAR_MODEL_MB, (4,), "tree"), 3)
+  out["sim_one_site_star_s"] = round(simulated_seconds(STAR_MODEL_MB, (4,), "star"), 3)
   two_sites = {"trainer": ("a", LINK_MBIT), "s0": ("a", LINK_MBIT), "s1": ("a", LINK_MBIT), "s2": ("b", LINK_MBIT),
                "s3": ("b", LINK_MBIT)}
   for relays in (True, False):
