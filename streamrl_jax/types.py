@@ -8,6 +8,7 @@ import numpy as np
 
 FINISH_STOP = "stop"  # a stop token was sampled (it is the last completion token)
 FINISH_LENGTH = "length"  # max_new_tokens reached
+FINISH_TURNS = "turns"  # the environment ended the episode (its turn limit)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +82,8 @@ class Sample:
   submit_time: float
   admit_time: float
   finish_time: float
+  loss_mask: np.ndarray | None = None  # bool [n]: False for tokens an environment wrote (None: all the model's)
+  env_reward: float = 0.0  # the environment's rewards of the episode, added to the task's
 
   @property
   def num_tokens(self) -> int:

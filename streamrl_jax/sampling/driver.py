@@ -11,6 +11,7 @@ returns the samples that finished, in finish order.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.scheduling.policies import fifo_order
-from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Request, Sample, SamplingParams
+from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, FINISH_TURNS, Progress, Request, Sample, SamplingParams
 
 AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduling.policies.fifo_order`
 
@@ -35,6 +36,11 @@ class _InFlight:
   first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
   cache_end: int = 0  # upper bound of the slot's next cache write index
   resumed: bool = False  # admitted again after a preemption: its first token is one it had already
+  mask: list = dataclasses.field(default_factory=list)  # per token: the model's (True) or an environment's
+  env_state: object = None  # multi-turn: the environment's state of this episode
+  turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
+  waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
+  env_reward: float = 0.0
 
 
 @dataclasses.dataclass
@@ -73,18 +79,22 @@ class StreamingSampler:
   """One request API over several `DecodeEngine` instances sharing one policy version."""
 
   def __init__(self, engines: Sequence[DecodeEngine], params, *, version: int = 0,
-               admission: AdmissionPolicy = fifo_order, seed: int = 0):
+               admission: AdmissionPolicy = fifo_order, seed: int = 0, tools=None):
+    """`tools` (an `envs.ToolRunner`): multi-turn episodes. A row whose turn ends with the environment's stop
+    token pauses (its slot kept, the other rows decoding on), the environment's step runs on a host thread,
+    and its observation is appended to the row by `extend` (loss mask 0) before the row goes on."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     self.version, self.admission = version, admission
     self._root = jax.random.key(seed)
-    self._params = params
+    self._params, self.tools = params, tools
+    self._tool_stops = set(tools.stop_ids) if tools is not None else set()
     self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
     self._next_instance = len(self._instances)
     self._next_id = 0
     self._resume: dict[int, _InFlight] = {}  # request id -> a preempted request's progress, until admitted again
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
-                         resumed_partial=0)
+                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -99,6 +109,9 @@ class StreamingSampler:
     its tokens so far, which keep their log-probabilities and versions.
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
+    if self.tools is not None:
+      stops = tuple(params.stop_token_ids) + tuple(i for i in self.tools.stop_ids if i not in params.stop_token_ids)
+      params = dataclasses.replace(params, stop_token_ids=stops)
     if progress is not None and progress.tokens:
       if params.num_samples != 1:
         raise ValueError(f"a partial rollout resumes one sample; got num_samples={params.num_samples}")
@@ -117,7 +130,7 @@ class StreamingSampler:
       request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
       if progress is not None and progress.tokens:
         self._resume[request.request_id] = _InFlight(request, now, list(progress.tokens), list(progress.logprobs),
-                                                     list(progress.versions))
+                                                     list(progress.versions), mask=[True] * len(progress.tokens))
         self.counters["resumed_partial"] += 1
       target.pending.append(request)
       ids.append(self._next_id)
@@ -134,7 +147,7 @@ class StreamingSampler:
     self._params, self.version = params, version
     if recompute:
       for inst in self._instances:
-        slots = [s for s, f in inst.slots.items() if f.tokens]
+        slots = [s for s, f in inst.slots.items() if f.tokens and f.waiting is None]
         for slot in slots:
           inst.state = inst.engine.release(inst.state, slot)
         self._requeue(inst, slots)
@@ -151,6 +164,8 @@ class StreamingSampler:
     for request in sorted(requests, key=lambda r: r.request_id):
       flight = flights.get(request.request_id)
       tokens = flight.tokens if flight is not None else []
+      if flight is not None and (not all(flight.mask) or flight.waiting is not None):
+        tokens = []  # an episode with an environment's tokens starts again (Progress carries no masks)
       out.append((request, Progress(tuple(tokens), tuple(flight.logprobs) if tokens else (),
                                     tuple(flight.versions) if tokens else ())))
     return out
@@ -262,6 +277,8 @@ class StreamingSampler:
         flight = self._resume.pop(request.request_id, None)
         if flight is None:
           flight = _InFlight(request, now)
+          if self.tools is not None:
+            flight.env_state = self.tools.start(request.prompt, request.group_id * 1_000_003 + request.sample_index)
         flight.resumed = bool(resume[row])
         flight.cache_end, flight.first = prefix.valid.shape[1], (firsts, row)
         inst.slots[slot] = flight
@@ -290,14 +307,20 @@ class StreamingSampler:
     """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
     now = time.perf_counter()
     outputs = []
+    finished = []
     for inst in self._instances:
+      if self.tools is not None:
+        self._tool_results(inst, finished)
       self._admit(inst, now)
       if inst.slots:  # rows whose first token is unread are never preempted: they have just been admitted
         progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()}
         inst.state, preempted = inst.engine.make_room(inst.state, progress)
         self._requeue(inst, preempted)
         self.counters["preempted"] += len(preempted)
-      if inst.slots:
+      if inst.slots and all(f.waiting is not None for f in inst.slots.values()):
+        concurrent.futures.wait([f.waiting for f in inst.slots.values()], timeout=0.05,
+                                return_when=concurrent.futures.FIRST_COMPLETED)  # every row waits on a tool
+      elif inst.slots:
         steps = inst.engine.config.steps_per_sync
         window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
         inst.state, out = inst.engine.generate(inst.params, inst.state, window)
@@ -307,7 +330,7 @@ class StreamingSampler:
         self.counters["decode_calls"] += 1
     calls = {id(f.first[0]): f.first[0] for i in self._instances for f in i.slots.values() if f.first is not None}
     host_calls, host_outputs = jax.device_get((calls, [out for _, out in outputs]))
-    finished, now = [], time.perf_counter()
+    now = time.perf_counter()
     for inst in self._instances:
       for slot, flight in list(inst.slots.items()):
         if flight.first is not None:
@@ -332,18 +355,57 @@ class StreamingSampler:
     flight.tokens.append(int(token))
     flight.logprobs.append(float(logprob))
     flight.versions.append(self.version)
+    flight.mask.append(True)
     if not done:
       return
+    request = flight.request
+    reason = FINISH_STOP if int(token) in request.params.stop_token_ids else FINISH_LENGTH
+    if reason == FINISH_STOP and int(token) in self._tool_stops and len(flight.tokens) < request.params.max_new_tokens:
+      flight.waiting = self.tools.submit(flight.env_state, flight.tokens[flight.turn_start:])  # the row pauses
+      self.counters["tool_calls"] += 1
+      return
+    self._finish(inst, slot, flight, reason, now, finished)
+
+  def _tool_results(self, inst: _Instance, finished: list) -> None:
+    """Rows whose tool call has returned: the observation is appended (`extend`, one call for them all) and
+    the row goes on, or the episode ends (the environment says so, or no room for the observation is left)."""
+    ready = [(slot, f) for slot, f in inst.slots.items() if f.waiting is not None and f.waiting.done()]
+    slots, chunks = [], []
+    for slot, flight in ready:
+      result, flight.waiting = flight.waiting.result(), None
+      flight.env_state, flight.env_reward = result.state, flight.env_reward + result.reward
+      room = flight.request.params.max_new_tokens - len(flight.tokens)
+      if result.done or len(result.tokens) >= room:
+        self._finish(inst, slot, flight, FINISH_TURNS if result.done else FINISH_LENGTH, time.perf_counter(),
+                     finished)
+        continue
+      slots.append(slot)
+      chunks.append([flight.tokens[-1], *result.tokens])
+      flight.tokens.extend(result.tokens)
+      flight.logprobs.extend([0.0] * len(result.tokens))
+      flight.versions.extend([self.version] * len(result.tokens))
+      flight.mask.extend([False] * len(result.tokens))
+      flight.turn_start = len(flight.tokens)
+      flight.cache_end += len(result.tokens) + 1
+      self.counters["tool_tokens"] += len(result.tokens)
+    if slots:
+      inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
+      self.counters["extend_calls"] += 1
+      for slot in slots:
+        inst.slots[slot].first = (firsts, slot)
+
+  def _finish(self, inst, slot, flight: _InFlight, reason: str, now, finished) -> None:
+    """Frees the slot and appends the finished Sample to `finished`."""
     del inst.slots[slot]
     inst.state = inst.engine.release(inst.state, slot)
     request = flight.request
-    reason = FINISH_STOP if int(token) in request.params.stop_token_ids else FINISH_LENGTH
     finished.append(Sample(
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
         prompt_tokens=request.prompt, completion_tokens=np.asarray(flight.tokens, np.int32),
         logprobs=np.asarray(flight.logprobs, np.float32), token_versions=np.asarray(flight.versions, np.int32),
         finish_reason=reason, first_version=min(flight.versions), last_version=max(flight.versions), instance=inst.index,
-        submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now))
+        submit_time=request.submit_time, admit_time=flight.admit_time, finish_time=now,
+        loss_mask=None if all(flight.mask) else np.asarray(flight.mask, bool), env_reward=flight.env_reward))
     self.counters["finished"] += 1
     self.counters["generated_tokens"] += len(flight.tokens)
 

@@ -107,6 +107,15 @@ class EngineConfig:
     return next(b for b in self.prefill_buckets if b >= length)
 
   @property
+  def extend_buckets(self) -> tuple[int, ...]:
+    """Lengths an `extend` call pads its tokens to: powers of two from 8, and the whole cache."""
+    out, size = [], 8
+    while size < self.cache_length:
+      out.append(size)
+      size *= 2
+    return (*out, self.cache_length)
+
+  @property
   def resume_buckets(self) -> tuple[int, ...]:
     """Length buckets past max_prompt_length that only resumed requests use: powers of two, the cache last."""
     buckets, size = [], 1 << self.max_prompt_length.bit_length()
@@ -251,6 +260,7 @@ class DecodeEngine:
     self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
     self._generate = jax.jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
                              out_shardings=(self._state_shardings, replicated))
+    self._extend = jax.jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
@@ -407,6 +417,41 @@ class DecodeEngine:
       return state.replace(cache=cache, **changes), out
 
     return jax.lax.scan(step, state, None, length=self.config.steps_per_sync)
+
+
+  def extend(self, params, decode_state: DecodeState, slots: Sequence[int], tokens: Sequence[Sequence[int]]):
+    """Appends `tokens[i]` to the paused row in slot `slots[i]` (a row a stop token ended: the first of its
+    tokens is that stop token, the rest a tool's output) with one prefill of just those tokens over the row's
+    cache, the history not prefilled again; then samples each row's next token and makes it active again.
+    Returns (state, (token, logprob, done) [num_slots] device arrays). Compiles once per power-of-two length
+    from 8 up to the cache length (`extend_buckets`)."""
+    num_slots = self.config.num_slots
+    if len(slots) != len(tokens) or len(set(slots)) != len(slots) or any(not 0 <= s < num_slots for s in slots):
+      raise ValueError(f"extend takes distinct slots in 0..{num_slots - 1}, one token list each; got {list(slots)}")
+    longest = max((len(t) for t in tokens), default=0)
+    if not 1 <= min((len(t) for t in tokens), default=1) or longest > self.config.cache_length:
+      raise ValueError(f"extend appends 1..{self.config.cache_length} tokens a row, got lengths "
+                       f"{[len(t) for t in tokens]}")
+    bucket = next(b for b in self.config.extend_buckets if b >= longest)
+    chunk, lengths = np.zeros((num_slots, bucket), np.int32), np.zeros((num_slots,), np.int32)
+    for slot, row in zip(slots, tokens):
+      chunk[slot, :len(row)], lengths[slot] = row, len(row)
+    return self._extend(params, decode_state, chunk, lengths)
+
+  def _extend_impl(self, params, state: DecodeState, chunk, lengths):
+    model = nnx.merge(self.graphdef, params)
+    extending = lengths > 0
+    mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
+    logits, cache = model.forward_with_cache(chunk, state.cache, mask, logits_at=jnp.maximum(lengths - 1, 0))
+    cache = cache.replace(index=state.cache.index + lengths)  # padding past a row's tokens is overwritten later
+    # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
+    paused = state.replace(cache=cache, active=extending, generated=state.generated + jnp.maximum(lengths - 1, 0))
+    changes, out = sample_next(paused, logits)
+    keep = lambda new, old: jnp.where(extending, new, old)  # noqa: E731
+    state = state.replace(cache=cache, last_token=keep(changes["last_token"], state.last_token),
+                          generated=keep(changes["generated"], state.generated),
+                          active=keep(changes["active"], state.active))
+    return state, (out.tokens, out.logprobs, out.done)
 
 
 class _Knobs:
