@@ -30,10 +30,3 @@ class Environment(Protocol):
   def reset(self, prompt: str, seed: int) -> Any: ...
 
   def step(self, state: Any, turn: str) -> tuple[Any, Observation]: ...
-
-
-def make_environment(name: str, **kwargs) -> Environment:
-  """The environment registered as `name` (`ENVIRONMENTS.names()` lists them)."""
-  from streamrl_jax.envs import calculator_env  # noqa: F401 - registers the built-in environments
-
-  return ENVIRONMENTS.get(name)(**kwargs)

@@ -81,3 +81,13 @@ class ToolRunner:
 
   def close(self) -> None:
     self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def make_tools(config, tokenizer) -> ToolRunner | None:
+  """The tool runner of a run's config (`PipelineConfig.environment`, `max_turns`, `tool_threads`,
+  `tool_delay_s`), or None without an environment."""
+  if not config.environment:
+    return None
+  from streamrl_jax.envs.catalog import make_environment
+  return ToolRunner(make_environment(config.environment, max_turns=config.max_turns), tokenizer,
+                    threads=config.tool_threads, delay_s=config.tool_delay_s)

@@ -41,6 +41,10 @@ class PipelineConfig:
   queue_capacity: int = 256  # samples in the host queue before the sampler blocks
   sampler_precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
   quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
+  environment: str = ""  # multi-turn: an `envs` environment the samples call as a tool ("calculator"); "": none
+  max_turns: int = 2  # multi-turn: tool calls per episode
+  tool_threads: int = 8  # multi-turn: host threads running the environment's steps
+  tool_delay_s: float = 0.0  # multi-turn: added to every tool call (to measure slow tools)
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   engine: EngineConfig = EngineConfig()
@@ -79,6 +83,14 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.max_new_tokens={self.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={self.engine.max_new_tokens}")
     SamplerPrecision(self.sampler_precision, self.quantize_on)  # refuses an unknown precision or side
+    if self.environment:
+      from streamrl_jax.envs import make_environment
+      make_environment(self.environment, max_turns=self.max_turns)  # refuses an unknown name or turn limit
+      if self.engine.kv_layout != "contiguous":
+        raise ValueError(f"PipelineConfig.environment={self.environment!r} extends rows in flight, which "
+                         f"EngineConfig.kv_layout={self.engine.kv_layout!r} does not do yet: use 'contiguous'")
+    if self.tool_threads < 1 or self.tool_delay_s < 0:
+      raise ValueError("PipelineConfig.tool_threads must be >= 1 and tool_delay_s >= 0")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 

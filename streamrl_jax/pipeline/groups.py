@@ -23,7 +23,7 @@ def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> S
       raise ValueError(f"sample {s.request_id}: {p + c} tokens exceed the shard width {width}")
     tokens[row, :p], tokens[row, p:p + c] = s.prompt_tokens, s.completion_tokens
     valid[row, :p + c] = True
-    loss_mask[row, p:p + c] = True
+    loss_mask[row, p:p + c] = True if s.loss_mask is None else s.loss_mask  # an environment's tokens: False
     logprobs[row, p:p + c] = s.logprobs
     versions[row, p:p + c] = s.token_versions
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
@@ -55,7 +55,7 @@ class GroupCollector:
     del self._pending[sample.group_id]
     prompt, step = self._prompts.pop(sample.group_id)
     group.sort(key=lambda s: s.sample_index)
-    rewards = [self.reward_fn(prompt, self.tokenizer.decode(s.completion_tokens)) for s in group]
+    rewards = [self.reward_fn(prompt, self.tokenizer.decode(s.completion_tokens)) + s.env_reward for s in group]
     return samples_to_shard(group, rewards, self.width, step)
 
   def held(self) -> list[Sample]:

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from streamrl_jax.envs import make_tools
 from streamrl_jax.meshes import replica_meshes
 from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Partial, Register, RejoinRequired, StepReport,
                                    WeightUpdate)
@@ -164,7 +165,7 @@ class SamplerWorker:
     if self.sampler is None:
       engines = [self.engine_for(k) for k in range(self.target_instances)]
       self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
-                                      seed=self.config.seed)
+                                      seed=self.config.seed, tools=make_tools(self.config, self.tokenizer))
       self.mesh_of = {i: i for i in range(len(engines))}
     elif update.version > self.sampler.version:
       self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")

@@ -24,11 +24,12 @@ from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
-from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, PromptFile, SumsTask
+from streamrl_jax.envs import make_tools
+from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
-TASKS = ("arithmetic", "countdown", "file", "sums")
+TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_tool")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,7 @@ class JobConfig:
   max_digits: int = 4
   sum_digits: int = 2  # task "sums": digits of each term
   sum_terms: int = 2
+  multiply_digits: int = 3  # task "multiply" (worked solutions call the calculator) and "multiply_no_tool"
   warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
   warmup_batch: int = 32
   warmup_learning_rate: float = 3e-3
@@ -86,6 +88,8 @@ class JobConfig:
       task = FileTask(PromptFile(self.prompt_file, self.prompt_key, self.answer_key))
     elif self.task == "sums":
       task = SumsTask(self.sum_digits, self.sum_terms, "heldout" if split == "eval" else "train")
+    elif self.task in ("multiply", "multiply_no_tool"):
+      task = MultiplyTask(self.multiply_digits, tool=self.task == "multiply")
     else:
       task = ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
     if not self.chat:
@@ -162,7 +166,8 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
   engine = make_engine(graphdef, model.config, config.engine, mesh)
-  sampler = StreamingSampler([engine], params)
+  tools = make_tools(config, tokenizer)
+  sampler = StreamingSampler([engine], params, tools=tools)
   rng = np.random.default_rng(10_000 + seed)
   items = [task.sample(rng)[0] for _ in range(prompts)]
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
@@ -170,7 +175,9 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   out = []
   for sample in sampler.stream():
     prompt, text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
-    out.append((prompt, text, task.reward(prompt, text)))
+    out.append((prompt, text, task.reward(prompt, text) + sample.env_reward))
+  if tools is not None:
+    tools.close()
   return out
 
 
