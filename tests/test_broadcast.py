@@ -4,6 +4,7 @@ they do not hold, failing over), the controller's trees, and real processes on s
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -162,34 +163,100 @@ def test_a_child_fetches_through_a_relay_while_the_relay_receives(trainer_server
     relay.shutdown()
 
 
-class _CutSource(RelayStore):
-  """A relay whose source dies after the first chunk: what it had went on, then the stream breaks."""
+def _partial_relay(version: int, chunks: int) -> tuple[RelayServer, list]:
+  """A relay holding the first `chunks` chunks (4 KiB) of each tensor of `version`, still 'receiving' more."""
+  flat = _expected_flat(version)
+  manifest = manifest_of(flat)
+  store = RelayStore(begin_wait_s=10, stall_s=30)
+  store.begin(version, manifest)
+  for index, (name, _, _) in enumerate(manifest):
+    data = np.ascontiguousarray(flat[name]).reshape(-1).view(np.uint8)
+    for offset in range(0, min(len(data), chunks * 4096), 4096):
+      store.add(version, index, offset, pa.py_buffer(data[offset:offset + 4096]))
+  return RelayServer("127.0.0.1", 0, store), manifest
 
-  def add(self, version, index, offset, data):
-    super().add(version, index, offset, data)
-    self.fail(version, "source cut")
+
+def _wait_until(condition, timeout: float = 30.0) -> None:
+  deadline = time.monotonic() + timeout
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
 
 
-def test_a_receiver_falls_back_to_the_trainer_when_its_relay_fails(trainer_server):
-  broken = _CutSource(begin_wait_s=5)
-  relay = RelayServer("127.0.0.1", 0, broken)
-  template = {k: np.zeros_like(v) for k, v in _params(0).items()}
-  connection = FlightConnection(trainer_server.address)
-  receiver = FlightWeightReceiver(connection, template, None, poll_s=0.2)
+def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_server):
+  parent, _ = _partial_relay(2, chunks=2)
+  logs = []
+  receiver = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
+                                                                             _params(0).items()}, None, log=logs.append)
   try:
-    feeder = threading.Thread(target=fetch_weights, args=(connection, 2), kwargs=dict(sink=broken))
-    feeder.start()
-    update = receiver.fetch(2, relay.address)  # the relay breaks off after a chunk: fetched whole from the trainer
-    feeder.join(timeout=60)
-    assert broken.holds() == {2: "failed"}
+    got = {}
+    child = threading.Thread(target=lambda: got.update(update=receiver.fetch(2, parent.address)))
+    child.start()
+    _wait_until(lambda: parent.counters["relay_streams"] == receiver.streams)  # streaming, chunks on their way
+    time.sleep(0.2)
+    parent.store.fail(2, "its source died")
+    child.join(timeout=60)
+    update = got["update"]
     assert update.version == 2 and receiver.stats["relay_fallbacks"] == 1 and receiver.stats["relay_fetches"] == 0
+    assert "lost the source of version 2 mid-transfer: its source died" in receiver.last_fallback
+    assert "fetching them from the trainer" in logs[0]
     for name, array in _params(2).items():
       np.testing.assert_array_equal(np.asarray(update.params[name]), array)
-    update = receiver.fetch(1, "127.0.0.1:1")  # nothing listens there
+    update = receiver.fetch(1, "127.0.0.1:1")  # nothing listens there: the trainer, after the relay's short retry
     assert update.version == 1 and receiver.stats["relay_fallbacks"] == 2
+    assert "the relay at 127.0.0.1:1 did not take the call" in receiver.last_fallback
   finally:
     receiver.close()
-    relay.shutdown()
+    parent.shutdown()
+
+
+def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer_server):
+  """Relay A takes version 2 from parent P, which breaks off; A fetches it from the trainer into the same store
+  (chunks it holds are skipped), so child C, streaming from A all along, gets the version whole, no fallback."""
+  parent, _ = _partial_relay(2, chunks=3)
+  middle = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10, stall_s=30))
+  template = {k: np.zeros_like(v) for k, v in _params(0).items()}
+  a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relay=middle.store)
+  try:
+    got = {}
+    child = threading.Thread(target=lambda: got.update(c=fetch_weights(FlightConnection(middle.address), 2,
+                                                                        streams=a.streams)))
+    child.start()
+    fetch = threading.Thread(target=lambda: got.update(a=a.fetch(2, parent.address)))
+    fetch.start()
+    _wait_until(lambda: middle.counters["relay_streams"] == a.streams and middle.store.holds() == {2: "receiving"})
+    time.sleep(0.2)
+    parent.store.fail(2, "cut")
+    fetch.join(timeout=60)
+    child.join(timeout=60)
+    assert a.stats["relay_fallbacks"] == 1 and middle.store.holds() == {2: "complete"}
+    _, child_flat, _ = got["c"]
+    for name, array in _expected_flat(2).items():
+      np.testing.assert_array_equal(child_flat[name], array)
+  finally:
+    a.close()
+    middle.shutdown()
+    parent.shutdown()
+
+
+def test_a_relay_store_keeps_chunks_in_order_and_skips_what_it_holds():
+  store = RelayStore()
+  store.begin(1, [("a", np.dtype("uint8"), (8,))])
+  chunk = lambda lo, hi: pa.py_buffer(np.arange(lo, hi, dtype=np.uint8))  # noqa: E731
+  store.add(1, 0, 0, chunk(0, 4))
+  store.add(1, 0, 0, chunk(0, 4))  # a repeat (a fetch started again): skipped
+  store.add(1, 0, 4, chunk(4, 8))
+  store.complete(1)
+  assert store.holds() == {1: "complete"}
+  _, batches = store.stream(1, 0, 1)
+  assert [b.column(1)[0].as_py() for b in batches] == [0, 4]
+  store.begin(2, [("a", np.dtype("uint8"), (8,))])
+  store.add(2, 0, 4, chunk(4, 8))  # a gap
+  assert store.holds() == {2: "failed"}
+  store.begin(3, [("a", np.dtype("uint8"), (8,))])
+  store.add(3, 0, 0, chunk(0, 4))
+  store.complete(3)  # half of it
+  assert store.holds() == {3: "failed"}
 
 
 def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
@@ -284,6 +351,9 @@ def test_sampler_programs_relay_weights_down_the_tree(tmp_path):
   assert full and all(sum(p is None for p in e["parents"].values()) == 2 for e in full)  # one of a, b's gateway
   served, streams = counters["flight_weight_streams"], FlightConfig().weight_streams
   assert served < streams * 3 * (steps + 1), counters  # a star: every stream of every version to 3 samplers
+  relayed = [re.search(r"\((\d+) from a relay, (\d+) relay fallbacks\)", run.logs[n].read_text()) for n in
+             ("s0", "s1", "s2")]
+  assert all(relayed) and sum(int(m.group(1)) for m in relayed) >= 1, run.tails()
   assert "weights of version" in run.logs["trainer"].read_text()
 
 

@@ -124,6 +124,12 @@ def test_weight_streams_that_do_not_add_up_are_refused():
   one_part = WeightAssembler(manifest, [1])
   with pytest.raises(BadWeightStream, match="chunk of tensor 0, which this stream's part does not carry"):
     one_part.add(batches[0])
+  nulls = pa.record_batch([pa.array([0], pa.int32()), pa.array([0], pa.int64()), pa.array([None], pa.large_binary())],
+                          schema=schema)
+  with pytest.raises(BadWeightStream, match="a weight chunk with a null field"):
+    WeightAssembler(manifest).add(nulls)
+  with pytest.raises(BadWeightStream, match="weight stream columns"):
+    read_manifest(pa.schema([("tensor", pa.int64())], metadata=schema.metadata))
   bad = schema.with_metadata({**schema.metadata, b"part": b"[0, 9]"})
   with pytest.raises(BadWeightStream, match=r"part \[0, 9\] is not a set of tensors of its manifest \(4\)"):
     read_manifest(bad)

@@ -60,9 +60,11 @@ def trainer(args) -> None:
       start = time.time()
       store.publish(params, version)
       store.wait()
-      trees = [e for e in events if e["event"] == "broadcast_tree"]
-      say(published=version, t=start, crc=checksum({f"['{k}']": v for k, v in params.items()}),
-          trees=[{"version": e["version"], "parents": e["parents"], "drawing": e["drawing"]} for e in trees])
+      say(published=version, t=start, crc=checksum({f"['{k}']": v for k, v in params.items()}))
+    elif command[:1] == ["trees"]:  # asked once every sampler holds the version: its tree was made by then
+      version = int(command[1])
+      say(trees=[{"version": e["version"], "parents": e["parents"], "drawing": e["drawing"]} for e in events
+                 if e["event"] == "broadcast_tree" and e["version"] == version])
     elif command[:1] == ["stop"]:
       break
   say(counters=server.counters)
@@ -171,8 +173,10 @@ def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions:
       if row["held"] != version:
         raise RuntimeError(f"{name} holds version {row['held']}, expected {version}")
       held[name], crc_ok, stats[name] = row["t"], crc_ok and row["crc"] == published["crc"], row
-    out.append(dict(version=version, published=published["t"], held=held, crc_ok=crc_ok, killed=killed,
-                    trees=[t for t in published["trees"] if t["version"] == version]))
+    trainer_proc.stdin.write(f"trees {version}\n")
+    trainer_proc.stdin.flush()
+    trees = trainer_lines.next("trees", timeout)["trees"]
+    out.append(dict(version=version, published=published["t"], held=held, crc_ok=crc_ok, killed=killed, trees=trees))
   for proc in [trainer_proc, *procs.values()]:
     if proc.poll() is None:
       proc.stdin.close()

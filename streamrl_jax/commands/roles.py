@@ -40,6 +40,8 @@ def add_role_parsers(sub, common) -> None:
                        "other samplers (the broadcast tree; port 0 picks a free one); default: it serves none")
   sampler.add_argument("--relay-host", help="the host other samplers dial for this relay (when --relay-listen binds "
                        "0.0.0.0, e.g. the pod's IP)")
+  sampler.add_argument("--relay-tls-name", help="with mutual TLS: the name relays' certificates carry, when it is not "
+                       "the host dialled (one certificate for every sampler pod)")
   sampler.set_defaults(run=cmd_sampler)
   for parser in (trainer, sampler):
     parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
@@ -134,6 +136,7 @@ def cmd_sampler(args) -> int:
     stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
                         name=args.name, settings=settings, flight_config=flight_config, stop=stop, site=args.site,
                         relay_listen=args.relay_listen, relay_host=args.relay_host,
+                        relay_tls_name=args.relay_tls_name,
                         log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
@@ -145,5 +148,7 @@ def cmd_sampler(args) -> int:
     print(f"streamrl sampler {args.name}: stopped; its leases went back to the trainer", file=sys.stderr)
     return 130
   print(f"streamrl sampler {args.name}: the run is over; sent {stats['put_samples']} samples in "
-        f"{stats['put_shards']} shards, fetched {stats['weights_fetches']} weight versions", file=sys.stderr)
+        f"{stats['put_shards']} shards, fetched {stats['weights_fetches']} weight versions "
+        f"({stats['weights_relay_fetches']} from a relay, {stats['weights_relay_fallbacks']} relay fallbacks)",
+        file=sys.stderr)
   return 0

@@ -67,6 +67,8 @@ def _samplers(gke: GKEConfig) -> dict:
   env, ports = [_field_env("POD_NAME", "metadata.name")], []
   if gke.relay_port:  # serves the versions it holds to the samplers below it, dialled at the pod's IP
     args += ["--relay-listen", f"0.0.0.0:{gke.relay_port}", "--relay-host", "$(POD_IP)"]
+    if gke.tls_secret_name:  # every pod has the secret's one certificate, which names the trainer's host
+      args += ["--relay-tls-name", trainer_address(gke).rpartition(":")[0]]
     env.append(_field_env("POD_IP", "status.podIP"))
     ports.append({"name": "relay", "containerPort": gke.relay_port})
   pod = _pod(gke, "sampler", shape, args, env, ports, read_only=True)

@@ -23,18 +23,17 @@ from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
 def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
                 name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                 stop: threading.Event | None = None, devices=None, log=print, site: str = "",
-                relay_listen: str | None = None, relay_host: str | None = None) -> dict:
+                relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None) -> dict:
   """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
   When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease
   in hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this
   program's). `site`: its datacenter's label. With `relay_listen` (HOST:PORT), it serves the weight versions
   it receives to the samplers below it in each version's broadcast tree, at `relay_host` (default: the listen
-  host) and the bound port. Returns the sampler's transport statistics."""
+  host) and the bound port; `relay_tls_name` is the name relays' certificates carry when it is not the address
+  dialled (one certificate for every pod). Returns the sampler's transport statistics."""
   parse_address(connect, "--connect")
-  relay = None
   if relay_listen:
-    relay = RelayServer(*parse_address(relay_listen, "--relay-listen"), RelayStore(), tls=tls, advertise=relay_host)
-    log(f"{name}: serves the weights it holds to other samplers at {relay.address} (site {site!r})")
+    parse_address(relay_listen, "--relay-listen")
   stop = stop or threading.Event()
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
                                 retry_s=flight_config.connect_retry_s, log=log)
@@ -46,7 +45,11 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
+  relay = None
   try:
+    if relay_listen:
+      relay = RelayServer(*parse_address(relay_listen, "--relay-listen"), RelayStore(), tls=tls, advertise=relay_host)
+      log(f"{name}: serves the weights it holds to other samplers at {relay.address} (site {site!r})")
     while not stop.is_set():
       sampler_id = worker.register(control, site=site, relay=relay.address if relay else "")
       stats["sessions"] += 1
@@ -55,7 +58,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       sender.sampler_id = sampler_id
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
-                                      streams=flight_config.weight_streams, log=log)
+                                      streams=flight_config.weight_streams, log=log, relay_tls_name=relay_tls_name)
       outcome = _session(worker, control, sender, receiver, sampler_id, flight_config.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break

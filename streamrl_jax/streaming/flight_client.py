@@ -32,6 +32,7 @@ from streamrl_jax.streaming.weights import LatestWeights
 
 
 RETRY_NOTICE_S = 20.0
+WEIGHTS_DEADLINE_S = 1800.0  # one weight stream's deadline: a version over a slow link takes minutes
 
 
 class TrainerUnreachable(ConnectionError):
@@ -47,15 +48,19 @@ class FlightConnection:
   that find the server unavailable are retried with backoff for up to `retry_s` seconds in all."""
 
   def __init__(self, address: str, *, tls: TLSFiles | None = None, timeout_s: float = 60.0, retry_s: float = 120.0,
-               log=None):
+               log=None, peer: str = "the trainer", tls_name: str | None = None):
+    """`peer` names the other side in errors; `tls_name`: the name its certificate must carry (default: the
+    host dialled), e.g. a relay dialled at a pod IP whose certificate names a service."""
     if ":" not in address:
       raise ValueError(f"--connect {address!r}: expected HOST:PORT")
-    self.address, self.timeout_s, self.retry_s, self.log = address, timeout_s, retry_s, log
+    self.address, self.timeout_s, self.retry_s, self.log, self.peer = address, timeout_s, retry_s, log, peer
     self.tls = tls is not None
     kwargs = {}
     if tls is not None:
       cert, key, ca = tls.read()
       kwargs = dict(tls_root_certs=ca, cert_chain=cert, private_key=key)
+      if tls_name:
+        kwargs["override_hostname"] = tls_name
     self.client = flight.FlightClient(f"{'grpc+tls' if tls else 'grpc+tcp'}://{address}", **kwargs)
     self.counters = dict(calls=0, retries=0)
     self._closed = threading.Event()
@@ -76,12 +81,12 @@ class FlightConnection:
         return fn()
       except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
         if time.monotonic() - start + pause > limit:
-          raise TrainerUnreachable(f"the trainer at {self.address} did not take the call for {limit:.0f} s: "
+          raise TrainerUnreachable(f"{self.peer} at {self.address} did not take the call for {limit:.0f} s: "
                                    f"{_message(err)}{self._tls_hint(err)}") from None
         waited = time.monotonic() - start
         if self.log is not None and waited - said >= RETRY_NOTICE_S:  # a warm-up or a restart: say so now and then
           said = waited
-          self.log(f"the trainer at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
+          self.log(f"{self.peer} at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
                    f"retrying for up to {limit:.0f} s in all")
       self.counters["retries"] += 1
       self._closed.wait(pause)
@@ -195,12 +200,14 @@ def fetch_weights(connection: FlightConnection, version: int, expected: dict | N
                   sink: RelayStore | None = None) -> tuple[int, dict, int]:
   """(version, {name: host array}, bytes) of one version, fetched as `streams` parallel DoGets of disjoint parts
   from `connection` (the trainer, or a relay); `expected` ({name: shape}) checks the tensors against the
-  receiver's model. With a `sink` (this sampler's relay), every chunk is also handed on as it arrives, and the
-  version is marked whole, or failed, at the end."""
+  receiver's model. With a `sink` (this sampler's relay), every chunk is also handed on as it arrives and the
+  version is marked whole at the end; on failure the sink is left as it is (the caller may fetch again from
+  elsewhere into it, or fail it)."""
   def part(i: int):
     added = False
     try:
-      reader = connection.client.do_get(flight.Ticket(weights_ticket(version, i, streams)), options=connection.options())
+      reader = connection.client.do_get(flight.Ticket(weights_ticket(version, i, streams)),
+                                        options=connection.options(max(connection.timeout_s, WEIGHTS_DEADLINE_S)))
       got, manifest, indices = read_manifest(reader.schema)
       if got != version or indices != part_indices(manifest, i, streams):
         raise BadWeightStream(f"asked for part {i} of {streams} of version {version}, got {len(indices)} tensors "
@@ -223,16 +230,11 @@ def fetch_weights(connection: FlightConnection, version: int, expected: dict | N
       if added:  # chunks went on to this sampler's children: a retry would repeat them
         raise BadMessage(f"the stream of version {version} from {connection.address} broke: {_message(err)}") from None
       raise
-  try:
-    with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
-      results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
-    flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
-    if expected is not None:
-      check_tensors(flat, expected)
-  except BaseException as err:
-    if sink is not None:
-      sink.fail(version, f"{type(err).__name__}: {err}")
-    raise
+  with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
+    results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
+  flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
+  if expected is not None:
+    check_tensors(flat, expected)
   if sink is not None:
     sink.complete(version)
   return version, flat, sum(r[2] for r in results)
@@ -247,11 +249,13 @@ class FlightWeightReceiver:
 
   def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None,
                sampler_id: int = -1, relay: RelayStore | None = None, tls: TLSFiles | None = None, streams: int = 2,
-               log=None):
+               log=None, relay_tls_name: str | None = None):
     """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
     self.sampler_id, self.relay, self.tls, self.streams, self.log = sampler_id, relay, tls, streams, log
+    self.relay_tls_name = relay_tls_name
     self._sources: dict[str, FlightConnection] = {}
+    self.last_fallback = ""
     self.held_at: dict[int, float] = {}  # version -> time.time() it landed
     self._finish = finish or (lambda placed: placed)
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
@@ -288,24 +292,32 @@ class FlightWeightReceiver:
         self.stats["relay_fetches"] += 1
       except Exception as err:  # noqa: BLE001 - whatever went wrong there, the trainer has the version
         self.stats["relay_fallbacks"] += 1
+        self.last_fallback = f"{type(err).__name__}: {_message(err)[:300]}"
         if self.log is not None:
-          self.log(f"weights of version {version} from relay {source} failed ({_message(err)[:200]}); "
-                   f"fetching them from the trainer")
+          self.log(f"weights of version {version} from relay {source} failed ({self.last_fallback}); "
+                   f"fetching them from the trainer (the samplers below this one go on from what it holds)")
     if got is None:
-      got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay)
+      try:
+        got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay)
+      except BaseException as err:
+        if self.relay is not None:
+          self.relay.fail(version, f"{type(err).__name__}: {_message(err)[:200]}")
+        raise
     params = jax.device_put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
     params = jax.block_until_ready(self._finish(params))
     self.stats["fetches"] += 1
     self.stats["bytes"] += nbytes
     self.stats["fetch_s"] += time.perf_counter() - start
     self.held_at[got] = time.time()
+    for old in sorted(self.held_at)[:-8]:
+      del self.held_at[old]
     return WeightUpdate(got, params)
 
   def _source(self, address: str) -> FlightConnection:
     """A connection to a relay: short retries, since the trainer is there to fall back to."""
     if address not in self._sources:
       self._sources[address] = FlightConnection(address, tls=self.tls, timeout_s=self.connection.timeout_s,
-                                                retry_s=2.0)
+                                                retry_s=2.0, peer="the relay", tls_name=self.relay_tls_name)
     return self._sources[address]
 
   def latest(self) -> WeightUpdate | None:

@@ -102,8 +102,10 @@ def weight_batches(schema: pa.Schema, arrays: list[np.ndarray], chunk_bytes: int
 
 def chunk_rows(batch: pa.RecordBatch) -> Iterator[tuple[int, int, pa.Buffer]]:
   """(tensor index, byte offset, bytes) of each chunk in a batch."""
-  if batch.schema.names != [name for name, _ in CHUNK_COLUMNS]:
+  if not batch.schema.remove_metadata().equals(pa.schema(CHUNK_COLUMNS)):
     raise BadWeightStream(f"weight chunk columns {batch.schema.names}, expected {[n for n, _ in CHUNK_COLUMNS]}")
+  if any(column.null_count for column in batch.columns):
+    raise BadWeightStream("a weight chunk with a null field")
   for row, (index, offset) in enumerate(zip(batch.column(0).to_numpy(), batch.column(1).to_numpy())):
     yield int(index), int(offset), batch.column(2)[row].as_buffer()
 
@@ -113,6 +115,8 @@ def read_manifest(schema: pa.Schema) -> tuple[int, list, list[int]]:
   meta = schema.metadata or {}
   if meta.get(b"schema") != SCHEMA_NAME.encode():
     raise BadWeightStream(f"weight stream schema is not {SCHEMA_NAME!r}")
+  if not schema.remove_metadata().equals(pa.schema(CHUNK_COLUMNS)):
+    raise BadWeightStream(f"weight stream columns {schema.remove_metadata()} are not {pa.schema(CHUNK_COLUMNS)}")
   try:
     manifest = [(str(name), jnp.dtype(dtype), tuple(int(d) for d in shape))
                 for name, dtype, shape in json.loads(meta[b"tensors"])]

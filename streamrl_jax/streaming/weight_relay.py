@@ -32,16 +32,24 @@ class _Version:
   rows: list = dataclasses.field(default_factory=list)  # (tensor index, offset, Arrow buffer), as they arrived
   state: str = "receiving"  # or "complete", "failed"
   reason: str = ""
+  held: dict = dataclasses.field(default_factory=dict)  # tensor index -> bytes of it held (from its start)
 
 
 class RelayStore:
   """The versions a sampler receives, kept for its children: `begin`, `add` each chunk, then `complete` or
-  `fail`; `stream` serves one part of one version. Thread-safe; keeps the newest `keep` versions."""
+  `fail`; `stream` serves one part of one version. Thread-safe. Keeps the newest `keep` versions (default one:
+  a relay holds one copy of the model on the host besides what it runs).
 
-  def __init__(self, *, keep: int = 2, begin_wait_s: float = 10.0, stall_s: float = 60.0):
+  Chunks of a tensor are kept in order from its first byte: a chunk already held is skipped, so when this
+  sampler's own source fails and it fetches the version again elsewhere, the streams it serves go on where they
+  were instead of breaking (the chunking is the trainer's, whoever forwards it). A chunk that would leave a gap
+  fails the version."""
+
+  def __init__(self, *, keep: int = 1, begin_wait_s: float = 10.0, stall_s: float = 60.0):
     self.keep, self.begin_wait_s, self.stall_s = keep, begin_wait_s, stall_s
     self._cond = threading.Condition()
     self._versions: dict[int, _Version] = {}
+    self._closed = False
 
   def begin(self, version: int, manifest: list) -> None:
     """Announces a version (once per stream of it: the manifests must agree); a failed one starts afresh."""
@@ -59,13 +67,33 @@ class RelayStore:
   def add(self, version: int, index: int, offset: int, data: pa.Buffer) -> None:
     with self._cond:
       held = self._versions.get(version)
-      if held is not None and held.state == "receiving":
+      if held is None or held.state != "receiving":
+        return
+      have = held.held.get(index, 0)
+      if offset + data.size <= have and (offset, data.size) != (0, 0):  # held already (a fetch started again)
+        return
+      if offset != have:
+        held.state, held.reason = "failed", f"chunk at byte {offset} of tensor {index}, {have} bytes held"
+      else:
         held.rows.append((index, offset, data))
-        self._cond.notify_all()
+        held.held[index] = have + data.size
+      self._cond.notify_all()
 
   def complete(self, version: int) -> None:
-    """Every stream of the version arrived whole: serve it as held."""
-    self._settle(version, "complete", "")
+    """Every stream of the version arrived: serve it as held (failed instead if a byte is missing)."""
+    with self._cond:
+      held = self._versions.get(version)
+      missing = held is not None and any(held.held.get(i, 0) != n for i, n in enumerate(tensor_nbytes(held.manifest)))
+    self._settle(version, "failed" if missing else "complete", "bytes missing at completion" if missing else "")
+
+  def close(self) -> None:
+    """Fails every version still arriving and refuses new streams (the sampler stops)."""
+    with self._cond:
+      self._closed = True
+      for held in self._versions.values():
+        if held.state == "receiving":
+          held.state, held.reason = "failed", "the relay is stopping"
+      self._cond.notify_all()
 
   def fail(self, version: int, reason: str) -> None:
     """The version's source failed: streams of it under way break, new ones are refused."""
@@ -86,8 +114,10 @@ class RelayStore:
     """(schema, batches) of one part of `version`, served as its chunks arrive. Refused (`RelayRefused`)
     when the version does not begin arriving within `begin_wait_s`, or its source failed."""
     with self._cond:
-      self._cond.wait_for(lambda: version in self._versions or max(self._versions, default=-1) > version,
-                          self.begin_wait_s)
+      self._cond.wait_for(lambda: self._closed or version in self._versions
+                          or max(self._versions, default=-1) > version, self.begin_wait_s)
+      if self._closed:
+        raise RelayRefused("this relay is stopping")
       held = self._versions.get(version)
       if held is None or held.state == "failed":
         why = "its source failed: " + held.reason[:200] if held is not None else f"holds {sorted(self._versions)}"
@@ -122,13 +152,17 @@ class RelayServer(flight.FlightServerBase):
   def __init__(self, host: str, port: int, store: RelayStore, *, tls: TLSFiles | None = None,
                advertise: str | None = None):
     super().__init__(f"{'grpc+tls' if tls else 'grpc+tcp'}://{host}:{port}", **server_tls_options(tls))
-    if not advertise and host in ("0.0.0.0", "::", ""):
+    if not advertise and host in ("0.0.0.0", "::", "[::]", ""):
       raise ValueError(f"--relay-listen {host}:{port} binds every interface: give --relay-host, the address "
                        f"other samplers dial")
     self.address = f"{advertise or host}:{self.port}"
     self.store = store
     self._lock = threading.Lock()
     self.counters = dict(relay_streams=0, relay_refusals=0)
+
+  def shutdown(self) -> None:
+    self.store.close()  # streams waiting for chunks end now, so the server's shutdown does not wait on them
+    super().shutdown()
 
   def do_get(self, context, ticket):
     try:
