@@ -1,0 +1,286 @@
+"""Multi-turn rollouts with tools: the calculator's grammar and bounds, the environment, rows extended in
+flight, masked tool tokens in samples and in the gradient, replay from the seed, and the pipeline."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from streamrl_jax.envs import CalculatorEnv, CalculatorError, ToolResult, ToolRunner, evaluate, make_environment
+from streamrl_jax.envs.calculator import format_value
+from streamrl_jax.meshes import single_device_mesh
+from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.groups import samples_to_shard
+from streamrl_jax.sampling.driver import StreamingSampler
+from streamrl_jax.sampling.engine import DecodeEngine, EngineConfig
+from streamrl_jax.tasks import MultiplyTask, multiply_reward
+from streamrl_jax.types import FINISH_TURNS, SamplingParams
+from tests.trainer_setup import make_batch, mean_gradient, trainer_for
+
+TOKENIZER = CharTokenizer()
+
+
+# ---- the calculator ------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, value", [("3457*29", "100253"), ("(1+2)*-3", "-9"), ("2**10", "1024"), ("7/2", "3.5"),
+                                         ("-7//2", "-4"), ("17%5", "2"), (" 12 * 3 ", "36")])
+def test_the_calculator_evaluates_its_grammar(text, value):
+  assert format_value(evaluate(text)) == value
+
+
+@pytest.mark.parametrize("text, why", [
+    ("__import__('os')", "Call is not allowed"), ("().__class__", "Attribute is not allowed"), ("x", "Name is not allowed"),
+    ("9**9**9", "exponent 387420489"), ("10**100", "exponent 100"), ("99999999**64", "beyond 60 digits"),
+    ("(" * 30 + "1" + ")" * 30, "nesting deeper than 24"), ("-" * 150 + "1", "nesting deeper than 24"),
+    ("1" * 201, "201 characters"), ("1.5*2", "Constant is not allowed"), ("'a'*3", "Constant is not allowed"),
+    ("1/0", "division by zero"), ("[1]", "List is not allowed"), ("lambda: 1", "Lambda is not allowed"),
+    ("1;2", "not an expression"), ("", "not an expression")])
+def test_the_calculator_refuses_what_is_not_arithmetic(text, why):
+  with pytest.raises(CalculatorError, match=why.replace("(", r"\(").replace("*", r"\*")):
+    evaluate(text)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(-10**6, 10**6), st.integers(-10**6, 10**6), st.sampled_from("+-*"))
+def test_the_calculator_agrees_with_python_on_integers(a, b, op):
+  expected = {"+": a + b, "-": a - b, "*": a * b}[op]
+  assert evaluate(f"{a}{op}({b})") == expected
+
+
+def test_a_malicious_call_gets_an_error_observation_and_has_no_effect(monkeypatch):
+  env = CalculatorEnv(max_turns=3)
+  called = []
+  monkeypatch.setattr("builtins.__import__", lambda *a, **k: called.append(a) or pytest.fail("imported"))
+  state, obs = env.step(env.reset("1*1=", 0), "<__import__('os').system('true')>")
+  monkeypatch.undo()
+  assert obs.text == "error: Call is not allowed" and not obs.done and state.turns == 1 and not called
+  for turn in ("<9**9**9>", "<" + "(" * 40 + "1" + ")" * 40 + ">"):
+    state, obs = env.step(state, turn)
+    assert obs.text.startswith("error: ") and not obs.done
+  state, obs = env.step(state, "<1+1>")
+  assert obs.done and obs.text == ""  # the turn limit ends the episode
+
+
+def test_the_environment_is_pure_and_calls_parse_from_the_end_of_the_turn():
+  env = make_environment("calculator", max_turns=2)
+  first = env.reset("12*34=", 0)
+  assert env.step(first, "some text <12*34>") == env.step(first, "some text <12*34>")
+  assert env.step(first, "<12*34>")[1].text == "408" and first.turns == 0
+  assert env.step(first, "no call>")[1].text == "error: no call"
+  with pytest.raises(ValueError, match="unknown environment 'abacus'; known: \\['calculator'\\]"):
+    make_environment("abacus")
+  with pytest.raises(ValueError, match="max_turns must be >= 1"):
+    make_environment("calculator", max_turns=0)
+
+
+def test_the_multiply_task_and_its_reward():
+  rng = np.random.default_rng(0)
+  prompt, worked = MultiplyTask(3).sample(rng)
+  a, b = map(int, prompt[:-1].split("*"))
+  assert worked == f"<{a}*{b}>{a * b};={a * b}" and multiply_reward(prompt, worked) == 1.0
+  assert MultiplyTask(3, tool=False).sample(np.random.default_rng(0))[1] == f";={a * b}"
+  assert multiply_reward("12*34=", "<12*34>408;=409") == 0.0 and multiply_reward("12*34=", ";=408") == 1.0
+
+
+# ---- rows extended in flight ---------------------------------------------------------------------
+MODEL = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                    num_kv_heads=2, eos_token_id=TOKENIZER.eos_id)
+
+
+@pytest.fixture(scope="module")
+def engine_and_params():
+  graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(3)))
+  engine = DecodeEngine(graphdef, MODEL, EngineConfig(num_slots=4, max_prompt_length=32, max_new_tokens=32),
+                        single_device_mesh())
+  return engine, params
+
+
+class _FixedTools:
+  """Tools whose stop token and observation the test chooses; a second call ends the episode."""
+
+  def __init__(self, stop_id: int, observation: list[int]):
+    self.stop_ids, self.observation, self.calls = (stop_id,), observation, []
+
+  def start(self, prompt, seed):
+    return 0
+
+  def submit(self, state, turn):
+    self.calls.append(list(turn))
+    future = concurrent.futures.Future()
+    future.set_result(ToolResult(state + 1, () if state else tuple(self.observation), 0.0, bool(state)))
+    return future
+
+
+def _run(engine, params, prompt, params_kw, tools=None, seed=0):
+  sampler = StreamingSampler([engine], params, tools=tools, seed=seed)
+  sampler.submit(prompt, SamplingParams(**params_kw), group_id=7)
+  return list(sampler.stream())[0], sampler
+
+
+def test_a_row_extended_in_flight_decodes_as_one_prefilled_with_the_whole_history(engine_and_params):
+  engine, params = engine_and_params
+  prompt = TOKENIZER.encode("12*34=")
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
+  plain, _ = _run(engine, params, prompt, greedy)
+  tokens = plain.completion_tokens.tolist()
+  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # a token first seen at i >= 2
+  observation = TOKENIZER.encode("408")
+  tools = _FixedTools(tokens[j], observation)
+  extended, sampler = _run(engine, params, prompt, greedy, tools)
+  got = extended.completion_tokens.tolist()
+  assert got[:j + 1] == tokens[:j + 1] and got[j + 1:j + 4] == observation and sampler.counters["extend_calls"] == 1
+  assert extended.loss_mask.tolist() == [True] * (j + 1) + [False] * 3 + [True] * (len(got) - j - 4)
+  assert extended.logprobs[j + 1:j + 4].tolist() == [0.0] * 3
+  # The same history prefilled at once, then decoded greedily: the same tokens after the observation.
+  reference, _ = _run(engine, params, np.asarray(prompt + got[:j + 4]),
+                      dict(greedy, max_new_tokens=len(got) - j - 4, stop_token_ids=(TOKENIZER.eos_id, tokens[j])))
+  after = got[j + 4:]
+  assert reference.completion_tokens.tolist()[:len(after)] == after and len(after) >= 1
+
+
+def test_an_episode_replays_identically_from_its_seed(engine_and_params):
+  engine, params = engine_and_params
+  runner = ToolRunner(make_environment("calculator", max_turns=2), TOKENIZER)
+  try:
+    knobs = dict(temperature=1.5, max_new_tokens=32, stop_token_ids=(TOKENIZER.eos_id,))
+    runs = []
+    for _ in range(2):
+      sampler = StreamingSampler([engine], params, tools=runner, seed=11)
+      for g in range(6):
+        sampler.submit(TOKENIZER.encode(f"{g}3*4{g}="), SamplingParams(**knobs), group_id=g)
+      runs.append({s.group_id: (s.completion_tokens.tolist(), None if s.loss_mask is None else s.loss_mask.tolist(),
+                                s.finish_reason) for s in sampler.stream()})
+      assert sampler.counters["tool_calls"] >= 1, "the random model made no call: pick another seed"
+    assert runs[0] == runs[1]
+  finally:
+    runner.close()
+
+
+class _HeldTools(_FixedTools):
+  """Tools whose first call returns only when the test releases it."""
+
+  def __init__(self, stop_id: int, observation: list[int]):
+    super().__init__(stop_id, observation)
+    self.pending: list[concurrent.futures.Future] = []
+
+  def submit(self, state, turn):
+    self.calls.append(list(turn))
+    future = concurrent.futures.Future()
+    self.pending.append((future, ToolResult(state + 1, () if state else tuple(self.observation), 0.0, bool(state))))
+    return future
+
+  def release(self) -> None:
+    for future, result in self.pending:
+      future.set_result(result)
+    self.pending = []
+
+
+def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params):
+  engine, params = engine_and_params
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
+  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
+  tools = _HeldTools(a[j], TOKENIZER.encode("408"))
+  sampler = StreamingSampler([engine], params, tools=tools)
+  sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
+  sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
+  finished = []
+  for _ in range(200):  # the tool call stays unanswered: row b decodes to its end meanwhile
+    finished += sampler.step()
+    if finished:
+      break
+  assert [s.group_id for s in finished] == [1] and finished[0].completion_tokens.tolist() == b
+  assert len(tools.calls) == 1 and sampler.num_in_flight == 1  # row a, paused on its call
+  tools.release()
+  for _ in range(200):
+    finished += sampler.step()
+    if not sampler.has_work():
+      break
+  assert [s.group_id for s in finished] == [1, 0]
+  assert finished[1].completion_tokens.tolist()[:j + 4] == a[:j + 1] + TOKENIZER.encode("408")
+
+
+# ---- masks in samples and in the gradient ----------------------------------------------------------
+def test_tool_tokens_carry_loss_mask_zero_into_the_shard(engine_and_params):
+  engine, params = engine_and_params
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
+  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+  sample, _ = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))
+  shard = samples_to_shard([sample], [1.0], width=40, step=0)
+  p = len(sample.prompt_tokens)
+  assert shard.loss_mask[0, p:p + j + 1].all() and not shard.loss_mask[0, p + j + 1:p + j + 3].any()
+  assert shard.loss_mask[0, p + j + 3:p + sample.num_tokens].all() and not shard.loss_mask[0, :p].any()
+
+
+@pytest.fixture(scope="module")
+def tiny_trainer():
+  from tests.trainer_setup import CONFIG
+  graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+  return trainer_for(graphdef), params
+
+
+def _gradient(trainer, params, batch):
+  return mean_gradient(trainer.accumulate(trainer.init_state(params), batch))
+
+
+def _same(a, b) -> bool:
+  return all(np.allclose(x, y, rtol=1e-5, atol=1e-8) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
+  """Tool tokens (loss mask 0) at the end of each row, and the sampler's numbers of tool tokens anywhere: the
+  gradient does not see them. With the mask on, the same change moves it (so the test can fail)."""
+  trainer, params = tiny_trainer
+  batch = make_batch(4, seed=5)
+  last = np.asarray([np.flatnonzero(row).max() for row in batch["loss_mask"]])
+  tool = np.zeros_like(batch["loss_mask"])
+  for row, end in enumerate(last):
+    tool[row, end - 2:end + 1] = True  # the row's last three tokens: an observation that ended the episode
+  tool &= batch["loss_mask"]
+  masked = dict(batch, loss_mask=batch["loss_mask"] & ~tool)
+  base = _gradient(trainer, params, masked)
+  rng = np.random.default_rng(1)
+  other_tokens = np.where(tool, rng.integers(0, 48, tool.shape), batch["tokens"]).astype(np.int32)
+  middle = masked["loss_mask"] & (rng.random(tool.shape) < 0.3)
+  other_numbers = dict(masked, tokens=other_tokens,
+                       sampler_logprobs=np.where(tool | ~masked["loss_mask"], -50.0, batch["sampler_logprobs"]))
+  assert _same(base, _gradient(trainer, params, other_numbers))
+  assert middle.any()
+  unmasked = _gradient(trainer, params, dict(batch, tokens=other_tokens))
+  assert not _same(_gradient(trainer, params, batch), unmasked)
+
+
+# ---- the pipeline ------------------------------------------------------------------------------------
+def test_the_run_config_refuses_what_multi_turn_cannot_do():
+  with pytest.raises(ValueError, match="unknown environment 'abacus'"):
+    PipelineConfig(environment="abacus")
+  with pytest.raises(ValueError, match="kv_layout='paged' does not do yet"):
+    PipelineConfig(environment="calculator", engine=EngineConfig(kv_layout="paged", page_size=16,
+                                                                 max_prompt_length=48, max_new_tokens=48))
+  with pytest.raises(ValueError, match="tool_threads must be >= 1"):
+    PipelineConfig(environment="calculator", tool_threads=0)
+  assert dataclasses.replace(PipelineConfig(), environment="calculator").max_turns == 2
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_on_masked_episodes(tmp_path):
+  """`streamrl train` on the multiplication task with the calculator: the warmed-up model calls the tool, and
+  the run trains on episodes whose tool outputs are masked."""
+  from streamrl_jax.pipeline.train_job import JobConfig, train_job
+  config = PipelineConfig(mode="stream", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=32,
+                          environment="calculator", engine=EngineConfig(num_slots=16, max_prompt_length=16,
+                                                                        max_new_tokens=32))
+  job = JobConfig(task="multiply", multiply_digits=2, warmup_steps=200, eval_prompts=16)
+  summary = train_job(config, job, tmp_path, log=lambda *_: None)
+  assert summary["accuracy_before"] >= 0.3  # the warm-up taught the call: without the tool this model gets ~0
+  rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert len(rows) == 2
