@@ -284,3 +284,34 @@ def test_a_multi_turn_run_trains_on_masked_episodes(tmp_path):
   assert summary["accuracy_before"] >= 0.3  # the warm-up taught the call: without the tool this model gets ~0
   rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert len(rows) == 2
+
+
+def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same(engine_and_params):
+  """One slot: row a pauses on its call while b is queued, so a is parked off the slot and b runs there; when
+  the tool returns, a comes back and ends with the tokens it has unparked (the extended-row case above)."""
+  engine, params = engine_and_params
+  one = DecodeEngine(engine.graphdef, MODEL, dataclasses.replace(engine.config, num_slots=1), single_device_mesh())
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
+  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
+  unparked = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(a[j], [5, 6, 7]))[0]
+  tools = _HeldTools(a[j], [5, 6, 7])
+  sampler = StreamingSampler([one], params, tools=tools)
+  sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
+  sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
+  finished = []
+  for _ in range(200):
+    finished += sampler.step()
+    if finished:
+      break
+  assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
+  assert finished[0].completion_tokens.tolist() == b
+  tools.release()
+  for _ in range(200):
+    finished += sampler.step()
+    if not sampler.has_work():
+      break
+  assert [s.group_id for s in finished] == [1, 0]
+  assert finished[1].completion_tokens.tolist() == unparked.completion_tokens.tolist()
+  assert finished[1].loss_mask.tolist() == unparked.loss_mask.tolist()

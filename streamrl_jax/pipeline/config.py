@@ -43,7 +43,7 @@ class PipelineConfig:
   quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
   environment: str = ""  # multi-turn: an `envs` environment the samples call as a tool ("calculator"); "": none
   max_turns: int = 2  # multi-turn: tool calls per episode
-  tool_threads: int = 8  # multi-turn: host threads running the environment's steps
+  tool_threads: int = 64  # multi-turn: host threads running the environment's steps (>= slots: calls never queue)
   tool_delay_s: float = 0.0  # multi-turn: added to every tool call (to measure slow tools)
   seed: int = 0
   mesh: MeshConfig = MeshConfig()

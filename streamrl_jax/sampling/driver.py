@@ -53,6 +53,7 @@ class _Instance:
   slots: dict = dataclasses.field(default_factory=dict)  # slot -> _InFlight
   slot_limit: int = 0  # slots that may be busy at once (a dispatch plan's batch size); 0: all
   retiring: bool = False  # takes no new requests; removed once its in-flight requests finish
+  parked: dict = dataclasses.field(default_factory=dict)  # request id -> (_InFlight, Prefix): off its slot on a tool
 
   @property
   def capacity(self) -> int:
@@ -82,7 +83,9 @@ class StreamingSampler:
                admission: AdmissionPolicy = fifo_order, seed: int = 0, tools=None):
     """`tools` (an `envs.ToolRunner`): multi-turn episodes. A row whose turn ends with the environment's stop
     token pauses (its slot kept, the other rows decoding on), the environment's step runs on a host thread,
-    and its observation is appended to the row by `extend` (loss mask 0) before the row goes on."""
+    and its observation is appended to the row by `extend` (loss mask 0) before the row goes on. While requests
+    are queued, a paused row is parked off its slot (`park`: its cache kept aside on the device) so the slot
+    decodes another request; it comes back into a free slot, before any queued request, once its tool returns."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     self.version, self.admission = version, admission
@@ -94,7 +97,7 @@ class StreamingSampler:
     self._next_id = 0
     self._resume: dict[int, _InFlight] = {}  # request id -> a preempted request's progress, until admitted again
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
-                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0)
+                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -158,7 +161,9 @@ class StreamingSampler:
     sampler stops), in submission order."""
     requests = [r for inst in self._instances for r in inst.pending]
     requests += [f.request for inst in self._instances for f in inst.slots.values()]
+    requests += [f.request for inst in self._instances for f, _ in inst.parked.values()]
     flights = {f.request.request_id: f for inst in self._instances for f in inst.slots.values()}
+    flights.update({f.request.request_id: f for inst in self._instances for f, _ in inst.parked.values()})
     flights.update(self._resume)
     out = []
     for request in sorted(requests, key=lambda r: r.request_id):
@@ -228,7 +233,7 @@ class StreamingSampler:
     return inst.engine
 
   def _drop_idle_retired(self) -> None:
-    self._instances = [i for i in self._instances if not (i.retiring and not i.slots)]
+    self._instances = [i for i in self._instances if not (i.retiring and not i.slots and not i.parked)]
 
   @property
   def num_pending(self) -> int:
@@ -236,7 +241,7 @@ class StreamingSampler:
 
   @property
   def num_in_flight(self) -> int:
-    return sum(len(i.slots) for i in self._instances)
+    return sum(len(i.slots) + len(i.parked) for i in self._instances)
 
   def has_work(self) -> bool:
     return self.num_pending + self.num_in_flight > 0
@@ -317,8 +322,10 @@ class StreamingSampler:
         inst.state, preempted = inst.engine.make_room(inst.state, progress)
         self._requeue(inst, preempted)
         self.counters["preempted"] += len(preempted)
-      if inst.slots and all(f.waiting is not None for f in inst.slots.values()):
-        concurrent.futures.wait([f.waiting for f in inst.slots.values()], timeout=0.05,
+      waiting = [f.waiting for f in inst.slots.values() if f.waiting is not None]
+      waiting += [f.waiting for f, _ in inst.parked.values()]
+      if waiting and all(f.waiting is not None for f in inst.slots.values()):
+        concurrent.futures.wait(waiting, timeout=0.05,
                                 return_when=concurrent.futures.FIRST_COMPLETED)  # every row waits on a tool
       elif inst.slots:
         steps = inst.engine.config.steps_per_sync
@@ -363,19 +370,37 @@ class StreamingSampler:
     if reason == FINISH_STOP and int(token) in self._tool_stops and len(flight.tokens) < request.params.max_new_tokens:
       flight.waiting = self.tools.submit(flight.env_state, flight.tokens[flight.turn_start:])  # the row pauses
       self.counters["tool_calls"] += 1
+      if inst.pending and hasattr(inst.engine, "park") and len(inst.parked) < inst.engine.config.num_slots:
+        inst.parked[request.request_id] = (flight, inst.engine.park(inst.state, slot))  # its slot takes another
+        del inst.slots[slot]
+        inst.state = inst.engine.release(inst.state, slot)
+        self.counters["parked"] += 1
       return
     self._finish(inst, slot, flight, reason, now, finished)
 
   def _tool_results(self, inst: _Instance, finished: list) -> None:
     """Rows whose tool call has returned: the observation is appended (`extend`, one call for them all) and
-    the row goes on, or the episode ends (the environment says so, or no room for the observation is left)."""
-    ready = [(slot, f) for slot, f in inst.slots.items() if f.waiting is not None and f.waiting.done()]
+    the row goes on, or the episode ends (the environment says so, or no room for the observation is left).
+    A parked row comes back into a free slot first; with none free it waits for the next step."""
+    ready = [(slot, f, None) for slot, f in inst.slots.items() if f.waiting is not None and f.waiting.done()]
+    ready += [(None, f, prefix) for f, prefix in inst.parked.values() if f.waiting.done()]
+    free = inst.free_slots
     slots, chunks = [], []
-    for slot, flight in ready:
-      result, flight.waiting = flight.waiting.result(), None
-      flight.env_state, flight.env_reward = result.state, flight.env_reward + result.reward
+    for slot, flight, prefix in ready:
+      result = flight.waiting.result()
       room = flight.request.params.max_new_tokens - len(flight.tokens)
-      if result.done or len(result.tokens) >= room:
+      ends = result.done or len(result.tokens) >= room
+      if slot is None and not ends:
+        if not free:
+          continue  # no slot yet: it keeps its place among the parked
+        slot = free.pop(0)
+        inst.state = inst.engine.insert(prefix, inst.state, [slot])
+        inst.slots[slot] = flight
+      if prefix is not None:
+        del inst.parked[flight.request.request_id]
+      flight.waiting = None
+      flight.env_state, flight.env_reward = result.state, flight.env_reward + result.reward
+      if ends:
         self._finish(inst, slot, flight, FINISH_TURNS if result.done else FINISH_LENGTH, time.perf_counter(),
                      finished)
         continue
@@ -395,9 +420,10 @@ class StreamingSampler:
         inst.slots[slot].first = (firsts, slot)
 
   def _finish(self, inst, slot, flight: _InFlight, reason: str, now, finished) -> None:
-    """Frees the slot and appends the finished Sample to `finished`."""
-    del inst.slots[slot]
-    inst.state = inst.engine.release(inst.state, slot)
+    """Frees the slot (None: a parked row holds none) and appends the finished Sample to `finished`."""
+    if slot is not None:
+      del inst.slots[slot]
+      inst.state = inst.engine.release(inst.state, slot)
     request = flight.request
     finished.append(Sample(
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,

@@ -261,6 +261,7 @@ class DecodeEngine:
     self._generate = jax.jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
                              out_shardings=(self._state_shardings, replicated))
     self._extend = jax.jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
+    self._park = jax.jit(self._park_impl, out_shardings=replicated)
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
@@ -437,6 +438,21 @@ class DecodeEngine:
     for slot, row in zip(slots, tokens):
       chunk[slot, :len(row)], lengths[slot] = row, len(row)
     return self._extend(params, decode_state, chunk, lengths)
+
+  def park(self, decode_state: DecodeState, slot: int) -> Prefix:
+    """The paused row in `slot` (it waits on a tool) as a one-row `Prefix`: its whole cache, token count and
+    knobs, to `insert` again later into any free slot (inactive until `extend` goes on from it); meanwhile the
+    slot may take another request. One compile."""
+    return self._park(decode_state, np.asarray([slot], np.int32))
+
+  def _park_impl(self, state: DecodeState, slots):
+    cache, take = state.cache, (lambda a: a[slots])  # noqa: E731
+    return Prefix(keys=tuple(take(k) for k in cache.keys), values=tuple(take(v) for v in cache.values),
+                  valid=take(cache.valid), true_length=take(cache.index), first_token=take(state.last_token),
+                  first_logprob=jnp.zeros(slots.shape, jnp.float32), done=jnp.ones(slots.shape, bool),
+                  generated=take(state.generated), rng=take(state.rng), temperature=take(state.temperature),
+                  top_k=take(state.top_k), top_p=take(state.top_p), max_new=take(state.max_new),
+                  stop_ids=take(state.stop_ids))
 
   def _extend_impl(self, params, state: DecodeState, chunk, lengths):
     model = nnx.merge(self.graphdef, params)
