@@ -5,9 +5,12 @@
   calculator (`PipelineConfig.environment='calculator'`: the model writes `<A*B>`, the environment appends the
   product with loss mask 0, the model writes `;=` and the answer), one without (the answer alone). Held-out
   greedy accuracy after training, with the tool minus without.
-- `slow_tool_throughput_ratio`: the tool run's trained model samples 128 held-out prompts (8 a group, 32 slots)
-  with instant tools and with 50 ms added to every tool call, interleaved REPEATS times: samples/s with slow
-  tools over instant ones. Rows waiting on a tool pause alone while the others decode.
+- `slow_tool_throughput_ratio`: the tool run's trained model samples PROMPTS held-out prompts (8 a group, 32
+  slots: a sampler with four steps of work queued, as in async runs) with instant tools and with 50 ms added to
+  every tool call, interleaved REPEATS times: samples/s with slow tools over instant ones. A row waiting on a
+  tool pauses alone while the others decode, and is parked off its slot for a queued request after one step.
+  Also reported: one step's 128 samples alone (`slow_tool_ratio_one_step`: the last rows' waits have nothing to
+  overlap with) and 8 tool threads instead of 64 (`slow_tool_ratio_8_threads`: calls queue for a thread).
 
 Prints one JSON object as its last line.
 """
@@ -25,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = 8, 300, 3, 3, 128
+STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = 8, 300, 3, 3, 512
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # a sampler and a trainer device
 
 
@@ -51,7 +54,7 @@ def train(config, job, workdir: Path) -> dict:
               reward_by_step=[round(m["reward_mean"], 3) for m in metrics], wall_s=round(time.perf_counter() - start, 1))
 
 
-def sampling_rate(engine, params, config, delay_s: float, seed: int) -> tuple[float, dict]:
+def sampling_rate(engine, params, config, delay_s: float, seed: int, prompts: int = PROMPTS) -> tuple[float, dict]:
   """Samples/s of PROMPTS prompts on `engine` (compiled already by an earlier call) with tools of `delay_s`."""
   from streamrl_jax.envs import ToolRunner, make_environment
   from streamrl_jax.models import CharTokenizer
@@ -65,7 +68,7 @@ def sampling_rate(engine, params, config, delay_s: float, seed: int) -> tuple[fl
   rng = np.random.default_rng(seed)
   knobs = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
                          num_samples=8)
-  for g in range(PROMPTS // 8):
+  for g in range(prompts // 8):
     sampler.submit(tokenizer.encode(MultiplyTask(DIGITS).sample(rng)[0]), knobs, group_id=g)
   start = time.perf_counter()
   samples = list(sampler.stream())
@@ -92,17 +95,22 @@ def main() -> dict:
   engine = make_engine(graphdef, model.config, tool_config.engine, single_device_mesh())
   for seed in (97, 98, 99):  # compiles every prefill, extend and decode shape before any arm is timed
     sampling_rate(engine, params, tool_config, 0.0, seed=seed)
-  rates = {"instant": [], "slow": [], "slow_8_threads": []}
+  rates = {"instant": [], "slow": [], "slow_8_threads": [], "instant_one_step": [], "slow_one_step": []}
   few_threads = dataclasses.replace(tool_config, tool_threads=8)
+  one_step = tool_config.prompts_per_step * tool_config.group_size
   for rep in range(REPEATS):
-    for arm, delay, config in (("instant", 0.0, tool_config), ("slow", 0.05, tool_config),
-                               ("slow_8_threads", 0.05, few_threads)):
-      rate, counters = sampling_rate(engine, params, config, delay, seed=rep)
+    for arm, delay, config, prompts in (("instant", 0.0, tool_config, PROMPTS), ("slow", 0.05, tool_config, PROMPTS),
+                                        ("slow_8_threads", 0.05, few_threads, PROMPTS),
+                                        ("instant_one_step", 0.0, tool_config, one_step),
+                                        ("slow_one_step", 0.05, tool_config, one_step)):
+      rate, counters = sampling_rate(engine, params, config, delay, seed=rep, prompts=prompts)
       rates[arm].append(round(rate, 2))
       out[f"{arm}_counters"] = counters
   print("rates", rates, file=sys.stderr, flush=True)
-  out.update(samples_per_s=rates, slow_tool_throughput_ratio=round(statistics.median(rates["slow"]) /
-                                                                   statistics.median(rates["instant"]), 3),
+  ratio = lambda slow, instant: round(statistics.median(rates[slow]) / statistics.median(rates[instant]), 3)  # noqa: E731
+  out.update(samples_per_s=rates, slow_tool_throughput_ratio=ratio("slow", "instant"),
+             slow_tool_ratio_one_step=ratio("slow_one_step", "instant_one_step"),
+             slow_tool_ratio_8_threads=ratio("slow_8_threads", "instant"),
              tool_delay_s=0.05, steps=STEPS, warmup_steps=WARMUP, digits=DIGITS)
   return out
 

@@ -316,6 +316,7 @@ class StreamingSampler:
     for inst in self._instances:
       if self.tools is not None:
         self._tool_results(inst, finished)
+        self._park_waiting(inst)
       self._admit(inst, now)
       if inst.slots:  # rows whose first token is unread are never preempted: they have just been admitted
         progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()}
@@ -370,11 +371,6 @@ class StreamingSampler:
     if reason == FINISH_STOP and int(token) in self._tool_stops and len(flight.tokens) < request.params.max_new_tokens:
       flight.waiting = self.tools.submit(flight.env_state, flight.tokens[flight.turn_start:])  # the row pauses
       self.counters["tool_calls"] += 1
-      if inst.pending and hasattr(inst.engine, "park") and len(inst.parked) < inst.engine.config.num_slots:
-        inst.parked[request.request_id] = (flight, inst.engine.park(inst.state, slot))  # its slot takes another
-        del inst.slots[slot]
-        inst.state = inst.engine.release(inst.state, slot)
-        self.counters["parked"] += 1
       return
     self._finish(inst, slot, flight, reason, now, finished)
 
@@ -418,6 +414,18 @@ class StreamingSampler:
       self.counters["extend_calls"] += 1
       for slot in slots:
         inst.slots[slot].first = (firsts, slot)
+
+  def _park_waiting(self, inst: _Instance) -> None:
+    """Rows still waiting on a tool a step after their call (a quick tool has returned by then) leave their
+    slots to queued requests: parked, their cache kept aside on the device (at most a slot's worth of rows)."""
+    if not hasattr(inst.engine, "park"):
+      return
+    waiting = sorted(slot for slot, f in inst.slots.items() if f.waiting is not None)
+    for slot in waiting[:min(len(inst.pending), inst.engine.config.num_slots - len(inst.parked))]:
+      flight = inst.slots.pop(slot)
+      inst.parked[flight.request.request_id] = (flight, inst.engine.park(inst.state, slot))
+      inst.state = inst.engine.release(inst.state, slot)
+      self.counters["parked"] += 1
 
   def _finish(self, inst, slot, flight: _InFlight, reason: str, now, finished) -> None:
     """Frees the slot (None: a parked row holds none) and appends the finished Sample to `finished`."""
