@@ -412,8 +412,8 @@ class StreamingSampler:
     if slots:
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
       self.counters["extend_calls"] += 1
-      for slot in slots:
-        inst.slots[slot].first = (firsts, slot)
+      for row, slot in enumerate(slots):
+        inst.slots[slot].first = (firsts, row)
 
   def _park_waiting(self, inst: _Instance) -> None:
     """Rows still waiting on a tool a step after their call (a quick tool has returned by then) leave their

@@ -424,20 +424,40 @@ class DecodeEngine:
     """Appends `tokens[i]` to the paused row in slot `slots[i]` (a row a stop token ended: the first of its
     tokens is that stop token, the rest a tool's output) with one prefill of just those tokens over the row's
     cache, the history not prefilled again; then samples each row's next token and makes it active again.
-    Returns (state, (token, logprob, done) [num_slots] device arrays). Compiles once per power-of-two length
-    from 8 up to the cache length (`extend_buckets`)."""
+    Only those rows are computed (gathered from their slots, up to `prefill_batch` a call, and put back).
+    Returns (state, (token, logprob, done) device arrays, entry i for `slots[i]`). Compiles once per row
+    bucket (`row_buckets`) and power-of-two length from 8 up to the cache length (`extend_buckets`)."""
     num_slots = self.config.num_slots
     if len(slots) != len(tokens) or len(set(slots)) != len(slots) or any(not 0 <= s < num_slots for s in slots):
       raise ValueError(f"extend takes distinct slots in 0..{num_slots - 1}, one token list each; got {list(slots)}")
-    longest = max((len(t) for t in tokens), default=0)
-    if not 1 <= min((len(t) for t in tokens), default=1) or longest > self.config.cache_length:
-      raise ValueError(f"extend appends 1..{self.config.cache_length} tokens a row, got lengths "
-                       f"{[len(t) for t in tokens]}")
-    bucket = next(b for b in self.config.extend_buckets if b >= longest)
-    chunk, lengths = np.zeros((num_slots, bucket), np.int32), np.zeros((num_slots,), np.int32)
-    for slot, row in zip(slots, tokens):
-      chunk[slot, :len(row)], lengths[slot] = row, len(row)
-    return self._extend(params, decode_state, chunk, lengths)
+    if not slots or min(len(t) for t in tokens) < 1 or max(len(t) for t in tokens) > self.config.cache_length:
+      raise ValueError(f"extend appends 1..{self.config.cache_length} tokens to each of 1 or more rows, got "
+                       f"lengths {[len(t) for t in tokens]}")
+    outputs = []
+    for start in range(0, len(slots), self.config.prefill_batch):
+      part, rows_tokens = slots[start:start + self.config.prefill_batch], tokens[start:start + self.config.prefill_batch]
+      rows = next(r for r in self.config.row_buckets if r >= len(part))
+      bucket = next(b for b in self.config.extend_buckets if b >= max(len(t) for t in rows_tokens))
+      chunk, lengths = np.zeros((rows, bucket), np.int32), np.zeros((rows,), np.int32)
+      targets = np.full((rows,), num_slots, np.int32)  # padding rows: out of range, dropped when put back
+      for i, (slot, row) in enumerate(zip(part, rows_tokens)):
+        chunk[i, :len(row)], lengths[i], targets[i] = row, len(row), slot
+      decode_state, out = self._extend(params, decode_state, targets, chunk, lengths)
+      outputs.append(tuple(a[:len(part)] for a in out))
+    return decode_state, tuple(jnp.concatenate(parts) for parts in zip(*outputs))
+
+  def _extend_impl(self, params, state: DecodeState, targets, chunk, lengths):
+    model = nnx.merge(self.graphdef, params)
+    rows = jax.tree.map(lambda a: a[jnp.minimum(targets, self.config.num_slots - 1)], state)
+    mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
+    logits, cache = model.forward_with_cache(chunk, rows.cache, mask, logits_at=jnp.maximum(lengths - 1, 0))
+    cache = cache.replace(index=rows.cache.index + lengths)  # padding past a row's tokens is overwritten later
+    # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
+    rows = rows.replace(cache=cache, active=lengths > 0, generated=rows.generated + jnp.maximum(lengths - 1, 0))
+    changes, out = sample_next(rows, logits)
+    rows = rows.replace(**changes)
+    state = jax.tree.map(lambda big, small: big.at[targets].set(small, mode="drop"), state, rows)
+    return state, (out.tokens, out.logprobs, out.done)
 
   def park(self, decode_state: DecodeState, slot: int) -> Prefix:
     """The paused row in `slot` (it waits on a tool) as a one-row `Prefix`: its whole cache, token count and
@@ -453,22 +473,6 @@ class DecodeEngine:
                   generated=take(state.generated), rng=take(state.rng), temperature=take(state.temperature),
                   top_k=take(state.top_k), top_p=take(state.top_p), max_new=take(state.max_new),
                   stop_ids=take(state.stop_ids))
-
-  def _extend_impl(self, params, state: DecodeState, chunk, lengths):
-    model = nnx.merge(self.graphdef, params)
-    extending = lengths > 0
-    mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
-    logits, cache = model.forward_with_cache(chunk, state.cache, mask, logits_at=jnp.maximum(lengths - 1, 0))
-    cache = cache.replace(index=state.cache.index + lengths)  # padding past a row's tokens is overwritten later
-    # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
-    paused = state.replace(cache=cache, active=extending, generated=state.generated + jnp.maximum(lengths - 1, 0))
-    changes, out = sample_next(paused, logits)
-    keep = lambda new, old: jnp.where(extending, new, old)  # noqa: E731
-    state = state.replace(cache=cache, last_token=keep(changes["last_token"], state.last_token),
-                          generated=keep(changes["generated"], state.generated),
-                          active=keep(changes["active"], state.active))
-    return state, (out.tokens, out.logprobs, out.done)
-
 
 class _Knobs:
   """Per-row sampling knobs of a prefill call, as the arrays the jitted prefill takes."""
