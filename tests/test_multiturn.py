@@ -315,3 +315,32 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   assert [s.group_id for s in finished] == [1, 0]
   assert finished[1].completion_tokens.tolist() == unparked.completion_tokens.tolist()
   assert finished[1].loss_mask.tolist() == unparked.loss_mask.tolist()
+
+
+@pytest.mark.slow
+def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
+  """A trainer and two samplers as processes, async in flight, on the multiplication task with the calculator:
+  episodes with masked tool tokens pass the trainer's door, each step is trained once, and the tool is used."""
+  import json
+  from tests.test_faults import Programs, check_each_step_once
+  steps = 3
+  run = Programs(tmp_path, steps, mode="async")
+  sets = ["PipelineConfig.environment='calculator'", "JobConfig.task='multiply'", "JobConfig.multiply_digits=1",
+          "JobConfig.warmup_steps=100", "PipelineConfig.max_new_tokens=16", "EngineConfig.max_new_tokens=16",
+          "PipelineConfig.in_flight=True"]
+  extra = [a for s in sets for a in ("--set", s)]
+  try:
+    run.start("trainer", "trainer", *extra)
+    for name in ("s0", "s1"):
+      run.start("sampler", name, *extra)
+    assert run.wait_exit("trainer") == 0, run.tails()
+    for name in ("s0", "s1"):
+      assert run.wait_exit(name, timeout=60) == 0, run.tails()
+  finally:
+    run.kill_all()
+  counters = check_each_step_once(tmp_path, steps)
+  assert counters["flight_bad_batches"] == 0
+  metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert sum(m["env_tokens"] for m in metrics) > 0  # trained episodes held the calculator's (masked) tokens
+  evaluated = [json.loads(line) for line in (tmp_path / "eval_before.jsonl").read_text().splitlines()]
+  assert any(">" in row["completion"] for row in evaluated), evaluated[:3]  # the warmed-up model calls the tool

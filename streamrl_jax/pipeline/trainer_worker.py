@@ -200,6 +200,7 @@ class TrainerWorker:
                 staleness_mean=float(np.mean(stale)), staleness_max=int(np.max(stale)),  # per trained token
                 groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
                 prompts_leased=self.config.prompts_per_step + received["backfilled"], equal_reward_groups_trained=flat,
+                env_tokens=sum(_env_tokens(s) for s in shards),
                 trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
                 step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary, **train)
@@ -250,3 +251,10 @@ def _equal_reward_groups(shard: SampleShard) -> list[int]:
   """Groups of `shard` whose rewards are all equal: no advantage, nothing to learn (DAPO's dynamic sampling)."""
   return sorted(int(g) for g in np.unique(shard.group_ids)
                 if np.ptp(shard.rewards[shard.group_ids == g]) == 0)
+
+
+def _env_tokens(shard: SampleShard) -> int:
+  """Tokens an environment wrote into the completions (masked, after a row's first trained token)."""
+  pos = np.arange(shard.loss_mask.shape[1])[None]
+  first = np.where(shard.loss_mask.any(axis=1), shard.loss_mask.argmax(axis=1), shard.loss_mask.shape[1])[:, None]
+  return int(np.sum(shard.valid & ~shard.loss_mask & (pos >= first)))
