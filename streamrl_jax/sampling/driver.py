@@ -53,7 +53,8 @@ class _Instance:
   slots: dict = dataclasses.field(default_factory=dict)  # slot -> _InFlight
   slot_limit: int = 0  # slots that may be busy at once (a dispatch plan's batch size); 0: all
   retiring: bool = False  # takes no new requests; removed once its in-flight requests finish
-  parked: dict = dataclasses.field(default_factory=dict)  # request id -> (_InFlight, Prefix): off its slot on a tool
+  parked: dict = dataclasses.field(default_factory=dict)  # request id -> (_InFlight, place): off its slot on a tool
+  parking: object = None  # the engine's room for parked rows (made at the first park)
 
   @property
   def capacity(self) -> int:
@@ -379,10 +380,10 @@ class StreamingSampler:
     the row goes on, or the episode ends (the environment says so, or no room for the observation is left).
     A parked row comes back into a free slot first; with none free it waits for the next step."""
     ready = [(slot, f, None) for slot, f in inst.slots.items() if f.waiting is not None and f.waiting.done()]
-    ready += [(None, f, prefix) for f, prefix in inst.parked.values() if f.waiting.done()]
+    ready += [(None, f, place) for f, place in inst.parked.values() if f.waiting.done()]
     free = inst.free_slots
-    slots, chunks = [], []
-    for slot, flight, prefix in ready:
+    slots, chunks, places, unparked = [], [], [], []
+    for slot, flight, place in ready:
       result = flight.waiting.result()
       room = flight.request.params.max_new_tokens - len(flight.tokens)
       ends = result.done or len(result.tokens) >= room
@@ -390,9 +391,10 @@ class StreamingSampler:
         if not free:
           continue  # no slot yet: it keeps its place among the parked
         slot = free.pop(0)
-        inst.state = inst.engine.insert(prefix, inst.state, [slot])
+        places.append(place)
+        unparked.append(slot)
         inst.slots[slot] = flight
-      if prefix is not None:
+      if place is not None:
         del inst.parked[flight.request.request_id]
       flight.waiting = None
       flight.env_state, flight.env_reward = result.state, flight.env_reward + result.reward
@@ -409,6 +411,8 @@ class StreamingSampler:
       flight.turn_start = len(flight.tokens)
       flight.cache_end += len(result.tokens) + 1
       self.counters["tool_tokens"] += len(result.tokens)
+    if places:
+      inst.state = inst.engine.unpark(inst.state, inst.parking, places, unparked)
     if slots:
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
       self.counters["extend_calls"] += 1
@@ -420,12 +424,20 @@ class StreamingSampler:
     slots to queued requests: parked, their cache kept aside on the device (at most a slot's worth of rows)."""
     if not hasattr(inst.engine, "park"):
       return
+    taken = {place for _, place in inst.parked.values()}
+    room = [p for p in range(inst.engine.config.num_slots) if p not in taken]
     waiting = sorted(slot for slot, f in inst.slots.items() if f.waiting is not None)
-    for slot in waiting[:min(len(inst.pending), inst.engine.config.num_slots - len(inst.parked))]:
+    moving = waiting[:min(len(inst.pending), len(room))]
+    if not moving:
+      return
+    if inst.parking is None:
+      inst.parking = inst.engine.init_parking()
+    inst.parking = inst.engine.park(inst.state, inst.parking, moving, room[:len(moving)])
+    for slot, place in zip(moving, room):
       flight = inst.slots.pop(slot)
-      inst.parked[flight.request.request_id] = (flight, inst.engine.park(inst.state, slot))
+      inst.parked[flight.request.request_id] = (flight, place)
       inst.state = inst.engine.release(inst.state, slot)
-      self.counters["parked"] += 1
+    self.counters["parked"] += len(moving)
 
   def _finish(self, inst, slot, flight: _InFlight, reason: str, now, finished) -> None:
     """Frees the slot (None: a parked row holds none) and appends the finished Sample to `finished`."""

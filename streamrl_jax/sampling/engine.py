@@ -261,7 +261,8 @@ class DecodeEngine:
     self._generate = jax.jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
                              out_shardings=(self._state_shardings, replicated))
     self._extend = jax.jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
-    self._park = jax.jit(self._park_impl, out_shardings=replicated)
+    self._move = jax.jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,),
+                         out_shardings=self._state_shardings)
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
@@ -459,20 +460,44 @@ class DecodeEngine:
     state = jax.tree.map(lambda big, small: big.at[targets].set(small, mode="drop"), state, rows)
     return state, (out.tokens, out.logprobs, out.done)
 
-  def park(self, decode_state: DecodeState, slot: int) -> Prefix:
-    """The paused row in `slot` (it waits on a tool) as a one-row `Prefix`: its whole cache, token count and
-    knobs, to `insert` again later into any free slot (inactive until `extend` goes on from it); meanwhile the
-    slot may take another request. One compile."""
-    return self._park(decode_state, np.asarray([slot], np.int32))
+  def init_parking(self) -> DecodeState:
+    """Room for `num_slots` rows parked off their slots (rows waiting on a tool): a decode state's shape."""
+    return self.init_decode_state()
 
-  def _park_impl(self, state: DecodeState, slots):
-    cache, take = state.cache, (lambda a: a[slots])  # noqa: E731
-    return Prefix(keys=tuple(take(k) for k in cache.keys), values=tuple(take(v) for v in cache.values),
-                  valid=take(cache.valid), true_length=take(cache.index), first_token=take(state.last_token),
-                  first_logprob=jnp.zeros(slots.shape, jnp.float32), done=jnp.ones(slots.shape, bool),
-                  generated=take(state.generated), rng=take(state.rng), temperature=take(state.temperature),
-                  top_k=take(state.top_k), top_p=take(state.top_p), max_new=take(state.max_new),
-                  stop_ids=take(state.stop_ids))
+  def park(self, decode_state: DecodeState, parking: DecodeState, slots: Sequence[int], places: Sequence[int]):
+    """Moves the paused rows of `slots` into `parking` at `places` (their whole cache, token count and knobs),
+    so the slots may take other requests; `unpark` brings them back into any free slots. One call for all the
+    rows, up to `prefill_batch` a call; compiles once per row bucket. Returns the new `parking`."""
+    for a, b in self._row_calls(slots, places):
+      parking = self._move(decode_state, parking, a, b, False)
+    return parking
+
+  def unpark(self, decode_state: DecodeState, parking: DecodeState, places: Sequence[int], slots: Sequence[int]):
+    """Puts parked rows back from `places` into `slots`, inactive until `extend` goes on from them."""
+    for a, b in self._row_calls(places, slots):
+      decode_state = self._move(parking, decode_state, a, b, True)
+    return decode_state
+
+  def _row_calls(self, sources: Sequence[int], targets: Sequence[int]):
+    """(source rows, target rows) index arrays of up to `prefill_batch` rows, padded to a row bucket (padding
+    targets out of range: dropped)."""
+    if len(sources) != len(targets) or len(set(targets)) != len(targets):
+      raise ValueError(f"rows to move: {list(sources)} -> {list(targets)}")
+    out = []
+    for start in range(0, len(sources), self.config.prefill_batch):
+      part = list(zip(sources, targets))[start:start + self.config.prefill_batch]
+      rows = next(r for r in self.config.row_buckets if r >= len(part))
+      a, b = np.zeros((rows,), np.int32), np.full((rows,), self.config.num_slots, np.int32)
+      a[:len(part)], b[:len(part)] = zip(*part)
+      out.append((a, b))
+    return out
+
+  def _move_impl(self, source: DecodeState, target: DecodeState, rows_from, rows_to, inactive: bool):
+    rows = jax.tree.map(lambda a: a[rows_from], source)
+    if inactive:
+      rows = rows.replace(active=jnp.zeros_like(rows.active))
+    return jax.tree.map(lambda big, small: big.at[rows_to].set(small, mode="drop"), target, rows)
+
 
 class _Knobs:
   """Per-row sampling knobs of a prefill call, as the arrays the jitted prefill takes."""
