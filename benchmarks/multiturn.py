@@ -93,16 +93,16 @@ def main() -> dict:
   from streamrl_jax.sampling import make_engine
   graphdef, params = nnx.split(model)
   engine = make_engine(graphdef, model.config, tool_config.engine, single_device_mesh())
-  for seed in (97, 98, 99):  # compiles every prefill, extend and decode shape before any arm is timed
-    sampling_rate(engine, params, tool_config, 0.0, seed=seed)
   rates = {"instant": [], "slow": [], "slow_8_threads": [], "instant_one_step": [], "slow_one_step": []}
   few_threads = dataclasses.replace(tool_config, tool_threads=8)
   one_step = tool_config.prompts_per_step * tool_config.group_size
+  arms = (("instant", 0.0, tool_config, PROMPTS), ("slow", 0.05, tool_config, PROMPTS),
+          ("slow_8_threads", 0.05, few_threads, PROMPTS), ("instant_one_step", 0.0, tool_config, one_step),
+          ("slow_one_step", 0.05, tool_config, one_step))
+  for arm, delay, config, prompts in arms:  # a pass untimed: every prefill, extend, park and decode shape compiles
+    sampling_rate(engine, params, config, delay, seed=100, prompts=prompts)
   for rep in range(REPEATS):
-    for arm, delay, config, prompts in (("instant", 0.0, tool_config, PROMPTS), ("slow", 0.05, tool_config, PROMPTS),
-                                        ("slow_8_threads", 0.05, few_threads, PROMPTS),
-                                        ("instant_one_step", 0.0, tool_config, one_step),
-                                        ("slow_one_step", 0.05, tool_config, one_step)):
+    for arm, delay, config, prompts in arms:
       rate, counters = sampling_rate(engine, params, config, delay, seed=rep, prompts=prompts)
       rates[arm].append(round(rate, 2))
       out[f"{arm}_counters"] = counters
