@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = 8, 300, 3, 3, 512
+STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = 8, 300, 3, 5, 512
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # a sampler and a trainer device
 
 

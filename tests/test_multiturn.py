@@ -22,7 +22,7 @@ from streamrl_jax.pipeline.groups import samples_to_shard
 from streamrl_jax.sampling.driver import StreamingSampler
 from streamrl_jax.sampling.engine import DecodeEngine, EngineConfig
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
-from streamrl_jax.types import FINISH_TURNS, SamplingParams
+from streamrl_jax.types import SamplingParams
 from tests.trainer_setup import make_batch, mean_gradient, trainer_for
 
 TOKENIZER = CharTokenizer()
@@ -250,11 +250,9 @@ def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
   base = _gradient(trainer, params, masked)
   rng = np.random.default_rng(1)
   other_tokens = np.where(tool, rng.integers(0, 48, tool.shape), batch["tokens"]).astype(np.int32)
-  middle = masked["loss_mask"] & (rng.random(tool.shape) < 0.3)
   other_numbers = dict(masked, tokens=other_tokens,
                        sampler_logprobs=np.where(tool | ~masked["loss_mask"], -50.0, batch["sampler_logprobs"]))
   assert _same(base, _gradient(trainer, params, other_numbers))
-  assert middle.any()
   unmasked = _gradient(trainer, params, dict(batch, tokens=other_tokens))
   assert not _same(_gradient(trainer, params, batch), unmasked)
 
