@@ -182,6 +182,15 @@ class _HeldTools(_FixedTools):
     self.pending = []
 
 
+def _steps_until(sampler, finished: list, condition, most: int = 200) -> list:
+  """Steps the sampler (at most `most` times) until `condition(finished so far)`; returns the finished samples."""
+  for _ in range(most):
+    finished = finished + sampler.step()
+    if condition(finished):
+      return finished
+  raise AssertionError(f"not done after {most} steps: {len(finished)} finished")
+
+
 def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
@@ -192,18 +201,11 @@ def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params
   sampler = StreamingSampler([engine], params, tools=tools)
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
-  finished = []
-  for _ in range(200):  # the tool call stays unanswered: row b decodes to its end meanwhile
-    finished += sampler.step()
-    if finished:
-      break
+  finished = _steps_until(sampler, [], lambda done: done)  # the call stays unanswered: b decodes to its end
   assert [s.group_id for s in finished] == [1] and finished[0].completion_tokens.tolist() == b
   assert len(tools.calls) == 1 and sampler.num_in_flight == 1  # row a, paused on its call
   tools.release()
-  for _ in range(200):
-    finished += sampler.step()
-    if not sampler.has_work():
-      break
+  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
   assert finished[1].completion_tokens.tolist()[:j + 4] == a[:j + 1] + TOKENIZER.encode("408")
 
@@ -269,21 +271,6 @@ def test_the_run_config_refuses_what_multi_turn_cannot_do():
   assert dataclasses.replace(PipelineConfig(), environment="calculator").max_turns == 2
 
 
-@pytest.mark.slow
-def test_a_multi_turn_run_trains_on_masked_episodes(tmp_path):
-  """`streamrl train` on the multiplication task with the calculator: the warmed-up model calls the tool, and
-  the run trains on episodes whose tool outputs are masked."""
-  from streamrl_jax.pipeline.train_job import JobConfig, train_job
-  config = PipelineConfig(mode="stream", steps=2, prompts_per_step=4, group_size=4, max_new_tokens=32,
-                          environment="calculator", engine=EngineConfig(num_slots=16, max_prompt_length=16,
-                                                                        max_new_tokens=32))
-  job = JobConfig(task="multiply", multiply_digits=2, warmup_steps=200, eval_prompts=16)
-  summary = train_job(config, job, tmp_path, log=lambda *_: None)
-  assert summary["accuracy_before"] >= 0.3  # the warm-up taught the call: without the tool this model gets ~0
-  rows = [line for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert len(rows) == 2
-
-
 def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same(engine_and_params):
   """One slot: row a pauses on its call while b is queued, so a is parked off the slot and b runs there; when
   the tool returns, a comes back and ends with the tokens it has unparked (the extended-row case above)."""
@@ -298,18 +285,11 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   sampler = StreamingSampler([one], params, tools=tools)
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
-  finished = []
-  for _ in range(200):
-    finished += sampler.step()
-    if finished:
-      break
+  finished = _steps_until(sampler, [], lambda done: done)
   assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
   assert finished[0].completion_tokens.tolist() == b
   tools.release()
-  for _ in range(200):
-    finished += sampler.step()
-    if not sampler.has_work():
-      break
+  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
   assert finished[1].completion_tokens.tolist() == unparked.completion_tokens.tolist()
   assert finished[1].loss_mask.tolist() == unparked.loss_mask.tolist()
