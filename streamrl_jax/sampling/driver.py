@@ -416,8 +416,8 @@ class StreamingSampler:
     if slots:
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
       self.counters["extend_calls"] += 1
-      for row, slot in enumerate(slots):
-        inst.slots[slot].first = (firsts, row)
+      for slot, first in zip(slots, firsts):
+        inst.slots[slot].first = first
 
   def _park_waiting(self, inst: _Instance) -> None:
     """Rows still waiting on a tool a step after their call (a quick tool has returned by then) leave their

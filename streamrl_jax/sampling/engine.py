@@ -426,8 +426,9 @@ class DecodeEngine:
     tokens is that stop token, the rest a tool's output) with one prefill of just those tokens over the row's
     cache, the history not prefilled again; then samples each row's next token and makes it active again.
     Only those rows are computed (gathered from their slots, up to `prefill_batch` a call, and put back).
-    Returns (state, (token, logprob, done) device arrays, entry i for `slots[i]`). Compiles once per row
-    bucket (`row_buckets`) and power-of-two length from 8 up to the cache length (`extend_buckets`)."""
+    Returns (state, [((token, logprob, done) device arrays of a call, row)] one entry per slot): no device op
+    runs outside the calls, so nothing compiles per row count. Compiles once per row bucket (`row_buckets`)
+    and power-of-two length from 8 up to the cache length (`extend_buckets`)."""
     num_slots = self.config.num_slots
     if len(slots) != len(tokens) or len(set(slots)) != len(slots) or any(not 0 <= s < num_slots for s in slots):
       raise ValueError(f"extend takes distinct slots in 0..{num_slots - 1}, one token list each; got {list(slots)}")
@@ -444,8 +445,8 @@ class DecodeEngine:
       for i, (slot, row) in enumerate(zip(part, rows_tokens)):
         chunk[i, :len(row)], lengths[i], targets[i] = row, len(row), slot
       decode_state, out = self._extend(params, decode_state, targets, chunk, lengths)
-      outputs.append(tuple(a[:len(part)] for a in out))
-    return decode_state, tuple(jnp.concatenate(parts) for parts in zip(*outputs))
+      outputs += [(out, row) for row in range(len(part))]
+    return decode_state, outputs
 
   def _extend_impl(self, params, state: DecodeState, targets, chunk, lengths):
     model = nnx.merge(self.graphdef, params)
