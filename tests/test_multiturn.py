@@ -30,7 +30,8 @@ TOKENIZER = CharTokenizer()
 
 # ---- the calculator ------------------------------------------------------------------------------
 @pytest.mark.parametrize("text, value", [("3457*29", "100253"), ("(1+2)*-3", "-9"), ("2**10", "1024"), ("7/2", "3.5"),
-                                         ("-7//2", "-4"), ("17%5", "2"), (" 12 * 3 ", "36")])
+                                         ("-7//2", "-4"), ("17%5", "2"), (" 12 * 3 ", "36"),
+                                         ("10**20/3", "33333333333333333333.333333"), ("-1/8", "-0.125")])
 def test_the_calculator_evaluates_its_grammar(text, value):
   assert format_value(evaluate(text)) == value
 
@@ -322,3 +323,49 @@ def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
   assert sum(m["env_tokens"] for m in metrics) > 0  # trained episodes held the calculator's (masked) tokens
   evaluated = [json.loads(line) for line in (tmp_path / "eval_before.jsonl").read_text().splitlines()]
   assert any(">" in row["completion"] for row in evaluated), evaluated[:3]  # the warmed-up model calls the tool
+
+
+class _Raising:
+  stop = ">"
+
+  def reset(self, prompt, seed):
+    return 0
+
+  def step(self, state, turn):
+    raise KeyError("a broken environment")
+
+
+def test_a_failing_environment_ends_its_episode_not_the_sampler(engine_and_params):
+  engine, params = engine_and_params
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
+  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+  runner = ToolRunner(_Raising(), TOKENIZER)
+  runner.stop_ids = (tokens[j],)
+  try:
+    sample, sampler = _run(engine, params, TOKENIZER.encode("12*34="), greedy, runner)
+  finally:
+    runner.close()
+  assert sample.finish_reason == "turns" and sample.completion_tokens.tolist() == tokens[:j + 1]
+  assert sampler.counters["tool_calls"] == 1
+
+
+def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_params):
+  from streamrl_jax.types import Progress
+  engine, params = engine_and_params
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
+  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+  whole = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))[0]
+  sampler = StreamingSampler([engine], params, tools=_FixedTools(tokens[j], [5, 6]))
+  sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=7,
+                 progress=Progress(tuple(tokens[:2]), tuple(whole.logprobs[:2].tolist()), (0, 0)))
+  (resumed,) = list(sampler.stream())
+  assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
+  assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
+
+
+def test_tools_need_engines_that_extend_rows():
+  import types
+  with pytest.raises(ValueError, match="multi-turn tools need engines that extend rows"):
+    StreamingSampler([types.SimpleNamespace()], None, tools=_FixedTools(1, []))

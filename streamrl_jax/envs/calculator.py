@@ -79,4 +79,6 @@ def format_value(value: Fraction) -> str:
   """An integer as its digits; otherwise a decimal to 6 places."""
   if value.denominator == 1:
     return str(value.numerator)
-  return f"{float(value):.6f}".rstrip("0")
+  scaled = round(value * 10**6)  # exact: no float on the way
+  sign, digits = ("-" if scaled < 0 else ""), str(abs(scaled)).rjust(7, "0")
+  return f"{sign}{digits[:-6]}.{digits[-6:]}".rstrip("0").rstrip(".")

@@ -4,13 +4,14 @@ tool never holds up the other rows' decoding, and observations come back as toke
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
-from streamrl_jax.envs.base import Environment
+from streamrl_jax.envs.base import Environment, Observation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ToolRunner:
     self.stop_ids = stop_token_ids(tokenizer, env.stop)
     self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tool")
     self.counters = dict(tool_calls=0, tool_s=0.0)
+    self._lock = threading.Lock()
 
   def start(self, prompt_tokens, seed: int) -> Any:
     return self.env.reset(self.tokenizer.decode(np.asarray(prompt_tokens).tolist()), seed)
@@ -73,10 +75,14 @@ class ToolRunner:
     start = time.perf_counter()
     if self.delay_s:
       time.sleep(self.delay_s)
-    state, observation = self.env.step(state, self.tokenizer.decode(turn_tokens))
+    try:
+      state, observation = self.env.step(state, self.tokenizer.decode(turn_tokens))
+    except Exception as err:  # noqa: BLE001 - an environment's failure ends its episode, not the sampler
+      state, observation = state, Observation(f"error: {type(err).__name__}", done=True)
     tokens = () if observation.done else tuple(encode_text(self.tokenizer, observation.text))
-    self.counters["tool_calls"] += 1
-    self.counters["tool_s"] += time.perf_counter() - start
+    with self._lock:
+      self.counters["tool_calls"] += 1
+      self.counters["tool_s"] += time.perf_counter() - start
     return ToolResult(state, tokens, observation.reward, observation.done)
 
   def close(self) -> None:

@@ -279,6 +279,8 @@ class SamplerWorker:
         budget -= len(progress.tokens)
     for run in runs.values():
       for sample in run.collector.held():
+        if sample.loss_mask is not None or sample.env_reward:
+          continue  # an episode with an environment's tokens: a Partial carries no masks; it is sampled again
         if sample.num_tokens <= budget:
           out.append(Partial(sample.group_id, sample.sample_index, tuple(sample.completion_tokens.tolist()),
                              tuple(sample.logprobs.tolist()), tuple(sample.token_versions.tolist()), finished=True))

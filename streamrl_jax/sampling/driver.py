@@ -92,6 +92,9 @@ class StreamingSampler:
     self.version, self.admission = version, admission
     self._root = jax.random.key(seed)
     self._params, self.tools = params, tools
+    if tools is not None and not all(hasattr(e, "extend") for e in engines):
+      raise ValueError("multi-turn tools need engines that extend rows in flight (EngineConfig.kv_layout="
+                       "'contiguous')")
     self._tool_stops = set(tools.stop_ids) if tools is not None else set()
     self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
     self._next_instance = len(self._instances)
@@ -210,9 +213,10 @@ class StreamingSampler:
   def replace_engine(self, instance_id: int, engine: DecodeEngine) -> None:
     """Runs an idle instance on another engine (e.g. the same mesh compiled for another slot count)."""
     inst = self._instance(instance_id)
-    if inst.slots or inst.pending:
-      raise ValueError(f"engine instance {instance_id} is busy ({len(inst.slots)} in flight, {len(inst.pending)} "
-                       f"queued); swap its engine between batches")
+    if inst.slots or inst.pending or inst.parked:
+      raise ValueError(f"engine instance {instance_id} is busy ({len(inst.slots) + len(inst.parked)} in flight, "
+                       f"{len(inst.pending)} queued); swap its engine between batches")
+    inst.parking = None  # the parking room is the old engine's shape
     if engine is inst.engine:
       return
     if engine.mesh is not inst.engine.mesh:
@@ -283,8 +287,8 @@ class StreamingSampler:
         flight = self._resume.pop(request.request_id, None)
         if flight is None:
           flight = _InFlight(request, now)
-          if self.tools is not None:
-            flight.env_state = self.tools.start(request.prompt, request.group_id * 1_000_003 + request.sample_index)
+        if self.tools is not None and flight.env_state is None:  # fresh, or handed over before any tool call
+          flight.env_state = self.tools.start(request.prompt, request.group_id * 1_000_003 + request.sample_index)
         flight.resumed = bool(resume[row])
         flight.cache_end, flight.first = prefix.valid.shape[1], (firsts, row)
         inst.slots[slot] = flight
@@ -324,8 +328,8 @@ class StreamingSampler:
         inst.state, preempted = inst.engine.make_room(inst.state, progress)
         self._requeue(inst, preempted)
         self.counters["preempted"] += len(preempted)
-      waiting = [f.waiting for f in inst.slots.values() if f.waiting is not None]
-      waiting += [f.waiting for f, _ in inst.parked.values()]
+      waiting = [f.waiting for f in inst.slots.values() if f.waiting is not None and not f.waiting.done()]
+      waiting += [f.waiting for f, _ in inst.parked.values() if not f.waiting.done()]
       if waiting and all(f.waiting is not None for f in inst.slots.values()):
         concurrent.futures.wait(waiting, timeout=0.05,
                                 return_when=concurrent.futures.FIRST_COMPLETED)  # every row waits on a tool
