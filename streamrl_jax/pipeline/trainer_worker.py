@@ -89,9 +89,6 @@ class TrainerWorker:
       sync_start = clock()
       weights.publish(self.state.params, step + 1)
       controller.published(step + 1)
-      if self.checkpointer is not None:
-        # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
-        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
       self.counters["trainer_wait_s"] += waited
       end = clock()
@@ -102,6 +99,9 @@ class TrainerWorker:
       last_end = end
       if on_step is not None:
         on_step(metrics[-1])
+      if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
+        # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
+        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
     return metrics
 
   def _take_step(self, step: int, controller, get_shard, clock) -> tuple[list, float, dict]:
