@@ -37,10 +37,20 @@ def write_config(path: Path, steps: int = 2, trainer_devices: int = 1, mode: str
   return str(path)
 
 
-def launch(workdir: Path, *args: str) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS="")  # each program forces its own host devices
-  return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(workdir),
-                           *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def launch(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+  """`streamrl launch local` in a process of its own; `env` adds variables (fault injection)."""
+  return _streamrl("launch", "local", "--workdir", str(workdir), *args, env=env)
+
+
+def train(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+  """`streamrl train` (sampler and trainer in one process) in a process of its own."""
+  return _streamrl("train", "--workdir", str(workdir), *args, env=env)
+
+
+def _streamrl(*args: str, env: dict | None = None) -> subprocess.Popen:
+  env = dict(os.environ, XLA_FLAGS="", **(env or {}))  # each program forces its own host devices
+  return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
 
 
 def children_of(workdir: Path) -> list[int]:

@@ -119,8 +119,10 @@ def take_step(shards, step=1):
                                          refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
   worker._too_stale = lambda shard, step: TrainerWorker._too_stale(worker, shard, step)
+  worker._next_shard = lambda get_shard, step: TrainerWorker._next_shard(worker, get_shard, step)
+  worker.stop = None
   feed = iter(shards)
-  TrainerWorker._take_step(worker, step, None, lambda: next(feed), clock=time.monotonic)  # no controller needed
+  TrainerWorker._take_step(worker, step, None, lambda timeout: next(feed), clock=time.monotonic)  # no controller needed
   return worker, sorted(k for s in trained for k in s.keys())
 
 

@@ -4,7 +4,8 @@ The trainer (one process, or several forming one `jax.distributed` cluster) keep
 bar); samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs on its own CPU cores
 (`os.sched_setaffinity`, set before the child starts, so XLA sizes its threads to them). Children run in
 their own sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SIGTERM) asks the trainer to
-checkpoint and stop, stops the samplers, and kills whatever has not exited after a grace period: no orphans.
+finish its step, checkpoint and stop while the samplers still serve it, then stops the samplers, and kills
+whatever has not exited after a grace period: no orphans. A second Ctrl-C stops the trainer at once.
 A sampler that dies is started again (up to `--sampler-restarts` times in all; the trainer leases its
 prompts to the others meanwhile); a trainer that dies stops the run. With `--max-samplers M`, sampler
 processes are added or retired between steps by the elastic decision (`scheduling.elastic_decision`, on
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-STOP_GRACE_S = 60.0
+STOP_SAVE_MARGIN_S = 60.0  # a stopping trainer's checkpoint and teardown, beyond its stop grace
+FAILURE_STOP_S = 60.0  # after a child failed: how long the trainer may take to stop
 SAMPLER_EXIT_GRACE_S = 30.0
 
 
@@ -173,8 +175,10 @@ def cmd_launch_local(args) -> int:
     print(f"streamrl launch local: {len(children)} processes ({logs})", file=sys.stderr, flush=True)
     return Supervisor(children, args.trainer_processes, workdir, args.sampler_restarts, elastic).run()
   except KeyboardInterrupt:
-    _stop(children)
-    print("streamrl launch local: stopped; continue with the same command and --resume", file=sys.stderr)
+    print("streamrl launch local: stopping (the trainer finishes its step and checkpoints; Ctrl-C again to stop "
+          "at once)", file=sys.stderr, flush=True)
+    _stop(children, children[:args.trainer_processes], trainer_stop_wait_s(workdir))
+    print("streamrl launch local: stopped (the trainer's last line says what is checkpointed)", file=sys.stderr)
     return 130
   finally:
     _kill_leftovers(children)
@@ -234,7 +238,7 @@ class Supervisor:
         _write_manifest(self.workdir, self.children)
         continue
       print(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
-      _stop(self.children)
+      _stop(self.children, self.trainers, FAILURE_STOP_S)
       return code
     return None
 
@@ -301,16 +305,41 @@ def _read_jsonl(path: Path) -> list[dict]:
   return [json.loads(line) for line in lines if line.endswith("\n")]
 
 
-def _stop(children: list[Child]) -> None:
-  """SIGINT to the trainer (it checkpoints and exits), SIGTERM to the rest; SIGKILL after the grace period."""
-  for child in children:
-    child.signal(signal.SIGINT if child.name.startswith("trainer") else signal.SIGTERM)
-  deadline = time.monotonic() + STOP_GRACE_S
+def _stop(children: list[Child], trainers: list[Child], trainer_wait_s: float) -> None:
+  """SIGINT to the trainer's process 0 (it finishes its step, metrics row and checkpoint, and exits; its other
+  processes follow it), waiting up to `trainer_wait_s` while the samplers still serve that step; then SIGTERM to
+  the rest (samplers hand their leases back) and up to SAMPLER_EXIT_GRACE_S more. A second Ctrl-C ends the
+  wait for the trainer (told again, it stops at once); whatever still runs afterwards is killed by the caller."""
+  trainers[0].signal(signal.SIGINT)
   try:
-    while any(c.proc is not None and c.proc.poll() is None for c in children) and time.monotonic() < deadline:
-      time.sleep(0.2)
-  except KeyboardInterrupt:  # a second Ctrl-C: no more waiting
+    _wait_exit(trainers, trainer_wait_s)
+  except KeyboardInterrupt:
+    trainers[0].signal(signal.SIGINT)
+  for child in children:
+    if child is not trainers[0]:
+      child.signal(signal.SIGTERM)
+  try:
+    _wait_exit(children, SAMPLER_EXIT_GRACE_S)
+  except KeyboardInterrupt:  # once more: no more waiting
     pass
+
+
+def _wait_exit(children: list[Child], seconds: float) -> None:
+  deadline = time.monotonic() + seconds
+  while any(c.proc is not None and c.proc.poll() is None for c in children) and time.monotonic() < deadline:
+    time.sleep(0.2)
+
+
+def trainer_stop_wait_s(workdir: Path) -> float:
+  """How long a stopping trainer may take: its `PipelineConfig.stop_grace_s` (from the settings it wrote in
+  WORKDIR/settings.json; none yet: it is not in a step, it stops at once) and STOP_SAVE_MARGIN_S for its
+  checkpoint and teardown."""
+  try:
+    settings = json.loads((workdir / "settings.json").read_text())
+    grace = float(settings.get("PipelineConfig.stop_grace_s", "0"))
+  except (OSError, ValueError):
+    grace = 0.0
+  return grace + STOP_SAVE_MARGIN_S
 
 
 def _kill_leftovers(children: list[Child]) -> None:

@@ -12,9 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
 
 ROLES = ("trainer", "sampler")
@@ -117,34 +115,28 @@ def cmd_sampler(args) -> int:
   import jax
 
   from streamrl_jax.pipeline import preflight
+  from streamrl_jax.stopping import StopRequest
 
   config, job, flight_config, tls, settings = _start_role(args)
   model_config, tokenizer = job.model_spec()
   task = job.make_task(tokenizer)
   preflight.check_devices(config, "sampler", len(jax.devices()))
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
-  stop, signalled = threading.Event(), []
-
-  def on_signal(signum, frame):  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
-    if signalled:
-      raise KeyboardInterrupt
-    signalled.append(signum)
-    stop.set()
-  for sig in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(sig, on_signal)
+  stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:
-    stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
-                        name=args.name, settings=settings, flight_config=flight_config, stop=stop, site=args.site,
-                        relay_listen=args.relay_listen, relay_host=args.relay_host,
-                        relay_tls_name=args.relay_tls_name,
-                        log=lambda text: print(text, file=sys.stderr, flush=True))
+    with stop.installed(), stop.deferred("handing its leases back"):
+      stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
+                          name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
+                          site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
+                          relay_tls_name=args.relay_tls_name,
+                          log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
     return 130
   except ConnectionError as err:
     print(f"streamrl sampler {args.name}: {err}", file=sys.stderr)
     return 3
-  if signalled:
+  if stop.requested:
     print(f"streamrl sampler {args.name}: stopped; its leases went back to the trainer", file=sys.stderr)
     return 130
   print(f"streamrl sampler {args.name}: the run is over; sent {stats['put_samples']} samples in "

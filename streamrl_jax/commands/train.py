@@ -1,5 +1,9 @@
 """`streamrl train`, and what it shares with `streamrl trainer`: the training job with a progress bar, a clean
-Ctrl-C and the summary line."""
+Ctrl-C and the summary line.
+
+The first Ctrl-C or SIGTERM asks the trainer to stop after the step in progress (its metrics row and checkpoint);
+the second stops at once. Either way the exit code is 130 and the last line says which step is checkpointed.
+"""
 
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ def run_training(args, config, job, runner, prog: str) -> int:
   from tqdm import tqdm
 
   from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.stopping import RunStopped, StopRequest
 
   leader = jax.process_index() == 0
   print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
@@ -35,18 +40,30 @@ def run_training(args, config, job, runner, prog: str) -> int:
       extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
+  stop = StopRequest(log=tqdm.write)
   try:
-    summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
-                        resume="auto" if getattr(args, "auto_resume", False) else args.resume,
-                        runner=runner, role="trainer" if args.command == "trainer" else "train")
-  except KeyboardInterrupt:
+    with stop.installed():
+      summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
+                          resume="auto" if getattr(args, "auto_resume", False) else args.resume,
+                          runner=runner, role="trainer" if args.command == "trainer" else "train", stop=stop)
+  except RunStopped as stopped:
     bar.close()
-    print(f"{prog}: stopped; the last finished step is checkpointed in {args.workdir}/checkpoints. "
-          f"Continue with: {prog} --workdir {args.workdir} --resume (and the same --config/--set)",
-          file=sys.stderr)
+    print(f"{prog}: {stopped_advice(stopped, args.workdir)}", file=sys.stderr, flush=True)
     return 130
   finally:
     bar.close()
   if leader:
     print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
   return 0
+
+
+def stopped_advice(stopped, workdir) -> str:
+  """What a stopped run left and how to go on, as it is on disk."""
+  said = "stopped"
+  if stopped.abandoned_step is not None:
+    said += (f"; step {stopped.abandoned_step} was still waiting for samples PipelineConfig.stop_grace_s after the "
+             "stop request and was abandoned")
+  if stopped.saved_step is None:
+    return f"{said}; no step was checkpointed, so there is nothing to resume: run the same command again"
+  return (f"{said}; the checkpoint of step {stopped.saved_step} is in {workdir}/checkpoints. Continue with the same "
+          "command and --resume")

@@ -45,6 +45,9 @@ class PipelineConfig:
   max_turns: int = 2  # multi-turn: tool calls per episode
   tool_threads: int = 64  # multi-turn: host threads running the environment's steps (>= slots: calls never queue)
   tool_delay_s: float = 0.0  # multi-turn: added to every tool call (to measure slow tools)
+  # a stop request (first Ctrl-C / SIGTERM) lets the step in progress finish and checkpoint; one still waiting
+  # for samples this long after the request is abandoned (the checkpoint before it is the one resumed)
+  stop_grace_s: float = 120.0
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   engine: EngineConfig = EngineConfig()
@@ -91,6 +94,8 @@ class PipelineConfig:
                          f"EngineConfig.kv_layout={self.engine.kv_layout!r} does not do yet: use 'contiguous'")
     if self.tool_threads < 1 or self.tool_delay_s < 0:
       raise ValueError("PipelineConfig.tool_threads must be >= 1 and tool_delay_s >= 0")
+    if not self.stop_grace_s > 0:
+      raise ValueError(f"PipelineConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 

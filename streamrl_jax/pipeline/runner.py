@@ -31,21 +31,24 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
-                 on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False) -> RunResult:
+                 on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
+                 stop: StopRequest | None = None) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
   With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
   restores the latest one and continues with the next step. Samples generated for a step that was not
   trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
+  `stop`: a stop request the trainer honours at a step boundary (`RunStopped`).
   """
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
-  trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=checkpointer, resume=resume)
+  trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=checkpointer, resume=resume, stop=stop)
   ranker = make_ranker(config, sampler_mesh, checkpointer, resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.queue_capacity)
@@ -62,9 +65,9 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     finally:
       queue.close()
 
-  def get_shard():
+  def get_shard(timeout: float):
     try:
-      return queue.get()
+      return queue.get(timeout)
     except QueueClosed:
       raise RuntimeError("the sampler stopped before the run was complete") from (errors[0] if errors else None)
 

@@ -24,6 +24,7 @@ from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
+from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.envs import make_tools
 from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
@@ -182,19 +183,34 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
-              resume: bool | str = False, runner=run_pipeline, role: str = "train") -> dict:
+              resume: bool | str = False, runner=run_pipeline, role: str = "train",
+              stop: StopRequest | None = None) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
   and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
   `run_pipeline` (one program) or the trainer's side of separate programs (`trainer_program.serve_training`).
   In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
-  `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built."""
+  `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built. `stop`: a stop
+  request the RL steps honour at a step boundary. However the job stops early (that request, KeyboardInterrupt),
+  it raises `RunStopped` naming the checkpoint on disk once the last save has committed."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
   workdir = preflight.check_workdir(workdir)
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  try:
+    return _job(config, job, workdir, checkpointer, log, progress, resume, runner, role, stop)
+  except (RunStopped, KeyboardInterrupt) as err:
+    checkpointer.wait()  # the last save commits (a second Ctrl-C here stops at once)
+    raise RunStopped(checkpointer.latest_step(),
+                     err.abandoned_step if isinstance(err, RunStopped) else None) from err
+  finally:
+    checkpointer.close()
+
+
+def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, log, progress, resume: bool | str,
+         runner, role: str, stop: StopRequest | None) -> dict:
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
-  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   auto = resume == "auto"
   resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
   if auto:
@@ -231,12 +247,13 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   if resume:
     log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
   start = time.perf_counter()
-  try:
-    resumed_at = checkpointer.latest_step() if resume else None
-    with _step_outputs(workdir, resumed_at, progress) if leader else contextlib.nullcontext() as on_step:
-      result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume)
-  finally:
-    checkpointer.close()
+  resumed_at = checkpointer.latest_step() if resume else None
+  with _step_outputs(workdir, resumed_at, progress) if leader else contextlib.nullcontext() as on_step:
+    result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
+                    stop=stop)
+  checkpointer.wait()
+  if stop is not None and stop.requested:  # asked during the last step: stop before the final evaluation
+    raise RunStopped(checkpointer.latest_step())
   if not leader:
     return {}
   graphdef, _ = nnx.split(model)
@@ -261,7 +278,9 @@ def _step_outputs(workdir: Path, resumed_at: int | None, progress):
 
   path = workdir / "metrics.jsonl"
   if resumed_at is not None and path.exists():
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= resumed_at]
+    lines = path.read_text().splitlines(keepends=True)  # a row cut short by a kill has no newline: dropped
+    kept = [line.rstrip("\n") for line in lines if line.endswith("\n") and line.strip()
+            and json.loads(line)["step"] <= resumed_at]
     path.write_text("".join(line + "\n" for line in kept))
   with path.open("a" if resumed_at is not None else "w") as out:
     writer = SummaryWriter(str(workdir / "tensorboard"))

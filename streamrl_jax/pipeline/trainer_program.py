@@ -6,6 +6,7 @@ serves, the others follow it step by step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.pipeline.step_plan import backfill_count
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
@@ -32,22 +34,26 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
-                   on_event: Callable[[dict], None] | None = None, site: str = "") -> RunResult:
+                   on_event: Callable[[dict], None] | None = None, site: str = "",
+                   stop: StopRequest | None = None) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
   the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
-  the trainer's datacenter label (samplers of other sites get one copy of each version across)."""
+  the trainer's datacenter label (samplers of other sites get one copy of each version across). `stop`: a stop
+  request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   graphdef, params = nnx.split(model)
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
   mesh = role_mesh(config.mesh, "trainer", devices)
-  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume)
+  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
+                          stop=stop if is_leader() else None)
   ranker = make_ranker(config, local_mesh(mesh), checkpointer, resume)
   if not is_leader():
-    return _follow(config, trainer, ranker)
+    with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
+      return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           heartbeat_s=flight_config.heartbeat_s, lease_timeout_s=flight_config.lease_timeout_s,
                           summary_timeout_s=flight_config.sampler_timeout_s,
@@ -71,15 +77,23 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     controller.wait_samplers_left(flight_config.finish_grace_s)
     controller.close()
     server.shutdown()
-  return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
-                       start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
-                       extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+  try:
+    return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
+                         start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
+                         extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+  except RunStopped:
+    if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop
+      broadcast_shard(None)
+    raise
+
 
 def _broadcasting(get_shard):
   """get_shard on process 0 that hands each shard to the trainer's other processes (None tells them to stop)."""
-  def get():
+  def get(timeout: float):
     try:
-      shard = get_shard()
+      shard = get_shard(timeout)
+    except TimeoutError:  # nothing yet: the others keep waiting
+      raise
     except BaseException:
       broadcast_shard(None)
       raise
@@ -121,10 +135,10 @@ class _Follower:
 
 
 def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult:
-  def get():
+  def get(timeout: float):  # waits as long as process 0 does
     shard = broadcast_shard(None)
     if shard is None:
-      raise RuntimeError("the trainer's process 0 stopped the run")
+      raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None)
     return shard
   follower = _Follower(config)
   trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
@@ -134,15 +148,16 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
 
 
 def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: FlightConfig, log):
-  """queue.get that says when it waits for samplers, and gives up once none has been heard from for
-  `sampler_timeout_s`."""
-  def get():
-    waited, said = 0.0, False
-    while True:
-      try:
-        return queue.get(timeout=1.0)
-      except TimeoutError:
-        waited += 1.0
+  """queue.get(timeout) that says when it has waited long for samplers, and gives up once none has been heard
+  from for `sampler_timeout_s`."""
+  waited, said = 0.0, False  # since the last shard
+
+  def get(timeout: float):
+    nonlocal waited, said
+    try:
+      shard = queue.get(timeout=timeout)
+    except TimeoutError:
+      waited += timeout
       silent = controller.silent_s()
       if silent is None and waited >= 10 and not said:
         log(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
@@ -150,4 +165,7 @@ def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: Flig
       if (silent if silent is not None else waited) > flight_config.sampler_timeout_s:
         raise RuntimeError(f"no sampler has been heard from for {flight_config.sampler_timeout_s:.0f} s "
                            f"(FlightConfig.sampler_timeout_s); start `streamrl sampler --connect` to this trainer")
+      raise
+    waited, said = 0.0, False
+    return shard
   return get

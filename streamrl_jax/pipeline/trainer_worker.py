@@ -12,27 +12,39 @@ such shards before they are acknowledged, so the counter stays 0 there.
 A group with a token older than the staleness bound (step - max_lag) is not trained: the controller leases
 it again (`groups_regenerated`). With dynamic sampling, a group whose rewards are all equal is not trained
 either; the controller adds prompts to the step in its place, up to the backfill bound.
+
+A stop request (`stopping.StopRequest`: the first Ctrl-C or SIGTERM) is honoured at a step boundary: the step
+in progress finishes through its metrics row and its committed checkpoint, then `run` raises `RunStopped`. A
+step still waiting for samples `PipelineConfig.stop_grace_s` after the request is abandoned instead (the
+checkpoint before it stays the one a resume starts from). Fault points (`faults.py`) mark the boundary's parts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
 
+from streamrl_jax.faults import FaultPoints
 from streamrl_jax.pipeline.step_plan import step_group_ids
+from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
 from streamrl_jax.training.packing import chunk_tokens_for
+
+SHARD_POLL_S = 1.0  # how often a trainer waiting for samples looks at a stop request
 
 
 class TrainerWorker:
   """Steps from `start_step` to `config.steps`; `run` returns the per-step metrics."""
 
-  def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False):
-    self.config, self.spec = config, config.spec
+  def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False,
+               stop: StopRequest | None = None):
+    self.config, self.spec, self.stop = config, config.spec, stop
+    self.faults = FaultPoints.from_env(stop)
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
                            ref_params=params if config.objective.kl_coef > 0 else None)
@@ -57,11 +69,12 @@ class TrainerWorker:
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
     self._trained: set = set()  # sample keys of the step being trained
 
-  def run(self, controller, get_shard: Callable[[], SampleShard], weights, *, clock: Callable[[], float],
+  def run(self, controller, get_shard: Callable[[float], SampleShard], weights, *, clock: Callable[[], float],
           on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None,
           probe: Callable[[], dict] | None = None) -> list[dict]:
-    """Publishes the start version, then trains every step. `aux()` gives extra state to checkpoint,
-    `probe()` extra figures for each step's metrics (memory, queue depth)."""
+    """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
+    raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
+    (memory, queue depth)."""
     if self.config.precompile:
       width = self.config.engine.max_prompt_length + self.config.max_new_tokens
       if self.batcher.pack_length:
@@ -70,6 +83,10 @@ class TrainerWorker:
         self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(self.start_step)
+    with self.stop.deferred() if self.stop is not None else contextlib.nullcontext():
+      return self._steps(controller, get_shard, weights, clock, on_step, aux, probe)
+
+  def _steps(self, controller, get_shard, weights, clock, on_step, aux, probe) -> list[dict]:
     metrics, last_end = [], clock()
     for step in range(self.start_step, self.config.steps):
       first_entry = len(self.timeline["trainer"])
@@ -88,6 +105,7 @@ class TrainerWorker:
       summary = controller.step_trained(step, train_s)  # before the weights go out: the next replica target
       sync_start = clock()
       weights.publish(self.state.params, step + 1)
+      self.faults.hit("publish", step + 1)
       controller.published(step + 1)
       self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
       self.counters["trainer_wait_s"] += waited
@@ -99,10 +117,31 @@ class TrainerWorker:
       last_end = end
       if on_step is not None:
         on_step(metrics[-1])
+      self.faults.hit("row", step + 1)
       if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
         # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
         self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
+        self.faults.hit("save", step + 1)
+      if self.stop is not None and self.stop.requested and step + 1 < self.config.steps:
+        raise self._stopped()
     return metrics
+
+  def _stopped(self, abandoned_step: int | None = None) -> RunStopped:
+    """The stop, once the last checkpoint has committed."""
+    if self.checkpointer is None:
+      return RunStopped(None, abandoned_step)
+    self.checkpointer.wait()
+    return RunStopped(self.checkpointer.latest_step(), abandoned_step)
+
+  def _next_shard(self, get_shard, step: int) -> SampleShard:
+    """The next shard from `get_shard(timeout)`; a step still waiting `stop_grace_s` after a stop request is
+    abandoned (RunStopped)."""
+    while True:
+      try:
+        return get_shard(SHARD_POLL_S)
+      except TimeoutError:
+        if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
+          raise self._stopped(abandoned_step=step + 1) from None
 
   def _take_step(self, step: int, controller, get_shard, clock) -> tuple[list, float, dict]:
     """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
@@ -116,7 +155,7 @@ class TrainerWorker:
         shard = early.pop(0)
       else:
         start = time.perf_counter()
-        shard = get_shard()
+        shard = self._next_shard(get_shard, step)
         waited += time.perf_counter() - start
       problem = _refusal(shard, step, self.config)
       if problem:

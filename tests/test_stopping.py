@@ -1,0 +1,124 @@
+"""A stop is a request honoured at a step boundary: the signal rules, fault points, a waiting step abandoned
+after its grace, and `streamrl train` stopped (Ctrl-C) or killed (SIGKILL) at each named point of a step, each
+followed by a resume, ending with every step trained and logged once."""
+
+import json
+import os
+import signal
+import threading
+from types import SimpleNamespace
+
+import pytest
+
+from streamrl_jax.faults import Fault, FaultPoints, parse_faults
+from streamrl_jax.pipeline.trainer_worker import SHARD_POLL_S, TrainerWorker
+from streamrl_jax.stopping import RunStopped, StopRequest
+from tests.processes import finish, metrics, train, write_config
+
+
+def test_the_first_signal_in_a_deferred_region_is_a_request_and_the_second_stops_at_once():
+  said = []
+  stop = StopRequest(log=said.append)
+  before = signal.getsignal(signal.SIGINT)
+  with stop.installed():
+    with pytest.raises(KeyboardInterrupt):  # outside deferred(): nothing to finish, at once
+      signal.raise_signal(signal.SIGINT)
+    assert not stop.requested
+    with stop.deferred("step 3"):
+      signal.raise_signal(signal.SIGTERM)
+      assert stop.requested and stop.event.is_set() and stop.signals == 2
+      assert said == ["SIGTERM: stopping after step 3 (press Ctrl-C again to stop at once)"]
+      with pytest.raises(KeyboardInterrupt):
+        signal.raise_signal(signal.SIGINT)
+  assert signal.getsignal(signal.SIGINT) is before and signal.getsignal(signal.SIGTERM) is not stop._on_signal
+
+
+def test_a_request_is_overdue_only_after_its_grace():
+  now = [100.0]
+  stop = StopRequest(clock=lambda: now[0])
+  assert not stop.overdue(5.0)
+  stop.request()
+  now[0] += 5.0
+  assert not stop.overdue(5.0)
+  now[0] += 0.1
+  assert stop.overdue(5.0)
+  stop.event.set()  # a loop sharing the event may set it: that is no request
+  assert StopRequest().requested is False
+
+
+def test_faults_are_parsed_by_name_and_refused_by_entry():
+  assert parse_faults("") == ()
+  assert parse_faults("row@1=sigint, save@12=pause") == (Fault("row", 1, "sigint"), Fault("save", 12, "pause"))
+  for bad in ("row@0=sigint", "rows@1=sigint", "row@1=sigstop", "row=sigint", "row@x=sigkill"):
+    with pytest.raises(ValueError, match="STREAMRL_FAULT: .* is not POINT@STEP=ACTION"):
+      parse_faults(bad)
+
+
+def test_a_pause_waits_for_a_signal_and_a_fault_fires_only_at_its_point(tmp_path):
+  stop = StopRequest()
+  mark = tmp_path / "paused"
+  points = FaultPoints(parse_faults("row@2=pause"), stop, str(mark))
+  points.hit("row", 1)
+  points.hit("save", 2)
+  assert not mark.exists()
+  with stop.installed(), stop.deferred():
+    ctrl_c = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))  # the pause returns on it, however late
+    ctrl_c.start()
+    points.hit("row", 2)
+    ctrl_c.join()
+  assert mark.read_text() == "row@2" and stop.requested
+
+
+def test_a_step_still_waiting_after_the_grace_is_abandoned_and_not_before():
+  now = [0.0]
+  stop = StopRequest(clock=lambda: now[0])
+  worker = SimpleNamespace(stop=stop, config=SimpleNamespace(stop_grace_s=10.0), checkpointer=None)
+  worker._stopped = lambda abandoned_step=None: TrainerWorker._stopped(worker, abandoned_step)
+  calls = []
+
+  def nothing_yet(timeout):
+    calls.append(timeout)
+    now[0] += timeout
+    if len(calls) == 3:
+      stop.request()
+    raise TimeoutError
+  with pytest.raises(RunStopped) as stopped:
+    TrainerWorker._next_shard(worker, nothing_yet, 6)
+  assert stopped.value.abandoned_step == 7 and stopped.value.saved_step is None
+  assert len(calls) == 3 + int(10.0 // SHARD_POLL_S) + 1  # 10 s of grace after the request, then one more poll
+  worker.stop = None  # without a stop request it waits on
+  calls.clear()
+  feed = iter([TimeoutError, TimeoutError, "shard"])
+
+  def later(timeout):
+    item = next(feed)
+    if item is TimeoutError:
+      raise TimeoutError
+    return item
+  assert TrainerWorker._next_shard(worker, later, 0) == "shard"
+
+
+# (fault, the exit code it leads to): Ctrl-C and SIGKILL at each point of a step, in a chain of resumes.
+CHAIN = (("row@1=sigint", 130), ("row@2=sigkill", -9), ("publish@2=sigint", 130), ("publish@3=sigkill", -9),
+         ("save@3=sigint", 130), ("save@4=sigkill", -9))
+
+
+@pytest.mark.slow
+def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp_path):
+  config = write_config(tmp_path / "tiny.gin", steps=5, mode="async")
+  workdir = tmp_path / "run"
+  for i, (fault, expected) in enumerate(CHAIN):
+    code, out = finish(train(workdir, "--config", config, *(["--resume"] if i else []), env={"STREAMRL_FAULT": fault}),
+                       workdir, timeout=180)
+    assert code == expected, f"{fault}: exit {code}\n{out}"
+    steps = [m["step"] for m in metrics(workdir)]
+    point, step = fault.split("=")[0].split("@")
+    # every row once, up to the faulted step's (unless killed at `publish`, before its row)
+    killed_before_row = point == "publish" and expected == -9
+    assert steps == list(range(1, int(step) + 1 - killed_before_row)), (fault, steps)
+    if expected == 130:  # stopped at the boundary of that step: its checkpoint is saved, and said so
+      assert f"stopped; the checkpoint of step {step} is in" in out, out
+  code, out = finish(train(workdir, "--config", config, "--resume"), workdir, timeout=180)
+  assert code == 0, out
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3, 4, 5]
+  assert json.loads(out.splitlines()[-1])["accuracy_after"] >= 0
