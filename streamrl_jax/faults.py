@@ -1,7 +1,8 @@
 """Faults injected at named points of the trainer's step, so tests stop a run exactly there instead of
 racing the clock.
 
-`STREAMRL_FAULT="POINT@STEP=ACTION[,POINT@STEP=ACTION...]"`: when the trainer passes POINT while finishing step
+`STREAMRL_FAULT="POINT@STEP=ACTION[,POINT@STEP=ACTION...]"`: when the trainer (its process 0, which decides
+stops) passes POINT while finishing step
 STEP (counted from 1, as metrics rows are), it does ACTION. Points, in the order a step passes them:
 
   publish  the step's new weights are being published (the copy is in flight)

@@ -171,7 +171,7 @@ def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
 
   arriving = [group(8, 0), group(9, 1), group(10, 1), group(8, 1), group(11, 2)]
   recorder = _Recorder()
-  shards, _, _ = worker._take_step(2, recorder, lambda: arriving.pop(0), clock=lambda: 0.0)
+  shards, _, _ = worker._take_step(2, recorder, lambda timeout: arriving.pop(0), clock=lambda: 0.0)
   assert recorder.regenerated == [(2, [8])] and not arriving  # its second copy, within the bound, is trained
   assert sorted(int(s.group_ids[0]) for s in shards) == [8, 9, 10, 11]
   assert worker.counters["groups_regenerated"] == 1 and worker.counters["samples_trained"] == 16

@@ -35,11 +35,15 @@ def test_launch_local_runs_the_job_across_processes(single_process_run):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
+  """Ctrl-C to the launcher while the trainer stands right after step 2's metrics row, before its checkpoint
+  (held there by a fault point until the signal comes): the trainer finishes the step's checkpoint and says
+  so, every process exits, and a resume trains the rest with each step once."""
   config = write_config(tmp_path / "tiny.gin", steps=6, mode="async")
-  proc = launch(tmp_path, "--config", config)
+  paused = tmp_path / "paused"
+  proc = launch(tmp_path, "--config", config, env={"STREAMRL_FAULT": "row@2=pause", "STREAMRL_FAULT_FILE": str(paused)})
   try:
     deadline = time.monotonic() + TIMEOUT_S
-    while not ((tmp_path / "metrics.jsonl").exists() and metrics(tmp_path)):
+    while not paused.exists():
       assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read() if proc.poll() is not None else ""
       time.sleep(0.2)
     pids = children_of(tmp_path)
@@ -49,9 +53,9 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
     if proc.poll() is None:
       proc.kill()
   assert code == 130, out
-  assert "stopped" in out and not any(alive(pid) for pid in pids)
-  done = [m["step"] for m in metrics(tmp_path)]
-  assert done and done == list(range(1, len(done) + 1))
+  assert "streamrl trainer: stopped; the checkpoint of step 2 is in" in out, out
+  assert not any(alive(pid) for pid in pids)
+  assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
   code, out = finish(launch(tmp_path, "--config", config, "--resume"), tmp_path)
   assert code == 0, out
   assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 7))  # every step once, none twice

@@ -44,7 +44,7 @@ class TrainerWorker:
   def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False,
                stop: StopRequest | None = None):
     self.config, self.spec, self.stop = config, config.spec, stop
-    self.faults = FaultPoints.from_env(stop)
+    self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
                            ref_params=params if config.objective.kl_coef > 0 else None)
