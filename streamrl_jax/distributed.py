@@ -19,6 +19,8 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from streamrl_jax import launch
+
 DEFAULT_COORDINATOR_PORT = 8476
 
 
@@ -106,15 +108,16 @@ def broadcast_shard(shard):
   from streamrl_jax.streaming.shard import ROW_FIELDS, TOKEN_FIELDS, SampleShard
 
   leader = jax.process_index() == 0
+  every = launch.launcher(jax.devices())  # multihost_utils' collectives run over every device
   head = np.asarray(shard.tokens.shape if leader and shard is not None else (0, 0), np.int64)
-  head = np.asarray(multihost_utils.broadcast_one_to_all(head, is_source=leader))
+  head = np.asarray(every(multihost_utils.broadcast_one_to_all, head, is_source=leader))
   if head[0] == 0:
     return None
   fields = {**TOKEN_FIELDS, **ROW_FIELDS}
   local = {k: (np.asarray(getattr(shard, k)) if leader else np.zeros(head if k in TOKEN_FIELDS else head[:1], dtype))
            for k, dtype in fields.items()}
   wire = {k: v.astype(np.int32) if v.dtype in (np.bool_, np.int64) else v for k, v in local.items()}  # as jax holds them
-  got = multihost_utils.broadcast_one_to_all(wire, is_source=leader)
+  got = every(multihost_utils.broadcast_one_to_all, wire, is_source=leader)
   return SampleShard(**{k: np.asarray(got[k]).astype(fields[k]) for k in fields})
 
 
@@ -125,4 +128,4 @@ def gather_to_host(tree):
 
   if jax.process_count() == 1:
     return jax.tree.map(np.asarray, tree)
-  return multihost_utils.process_allgather(tree, tiled=True)
+  return launch.launcher(tree)(multihost_utils.process_allgather, tree, tiled=True)

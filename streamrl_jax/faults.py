@@ -12,7 +12,8 @@ STEP (counted from 1, as metrics rows are), it does ACTION. Points, in the order
 Actions: `sigint` / `sigterm` signal the trainer's own process (a Ctrl-C landing exactly there); `sigkill` ends
 it at once (no handler runs, as with an out-of-memory kill); `pause` writes `POINT@STEP` to the file named by
 `STREAMRL_FAULT_FILE` and waits until a signal reaches the process (at most `PAUSE_LIMIT_S`), so a test can
-signal another process (the launcher) knowing where the trainer stands.
+signal another process (the launcher) knowing where the trainer stands; `hang` never returns (a step stuck as a
+device wait would be: only the stall watch, `PipelineConfig.step_timeout_s`, or a second Ctrl-C ends it).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from streamrl_jax.stopping import StopRequest
 
 ENV, FILE_ENV = "STREAMRL_FAULT", "STREAMRL_FAULT_FILE"
 POINTS = ("publish", "row", "save")
-ACTIONS = ("sigint", "sigterm", "sigkill", "pause")
+ACTIONS = ("sigint", "sigterm", "sigkill", "pause", "hang")
 PAUSE_LIMIT_S = 300.0
 
 
@@ -66,6 +67,8 @@ class FaultPoints:
         self._act(fault)
 
   def _act(self, fault: Fault) -> None:
+    while fault.action == "hang":
+      time.sleep(3600)
     if fault.action == "pause":
       seen = self._stop.signals if self._stop is not None else 0
       if self._mark_file:

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from streamrl_jax.faults import Fault, FaultPoints, parse_faults
+from streamrl_jax.pipeline.watchdog import STALL_EXIT_CODE, StallWatch
 from streamrl_jax.pipeline.trainer_worker import SHARD_POLL_S, TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from tests.processes import finish, metrics, train, write_config
@@ -122,3 +123,41 @@ def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp
   assert code == 0, out
   assert [m["step"] for m in metrics(workdir)] == [1, 2, 3, 4, 5]
   assert json.loads(out.splitlines()[-1])["accuracy_after"] >= 0
+
+
+def test_the_stall_watch_ends_a_silent_process_and_not_a_paused_or_progressing_one():
+  now, said, ended = [0.0], [], []
+  watch = StallWatch(30.0, said.append, lambda: now[0], end=ended.append)
+  now[0] = 29.0
+  watch._check()
+  watch.progress("a shard of step 3 arrived")
+  now[0] = 58.0
+  watch._check()
+  assert not ended
+  watch._paused(100.0)  # this process was stopped for 100 s: not the trainer's silence
+  now[0] = 150.0
+  watch._check()
+  assert not ended
+  now[0] = 190.0
+  watch._check()
+  assert ended == [STALL_EXIT_CODE] and "no progress for 61 s since a shard of step 3 arrived" in said[0]
+  assert "PipelineConfig.step_timeout_s=30" in said[0]
+
+
+@pytest.mark.slow
+def test_a_stalled_step_ends_the_run_with_a_reason_and_the_last_checkpoint_resumes(tmp_path):
+  """Step 2 hangs inside its checkpoint save (as a step stuck in a device wait would); the stall watch ends the
+  process with exit code 124 and one line naming the last progress; the resume starts from step 1's checkpoint.
+  (Run 1 stops after step 1, so run 2's programs come from the compilation cache: its steps take well under
+  the 10 s limit.)"""
+  config = write_config(tmp_path / "tiny.gin", steps=3, mode="async")
+  workdir = tmp_path / "run"
+  code, out = finish(train(workdir, "--config", config, env={"STREAMRL_FAULT": "row@1=sigint"}), workdir, timeout=180)
+  assert code == 130, out
+  code, out = finish(train(workdir, "--config", config, "--resume", "--set", "PipelineConfig.step_timeout_s=10",
+                           env={"STREAMRL_FAULT": "save@2=hang"}), workdir, timeout=180)
+  assert code == STALL_EXIT_CODE, out
+  assert "no progress for" in out and "since the end of step 2" not in out and "since the update of step 2" in out, out
+  code, out = finish(train(workdir, "--config", config, "--resume"), workdir, timeout=180)
+  assert code == 0, out
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3]

@@ -120,7 +120,7 @@ def take_step(shards, step=1):
                            _accumulate=lambda shard, step, clock: trained.append(shard))
   worker._too_stale = lambda shard, step: TrainerWorker._too_stale(worker, shard, step)
   worker._next_shard = lambda get_shard, step: TrainerWorker._next_shard(worker, get_shard, step)
-  worker.stop = None
+  worker.stop, worker._progress = None, lambda what: None
   feed = iter(shards)
   TrainerWorker._take_step(worker, step, None, lambda timeout: next(feed), clock=time.monotonic)  # no controller needed
   return worker, sorted(k for s in trained for k in s.keys())

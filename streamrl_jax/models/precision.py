@@ -25,6 +25,7 @@ import qwix
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from streamrl_jax import launch
 from streamrl_jax.models.sharding import state_shardings
 from streamrl_jax.pytrees import flatten_with_names
 
@@ -122,7 +123,7 @@ def to_wire(params: nnx.State, precision: SamplerPrecision) -> dict:
   if sent == "float32" and all(a.dtype == jnp.float32 for a in jax.tree.leaves(params)
                                if jnp.issubdtype(a.dtype, jnp.floating)):
     return {"values": params, "scales": {}}
-  return _encode_jit(params, sent)
+  return launch.launcher(params)(_encode_jit, params, sent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +142,9 @@ def landing(abstract: nnx.State, precision: SamplerPrecision, mesh, rules=None) 
   template = wire_template(abstract, sent)
   shardings = wire_shardings(template, mesh, rules)
   if precision.quantize_on == "sampler" and precision.precision != "float32":
-    finish = jax.jit(lambda wire: decode(encode(decode(wire), precision.precision)))
+    finish = launch.launcher(mesh).jit(lambda wire: decode(encode(decode(wire), precision.precision)))
   elif template["scales"]:
-    finish = jax.jit(decode)
+    finish = launch.launcher(mesh).jit(decode)
   else:
     def finish(wire):
       return wire["values"]

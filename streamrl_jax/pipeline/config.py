@@ -48,6 +48,9 @@ class PipelineConfig:
   # a stop request (first Ctrl-C / SIGTERM) lets the step in progress finish and checkpoint; one still waiting
   # for samples this long after the request is abandoned (the checkpoint before it is the one resumed)
   stop_grace_s: float = 120.0
+  # a trainer that makes no progress (no shard arrives, no update, publication or checkpoint ends) this long ends
+  # its process with a one-line reason and exit code 124, never a silent hang; 0: no limit
+  step_timeout_s: float = 1800.0
   seed: int = 0
   mesh: MeshConfig = MeshConfig()
   engine: EngineConfig = EngineConfig()
@@ -96,6 +99,8 @@ class PipelineConfig:
       raise ValueError("PipelineConfig.tool_threads must be >= 1 and tool_delay_s >= 0")
     if not self.stop_grace_s > 0:
       raise ValueError(f"PipelineConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
+    if self.step_timeout_s < 0:
+      raise ValueError(f"PipelineConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 

@@ -22,6 +22,7 @@ checkpoint before it stays the one a resume starts from). Fault points (`faults.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 
@@ -30,6 +31,7 @@ import numpy as np
 
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.pipeline.step_plan import step_group_ids
+from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
@@ -67,6 +69,7 @@ class TrainerWorker:
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
+    self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._trained: set = set()  # sample keys of the step being trained
 
   def run(self, controller, get_shard: Callable[[float], SampleShard], weights, *, clock: Callable[[], float],
@@ -83,48 +86,63 @@ class TrainerWorker:
         self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(self.start_step)
-    with self.stop.deferred() if self.stop is not None else contextlib.nullcontext():
-      return self._steps(controller, get_shard, weights, clock, on_step, aux, probe)
+    watch = (StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True), time.monotonic)
+             if self.config.step_timeout_s else contextlib.nullcontext())
+    with watch, self.stop.deferred() if self.stop is not None else contextlib.nullcontext():
+      if self.config.step_timeout_s:
+        self._progress = watch.progress
+      metrics, last_end = [], clock()
+      for step in range(self.start_step, self.config.steps):
+        row, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)
+        metrics.append(self._finish_step(step, row, controller, on_step, aux, probe))
+      return metrics
 
-  def _steps(self, controller, get_shard, weights, clock, on_step, aux, probe) -> list[dict]:
-    metrics, last_end = [], clock()
-    for step in range(self.start_step, self.config.steps):
-      first_entry = len(self.timeline["trainer"])
-      before = dict(self.batcher.counters)
-      shards, waited, received = self._take_step(step, controller, get_shard, clock)
-      begin = clock()
-      if self.batcher.rows_seen:
-        self.state, train_metrics = self.batcher.finish(self.state)
-      else:  # dynamic sampling filtered every group and nothing was left to backfill: no update
-        train_metrics = {"update_skipped": 1.0}
-      self.timeline["trainer"].append((begin, clock(), f"update {step}"))
-      train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
-      done = {k: v - before[k] for k, v in self.batcher.counters.items()}
-      train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
-                           train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
-      summary = controller.step_trained(step, train_s)  # before the weights go out: the next replica target
-      sync_start = clock()
-      weights.publish(self.state.params, step + 1)
-      self.faults.hit("publish", step + 1)
+  def _train_step(self, step: int, controller, get_shard, weights, clock, last_end: float) -> tuple[dict, float]:
+    """Takes the step's shards, trains on them and publishes the new weights; returns the step's metrics row and
+    the time it ended."""
+    first_entry = len(self.timeline["trainer"])
+    before = dict(self.batcher.counters)
+    shards, waited, received = self._take_step(step, controller, get_shard, clock)
+    begin = clock()
+    if self.batcher.rows_seen:
+      self.state, train_metrics = self.batcher.finish(self.state)
+    else:  # dynamic sampling filtered every group and nothing was left to backfill: no update
+      train_metrics = {"update_skipped": 1.0}
+    self._progress(f"the update of step {step + 1}")
+    self.timeline["trainer"].append((begin, clock(), f"update {step}"))
+    train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
+    done = {k: v - before[k] for k, v in self.batcher.counters.items()}
+    train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
+                         train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
+    summary = controller.step_trained(step, train_s)  # before the weights go out: the next replica target
+    sync_start = clock()
+    weights.publish(self.state.params, step + 1)
+    self.faults.hit("publish", step + 1)
+    if not self.spec.shared_mesh:
       controller.published(step + 1)
-      self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
-      self.counters["trainer_wait_s"] += waited
-      end = clock()
-      metrics.append(self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary,
-                                        weights, controller.sampler_wait_s() / max(end, 1e-9), train_s))
-      if probe is not None:
-        metrics[-1].update(probe())
-      last_end = end
-      if on_step is not None:
-        on_step(metrics[-1])
-      self.faults.hit("row", step + 1)
-      if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
-        # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
-        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
-        self.faults.hit("save", step + 1)
-      if self.stop is not None and self.stop.requested and step + 1 < self.config.steps:
-        raise self._stopped()
-    return metrics
+    self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
+    self.counters["trainer_wait_s"] += waited
+    end = clock()
+    return self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary, weights,
+                              controller.sampler_wait_s() / max(end, 1e-9), train_s), end
+
+  def _finish_step(self, step: int, row: dict, controller, on_step, aux, probe) -> dict:
+    """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""
+    if probe is not None:
+      row.update(probe())
+    if on_step is not None:
+      on_step(row)
+    self.faults.hit("row", step + 1)
+    if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
+      # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
+      self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
+      self.faults.hit("save", step + 1)
+    self._progress(f"the end of step {step + 1}")
+    if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
+      controller.published(step + 1)
+    if self.stop is not None and self.stop.requested and step + 1 < self.config.steps:
+      raise self._stopped()
+    return row
 
   def _stopped(self, abandoned_step: int | None = None) -> RunStopped:
     """The stop, once the last checkpoint has committed."""
@@ -138,7 +156,9 @@ class TrainerWorker:
     abandoned (RunStopped)."""
     while True:
       try:
-        return get_shard(SHARD_POLL_S)
+        shard = get_shard(SHARD_POLL_S)
+        self._progress(f"a shard of step {step + 1} arrived")
+        return shard
       except TimeoutError:
         if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
           raise self._stopped(abandoned_step=step + 1) from None

@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax import launch
 from streamrl_jax.models import KVCache, ModelConfig, kv_cache_bytes, logical_spec, state_shardings
 from streamrl_jax.sampling.row_moves import RowMoves
 from streamrl_jax.sampling.sample import sample_tokens
@@ -259,18 +260,19 @@ class DecodeEngine(RowMoves):
     self.memory = self._check_memory()
     self._state_shardings = self._decode_state_shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
-    self._prefill = jax.jit(self._prefill_impl, out_shardings=replicated)
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
-    self._generate = jax.jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
-                             out_shardings=(self._state_shardings, replicated))
-    self._extend = jax.jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
-    self._move = jax.jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,),
-                         out_shardings=self._state_shardings)
+    self.launcher = launch.launcher(mesh)  # every program of this engine goes through it (see launch.py)
+    jit = self.launcher.jit
+    self._prefill = jit(self._prefill_impl, out_shardings=replicated)
+    self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
+    self._generate = jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
+                         out_shardings=(self._state_shardings, replicated))
+    self._extend = jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
+    self._move = jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,), out_shardings=self._state_shardings)
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
     """Puts an `nnx.State` of parameters onto this engine's mesh by the logical rules."""
-    return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
+    return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
   def _decode_state_shardings(self):
     abstract = jax.eval_shape(self._empty_state)
@@ -328,7 +330,7 @@ class DecodeEngine(RowMoves):
         stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32))
 
   def init_decode_state(self) -> DecodeState:
-    return jax.jit(self._empty_state, out_shardings=self._state_shardings)()
+    return self.launcher.jit(self._empty_state, out_shardings=self._state_shardings)()
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
               resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix:

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax import launch
 from streamrl_jax.models import KVCache, ModelConfig, logical_spec, state_shardings
 from streamrl_jax.models.paged_cache import (PagePool, PageState, advance, check_prompt_fits, copy_pages, fork,
                                              pages_for, release, reserve, reserve_rows, write_layer)
@@ -86,11 +87,14 @@ class PagedDecodeEngine:
     self.memory = self._check_memory()
     replicated = NamedSharding(mesh, PartitionSpec())
     self._shardings = self._state_shardings()
-    self._insert = jax.jit(self._insert_impl, donate_argnums=(1,), out_shardings=(self._shardings, replicated))
-    self._generate = jax.jit(self._generate_impl, static_argnums=(4,), donate_argnums=(1,),
-                             out_shardings=(self._shardings, replicated))
-    self._deactivate = jax.jit(lambda rows, slot: rows.replace(active=rows.active.at[slot].set(False)),
-                               donate_argnums=(0,), out_shardings=self._shardings)
+    self.launcher = launch.launcher(mesh)  # every program on the mesh goes through it (see launch.py)
+    jit = self.launcher.jit
+    self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=(self._shardings, replicated))
+    self._generate = jit(self._generate_impl, static_argnums=(4,), donate_argnums=(1,),
+                         out_shardings=(self._shardings, replicated))
+    self._deactivate = jit(lambda rows, slot: rows.replace(active=rows.active.at[slot].set(False)),
+                           donate_argnums=(0,), out_shardings=self._shardings)
+    # The page table's programs run on one host device: a single-device program needs no launcher.
     self._cpu = jax.devices("cpu")[0]
     self._reserve = jax.jit(reserve, static_argnums=(3,))
     self._reserve_rows = jax.jit(reserve_rows, static_argnums=(3,))
@@ -103,7 +107,7 @@ class PagedDecodeEngine:
 
   # ---- placement and memory -------------------------------------------------------------------
   def place_params(self, params):
-    return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
+    return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
   def _state_shardings(self):
     abstract = jax.eval_shape(self._empty_rows)
@@ -142,7 +146,7 @@ class PagedDecodeEngine:
         prefix_logits=jnp.zeros((max(1, self.cache_rows), self.model_config.vocab_size), jnp.float32))
 
   def init_decode_state(self) -> PagedState:
-    rows = jax.jit(self._empty_rows, out_shardings=self._shardings)()
+    rows = self.launcher.jit(self._empty_rows, out_shardings=self._shardings)()
     pages = PageState.init(self.num_pages, self.config.num_slots + self.cache_rows, self.pages_per_row)
     return PagedState(rows, jax.device_put(pages, self._cpu))
 

@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from scipy import stats
 
+from streamrl_jax import launch
 from streamrl_jax.meshes import single_device_mesh
 
 RECALL_FRACTIONS = (0.2, 0.1, 0.05)
@@ -131,7 +132,9 @@ def make_train_step(graphdef, config: RankerConfig):
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     return RankerState(optax.apply_updates(state.params, updates), opt_state, state.step + 1), loss
 
-  return jax.jit(step)  # no donation: a checkpoint may still be reading the previous state
+  # no donation: a checkpoint may still be reading the previous state. One device (the default): a
+  # single-device program needs no launcher (launch.py)
+  return jax.jit(step)
 
 
 def make_scorer(graphdef, mesh: Mesh):
@@ -143,7 +146,7 @@ def make_scorer(graphdef, mesh: Mesh):
     return nnx.merge(graphdef, params)(tokens, mask)
 
   mapped = jax.shard_map(local, mesh=mesh, in_specs=(PartitionSpec(), rows, rows), out_specs=rows)
-  return jax.jit(mapped, out_shardings=NamedSharding(mesh, rows))
+  return launch.launcher(mesh).jit(mapped, out_shardings=NamedSharding(mesh, rows))
 
 
 def recall_at(predicted: np.ndarray, actual: np.ndarray, fraction: float) -> float:
@@ -188,7 +191,7 @@ class OnlineRanker:
     self._replicated = NamedSharding(self.mesh, PartitionSpec())
     self._lock, self._new_data = threading.Lock(), threading.Event()
     self._state = state
-    self._serving = jax.device_put(state.params, self._replicated)
+    self._serving = launch.put(state.params, self._replicated)
     self._tokens = np.zeros((0, config.max_prompt_length), np.int32)
     self._mask = np.zeros((0, config.max_prompt_length), bool)
     self._lengths = np.zeros((0,), np.float32)
@@ -255,7 +258,7 @@ class OnlineRanker:
       idx = self._rng.choice(n, size=b, replace=n < b)
       valid = np.ones(b, bool)
       state, loss = self._train_step(state, tokens[idx], mask[idx], lengths[idx], valid)
-    serving = jax.device_put(state.params, self._replicated)
+    serving = launch.put(state.params, self._replicated)
     with self._lock:
       self._state, self._serving = state, serving
     self.counters["train_steps"] += steps
@@ -303,7 +306,7 @@ class OnlineRanker:
     n = int(arrays["count"])
     with self._lock:
       self._state = arrays["state"]
-      self._serving = jax.device_put(self._state.params, self._replicated)
+      self._serving = launch.put(self._state.params, self._replicated)
       self._tokens = np.asarray(arrays["tokens"], np.int32)[:n]
       self._mask = np.asarray(arrays["mask"], bool)[:n]
       self._lengths = np.asarray(arrays["lengths"], np.float32)[:n]

@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from streamrl_jax import launch
 from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
                                    Registered, RejoinRequired, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
                                    encode_message)
@@ -303,7 +304,7 @@ class FlightWeightReceiver:
         if self.relay is not None:
           self.relay.fail(version, f"{type(err).__name__}: {_message(err)[:200]}")
         raise
-    params = jax.device_put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
+    params = launch.put(unflatten_like(self.template, flat, "the weight stream"), self.shardings)
     params = jax.block_until_ready(self._finish(params))
     self.stats["fetches"] += 1
     self.stats["bytes"] += nbytes

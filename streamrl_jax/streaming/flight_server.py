@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from streamrl_jax import launch
 from streamrl_jax.messages import (QUOTE_CHARS, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave, Register,
                                    StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
 from streamrl_jax.models.precision import SamplerPrecision, to_wire
@@ -96,7 +96,7 @@ class HostWeightStore:
     if self._gather is not None:
       self._store(self._gather(params), version, start)
       return
-    copied = jax.tree.map(jnp.copy, params)
+    copied = launch.copy(params)
     thread = threading.Thread(target=self._to_host, args=(copied, version, start), daemon=True,
                               name=f"weights-to-host-{version}")
     thread.start()

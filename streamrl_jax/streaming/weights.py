@@ -16,6 +16,7 @@ from typing import Protocol
 
 import jax
 
+from streamrl_jax import launch
 from streamrl_jax.messages import WeightUpdate
 from streamrl_jax.models.precision import Landing, SamplerPrecision, to_wire
 
@@ -104,7 +105,7 @@ class WeightSync:
     """Enqueues the copy now (so the trainer may donate `params` to its next step right after) and
     waits for it on a worker thread."""
     start = time.perf_counter()
-    placed = jax.device_put(to_wire(params, self._precision), self._landing.shardings)
+    placed = launch.put(to_wire(params, self._precision), self._landing.shardings)
     thread = threading.Thread(target=self._finish, args=(placed, version, start), daemon=True,
                               name=f"weight-sync-{version}")
     thread.start()

@@ -13,10 +13,10 @@ import os
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from streamrl_jax import launch
 from streamrl_jax.pytrees import flatten_with_names as _flatten
 from streamrl_jax.pytrees import unflatten_like as _unflatten
 from streamrl_jax.training.step import TrainState, _zero_sums
@@ -41,11 +41,15 @@ class Checkpointer:
     read back by `restore_aux`."""
     step = int(jax.device_get(state.step)) if step is None else step
     # A private copy: the trainer donates its state to the next step while the save is still running.
-    arrays = jax.tree.map(jnp.copy, _flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
+    arrays = launch.copy(_flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
     items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
     if aux is not None:
       items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
-    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    if jax.process_count() > 1:  # orbax syncs the processes with a collective over every device
+      with launch.launcher(jax.devices()).launching():
+        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    else:
+      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
     return step
 
   def wait(self) -> None:

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, entropy,
                                               kl_penalty, with_old_logprobs)
@@ -138,9 +139,10 @@ class Trainer:
     # Packed rows split evenly over the batch axes: their count is a multiple of these.
     self.packed_row_quantum = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
-    self.ref_params = None if ref_params is None else jax.tree.map(jnp.copy, self.place(ref_params))
+    self.launcher = launch.launcher(mesh)  # every program of this trainer goes through it (see launch.py)
+    self.ref_params = None if ref_params is None else launch.copy(self.place(ref_params))
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
-    self._reference = jax.jit(self._reference_impl)
+    self._reference = self.launcher.jit(self._reference_impl)
     self.compiled_shapes: set[tuple[int, int]] = set()
     self.last_shape = (0, 0)  # the padded shape of the latest micro-batch
 
@@ -149,23 +151,25 @@ class Trainer:
     restored from a checkpoint) runs through the same executables: resumes are bit-identical."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    self._accumulate = jax.jit(self._accumulate_impl, donate_argnums=(0,), out_shardings=shardings)
-    self._apply = jax.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated))
+    self._accumulate = self.launcher.jit(self._accumulate_impl, donate_argnums=(0,), out_shardings=shardings)
+    self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated))
 
   def place(self, params):
-    return jax.device_put(params, state_shardings(params, self.mesh, self.rules))
+    return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
   def init_state(self, params, seed: int = 0) -> TrainState:
     # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
     # steps would then delete under the caller's model.
-    params = jax.tree.map(jnp.copy, self.place(params))
-    grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
+    params = launch.copy(self.place(params))
+    with self.launcher.launching():
+      grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
+      opt_state = jax.jit(self.tx.init)(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def on_mesh(x):  # optimizer counters and scalars: replicated on this mesh, not on device 0
       on = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
-      return x if on else jax.device_put(x, replicated)
-    state = TrainState(params=params, opt_state=jax.jit(self.tx.init)(params), step=jnp.zeros((), jnp.int32),
+      return x if on else launch.put(x, replicated)
+    state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
     state = jax.tree.map(on_mesh, state)
     if self._accumulate is None:
@@ -202,7 +206,7 @@ class Trainer:
     self.compiled_shapes.add(shape)
     self.last_shape = shape
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-    return jax.device_put(out, sharding)
+    return launch.put(out, sharding)
 
   def length_buckets(self, max_length: int) -> list[int]:
     """The padded lengths a micro-batch of up to `max_length` tokens can take."""
@@ -248,7 +252,7 @@ class Trainer:
     padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
     padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-    out = self._reference(self.ref_params, jax.device_put(padded, sharding))
+    out = self._reference(self.ref_params, launch.put(padded, sharding))
     return np.asarray(out)[:rows, :length]
 
   def _reference_impl(self, ref_params, batch):

@@ -1,0 +1,133 @@
+"""One launcher per device set: programs that share devices are launched in one order on every device.
+
+XLA runs a program over several devices as one part per device, and its collectives (all-reduce,
+all-gather) as a rendezvous of those parts; each device runs the programs launched onto it in launch order.
+Two threads that launch multi-device programs onto overlapping devices on their own can launch A before B
+onto one device and B before A onto another: each device then waits in a rendezvous the other never reaches
+(XLA's CPU collectives abort the process after 40 s; elsewhere it hangs). Colocated mode is where this meets
+a run: the trainer's step, checkpoint copy and weight publication against the sampler's prefill and decode,
+on the same devices.
+
+XLA:CPU adds a second hazard: it runs the parts of programs in flight on a shared pool of threads, not in
+order per device, and a part waiting in a rendezvous holds its thread. With as many pool threads as devices
+(2 here), two collective programs in flight can each hold one thread while their other parts wait for one:
+on a 2-device CPU, 20 alternating launches of two collective programs from ONE thread deadlock, and 500 from
+two threads with a lock over each dispatch too (tests/test_launch.py); with 8 forced devices they pass,
+which is why the tests' 8-device runs never met it.
+
+The rule: every multi-device program is launched through the `Launcher` of its devices, which holds one lock
+per device, taken in device order, across the launch: on accelerators (in-order streams per device) across
+the dispatch, on the CPU until the program has finished, so at most one multi-device program is in flight per
+device. Programs on disjoint devices never wait for each other; programs on overlapping devices run one after
+the other, in the same order on every device. Single-device programs (the ranker's training, the page
+table's bookkeeping, warm-up, evaluation on one device) cannot rendezvous and need no launcher.
+
+`Launcher.jit` is `jax.jit` whose calls go through the launcher (the engines', the trainer's and the ranker's
+jit boundaries); `put` and `copy` are `jax.device_put` and `jnp.copy` over pytrees through the launcher of
+every device they touch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, Sharding
+
+_registry = threading.Lock()
+_device_locks: dict[int, threading.RLock] = {}
+
+
+def _lock_of(device_id: int) -> threading.RLock:
+  with _registry:
+    return _device_locks.setdefault(device_id, threading.RLock())
+
+
+class Launcher:
+  """The launcher of one set of devices (ids in `device_ids`)."""
+
+  def __init__(self, device_ids, *, finish: bool = False):
+    """`finish`: a launch holds the locks until its program has finished (XLA:CPU, see above)."""
+    self.device_ids = tuple(sorted(set(device_ids)))
+    self.finish = finish
+    self._locks = [_lock_of(i) for i in self.device_ids]
+
+  @contextlib.contextmanager
+  def launching(self) -> Iterator[None]:
+    """Holds every device's lock (in device order: no two launchers wait on each other in a circle)."""
+    for lock in self._locks:
+      lock.acquire()
+    try:
+      yield
+    finally:
+      for lock in reversed(self._locks):
+        lock.release()
+
+  def __call__(self, fn, *args, **kwargs):
+    """`fn(*args, **kwargs)` launched through this launcher."""
+    with self.launching():
+      return fn(*args, **kwargs)
+
+  def jit(self, fn, **jit_kwargs) -> Launched:
+    """`jax.jit(fn, **jit_kwargs)` whose every call is launched through this launcher."""
+    return Launched(self, jax.jit(fn, **jit_kwargs))
+
+  def __repr__(self) -> str:
+    return f"Launcher(devices {list(self.device_ids)})"
+
+
+class Launched:
+  """A jitted function whose calls go through a launcher; everything else (`lower`, ...) is the jitted one's."""
+
+  def __init__(self, launcher: Launcher, jitted):
+    self.launcher, self.jitted = launcher, jitted
+    functools.update_wrapper(self, jitted)
+
+  def __call__(self, *args, **kwargs):
+    with self.launcher.launching():
+      out = self.jitted(*args, **kwargs)
+      if self.launcher.finish:
+        jax.block_until_ready(out)
+      return out
+
+  def __getattr__(self, name):
+    return getattr(self.jitted, name)
+
+
+def devices_of(*where) -> set:
+  """Every device of the meshes, shardings, devices and device arrays in `where` (pytrees of them too);
+  host values (numpy arrays, numbers) have none."""
+  found = set()
+  for leaf in jax.tree.leaves(where, is_leaf=lambda x: isinstance(x, (Mesh, Sharding))):
+    if isinstance(leaf, Mesh):
+      found.update(leaf.devices.flat)
+    elif isinstance(leaf, Sharding):
+      found.update(leaf.device_set)
+    elif isinstance(leaf, jax.Array):
+      found.update(leaf.sharding.device_set)
+    elif isinstance(leaf, jax.Device):
+      found.add(leaf)
+  return found
+
+
+def launcher(*where) -> Launcher:
+  """The launcher of every device in `where` (see `devices_of`); on the CPU its launches finish under it."""
+  devices = devices_of(*where)
+  return Launcher((d.id for d in devices), finish=any(d.platform == "cpu" for d in devices) and len(devices) > 1)
+
+
+def put(tree, shardings):
+  """`jax.device_put(tree, shardings)` launched on every device of both (a reshard between layouts on shared
+  devices is a multi-device program)."""
+  with launcher(tree, shardings).launching():
+    return jax.device_put(tree, shardings)
+
+
+def copy(tree):
+  """A private copy of every array of `tree` (`jnp.copy`), launched on the tree's devices."""
+  with launcher(tree).launching():
+    return jax.tree.map(jnp.copy, tree)
