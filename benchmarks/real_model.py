@@ -22,6 +22,9 @@ Five parts, each in its own process (so each starts from clean memory and its ow
 - precision: `benchmarks/precision.py`'s mismatch of float32, bfloat16 and int8 samplers against the float32
   trainer, tokens/s and bytes per precision (`smollm2_mismatch_kl_int8`, `smollm2_int8_bytes_ratio`).
 
+- modes: the issue's command (8 steps of 4 prompts x 8 samples, 32 new tokens) in colocated and in async mode:
+  `colocated_step_s`, `async_step_s` and where a colocated step's time goes (`colocated_step_parts_s`).
+
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
 Prints one JSON object as its last line.
 """
@@ -248,7 +251,41 @@ def part_rl(steps: int) -> dict:
           "peak_rss_mb": round(_peak_rss_mb()), "workdir": str(workdir), "config": str(CONFIG.relative_to(ROOT))}
 
 
-PARTS = ("parity", "speed", "paged", "precision", "rl")
+MODES_SETTINGS = ("PipelineConfig.steps=8", "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8",
+                  "PipelineConfig.max_new_tokens=32", "EngineConfig.max_new_tokens=32", "JobConfig.eval_prompts=1")
+
+
+def part_modes(steps: int) -> dict:
+  """The colocated-mode issue's command in `colocated` and in `async` mode, each as `streamrl train` in its
+  own process (one device per core: colocated time-shares both, async gives each side one): the mean step
+  (`colocated_step_s`, `async_step_s`, without the first step, which compiles) and where a colocated step's
+  time goes (generating, training, weight sync, and the rest: checkpoint and idle)."""
+  out = {}
+  for mode in ("colocated", "async"):
+    workdir = Path(tempfile.mkdtemp(prefix=f"real_model_{mode}_"))
+    settings = [a for s in MODES_SETTINGS + (f"PipelineConfig.mode='{mode}'",) for a in ("--set", s)]
+    if steps:
+      settings += ["--set", f"PipelineConfig.steps={steps}"]
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "streamrl_jax.cli", "train", "--config", str(CONFIG), "--workdir",
+                           str(workdir), *settings], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if done.returncode:
+      raise RuntimeError(f"{mode}: exit {done.returncode}\n{done.stdout[-3000:]}")
+    rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    steady = rows[1:] or rows
+    mean = lambda key: round(sum(r[key] for r in steady) / len(steady), 2)  # noqa: E731
+    out[f"{mode}_step_s"] = mean("step_s")
+    out[f"{mode}_steps"] = len(rows)
+    out[f"{mode}_wall_s"] = round(time.perf_counter() - started, 1)
+    if mode == "colocated":
+      parts = {"generate": mean("generation_s"), "train": mean("train_s"), "sync": mean("weight_sync_s")}
+      parts["checkpoint_and_idle"] = round(out["colocated_step_s"] - sum(parts.values()), 2)
+      out["colocated_step_parts_s"] = parts
+  out["colocated_over_async"] = round(out["colocated_step_s"] / out["async_step_s"], 3)
+  return out
+
+
+PARTS = ("parity", "speed", "paged", "precision", "rl", "modes")
 
 
 def main() -> dict:
@@ -258,7 +295,7 @@ def main() -> dict:
   args = parser.parse_args()
   if args.part:
     return {"parity": part_parity, "speed": part_speed, "paged": part_paged, "precision": part_precision,
-            "rl": lambda: part_rl(args.steps)}[args.part]()
+            "rl": lambda: part_rl(args.steps), "modes": lambda: part_modes(args.steps)}[args.part]()
   from streamrl_jax.models.catalog import fetch
 
   fetch(MODEL)

@@ -86,11 +86,12 @@ class TrainerWorker:
         self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(self.start_step)
-    watch = (StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True), time.monotonic)
-             if self.config.step_timeout_s else contextlib.nullcontext())
-    with watch, self.stop.deferred() if self.stop is not None else contextlib.nullcontext():
-      if self.config.step_timeout_s:
-        self._progress = watch.progress
+    watch = None
+    if self.config.step_timeout_s:
+      watch = StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True),
+                         time.monotonic)
+      self._progress = watch.progress
+    with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
       for step in range(self.start_step, self.config.steps):
         row, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)

@@ -14,13 +14,13 @@ class Watchdog:
   an overloaded host) calls `paused(seconds late)` instead, so others are not blamed for our own silence."""
 
   def __init__(self, period: float, check: Callable[[], object], paused: Callable[[float], None],
-               clock: Callable[[], float]):
-    self.period, self._check, self._paused, self._clock = period, check, paused, clock
+               clock: Callable[[], float], name: str = "controller-watchdog"):
+    self.period, self._check, self._paused, self._clock, self._name = period, check, paused, clock, name
     self._closed = threading.Event()
     self._thread: threading.Thread | None = None
 
   def start(self) -> None:
-    self._thread = threading.Thread(target=self._watch, daemon=True, name="controller-watchdog")
+    self._thread = threading.Thread(target=self._watch, daemon=True, name=self._name)
     self._thread.start()
 
   def close(self) -> None:
@@ -52,7 +52,7 @@ class StallWatch:
                end: Callable[[int], None] = os._exit):
     self.limit_s, self._log, self._clock, self._end = limit_s, log, clock, end
     self._last, self._what = clock(), "the start"
-    self._watchdog = Watchdog(min(10.0, limit_s / 4), self._check, self._paused, clock)
+    self._watchdog = Watchdog(min(10.0, limit_s / 4), self._check, self._paused, clock, name="stall-watch")
 
   def __enter__(self) -> StallWatch:
     self._watchdog.start()
