@@ -68,9 +68,12 @@ class Launcher:
         lock.release()
 
   def __call__(self, fn, *args, **kwargs):
-    """`fn(*args, **kwargs)` launched through this launcher."""
+    """`fn(*args, **kwargs)` launched through this launcher (with `finish`, waited for under it)."""
     with self.launching():
-      return fn(*args, **kwargs)
+      out = fn(*args, **kwargs)
+      if self.finish:
+        jax.block_until_ready(out)
+      return out
 
   def jit(self, fn, **jit_kwargs) -> Launched:
     """`jax.jit(fn, **jit_kwargs)` whose every call is launched through this launcher."""
@@ -88,11 +91,7 @@ class Launched:
     functools.update_wrapper(self, jitted)
 
   def __call__(self, *args, **kwargs):
-    with self.launcher.launching():
-      out = self.jitted(*args, **kwargs)
-      if self.launcher.finish:
-        jax.block_until_ready(out)
-      return out
+    return self.launcher(self.jitted, *args, **kwargs)
 
   def __getattr__(self, name):
     return getattr(self.jitted, name)
@@ -122,7 +121,8 @@ def launcher(*where) -> Launcher:
 
 def put(tree, shardings):
   """`jax.device_put(tree, shardings)` launched on every device of both (a reshard between layouts on shared
-  devices is a multi-device program)."""
+  devices is a multi-device program). Transfers and copies hold no rendezvous, so even on the CPU they are
+  ordered at dispatch and not waited for."""
   with launcher(tree, shardings).launching():
     return jax.device_put(tree, shardings)
 
