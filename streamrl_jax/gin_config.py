@@ -17,6 +17,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.config import ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.train_job import JobConfig
+from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
@@ -27,7 +28,7 @@ CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout
 DEMO_CONFIG = next((d / "demo_cpu.gin" for d in CONFIG_DIRS if (d / "demo_cpu.gin").is_file()),
                    CONFIG_DIRS[0] / "demo_cpu.gin")
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
+                  RankerConfig, SchedulingConfig, RewardConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -67,7 +68,8 @@ def run_files(config_files) -> list[str]:
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
-               objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)))
+               objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
+               reward=build(RewardConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
 
 

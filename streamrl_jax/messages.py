@@ -98,6 +98,7 @@ class Lease:
   min_version: int
   instances: int
   partials: tuple[Partial, ...] = ()  # samples of these groups begun elsewhere (partial rollouts)
+  rows: tuple[str, ...] = ()  # one per prompt: its dataset row (`tasks.Row` as JSON) for the rewards; empty: none
 
 
 @dataclasses.dataclass(frozen=True)

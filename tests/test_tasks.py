@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl_jax.models import CharTokenizer
-from streamrl_jax.tasks import (ArithmeticTask, CountdownTask, PromptFile, arithmetic_reward, countdown_reward,
+from streamrl_jax.tasks import (ArithmeticTask, CountdownTask, FileTask, PromptFile, arithmetic_reward, countdown_reward,
                                 digit_count_probabilities, numeric_answer_reward, prompt_iterator, worked_solution)
 
 
@@ -62,7 +62,8 @@ def test_prompt_file_errors_name_file_and_row(tmp_path):
   path = tmp_path / "data.jsonl"
   path.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "x"}\n')
   with pytest.raises(ValueError, match=r"data.jsonl, row 2: missing field 'answer'"):
-    PromptFile(path)
+    PromptFile(path, answer_key="answer")
+  assert FileTask(PromptFile(path)).missing_answer().endswith("data.jsonl, row 2")  # needed by the built-in verifier only
   path.write_text('{"question": "1+1?", "answer": "2"}\n{oops\n')
   with pytest.raises(ValueError, match=r"data.jsonl, row 2: not valid JSON"):
     PromptFile(path)

@@ -28,7 +28,8 @@ def test_sample_batch_round_trip(lengths):
   width = max(lengths)
   for field in ("tokens", "valid", "loss_mask", "sampler_logprobs", "token_versions"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field)[:, :width])
-  for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions"):
+  for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions", "reward_parts",
+                "reward_errors", "reward_timeouts"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field))
 
 
@@ -44,7 +45,12 @@ def _bad_batches():
       "lacks column 'reward'": pa.record_batch(
           [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
           schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
-      "not 'streamrl.samples/2'": good.replace_schema_metadata({}),
+      "not 'streamrl.samples/3'": good.replace_schema_metadata({}),
+      "row 1: reward_parts must hold one value per reward function": _replace_column(
+          good, "reward_parts", pa.array([[1.0], [1.0, 0.0]], pa.list_(pa.float32()))),
+      "row 0: reward_parts must be finite": _replace_column(
+          good, "reward_parts", pa.array([[float("inf")], [1.0]], pa.list_(pa.float32()))),
+      "reward_errors must be >= 0": _replace_column(good, "reward_errors", pa.array([0, -1], pa.int32())),
       r"\[0, 50\)": _replace_column(good, "tokens", pa.array([t[:-1] + [VOCAB] for t in tokens], pa.list_(pa.int32()))),
       "'sampler_logprobs' has 4 entries": _replace_column(
           good, "sampler_logprobs", pa.array([[0.0] * 4, [0.0] * 6], pa.list_(pa.float32()))),
@@ -70,7 +76,7 @@ def test_malformed_sample_batches_are_refused_by_name(problem):
 def test_sample_schema_is_fixed():
   assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "prompt_id", "sample_index", "tokens",
                                  "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version",
-                                 "token_versions"]
+                                 "token_versions", "reward_parts", "reward_errors", "reward_timeouts"]
   with pytest.raises(ValueError, match="prefix"):
     bad = group_shard([4])
     shard_to_batch(dataclasses.replace(bad, valid=bad.valid[:, ::-1], loss_mask=bad.valid[:, ::-1] & False),

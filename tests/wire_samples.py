@@ -15,8 +15,10 @@ def group_shard(lengths, prompt_len=2, step=3, seed=0, group=7) -> SampleShard:
   valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
   loss_mask = valid & (np.arange(width)[None] >= prompt_len)
   versions = np.where(loss_mask, np.where(np.arange(width)[None] > prompt_len, 3, 2), 0)  # an update after token 1
+  parts = rng.random((n, 2)).astype(np.float32)  # two reward functions, weights 1 and 0.5
   return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid, loss_mask=loss_mask,
-                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=rng.random(n),
+                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=parts @ np.float32([1, 0.5]),
+                     reward_parts=parts, reward_errors=rng.integers(0, 2, n), reward_timeouts=rng.integers(0, 2, n),
                      prompt_ids=np.full(n, group), group_ids=np.full(n, group), sample_indices=np.arange(n),
                      steps=np.full(n, step), first_versions=np.full(n, 2),
                      last_versions=np.where(loss_mask.sum(1) > 1, 3, 2), token_versions=versions)

@@ -7,6 +7,7 @@ import dataclasses
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
+from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
@@ -57,6 +58,7 @@ class PipelineConfig:
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   objective: ObjectiveConfig = ObjectiveConfig()
   scheduling: SchedulingConfig = SchedulingConfig()
+  reward: RewardConfig = RewardConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:

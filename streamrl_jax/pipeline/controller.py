@@ -293,7 +293,8 @@ class Controller:
       pick = lambda values: tuple(values[i] for i in missing) if values else ()  # noqa: E731
       begun = tuple(p for p in partials if p.group_id in {lease.group_ids[i] for i in missing})
       plan.unleased.insert(0, dataclasses.replace(lease, group_ids=pick(lease.group_ids), prompts=pick(lease.prompts),
-                                                  predicted_lengths=pick(lease.predicted_lengths), partials=begun))
+                                                  predicted_lengths=pick(lease.predicted_lengths), partials=begun,
+                                                  rows=pick(lease.rows)))
       self.counters["partial_samples_handed_back"] += len(begun)
       if lost:
         self._re_leased.update({(lease.step, lease.group_ids[i]): loss for i in missing})
@@ -356,9 +357,9 @@ class Controller:
       self._event("groups_filtered", step=step, group_ids=list(filtered), backfilled=count)
       if count <= 0:
         return 0
-      prompts = backfill_prompts(self.config, self.task, step, plan.backfilled, count)
+      drawn = backfill_prompts(self.config, self.task, step, plan.backfilled, count)
       ids = step_group_ids(self.config, step)[1][plan.backfilled:plan.backfilled + count]
-      self._hand_out(step, plan, ids, prompts)
+      self._hand_out(step, plan, ids, drawn)
       plan.backfilled += count
       self.counters["prompts_backfilled"] += count
       return count
@@ -371,19 +372,20 @@ class Controller:
       if plan is None:
         return
       planned, extra = step_group_ids(self.config, step)
-      prompts = [plan.prompts[g - planned.start] if g in planned else
-                 backfill_prompts(self.config, self.task, step, g - extra.start, 1)[0] for g in group_ids]
+      drawn = [(plan.prompts[g - planned.start], plan.rows[g - planned.start]) if g in planned else
+               backfill_prompts(self.config, self.task, step, g - extra.start, 1)[0] for g in group_ids]
       for g in group_ids:
         plan.delivered.pop(g, None)
-      self._hand_out(step, plan, group_ids, prompts)
+      self._hand_out(step, plan, group_ids, drawn)
       self.counters["groups_regenerated"] += len(group_ids)
       self._event("groups_regenerated", step=step, group_ids=list(group_ids))
 
-  def _hand_out(self, step: int, plan: StepPlan, group_ids, prompts) -> None:
-    """One more lease of `step` (lock held), taken before any later step's."""
+  def _hand_out(self, step: int, plan: StepPlan, group_ids, drawn) -> None:
+    """One more lease of `step` (lock held) for `drawn` (prompt, row) pairs, taken before any later step's."""
     plan.unleased.append(Lease(lease_id=-1, step=step, group_ids=tuple(int(g) for g in group_ids),
-                               prompts=tuple(prompts), predicted_lengths=(), length_quantiles=(),
-                               min_version=self._min_version(step), instances=self._target_instances))
+                               prompts=tuple(p for p, _ in drawn), predicted_lengths=(), length_quantiles=(),
+                               min_version=self._min_version(step), instances=self._target_instances,
+                               rows=tuple(r for _, r in drawn)))
     plan.leases += 1
     plan.summary = None
     self._cond.notify_all()
@@ -451,7 +453,8 @@ class Controller:
 
   def _plan(self, step: int) -> StepPlan:
     config = self.config
-    prompts = step_prompts(config, self.task, step)
+    drawn = step_prompts(config, self.task, step)
+    prompts, rows = [p for p, _ in drawn], [r for _, r in drawn]
     encoded = [self.tokenizer.encode(p) for p in prompts]
     scores, predicted, quantiles, history = None, (), (), ()
     if self.ranker is not None:
@@ -461,9 +464,9 @@ class Controller:
       if history.size:
         quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
     cuts = cut_prompts(config, step, predicted, history, parts=len(self._samplers))
-    leases = step_leases(config, step, prompts, cuts, predicted, quantiles, self._min_version(step),
+    leases = step_leases(config, step, prompts, rows, cuts, predicted, quantiles, self._min_version(step),
                          self._target_instances)
-    return StepPlan(prompts, encoded, scores, leases, len(leases))
+    return StepPlan(prompts, rows, encoded, scores, leases, len(leases))
 
   def _summarise(self, step: int, plan: StepPlan) -> dict:
     reports = list(plan.reports.values())

@@ -19,7 +19,7 @@ SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "PipelineConfig.stop_grace_s", "PipelineConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.warmup_", "MeshConfig.",
-                        "EngineConfig.", "OptimizerConfig.learning_rate")
+                        "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
 PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
 

@@ -11,6 +11,7 @@ import numpy as np
 
 from streamrl_jax.messages import Lease, Partial, StepReport
 from streamrl_jax.scheduling import dispatch_requests
+from streamrl_jax.tasks.rows import draw
 
 
 @dataclasses.dataclass
@@ -18,6 +19,7 @@ class StepPlan:
   """A step's prompts, their ranker scores, the leases not yet taken, and what came back."""
 
   prompts: list[str]
+  rows: list[str]  # each prompt's row (JSON), for the rewards
   encoded: list[list[int]]
   scores: np.ndarray | None
   unleased: list[Lease]
@@ -29,17 +31,23 @@ class StepPlan:
   summary: dict | None = None
 
 
-def step_prompts(config, task, step: int) -> list[str]:
-  """The prompts of `step`: `prompts_per_step` draws of the task from a generator seeded by (seed, step)."""
+def step_prompts(config, task, step: int) -> list[tuple[str, str]]:
+  """The prompts of `step`, each with its row as JSON: `prompts_per_step` draws of the task from a generator seeded
+  by (seed, step)."""
   rng = np.random.default_rng([config.seed, step])
-  return [task.sample(rng)[0] for _ in range(config.prompts_per_step)]
+  return [_drawn(task, rng) for _ in range(config.prompts_per_step)]
 
 
-def backfill_prompts(config, task, step: int, start: int, count: int) -> list[str]:
-  """Backfill prompts start..start+count-1 of `step` (dynamic sampling): draws of a generator seeded by (seed,
-  step, 1), so a resumed step adds the same prompts in the same order."""
+def backfill_prompts(config, task, step: int, start: int, count: int) -> list[tuple[str, str]]:
+  """Backfill prompts start..start+count-1 of `step` (dynamic sampling), with their rows: draws of a generator
+  seeded by (seed, step, 1), so a resumed step adds the same prompts in the same order."""
   rng = np.random.default_rng([config.seed, step, 1])
-  return [task.sample(rng)[0] for _ in range(start + count)][start:]
+  return [_drawn(task, rng) for _ in range(start + count)][start:]
+
+
+def _drawn(task, rng) -> tuple[str, str]:
+  prompt, row = draw(task, rng)
+  return prompt, row.to_json()
 
 
 def backfill_count(config, used: int, filtered: int) -> int:
@@ -74,13 +82,14 @@ def cut_prompts(config, step: int, predicted: Sequence[float], history, parts: i
   return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
 
 
-def step_leases(config, step: int, prompts: Sequence[str], cuts: Sequence[np.ndarray], predicted: Sequence[float],
-                quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
+def step_leases(config, step: int, prompts: Sequence[str], rows: Sequence[str], cuts: Sequence[np.ndarray],
+                predicted: Sequence[float], quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
   """One lease per cut (lease ids are given when a sampler takes one); group ids number the run's prompts."""
   first = step_group_ids(config, step)[0].start
   return [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
                 prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
-                if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances)
+                if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances,
+                rows=tuple(rows[i] for i in idx))
           for idx in cuts]
 
 

@@ -37,10 +37,12 @@ TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_too
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
 
-  task: str = "arithmetic"  # "file": prompt_file with a numeric answer field (needs a model); "sums": tasks.sums
-  prompt_file: str = ""
-  prompt_key: str = "question"
-  answer_key: str = "answer"
+  task: str = "arithmetic"  # "file": your JSONL/Parquet rows (needs a model); "sums": tasks.sums
+  prompt_file: str = ""  # task "file": a .jsonl or .parquet file, or a directory of .parquet shards
+  prompt_key: str = "question"  # the column holding the prompt; the others go to the rewards as fields
+  answer_key: str = "answer"  # the column the built-in numeric verifier reads (when RewardConfig names no function)
+  eval_file: str = ""  # task "file": held-out rows for the greedy accuracy before and after; "": eval_fraction
+  eval_fraction: float = 0.0  # task "file" without eval_file: prompts held out by a stable hash (0: evaluate on the training rows)
   model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
   model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json (the older key; `model` takes it too)
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
@@ -64,6 +66,10 @@ class JobConfig:
       raise ValueError("set JobConfig.model or JobConfig.model_dir, not both")
     if self.task == "file" and not self.prompt_file:
       raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ValueError(f"JobConfig.eval_fraction must lie in [0, 1), got {self.eval_fraction}")
+    if self.eval_file and self.eval_fraction:
+      raise ValueError("set JobConfig.eval_file or JobConfig.eval_fraction, not both")
     if self.task in ("file", "sums") and not self.pretrained:
       raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
                        "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
@@ -86,7 +92,12 @@ class JobConfig:
     """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
     With `chat`, prompts go into the tokenizer's chat template."""
     if self.task == "file":
-      task = FileTask(PromptFile(self.prompt_file, self.prompt_key, self.answer_key))
+      if split == "eval" and self.eval_file:
+        source = PromptFile(self.eval_file, self.prompt_key)
+      else:
+        source = PromptFile(self.prompt_file, self.prompt_key, split=("heldout" if split == "eval" else "train")
+                            if self.eval_fraction else "all", heldout_fraction=self.eval_fraction)
+      task = FileTask(source, self.answer_key)
     elif self.task == "sums":
       task = SumsTask(self.sum_digits, self.sum_terms, "heldout" if split == "eval" else "train")
     elif self.task in ("multiply", "multiply_no_tool"):

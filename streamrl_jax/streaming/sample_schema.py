@@ -19,15 +19,17 @@ import pyarrow as pa
 
 from streamrl_jax.streaming.shard import SampleShard
 
-SCHEMA_NAME = "streamrl.samples/2"  # /2: token_versions
+SCHEMA_NAME = "streamrl.samples/3"  # /2: token_versions; /3: each reward function's value, failed calls
 SAMPLE_SCHEMA = pa.schema([
     ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
     ("prompt_id", pa.int64()), ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
     ("first_version", pa.int64()), ("last_version", pa.int64()), ("token_versions", pa.list_(pa.int64())),
+    ("reward_parts", pa.list_(pa.float32())), ("reward_errors", pa.int32()), ("reward_timeouts", pa.int32()),
 ], metadata={"schema": SCHEMA_NAME})
 ROWS = {"step": "steps", "group_id": "group_ids", "prompt_id": "prompt_ids", "sample_index": "sample_indices",
-        "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions"}
+        "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions",
+        "reward_errors": "reward_errors", "reward_timeouts": "reward_timeouts"}
 LISTS = ("tokens", "loss_mask", "sampler_logprobs", "token_versions")
 
 
@@ -75,6 +77,9 @@ def shard_to_batch(shard: SampleShard, envelope: SampleEnvelope) -> pa.RecordBat
   columns.update(sampler_id=pa.array(np.full(n, envelope.sampler_id, np.int64)),
                  seq=pa.array(np.full(n, envelope.seq, np.int64)))
   columns.update({wire: pa.array(getattr(shard, field)) for wire, field in ROWS.items()})
+  k = shard.reward_parts.shape[1]
+  columns["reward_parts"] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * k),
+                                                     pa.array(shard.reward_parts.reshape(-1)))
   return pa.record_batch([columns[f.name] for f in SAMPLE_SCHEMA], schema=SAMPLE_SCHEMA)
 
 
@@ -96,7 +101,7 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
   for column, field in zip(batch.columns, batch.schema):
     if column.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.null_count} nulls")
-    if field.name in LISTS and column.values.null_count:
+    if field.name in (*LISTS, "reward_parts") and column.values.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.values.null_count} nulls inside its lists")
   envelope = SampleEnvelope(*(_uniform(batch, name) for name in ("sampler_id", "seq")))
   lists = {name: _list_column(batch, name) for name in LISTS}
@@ -123,6 +128,7 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
                          f"{logprobs[np.flatnonzero(bad)[0]]!r}")
   rows = {field: batch.column(wire).to_numpy() for wire, field in ROWS.items()}
   _check_rows(rows)
+  rows["reward_parts"] = _reward_parts(batch)
   width = int(lengths.max())
   valid = np.arange(width)[None] < lengths[:, None]
   padded = {}
@@ -134,6 +140,20 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
                          f"token has no prediction)")
   _check_token_versions(padded["token_versions"], padded["loss_mask"], rows)
   return SampleShard(valid=valid, **padded, **rows), envelope
+
+
+def _reward_parts(batch: pa.RecordBatch) -> np.ndarray:
+  """[rows, functions]: every row lists one finite value per reward function, the same count in each."""
+  offsets, values = _list_column(batch, "reward_parts")
+  counts = np.diff(offsets)
+  if counts.min() < 1 or (counts != counts[0]).any():
+    raise BadSampleBatch(f"row {int(np.argmax(counts != counts[0]) if counts.min() >= 1 else np.argmin(counts))}: "
+                         "reward_parts must hold one value per reward function, as many in every row")
+  bad = ~(np.abs(values) <= MAX_ABS_REWARD)
+  if bad.any():
+    raise BadSampleBatch(f"row {int(np.flatnonzero(bad)[0]) // counts[0]}: reward_parts must be finite, "
+                         f"|value| <= {MAX_ABS_REWARD:g}")
+  return values.reshape(len(counts), counts[0])
 
 
 def _check_schema(schema: pa.Schema) -> None:
@@ -187,7 +207,9 @@ def _check_rows(rows: dict) -> None:
             ("sample_indices", rows["sample_indices"] < 0, "sample_index must be >= 0"),
             ("first_versions", rows["first_versions"] < 0, "first_version must be >= 0"),
             ("last_versions", rows["last_versions"] < rows["first_versions"], "last_version must be >= first_version"),
-            ("rewards", ~(np.abs(rows["rewards"]) <= MAX_ABS_REWARD), f"reward must be finite, |reward| <= {MAX_ABS_REWARD:g}")]
+            ("rewards", ~(np.abs(rows["rewards"]) <= MAX_ABS_REWARD), f"reward must be finite, |reward| <= {MAX_ABS_REWARD:g}"),
+            ("reward_errors", rows["reward_errors"] < 0, "reward_errors must be >= 0"),
+            ("reward_timeouts", rows["reward_timeouts"] < 0, "reward_timeouts must be >= 0")]
   for _, bad, message in checks:
     if bad.any():
       raise BadSampleBatch(f"row {int(np.argmax(bad))}: {message}")

@@ -10,7 +10,9 @@ import dataclasses
 import numpy as np
 
 ROW_FIELDS = {"rewards": np.float32, "prompt_ids": np.int64, "group_ids": np.int64, "sample_indices": np.int64,
-              "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64}
+              "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64, "reward_errors": np.int32,
+              "reward_timeouts": np.int32}
+PART_FIELDS = {"reward_parts": np.float32}  # [n, reward functions]
 TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "sampler_logprobs": np.float32,
                 "token_versions": np.int64}
 
@@ -24,7 +26,8 @@ class SampleShard:
   token_versions [n, L] the policy version that sampled it (0 elsewhere; when not given, every completion
   token is taken to be of its sample's first version). first_versions and last_versions are the oldest and
   newest of a sample's token versions. A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
-  group, and its place in the group.
+  group, and its place in the group. reward_parts [n, k] holds each reward function's value (`rewards` is their
+  weighted sum, plus an environment's), reward_errors and reward_timeouts how many of its calls failed (scored 0).
   """
 
   tokens: np.ndarray
@@ -39,9 +42,21 @@ class SampleShard:
   first_versions: np.ndarray
   last_versions: np.ndarray
   token_versions: np.ndarray | None = None
+  reward_parts: np.ndarray | None = None  # default: the reward alone, one column
+  reward_errors: np.ndarray | None = None  # default: none
+  reward_timeouts: np.ndarray | None = None
 
   def __post_init__(self):
     n, length = np.shape(self.tokens)
+    if self.reward_parts is None:
+      object.__setattr__(self, "reward_parts", np.asarray(self.rewards, np.float32).reshape(n, 1))
+    for name in ("reward_errors", "reward_timeouts"):
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, np.zeros(n, np.int32))
+    parts = np.asarray(self.reward_parts, np.float32)
+    if parts.ndim != 2 or len(parts) != n:
+      raise ValueError(f"SampleShard.reward_parts has shape {parts.shape}, expected ({n}, functions)")
+    object.__setattr__(self, "reward_parts", parts)
     if self.token_versions is None:
       if not np.array_equal(self.first_versions, self.last_versions):
         raise ValueError("SampleShard.token_versions must be given when a sample's tokens are of several versions")
@@ -73,13 +88,13 @@ class SampleShard:
     width = max(s.tokens.shape[1] for s in shards)
     pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
     fields = {k: np.concatenate([pad(getattr(s, k)) for s in shards]) for k in TOKEN_FIELDS}
-    fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in ROW_FIELDS})
+    fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in {**ROW_FIELDS, **PART_FIELDS}})
     return cls(**fields)
 
   def take(self, rows) -> SampleShard:
     """The samples at `rows` (indices), in that order."""
     rows = np.asarray(rows, np.int64)
-    return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS}})
+    return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS}})
 
   def keys(self) -> list[tuple[int, int, int]]:
     """(step, group id, sample index) of every sample: what identifies it whoever generated it."""

@@ -27,7 +27,7 @@ def worked_solution(a: int, b: int) -> str:
   return ";".join(steps) + f";={a + b}"
 
 
-def arithmetic_reward(prompt: str, completion: str) -> float:
+def arithmetic_reward(prompt: str, completion: str, **fields) -> float:
   """1.0 when the completion ends in `;=` and the right sum, else 0.0 (the working itself is not graded)."""
   match = re.fullmatch(r"(\d+)\+(\d+)=", prompt.strip())
   if match is None:
@@ -58,5 +58,5 @@ class ArithmeticTask:
     return f"{a}+{b}=", worked_solution(a, b)
 
   @staticmethod
-  def reward(prompt: str, completion: str) -> float:
+  def reward(prompt: str, completion: str, **fields) -> float:
     return arithmetic_reward(prompt, completion)

@@ -5,16 +5,24 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.models.chat import ChatFormat
+from streamrl_jax.tasks.rows import Row, draw
 
 
 @dataclasses.dataclass(frozen=True)
 class ChatTask:
-  task: object  # anything with sample(rng) -> (prompt, answer) and reward(prompt, completion)
+  task: object  # anything with sample(rng) -> (prompt, answer) and reward(prompt, completion, **fields)
   chat: ChatFormat
 
   def sample(self, rng) -> tuple[str, str]:
     question, answer = self.task.sample(rng)
     return self.chat.wrap(question), answer
 
-  def reward(self, prompt: str, completion: str) -> float:
-    return self.task.reward(self.chat.unwrap(prompt), completion)
+  def draw(self, rng) -> tuple[str, Row]:
+    question, row = draw(self.task, rng)
+    return self.chat.wrap(question), row
+
+  def question(self, prompt: str) -> str:
+    return self.chat.unwrap(prompt)
+
+  def reward(self, prompt: str, completion: str, **fields) -> float:
+    return self.task.reward(self.chat.unwrap(prompt), completion, **fields)

@@ -29,7 +29,7 @@ def _evaluate(node, used: list[int]) -> Fraction:
   raise ValueError("only integers and + - * / are allowed")
 
 
-def countdown_reward(prompt: str, completion: str) -> float:
+def countdown_reward(prompt: str, completion: str, **fields) -> float:
   """1.0 if the completion's expression uses only the prompt's numbers (each at most as often as given)
   and equals the target exactly, else 0.0."""
   match = re.fullmatch(r"([\d,]+)->(\d+):", prompt.strip())
@@ -63,7 +63,7 @@ class CountdownTask:
     return f"{','.join(map(str, numbers))}->{countdown_value(expression)}:", expression
 
   @staticmethod
-  def reward(prompt: str, completion: str) -> float:
+  def reward(prompt: str, completion: str, **fields) -> float:
     return countdown_reward(prompt, completion)
 
 

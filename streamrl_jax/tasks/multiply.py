@@ -18,7 +18,7 @@ _FINAL = re.compile(r";=(-?\d+)$")
 _PROMPT = re.compile(r"(\d+)\*(\d+)=")
 
 
-def multiply_reward(prompt: str, completion: str) -> float:
+def multiply_reward(prompt: str, completion: str, **fields) -> float:
   match = _PROMPT.fullmatch(prompt.strip())
   if match is None:
     raise ValueError(f"not a multiplication prompt: {prompt!r}")
@@ -37,5 +37,5 @@ class MultiplyTask:
     return f"{a}*{b}=", (f"<{a}*{b}>{a * b}" if self.tool else "") + answer
 
   @staticmethod
-  def reward(prompt: str, completion: str) -> float:
+  def reward(prompt: str, completion: str, **fields) -> float:
     return multiply_reward(prompt, completion)

@@ -30,7 +30,7 @@ def last_integer(text: str) -> int | None:
   return int(found[-1]) if found else None
 
 
-def sums_reward(prompt: str, completion: str) -> float:
+def sums_reward(prompt: str, completion: str, **fields) -> float:
   match = _QUESTION.fullmatch(prompt.strip())
   if match is None:
     raise ValueError(f"not a sums prompt: {prompt!r}")
@@ -63,5 +63,5 @@ class SumsTask:
         return f"What is {' + '.join(map(str, terms))}? Reply with only the number.", str(sum(terms))
 
   @staticmethod
-  def reward(prompt: str, completion: str) -> float:
+  def reward(prompt: str, completion: str, **fields) -> float:
     return sums_reward(prompt, completion)

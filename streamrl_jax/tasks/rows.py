@@ -1,0 +1,43 @@
+"""A prompt's dataset row: where it comes from (named in errors) and its other columns (handed to the rewards).
+
+A row travels with its prompt in a `Lease` (JSON) from the controller to the sampler that scores it; it never
+reaches the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  where: str = ""  # "data.jsonl row 12"; "" for a generated prompt
+  fields: dict = dataclasses.field(default_factory=dict)  # the row's columns other than the prompt
+
+  def to_json(self) -> str:
+    return json.dumps({"where": self.where, "fields": self.fields}, ensure_ascii=False, separators=(",", ":"))
+
+  @classmethod
+  def from_json(cls, text: str) -> Row:
+    """The row a lease carries; a malformed one is refused naming what is wrong."""
+    try:
+      obj = json.loads(text)
+    except (TypeError, json.JSONDecodeError) as err:
+      raise ValueError(f"a lease's row is not JSON: {str(err)[:80]}") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("where"), str) or not isinstance(obj.get("fields"), dict):
+      raise ValueError(f"a lease's row must be {{'where': str, 'fields': object}}, got {str(text)[:80]!r}")
+    return cls(obj["where"], obj["fields"])
+
+
+def draw(task, rng) -> tuple[str, Row]:
+  """One prompt of `task` and its row: a task's own `draw`, else `sample`'s answer as the row's one field."""
+  if hasattr(task, "draw"):
+    return task.draw(rng)
+  prompt, answer = task.sample(rng)
+  return prompt, Row(fields={"answer": answer})
+
+
+def question(task, prompt: str) -> str:
+  """The prompt as the task wrote it (a chat task's template taken off): what reward functions see."""
+  return task.question(prompt) if hasattr(task, "question") else prompt
