@@ -19,6 +19,7 @@ from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import samples_to_shard
+from streamrl_jax.rewards import Score
 from streamrl_jax.sampling.driver import StreamingSampler
 from streamrl_jax.sampling.engine import DecodeEngine, EngineConfig
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
@@ -218,7 +219,7 @@ def test_tool_tokens_carry_loss_mask_zero_into_the_shard(engine_and_params):
   tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   sample, _ = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))
-  shard = samples_to_shard([sample], [1.0], width=40, step=0)
+  shard = samples_to_shard([sample], [Score(1.0, (1.0,))], width=40, step=0)
   p = len(sample.prompt_tokens)
   assert shard.loss_mask[0, p:p + j + 1].all() and not shard.loss_mask[0, p + j + 1:p + j + 3].any()
   assert shard.loss_mask[0, p + j + 3:p + sample.num_tokens].all() and not shard.loss_mask[0, :p].any()

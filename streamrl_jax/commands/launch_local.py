@@ -7,7 +7,7 @@ their own sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SI
 finish its step, checkpoint and stop while the samplers still serve it, then stops the samplers, and kills
 whatever has not exited after a grace period: no orphans. A second Ctrl-C stops the trainer at once.
 A sampler that dies is started again (up to `--sampler-restarts` times in all; the trainer leases its
-prompts to the others meanwhile); a trainer that dies stops the run. With `--max-samplers M`, sampler
+prompts to the others meanwhile), unless it exited with a configuration or reward function's error (code 2); a trainer that dies stops the run. With `--max-samplers M`, sampler
 processes are added or retired between steps by the elastic decision (`scheduling.elastic_decision`, on
 each step's generation and training seconds from `metrics.jsonl`), between `--min-samplers` and M; a
 retired sampler hands its leases back as it leaves.
@@ -32,6 +32,7 @@ import numpy as np
 STOP_SAVE_MARGIN_S = 60.0  # a stopping trainer's checkpoint and teardown, beyond its stop grace
 FAILURE_STOP_S = 60.0  # after a child failed: how long the trainer may take to stop
 SAMPLER_EXIT_GRACE_S = 30.0
+USAGE_ERROR = 2  # `streamrl ...: error: ...` (a config or user-code mistake): starting it again would repeat it
 
 
 def add_launch_parser(sub, common) -> None:
@@ -231,7 +232,7 @@ class Supervisor:
       if code in (None, 0) or child.retired:
         continue
       said = f"streamrl launch local: {child.name} exited with code {code}"
-      if child not in self.trainers and self.restarts > 0:
+      if child not in self.trainers and self.restarts > 0 and code != USAGE_ERROR:
         self.restarts -= 1
         print(f"{said}; starting it again ({self.restarts} restart(s) left)", file=sys.stderr, flush=True)
         child.start()

@@ -1,16 +1,20 @@
-"""Turns finished samples into `SampleShard`s, one per complete group (GRPO needs whole groups)."""
+"""Turns finished, scored samples into `SampleShard`s, one per complete group (GRPO needs whole groups)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
+from streamrl_jax.rewards.scorer import Score
 from streamrl_jax.streaming import SampleShard
+from streamrl_jax.tasks.rows import Row
 from streamrl_jax.types import Sample
 
 
-def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> SampleShard:
+def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, step: int) -> SampleShard:
   """Prompt + completion right-padded to `width`; logprobs aligned with the tokens they score; `step` is
-  the RL step the samples were generated for."""
+  the RL step the samples were generated for. A sample's reward is its score's total plus its environment's."""
   n = len(samples)
   tokens = np.zeros((n, width), np.int32)
   valid = np.zeros((n, width), bool)
@@ -27,41 +31,60 @@ def samples_to_shard(samples: list[Sample], rewards, width: int, step: int) -> S
     logprobs[row, p:p + c] = s.logprobs
     versions[row, p:p + c] = s.token_versions
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
-                     rewards=np.asarray(rewards, np.float32), prompt_ids=[s.group_id for s in samples],
+                     rewards=np.asarray([c.total + s.env_reward for c, s in zip(scores, samples)], np.float32),
+                     prompt_ids=[s.group_id for s in samples],
                      group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
                      steps=[step] * n, first_versions=[s.first_version for s in samples],
-                     last_versions=[s.last_version for s in samples], token_versions=versions)
+                     last_versions=[s.last_version for s in samples], token_versions=versions,
+                     reward_parts=np.asarray([c.parts for c in scores], np.float32).reshape(n, -1),
+                     reward_errors=[c.errors for c in scores], reward_timeouts=[c.timeouts for c in scores])
+
+
+@dataclasses.dataclass
+class _Group:
+  prompt: str
+  row: Row
+  step: int
+  samples: dict = dataclasses.field(default_factory=dict)  # sample index -> Sample
+  scores: dict = dataclasses.field(default_factory=dict)  # sample index -> Score
 
 
 class GroupCollector:
-  """Holds samples until their group is complete, scores them, and returns the group's shard."""
+  """Holds a lease's samples until their group is complete and every sample scored, and returns the group's shard.
+  Scoring is the caller's (`RewardScorer`, off the decode loop): `add` says what to score, `scored` takes it back."""
 
-  def __init__(self, group_size: int, tokenizer, reward_fn, width: int):
-    self.group_size, self.tokenizer, self.reward_fn, self.width = group_size, tokenizer, reward_fn, width
-    self._prompts: dict[int, tuple[str, int]] = {}
-    self._pending: dict[int, list[Sample]] = {}
+  def __init__(self, group_size: int, width: int):
+    self.group_size, self.width = group_size, width
+    self._groups: dict[int, _Group] = {}
 
-  def expect(self, group_id: int, prompt_text: str, step: int) -> None:
-    self._prompts[group_id] = (prompt_text, step)
-    self._pending[group_id] = []
+  def expect(self, group_id: int, prompt_text: str, step: int, row: Row = Row()) -> None:
+    self._groups[group_id] = _Group(prompt_text, row, step)
 
-  def add(self, sample: Sample) -> SampleShard | None:
-    if sample.group_id not in self._pending:
+  def add(self, sample: Sample) -> _Group:
+    """Holds a finished sample; returns its group (prompt and row), for scoring."""
+    group = self._groups.get(sample.group_id)
+    if group is None:
       raise KeyError(f"sample of unknown group {sample.group_id}")
-    group = self._pending[sample.group_id]
-    group.append(sample)
-    if len(group) < self.group_size:
+    if sample.sample_index in group.samples:
+      raise KeyError(f"sample {sample.sample_index} of group {sample.group_id} arrived twice")
+    group.samples[sample.sample_index] = sample
+    return group
+
+  def scored(self, group_id: int, sample_index: int, score: Score) -> SampleShard | None:
+    """A sample's score; the group's shard once the group is whole and scored."""
+    group = self._groups[group_id]
+    group.scores[sample_index] = score
+    if len(group.scores) < self.group_size:
       return None
-    del self._pending[sample.group_id]
-    prompt, step = self._prompts.pop(sample.group_id)
-    group.sort(key=lambda s: s.sample_index)
-    rewards = [self.reward_fn(prompt, self.tokenizer.decode(s.completion_tokens)) + s.env_reward for s in group]
-    return samples_to_shard(group, rewards, self.width, step)
+    del self._groups[group_id]
+    order = sorted(group.samples)
+    return samples_to_shard([group.samples[k] for k in order], [group.scores[k] for k in order], self.width,
+                            group.step)
 
   def held(self) -> list[Sample]:
-    """The finished samples of groups not yet whole."""
-    return [sample for group in self._pending.values() for sample in group]
+    """The finished samples of groups not out yet (incomplete, or not all scored)."""
+    return [sample for group in self._groups.values() for sample in group.samples.values()]
 
   @property
   def incomplete_groups(self) -> int:
-    return len(self._pending)
+    return len(self._groups)

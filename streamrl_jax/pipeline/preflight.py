@@ -1,4 +1,5 @@
-"""Mistakes found before any model is built or compiled: the workdir, a resume, the devices, the prompts.
+"""Mistakes found before any model is built or compiled: the workdir, a resume, the devices, the prompts, the
+reward functions.
 
 `streamrl train`, `streamrl trainer` and `streamrl sampler` run these first, so a wrong setting costs
 seconds, not a warm-up: each error names the key, file or row to change. A run records its settings in
@@ -14,12 +15,15 @@ import numpy as np
 
 from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.rewards import RewardConfig, check_signature
+from streamrl_jax.tasks import FileTask, draw, question
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "PipelineConfig.stop_grace_s", "PipelineConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.warmup_", "MeshConfig.",
-                        "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s")
+                        "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
+                        "RewardConfig.on_error")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
 PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
 
@@ -95,6 +99,18 @@ def check_prompts(task, tokenizer, max_prompt_length: int, seed: int = 0) -> Non
       raise ValueError(f"{where(i)}: {length} prompt tokens exceed EngineConfig.max_prompt_length={max_prompt_length}")
     if length == 0:
       raise ValueError(f"{where(i)}: the prompt encodes to no tokens")
+
+
+def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
+  """Every configured reward function imports and can take the first prompt's row, before anything compiles;
+  with none, the task's own verifier finds what it reads (a file task: its answer column in every row)."""
+  prompt, row = draw(task, np.random.default_rng(seed))
+  for spec in reward.functions:
+    check_signature(spec, question(task, prompt), row.fields)
+  files = getattr(task, "task", task)  # a file task, or one in a chat template
+  if not reward.functions and isinstance(files, FileTask) and (missing := files.missing_answer()) is not None:
+    raise ValueError(f"{missing}: no {files.answer_key!r} column, which the built-in numeric verifier reads "
+                     "(set JobConfig.answer_key, or name your reward functions in RewardConfig.functions)")
 
 
 UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part

@@ -31,6 +31,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.rewards import RewardError
 from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
@@ -69,6 +70,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     try:
       return queue.get(timeout)
     except QueueClosed:
+      if errors and isinstance(errors[0], RewardError):  # the user's reward failed: say so, in its words
+        raise errors[0] from None
       raise RuntimeError("the sampler stopped before the run was complete") from (errors[0] if errors else None)
 
   thread = threading.Thread(target=sample, daemon=True, name="sampler")

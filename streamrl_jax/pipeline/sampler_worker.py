@@ -1,5 +1,5 @@
 """The sampler worker: generates the prompts of leased steps on the sampler mesh and streams each finished
-group, scored by the task's reward, to the trainer as a `SampleShard`.
+group, scored by the configured rewards (`RewardScorer`, off the decode loop), to the trainer as a `SampleShard`.
 
 It owns its engines (one per replica sub-mesh and compiled slot count), the continuous-batching driver,
 admission and the replica count; it reaches the rest of the run only through three interfaces: a control
@@ -21,11 +21,14 @@ from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Partial, Register
                                    WeightUpdate)
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
+from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
+from streamrl_jax.tasks.rows import Row, question, verifier
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Sample, SamplingParams
 
 LEASE_POLL_S = 5.0
+SCORE_WAIT_S = 0.05  # nothing to decode, rewards still running: how long to wait for one before looking again
 LEASE_REPOLL_S = 0.05  # in flight: how often a busy sampler asks whether the next lease is open
 PARTIAL_TOKENS = 60_000  # the most tokens of begun samples a leaving sampler hands back (a Leave stays < 2 MB)
 
@@ -40,7 +43,7 @@ class _LeaseRun:
   begin: float
   begin_epoch: float
   lengths: np.ndarray  # mean completion tokens per prompt, in lease order
-  left: int  # samples not yet finished
+  left: int  # samples not yet out (finished, scored and sent with their group)
   index_of: dict[int, int] = dataclasses.field(init=False)  # group id -> place in the lease
 
   def __post_init__(self):
@@ -59,6 +62,7 @@ class SamplerWorker:
     self.replica_meshes = replica_meshes(mesh, sched.instance_limit)
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
+    self.scorer = RewardScorer(config.reward, builtin=verifier(task))
     self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
@@ -120,6 +124,7 @@ class SamplerWorker:
         if not runs:
           continue
         self._decode(runs, samples, weights)
+        self._send_scored(runs, samples)
         for run in [r for r in runs.values() if r.left == 0]:
           self._report(control, run)
           del runs[run.lease.lease_id]
@@ -129,6 +134,8 @@ class SamplerWorker:
     except RejoinRequired:
       self.reset()
       return "rejoin"
+    finally:
+      self.scorer.close()  # its workers start again with the next session
     try:
       control.leave(Leave(self.sampler_id, partials=self._partials(runs) if outcome == "stopped" else ()))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
@@ -151,6 +158,7 @@ class SamplerWorker:
     self.sampler_id: int | None = None
     self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
     self.target_instances = sched.instances
+    self.scorer.close()  # nothing of the leases dropped is scored
 
   @staticmethod
   def _wait_for_weights(weights, version: int, stop: threading.Event, rejoin: threading.Event) -> WeightUpdate | None:
@@ -185,10 +193,10 @@ class SamplerWorker:
   def _start(self, lease: Lease, wait_s: float, samples) -> _LeaseRun:
     """Submits a lease's requests (group_size per prompt; samples begun elsewhere resume after their tokens,
     finished ones are scored as they are) and returns what tracks it until it is reported."""
-    collector = GroupCollector(self.config.group_size, self.tokenizer, self.task.reward,
-                               width=self.config.engine.max_prompt_length + self.config.max_new_tokens)
-    for group_id, prompt in zip(lease.group_ids, lease.prompts):
-      collector.expect(group_id, prompt, lease.step)
+    collector = GroupCollector(self.config.group_size, self.config.engine.max_prompt_length + self.config.max_new_tokens)
+    rows = [Row.from_json(r) for r in lease.rows] if lease.rows else [Row()] * len(lease.prompts)
+    for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
+      collector.expect(group_id, prompt, lease.step, row)
     self.target_instances = lease.instances
     self._apply_elastic()
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
@@ -207,12 +215,25 @@ class SamplerWorker:
     return run
 
   def _collect(self, run: _LeaseRun, sample: Sample, samples) -> None:
-    """A finished sample into its lease's collector; a complete group goes out."""
+    """A finished sample into its lease's collector, and to the scorer."""
     run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
-    run.left -= 1
-    shard = run.collector.add(sample)
-    if shard is not None:
-      samples.put(shard)
+    group = run.collector.add(sample)
+    where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {run.lease.step}, group "
+             f"{sample.group_id}, sample {sample.sample_index}")
+    self.scorer.submit((run.lease.lease_id, sample.group_id, sample.sample_index), question(self.task, group.prompt),
+                       self.tokenizer.decode(sample.completion_tokens), group.row.fields, where)
+
+  def _send_scored(self, runs: dict, samples) -> None:
+    """Each scored sample to its collector; a group whole and scored goes out. With nothing to decode, waits a
+    moment for a reward first (rather than spin)."""
+    if self.scorer.pending and (self.sampler is None or not self.sampler.has_work()):
+      self.scorer.wait(SCORE_WAIT_S)
+    for (lease_id, group_id, index), score in self.scorer.done():
+      run = runs[lease_id]
+      shard = run.collector.scored(group_id, index, score)
+      if shard is not None:
+        samples.put(shard)
+        run.left -= self.config.group_size
 
   def _decode(self, runs: dict, samples, weights) -> None:
     """One driver step: newer weights first (async: between decode calls), then each finished sample to its

@@ -26,7 +26,9 @@ from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.envs import make_tools
-from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
+from streamrl_jax.rewards import RewardScorer
+from streamrl_jax.tasks import (ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask,
+                                draw, question, verifier)
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
@@ -174,23 +176,35 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
 
 
 def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> list:
-  """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed."""
+  """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed, scored
+  by the run's rewards (`PipelineConfig.reward`)."""
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
   engine = make_engine(graphdef, model.config, config.engine, mesh)
   tools = make_tools(config, tokenizer)
   sampler = StreamingSampler([engine], params, tools=tools)
+  scorer = RewardScorer(config.reward, builtin=verifier(task))
   rng = np.random.default_rng(10_000 + seed)
-  items = [task.sample(rng)[0] for _ in range(prompts)]
+  items = [draw(task, rng) for _ in range(prompts)]
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
-  ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: p for p in items}
-  out = []
-  for sample in sampler.stream():
-    prompt, text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
-    out.append((prompt, text, task.reward(prompt, text) + sample.env_reward))
-  if tools is not None:
-    tools.close()
-  return out
+  ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: (p, row) for p, row in items}
+  out = {}
+  try:
+    for sample in sampler.stream():
+      (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
+      scorer.submit(sample.request_id, question(task, prompt), text, row.fields,
+                    f"{row.where or 'prompt ' + repr(prompt[:40])} (evaluation)")
+      out[sample.request_id] = (prompt, text, sample.env_reward)
+    while scorer.pending:
+      scorer.wait(1.0)
+      for request_id, score in scorer.done():
+        prompt, text, env_reward = out[request_id]
+        out[request_id] = (prompt, text, score.total + env_reward)
+  finally:
+    scorer.close()
+    if tools is not None:
+      tools.close()
+  return [out[i] for i in sorted(out)]
 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
@@ -232,6 +246,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   _, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_rewards(config.reward, task, job.seed)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)

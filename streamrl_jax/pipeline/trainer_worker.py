@@ -168,7 +168,7 @@ class TrainerWorker:
     """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
     what arrived: rewards of every group, trained or not, and the groups filtered and backfilled)."""
     needed, shards, waited = self.config.samples_per_step, [], 0.0
-    received = dict(rewards=[], filtered=0, backfilled=0)
+    received = dict(rewards=[], parts=[], errors=0, timeouts=0, filtered=0, backfilled=0)
     self._trained = set()
     early = self._early.pop(step, [])
     while needed > 0:
@@ -206,6 +206,9 @@ class TrainerWorker:
       self._trained.update(keys)
       needed -= shard.num_samples
       received["rewards"].append(shard.rewards)
+      received["parts"].append(shard.reward_parts)
+      received["errors"] += int(shard.reward_errors.sum())
+      received["timeouts"] += int(shard.reward_timeouts.sum())
       if self.config.dynamic_sampling:
         flat = _equal_reward_groups(shard)
         if flat:
@@ -255,7 +258,10 @@ class TrainerWorker:
     stale = np.concatenate([s.token_staleness(step) for s in shards]) if shards else np.zeros(1)
     seconds = [v for _, v in sorted(weights.seconds.items())]
     flat = sum(len(_equal_reward_groups(s)) for s in shards)
-    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()),
+    parts = np.concatenate(received["parts"]).mean(axis=0)
+    by_function = {f"reward/{name}": float(v) for name, v in zip(self.config.reward.names, parts)}
+    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), **by_function,
+                reward_errors=received["errors"], reward_timeouts=received["timeouts"],
                 accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
                 staleness_mean=float(np.mean(stale)), staleness_max=int(np.max(stale)),  # per trained token
                 groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
@@ -295,6 +301,10 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
     return f"a shard of step {shard_step}; the run has {config.steps} steps"
   if len(set(shard.keys())) != shard.num_samples:
     return f"a shard of step {shard_step} holds a sample twice"
+  functions = len(config.reward.names)
+  if shard.reward_parts.shape[1] != functions:
+    return (f"a shard of step {shard_step} holds {shard.reward_parts.shape[1]} reward values a sample; this run's "
+            f"RewardConfig has {functions} ({', '.join(config.reward.names)})")
   planned, extra = step_group_ids(config, shard_step)
   ours = np.isin(shard.group_ids, np.asarray(planned)) | np.isin(shard.group_ids, np.asarray(extra))
   bad = ~ours | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size)

@@ -21,8 +21,8 @@ from streamrl_jax.rewards.config import RewardConfig
 TIMED_OUT = "timed out"
 
 
-class RewardError(RuntimeError):
-  """A reward function failed on a sample and `RewardConfig.on_error` is 'stop'."""
+class RewardError(ValueError):
+  """A reward function failed on a sample and `RewardConfig.on_error` is 'stop' (a user's error: one line)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.models.chat import ChatFormat
-from streamrl_jax.tasks.rows import Row, draw
+from streamrl_jax.tasks.rows import Row, draw, verifier
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,4 +25,4 @@ class ChatTask:
     return self.chat.unwrap(prompt)
 
   def reward(self, prompt: str, completion: str, **fields) -> float:
-    return self.task.reward(self.chat.unwrap(prompt), completion, **fields)
+    return verifier(self.task)(self.chat.unwrap(prompt), completion, fields)

@@ -7,7 +7,9 @@ reaches the trainer.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
+from collections.abc import Callable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,3 +43,14 @@ def draw(task, rng) -> tuple[str, Row]:
 def question(task, prompt: str) -> str:
   """The prompt as the task wrote it (a chat task's template taken off): what reward functions see."""
   return task.question(prompt) if hasattr(task, "question") else prompt
+
+
+def verifier(task) -> Callable[[str, str, dict], float]:
+  """The task's own reward as fn(prompt, completion, fields): the fields go to a `reward` that takes **fields."""
+  try:
+    takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(task.reward).parameters.values())
+  except (TypeError, ValueError):
+    takes = False
+  if takes:
+    return lambda prompt, completion, fields: task.reward(prompt, completion, **fields)
+  return lambda prompt, completion, fields: task.reward(prompt, completion)
