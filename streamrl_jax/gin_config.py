@@ -27,6 +27,15 @@ CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout
                Path(sys.prefix) / "share" / "streamrl_jax" / "configs")  # an install (pyproject data-files)
 DEMO_CONFIG = next((d / "demo_cpu.gin" for d in CONFIG_DIRS if (d / "demo_cpu.gin").is_file()),
                    CONFIG_DIRS[0] / "demo_cpu.gin")
+def example_dir(name: str) -> Path:
+  """`examples/NAME` of a checkout, or of an install (pyproject data-files); an error names both places."""
+  for root in (Path(__file__).resolve().parent.parent, Path(sys.prefix) / "share" / "streamrl_jax"):
+    if (root / "examples" / name).is_dir():
+      return root / "examples" / name
+  raise FileNotFoundError(f"example {name!r} is in neither {CONFIG_DIRS[0].parent / 'examples'} nor "
+                          f"{Path(sys.prefix) / 'share' / 'streamrl_jax' / 'examples'}")
+
+
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
                   RankerConfig, SchedulingConfig, RewardConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:

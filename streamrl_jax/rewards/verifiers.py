@@ -64,7 +64,7 @@ def math_equivalence(prompt: str, completion: str, answer, **fields) -> float:
   try:
     from math_verify import parse, verify
   except ImportError as err:
-    raise ImportError("math_equivalence needs the math-verify package: pip install 'math-verify[antlr4_13_2]'") from err
+    raise ImportError("math_equivalence needs the math-verify package: pip install math-verify") from err
   # math-verify bounds its own work with SIGALRM, which only the main thread may set
   timeout = 5 if threading.current_thread() is threading.main_thread() else None
   reference = str(answer)
