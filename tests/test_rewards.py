@@ -364,3 +364,14 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
       expected = np.array([[digits("", t, answer=""), short("", t)] for t in texts], np.float32)
       np.testing.assert_allclose(shard.reward_parts, expected, rtol=1e-6)
       np.testing.assert_allclose(shard.rewards, expected @ np.float32([1.0, 0.5]), rtol=1e-6)
+
+
+def test_the_trainer_refuses_shards_scored_by_another_reward_config():
+  from streamrl_jax.pipeline.trainer_worker import _refusal
+  from tests.pipeline_setup import BASE
+  from tests.wire_samples import group_shard
+
+  shard = group_shard([5, 6], step=0, group=1)  # two reward values a sample
+  two = dataclasses.replace(BASE, reward=RewardConfig(functions=("m:a", "m:b")))
+  assert _refusal(shard, 0, two) is None
+  assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in _refusal(shard, 0, BASE)
