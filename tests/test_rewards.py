@@ -371,7 +371,7 @@ def test_the_trainer_refuses_shards_scored_by_another_reward_config():
   from tests.pipeline_setup import BASE
   from tests.wire_samples import group_shard
 
-  shard = group_shard([5, 6], step=0, group=1)  # two reward values a sample
+  shard = group_shard([5, 6], step=0, group=1, functions=2)
   two = dataclasses.replace(BASE, reward=RewardConfig(functions=("m:a", "m:b")))
   assert _refusal(shard, 0, two) is None
   assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in _refusal(shard, 0, BASE)

@@ -22,7 +22,7 @@ from tests.wire_samples import VOCAB, _replace_column, group_shard
 @settings(max_examples=25, deadline=None)
 @given(st.lists(st.integers(2, 12), min_size=1, max_size=6))
 def test_sample_batch_round_trip(lengths):
-  shard = group_shard(lengths)
+  shard = group_shard(lengths, functions=2)
   back, envelope = batch_to_shard(shard_to_batch(shard, SampleEnvelope(4, 9)), VOCAB)
   assert envelope == SampleEnvelope(4, 9)
   width = max(lengths)
@@ -34,7 +34,7 @@ def test_sample_batch_round_trip(lengths):
 
 
 def _bad_batches():
-  good = shard_to_batch(group_shard([5, 6]), SampleEnvelope(0, 1))
+  good = shard_to_batch(group_shard([5, 6], functions=2), SampleEnvelope(0, 1))
   tokens = good.column("tokens").to_pylist()
   return {
       "tokens. has type list<item: int64>, expected list<item: int32>": pa.record_batch(
