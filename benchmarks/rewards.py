@@ -15,12 +15,14 @@ slow_reward_throughput_ratio = slow_workers / instant_workers (goal >= 0.8). rew
 sampler-thread seconds an instant configured function adds per sample (scoring 20,000 samples through
 `RewardScorer`, instant_inline against none, timed directly) over the seconds a sample takes to generate (none's
 rate); reward_overhead_pipeline = 1 - instant_inline / none from the pipeline runs, for reference (its noise here
-is several percent either way, far above what it measures). Workers hide a slow reward only while they can score as fast as the sampler generates:
-scoring_capacity (workers / 50 ms = 80 samples/s) is printed beside the rates; the demo's own decoder (hidden 64)
-generates faster than that here, and its slow_workers rate is then that capacity (`--hidden 64`).
+is several percent either way, far above what it measures). Workers hide a slow reward only while they can score
+as fast as the sampler generates: scoring_capacity (workers / 50 ms = 80 samples/s) is printed beside the rates;
+the demo's own decoder (hidden 64) generates faster than that here, and its slow_workers rate is then that
+capacity (`--hidden 64`).
 
-Part `example` (about 12 min): examples/own_task on SmolLM2-135M-Instruct for EXAMPLE_STEPS steps: held-out
-greedy accuracy before and after (example_accuracy_before, example_accuracy_after).
+Part `example` (about 13 min): `streamrl train --config examples/own_task/own_task.gin` (SmolLM2-135M-Instruct) for
+EXAMPLE_STEPS steps, as the README runs it: held-out greedy accuracy before and after (example_accuracy_before,
+example_accuracy_after) and each reward function's curve.
 
 Prints one JSON object as its last line. `--part throughput|example` runs one part.
 """
@@ -32,7 +34,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -135,20 +136,21 @@ def scoring_seconds(reward: RewardConfig, task) -> float:
 
 
 def example() -> dict:
-  from streamrl_jax.pipeline.train_job import train_job
-
-  os.chdir(ROOT)  # the example's paths start at the repository's root
-  gin_config.parse([ROOT / "examples/own_task/own_task.gin"], [f"PipelineConfig.steps = {EXAMPLE_STEPS}"])
-  config, job = gin_config.build_run()
+  """The README's command, `streamrl train --config examples/own_task/own_task.gin` (one process with one device a
+  core, as a user runs it), for EXAMPLE_STEPS steps."""
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir:
-    summary = train_job(config, job, workdir, log=lambda *_: None)
+    done = subprocess.run(["streamrl", "train", "--config", "examples/own_task/own_task.gin", "--workdir", workdir,
+                           "--set", f"PipelineConfig.steps={EXAMPLE_STEPS}"], cwd=ROOT, stdout=subprocess.PIPE,
+                          text=True, check=True)
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
     metrics = [json.loads(line) for line in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
   return dict(example_accuracy_before=round(summary["accuracy_before"], 3),
               example_accuracy_after=round(summary["accuracy_after"], 3), example_steps=EXAMPLE_STEPS,
               example_reward_curve=[round(m["reward_mean"], 3) for m in metrics],
               example_correct_curve=[round(m["reward/correct"], 3) for m in metrics],
               example_unit_curve=[round(m["reward/states_unit"], 3) for m in metrics],
+              example_step_s=round(float(np.median([m["step_s"] for m in metrics[1:]])), 1),
               example_wall_s=round(time.perf_counter() - start, 1))
 
 
@@ -162,12 +164,8 @@ def main(argv=None) -> dict:
   out = {}
   if part in ("all", "throughput"):
     out.update(throughput(args.hidden, args.layers))
-  if part == "example":
+  if part in ("all", "example"):
     out.update(example())
-  elif part == "all":  # SmolLM2's run in a process of its own: this one holds the throughput runs' memory
-    done = subprocess.run([sys.executable, __file__, "--part", "example"], stdout=subprocess.PIPE, text=True,
-                          check=True)
-    out.update(json.loads(done.stdout.strip().splitlines()[-1]))
   return out
 
 
