@@ -164,8 +164,7 @@ def test_wrong_signatures_and_configs_are_refused(module_file):
 def test_fields_reach_the_functions_and_totals_are_weighted(module_file, workers):
   config = RewardConfig(functions=(f"{module_file}:unit", f"{module_file}:echo_fields"), weights=(1.0, 0.5),
                         workers=workers)
-  scorer = RewardScorer(config)
-  try:
+  with RewardScorer(config) as scorer:
     rows = [("How heavy?", "3 kg", {"answer": "3", "unit": "kg", "weight": 2}),
             ("How heavy?", "3 g", {"answer": "3", "unit": "kg", "weight": 4}),
             ("How long?", "5 m", {"answer": "5", "unit": "m", "weight": 8})]
@@ -175,8 +174,6 @@ def test_fields_reach_the_functions_and_totals_are_weighted(module_file, workers
     while scorer.pending:
       scorer.wait(1.0)
       got.update(scorer.done())
-  finally:
-    scorer.close()
   assert [got[i].parts for i in range(3)] == [(1.0, 2.0), (0.0, 4.0), (1.0, 0.0)]
   assert [got[i].total for i in range(3)] == [2.0, 2.0, 1.0]
 
@@ -185,12 +182,9 @@ def test_fields_reach_the_functions_and_totals_are_weighted(module_file, workers
     ("boom", "raised KeyError: 'no such thing'"), ("nan", "returned nan"), ("inf", "returned -inf"),
     ("text", "returned a str"), ("nothing", "returned a NoneType")])
 def test_a_bad_reward_stops_naming_function_row_and_problem(module_file, function, said):
-  scorer = RewardScorer(RewardConfig(functions=(f"{module_file}:{function}",), workers=1))
-  try:
+  with RewardScorer(RewardConfig(functions=(f"{module_file}:{function}",), workers=1)) as scorer:
     with pytest.raises(RewardError, match=f"reward function '{function}' {said}.* on data.jsonl, row 3, step 1"):
       scorer.score("q", "c", {}, "data.jsonl, row 3, step 1")
-  finally:
-    scorer.close()
 
 
 def test_bad_rewards_score_zero_and_are_counted_with_on_error_zero(module_file):
@@ -202,29 +196,20 @@ def test_bad_rewards_score_zero_and_are_counted_with_on_error_zero(module_file):
 
 
 def test_a_hung_reward_times_out_its_worker_is_replaced(module_file):
-  scorer = RewardScorer(RewardConfig(functions=(f"{module_file}:hang",), workers=1, timeout_s=0.5,
-                                     on_error="zero"))
-  try:
+  hang = RewardConfig(functions=(f"{module_file}:hang",), workers=1, timeout_s=0.5, on_error="zero")
+  with RewardScorer(hang) as scorer:
     hung = scorer.score("q", "hang", {}, "row 1")
     assert hung.parts == (0.0,) and hung.timeouts == 1 and scorer.counters["reward_timeouts"] == 1
     assert scorer.score("q", "fine", {}, "row 2").parts == (0.5,)  # a new worker took the next call
-  finally:
-    scorer.close()
-  stopping = RewardScorer(RewardConfig(functions=(f"{module_file}:hang",), workers=1, timeout_s=0.5))
-  try:
+  with RewardScorer(dataclasses.replace(hang, on_error="stop")) as stopping:
     with pytest.raises(RewardError, match=r"'hang' timed out .*timeout_s.* on row 1"):
       stopping.score("q", "hang", {}, "row 1")
-  finally:
-    stopping.close()
 
 
 def test_a_reward_that_kills_its_worker_is_an_error(module_file):
-  scorer = RewardScorer(RewardConfig(functions=(f"{module_file}:die",), workers=1, on_error="zero"))
-  try:
+  with RewardScorer(RewardConfig(functions=(f"{module_file}:die",), workers=1, on_error="zero")) as scorer:
     score = scorer.score("q", "c", {}, "row 1")
     assert score.parts == (0.0,) and score.errors == 1
-  finally:
-    scorer.close()
 
 
 @settings(max_examples=10, deadline=None)
@@ -232,13 +217,10 @@ def test_a_reward_that_kills_its_worker_is_an_error(module_file):
 def test_workers_score_as_the_sampler_thread_does(rows):
   config = RewardConfig(functions=("streamrl_jax.rewards.verifiers:numeric_answer",
                                    "streamrl_jax.rewards.verifiers:exact_match"), weights=(1.0, 0.25))
-  inline, pooled = RewardScorer(dataclasses.replace(config, workers=0)), RewardScorer(config)
-  try:
-    for i, (completion, answer) in enumerate(rows):
+  with RewardScorer(dataclasses.replace(config, workers=0)) as inline, RewardScorer(config) as pooled:
+    for completion, answer in rows:
       fields = {"answer": str(answer)}
       assert inline.score("q", completion, fields, "r") == pooled.score("q", completion, fields, "r")
-  finally:
-    pooled.close()
 
 
 # ---- preflight ------------------------------------------------------------------------------------

@@ -183,13 +183,12 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   engine = make_engine(graphdef, model.config, config.engine, mesh)
   tools = make_tools(config, tokenizer)
   sampler = StreamingSampler([engine], params, tools=tools)
-  scorer = RewardScorer(config.reward, builtin=verifier(task))
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
   ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: (p, row) for p, row in items}
   out = {}
-  try:
+  with RewardScorer(config.reward, builtin=verifier(task)) as scorer:
     for sample in sampler.stream():
       (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
       scorer.submit(sample.request_id, question(task, prompt), text, row.fields,
@@ -200,10 +199,8 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
       for request_id, score in scorer.done():
         prompt, text, env_reward = out[request_id]
         out[request_id] = (prompt, text, score.total + env_reward)
-  finally:
-    scorer.close()
-    if tools is not None:
-      tools.close()
+  if tools is not None:
+    tools.close()
   return [out[i] for i in sorted(out)]
 
 

@@ -95,9 +95,15 @@ def checked_value(value) -> tuple[float | None, str]:
 
 
 def call(spec: str, prompt: str, completion: str, fields: dict) -> tuple[str, object]:
-  """What a scoring worker runs: ("ok", reward) or ("bad", what was wrong); an exception is reported, not raised."""
+  """What a scoring worker runs: the function at `spec`, called and checked (`checked_call`)."""
+  return checked_call(load_function(spec), prompt, completion, fields)
+
+
+def checked_call(fn, prompt: str, completion: str, fields: dict) -> tuple[str, object]:
+  """fn(prompt, completion, **fields) as ("ok", reward) or ("bad", what was wrong); an exception is reported, not
+  raised."""
   try:
-    value = load_function(spec)(prompt, completion, **fields)
+    value = fn(prompt, completion, **fields)
   except Exception as err:  # noqa: BLE001 - the user's function failed: its caller decides what that means
     return "bad", f"raised {_describe(err)}"
   number, problem = checked_value(value)

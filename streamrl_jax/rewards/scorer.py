@@ -42,7 +42,8 @@ class _Pending:
 
 
 class RewardScorer:
-  """submit(key, ...) as samples finish; done() gives the (key, Score) of those whose every call is back."""
+  """submit(key, ...) as samples finish; done() gives the (key, Score) of those whose every call is back. A context
+  manager: leaving it stops the workers."""
 
   def __init__(self, config: RewardConfig, builtin: Callable[[str, str, dict], float] | None = None):
     if not config.functions and builtin is None:
@@ -71,7 +72,7 @@ class RewardScorer:
     if key in self._pending:
       raise KeyError(f"sample {key} is being scored already")
     if not self.config.functions:
-      results = [self._call_builtin(prompt, completion, fields)]
+      results = [functions.checked_call(lambda p, c, **f: self.builtin(p, c, f), prompt, completion, fields)]
     elif self.in_workers:
       pool = self._workers()
       results = [pool.schedule(functions.call, args=(spec, prompt, completion, fields), timeout=self.config.timeout_s)
@@ -80,14 +81,6 @@ class RewardScorer:
       results = [functions.call(spec, prompt, completion, fields) for spec in self.config.functions]
     self.counters["reward_calls"] += len(results)
     self._pending[key] = _Pending(where, results)
-
-  def _call_builtin(self, prompt: str, completion: str, fields: dict) -> tuple[str, object]:
-    try:
-      value = self.builtin(prompt, completion, fields)
-    except Exception as err:  # noqa: BLE001 - reported like any function's
-      return "bad", f"raised {type(err).__name__}: {err}"
-    number, problem = functions.checked_value(value)
-    return ("ok", number) if not problem else ("bad", problem)
 
   @property
   def pending(self) -> int:
@@ -138,6 +131,12 @@ class RewardScorer:
     self.counters["reward_timeouts"] += timeouts
     total = float(sum(w * p for w, p in zip(self.weights, parts)))
     return Score(total, tuple(parts), errors, timeouts)
+
+  def __enter__(self) -> RewardScorer:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
   def close(self) -> None:
     """Stops the workers (a call still running is abandoned)."""

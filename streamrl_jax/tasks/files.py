@@ -129,4 +129,5 @@ class FileTask:
 
   def missing_answer(self) -> str | None:
     """The first row without the answer column (None: every row has it)."""
-    return next((r["where"] for r in self.source._records if self.answer_key not in r["fields"]), None)
+    records = (self.source[i] for i in range(len(self.source)))
+    return next((r["where"] for r in records if self.answer_key not in r["fields"]), None)
