@@ -75,7 +75,6 @@ def cmd_generate(args) -> int:
 
   from streamrl_jax.models import generate, load_hf, load_tokenizer, pad_prompts
   from streamrl_jax.models.catalog import resolve_model
-  from streamrl_jax.models.chat import ChatFormat
 
   if args.model:
     path = resolve_model(args.model)
@@ -85,12 +84,14 @@ def cmd_generate(args) -> int:
     model, tokenizer = _demo_model(args.seed)
     source = "a tiny random model (untrained: expect gibberish)"
   prompts = args.prompt or list(DEMO_PROMPTS)
-  texts = prompts
   if args.chat:
     if not tokenizer.chat_template:
       raise ValueError(f"--chat: the model {source!r} has no chat template")
-    texts = [ChatFormat.of(tokenizer.chat_template, args.system).wrap(p) for p in prompts]
-  tokens, mask = pad_prompts([tokenizer.encode(p) for p in texts], tokenizer.pad_id, side="left")
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    encoded = [tokenizer.apply_chat_template(system + [{"role": "user", "content": p}]) for p in prompts]
+  else:
+    encoded = [tokenizer.encode_prompt(p) for p in prompts]
+  tokens, mask = pad_prompts(encoded, tokenizer.pad_id, side="left")
   print(f"model: {source}; {model.config.param_count():,} parameters; {len(prompts)} prompts")
   start = time.perf_counter()
   out = generate(model, tokens, mask, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
@@ -99,7 +100,8 @@ def cmd_generate(args) -> int:
   elapsed = time.perf_counter() - compiled
   for prompt, completion in zip(prompts, out):
     completion = completion.tolist()
-    ended = completion[:completion.index(tokenizer.eos_id)] if tokenizer.eos_id in completion else completion
+    stops = [i for i, token in enumerate(completion) if token in tokenizer.stop_ids]
+    ended = completion[:stops[0]] if stops else completion
     print(f"{prompt!r} -> {tokenizer.decode(ended)!r}")
   print(f"compile+run {compiled - start:.2f} s; run {elapsed:.3f} s; "
         f"{out.size / elapsed:,.0f} generated tokens/s (batch {len(prompts)})")

@@ -75,7 +75,7 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(path: Path, *, arch: str = "llama", quant: str = "Q8_0", seed: int = 0, tied: bool = True,
                pre: str = "default", tokens: list[str] | None = None, int8_tensor: str | None = None,
-               architecture_name: str | None = None) -> Path:
+               architecture_name: str | None = None, add_bos: bool | None = None) -> Path:
   """A GGUF file: 2D weights in `quant` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0), norms and biases in F32,
   Q and K rows permuted as llama.cpp does for llama; `int8_tensor` (a Hugging Face name) is written as I8."""
   import gguf
@@ -102,6 +102,8 @@ def write_gguf(path: Path, *, arch: str = "llama", quant: str = "Q8_0", seed: in
   writer.add_bos_token_id(1)
   writer.add_eos_token_id(2)
   writer.add_pad_token_id(0)
+  if add_bos is not None:
+    writer.add_add_bos_token(add_bos)
   writer.add_chat_template(CHATML)
   for name, array in hf_tensors(arch, vocab, seed, tied).items():
     if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):

@@ -125,7 +125,7 @@ def test_chat_task_wraps_prompts_and_rewards_the_question():
   from streamrl_jax.models.chat import ChatFormat
   from streamrl_jax.tasks import ChatTask, SumsTask
 
-  chat = ChatFormat("<s>user: ", "\nassistant: ")
+  chat = ChatFormat.of("<s>{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}{{ '\\nassistant: ' }}")
   task = ChatTask(SumsTask(), chat)
   prompt, answer = task.sample(np.random.default_rng(0))
   assert prompt.startswith("<s>user: What is ") and prompt.endswith("number.\nassistant: ")

@@ -18,6 +18,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from streamrl_jax.models.chat import end_of_turn_token
+from streamrl_jax.models.tokenizer import special_post_processor
 from streamrl_jax.models.config import ModelConfig
 
 ARCHITECTURES = ("llama", "qwen2")
@@ -62,6 +63,8 @@ class GGUFModel:
   eos_token: str
   pad_token: str | None
   chat_template: str | None
+  add_bos: bool = False  # tokenizer.ggml.add_bos_token: a raw prompt starts with BOS
+  add_eos: bool = False
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -194,7 +197,12 @@ def read_tokenizer(reader, path: Path) -> tuple[tokenizers.Tokenizer, dict[str, 
       raise GGUFError(f"{path}: tokenizer.ggml.{key}={index} is outside the vocabulary of {len(tokens)}")
     return None if index is None else tokens[int(index)]
 
-  return tok, dict(bos=token("bos_token_id"), eos=token("eos_token_id"), pad=token("padding_token_id"))
+  special = dict(bos=token("bos_token_id"), eos=token("eos_token_id"), pad=token("padding_token_id"),
+                 add_bos=bool(_field(reader, path, "tokenizer.ggml.add_bos_token", False)),
+                 add_eos=bool(_field(reader, path, "tokenizer.ggml.add_eos_token", False)))
+  tok.post_processor = special_post_processor(tok, special["bos"], special["eos"], special["add_bos"],
+                                              special["add_eos"])
+  return tok, special
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
@@ -210,7 +218,7 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
   if missing:
     raise GGUFError(f"{path}: {len(missing)} tensors are missing (first: {sorted(missing)[0]!r})")
   return GGUFModel(config, tensors, tokenizer, special["bos"], special["eos"], special["pad"],
-                   _field(reader, path, "tokenizer.chat_template"))
+                   _field(reader, path, "tokenizer.chat_template"), special["add_bos"], special["add_eos"])
 
 
 def _expected_names(config: ModelConfig) -> set[str]:
@@ -230,14 +238,20 @@ def write_hf_dir(model: GGUFModel, out_dir: str | os.PathLike) -> Path:
             metadata={"format": "pt"})
   (out / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
   model.tokenizer.save(str(out / "tokenizer.json"))
-  eos = model.eos_token
-  if model.chat_template:  # an instruct model's turns end with the template's end-of-turn token: stop there
-    eos = end_of_turn_token(model.chat_template, model.tokenizer.get_vocab(with_added_tokens=True)) or eos
+  named = {k: v for k, v in dict(bos_token=model.bos_token, eos_token=model.eos_token).items() if v is not None}
+  eos, vocab = model.eos_token, model.tokenizer.get_vocab(with_added_tokens=True)
+  if model.chat_template:  # an instruct model's turns end with the template's end-of-turn token: stop there too
+    eos = end_of_turn_token(model.chat_template, vocab, named) or eos
   settings = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token=model.bos_token, eos_token=eos,
-                  pad_token=model.pad_token or model.eos_token, add_bos_token=False,
-                  model_max_length=model.config.max_position_embeddings, clean_up_tokenization_spaces=False)
+                  pad_token=model.pad_token or model.eos_token, add_bos_token=model.add_bos,
+                  add_eos_token=model.add_eos, model_max_length=model.config.max_position_embeddings,
+                  clean_up_tokenization_spaces=False)
   if model.chat_template:
     settings["chat_template"] = model.chat_template
+  stops = list(dict.fromkeys(vocab[t] for t in (eos, model.eos_token)))
+  (out / "generation_config.json").write_text(json.dumps(dict(
+      bos_token_id=None if model.bos_token is None else vocab[model.bos_token],
+      eos_token_id=stops[0] if len(stops) == 1 else stops), indent=2))
   (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
   return out
 

@@ -32,6 +32,7 @@ from streamrl_jax.pipeline.watchdog import Watchdog
 from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
 from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_tree, draw_tree
 from streamrl_jax.streaming.flight_config import parse_address
+from streamrl_jax.tasks.rows import prompt_tokens
 
 MAX_LEASE_WAIT_S = 30.0
 
@@ -455,7 +456,7 @@ class Controller:
     config = self.config
     drawn = step_prompts(config, self.task, step)
     prompts, rows = [p for p, _ in drawn], [r for _, r in drawn]
-    encoded = [self.tokenizer.encode(p) for p in prompts]
+    encoded = [prompt_tokens(self.task, self.tokenizer, p) for p in prompts]
     scores, predicted, quantiles, history = None, (), (), ()
     if self.ranker is not None:
       history = self.ranker.history_lengths

@@ -16,7 +16,7 @@ import numpy as np
 from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
-from streamrl_jax.tasks import FileTask, draw, question
+from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
@@ -94,7 +94,7 @@ def check_prompts(task, tokenizer, max_prompt_length: int, seed: int = 0) -> Non
     prompts = ((i, task.sample(rng)[0]) for i in range(PROMPT_SAMPLES))
     where = lambda i: f"a prompt of the {type(task).__name__}"  # noqa: E731
   for i, prompt in prompts:
-    length = len(tokenizer.encode(prompt))
+    length = len(prompt_tokens(task, tokenizer, prompt))
     if length > max_prompt_length:
       raise ValueError(f"{where(i)}: {length} prompt tokens exceed EngineConfig.max_prompt_length={max_prompt_length}")
     if length == 0:

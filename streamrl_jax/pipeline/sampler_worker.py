@@ -24,7 +24,7 @@ from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
-from streamrl_jax.tasks.rows import Row, question, verifier
+from streamrl_jax.tasks.rows import Row, prompt_tokens, question, verifier
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Sample, SamplingParams
 
 LEASE_POLL_S = 5.0
@@ -201,7 +201,7 @@ class SamplerWorker:
     self._apply_elastic()
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
                     np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
-    encoded = [self.tokenizer.encode(p) for p in lease.prompts]
+    encoded = [prompt_tokens(self.task, self.tokenizer, p) for p in lease.prompts]
     self._submit(lease, encoded)
     for partial in (p for p in lease.partials if p.finished):
       i = run.index_of[partial.group_id]
@@ -209,7 +209,7 @@ class SamplerWorker:
           request_id=-1, group_id=partial.group_id, sample_index=partial.sample_index,
           prompt_tokens=np.asarray(encoded[i], np.int32), completion_tokens=np.asarray(partial.tokens, np.int32),
           logprobs=np.asarray(partial.logprobs, np.float32), token_versions=np.asarray(partial.versions, np.int32),
-          finish_reason=FINISH_STOP if partial.tokens[-1] == self.tokenizer.eos_id else FINISH_LENGTH,
+          finish_reason=FINISH_STOP if partial.tokens[-1] in self.tokenizer.stop_ids else FINISH_LENGTH,
           first_version=min(partial.versions), last_version=max(partial.versions), instance=-1,
           submit_time=run.begin, admit_time=run.begin, finish_time=run.begin), samples)
     return run
@@ -274,7 +274,7 @@ class SamplerWorker:
         sampler.replace_engine(instance_id, self.engine_for(self.mesh_of[instance_id], slots))
     sampler.set_slot_limits(dispatch.slot_limits)
     single = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                            stop_token_ids=(self.tokenizer.eos_id,), num_samples=1)
+                            stop_token_ids=self.tokenizer.stop_ids, num_samples=1)
     begun = {(p.group_id, p.sample_index): p for p in lease.partials}
     for requests in dispatch.plan.assignment:
       for r in requests:

@@ -17,7 +17,6 @@ from flax import nnx
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import (CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config,
                                  save_hf)
-from streamrl_jax.models.chat import ChatFormat
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
@@ -28,7 +27,7 @@ from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.envs import make_tools
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.tasks import (ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask,
-                                draw, question, verifier)
+                                draw, prompt_tokens, question, verifier)
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
@@ -108,11 +107,10 @@ class JobConfig:
       task = ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
     if not self.chat:
       return task
-    template = tokenizer.chat_template
-    if not template:
+    if not tokenizer.chat_template:
       raise ValueError(f"JobConfig.chat is set but the model {self.pretrained!r} has no chat template "
                        "(tokenizer_config.json: chat_template)")
-    return ChatTask(task, ChatFormat.of(template, self.system_prompt or None))
+    return ChatTask(task, tokenizer.chat_format(self.system_prompt or None))
 
   def load_model(self):
     """(model, tokenizer, needs warm-up): the pretrained model, else the tiny demo decoder."""
@@ -146,20 +144,20 @@ def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=pr
   state = trainer.init_state(params, seed=job.seed)
   rng = np.random.default_rng(job.seed + 1)
   for step in range(job.warmup_steps):
-    batch = _teacher_batch(tokenizer, [task.sample(rng) for _ in range(job.warmup_batch)], width)
+    batch = _teacher_batch(tokenizer, task, [task.sample(rng) for _ in range(job.warmup_batch)], width)
     state, metrics = trainer.apply(trainer.accumulate(state, batch))
     if step % 100 == 0 or step == job.warmup_steps - 1:
       log(f"warm-up step {step + 1}/{job.warmup_steps}: nll {metrics['loss']:.3f}")
   return nnx.merge(graphdef, jax.device_get(state.params))
 
 
-def _teacher_batch(tokenizer, pairs, width: int) -> dict:
+def _teacher_batch(tokenizer, task, pairs, width: int) -> dict:
   tokens = np.zeros((len(pairs), width), np.int32)
   valid = np.zeros((len(pairs), width), bool)
   for row, (prompt, solution) in enumerate(pairs):
-    ids = tokenizer.encode(prompt) + tokenizer.encode(solution) + [tokenizer.eos_id]
+    ids = prompt_tokens(task, tokenizer, prompt) + tokenizer.encode(solution) + [tokenizer.eos_id]
     tokens[row, :len(ids)], valid[row, :len(ids)] = ids[:width], True
-  prompt_len = np.array([len(tokenizer.encode(p)) for p, _ in pairs])[:, None]
+  prompt_len = np.array([len(prompt_tokens(task, tokenizer, p)) for p, _ in pairs])[:, None]
   loss_mask = valid & (np.arange(width)[None] >= prompt_len)
   return dict(tokens=tokens, valid=valid, loss_mask=loss_mask, advantages=np.ones(len(pairs), np.float32),
               sampler_logprobs=np.zeros((len(pairs), width), np.float32))
@@ -185,8 +183,8 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   sampler = StreamingSampler([engine], params, tools=tools)
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]
-  knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,))
-  ids = {sampler.submit(tokenizer.encode(p), knobs)[0]: (p, row) for p, row in items}
+  knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids)
+  ids = {sampler.submit(prompt_tokens(task, tokenizer, p), knobs)[0]: (p, row) for p, row in items}
   out = {}
   with RewardScorer(config.reward, builtin=verifier(task)) as scorer:
     for sample in sampler.stream():

@@ -21,6 +21,10 @@ class ChatTask:
     question, row = draw(self.task, rng)
     return self.chat.wrap(question), row
 
+  def encode(self, tokenizer, prompt: str) -> list[int]:
+    """A rendered prompt holds its special tokens already: none are added (transformers' apply_chat_template)."""
+    return tokenizer.encode(prompt)
+
   def question(self, prompt: str) -> str:
     return self.chat.unwrap(prompt)
 

@@ -45,6 +45,12 @@ def question(task, prompt: str) -> str:
   return task.question(prompt) if hasattr(task, "question") else prompt
 
 
+def prompt_tokens(task, tokenizer, prompt: str) -> list[int]:
+  """The ids of one of `task`'s prompts: a chat task's prompt is rendered text that holds its special tokens
+  (encoded as it is); a raw prompt gets the ones the tokenizer adds (`encode_prompt`: BOS for Llama tokenizers)."""
+  return task.encode(tokenizer, prompt) if hasattr(task, "encode") else tokenizer.encode_prompt(prompt)
+
+
 def verifier(task) -> Callable[[str, str, dict], float]:
   """The task's own reward as fn(prompt, completion, fields): the fields go to a `reward` that takes **fields."""
   try:
