@@ -52,9 +52,13 @@ class NoEOS:
 
   def __init__(self, inner):
     self.inner, self.eos_id, self.pad_id, self.vocab_size = inner, -1, inner.pad_id, inner.vocab_size
+    self.stop_ids = (-1,)
 
   def encode(self, text):
     return self.inner.encode(text)
+
+  def encode_prompt(self, text):
+    return self.inner.encode_prompt(text)
 
   def decode(self, ids):
     return self.inner.decode(ids)

@@ -66,7 +66,7 @@ def sampling_rate(engine, params, config, delay_s: float, seed: int, prompts: in
                      threads=config.tool_threads)
   sampler = StreamingSampler([engine], params, tools=tools, seed=seed)
   rng = np.random.default_rng(seed)
-  knobs = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
+  knobs = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids,
                          num_samples=8)
   for g in range(prompts // 8):
     sampler.submit(tokenizer.encode(MultiplyTask(DIGITS).sample(rng)[0]), knobs, group_id=g)

@@ -99,7 +99,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
   engine = make_engine(graphdef, model.config, engine_config, mesh)
   rng = np.random.default_rng(20_000)
   prompts = [tokenizer.encode(task.sample(rng)[0]) for _ in range(prompts)]
-  knobs = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=(tokenizer.eos_id,))
+  knobs = SamplingParams(temperature=1.0, max_new_tokens=max_new, stop_token_ids=tokenizer.stop_ids)
   forward = jax.jit(lambda p, tokens, valid: token_logprobs(nnx.merge(graphdef, p)(tokens, valid), tokens)[0])
   out = {f"{p}_bytes_ratio": round(wire_bytes(encode(params, p)) / wire_bytes(encode(params, "float32")), 4)
          for p in PRECISIONS if p != "float32"}

@@ -82,7 +82,7 @@ def part_parity() -> dict:
       str(gguf_file.parent), gguf_file=gguf_file.name, dtype=torch.float32).eval()
   worst, greedy_equal = 0.0, 0
   for text in PARITY_PROMPTS:
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode_prompt(text)
     with torch.no_grad():
       want = reference(torch.tensor([ids])).logits.numpy()
       ref_tokens = reference.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False,
@@ -98,12 +98,11 @@ def part_parity() -> dict:
 def _speed_workload(tokenizer):
   import numpy as np
 
-  from streamrl_jax.models.chat import ChatFormat
   from streamrl_jax.tasks import SumsTask
 
   rng = np.random.default_rng(0)
-  chat, task = ChatFormat.of(tokenizer.chat_template), SumsTask()
-  prompts = [tokenizer.encode(chat.wrap(task.sample(rng)[0])) for _ in range(REQUESTS)]
+  task = SumsTask()
+  prompts = [tokenizer.apply_chat_template([{"role": "user", "content": task.sample(rng)[0]}]) for _ in range(REQUESTS)]
   tail = rng.random(REQUESTS) < TAIL_FRACTION
   lengths = np.where(tail, rng.integers(100, 129, REQUESTS), rng.integers(12, 37, REQUESTS))
   return prompts, [int(n) for n in lengths]

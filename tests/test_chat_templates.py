@@ -250,3 +250,81 @@ def test_smollm2_template_and_tokenizer_match_transformers():
   for text in TEXTS:
     assert ours.encode_prompt(text) == theirs(text)["input_ids"]
   assert theirs.eos_token_id in ours.stop_ids
+
+
+def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeypatch):
+  """A GGUF model whose tokenizer adds BOS, with and without `JobConfig.chat`: the prompt ids the controller, the
+  sampler and evaluation use are transformers' ids for the same question, and evaluation stops on every stop id."""
+  import numpy as np
+
+  from streamrl_jax.pipeline import train_job
+  from streamrl_jax.pipeline.config import PipelineConfig
+  from streamrl_jax.tasks import draw, prompt_tokens, question
+  from tests.gguf_files import write_gguf
+
+  monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path / "cache"))
+  gguf = write_gguf(tmp_path / "m.gguf", add_bos=True)
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text("".join(json.dumps({"question": q, "answer": "1"}) + "\n" for q in ("the cat", "€ <in> a hat")))
+  submitted = []
+
+  class Recorder:  # stands in for the continuous batcher: records what evaluation hands it
+    def __init__(self, engines, params, tools=None):
+      pass
+
+    def submit(self, ids, knobs):
+      submitted.append((list(ids), knobs.stop_token_ids))
+      return [len(submitted)]
+
+    def stream(self):
+      return iter(())
+
+  monkeypatch.setattr(train_job, "StreamingSampler", Recorder)
+  for chat in (False, True):
+    job = train_job.JobConfig(task="file", prompt_file=str(rows), model=str(gguf), chat=chat,
+                              system_prompt="Be brief." if chat else "")
+    model, tokenizer, _ = job.load_model()
+    theirs = _theirs(job.model_path())
+    task = job.make_task(tokenizer)
+    expected, rng = [], np.random.default_rng(10_000)  # evaluation's own seed
+    for prompt, _row in (draw(task, rng) for _ in range(2)):
+      text = question(task, prompt)
+      messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": text}]
+      ids = (list(theirs.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True))
+             if chat else theirs(text)["input_ids"])
+      assert prompt_tokens(task, tokenizer, prompt) == ids
+      assert ids[0] == 1 and ids[1] != 1  # one BOS (<|im_start|>): the post-processor's, or the template's
+      expected.append(ids)
+    submitted.clear()
+    train_job.greedy_completions(model, tokenizer, task, PipelineConfig(), 2, seed=0)
+    assert [ids for ids, _ in submitted] == expected
+    assert all(stops == tokenizer.stop_ids for _, stops in submitted)
+
+
+def test_generate_command_encodes_as_transformers_and_cuts_at_any_stop_id(tmp_path, monkeypatch, capsys):
+  import numpy as np
+
+  from streamrl_jax import cli
+  from streamrl_jax import models as models_module
+  from tests.gguf_files import vocabulary, write_gguf
+
+  monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path / "cache"))
+  gguf = write_gguf(tmp_path / "m.gguf", add_bos=True)
+  calls, the = [], vocabulary().index("Ġthe")
+
+  def recorder(model, tokens, mask, max_new_tokens, **kwargs):
+    calls.append([row[m].tolist() for row, m in zip(np.asarray(tokens), np.asarray(mask, bool))])
+    return np.asarray([[the, 2, the, the]] * len(tokens))  # " the", the stop id <|im_end|>, then text never shown
+
+  monkeypatch.setattr(models_module, "generate", recorder)
+  for extra in ([], ["--chat", "--system", "Be brief."]):
+    calls.clear()
+    assert cli.main(["generate", "--model", str(gguf), "--prompt", "the cat", "--max-new-tokens", "4", *extra]) == 0
+    out = capsys.readouterr().out
+    theirs = _theirs(next((tmp_path / "cache" / "gguf").iterdir()))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]
+    want = (theirs.apply_chat_template(messages, tokenize=True, return_dict=False, add_generation_prompt=True)
+            if extra else theirs("the cat")["input_ids"])
+    assert calls[0] == [list(want)] and calls[1] == [list(want)]  # compile run, then the timed run
+    assert "'the cat' -> ' the'\n" in out, out
+

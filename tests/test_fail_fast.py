@@ -52,6 +52,20 @@ def prompt_file(tmp_path):
   return path
 
 
+def _model_dir(name, directory):
+  """The word-level checkpoint, spoilt as `name` says: a template that does not compile, one that refuses, or
+  a generation_config.json that is not JSON."""
+  settings = json.loads((directory / "tokenizer_config.json").read_text())
+  if name == "broken":
+    settings["chat_template"] = "{% for m in messages %}{{ m['content'] }}"
+  elif name == "refusing":
+    settings["chat_template"] = "{{ raise_exception('no user turns here') }}"
+  elif name == "badgen":
+    (directory / "generation_config.json").write_text('{"eos_token_id": [1,')
+  (directory / "tokenizer_config.json").write_text(json.dumps(settings))
+  return directory
+
+
 CASES = {
     "resume without a checkpoint": (["train", "--resume"], None, "--resume: there is no checkpoint in"),
     "a bucket URL as workdir": (["train", "--workdir", "gs://bucket/run"], None, "mount the bucket"),
@@ -68,6 +82,21 @@ CASES = {
                                     "JobConfig.hidden_size: 64 -> 32"),
     "colocated as a trainer program": (["trainer", "--set", "PipelineConfig.mode='colocated'"], None,
                                        "time-shares one mesh in one program"),
+    "a chat template that does not compile": (["train", "--set", "JobConfig.task='file'", "--set",
+                                               "JobConfig.model_dir='{broken}'", "--set",
+                                               "JobConfig.prompt_file='{prompts}'"], None,
+                                              "broken: the chat template does not compile: "),
+    "a chat template that refuses": (["train", "--set", "JobConfig.task='file'", "--set", "JobConfig.chat=True",
+                                      "--set", "JobConfig.model_dir='{refusing}'", "--set",
+                                      "JobConfig.prompt_file='{prompts}'"], None,
+                                     "refusing: the chat template raised: no user turns here"),
+    "a generation config that is not JSON": (["train", "--set", "JobConfig.task='file'", "--set",
+                                              "JobConfig.model_dir='{badgen}'", "--set",
+                                              "JobConfig.prompt_file='{prompts}'"], None,
+                                             "generation_config.json is not valid JSON"),
+    "more stop tokens than the engine takes": (["train", "--set", "PipelineConfig.environment='calculator'", "--set",
+                                                "EngineConfig.max_stop_tokens=1"], None,
+                                               "more than EngineConfig.max_stop_tokens=1: set it to 2"),
     "a sampler larger than its machine": (["sampler", "--connect", "127.0.0.1:9", "--set",
                                            "MeshConfig.sampler_devices=16"], None,
                                           "MeshConfig.sampler_devices=16 but this sampler has 8 devices"),
@@ -85,7 +114,10 @@ def test_mistakes_are_reported_before_any_model_or_compile(case, tmp_path, capsy
     gin_config.parse()
     preflight.write_settings(workdir, flat_settings(*gin_config.build_run()))  # the default hidden size, 64
   nothing_built.clear()
-  fill = dict(hf=word_checkpoint(hf_dirs, tmp_path / "model"), prompts=prompt_file(tmp_path))
+  fill = dict(prompts=prompt_file(tmp_path))
+  for name in ("hf", "broken", "refusing", "badgen"):
+    if any("{" + name + "}" in a for a in args):
+      fill[name] = _model_dir(name, word_checkpoint(hf_dirs, tmp_path / name))
   argv = [a.format(**fill) for a in args]
   if argv[0] != "sampler" and "--workdir" not in argv:
     argv[1:1] = ["--workdir", str(workdir)]

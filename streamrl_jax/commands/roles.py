@@ -122,6 +122,7 @@ def cmd_sampler(args) -> int:
   task = job.make_task(tokenizer)
   preflight.check_devices(config, "sampler", len(jax.devices()))
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
   stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:

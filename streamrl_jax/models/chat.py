@@ -189,9 +189,13 @@ def _pattern(a: str, b: str) -> str:
 
 def end_of_turn_token(template: str, vocab: dict[str, int], special_tokens: dict | None = None) -> str | None:
   """The token that closes an assistant turn in `template` (ChatML `<|im_end|>`, Llama 3 `<|eot_id|>`, `eos_token`
-  in Llama 2's): the longest vocabulary token that starts the text rendered right after a probe assistant message."""
-  text = render_chat(template, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}],
-                     add_generation_prompt=False, **(special_tokens or {}))
+  in Llama 2's): the longest vocabulary token that starts the text rendered right after a probe assistant message;
+  None when there is none, or when the template refuses that conversation."""
+  try:
+    text = render_chat(template, [{"role": "user", "content": "u"}, {"role": "assistant", "content": _PROBE}],
+                       add_generation_prompt=False, **(special_tokens or {}))
+  except ChatTemplateError:
+    return None
   after = text.split(_PROBE, 1)[1].lstrip() if _PROBE in text else ""
   specials = set((special_tokens or {}).values())
   found = [t for t in vocab if after.startswith(t) and (t in specials or (len(t) > 2 and t[0] == "<" and t[-1] == ">"))]

@@ -101,6 +101,21 @@ def check_prompts(task, tokenizer, max_prompt_length: int, seed: int = 0) -> Non
       raise ValueError(f"{where(i)}: the prompt encodes to no tokens")
 
 
+def check_stops(config: PipelineConfig, tokenizer) -> None:
+  """The ids that end a turn (the model's eos ids, its template's end of turn, the environment's stop) fit
+  `EngineConfig.max_stop_tokens`."""
+  stops = set(tokenizer.stop_ids)
+  if config.environment:
+    from streamrl_jax.envs.catalog import make_environment
+    from streamrl_jax.envs.tools import stop_token_ids
+
+    stops |= set(stop_token_ids(tokenizer, make_environment(config.environment, max_turns=config.max_turns).stop))
+  if len(stops) > config.engine.max_stop_tokens:
+    raise ValueError(f"a turn ends on any of {len(stops)} tokens {sorted(stops)} (the model's eos ids, its end of "
+                     f"turn, the environment's stop), more than EngineConfig.max_stop_tokens="
+                     f"{config.engine.max_stop_tokens}: set it to {len(stops)}")
+
+
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
   """Every configured reward function imports and can take the first prompt's row, before anything compiles;
   with none, the task's own verifier finds what it reads (a file task: its answer column in every row)."""

@@ -241,6 +241,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   _, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
