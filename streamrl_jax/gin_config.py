@@ -21,7 +21,7 @@ from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
-from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
                Path(sys.prefix) / "share" / "streamrl_jax" / "configs")  # an install (pyproject data-files)
@@ -37,7 +37,8 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, RewardConfig, PipelineConfig, JobConfig, FlightConfig, GKEConfig)
+                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, PipelineConfig, JobConfig, FlightConfig,
+                  GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
@@ -78,7 +79,7 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
                objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
-               reward=build(RewardConfig))
+               reward=build(RewardConfig), trainer=build(TrainerConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
 
 

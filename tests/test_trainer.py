@@ -12,7 +12,7 @@ from streamrl_jax.models import Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.training.checkpoint import Checkpointer
 from streamrl_jax.training.objectives import OBJECTIVES
-from streamrl_jax.training.step import token_logprobs
+from streamrl_jax.training.logprobs import token_logprobs
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows, trainer_for
 
 

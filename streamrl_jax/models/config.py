@@ -11,6 +11,8 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
+REMAT_POLICIES = ("none", "layer", "dots")
+
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
   """Llama 3 frequency-dependent rope scaling (`rope_type: llama3` in config.json)."""
@@ -42,7 +44,10 @@ class ModelConfig:
   max_position_embeddings: int = 4096
   dtype: str = "float32"  # activations and matmuls
   param_dtype: str = "float32"
-  remat: bool = False
+  # rematerialisation in training: "none", "layer" (a layer saves only its input; its inside is recomputed in the
+  # backward pass) or "dots" (a layer also saves its weight matmuls' outputs; attention and norms are recomputed).
+  # True and False are "layer" and "none".
+  remat: bool | str = "none"
   initializer_range: float = 0.02
   bos_token_id: int | None = None
   eos_token_id: int | tuple[int, ...] | None = None
@@ -63,6 +68,10 @@ class ModelConfig:
       raise ValueError(f"ModelConfig.head_dim must be even for rotary embeddings, got {self.head_dim}")
     if isinstance(self.eos_token_id, list):
       object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+    remat = {False: "none", True: "layer"}[self.remat] if isinstance(self.remat, bool) else self.remat
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"ModelConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    object.__setattr__(self, "remat", remat)
     if self.architecture not in ARCHITECTURES.values():
       raise ValueError(f"ModelConfig.architecture={self.architecture!r}; known: {sorted(ARCHITECTURES.values())}")
     for name in ("dtype", "param_dtype"):

@@ -41,7 +41,9 @@ def _run_layer(layer, x, positions, mask, kv_cache):
   return layer(x, positions, mask, kv_cache)
 
 
-_remat_layer = nnx.remat(_run_layer)
+# ModelConfig.remat -> how a layer runs under autodiff.
+_LAYER_RUNS = {"none": _run_layer, "layer": nnx.remat(_run_layer),
+               "dots": nnx.remat(_run_layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}
 
 
 class Transformer(nnx.Module):
@@ -64,8 +66,9 @@ class Transformer(nnx.Module):
     return self._logits(self.hidden_states(tokens, attention_mask, segment_ids))
 
   def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
-                    segment_ids: jax.Array | None = None) -> jax.Array:
-    """Final-norm hidden states [B, T, hidden] (what the LM head, a value head or a ranker reads)."""
+                    segment_ids: jax.Array | None = None, remat: str | None = None) -> jax.Array:
+    """Final-norm hidden states [B, T, hidden] (what the LM head, a value head or a ranker reads). `remat`
+    replaces `config.remat` for this call (the trainer's own policy)."""
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     steps = jnp.arange(tokens.shape[1])
     attend = mask[:, None, :] & (steps[None, None, :] <= steps[None, :, None])
@@ -74,8 +77,12 @@ class Transformer(nnx.Module):
     else:
       positions = packed_positions(segment_ids)
       attend = attend & (segment_ids[:, None, :] == segment_ids[:, :, None])
-    hidden, _ = self._trunk(tokens, positions, attend, None)
+    hidden, _ = self._trunk(tokens, positions, attend, None, remat)
     return hidden
+
+  def head_weights(self) -> jax.Array:
+    """The LM head as [hidden, vocab] (the embeddings transposed when tied)."""
+    return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
 
   def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None, window: int | None = None,
                          logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
@@ -117,9 +124,9 @@ class Transformer(nnx.Module):
       hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
     return self._logits(hidden)
 
-  def _trunk(self, tokens, positions, attend, kv_caches):
+  def _trunk(self, tokens, positions, attend, kv_caches, remat: str | None = None):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
-    run = _remat_layer if self.config.remat else _run_layer
+    run = _LAYER_RUNS[remat or self.config.remat]
     new_kv = []
     for i, layer in enumerate(self.layers):
       x, kv = run(layer, x, positions, attend, None if kv_caches is None else kv_caches[i])
@@ -127,11 +134,7 @@ class Transformer(nnx.Module):
     return self.final_norm(x), new_kv
 
   def _logits(self, hidden):
-    if self.config.tie_embeddings:
-      head = self.embed[...].T
-    else:
-      head = self.lm_head[...]
-    return (hidden @ head.astype(hidden.dtype)).astype(jnp.float32)
+    return (hidden @ self.head_weights().astype(hidden.dtype)).astype(jnp.float32)
 
 
 class ValueModel(nnx.Module):

@@ -10,7 +10,7 @@ from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
-from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
+from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 IN_FLIGHT_CACHE = ("keep", "recompute")
 
@@ -37,7 +37,6 @@ class PipelineConfig:
   packing: bool = True  # the trainer packs samples end to end into rows (segment ids): compute follows tokens
   pack_length: int = 0  # packed row length; 0: the longest sample (prompt + new tokens), rounded up to 8
   chunk_tokens: int = 0  # real tokens per trainer call; 0: a whole step (a quarter in `stream`), within memory
-  train_memory_mb: int = 0  # activation memory a trainer call may use; 0: 40% of a device's, 2048 on the CPU
   precompile: bool = False  # compile every trainer micro-batch shape before the first step (no stalls later)
   queue_capacity: int = 256  # samples in the host queue before the sampler blocks
   sampler_precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
@@ -59,6 +58,7 @@ class PipelineConfig:
   objective: ObjectiveConfig = ObjectiveConfig()
   scheduling: SchedulingConfig = SchedulingConfig()
   reward: RewardConfig = RewardConfig()
+  trainer: TrainerConfig = TrainerConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -66,7 +66,7 @@ class PipelineConfig:
     ADVANTAGES.get(self.advantage)
     if self.advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
       raise ValueError(f"advantage {self.advantage!r} needs group_size >= 2 (GRPO group size 1 has no baseline)")
-    for name in ("pack_length", "chunk_tokens", "train_memory_mb"):
+    for name in ("pack_length", "chunk_tokens"):
       if getattr(self, name) < 0:
         raise ValueError(f"PipelineConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
     if self.pack_length and self.pack_length < self.engine.max_prompt_length + self.max_new_tokens:

@@ -23,7 +23,7 @@ SETTINGS_FILE = "settings.json"
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "PipelineConfig.stop_grace_s", "PipelineConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
-                        "RewardConfig.on_error")
+                        "RewardConfig.on_error", "TrainerConfig.")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
 PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
 

@@ -49,7 +49,7 @@ class TrainerWorker:
     self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
-                           ref_params=params if config.objective.kl_coef > 0 else None)
+                           ref_params=params if config.objective.kl_coef > 0 else None, config=config.trainer)
     self.state = self.trainer.init_state(params, seed=config.seed)
     self.start_step = 0
     if resume:

@@ -1,4 +1,4 @@
-"""Policy objectives, KL estimators, entropy and value losses: pure per-token functions.
+"""Policy objectives, KL estimators and value losses: pure per-token functions.
 
 Every per-token function returns a loss [B, T] to minimise; `aggregate` turns it into the
 (numerator, denominator) pair whose ratio is the batch loss. Numerators and denominators add up over
@@ -137,12 +137,6 @@ def kl_penalty(logp, ref_logp, estimator: str):
   if estimator == "k3":
     return jnp.exp(-log_ratio) + log_ratio - 1.0
   raise ValueError(f"unknown KL estimator {estimator!r}; known: {list(KL_ESTIMATORS)}")
-
-
-def entropy(logits):
-  """Entropy of the softmax distribution over the last axis."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
 
 def clipped_value_loss(values, old_values, returns, clip: float):

@@ -21,8 +21,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
-from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, entropy,
-                                              kl_penalty, with_old_logprobs)
+from streamrl_jax.training.config import TrainerConfig
+from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs
+from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
+                                              with_old_logprobs)
 from streamrl_jax.training.packing import packed_shapes
 
 SCHEDULES = ("constant", "cosine", "linear")
@@ -94,15 +96,6 @@ def logprob_mismatch(logp, sampler_logprobs, mask):
   return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
 
 
-def token_logprobs(logits, tokens):
-  """log pi(tokens[:, t] | tokens[:, :t]) aligned with tokens [B, L] (column 0 is 0), and the entropy
-  of the distribution that predicted each token."""
-  logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-  picked = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
-  pad = jnp.zeros_like(picked[:, :1])
-  return jnp.concatenate([pad, picked], axis=1), jnp.concatenate([pad, entropy(logits[:, :-1])], axis=1)
-
-
 def _bucket(n: int, minimum: int) -> int:
   size = minimum
   while size < n:
@@ -115,14 +108,16 @@ class Trainer:
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
                rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
-               temperature: float = 1.0):
+               temperature: float = 1.0, config: TrainerConfig = TrainerConfig()):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
     (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
     batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows).
     `temperature` is the sampler's: the policy's (and the reference's) logits are divided by it before
     log-probabilities, so tokens are scored under the distribution they were sampled from (on-policy, the
-    ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature)."""
+    ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature).
+    `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`)."""
+    self.config = config
     if temperature <= 0:
       raise ValueError(f"the trainer's temperature must be > 0 (greedy samples have no log-probability to "
                        f"train on), got {temperature}")
@@ -238,6 +233,14 @@ class Trainer:
       batch["segment_ids"] = np.zeros((rows, length), np.int32)
     return batch
 
+  def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
+    """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
+    and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks)."""
+    batch = self.prepare(self._lossless_batch(rows, length, packed))
+    analysis = self._accumulate.lower(state, batch, self.ref_params).compile().memory_analysis()
+    return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
+                temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes)
+
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
     return self._accumulate(state, self.prepare(batch), self.ref_params)
@@ -256,8 +259,7 @@ class Trainer:
     return np.asarray(out)[:rows, :length]
 
   def _reference_impl(self, ref_params, batch):
-    model = nnx.merge(self.graphdef, ref_params)
-    return token_logprobs(self._tempered(model(batch["tokens"], batch["valid"])), batch["tokens"])[0]
+    return self._token_logprobs(nnx.merge(self.graphdef, ref_params), batch)[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
@@ -265,8 +267,16 @@ class Trainer:
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
   # ---- device side --------------------------------------------------------------------------
-  def _tempered(self, logits):
-    return logits if self.temperature == 1.0 else logits.astype(jnp.float32) / self.temperature
+  def _token_logprobs(self, model, batch):
+    """(log pi, entropy) of the batch's tokens under `model`: over vocabulary chunks, or from full logits."""
+    hidden = model.hidden_states(batch["tokens"], batch["valid"], batch.get("segment_ids"), remat=self.config.remat)
+    if self.config.logprob_chunk:
+      return chunked_token_logprobs(hidden, model.head_weights(), batch["tokens"], self.temperature,
+                                    self.config.logprob_chunk)
+    logits = model._logits(hidden)
+    if self.temperature != 1.0:
+      logits = logits / self.temperature
+    return token_logprobs(logits, batch["tokens"])
 
   def _per_token_loss(self, params, batch, ref_params):
     cfg = self.objective
@@ -275,15 +285,12 @@ class Trainer:
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
-    logp, ent = token_logprobs(self._tempered(model(batch["tokens"], batch["valid"], batch.get("segment_ids"))),
-                               batch["tokens"])
+    logp, ent = self._token_logprobs(model, batch)
     batch = with_old_logprobs(batch, logp, cfg.objective)
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if ref_params is not None:
-      ref_model = nnx.merge(self.graphdef, ref_params)
-      ref_logp, _ = token_logprobs(self._tempered(ref_model(batch["tokens"], batch["valid"], batch.get("segment_ids"))),
-                                   batch["tokens"])
+      ref_logp, _ = self._token_logprobs(nnx.merge(self.graphdef, ref_params), batch)
       kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
       if not cfg.kl_in_reward:
         per_token = per_token + cfg.kl_coef * kl

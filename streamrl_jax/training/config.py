@@ -1,0 +1,27 @@
+"""How the trainer spends memory: log-probabilities over vocabulary chunks, rematerialisation, and the
+activation budget a trainer call is cut to."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl_jax.models.config import REMAT_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """`logprob_chunk`: vocabulary columns per chunk of the log-probabilities (`training.logprobs`); 0 builds the
+  full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
+  `activation_budget_mb`: activation memory one trainer call may use (the packed tokens per call are cut to
+  it); 0: 40% of a device's memory, 2048 on the CPU."""
+
+  logprob_chunk: int = 8192
+  remat: str = "none"
+  activation_budget_mb: int = 0
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"TrainerConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    for name in ("logprob_chunk", "activation_budget_mb"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")

@@ -1,0 +1,137 @@
+"""Log-probabilities and entropies of the tokens a sequence holds, with or without the full logits.
+
+`token_logprobs(logits, tokens)` reads materialized logits [B, T, vocab]. `chunked_token_logprobs(hidden, head,
+tokens)` never builds them: it walks the vocabulary in chunks of columns of the LM head, keeping per token an online
+log-sum-exp (running max, sum of exponentials, and their logit-weighted sum for the entropy) and the chosen
+token's logit. Its custom VJP recomputes each chunk's logits in the backward pass, so memory holds one
+[tokens, chunk] block at a time instead of [tokens, vocab] several times over (logits, log-softmax, their
+gradients). Both give log pi(tokens[:, t] | tokens[:, :t]) aligned with tokens (column 0 is 0) and the entropy of
+the distribution that predicted each token.
+
+Gradients, per token with p = softmax(l), E = sum_j p_j l_j:  d logp / d l_j = [j = token] - p_j;
+d entropy / d l_j = -p_j (l_j - E).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+
+def entropy(logits):
+  """Entropy of the softmax distribution over the last axis."""
+  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+
+def token_logprobs(logits, tokens):
+  """From logits [B, T, vocab]: (log pi of each token [B, T], entropy [B, T]); column 0 is 0."""
+  logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  picked = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+  pad = jnp.zeros_like(picked[:, :1])
+  return jnp.concatenate([pad, picked], axis=1), jnp.concatenate([pad, entropy(logits[:, :-1])], axis=1)
+
+
+def vocab_chunk(vocab: int, wanted: int) -> int:
+  """The chunk width used for `wanted` columns: the largest divisor of `vocab` not above it (no padded copy
+  of the head), or `wanted` itself when every such divisor is under a quarter of it (the head is then padded)."""
+  if wanted <= 0 or wanted >= vocab:
+    return vocab
+  best = max(d for d in range(1, wanted + 1) if vocab % d == 0)
+  return best if best * 4 >= wanted else wanted
+
+
+def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk: int = 8192):
+  """From final hidden states [B, T, H] and the LM head [H, vocab]: (log pi [B, T], entropy [B, T]) as
+  `token_logprobs(hidden @ head / temperature, tokens)` gives them, without the [B, T, vocab] logits."""
+  b, t, h = hidden.shape
+  flat_hidden = hidden[:, :-1].reshape(b * (t - 1), h)
+  logp, ent = _chunked(flat_hidden, head, tokens[:, 1:].reshape(-1).astype(jnp.int32), float(temperature),
+                       vocab_chunk(head.shape[1], chunk))
+  pad = jnp.zeros((b, 1), jnp.float32)
+  return (jnp.concatenate([pad, logp.reshape(b, t - 1)], axis=1),
+          jnp.concatenate([pad, ent.reshape(b, t - 1)], axis=1))
+
+
+def _columns(head, chunk: int):
+  """The head with its vocabulary padded to a whole number of chunks (a copy only when it does not divide)."""
+  vocab = head.shape[1]
+  extra = -vocab % chunk
+  return (head if not extra else jnp.pad(head, ((0, 0), (0, extra)))), (vocab + extra) // chunk
+
+
+def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float):
+  """Tempered float32 logits of columns [i * chunk, (i + 1) * chunk), padding columns at -inf."""
+  columns = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=1)
+  logits = (hidden @ columns.astype(hidden.dtype)).astype(jnp.float32)
+  if temperature != 1.0:
+    logits = logits / temperature
+  if vocab % chunk:
+    logits = jnp.where(i * chunk + jnp.arange(chunk) < vocab, logits, -jnp.inf)
+  return logits
+
+
+def _statistics(hidden, head, tokens, temperature: float, chunk: int):
+  """Per token: log-sum-exp, the chosen logit, and E_p[logit], by one pass over the vocabulary chunks."""
+  vocab = head.shape[1]
+  padded, chunks = _columns(head, chunk)
+  n = hidden.shape[0]
+
+  def body(i, carry):
+    top, total, weighted, picked = carry
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature)
+    new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
+    scale = jnp.exp(top - new_top)
+    e = jnp.exp(logits - new_top[:, None])
+    total = total * scale + jnp.sum(e, axis=-1)
+    weighted = weighted * scale + jnp.sum(jnp.where(e > 0, e * logits, 0.0), axis=-1)
+    local = tokens - i * chunk
+    inside = (local >= 0) & (local < chunk)
+    chosen = jnp.take_along_axis(logits, jnp.clip(local, 0, chunk - 1)[:, None], axis=-1)[:, 0]
+    return new_top, total, weighted, jnp.where(inside, chosen, picked)
+
+  zeros = jnp.zeros((n,), jnp.float32)
+  top, total, weighted, picked = jax.lax.fori_loop(0, chunks, body, (jnp.full((n,), -jnp.inf), zeros, zeros, zeros))
+  return top + jnp.log(total), picked, weighted / total
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _chunked(hidden, head, tokens, temperature: float, chunk: int):
+  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk)
+  return picked - lse, lse - mean
+
+
+def _chunked_fwd(hidden, head, tokens, temperature: float, chunk: int):
+  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk)
+  return (picked - lse, lse - mean), (hidden, head, tokens, lse, mean)
+
+
+def _chunked_bwd(temperature: float, chunk: int, residuals, cotangents):
+  hidden, head, tokens, lse, mean = residuals
+  g_logp, g_ent = cotangents
+  vocab = head.shape[1]
+  padded, chunks = _columns(head, chunk)
+
+  def body(i, carry):
+    g_hidden, g_head = carry
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature)
+    p = jnp.exp(logits - lse[:, None])
+    onehot = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
+    centred = jnp.where(p > 0, logits - mean[:, None], 0.0)
+    g_logits = g_logp[:, None] * (onehot - p) - g_ent[:, None] * p * centred
+    if temperature != 1.0:
+      g_logits = g_logits / temperature
+    g_logits = g_logits.astype(hidden.dtype)
+    columns = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=1).astype(hidden.dtype)
+    g_hidden = g_hidden + (g_logits @ columns.T).astype(jnp.float32)
+    g_columns = (hidden.T @ g_logits).astype(jnp.float32)
+    return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_head, g_columns, i * chunk, axis=1)
+
+  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape, jnp.float32))
+  g_hidden, g_head = jax.lax.fori_loop(0, chunks, body, init)
+  return g_hidden.astype(hidden.dtype), g_head[:, :vocab].astype(head.dtype), None
+
+
+_chunked.defvjp(_chunked_fwd, _chunked_bwd)

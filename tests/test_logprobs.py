@@ -1,0 +1,100 @@
+"""Log-probabilities over vocabulary chunks: the same values and gradients as the plain log-softmax path, and the
+trainer's memory estimate against XLA's own memory analysis."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax.meshes import single_device_mesh
+from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs, vocab_chunk
+
+
+def _numpy_reference(hidden, head, tokens, temperature):
+  """log p and entropy from the logits in float64, by the textbook formulas."""
+  logits = np.einsum("bth,hv->btv", hidden.astype(np.float64), head.astype(np.float64))[:, :-1] / temperature
+  shifted = logits - logits.max(-1, keepdims=True)
+  logp_all = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+  picked = np.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+  ent = -(np.exp(logp_all) * logp_all).sum(-1)
+  pad = np.zeros((len(tokens), 1))
+  return np.concatenate([pad, picked], 1), np.concatenate([pad, ent], 1)
+
+
+@pytest.mark.parametrize("vocab,chunk,temperature", [(96, 32, 1.0), (100, 32, 0.7), (50, 8192, 1.3)])
+def test_chunked_matches_the_plain_path_in_value_and_gradient(vocab, chunk, temperature):
+  rng = np.random.default_rng(vocab)
+  hidden = rng.normal(size=(3, 6, 16)).astype(np.float32) * 0.5
+  head = rng.normal(size=(16, vocab)).astype(np.float32) * 0.5
+  tokens = rng.integers(0, vocab, size=(3, 6)).astype(np.int32)
+  weights = rng.normal(size=(2, 3, 6)).astype(np.float32)
+
+  def plain(h, w):
+    return token_logprobs((h @ w) / temperature, jnp.asarray(tokens))
+
+  def chunked(h, w):
+    return chunked_token_logprobs(h, w, jnp.asarray(tokens), temperature, chunk)
+
+  want = _numpy_reference(hidden, head, tokens, temperature)
+  for fn in (plain, chunked):
+    logp, ent = jax.jit(fn)(hidden, head)
+    np.testing.assert_allclose(logp, want[0], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(ent, want[1], atol=1e-5, rtol=1e-5)
+
+  def loss(fn):
+    return lambda h, w: jnp.sum(fn(h, w)[0] * weights[0]) + jnp.sum(fn(h, w)[1] * weights[1])
+
+  grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(hidden, head) for fn in (plain, chunked)]
+  for a, b in zip(*grads):
+    np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+    assert np.abs(a).max() > 1e-2  # a gradient that is there to compare
+
+
+def test_vocab_chunk_divides_the_vocabulary_when_it_can():
+  assert vocab_chunk(49152, 8192) == 8192
+  assert vocab_chunk(151936, 8192) == 4748  # 151936 = 32 * 4748: no padded copy of a 0.5 GB head
+  assert vocab_chunk(1009, 256) == 256  # a prime vocabulary: padded
+  assert vocab_chunk(100, 0) == vocab_chunk(100, 500) == 100
+
+
+def _trainer(config, chunk, remat="none", kl=0.0):
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  trainer = Trainer(graphdef, OptimizerConfig(), ObjectiveConfig(objective="ppo", kl_coef=kl), single_device_mesh(),
+                    ref_params=params if kl else None, config=TrainerConfig(logprob_chunk=chunk, remat=remat),
+                    temperature=0.8)
+  return trainer, trainer.init_state(params)
+
+
+TINY = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                   tie_embeddings=True)
+
+
+def test_the_trainer_gives_one_gradient_with_and_without_chunks():
+  rng = np.random.default_rng(0)
+  batch = dict(tokens=rng.integers(0, 100, (8, 16)).astype(np.int32), valid=np.ones((8, 16), bool),
+               loss_mask=np.arange(16)[None].repeat(8, 0) >= 4, advantages=rng.normal(size=8).astype(np.float32),
+               sampler_logprobs=-rng.random((8, 16)).astype(np.float32))
+  sums = []
+  for chunk in (0, 32):
+    trainer, state = _trainer(TINY, chunk, kl=0.1)
+    state = trainer.accumulate(state, batch)
+    sums.append(jax.device_get((state.grad_sum, state.sums)))
+  for a, b in zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])):
+    np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-4)
+
+
+def test_chunks_cut_the_compiled_programs_memory():
+  """XLA's memory analysis of one accumulation: the chunked path holds [tokens, chunk], not [tokens, vocab]."""
+  config = dataclasses.replace(TINY, vocab_size=4096)
+  temps = {}
+  for chunk in (0, 256):
+    trainer, state = _trainer(config, chunk)
+    temps[chunk] = trainer.compiled_memory(state, 8, 64)["temp"]
+  full_logits = 8 * 64 * 4096 * 4
+  assert temps[0] - temps[256] > 2 * full_logits, temps  # several [tokens, vocab] buffers gone
