@@ -97,6 +97,8 @@ CASES = {
     "more stop tokens than the engine takes": (["train", "--set", "PipelineConfig.environment='calculator'", "--set",
                                                 "EngineConfig.max_stop_tokens=1"], None,
                                                "more than EngineConfig.max_stop_tokens=1: set it to 2"),
+    "an activation budget below one row": (["train", "--set", "TrainerConfig.activation_budget_mb=1"], None,
+                                           "TrainerConfig.activation_budget_mb=1 holds"),
     "a sampler larger than its machine": (["sampler", "--connect", "127.0.0.1:9", "--set",
                                            "MeshConfig.sampler_devices=16"], None,
                                           "MeshConfig.sampler_devices=16 but this sampler has 8 devices"),

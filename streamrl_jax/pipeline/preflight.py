@@ -116,6 +116,16 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
                      f"{config.engine.max_stop_tokens}: set it to {len(stops)}")
 
 
+def check_activation_budget(config: PipelineConfig, model_config) -> None:
+  """An explicit `TrainerConfig.activation_budget_mb` holds at least one packed row of activations (the
+  automatic one is checked against the device when the trainer starts)."""
+  if config.packing and config.trainer.activation_budget_mb:
+    from streamrl_jax.training.packing import chunk_tokens_for
+
+    chunk_tokens_for(model_config, config.packed_length, config.packed_length,
+                     config.trainer.activation_budget_mb << 20, config.trainer, reference=config.objective.kl_coef > 0)
+
+
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
   """Every configured reward function imports and can take the first prompt's row, before anything compiles;
   with none, the task's own verifier finds what it reads (a file task: its answer column in every row)."""

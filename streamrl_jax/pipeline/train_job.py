@@ -238,8 +238,9 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   preflight.check_devices(config, role, len(jax.devices()))
   if advice := preflight.precision_advice(config):
     log(f"warning: {advice}")
-  _, tokenizer = job.model_spec()
+  model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
+  preflight.check_activation_budget(config, model_config)
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)

@@ -281,13 +281,15 @@ def _packing(config, graphdef, params, mesh) -> dict:
   step_tokens = config.samples_per_step * length
   wanted = config.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
                                    else step_tokens)
-  budget = config.train_memory_mb << 20
+  budget = config.trainer.activation_budget_mb << 20
   if not budget:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
     stats = local[0].memory_stats() or {}
     budget = int(0.4 * stats["bytes_limit"]) * mesh.devices.size if "bytes_limit" in stats else 2048 << 20
   model_config = nnx.merge(graphdef, params).config
-  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget))
+  reference = config.objective.kl_coef > 0
+  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
+                                                                mesh.devices.flat[0].platform, reference))
 
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:

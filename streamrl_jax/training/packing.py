@@ -49,20 +49,44 @@ def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, in
   return shapes + [(unit, width) for width in range(TRIM_MULTIPLE, length, TRIM_MULTIPLE)]
 
 
-def activation_bytes_per_token(model_config, length: int) -> int:
-  """A float32 training step's live activations per token, roughly: per layer the residual, norms, q/k/v,
-  attention weights over `length` keys, the MLP's three projections; then the logits and their gradient."""
+def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",
+                               reference: bool = False) -> int:
+  """A float32 accumulation's activation memory per token (XLA's temporaries less the gradient buffer), an
+  upper bound fitted to `compiled.memory_analysis()` on this CPU (tests/test_logprobs.py checks it):
+
+  - per layer, what the backward pass reads: 8 hidden-sized vectors (residuals, norms, q, attention output, o),
+    k and v, 3 MLP-sized ones (gate, up, their product) and 4 attention rows over `length` keys per head;
+    with `remat` on an accelerator, a layer keeps only its input ("layer") or also its matmuls' outputs
+    ("dots") and one layer's worth is live again in the backward pass. XLA:CPU schedules the recomputation
+    next to the forward pass, so on the CPU remat saves nothing and counts as "none";
+  - the vocabulary: 4 [vocab] rows (logits, log-softmax, their gradients), or 4 [chunk] rows with
+    `logprob_chunk` (`training.logprobs`);
+  - with `reference` (a KL penalty's frozen policy): one more [vocab] (or [chunk]) row; its forward pass runs
+    before the policy's backward, so its layers are not live at the peak.
+  `trainer` is a `TrainerConfig` (None: its defaults' full logits, no remat)."""
   c = model_config
-  kv = 2 * c.num_kv_heads * (c.head_dim or c.hidden_size // c.num_heads)
-  per_layer = 6 * c.hidden_size + kv + 3 * c.intermediate_size + 2 * c.num_heads * length
-  return 4 * (c.num_layers * per_layer + 3 * c.vocab_size)
+  kv = 2 * c.num_kv_heads * c.head_dim
+  layer = 8 * c.hidden_size + kv + 3 * c.intermediate_size + 4 * c.num_heads * length
+  remat = "none" if trainer is None or platform == "cpu" else trainer.remat
+  saved = {"none": layer, "layer": c.hidden_size,
+           "dots": 4 * c.hidden_size + kv + 2 * c.intermediate_size}[remat]
+  live = c.num_layers * saved + (layer if remat != "none" else 0)
+  chunk = c.vocab_size if trainer is None or not trainer.logprob_chunk else min(trainer.logprob_chunk, c.vocab_size)
+  vocab = 4 * chunk
+  return 4 * (live + vocab + (chunk if reference else 0))
 
 
-def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int) -> int:
+def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
+                     platform: str = "cpu", reference: bool = False) -> int:
   """Real tokens per trainer call: `wanted`, within `memory_bytes` of activations, a whole number of packed
-  rows of `length` (at least one)."""
-  fits = memory_bytes // activation_bytes_per_token(model_config, length)
-  return max(length, min(wanted, fits) // length * length)
+  rows of `length`. A budget that cannot hold one row is refused, naming the smallest that can."""
+  per_token = activation_bytes_per_token(model_config, length, trainer, platform, reference)
+  fits = memory_bytes // per_token
+  if fits < length:
+    raise ValueError(f"TrainerConfig.activation_budget_mb={memory_bytes >> 20} holds {fits} tokens of activations "
+                     f"({per_token / 2**10:.0f} KiB each), less than one packed row of {length}: the smallest budget "
+                     f"that works is {-(-length * per_token // 2**20)}")
+  return min(wanted, fits) // length * length
 
 
 def pack_rows(batch: dict, length: int) -> dict:
