@@ -298,9 +298,11 @@ def part_modes(steps: int) -> dict:
 
 QWEN05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
                num_kv_heads=2, qkv_bias=True, tie_embeddings=True, rope_theta=1e6, architecture="qwen2")
-MEMORY_VARIANTS = {  # name: (model, TrainerConfig.logprob_chunk, prompts x samples, prompt tokens, new tokens)
-    "smollm2": ("smollm2", 8192, (8, 8), 47, 48), "smollm2_unchunked": ("smollm2", 0, (8, 8), 47, 48),
-    "qwen05b": ("qwen05b", 8192, (4, 8), 32, 256)}
+MEMORY_VARIANTS = {  # name: (model, TrainerConfig, prompts x samples, prompt tokens, new tokens, steps)
+    "smollm2": ("smollm2", dict(logprob_chunk=8192), (8, 8), 47, 48, 3),
+    "smollm2_unchunked": ("smollm2", dict(logprob_chunk=0), (8, 8), 47, 48, 3),
+    "smollm2_remat": ("smollm2", dict(logprob_chunk=8192, remat="layer"), (8, 8), 47, 48, 2),
+    "qwen05b": ("qwen05b", dict(logprob_chunk=8192), (4, 8), 32, 256, 1)}
 
 
 def part_memory() -> dict:
@@ -323,7 +325,7 @@ def part_memory() -> dict:
   return out
 
 
-def memory_variant(name: str, steps: int = 3) -> dict:
+def memory_variant(name: str) -> dict:
   from streamrl_jax.cli import force_host_devices
 
   force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
@@ -338,7 +340,7 @@ def memory_variant(name: str, steps: int = 3) -> dict:
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
   from streamrl_jax.training.packing import chunk_tokens_for
 
-  model_name, chunk, (prompts, group), prompt_len, new = MEMORY_VARIANTS[name]
+  model_name, settings, (prompts, group), prompt_len, new, steps = MEMORY_VARIANTS[name]
   model = (load_hf(fetch(MODEL)) if model_name == "smollm2"
            else Transformer(ModelConfig(**QWEN05B), rngs=nnx.Rngs(0)))
   graphdef, params = nnx.split(model)
@@ -346,7 +348,7 @@ def memory_variant(name: str, steps: int = 3) -> dict:
   del model
   device = jax.devices()[-1]
   mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
-  trainer_config = TrainerConfig(logprob_chunk=chunk)
+  trainer_config = TrainerConfig(**settings)
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
                     temperature=0.8, config=trainer_config)
   length = -(-(prompt_len + new) // 8) * 8

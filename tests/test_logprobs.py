@@ -13,7 +13,7 @@ from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs, vocab_chunk
-from streamrl_jax.training.packing import activation_bytes_per_token, chunk_tokens_for
+from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
 
 
 def _numpy_reference(hidden, head, tokens, temperature):
@@ -92,23 +92,22 @@ def test_the_trainer_gives_one_gradient_with_and_without_chunks():
 
 def test_chunks_cut_memory_and_the_estimate_bounds_xlas_analysis():
   """XLA's memory analysis of one accumulation: the chunked path holds [tokens, chunk], not [tokens, vocab]; the
-  micro-batcher's estimate (`activation_bytes_per_token`) is above what XLA assigns, by at most a quarter."""
+  micro-batcher's estimate of a call's temporaries (`call_bytes`) is above what XLA assigns, by at most a fifth."""
   config = dataclasses.replace(TINY, vocab_size=4096, hidden_size=64, intermediate_size=256, num_layers=4)
-  params_bytes = 4 * sum(x.size for x in jax.tree.leaves(nnx.state(Transformer(config, rngs=nnx.Rngs(0)))))
   temps = {}
   for chunk, kl in ((0, 0.0), (256, 0.0), (256, 0.1)):
     trainer, state = _trainer(config, chunk, kl=kl)
-    temps[chunk, kl] = trainer.compiled_memory(state, 8, 64)["temp"] - params_bytes  # less the gradient buffer
-    estimate = 8 * 64 * activation_bytes_per_token(config, 64, trainer.config, "cpu", reference=kl > 0)
-    assert temps[chunk, kl] <= estimate <= 1.25 * temps[chunk, kl], (chunk, kl, estimate, temps)
+    temps[chunk, kl] = trainer.compiled_memory(state, 8, 64)["temp"]
+    estimate = call_bytes(config, 8 * 64, 64, trainer.config, "cpu", reference=kl > 0)
+    assert temps[chunk, kl] <= estimate <= 1.2 * temps[chunk, kl], (chunk, kl, estimate, temps)
   full_logits = 8 * 64 * 4096 * 4
   assert temps[0, 0.0] - temps[256, 0.0] > 2 * full_logits, temps  # several [tokens, vocab] buffers gone
 
 
 def test_a_budget_that_cannot_hold_one_row_names_the_smallest_that_can():
-  per_token = activation_bytes_per_token(TINY, 64, TrainerConfig())
+  gradient, row = call_bytes(TINY, 0, 64, TrainerConfig()), call_bytes(TINY, 64, 64, TrainerConfig())
+  per_token = (row - gradient) // 64
   assert chunk_tokens_for(TINY, 64, 10_000, 1 << 30, TrainerConfig()) == 10_000 // 64 * 64
-  assert chunk_tokens_for(TINY, 64, 10_000, 3 * 64 * per_token, TrainerConfig()) == 3 * 64
-  smallest = -(-64 * per_token // 2**20)
-  with pytest.raises(ValueError, match=f"activation_budget_mb=0 holds .* the smallest budget that works is {smallest}"):
-    chunk_tokens_for(TINY, 64, 10_000, 63 * per_token, TrainerConfig())
+  assert chunk_tokens_for(TINY, 64, 10_000, gradient + 3 * 64 * per_token, TrainerConfig()) == 3 * 64
+  with pytest.raises(ValueError, match=f"holds 63 tokens after the .* smallest budget that works is {-(-row // 2**20)}"):
+    chunk_tokens_for(TINY, 64, 10_000, gradient + 63 * per_token, TrainerConfig())

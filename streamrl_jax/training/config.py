@@ -12,8 +12,9 @@ from streamrl_jax.models.config import REMAT_POLICIES
 class TrainerConfig:
   """`logprob_chunk`: vocabulary columns per chunk of the log-probabilities (`training.logprobs`); 0 builds the
   full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
-  `activation_budget_mb`: activation memory one trainer call may use (the packed tokens per call are cut to
-  it); 0: 40% of a device's memory, 2048 on the CPU."""
+  `activation_budget_mb`: the temporaries of one trainer call (its gradient before it joins the running sum, and
+  its activations: `training.packing.call_bytes`); the packed tokens per call are cut to fit. 0: 40% of a
+  device's memory, 2048 on the CPU."""
 
   logprob_chunk: int = 8192
   remat: str = "none"

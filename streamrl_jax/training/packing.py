@@ -76,16 +76,26 @@ def activation_bytes_per_token(model_config, length: int, trainer=None, platform
   return 4 * (live + vocab + (chunk if reference else 0))
 
 
+def call_bytes(model_config, tokens: int, length: int, trainer=None, platform: str = "cpu",
+               reference: bool = False) -> int:
+  """A trainer call's temporaries for `tokens` tokens in rows of `length`: the float32 gradient it computes before
+  adding it to the running sum, and the activations (`activation_bytes_per_token`)."""
+  per_token = activation_bytes_per_token(model_config, length, trainer, platform, reference)
+  return 4 * model_config.param_count() + tokens * per_token
+
+
 def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
                      platform: str = "cpu", reference: bool = False) -> int:
-  """Real tokens per trainer call: `wanted`, within `memory_bytes` of activations, a whole number of packed
-  rows of `length`. A budget that cannot hold one row is refused, naming the smallest that can."""
-  per_token = activation_bytes_per_token(model_config, length, trainer, platform, reference)
-  fits = memory_bytes // per_token
+  """Real tokens per trainer call: `wanted`, within `memory_bytes` of a call's temporaries (`call_bytes`), a whole
+  number of packed rows of `length`. A budget that cannot hold one row is refused, naming the smallest that can."""
+  gradient = call_bytes(model_config, 0, length, trainer, platform, reference)
+  per_token = call_bytes(model_config, 1, length, trainer, platform, reference) - gradient
+  fits = max(0, memory_bytes - gradient) // per_token
   if fits < length:
-    raise ValueError(f"TrainerConfig.activation_budget_mb={memory_bytes >> 20} holds {fits} tokens of activations "
-                     f"({per_token / 2**10:.0f} KiB each), less than one packed row of {length}: the smallest budget "
-                     f"that works is {-(-length * per_token // 2**20)}")
+    raise ValueError(f"TrainerConfig.activation_budget_mb={memory_bytes >> 20} holds {fits} tokens after the "
+                     f"{gradient >> 20} MiB gradient ({per_token / 2**10:.0f} KiB of activations each), less than one "
+                     f"packed row of {length}: the smallest budget that works is "
+                     f"{-(-call_bytes(model_config, length, length, trainer, platform, reference) // 2**20)}")
   return min(wanted, fits) // length * length
 
 
