@@ -338,7 +338,7 @@ def memory_variant(name: str) -> dict:
   from streamrl_jax.models import ModelConfig, Transformer, load_hf
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
-  from streamrl_jax.training.packing import chunk_tokens_for
+  from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
   model_name, settings, (prompts, group), prompt_len, new, steps = MEMORY_VARIANTS[name]
   model = (load_hf(fetch(MODEL)) if model_name == "smollm2"
@@ -353,7 +353,8 @@ def memory_variant(name: str) -> dict:
                     temperature=0.8, config=trainer_config)
   length = -(-(prompt_len + new) // 8) * 8
   samples = prompts * group
-  chunk_tokens = chunk_tokens_for(config, length, samples * length, 2048 << 20, trainer_config)
+  budget = auto_budget(config, length, trainer_config)  # the CPU's default, as the pipeline's trainer takes it
+  chunk_tokens = chunk_tokens_for(config, length, samples * length, budget, trainer_config)
   batcher = MicroBatcher(trainer, pack_length=length, chunk_tokens=chunk_tokens)
   state = trainer.init_state(params)
   del params

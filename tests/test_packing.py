@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
 from streamrl_jax.training.objectives import aggregate
-from streamrl_jax.training.packing import pack_rows, packed_pieces
+from streamrl_jax.training.packing import pack_rows, packed_pieces, packed_shapes, trim_step
 from tests.trainer_setup import CONFIG, make_batch, mean_gradient, trainer_for
 
 LENGTH = 24  # packed row length: every sample of make_batch(length=14) fits, two or three to a row
@@ -128,9 +128,9 @@ def test_pack_rows_refuses_what_it_cannot_pack():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(1, 24), min_size=1, max_size=40), st.sampled_from([1, 2, 4]))
-def test_packed_pieces_cover_the_chunk_in_few_shapes(fills, unit):
-  length = 24
+@given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=40), st.sampled_from([1, 2, 4]), st.sampled_from([24, 96]))
+def test_packed_pieces_cover_the_chunk_in_few_shapes(shares, unit, length):
+  fills = [max(1, int(s * length)) for s in shares]
   valid = np.arange(length)[None] < np.asarray(fills)[:, None]
   chunk = {"tokens": np.arange(valid.size, dtype=np.int32).reshape(valid.shape), "valid": valid}
   pieces = packed_pieces(chunk, unit)
@@ -143,7 +143,11 @@ def test_packed_pieces_cover_the_chunk_in_few_shapes(fills, unit):
   trimmed = [p for p in pieces if p["tokens"].shape[1] < length]
   assert len(trimmed) <= 1 and all(len(p["tokens"]) <= unit for p in trimmed)
   for p in trimmed:
-    assert p["tokens"].shape[1] % 8 == 0 and p["tokens"].shape[1] >= int(p["valid"].sum(axis=1).max())
+    assert p["tokens"].shape[1] % trim_step(length) == 0 and p["tokens"].shape[1] >= int(p["valid"].sum(axis=1).max())
   assert len(pieces) <= max(1, len(fills) // unit).bit_length() + 1
+  shapes = set(packed_shapes(unit, len(fills) * length, length))
+  compiled = [(-(-len(p["tokens"]) // unit) * unit, p["tokens"].shape[1]) for p in pieces]  # as Trainer.prepare pads
+  assert set(compiled) <= shapes  # what precompile_packed compiles covers every piece
+  assert len([s for s in shapes if s[1] < length]) <= 3  # a quarter of the row at a time: few trimmed programs
   kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
   assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped

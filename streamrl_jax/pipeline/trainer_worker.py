@@ -35,7 +35,7 @@ from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
-from streamrl_jax.training.packing import chunk_tokens_for
+from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 SHARD_POLL_S = 1.0  # how often a trainer waiting for samples looks at a stop request
 
@@ -281,15 +281,15 @@ def _packing(config, graphdef, params, mesh) -> dict:
   step_tokens = config.samples_per_step * length
   wanted = config.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
                                    else step_tokens)
+  model_config = nnx.merge(graphdef, params).config
+  reference, platform = config.objective.kl_coef > 0, mesh.devices.flat[0].platform
   budget = config.trainer.activation_budget_mb << 20
   if not budget:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
-    stats = local[0].memory_stats() or {}
-    budget = int(0.4 * stats["bytes_limit"]) * mesh.devices.size if "bytes_limit" in stats else 2048 << 20
-  model_config = nnx.merge(graphdef, params).config
-  reference = config.objective.kl_coef > 0
+    limit = (local[0].memory_stats() or {}).get("bytes_limit", 0) * mesh.devices.size
+    budget = auto_budget(model_config, length, config.trainer, platform, reference, limit)
   return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
-                                                                mesh.devices.flat[0].platform, reference))
+                                                                platform, reference))
 
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:

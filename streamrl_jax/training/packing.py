@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import numpy as np
 
-TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns
+TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
+TRIM_WIDTHS = 4  # ... and of a quarter of the row: at most 3 trimmed shapes (each a compiled program of its own)
 ROW_SLACK = 0.03  # padded rows a packed chunk may take to be sent in fewer calls, as a share of its rows
 
 
 def packed_pieces(chunk: dict, unit: int) -> list[dict]:
   """A packed chunk cut for the trainer: its full rows in power-of-two numbers of `unit` rows (the trainer's
   batch shards), rounded up by at most `ROW_SLACK` padded rows where that saves calls; then a last partly
-  filled `unit` of rows cut to its longest fill, rounded up to `TRIM_MULTIPLE` columns. Few shapes to
+  filled `unit` of rows cut to its longest fill, rounded up to `trim_step(length)` columns. Few shapes to
   compile, and little padding."""
   rows, length = chunk["tokens"].shape
   tail_rows = rows % unit or unit
   fill = int(np.count_nonzero(chunk["valid"][rows - tail_rows:], axis=1).max())
-  width = min(length, -(-fill // TRIM_MULTIPLE) * TRIM_MULTIPLE)
+  step = trim_step(length)
+  width = min(length, -(-fill // step) * step)
   head = rows if width == length and rows % unit == 0 else rows - tail_rows
   units = head // unit
   for shift in range(units.bit_length(), -1, -1):  # the coarsest rounding within the slack
@@ -38,6 +40,12 @@ def packed_pieces(chunk: dict, unit: int) -> list[dict]:
   return pieces
 
 
+def trim_step(length: int) -> int:
+  """The columns a last piece's width is a multiple of: a quarter of the row, rounded up to `TRIM_MULTIPLE`. On
+  XLA:CPU every compiled shape of a 30-layer model keeps about 100 MB of code, so trims stay few."""
+  return max(TRIM_MULTIPLE, -(-length // (TRIM_WIDTHS * TRIM_MULTIPLE)) * TRIM_MULTIPLE)
+
+
 def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, int]]:
   """Every (rows, columns) shape `packed_pieces` can give for chunks of up to `max_tokens` real tokens in rows
   of `length`, cut in units of `unit` rows: power-of-two numbers of units of full rows, and one unit of rows
@@ -46,7 +54,7 @@ def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, in
   while rows <= -(-max_tokens // length) + unit:
     shapes.append((rows, length))
     rows *= 2
-  return shapes + [(unit, width) for width in range(TRIM_MULTIPLE, length, TRIM_MULTIPLE)]
+  return shapes + [(unit, width) for width in range(trim_step(length), length, trim_step(length))]
 
 
 def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",
@@ -82,6 +90,19 @@ def call_bytes(model_config, tokens: int, length: int, trainer=None, platform: s
   adding it to the running sum, and the activations (`activation_bytes_per_token`)."""
   per_token = activation_bytes_per_token(model_config, length, trainer, platform, reference)
   return 4 * model_config.param_count() + tokens * per_token
+
+
+CPU_ACTIVATION_BYTES = 1536 << 20  # activations of a call when the device states no memory limit (the CPU)
+
+
+def auto_budget(model_config, length: int, trainer=None, platform: str = "cpu", reference: bool = False,
+                device_limit: int = 0) -> int:
+  """The budget of a call when `TrainerConfig.activation_budget_mb` is 0: 40% of `device_limit` (the mesh's
+  devices' memory), or without one (the CPU) the gradient plus `CPU_ACTIVATION_BYTES`, so a larger model keeps
+  room for its activations."""
+  if device_limit:
+    return int(0.4 * device_limit)
+  return call_bytes(model_config, 0, length, trainer, platform, reference) + CPU_ACTIVATION_BYTES
 
 
 def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
