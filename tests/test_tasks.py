@@ -130,6 +130,15 @@ def test_chat_task_wraps_prompts_and_rewards_the_question():
   prompt, answer = task.sample(np.random.default_rng(0))
   assert prompt.startswith("<s>user: What is ") and prompt.endswith("number.\nassistant: ")
   assert task.reward(prompt, answer) == 1.0 and task.reward(prompt, answer + "1") == 0.0
+  # The pipeline's route: the scorer gets the question, and the task's built-in verifier scores it.
+  from streamrl_jax.rewards import RewardConfig, RewardScorer
+  from streamrl_jax.tasks import draw, question, verifier
+
+  prompt, row = draw(task, np.random.default_rng(1))
+  with RewardScorer(RewardConfig(workers=0), builtin=verifier(task)) as scorer:
+    right = scorer.score(question(task, prompt), row.fields["answer"], row.fields, "row 1")
+    wrong = scorer.score(question(task, prompt), row.fields["answer"] + "1", row.fields, "row 1")
+  assert (right.total, wrong.total) == (1.0, 0.0)
 
 
 def test_job_config_refuses_real_tasks_without_a_model():

@@ -63,7 +63,7 @@ class Transformer(nnx.Module):
     (left or right padding); positions count real tokens only. `segment_ids` [B, T] (packed rows: samples
     end to end, 1, 2, ... per row, 0 for padding) keeps each sample to itself: a token attends only within
     its segment, and positions restart at each segment."""
-    return self._logits(self.hidden_states(tokens, attention_mask, segment_ids))
+    return self.head_logits(self.hidden_states(tokens, attention_mask, segment_ids))
 
   def hidden_states(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
                     segment_ids: jax.Array | None = None, remat: str | None = None) -> jax.Array:
@@ -122,7 +122,7 @@ class Transformer(nnx.Module):
   def _head_at(self, hidden, logits_at):
     if logits_at is not None:
       hidden = jnp.take_along_axis(hidden, logits_at[:, None, None], axis=1)
-    return self._logits(hidden)
+    return self.head_logits(hidden)
 
   def _trunk(self, tokens, positions, attend, kv_caches, remat: str | None = None):
     x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
@@ -133,7 +133,8 @@ class Transformer(nnx.Module):
       new_kv.append(kv)
     return self.final_norm(x), new_kv
 
-  def _logits(self, hidden):
+  def head_logits(self, hidden):
+    """float32 logits [..., vocab] of final hidden states."""
     return (hidden @ self.head_weights().astype(hidden.dtype)).astype(jnp.float32)
 
 

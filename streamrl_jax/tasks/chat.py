@@ -21,6 +21,11 @@ class ChatTask:
     question, row = draw(self.task, rng)
     return self.chat.wrap(question), row
 
+  @property
+  def inner_task(self):
+    """The task that scores a question (rewards see the question, never the template around it)."""
+    return self.task
+
   def encode(self, tokenizer, prompt: str) -> list[int]:
     """A rendered prompt holds its special tokens already: none are added (transformers' apply_chat_template)."""
     return tokenizer.encode(prompt)

@@ -52,7 +52,12 @@ def prompt_tokens(task, tokenizer, prompt: str) -> list[int]:
 
 
 def verifier(task) -> Callable[[str, str, dict], float]:
-  """The task's own reward as fn(prompt, completion, fields): the fields go to a `reward` that takes **fields."""
+  """The task's own reward as fn(question, completion, fields), the question as `question(task, prompt)` gives it
+  (what the scorer hands every reward): a chat task's inner task scores it. The fields go to a `reward` that
+  takes **fields."""
+  inner = getattr(task, "inner_task", None)
+  if inner is not None:
+    return verifier(inner)
   try:
     takes = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(task.reward).parameters.values())
   except (TypeError, ValueError):

@@ -273,7 +273,7 @@ class Trainer:
     if self.config.logprob_chunk:
       return chunked_token_logprobs(hidden, model.head_weights(), batch["tokens"], self.temperature,
                                     self.config.logprob_chunk)
-    logits = model._logits(hidden)
+    logits = model.head_logits(hidden)
     if self.temperature != 1.0:
       logits = logits / self.temperature
     return token_logprobs(logits, batch["tokens"])
