@@ -21,6 +21,7 @@ import sys
 import time
 
 from streamrl_jax import distributed
+from streamrl_jax.host_memory import limit_fragmentation
 from streamrl_jax.resources import cpu_cores
 
 DEMO_PROMPTS = ("12+34=", "7*8=", "100-1=", "(2+3)*4=")
@@ -205,6 +206,7 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
+  limit_fragmentation()  # before the large arrays of a run exist (see host_memory)
   args = build_parser().parse_args(argv)
   try:
     if args.host_devices is None:

@@ -1,0 +1,37 @@
+"""The host allocator of a run's process: glibc's malloc, told to give large buffers back.
+
+By default glibc raises its mmap threshold each time a large block is freed (up to 32 MiB), so later arrays of a
+few MiB come from its heap arenas, and with many threads (XLA's pools, tool and transport threads) it keeps many
+arenas: freed weight versions and activations stay resident as fragments. On SmolLM2's RL run the process grew
+from 5.3 to 8.8 GB over 6 steps by default, and stayed at 6.1 GB with a fixed 1 MiB threshold and 2 arenas
+(`MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_ARENA_MAX=2`), at the same step time. `limit_fragmentation` sets the
+same through `mallopt` at start, unless the environment already says.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_ARENA_MAX, M_MMAP_THRESHOLD = -8, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_BYTES = 1 << 20
+ARENAS = 2
+
+
+def limit_fragmentation() -> dict[str, bool]:
+  """Fixes glibc's mmap threshold at 1 MiB and its arenas at 2 for this process (where glibc is the allocator and
+  neither `MALLOC_MMAP_THRESHOLD_` nor `MALLOC_ARENA_MAX` is set); returns which settings took."""
+  path = ctypes.util.find_library("c")
+  try:
+    mallopt = ctypes.CDLL(path).mallopt if path else None
+  except (OSError, AttributeError):
+    mallopt = None
+  if mallopt is None:
+    return {}
+  done = {}
+  for env, param, value in (("MALLOC_MMAP_THRESHOLD_", M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES),
+                            ("MALLOC_ARENA_MAX", M_ARENA_MAX, ARENAS)):
+    if env not in os.environ:
+      done[env] = bool(mallopt(ctypes.c_int(param), ctypes.c_int(value)))
+  return done
