@@ -364,7 +364,9 @@ def memory_variant(name: str) -> dict:
   compile_s = time.perf_counter() - compile_start
   rss.update(compiled=round(_rss_mb()), compile_peak=round(_peak_rss_mb()))
   rng = np.random.default_rng(0)
-  peak = _matmul_peak(device)
+  from grpo_step import measure_peak  # the f32 matmul peak the GRPO step benchmark uses (this script's folder)
+
+  peak = measure_peak(device)
   times, flops = [], []
   for _ in range(steps):
     lengths = prompt_len + rng.integers(max(4, new // 8), new + 1, samples)
@@ -387,22 +389,6 @@ def memory_variant(name: str) -> dict:
           "train_mfu": round(float(np.mean(flops[steady])) / step_s / peak, 3), "peak_gflops": round(peak / 1e9, 1),
           "tokens_per_call": chunk_tokens, "call_temp_mb": round(temp / 2**20), "compile_s": round(compile_s, 1),
           "params": config.param_count(), "samples": samples, "length": length, "rss_mb": rss}
-
-
-def _matmul_peak(device) -> float:
-  """f32 matmul FLOP/s on `device`: the best of several 1024 x 1024 products."""
-  import jax
-  import jax.numpy as jnp
-
-  a = jax.device_put(jnp.ones((1024, 1024), jnp.float32), device)
-  product = jax.jit(lambda x: x @ x)
-  product(a).block_until_ready()
-  best = float("inf")
-  for _ in range(20):
-    start = time.perf_counter()
-    product(a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * 1024 ** 3 / best
 
 
 PARTS = ("parity", "speed", "paged", "precision", "rl", "modes", "memory")
