@@ -327,7 +327,9 @@ def part_memory() -> dict:
 
 def memory_variant(name: str) -> dict:
   from streamrl_jax.cli import force_host_devices
+  from streamrl_jax.host_memory import limit_fragmentation
 
+  limit_fragmentation()  # as `streamrl` sets the allocator at its start
   force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
   import jax
   import jax.numpy as jnp

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
 from streamrl_jax.training.objectives import aggregate
-from streamrl_jax.training.packing import pack_rows, packed_pieces, packed_shapes, trim_step
+from streamrl_jax.training.packing import CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes, trim_step
 from tests.trainer_setup import CONFIG, make_batch, mean_gradient, trainer_for
 
 LENGTH = 24  # packed row length: every sample of make_batch(length=14) fits, two or three to a row
@@ -115,8 +115,10 @@ def test_pack_rows_places_every_token_once_and_never_splits_a_sample(spans, leng
       got = packed["tokens"][prow][seg[prow] == s]
       row = int(got[0]) // width
       assert np.array_equal(got, tokens[row][valid[row]])  # one whole sample, in order, contiguous
-  total = int(valid.sum())
-  assert len(seg) <= 11 / 9 * -(-total // length) + 1  # first-fit decreasing's bound
+  fills = (seg > 0).sum(axis=1)
+  smallest = [min(np.bincount(row[row > 0])[1:]) for row in seg]
+  for j in range(len(seg)):  # first fit: each sample of a later row did not fit any earlier row
+    assert all(fills[i] + smallest[j] > length for i in range(j))
 
 
 def test_pack_rows_refuses_what_it_cannot_pack():
@@ -128,26 +130,76 @@ def test_pack_rows_refuses_what_it_cannot_pack():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=40), st.sampled_from([1, 2, 4]), st.sampled_from([24, 96]))
-def test_packed_pieces_cover_the_chunk_in_few_shapes(shares, unit, length):
+@given(st.lists(st.floats(0.01, 1.0), min_size=1, max_size=40), st.sampled_from([1, 2, 4]), st.sampled_from([24, 96]),
+       st.integers(0, 3))
+def test_packed_pieces_cover_the_chunk_in_few_shapes(shares, unit, length, spare_units):
   fills = [max(1, int(s * length)) for s in shares]
   valid = np.arange(length)[None] < np.asarray(fills)[:, None]
   chunk = {"tokens": np.arange(valid.size, dtype=np.int32).reshape(valid.shape), "valid": valid}
-  pieces = packed_pieces(chunk, unit)
+  max_rows = unit * (-(-len(fills) // unit) + spare_units)  # the MicroBatcher's full call: it holds the chunk
+  pieces = packed_pieces(chunk, unit, max_rows)
   rows = [len(p["tokens"]) for p in pieces]
   for i, r in enumerate(rows):
     power = r % unit == 0 and (r // unit) & (r // unit - 1) == 0  # a power of two of units
-    assert power or (i == len(rows) - 1 and r <= unit), rows  # else only the last unit of rows
+    assert power or r == max_rows or (i == len(rows) - 1 and r <= unit), rows  # a full call, or the last unit
   padded_rows = sum(rows) - len(fills)
-  assert 0 <= padded_rows <= 0.03 * len(fills) + unit
+  assert 0 <= padded_rows < len(fills) + unit  # never twice the rows
   trimmed = [p for p in pieces if p["tokens"].shape[1] < length]
   assert len(trimmed) <= 1 and all(len(p["tokens"]) <= unit for p in trimmed)
   for p in trimmed:
     assert p["tokens"].shape[1] % trim_step(length) == 0 and p["tokens"].shape[1] >= int(p["valid"].sum(axis=1).max())
-  assert len(pieces) <= max(1, len(fills) // unit).bit_length() + 1
-  shapes = set(packed_shapes(unit, len(fills) * length, length))
+
+  def cost(cut):  # rows computed (a trimmed piece in proportion to its columns) plus each call's fixed cost
+    return sum(len(p["tokens"]) * p["tokens"].shape[1] / length + CALL_COST_TOKENS / length for p in cut)
+  units = len(fills) // unit
+  plain = [{"tokens": np.zeros((unit << b, length))} for b in range(units.bit_length()) if units >> b & 1]
+  if len(fills) % unit:
+    plain.append({"tokens": np.zeros((unit, length))})
+  assert cost(pieces) <= cost(plain) + 1e-9  # never worse than power-of-two pieces without padding or trimming
+  shapes = set(packed_shapes(unit, max_rows * length, length))
   compiled = [(-(-len(p["tokens"]) // unit) * unit, p["tokens"].shape[1]) for p in pieces]  # as Trainer.prepare pads
   assert set(compiled) <= shapes  # what precompile_packed compiles covers every piece
   assert len([s for s in shapes if s[1] < length]) <= 3  # a quarter of the row at a time: few trimmed programs
   kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
   assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped
+
+
+class _RecordingTrainer:
+  """What MicroBatcher needs of a trainer, recording each call's packed rows instead of training."""
+
+  def __init__(self, unit: int):
+    self.packed_row_quantum, self.calls, self.last_shape = unit, [], (0, 0)
+
+  def accumulate(self, state, piece):
+    self.calls.append(piece)
+    self.last_shape = (-(-len(piece["tokens"]) // self.packed_row_quantum) * self.packed_row_quantum,
+                       piece["tokens"].shape[1])
+    return state
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 24), min_size=1, max_size=60), st.lists(st.integers(1, 9), min_size=1, max_size=20),
+       st.sampled_from([1, 2]), st.integers(24, 24 * 9))
+def test_packed_calls_are_full_rows_of_one_shape_and_train_every_sample_once(lengths, arrivals, unit, chunk_tokens):
+  width = 24
+  valid = np.arange(width)[None] < np.asarray(lengths)[:, None]
+  tokens = np.arange(valid.size, dtype=np.int32).reshape(valid.shape) + 1  # every token its own id
+  trainer = _RecordingTrainer(unit)
+  batcher = MicroBatcher(trainer, pack_length=width, chunk_tokens=chunk_tokens)
+  rows = batcher.call_rows
+  assert rows % unit == 0 and rows * width <= max(chunk_tokens, unit * width) < (rows + unit) * width  # all it holds
+  start, i = 0, 0
+  while start < len(lengths):
+    stop = start + arrivals[i % len(arrivals)]
+    batcher.add(None, {"tokens": tokens[start:stop], "valid": valid[start:stop]})
+    trained = {int(t) for c in trainer.calls for t in c["tokens"][c["valid"]]}
+    waiting = [r for r in range(min(stop, len(lengths))) if lengths[r] and int(tokens[r, 0]) not in trained]
+    assert len(pack_plan(valid[waiting], width)) <= rows  # what waits fills no more than one call
+    start, i = stop, i + 1
+  full = len(trainer.calls)
+  assert all(c["tokens"].shape == (rows, width) for c in trainer.calls)  # every call before the flush is full
+  batcher.flush(None)
+  assert len(trainer.calls) - full <= max(1, rows // unit).bit_length() + 1  # the rest: few pieces
+  trained = np.concatenate([c["tokens"][c["valid"]] for c in trainer.calls]) if trainer.calls else np.zeros(0)
+  assert np.array_equal(np.sort(trained), np.sort(tokens[valid]))  # each token once: no sample lost or repeated
+  assert batcher.counters["real_tokens"] == int(valid.sum()) and batcher.pending_rows == 0

@@ -14,7 +14,7 @@ class TrainerConfig:
   full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
   `activation_budget_mb`: the temporaries of one trainer call (its gradient before it joins the running sum, and
   its activations: `training.packing.call_bytes`); the packed tokens per call are cut to fit. 0: 40% of a
-  device's memory; on the CPU, the gradient plus 1.5 GiB (`training.packing.auto_budget`)."""
+  device's memory; on the CPU, the gradient plus 1 GiB, or one packed row (`training.packing.auto_budget`)."""
 
   logprob_chunk: int = 8192
   remat: str = "none"

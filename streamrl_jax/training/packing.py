@@ -8,35 +8,56 @@ import numpy as np
 
 TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
 TRIM_WIDTHS = 4  # ... and of a quarter of the row: at most 3 trimmed shapes (each a compiled program of its own)
-ROW_SLACK = 0.03  # padded rows a packed chunk may take to be sent in fewer calls, as a share of its rows
+# A trainer call's fixed cost (its gradient buffers and their sum into the state), in tokens of compute: measured
+# on SmolLM2 on this CPU, a call of one packed row of 96 takes about twice the time per row of a call of 8.
+CALL_COST_TOKENS = 96
 
 
-def packed_pieces(chunk: dict, unit: int) -> list[dict]:
-  """A packed chunk cut for the trainer: its full rows in power-of-two numbers of `unit` rows (the trainer's
-  batch shards), rounded up by at most `ROW_SLACK` padded rows where that saves calls; then a last partly
-  filled `unit` of rows cut to its longest fill, rounded up to `trim_step(length)` columns. Few shapes to
-  compile, and little padding."""
+def _piece_plans(units: int, max_units: int) -> list[list[int]]:
+  """Ways to send `units` units of rows, each a list of piece sizes in units that covers them: power-of-two pieces
+  of `units` rounded up to each multiple of a power of two (no further than `max_units` when that pads), or one
+  call of `max_units`."""
+  plans = []
+  for shift in range(units.bit_length() + 1):
+    padded = -(-units // (1 << shift)) << shift
+    if padded > units and padded > max_units:
+      break
+    plans.append([1 << b for b in reversed(range(padded.bit_length())) if padded >> b & 1])
+  if 0 < units <= max_units:
+    plans.append([max_units])
+  return plans
+
+
+def packed_pieces(chunk: dict, unit: int, max_rows: int = 0) -> list[dict]:
+  """A packed chunk cut for the trainer into calls of few shapes: its full rows in power-of-two numbers of `unit`
+  rows (the trainer's batch shards) or in one call of `max_rows` (the MicroBatcher's full call), with padding rows
+  where a call saved is worth more than the rows added (`CALL_COST_TOKENS`); a last partly filled `unit` of rows
+  either joins them or is cut to its longest fill, rounded up to `trim_step(length)` columns, whichever costs
+  less. No piece is padded past `max_rows` rows."""
   rows, length = chunk["tokens"].shape
+  call_rows = CALL_COST_TOKENS / length
   tail_rows = rows % unit or unit
   fill = int(np.count_nonzero(chunk["valid"][rows - tail_rows:], axis=1).max())
   step = trim_step(length)
   width = min(length, -(-fill // step) * step)
-  head = rows if width == length and rows % unit == 0 else rows - tail_rows
-  units = head // unit
-  for shift in range(units.bit_length(), -1, -1):  # the coarsest rounding within the slack
-    padded = -(-units // (1 << shift)) << shift
-    if padded - units <= ROW_SLACK * units:
-      break
+  options = [(-(-rows // unit), rows, 0)]  # (units of full rows, rows they hold, columns of a trimmed tail)
+  if width < length or rows % unit:
+    options.append(((rows - tail_rows) // unit, rows - tail_rows, width))
+  best = None
+  for units, head, trimmed in options:
+    for plan in _piece_plans(units, max_rows // unit):
+      cost = sum(size * unit + call_rows for size in plan) + (unit * trimmed / length + call_rows if trimmed else 0)
+      if best is None or cost < best[0] - 1e-9:
+        best = (cost, plan, head, trimmed)
+  _, plan, head, trimmed = best
   pieces, start = [], 0
-  for bit in reversed(range(padded.bit_length())):
-    if padded >> bit & 1:
-      size = unit << bit
-      piece = {k: v[start:min(start + size, head)] for k, v in chunk.items()}
-      missing = size - len(piece["tokens"])
-      pieces.append({k: np.pad(v, ((0, missing), (0, 0))) for k, v in piece.items()} if missing else piece)
-      start += size
-  if head < rows:
-    pieces.append({k: v[head:, :width] for k, v in chunk.items()})
+  for size in plan:
+    piece = {k: v[start:min(start + size * unit, head)] for k, v in chunk.items()}
+    missing = size * unit - len(piece["tokens"])
+    pieces.append({k: np.pad(v, ((0, missing), (0, 0))) for k, v in piece.items()} if missing else piece)
+    start += size * unit
+  if trimmed:
+    pieces.append({k: v[head:, :trimmed] for k, v in chunk.items()})
   return pieces
 
 
@@ -46,15 +67,22 @@ def trim_step(length: int) -> int:
   return max(TRIM_MULTIPLE, -(-length // (TRIM_WIDTHS * TRIM_MULTIPLE)) * TRIM_MULTIPLE)
 
 
+def call_rows(unit: int, max_tokens: int, length: int) -> int:
+  """The rows of a full packed call: as many whole units of `unit` rows of `length` as `max_tokens` holds (one
+  unit at least)."""
+  return unit * max(1, max_tokens // length // unit)
+
+
 def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, int]]:
-  """Every (rows, columns) shape `packed_pieces` can give for chunks of up to `max_tokens` real tokens in rows
-  of `length`, cut in units of `unit` rows: power-of-two numbers of units of full rows, and one unit of rows
-  trimmed to each multiple of `TRIM_MULTIPLE` below `length`."""
+  """Every (rows, columns) shape `packed_pieces` can give for calls of up to `max_tokens` tokens in rows of
+  `length`, cut in units of `unit` rows: power-of-two numbers of units up to a full call, the full call
+  (`call_rows`), and one unit of rows trimmed to each multiple of `trim_step(length)` below `length`."""
+  full = call_rows(unit, max_tokens, length)
   rows, shapes = unit, []
-  while rows <= -(-max_tokens // length) + unit:
+  while rows < full:
     shapes.append((rows, length))
     rows *= 2
-  return shapes + [(unit, width) for width in range(trim_step(length), length, trim_step(length))]
+  return shapes + [(full, length)] + [(unit, width) for width in range(trim_step(length), length, trim_step(length))]
 
 
 def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",
@@ -92,17 +120,22 @@ def call_bytes(model_config, tokens: int, length: int, trainer=None, platform: s
   return 4 * model_config.param_count() + tokens * per_token
 
 
-CPU_ACTIVATION_BYTES = 1536 << 20  # activations of a call when the device states no memory limit (the CPU)
+# Activations of a call when the device states no memory limit (the CPU). On XLA:CPU a SmolLM2 call of 6 packed rows
+# of 96 costs no more per row than one of 9, and one of 16 costs 20% more (the activations leave the caches), so the
+# budget stays small: 1 GiB is about 6 such rows.
+CPU_ACTIVATION_BYTES = 1 << 30
 
 
 def auto_budget(model_config, length: int, trainer=None, platform: str = "cpu", reference: bool = False,
                 device_limit: int = 0) -> int:
   """The budget of a call when `TrainerConfig.activation_budget_mb` is 0: 40% of `device_limit` (the mesh's
-  devices' memory), or without one (the CPU) the gradient plus `CPU_ACTIVATION_BYTES`, so a larger model keeps
-  room for its activations."""
+  devices' memory), or without one (the CPU) the gradient plus `CPU_ACTIVATION_BYTES`, or plus one packed row's
+  activations where a row needs more (a larger model always has a call that fits)."""
   if device_limit:
     return int(0.4 * device_limit)
-  return call_bytes(model_config, 0, length, trainer, platform, reference) + CPU_ACTIVATION_BYTES
+  gradient = call_bytes(model_config, 0, length, trainer, platform, reference)
+  one_row = call_bytes(model_config, length, length, trainer, platform, reference)
+  return max(gradient + CPU_ACTIVATION_BYTES, one_row)
 
 
 def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
@@ -120,11 +153,11 @@ def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, 
   return min(wanted, fits) // length * length
 
 
-def pack_rows(batch: dict, length: int) -> dict:
-  """The batch's samples (rows; their valid tokens contiguous) packed end to end into rows of `length`
-  tokens, first-fit by decreasing length. Every per-token field moves with its tokens; `segment_ids` numbers
-  the samples of a row 1, 2, ... (0: padding). A sample is never split across rows."""
-  valid = np.asarray(batch["valid"], bool)
+def pack_plan(valid, length: int) -> list[list[tuple[int, int, int]]]:
+  """Where each sample goes when packed into rows of `length` tokens, first-fit by decreasing length: one list per
+  packed row of (source row, start, count) spans, in their order along the row. `valid` [rows, width] marks each
+  sample's tokens (contiguous). Rows that come first are the fullest; a sample is never split across rows."""
+  valid = np.asarray(valid, bool)
   spans = []
   for row, mask in enumerate(valid):
     where = np.flatnonzero(mask)
@@ -138,19 +171,29 @@ def pack_rows(batch: dict, length: int) -> dict:
     spans.append((row, start, count))
   spans.sort(key=lambda span: -span[2])
   fill: list[int] = []
-  placed = []  # (packed row, offset, source row, start, count)
-  for row, start, count in spans:
-    target = next((i for i, used in enumerate(fill) if used + count <= length), len(fill))
+  rows: list[list[tuple[int, int, int]]] = []
+  for span in spans:
+    target = next((i for i, used in enumerate(fill) if used + span[2] <= length), len(fill))
     if target == len(fill):
       fill.append(0)
-    placed.append((target, fill[target], row, start, count))
-    fill[target] += count
-  out = {k: np.zeros((len(fill), length), np.asarray(v).dtype) for k, v in batch.items()}
-  out["segment_ids"] = np.zeros((len(fill), length), np.int32)
-  segment = [0] * len(fill)
-  for target, offset, row, start, count in sorted(placed):
-    for key, value in batch.items():
-      out[key][target, offset:offset + count] = np.asarray(value)[row, start:start + count]
-    segment[target] += 1
-    out["segment_ids"][target, offset:offset + count] = segment[target]
+      rows.append([])
+    rows[target].append(span)
+    fill[target] += span[2]
+  return rows
+
+
+def pack_rows(batch: dict, length: int, plan: list | None = None) -> dict:
+  """The batch's samples (rows; their valid tokens contiguous) packed end to end into rows of `length` tokens as
+  `plan` places them (default: `pack_plan` of all of them). Every per-token field moves with its tokens;
+  `segment_ids` numbers the samples of a row 1, 2, ... (0: padding)."""
+  plan = pack_plan(batch["valid"], length) if plan is None else plan
+  out = {k: np.zeros((len(plan), length), np.asarray(v).dtype) for k, v in batch.items()}
+  out["segment_ids"] = np.zeros((len(plan), length), np.int32)
+  for target, spans in enumerate(plan):
+    offset = 0
+    for segment, (row, start, count) in enumerate(spans, 1):
+      for key, value in batch.items():
+        out[key][target, offset:offset + count] = np.asarray(value)[row, start:start + count]
+      out["segment_ids"][target, offset:offset + count] = segment
+      offset += count
   return out

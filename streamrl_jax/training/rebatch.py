@@ -5,22 +5,25 @@ bucket would waste compute. `MicroBatcher` keeps what does not fill a chunk on t
 into the next one (the accumulated gradient is a sum, so the grouping does not change it).
 
 Two ways to cut chunks: `chunk_rows` rows padded to the longest of them (then to a power of two), or,
-with `pack_length`, samples packed end to end into rows of that many tokens (`packing.pack_rows`) and a call
-whenever `chunk_tokens` real tokens are waiting: compute follows the tokens that arrived.
+with `pack_length`, samples packed end to end into rows of that many tokens (`packing.pack_plan`) and a call of
+`call_rows` full rows whenever the waiting samples fill more than that: compute follows the tokens that arrived,
+every call but the step's last has one shape, and each call's fixed cost (the gradient's buffers, its sum into
+the state: about a tenth of a SmolLM2 call of 8 rows) is paid once per `call_rows` rows.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from streamrl_jax.training.packing import pack_rows, packed_pieces
+from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces
 from streamrl_jax.training.step import Trainer, TrainState
 
 
 class MicroBatcher:
   """`add(state, batch) -> state` runs every full chunk; `finish(state) -> (state, metrics)` runs the
-  rest and the optimizer step. Holds less than one chunk (`chunk_rows` rows, or with `pack_length`,
-  `chunk_tokens` real tokens) between calls."""
+  rest and the optimizer step. Holds less than one chunk (`chunk_rows` rows, or with `pack_length`, what packs
+  into at most `call_rows` rows) between calls. `chunk_tokens` bounds a packed call's tokens (padding included):
+  `call_rows` is the most whole units of the trainer's batch shards whose rows hold no more."""
 
   def __init__(self, trainer: Trainer, chunk_rows: int = 16, pack_length: int = 0, chunk_tokens: int = 0):
     if chunk_rows < 1:
@@ -29,6 +32,7 @@ class MicroBatcher:
       raise ValueError(f"packing needs chunk_tokens ({chunk_tokens}) >= pack_length ({pack_length}) > 0")
     self.trainer, self.chunk_rows = trainer, chunk_rows
     self.pack_length, self.chunk_tokens = pack_length, chunk_tokens
+    self.call_rows = call_rows(trainer.packed_row_quantum, chunk_tokens, pack_length) if pack_length else 0
     self._pending: list[dict] = []
     self.rows_seen = 0
     self.counters = dict(calls=0, real_tokens=0, computed_tokens=0)
@@ -60,11 +64,17 @@ class MicroBatcher:
       width = max(batch["tokens"].shape[1], self._pending[0]["tokens"].shape[1])
       self._pending = [_pad_columns(b, width) for b in self._pending]
       batch = _pad_columns(batch, width)
-    self._pending.append(batch)
     self.rows_seen += len(batch["tokens"])
+    if self.pack_length:  # a sample without tokens carries no loss and takes no row
+      batch = {k: v[batch["valid"].any(axis=1)] for k, v in batch.items()}
+    self._pending.append(batch)
     if self.pack_length:
-      while self.pending_tokens >= self.chunk_tokens:
-        state = self._run(state, self._take_tokens(self.chunk_tokens))
+      while self.pending_rows > self.call_rows:
+        merged = self._merged()
+        plan = pack_plan(merged["valid"], self.pack_length)
+        if len(plan) <= self.call_rows:
+          break
+        state = self._run(state, self._take_packed(merged, plan[:self.call_rows]), cut=False)
       return state
     while self.pending_rows >= self.chunk_rows:
       state = self._run(state, self._take(self.chunk_rows))
@@ -73,24 +83,33 @@ class MicroBatcher:
   def flush(self, state: TrainState) -> TrainState:
     """Runs what is pending (one padded chunk) without an optimizer step."""
     if self._pending:
-      chunk = self._take_tokens(self.pending_tokens) if self.pack_length else self._take(self.pending_rows)
-      state = self._run(state, chunk)
+      if self.pack_length:
+        merged = self._merged()
+        plan = pack_plan(merged["valid"], self.pack_length)
+        chunk = self._take_packed(merged, plan)
+        return self._run(state, chunk) if plan else state  # samples without tokens carry no loss
+      state = self._run(state, self._take(self.pending_rows))
     return state
 
-  def _take_tokens(self, tokens: int) -> dict:
-    """The first pending samples holding up to `tokens` real tokens (at least one), packed."""
-    merged = {k: np.concatenate([b[k] for b in self._pending]) for k in self._pending[0]}
-    counts = np.cumsum(np.count_nonzero(merged["valid"], axis=1))
-    rows = max(1, int(np.searchsorted(counts, tokens, side="right")))
-    rest = {k: v[rows:] for k, v in merged.items()}
-    self._pending = [rest] if len(rest["tokens"]) else []
-    return pack_rows({k: v[:rows] for k, v in merged.items()}, self.pack_length)
+  def _merged(self) -> dict:
+    return {k: np.concatenate([b[k] for b in self._pending]) for k in self._pending[0]}
 
-  def _run(self, state: TrainState, chunk: dict) -> TrainState:
-    """Accumulates a chunk; a packed one in the pieces of `packed_pieces`."""
+  def _take_packed(self, merged: dict, plan: list) -> dict:
+    """The samples `plan` places, packed; the others stay pending."""
+    taken = np.zeros(len(merged["tokens"]), bool)
+    for spans in plan:
+      for row, _, _ in spans:
+        taken[row] = True
+    rest = ~taken
+    self._pending = [{k: v[rest] for k, v in merged.items()}] if rest.any() else []
+    return pack_rows(merged, self.pack_length, plan)
+
+  def _run(self, state: TrainState, chunk: dict, cut: bool = True) -> TrainState:
+    """Accumulates a chunk; a packed one (unless it is a full call, `cut=False`) in the pieces of
+    `packed_pieces`."""
     pieces = [chunk]
-    if self.pack_length:
-      pieces = packed_pieces(chunk, self.trainer.packed_row_quantum)
+    if self.pack_length and cut:
+      pieces = packed_pieces(chunk, self.trainer.packed_row_quantum, self.call_rows)
     for piece in pieces:
       self.counters["calls"] += 1
       self.counters["real_tokens"] += int(np.count_nonzero(piece["valid"]))
