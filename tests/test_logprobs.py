@@ -39,7 +39,7 @@ def test_chunked_matches_the_plain_path_in_value_and_gradient(vocab, chunk, temp
     return token_logprobs((h @ w) / temperature, jnp.asarray(tokens))
 
   def chunked(h, w):
-    return chunked_token_logprobs(h, w, jnp.asarray(tokens), temperature, chunk)
+    return chunked_token_logprobs(h, w.T, jnp.asarray(tokens), temperature, chunk)  # the table [vocab, hidden]
 
   want = _numpy_reference(hidden, head, tokens, temperature)
   for fn in (plain, chunked):

@@ -84,6 +84,11 @@ class Transformer(nnx.Module):
     """The LM head as [hidden, vocab] (the embeddings transposed when tied)."""
     return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
 
+  def head_table(self) -> jax.Array:
+    """The LM head as [vocab, hidden]: the embeddings themselves when tied (what chunked log-probabilities read
+    a block of rows at a time)."""
+    return self.embed[...] if self.config.tie_embeddings else self.lm_head[...].T
+
   def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None, window: int | None = None,
                          logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:
     """Runs tokens [B, T] after what `cache` holds; returns (logits [B, T, vocab], updated cache).

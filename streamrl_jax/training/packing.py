@@ -74,15 +74,29 @@ def call_rows(unit: int, max_tokens: int, length: int) -> int:
 
 
 def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, int]]:
-  """Every (rows, columns) shape `packed_pieces` can give for calls of up to `max_tokens` tokens in rows of
-  `length`, cut in units of `unit` rows: power-of-two numbers of units up to a full call, the full call
-  (`call_rows`), and one unit of rows trimmed to each multiple of `trim_step(length)` below `length`."""
+  """Every (rows, columns) shape `packed_pieces` and `trimmed_call` can give for calls of up to `max_tokens` tokens
+  in rows of `length`, cut in units of `unit` rows: power-of-two numbers of units up to a full call, the full call
+  (`call_rows`) whole and trimmed to at least half the row, and one unit of rows trimmed to each multiple of
+  `trim_step(length)` below `length`."""
   full = call_rows(unit, max_tokens, length)
   rows, shapes = unit, []
   while rows < full:
     shapes.append((rows, length))
     rows *= 2
-  return shapes + [(full, length)] + [(unit, width) for width in range(trim_step(length), length, trim_step(length))]
+  widths = range(trim_step(length), length, trim_step(length))
+  shapes += [(full, length)] + [(full, width) for width in widths if 2 * width >= length]
+  return shapes + [(unit, width) for width in widths if (unit, width) not in shapes]
+
+
+def trimmed_call(chunk: dict) -> dict:
+  """A full call's rows cut to their longest fill, rounded up to `trim_step(length)` columns, when that leaves at
+  least half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
+  shorter samples is computed without their padding; less than half a row does not happen with first-fit rows)."""
+  length = chunk["tokens"].shape[1]
+  fill = int(np.count_nonzero(chunk["valid"], axis=1).max())
+  step = trim_step(length)
+  width = -(-fill // step) * step
+  return {k: v[:, :width] for k, v in chunk.items()} if 2 * width >= length and width < length else chunk
 
 
 def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces
+from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces, trimmed_call
 from streamrl_jax.training.step import Trainer, TrainState
 
 
@@ -74,7 +74,7 @@ class MicroBatcher:
         plan = pack_plan(merged["valid"], self.pack_length)
         if len(plan) <= self.call_rows:
           break
-        state = self._run(state, self._take_packed(merged, plan[:self.call_rows]), cut=False)
+        state = self._run(state, trimmed_call(self._take_packed(merged, plan[:self.call_rows])), cut=False)
       return state
     while self.pending_rows >= self.chunk_rows:
       state = self._run(state, self._take(self.chunk_rows))

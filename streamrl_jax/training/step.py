@@ -271,7 +271,7 @@ class Trainer:
     """(log pi, entropy) of the batch's tokens under `model`: over vocabulary chunks, or from full logits."""
     hidden = model.hidden_states(batch["tokens"], batch["valid"], batch.get("segment_ids"), remat=self.config.remat)
     if self.config.logprob_chunk:
-      return chunked_token_logprobs(hidden, model.head_weights(), batch["tokens"], self.temperature,
+      return chunked_token_logprobs(hidden, model.head_table(), batch["tokens"], self.temperature,
                                     self.config.logprob_chunk)
     logits = model.head_logits(hidden)
     if self.temperature != 1.0:
