@@ -39,10 +39,13 @@ def test_chunked_matches_the_plain_path_in_value_and_gradient(vocab, chunk, temp
     return token_logprobs((h @ w) / temperature, jnp.asarray(tokens))
 
   def chunked(h, w):
-    return chunked_token_logprobs(h, w.T, jnp.asarray(tokens), temperature, chunk)  # the table [vocab, hidden]
+    return chunked_token_logprobs(h, w, jnp.asarray(tokens), temperature, chunk)
+
+  def chunked_tied(h, w):  # the same weights stored as tied embeddings [vocab, hidden]
+    return chunked_token_logprobs(h, w.T, jnp.asarray(tokens), temperature, chunk, vocab_axis=0)
 
   want = _numpy_reference(hidden, head, tokens, temperature)
-  for fn in (plain, chunked):
+  for fn in (plain, chunked, chunked_tied):
     logp, ent = jax.jit(fn)(hidden, head)
     np.testing.assert_allclose(logp, want[0], atol=1e-5, rtol=1e-5)
     np.testing.assert_allclose(ent, want[1], atol=1e-5, rtol=1e-5)
@@ -50,9 +53,10 @@ def test_chunked_matches_the_plain_path_in_value_and_gradient(vocab, chunk, temp
   def loss(fn):
     return lambda h, w: jnp.sum(fn(h, w)[0] * weights[0]) + jnp.sum(fn(h, w)[1] * weights[1])
 
-  grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(hidden, head) for fn in (plain, chunked)]
-  for a, b in zip(*grads):
+  grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1)))(hidden, head) for fn in (plain, chunked, chunked_tied)]
+  for a, b, c in zip(*grads):
     np.testing.assert_allclose(b, a, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
     assert np.abs(a).max() > 1e-2  # a gradient that is there to compare
 
 
@@ -76,14 +80,15 @@ TINY = ModelConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_lay
                    tie_embeddings=True)
 
 
-def test_the_trainer_gives_one_gradient_with_and_without_chunks():
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_trainer_gives_one_gradient_with_and_without_chunks(tied):
   rng = np.random.default_rng(0)
   batch = dict(tokens=rng.integers(0, 100, (8, 16)).astype(np.int32), valid=np.ones((8, 16), bool),
                loss_mask=np.arange(16)[None].repeat(8, 0) >= 4, advantages=rng.normal(size=8).astype(np.float32),
                sampler_logprobs=-rng.random((8, 16)).astype(np.float32))
   sums = []
-  for chunk in (0, 32):
-    trainer, state = _trainer(TINY, chunk, kl=0.1)
+  for chunk in (0, 32):  # the tied head read as embeddings [vocab, hidden], the untied one as [hidden, vocab]
+    trainer, state = _trainer(dataclasses.replace(TINY, tie_embeddings=tied), chunk, kl=0.1)
     state = trainer.accumulate(state, batch)
     sums.append(jax.device_get((state.grad_sum, state.sums)))
   for a, b in zip(jax.tree.leaves(sums[0]), jax.tree.leaves(sums[1])):

@@ -159,7 +159,7 @@ def test_packed_pieces_cover_the_chunk_in_few_shapes(shares, unit, length, spare
   shapes = set(packed_shapes(unit, max_rows * length, length))
   compiled = [(-(-len(p["tokens"]) // unit) * unit, p["tokens"].shape[1]) for p in pieces]  # as Trainer.prepare pads
   assert set(compiled) <= shapes  # what precompile_packed compiles covers every piece
-  # a quarter of the row at a time: few trimmed programs (a unit of rows, and a full call to half the row or more)
+  # a quarter of the row at a time: few trimmed programs (a unit of rows; a full call to more than half the row)
   assert len([s for s in shapes if s[1] < length]) <= 3 + 2
   kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
   assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped
@@ -200,7 +200,7 @@ def test_packed_calls_are_full_rows_of_one_shape_and_train_every_sample_once(len
   full = len(trainer.calls)
   for c in trainer.calls:  # every call before the flush is full: its rows, cut at most to their longest fill
     assert len(c["tokens"]) == rows and c["valid"].sum(axis=1).max() <= c["tokens"].shape[1] and (
-        c["tokens"].shape[1] == width or 2 * c["tokens"].shape[1] >= width)
+        c["tokens"].shape[1] == width or 2 * c["tokens"].shape[1] > width)
   batcher.flush(None)
   assert len(trainer.calls) - full <= max(1, rows // unit).bit_length() + 1  # the rest: few pieces
   trained = np.concatenate([c["tokens"][c["valid"]] for c in trainer.calls]) if trainer.calls else np.zeros(0)

@@ -84,10 +84,10 @@ class Transformer(nnx.Module):
     """The LM head as [hidden, vocab] (the embeddings transposed when tied)."""
     return self.embed[...].T if self.config.tie_embeddings else self.lm_head[...]
 
-  def head_table(self) -> jax.Array:
-    """The LM head as [vocab, hidden]: the embeddings themselves when tied (what chunked log-probabilities read
-    a block of rows at a time)."""
-    return self.embed[...] if self.config.tie_embeddings else self.lm_head[...].T
+  def output_weights(self) -> tuple[jax.Array, int]:
+    """The LM head as stored, and its vocabulary axis: the embeddings [vocab, hidden] (0) when tied, else the head
+    [hidden, vocab] (1). Chunked log-probabilities read it so, without a transposed copy."""
+    return (self.embed[...], 0) if self.config.tie_embeddings else (self.lm_head[...], 1)
 
   def forward_with_cache(self, tokens, cache: KVCache, attention_mask=None, window: int | None = None,
                          logits_at: jax.Array | None = None) -> tuple[jax.Array, KVCache]:

@@ -36,7 +36,7 @@ class PipelineConfig:
   chunk_rows: int = 8  # trainer micro-batch rows (MicroBatcher) when packing is off
   packing: bool = True  # the trainer packs samples end to end into rows (segment ids): compute follows tokens
   pack_length: int = 0  # packed row length; 0: the longest sample (prompt + new tokens), rounded up to 8
-  chunk_tokens: int = 0  # real tokens per trainer call; 0: a whole step (a quarter in `stream`), within memory
+  chunk_tokens: int = 0  # tokens (padding included) per trainer call; 0: a step (a quarter in `stream`), within memory
   precompile: bool = False  # compile every trainer micro-batch shape before the first step (no stalls later)
   queue_capacity: int = 256  # samples in the host queue before the sampler blocks
   sampler_precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)

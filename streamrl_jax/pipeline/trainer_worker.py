@@ -273,8 +273,10 @@ class TrainerWorker:
 
 
 def _packing(config, graphdef, params, mesh) -> dict:
-  """MicroBatcher settings for packed rows: the row length, and the real tokens per call (a whole step, a
-  quarter of one in `stream` so training overlaps generation; within the activation memory budget)."""
+  """MicroBatcher settings for packed rows: the row length, and the tokens (padding included) per call (a whole
+  step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
+  trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
+  activations."""
   from flax import nnx
 
   length = config.packed_length

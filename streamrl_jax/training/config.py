@@ -10,7 +10,7 @@ from streamrl_jax.models.config import REMAT_POLICIES
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  """`logprob_chunk`: vocabulary columns per chunk of the log-probabilities (`training.logprobs`); 0 builds the
+  """`logprob_chunk`: vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0 builds the
   full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
   `activation_budget_mb`: the temporaries of one trainer call (its gradient before it joins the running sum, and
   its activations: `training.packing.call_bytes`); the packed tokens per call are cut to fit. 0: 40% of a

@@ -1,8 +1,8 @@
 """Log-probabilities and entropies of the tokens a sequence holds, with or without the full logits.
 
-`token_logprobs(logits, tokens)` reads materialized logits [B, T, vocab]. `chunked_token_logprobs(hidden, table,
-tokens)` never builds them: it walks the vocabulary in chunks of rows of the output table [vocab, hidden] (the tied
-embeddings themselves, or the LM head transposed), keeping per token an online
+`token_logprobs(logits, tokens)` reads materialized logits [B, T, vocab]. `chunked_token_logprobs(hidden, head,
+tokens, vocab_axis=...)` never builds them: it walks the vocabulary in chunks of the output weights as they are
+stored (the tied embeddings [vocab, hidden], or an LM head [hidden, vocab]), keeping per token an online
 log-sum-exp (running max, sum of exponentials, and their logit-weighted sum for the entropy) and the chosen
 token's logit. Its custom VJP recomputes each chunk's logits in the backward pass, so memory holds one
 [tokens, chunk] block at a time instead of [tokens, vocab] several times over (logits, log-softmax, their
@@ -44,30 +44,37 @@ def vocab_chunk(vocab: int, wanted: int) -> int:
   return best if best * 4 >= wanted else wanted
 
 
-def chunked_token_logprobs(hidden, table, tokens, temperature: float = 1.0, chunk: int = 8192):
-  """From final hidden states [B, T, H] and the output table [vocab, H]: (log pi [B, T], entropy [B, T]) as
-  `token_logprobs(hidden @ table.T / temperature, tokens)` gives them, without the [B, T, vocab] logits. The table
-  is read and its gradient written a block of contiguous rows at a time (tied embeddings need no transposed copy)."""
+def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1):
+  """From final hidden states [B, T, H] and the output weights `head` ([H, vocab] with `vocab_axis=1`, or the tied
+  embeddings [vocab, H] with `vocab_axis=0`): (log pi [B, T], entropy [B, T]) as `token_logprobs` gives them from
+  the logits, without the [B, T, vocab] logits. The weights are read, and their gradient written, a chunk of the
+  vocabulary at a time in their own layout: no transposed copy of a [vocab, H] matrix."""
   b, t, h = hidden.shape
   flat_hidden = hidden[:, :-1].reshape(b * (t - 1), h)
-  logp, ent = _chunked(flat_hidden, table, tokens[:, 1:].reshape(-1).astype(jnp.int32), float(temperature),
-                       vocab_chunk(table.shape[0], chunk))
+  logp, ent = _chunked(flat_hidden, head, tokens[:, 1:].reshape(-1).astype(jnp.int32), float(temperature),
+                       vocab_chunk(head.shape[vocab_axis], chunk), vocab_axis)
   pad = jnp.zeros((b, 1), jnp.float32)
   return (jnp.concatenate([pad, logp.reshape(b, t - 1)], axis=1),
           jnp.concatenate([pad, ent.reshape(b, t - 1)], axis=1))
 
 
-def _rows(table, chunk: int):
-  """The table with its vocabulary padded to a whole number of chunks (a copy only when it does not divide)."""
-  vocab = table.shape[0]
+def _padded(head, chunk: int, axis: int):
+  """The weights with their vocabulary padded to a whole number of chunks (a copy only when it does not divide)."""
+  vocab = head.shape[axis]
   extra = -vocab % chunk
-  return (table if not extra else jnp.pad(table, ((0, extra), (0, 0)))), (vocab + extra) // chunk
+  pad = [(0, 0), (0, 0)]
+  pad[axis] = (0, extra)
+  return (head if not extra else jnp.pad(head, pad)), (vocab + extra) // chunk
 
 
-def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float):
-  """Tempered float32 logits of vocabulary rows [i * chunk, (i + 1) * chunk), padding rows at -inf."""
-  rows = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=0)
-  logits = jax.lax.dot_general(hidden, rows.astype(hidden.dtype), (((1,), (1,)), ((), ()))).astype(jnp.float32)
+def _block(padded, i, chunk: int, axis: int, dtype):
+  return jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=axis).astype(dtype)
+
+
+def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float, axis: int):
+  """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf."""
+  block = _block(padded, i, chunk, axis, hidden.dtype)
+  logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ()))).astype(jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
   if vocab % chunk:
@@ -75,15 +82,15 @@ def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float)
   return logits
 
 
-def _statistics(hidden, table, tokens, temperature: float, chunk: int):
+def _statistics(hidden, head, tokens, temperature: float, chunk: int, axis: int):
   """Per token: log-sum-exp, the chosen logit, and E_p[logit], by one pass over the vocabulary chunks."""
-  vocab = table.shape[0]
-  padded, chunks = _rows(table, chunk)
+  vocab = head.shape[axis]
+  padded, chunks = _padded(head, chunk, axis)
   n = hidden.shape[0]
 
   def body(i, carry):
     top, total, weighted, picked = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature)
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis)
     new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
     scale = jnp.exp(top - new_top)
     e = jnp.exp(logits - new_top[:, None])
@@ -99,26 +106,26 @@ def _statistics(hidden, table, tokens, temperature: float, chunk: int):
   return top + jnp.log(total), picked, weighted / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _chunked(hidden, table, tokens, temperature: float, chunk: int):
-  lse, picked, mean = _statistics(hidden, table, tokens, temperature, chunk)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _chunked(hidden, head, tokens, temperature: float, chunk: int, axis: int):
+  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
   return picked - lse, lse - mean
 
 
-def _chunked_fwd(hidden, table, tokens, temperature: float, chunk: int):
-  lse, picked, mean = _statistics(hidden, table, tokens, temperature, chunk)
-  return (picked - lse, lse - mean), (hidden, table, tokens, lse, mean)
+def _chunked_fwd(hidden, head, tokens, temperature: float, chunk: int, axis: int):
+  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
+  return (picked - lse, lse - mean), (hidden, head, tokens, lse, mean)
 
 
-def _chunked_bwd(temperature: float, chunk: int, residuals, cotangents):
-  hidden, table, tokens, lse, mean = residuals
+def _chunked_bwd(temperature: float, chunk: int, axis: int, residuals, cotangents):
+  hidden, head, tokens, lse, mean = residuals
   g_logp, g_ent = cotangents
-  vocab = table.shape[0]
-  padded, chunks = _rows(table, chunk)
+  vocab = head.shape[axis]
+  padded, chunks = _padded(head, chunk, axis)
 
   def body(i, carry):
-    g_hidden, g_table = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature)
+    g_hidden, g_head = carry
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis)
     p = jnp.exp(logits - lse[:, None])
     onehot = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
     centred = jnp.where(p > 0, logits - mean[:, None], 0.0)
@@ -126,14 +133,16 @@ def _chunked_bwd(temperature: float, chunk: int, residuals, cotangents):
     if temperature != 1.0:
       g_logits = g_logits / temperature
     g_logits = g_logits.astype(hidden.dtype)
-    rows = jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=0).astype(hidden.dtype)
-    g_hidden = g_hidden + (g_logits @ rows).astype(jnp.float32)
-    g_rows = jax.lax.dot_general(g_logits, hidden, (((0,), (0,)), ((), ()))).astype(jnp.float32)
-    return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_table, g_rows, i * chunk, axis=0)
+    block = _block(padded, i, chunk, axis, hidden.dtype)
+    g_hidden = g_hidden + jax.lax.dot_general(g_logits, block, (((1,), (axis,)), ((), ()))).astype(jnp.float32)
+    pair = (g_logits, hidden) if axis == 0 else (hidden, g_logits)  # the block's own layout: [chunk, H] or [H, chunk]
+    g_block = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ()))).astype(jnp.float32)
+    return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_head, g_block, i * chunk, axis=axis)
 
   init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape, jnp.float32))
-  g_hidden, g_table = jax.lax.fori_loop(0, chunks, body, init)
-  return g_hidden.astype(hidden.dtype), g_table[:vocab].astype(table.dtype), None
+  g_hidden, g_head = jax.lax.fori_loop(0, chunks, body, init)
+  g_head = jax.lax.slice_in_dim(g_head, 0, vocab, axis=axis)
+  return g_hidden.astype(hidden.dtype), g_head.astype(head.dtype), None
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -1,13 +1,13 @@
-"""Packing: samples end to end into rows of a fixed length (segment ids keep them apart), the pieces a packed
-chunk is cut into for the trainer, the shapes those pieces can take (what a precompile must cover), and the
-real tokens a call may hold within an activation-memory budget. Plain numpy; no trainer."""
+"""Packing: samples end to end into rows of a fixed length (segment ids keep them apart), the trainer calls a
+packed chunk is cut into, the shapes those calls can take (what a precompile must cover), and the tokens (padding
+included) a call may hold within an activation-memory budget. Plain numpy; no trainer."""
 
 from __future__ import annotations
 
 import numpy as np
 
 TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
-TRIM_WIDTHS = 4  # ... and of a quarter of the row: at most 3 trimmed shapes (each a compiled program of its own)
+TRIM_WIDTHS = 4  # ... and of a quarter of the row: few trimmed shapes (each a compiled program of its own)
 # A trainer call's fixed cost (its gradient buffers and their sum into the state), in tokens of compute: measured
 # on SmolLM2 on this CPU, a call of one packed row of 96 takes about twice the time per row of a call of 8.
 CALL_COST_TOKENS = 96
@@ -35,7 +35,7 @@ def packed_pieces(chunk: dict, unit: int, max_rows: int = 0) -> list[dict]:
   either joins them or is cut to its longest fill, rounded up to `trim_step(length)` columns, whichever costs
   less. No piece is padded past `max_rows` rows."""
   rows, length = chunk["tokens"].shape
-  call_rows = CALL_COST_TOKENS / length
+  cost_rows = CALL_COST_TOKENS / length
   tail_rows = rows % unit or unit
   fill = int(np.count_nonzero(chunk["valid"][rows - tail_rows:], axis=1).max())
   step = trim_step(length)
@@ -46,7 +46,7 @@ def packed_pieces(chunk: dict, unit: int, max_rows: int = 0) -> list[dict]:
   best = None
   for units, head, trimmed in options:
     for plan in _piece_plans(units, max_rows // unit):
-      cost = sum(size * unit + call_rows for size in plan) + (unit * trimmed / length + call_rows if trimmed else 0)
+      cost = sum(size * unit + cost_rows for size in plan) + (unit * trimmed / length + cost_rows if trimmed else 0)
       if best is None or cost < best[0] - 1e-9:
         best = (cost, plan, head, trimmed)
   _, plan, head, trimmed = best
@@ -76,7 +76,7 @@ def call_rows(unit: int, max_tokens: int, length: int) -> int:
 def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, int]]:
   """Every (rows, columns) shape `packed_pieces` and `trimmed_call` can give for calls of up to `max_tokens` tokens
   in rows of `length`, cut in units of `unit` rows: power-of-two numbers of units up to a full call, the full call
-  (`call_rows`) whole and trimmed to at least half the row, and one unit of rows trimmed to each multiple of
+  (`call_rows`) whole and trimmed to more than half the row, and one unit of rows trimmed to each multiple of
   `trim_step(length)` below `length`."""
   full = call_rows(unit, max_tokens, length)
   rows, shapes = unit, []
@@ -84,19 +84,20 @@ def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, in
     shapes.append((rows, length))
     rows *= 2
   widths = range(trim_step(length), length, trim_step(length))
-  shapes += [(full, length)] + [(full, width) for width in widths if 2 * width >= length]
+  shapes += [(full, length)] + [(full, width) for width in widths if 2 * width > length]
   return shapes + [(unit, width) for width in widths if (unit, width) not in shapes]
 
 
 def trimmed_call(chunk: dict) -> dict:
-  """A full call's rows cut to their longest fill, rounded up to `trim_step(length)` columns, when that leaves at
-  least half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
-  shorter samples is computed without their padding; less than half a row does not happen with first-fit rows)."""
+  """A full call's rows cut to their longest fill, rounded up to `trim_step(length)` columns, when that leaves more
+  than half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
+  shorter samples is computed without their padding). A full call holds the first row of a first-fit packing with
+  more rows after it, which is more than half full: narrower trims cannot happen and are not compiled."""
   length = chunk["tokens"].shape[1]
   fill = int(np.count_nonzero(chunk["valid"], axis=1).max())
   step = trim_step(length)
   width = -(-fill // step) * step
-  return {k: v[:, :width] for k, v in chunk.items()} if 2 * width >= length and width < length else chunk
+  return {k: v[:, :width] for k, v in chunk.items()} if 2 * width > length and width < length else chunk
 
 
 def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",
@@ -154,8 +155,9 @@ def auto_budget(model_config, length: int, trainer=None, platform: str = "cpu", 
 
 def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
                      platform: str = "cpu", reference: bool = False) -> int:
-  """Real tokens per trainer call: `wanted`, within `memory_bytes` of a call's temporaries (`call_bytes`), a whole
-  number of packed rows of `length`. A budget that cannot hold one row is refused, naming the smallest that can."""
+  """Tokens per trainer call (padding included): `wanted`, within `memory_bytes` of a call's temporaries
+  (`call_bytes`), a whole number of packed rows of `length`. A budget that cannot hold one row is refused, naming the
+  smallest that can."""
   gradient = call_bytes(model_config, 0, length, trainer, platform, reference)
   per_token = call_bytes(model_config, 1, length, trainer, platform, reference) - gradient
   fits = max(0, memory_bytes - gradient) // per_token
@@ -170,7 +172,7 @@ def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, 
 def pack_plan(valid, length: int) -> list[list[tuple[int, int, int]]]:
   """Where each sample goes when packed into rows of `length` tokens, first-fit by decreasing length: one list per
   packed row of (source row, start, count) spans, in their order along the row. `valid` [rows, width] marks each
-  sample's tokens (contiguous). Rows that come first are the fullest; a sample is never split across rows."""
+  sample's tokens (contiguous). Rows that come first hold the longest samples; a sample is never split."""
   valid = np.asarray(valid, bool)
   spans = []
   for row, mask in enumerate(valid):

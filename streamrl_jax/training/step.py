@@ -112,7 +112,8 @@ class Trainer:
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
     (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
-    batch shards (`MicroBatcher` sends them in power-of-two pieces: few shapes, no padded rows).
+    batch shards (`MicroBatcher` sends full calls of one row count and the step's rest in few pieces: see
+    `packing.packed_shapes`).
     `temperature` is the sampler's: the policy's (and the reference's) logits are divided by it before
     log-probabilities, so tokens are scored under the distribution they were sampled from (on-policy, the
     ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature).
@@ -218,8 +219,8 @@ class Trainer:
     return state
 
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
-    """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` real tokens: every
-    power-of-two piece (in units of the batch shards) and every trimmed last piece (see `packed_pieces`)."""
+    """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` tokens: every shape
+    `MicroBatcher` can send (`packing.packed_shapes`: full calls whole or trimmed, pieces, a trimmed last unit)."""
     for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
       state = self.accumulate(state, self._lossless_batch(rows, width, packed=True))
     return state
@@ -271,8 +272,9 @@ class Trainer:
     """(log pi, entropy) of the batch's tokens under `model`: over vocabulary chunks, or from full logits."""
     hidden = model.hidden_states(batch["tokens"], batch["valid"], batch.get("segment_ids"), remat=self.config.remat)
     if self.config.logprob_chunk:
-      return chunked_token_logprobs(hidden, model.head_table(), batch["tokens"], self.temperature,
-                                    self.config.logprob_chunk)
+      head, vocab_axis = model.output_weights()
+      return chunked_token_logprobs(hidden, head, batch["tokens"], self.temperature, self.config.logprob_chunk,
+                                    vocab_axis)
     logits = model.head_logits(hidden)
     if self.temperature != 1.0:
       logits = logits / self.temperature
