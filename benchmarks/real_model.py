@@ -235,7 +235,9 @@ def part_precision() -> dict:
 
 def part_rl(steps: int) -> dict:
   from streamrl_jax.cli import default_host_devices, force_host_devices
+  from streamrl_jax.host_memory import limit_fragmentation
 
+  limit_fragmentation()  # as `streamrl train` sets the allocator at its start
   force_host_devices(default_host_devices())
   from streamrl_jax import gin_config
   from streamrl_jax.pipeline.train_job import train_job

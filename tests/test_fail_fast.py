@@ -99,6 +99,8 @@ CASES = {
                                                "more than EngineConfig.max_stop_tokens=1: set it to 2"),
     "an activation budget below one row": (["train", "--set", "TrainerConfig.activation_budget_mb=1"], None,
                                            "TrainerConfig.activation_budget_mb=1 holds"),
+    "a model larger than the machine's memory": (["train", "--set", "JobConfig.hidden_size=16384"], None,
+                                                 "of memory (runtime 1.0 GiB, trainer state "),
     "a sampler larger than its machine": (["sampler", "--connect", "127.0.0.1:9", "--set",
                                            "MeshConfig.sampler_devices=16"], None,
                                           "MeshConfig.sampler_devices=16 but this sampler has 8 devices"),
@@ -136,3 +138,24 @@ def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
   assert preflight.check_resume(tmp_path, {**settings, "PipelineConfig.steps": "20"}, "auto", 4) is True
   with pytest.raises(ValueError, match="JobConfig.hidden_size: 64 -> 32"):
     preflight.check_resume(tmp_path, {**settings, "JobConfig.hidden_size": "32"}, "auto", 4)
+
+
+def test_the_host_memory_estimate_adds_up_by_hand():
+  """The parts of a run's host memory, worked by hand for a small model, and the refusal when they do not fit."""
+  gin_config.parse([], ["PipelineConfig.sampler_precision='bfloat16'", "EngineConfig.num_slots=4"])
+  config, job = gin_config.build_run()
+  gin_config.parse()
+  model_config, _ = job.model_spec()
+  n, c, e = model_config.param_count(), model_config, config.engine
+  parts = preflight.host_memory_parts(config, model_config, "train")
+  assert parts["trainer state"] == 16 * n  # float32 parameters, summed gradient and two Adam moments
+  assert parts["sampler weights"] == 2 * n  # bfloat16
+  assert parts["sampler KV cache"] == config.scheduling.instance_limit * 4 * (
+      2 * c.num_layers * e.cache_length * c.num_kv_heads * c.head_dim * 4)  # keys and values, float32
+  assert set(preflight.host_memory_parts(config, model_config, "sampler")) == {"runtime", "sampler weights",
+                                                                                 "sampler KV cache"}
+  need = sum(parts.values())
+  preflight.check_host_memory(config, model_config, "train", need)  # just fits
+  preflight.check_host_memory(config, model_config, "train", 0)  # not known: no check
+  with pytest.raises(ValueError, match=r"this run needs about .* GiB of memory .* available: use a smaller model"):
+    preflight.check_host_memory(config, model_config, "train", need - 1)

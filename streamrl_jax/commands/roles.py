@@ -121,6 +121,8 @@ def cmd_sampler(args) -> int:
   model_config, tokenizer = job.model_spec()
   task = job.make_task(tokenizer)
   preflight.check_devices(config, "sampler", len(jax.devices()))
+  if jax.devices()[0].platform == "cpu":
+    preflight.check_host_memory(config, model_config, "sampler", preflight.available_host_bytes())
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)

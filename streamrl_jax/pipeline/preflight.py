@@ -126,6 +126,59 @@ def check_activation_budget(config: PipelineConfig, model_config) -> None:
                      config.trainer.activation_budget_mb << 20, config.trainer, reference=config.objective.kl_coef > 0)
 
 
+RUNTIME_BYTES = 1 << 30  # a JAX process's own resident memory (libraries, compiled programs, host buffers)
+PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+
+
+def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[str, int]:
+  """The host memory a CPU run of `role` ("train": both sides in one program; "trainer"; "sampler") holds, in
+  bytes by part: the trainer's state (parameters, summed float32 gradient, two Adam moments; a frozen reference
+  with a KL penalty), one trainer call's temporaries (its activation budget), the sampler's weights at their
+  precision and its KV cache, and the runtime. What `check_host_memory` compares with the machine."""
+  from streamrl_jax.models.kv_cache import kv_cache_bytes
+  from streamrl_jax.training.packing import auto_budget
+
+  params = model_config.param_count()
+  weight = np.dtype(model_config.weight_dtype).itemsize
+  parts = {"runtime": RUNTIME_BYTES}
+  if role in ("train", "trainer"):
+    reference = config.objective.kl_coef > 0
+    parts["trainer state"] = params * (3 * weight + 4 + (weight if reference else 0))
+    parts["trainer call"] = (config.trainer.activation_budget_mb << 20 or
+                             auto_budget(model_config, config.packed_length, config.trainer, "cpu", reference))
+  if role in ("train", "sampler"):
+    instances = config.scheduling.instance_limit
+    parts["sampler weights"] = params * PRECISION_BYTES[config.sampler_precision]
+    parts["sampler KV cache"] = instances * kv_cache_bytes(model_config, config.engine.num_slots,
+                                                           config.engine.cache_length)
+  return parts
+
+
+def available_host_bytes() -> int:
+  """Memory the machine can still give (MemAvailable of /proc/meminfo; 0 where that cannot be read)."""
+  try:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+      if line.startswith("MemAvailable:"):
+        return int(line.split()[1]) * 1024
+  except (OSError, ValueError, IndexError):
+    pass
+  return 0
+
+
+def check_host_memory(config: PipelineConfig, model_config, role: str, available: int) -> None:
+  """A CPU run whose estimate (`host_memory_parts`) exceeds the `available` bytes is refused before anything is
+  built, with the estimate by part: said at start, not an out-of-memory kill an hour in. 0: not known, no check."""
+  parts = host_memory_parts(config, model_config, role)
+  need = sum(parts.values())
+  if available and need > available:
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    said = ", ".join(f"{name} {gib(n)}" for name, n in parts.items())
+    raise ValueError(f"this run needs about {gib(need)} of memory ({said}; {model_config.param_count():,} "
+                     f"parameters) but the machine has {gib(available)} available: use a smaller model, or lower "
+                     "TrainerConfig.activation_budget_mb, EngineConfig.num_slots or "
+                     "PipelineConfig.sampler_precision ('bfloat16', 'int8')")
+
+
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
   """Every configured reward function imports and can take the first prompt's row, before anything compiles;
   with none, the task's own verifier finds what it reads (a file task: its answer column in every row)."""

@@ -241,6 +241,8 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_activation_budget(config, model_config)
+  if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
+    preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
