@@ -208,3 +208,16 @@ def test_packed_calls_are_full_rows_of_one_shape_and_train_every_sample_once(len
   assert batcher.counters["real_tokens"] == int(valid.sum()) and batcher.pending_rows == 0
   shapes = {(-(-len(c["tokens"]) // unit) * unit, c["tokens"].shape[1]) for c in trainer.calls}  # as prepare pads
   assert shapes <= set(packed_shapes(unit, chunk_tokens, width))  # what precompile_packed compiles covers them
+
+
+def test_a_sample_too_long_for_the_row_is_refused_and_the_batcher_goes_on():
+  trainer = _RecordingTrainer(1)
+  batcher = MicroBatcher(trainer, pack_length=8, chunk_tokens=16)
+  good = {"tokens": np.arange(1, 7, dtype=np.int32).reshape(2, 3), "valid": np.ones((2, 3), bool)}
+  batcher.add(None, good)
+  long = {"tokens": np.ones((1, 9), np.int32), "valid": np.ones((1, 9), bool)}
+  with pytest.raises(ValueError, match="a sample of 9 tokens does not fit packed rows of 8"):
+    batcher.add(None, long)
+  batcher.flush(None)  # what was kept before the refusal still trains, once
+  trained = np.concatenate([c["tokens"][c["valid"]] for c in trainer.calls])
+  assert sorted(trained.tolist()) == list(range(1, 7)) and batcher.rows_seen == 2

@@ -8,8 +8,8 @@ Two ways to cut chunks: `chunk_rows` rows padded to the longest of them (then to
 with `pack_length`, samples packed end to end into rows of that many tokens (`packing.pack_plan`) and a call of
 `call_rows` full rows whenever the waiting samples fill more than that: compute follows the tokens that arrived,
 every call but the step's last has one row count (at full width, or cut to its longest row), and each call's fixed
-cost (the gradient's buffers, its sum into
-the state: about a tenth of a SmolLM2 call of 8 rows) is paid once per `call_rows` rows.
+cost (the gradient's buffers, its sum into the state: about a tenth of a SmolLM2 call of 8 rows) is paid once per
+`call_rows` rows.
 """
 
 from __future__ import annotations
@@ -61,12 +61,11 @@ class MicroBatcher:
       width = max(batch["tokens"].shape[1], self._pending[0]["tokens"].shape[1])
       self._pending = [_pad_columns(b, width) for b in self._pending]
       batch = _pad_columns(batch, width)
-    if self.pack_length:  # a sample without tokens carries no loss and takes no row
+    if self.pack_length:
       pack_plan(batch["valid"], self.pack_length)  # refuses a sample that cannot be packed before it is kept
-      self.rows_seen += len(batch["tokens"])
+    self.rows_seen += len(batch["tokens"])
+    if self.pack_length:  # a sample without tokens carries no loss and takes no row
       batch = {k: v[batch["valid"].any(axis=1)] for k, v in batch.items()}
-    else:
-      self.rows_seen += len(batch["tokens"])
     self._pending.append(batch)
     if self.pack_length:
       while self.pending_rows > self.call_rows:
