@@ -2,6 +2,7 @@
 case runs the real command line in-process with model loading booby-trapped and jax's compile events
 counted, and must end with exit code 2 and a message naming what to change."""
 
+import dataclasses
 import json
 
 import jax
@@ -150,6 +151,8 @@ def test_the_host_memory_estimate_adds_up_by_hand():
   parts = preflight.host_memory_parts(config, model_config, "train")
   assert parts["trainer state"] == 16 * n  # float32 parameters, summed gradient and two Adam moments
   assert parts["sampler weights"] == 2 * n  # bfloat16
+  int8 = dataclasses.replace(config, sampler_precision="int8")
+  assert preflight.host_memory_parts(int8, model_config, "sampler")["sampler weights"] == 4 * n  # computed in float32
   assert parts["sampler KV cache"] == config.scheduling.instance_limit * 4 * (
       2 * c.num_layers * e.cache_length * c.num_kv_heads * c.head_dim * 4)  # keys and values, float32
   assert set(preflight.host_memory_parts(config, model_config, "sampler")) == {"runtime", "sampler weights",

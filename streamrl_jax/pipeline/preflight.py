@@ -127,7 +127,8 @@ def check_activation_budget(config: PipelineConfig, model_config) -> None:
 
 
 RUNTIME_BYTES = 1 << 30  # a JAX process's own resident memory (libraries, compiled programs, host buffers)
-PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
+# A sampler's weights as it computes with them: int8 moves as int8 but is dequantized to float32 (models.precision).
+PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4}
 
 
 def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[str, int]:
@@ -176,7 +177,7 @@ def check_host_memory(config: PipelineConfig, model_config, role: str, available
     raise ValueError(f"this run needs about {gib(need)} of memory ({said}; {model_config.param_count():,} "
                      f"parameters) but the machine has {gib(available)} available: use a smaller model, or lower "
                      "TrainerConfig.activation_budget_mb, EngineConfig.num_slots or "
-                     "PipelineConfig.sampler_precision ('bfloat16', 'int8')")
+                     "PipelineConfig.sampler_precision='bfloat16'")
 
 
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
