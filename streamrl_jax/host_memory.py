@@ -36,3 +36,15 @@ def limit_fragmentation() -> dict[str, bool]:
     if env not in os.environ:
       done[env] = bool(mallopt(ctypes.c_int(param), ctypes.c_int(value)))
   return done
+
+
+def release_free_memory() -> bool:
+  """Returns the allocator's free heap pages to the system (glibc's `malloc_trim`); whether it did. Called once a
+  trainer step has ended: the step's small buffers (transfers, checkpoint writes, host batches) leave free holes
+  in the heap that glibc keeps resident otherwise."""
+  path = ctypes.util.find_library("c")
+  try:
+    trim = ctypes.CDLL(path).malloc_trim if path else None
+  except (OSError, AttributeError):
+    return False
+  return trim is not None and bool(trim(ctypes.c_size_t(0)))

@@ -20,3 +20,31 @@ def test_glibc_takes_both_settings_unless_the_environment_says():
     return
   assert _run() == {"MALLOC_MMAP_THRESHOLD_": True, "MALLOC_ARENA_MAX": True}
   assert _run(MALLOC_ARENA_MAX="8") == {"MALLOC_MMAP_THRESHOLD_": True}
+
+
+TRIM_CODE = """
+import ctypes, json
+from streamrl_jax.host_memory import release_free_memory
+from streamrl_jax.resources import resident_mb
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+blocks = [libc.malloc(8192) for _ in range(20000)]  # 160 MB of heap blocks under the mmap threshold
+for b in blocks:
+  ctypes.memset(b, 1, 8192)
+for b in blocks[:-1]:  # the last one pins the top of the heap: glibc's own trim cannot give the rest back
+  libc.free(b)
+before = resident_mb()
+done = release_free_memory()
+print(json.dumps({"done": done, "before": before, "after": resident_mb()}))
+"""
+
+
+def test_free_heap_pages_go_back_to_the_system():
+  if not sys.platform.startswith("linux"):
+    return
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+  done = subprocess.run([sys.executable, "-c", TRIM_CODE], env=clean, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr
+  out = json.loads(done.stdout)
+  assert out["done"] and out["before"] - out["after"] > 100, out

@@ -92,10 +92,14 @@ def run_steps(trainer, state, seeds):
   return state
 
 
-def test_checkpoint_resume_is_bit_identical_and_restores_onto_another_mesh(model_parts, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True])
+def test_checkpoint_resume_is_bit_identical_and_restores_onto_another_mesh(model_parts, tmp_path, async_save):
+  """Synchronous saves write the state's own buffers, asynchronous ones a private copy: either way the donation
+  of the state to the next steps leaves the checkpoint as it was saved."""
   graphdef, params = model_parts
   trainer = trainer_for(graphdef, warmup_steps=2, schedule="cosine", decay_steps=10)
-  checkpointer = Checkpointer(tmp_path, max_to_keep=2)
+  checkpointer = Checkpointer(tmp_path, max_to_keep=2, async_save=async_save)
+  assert checkpointer.async_save is async_save
   state = run_steps(trainer, trainer.init_state(params, seed=5), [10, 11])
   checkpointer.save(state, extra={"data_position": 20, "ranker": {"steps": 3}})
   saved_params = jax.tree.map(np.asarray, state.params)
@@ -121,6 +125,7 @@ def test_keeps_the_last_n_checkpoints(model_parts, tmp_path):
   graphdef, params = model_parts
   trainer = trainer_for(graphdef)
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
+  assert not checkpointer.async_save  # the CPU backend: synchronous by default
   state = trainer.init_state(params)
   for _ in range(3):
     state = dataclasses.replace(state, step=state.step + 1)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from streamrl_jax.faults import FaultPoints
+from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
@@ -138,6 +139,7 @@ class TrainerWorker:
       # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
       self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.faults.hit("save", step + 1)
+    release_free_memory()
     self._progress(f"the end of step {step + 1}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
       controller.published(step + 1)

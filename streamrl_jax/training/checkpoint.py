@@ -1,10 +1,16 @@
 """Checkpoints with orbax: parameters, optimizer state, step and RNG as arrays; data-iterator state,
-ranker state and anything else JSON-serialisable as metadata. Saves are asynchronous; the last N
-are kept; a restore places every array into the shardings of a template state, so a checkpoint
+ranker state and anything else JSON-serialisable as metadata. The last N are kept; a restore places every array into the shardings of a template state, so a checkpoint
 written on one mesh shape restores onto another.
 
 Arrays are stored flat under their pytree key paths, so any pytree (nnx.State, optax states) round
 trips without orbax knowing its node types.
+
+Saves are synchronous where the state lives in host memory (the CPU backend) and asynchronous elsewhere. An
+asynchronous save copies the state to host memory before `save` returns (orbax's blocking part; the trainer then
+donates its buffers to the next step while the write runs): from an accelerator that copy costs host memory the
+device does not use; on a CPU it is a second copy of the state in the same memory. On SmolLM2's RL run (6 steps of the shipped config) asynchronous saves raised the process's
+peak from 6.7 to 9.3-10.4 GB and its resident floor from 5 to 7.5 GB (the writes' buffers fragment the heap);
+a synchronous save, written straight from the state's buffers, costs about 2.5 s of the trainer's ~35 s step.
 """
 
 from __future__ import annotations
@@ -27,21 +33,22 @@ SAVED_FIELDS = ("params", "opt_state", "step", "rng")
 class Checkpointer:
   """Keeps the last `max_to_keep` checkpoints of a TrainState under `directory`."""
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool = True):
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool | None = None):
+    """`async_save` None: asynchronous unless jax's default backend is the CPU (see the module's docstring)."""
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = Path(directory).absolute()
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+    self.async_save = jax.default_backend() != "cpu" if async_save is None else bool(async_save)
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None) -> int:
-    """Starts saving `state` as checkpoint `step` (default: its optimizer step; returns at once when
-    asynchronous); `extra` is JSON metadata, `aux` any pytree of arrays saved beside it (the ranker's state),
-    read back by `restore_aux`."""
+    """Saves `state` as checkpoint `step` (default: its optimizer step; an asynchronous save returns once its copy
+    is taken); `extra` is JSON metadata, `aux` any pytree of arrays saved beside it (the ranker's state), read
+    back by `restore_aux`."""
     step = int(jax.device_get(state.step)) if step is None else step
-    # A private copy: the trainer donates its state to the next step while the save is still running.
-    arrays = launch.copy(_flatten({name: getattr(state, name) for name in SAVED_FIELDS}))
+    arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
     items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
     if aux is not None:
       items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
