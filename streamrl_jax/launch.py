@@ -5,7 +5,7 @@ all-gather) as a rendezvous of those parts; each device runs the programs launch
 Two threads that launch multi-device programs onto overlapping devices on their own can launch A before B
 onto one device and B before A onto another: each device then waits in a rendezvous the other never reaches
 (XLA's CPU collectives abort the process after 40 s; elsewhere it hangs). Colocated mode is where this meets
-a run: the trainer's step, checkpoint copy and weight publication against the sampler's prefill and decode,
+a run: the trainer's step, checkpoint and weight publication against the sampler's prefill and decode,
 on the same devices.
 
 XLA:CPU adds a second hazard: it runs the parts of programs in flight on a shared pool of threads, not in

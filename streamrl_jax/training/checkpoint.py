@@ -1,16 +1,17 @@
 """Checkpoints with orbax: parameters, optimizer state, step and RNG as arrays; data-iterator state,
-ranker state and anything else JSON-serialisable as metadata. The last N are kept; a restore places every array into the shardings of a template state, so a checkpoint
-written on one mesh shape restores onto another.
+ranker state and anything else JSON-serialisable as metadata. The last N are kept; a restore places every
+array into the shardings of a template state, so a checkpoint written on one mesh shape restores onto another.
 
 Arrays are stored flat under their pytree key paths, so any pytree (nnx.State, optax states) round
 trips without orbax knowing its node types.
 
 Saves are synchronous where the state lives in host memory (the CPU backend) and asynchronous elsewhere. An
-asynchronous save copies the state to host memory before `save` returns (orbax's blocking part; the trainer then
-donates its buffers to the next step while the write runs): from an accelerator that copy costs host memory the
-device does not use; on a CPU it is a second copy of the state in the same memory. On SmolLM2's RL run (6 steps of the shipped config) asynchronous saves raised the process's
-peak from 6.7 to 9.3-10.4 GB and its resident floor from 5 to 7.5 GB (the writes' buffers fragment the heap);
-a synchronous save, written straight from the state's buffers, costs about 2.5 s of the trainer's ~35 s step.
+asynchronous save copies the state to host memory before `save` returns (orbax's blocking part; the trainer
+then donates its buffers to the next step while the write runs): from an accelerator that copy costs host
+memory the device does not use; on a CPU it is a second copy of the state in the same memory. On SmolLM2's RL
+run (6 steps of the shipped config) asynchronous saves raised the process's peak from 6.7 to 10.4 GB and its
+resident floor from 5 to 7.5 GB (the writes' buffers fragment the heap); a synchronous save, written straight
+from the state's buffers, costs about 2.5 s of the trainer's ~35 s step.
 """
 
 from __future__ import annotations
