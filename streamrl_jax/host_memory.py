@@ -20,14 +20,19 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 ARENAS = 2
 
 
+def _libc(name: str):
+  """The C library's function `name`, or None where there is no such library or function (not glibc)."""
+  path = ctypes.util.find_library("c")
+  try:
+    return getattr(ctypes.CDLL(path), name) if path else None
+  except (OSError, AttributeError):
+    return None
+
+
 def limit_fragmentation() -> dict[str, bool]:
   """Fixes glibc's mmap threshold at 1 MiB and its arenas at 2 for this process (where glibc is the allocator and
   neither `MALLOC_MMAP_THRESHOLD_` nor `MALLOC_ARENA_MAX` is set); returns which settings took."""
-  path = ctypes.util.find_library("c")
-  try:
-    mallopt = ctypes.CDLL(path).mallopt if path else None
-  except (OSError, AttributeError):
-    mallopt = None
+  mallopt = _libc("mallopt")
   if mallopt is None:
     return {}
   done = {}
@@ -42,9 +47,5 @@ def release_free_memory() -> bool:
   """Returns the allocator's free heap pages to the system (glibc's `malloc_trim`); whether it did. Called once a
   trainer step has ended: the step's small buffers (transfers, checkpoint writes, host batches) leave free holes
   in the heap that glibc keeps resident otherwise."""
-  path = ctypes.util.find_library("c")
-  try:
-    trim = ctypes.CDLL(path).malloc_trim if path else None
-  except (OSError, AttributeError):
-    return False
+  trim = _libc("malloc_trim")
   return trim is not None and bool(trim(ctypes.c_size_t(0)))
