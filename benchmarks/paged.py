@@ -10,11 +10,16 @@
    `prefill_tokens_per_group` is what the shared arm prefilled per group.
 3. `decode_overhead`: seconds of a decode call at equal rows (16) and lengths, paged over contiguous, minus 1.
 
+`--shape smollm2` runs parts 1 and 3 with randomly initialised weights of SmolLM2-135M's shapes (30 layers,
+hidden 576, vocabulary 49,152) instead of the benchmark model: the decision between the layouts on a real
+model's arithmetic, on whatever backend runs it.
+
 Each arm runs the workload once untimed (every shape compiles), then twice interleaved; the best counts. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
@@ -26,6 +31,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG  # noqa: E402
+from precision import SMOLLM2_SHAPE  # noqa: E402
 from sampler import MAX_NEW, MAX_PROMPT, workload  # noqa: E402
 
 from streamrl_jax.meshes import single_device_mesh  # noqa: E402
@@ -54,12 +60,12 @@ def run(engine, params, requests) -> dict:
               preempted=sampler.counters["preempted"])
 
 
-def long_tailed(graphdef, params, mesh) -> dict:
+def long_tailed(graphdef, params, mesh, config=CONFIG) -> dict:
   prompts, lengths = workload()
   requests = [(p, n, i) for i, (p, n) in enumerate(zip(prompts, lengths))]
   common = dict(max_prompt_length=MAX_PROMPT, max_new_tokens=MAX_NEW, min_prefill_bucket=32, steps_per_sync=4)
-  engines = {"contiguous": make_engine(graphdef, CONFIG, EngineConfig(num_slots=SLOTS, **common), mesh),
-             "paged": make_engine(graphdef, CONFIG, EngineConfig(num_slots=ROWS, kv_layout="paged", page_size=PAGE,
+  engines = {"contiguous": make_engine(graphdef, config, EngineConfig(num_slots=SLOTS, **common), mesh),
+             "paged": make_engine(graphdef, config, EngineConfig(num_slots=ROWS, kv_layout="paged", page_size=PAGE,
                                                                  kv_pages=SLOTS * (MAX_PROMPT + MAX_NEW) // PAGE,
                                                                  **common), mesh)}
   assert kv_tokens(engines["paged"]) == kv_tokens(engines["contiguous"])
@@ -138,16 +144,22 @@ def decode_overhead(graphdef, params, mesh, config=CONFIG, calls: int = 30) -> d
               decode_overhead=round(median["paged"] / median["contiguous"] - 1, 3), decode_window=window)
 
 
-def main() -> dict:
-  graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+def main(shape: str = "benchmark") -> dict:
+  config = SMOLLM2_SHAPE if shape == "smollm2" else CONFIG
+  graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
   mesh = single_device_mesh(jax.devices()[0])
-  out = dict(kv_budget_tokens=SLOTS * (MAX_PROMPT + MAX_NEW), page_size=PAGE, paged_rows=ROWS)
-  out.update(long_tailed(graphdef, params, mesh))
+  out = dict(shape=shape, backend=jax.default_backend(), kv_budget_tokens=SLOTS * (MAX_PROMPT + MAX_NEW),
+             page_size=PAGE, paged_rows=ROWS)
+  out.update(long_tailed(graphdef, params, mesh, config))
   out["paged_vs_contiguous"] = round(out["paged_tokens_per_s"] / out["contiguous_tokens_per_s"], 3)
-  out.update(grouped(graphdef, params, mesh))
-  out.update(decode_overhead(graphdef, params, mesh))
+  if shape != "smollm2":
+    out.update(grouped(graphdef, params, mesh))
+  out.update(decode_overhead(graphdef, params, mesh, config))
   return out
 
 
 if __name__ == "__main__":
-  print(json.dumps(main()))
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shape", choices=("benchmark", "smollm2"), default="benchmark",
+                      help="the model's shapes: the ~10M benchmark model or SmolLM2-135M's (random weights)")
+  print(json.dumps(main(parser.parse_args().shape)))
