@@ -21,7 +21,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import samples_to_shard
 from streamrl_jax.rewards import Score
 from streamrl_jax.sampling.driver import StreamingSampler
-from streamrl_jax.sampling.engine import DecodeEngine, EngineConfig
+from streamrl_jax.sampling import EngineConfig, make_engine
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
 from streamrl_jax.types import SamplingParams
 from tests.trainer_setup import make_batch, mean_gradient, trainer_for
@@ -96,12 +96,15 @@ MODEL = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediat
                     num_kv_heads=2, eos_token_id=TOKENIZER.eos_id)
 
 
-@pytest.fixture(scope="module")
-def engine_and_params():
+# Both KV layouts run multi-turn rows: the paged one with pages of 8 tokens (a 64-token row is 8 pages).
+LAYOUTS = {"contiguous": {}, "paged": dict(kv_layout="paged", page_size=8)}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def engine_and_params(request):
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(3)))
-  engine = DecodeEngine(graphdef, MODEL, EngineConfig(num_slots=4, max_prompt_length=32, max_new_tokens=32),
-                        single_device_mesh())
-  return engine, params
+  config = EngineConfig(num_slots=4, max_prompt_length=32, max_new_tokens=32, **LAYOUTS[request.param])
+  return make_engine(graphdef, MODEL, config, single_device_mesh()), params
 
 
 class _FixedTools:
@@ -265,9 +268,8 @@ def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
 def test_the_run_config_refuses_what_multi_turn_cannot_do():
   with pytest.raises(ValueError, match="unknown environment 'abacus'"):
     PipelineConfig(environment="abacus")
-  with pytest.raises(ValueError, match="kv_layout='paged' does not do yet"):
-    PipelineConfig(environment="calculator", engine=EngineConfig(kv_layout="paged", page_size=16,
-                                                                 max_prompt_length=48, max_new_tokens=48))
+  PipelineConfig(environment="calculator", engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
+                                                               max_new_tokens=48))  # multi-turn runs on pages too
   with pytest.raises(ValueError, match="tool_threads must be >= 1"):
     PipelineConfig(environment="calculator", tool_threads=0)
   assert dataclasses.replace(PipelineConfig(), environment="calculator").max_turns == 2
@@ -277,7 +279,9 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   """One slot: row a pauses on its call while b is queued, so a is parked off the slot and b runs there; when
   the tool returns, a comes back and ends with the tokens it has unparked (the extended-row case above)."""
   engine, params = engine_and_params
-  one = DecodeEngine(engine.graphdef, MODEL, dataclasses.replace(engine.config, num_slots=1), single_device_mesh())
+  # One slot; a paged pool of two rows' pages, since a parked row keeps its pages while the slot decodes another.
+  one = make_engine(engine.graphdef, MODEL, dataclasses.replace(engine.config, num_slots=1, kv_pages=16),
+                    single_device_mesh())
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
   a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
@@ -370,3 +374,57 @@ def test_tools_need_engines_that_extend_rows():
   import types
   with pytest.raises(ValueError, match="multi-turn tools need engines that extend rows"):
     StreamingSampler([types.SimpleNamespace()], None, tools=_FixedTools(1, []))
+
+
+# ---- multi-turn rows on pages ------------------------------------------------------------------------
+def _paged(engine, **changes):
+  return make_engine(engine.graphdef, MODEL, dataclasses.replace(engine.config, **changes), single_device_mesh())
+
+
+def test_a_paged_pool_refuses_an_extension_it_cannot_hold_and_takes_it_once_pages_are_back(engine_and_params):
+  engine, params = engine_and_params
+  if engine.config.kv_layout != "paged":
+    pytest.skip("the contiguous layout holds every slot's whole cache: it never refuses")
+  small = _paged(engine, num_slots=2, kv_pages=8, prefix_cache_rows=0)  # 64 tokens: one full row
+  placed, state = small.place_params(params), small.init_decode_state()
+  knobs = [SamplingParams(max_new_tokens=32)] * 2
+  prefix = small.prefill(placed, [list(range(3, 13)), list(range(3, 43))], samplings=knobs,
+                         rngs=np.zeros((2, 2), np.uint32))
+  state = small.insert(prefix, state, [0, 1])  # rows of 10 and 40 tokens: 2 + 5 pages
+  state, refused = small.extend_room(state, {0: 20})  # 30 tokens need 4 pages; 1 is free
+  assert refused == [0] and small.free_pages(state) == 1
+  state = small.release(state, 1)
+  state, refused = small.extend_room(state, {0: 20})
+  assert refused == [] and small.free_pages(state) == 8 - 4
+  state, firsts = small.extend(placed, state, [0], [list(range(3, 23))])
+  assert np.asarray(state.pages.length)[0] == 30 and np.asarray(jax.device_get(state.rows.length))[0] == 30
+
+
+class _RefusingOnce:
+  """An engine whose first `extend_room` of some rows refuses them all (an injected full pool)."""
+
+  def __init__(self, engine):
+    self._engine, self.refusals = engine, 0
+
+  def __getattr__(self, name):
+    return getattr(self._engine, name)
+
+  def extend_room(self, state, rows):
+    if self.refusals or not rows:
+      return self._engine.extend_room(state, rows)
+    self.refusals += 1
+    return state, sorted(rows)
+
+
+def test_a_row_refused_room_for_its_tool_tokens_resumes_to_the_same_episode(engine_and_params):
+  engine, params = engine_and_params
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
+  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
+  whole = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))[0]
+  refusing = _RefusingOnce(engine)
+  resumed, sampler = _run(refusing, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))
+  assert refusing.refusals == 1 and sampler.counters["preempted"] == 1
+  assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
+  assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
+  np.testing.assert_allclose(resumed.logprobs, whole.logprobs, atol=1e-5)

@@ -151,6 +151,20 @@ def release(state: PageState, row) -> PageState:
                        length=state.length.at[row].set(0))
 
 
+def move_rows(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:
+  """Row dst[i] (empty) takes row src[i]'s pages and length, and src[i] is emptied; no page changes hands, so
+  reference counts stay (a row parked off its slot keeps its keys and values where they are)."""
+  src, dst = jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32)
+  table = state.table.at[dst].set(state.table[src]).at[src].set(NO_PAGE)
+  length = state.length.at[dst].set(state.length[src]).at[src].set(0)
+  return state.replace(table=table, length=length)
+
+
+def set_lengths(state: PageState, rows: jax.Array, lengths: jax.Array) -> PageState:
+  """Rows' token counts set to `lengths` (the exact counts, where the host kept an upper bound)."""
+  return state.replace(length=state.length.at[jnp.asarray(rows, jnp.int32)].set(jnp.asarray(lengths, jnp.int32)))
+
+
 # ---- the page pool -------------------------------------------------------------------------------
 @flax.struct.dataclass
 class PagePool:

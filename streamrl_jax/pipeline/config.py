@@ -94,9 +94,6 @@ class PipelineConfig:
     if self.environment:
       from streamrl_jax.envs import make_environment
       make_environment(self.environment, max_turns=self.max_turns)  # refuses an unknown name or turn limit
-      if self.engine.kv_layout != "contiguous":
-        raise ValueError(f"PipelineConfig.environment={self.environment!r} extends rows in flight, which "
-                         f"EngineConfig.kv_layout={self.engine.kv_layout!r} does not do yet: use 'contiguous'")
     if self.tool_threads < 1 or self.tool_delay_s < 0:
       raise ValueError("PipelineConfig.tool_threads must be >= 1 and tool_delay_s >= 0")
     if not self.stop_grace_s > 0:

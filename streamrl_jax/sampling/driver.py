@@ -93,8 +93,7 @@ class StreamingSampler:
     self._root = jax.random.key(seed)
     self._params, self.tools = params, tools
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
-      raise ValueError("multi-turn tools need engines that extend rows in flight (EngineConfig.kv_layout="
-                       "'contiguous')")
+      raise ValueError("multi-turn tools need engines that extend rows in flight (`sampling.make_engine`'s)")
     self._tool_stops = set(tools.stop_ids) if tools is not None else set()
     self._instances = [_Instance(i, e, e.place_params(params), e.init_decode_state()) for i, e in enumerate(engines)]
     self._next_instance = len(self._instances)
@@ -324,7 +323,8 @@ class StreamingSampler:
         self._park_waiting(inst)
       self._admit(inst, now)
       if inst.slots:  # rows whose first token is unread are never preempted: they have just been admitted
-        progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()}
+        progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()
+                    if f.waiting is None}  # rows paused on a tool grow no further
         inst.state, preempted = inst.engine.make_room(inst.state, progress)
         self._requeue(inst, preempted)
         self.counters["preempted"] += len(preempted)
@@ -416,8 +416,22 @@ class StreamingSampler:
       flight.cache_end += len(result.tokens) + 1
       self.counters["tool_tokens"] += len(result.tokens)
     if places:
-      inst.state = inst.engine.unpark(inst.state, inst.parking, places, unparked)
-    if slots:
+      inst.state, inst.parking = inst.engine.unpark(inst.state, inst.parking, places, unparked)
+    self._extend_rows(inst, slots, chunks)
+
+  def _extend_rows(self, inst: _Instance, slots: list[int], chunks: list[list[int]]) -> None:
+    """Appends each row's chunk (its stop token and the tool's tokens) and lets it decode on. A row the engine
+    has no memory for (a paged pool that is full) gives up its slot and resumes later, its tokens kept."""
+    if not slots:
+      return
+    inst.state, refused = inst.engine.extend_room(inst.state, {s: len(c) for s, c in zip(slots, chunks)})
+    for slot in refused:
+      inst.state = inst.engine.release(inst.state, slot)
+    self._requeue(inst, refused)
+    self.counters["preempted"] += len(refused)
+    kept = [(s, c) for s, c in zip(slots, chunks) if s not in refused]
+    if kept:
+      slots, chunks = map(list, zip(*kept))
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
       self.counters["extend_calls"] += 1
       for slot, first in zip(slots, firsts):
@@ -436,7 +450,7 @@ class StreamingSampler:
       return
     if inst.parking is None:
       inst.parking = inst.engine.init_parking()
-    inst.parking = inst.engine.park(inst.state, inst.parking, moving, room[:len(moving)])
+    inst.state, inst.parking = inst.engine.park(inst.state, inst.parking, moving, room[:len(moving)])
     for slot, place in zip(moving, room):
       flight = inst.slots.pop(slot)
       inst.parked[flight.request.request_id] = (flight, place)

@@ -10,11 +10,8 @@ programs, and `2 * len(resume_buckets) * len(row_buckets)` more once requests re
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import os
 from collections.abc import Sequence
-from typing import Protocol
 
 import flax.struct
 import jax
@@ -23,121 +20,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from streamrl_jax import launch
-from streamrl_jax.models import KVCache, ModelConfig, kv_cache_bytes, logical_spec, state_shardings
-from streamrl_jax.sampling.row_moves import RowMoves
-from streamrl_jax.sampling.sample import sample_tokens
+from streamrl_jax.models import KVCache, ModelConfig, kv_cache_bytes, logical_spec
+from streamrl_jax.sampling.config import KV_LAYOUTS, EngineConfig
+from streamrl_jax.sampling.engine_base import (Engine, EngineBase, StepOutput, device_memory_budget, first_tokens,
+                                               sample_next)
 from streamrl_jax.types import SamplingParams
 
-
-@dataclasses.dataclass(frozen=True)
-class EngineConfig:
-  """Slots and lengths of one engine instance."""
-
-  num_slots: int = 8
-  max_prompt_length: int = 64
-  max_new_tokens: int = 64
-  min_prefill_bucket: int = 16
-  prefill_batch: int = 8  # most prompts prefilled (and inserted) per call; a power of two
-  steps_per_sync: int = 1  # decode steps per host round trip
-  max_stop_tokens: int = 4
-  memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
-  # Cache prefixes shorter than the whole cache that a decode step may attend over when every slot
-  # fits (one more compiled `generate` each). On accelerators powers of two pay off; on CPU, XLA
-  # copies mid-size slices of the cache, which costs more than it saves, hence one short window.
-  short_attention_windows: tuple[int, ...] = (64,)
-  # "contiguous": a KV cache of cache_length per slot; "paged": a pool of pages that rows take as they grow,
-  # a GRPO group's prompt prefilled once and its full pages shared (`paged_engine`).
-  kv_layout: str = "contiguous"
-  page_size: int = 16  # tokens per page (paged); divides every attention window
-  kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
-  share_prompts: bool = True  # paged: requests of one prompt share its prefill and full pages
-  prefix_cache_rows: int = 8  # paged: prompts whose pages and last logits stay cached for later calls
-
-  def __post_init__(self):
-    if self.kv_layout not in KV_LAYOUTS:
-      raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
-    for field in dataclasses.fields(self):
-      value = getattr(self, field.name)
-      if isinstance(value, (bool, str)):
-        continue
-      if field.name == "short_attention_windows":
-        if any(w < 1 for w in value):
-          raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
-      elif value < (0 if field.name in ("memory_budget_bytes", "kv_pages", "prefix_cache_rows") else 1):
-        raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
-    if self.prefill_batch & (self.prefill_batch - 1):
-      raise ValueError(f"EngineConfig.prefill_batch={self.prefill_batch} must be a power of two")
-    if self.kv_layout == "paged":
-      bad = [w for w in self.attention_windows if w % self.page_size]
-      if bad:
-        raise ValueError(f"EngineConfig.page_size={self.page_size} does not divide the attention windows {bad} "
-                         f"(max_prompt_length + max_new_tokens and short_attention_windows)")
-
-  @property
-  def cache_length(self) -> int:
-    return self.max_prompt_length + self.max_new_tokens
-
-  @property
-  def prefill_buckets(self) -> tuple[int, ...]:
-    buckets, size = [], self.min_prefill_bucket
-    while size < self.max_prompt_length:
-      buckets.append(size)
-      size *= 2
-    return tuple(buckets) + (self.max_prompt_length,)
-
-  @property
-  def row_buckets(self) -> tuple[int, ...]:
-    """Prompts per prefill call: the powers of two up to `prefill_batch`."""
-    return tuple(1 << k for k in range(self.prefill_batch.bit_length()))
-
-  @property
-  def attention_windows(self) -> tuple[int, ...]:
-    """Cache prefixes that decode steps attend over, ascending, the whole cache last. A step reads
-    only the smallest one that covers its longest slot."""
-    return tuple(sorted({w for w in self.short_attention_windows if w < self.cache_length})) + (self.cache_length,)
-
-  def window_for(self, cache_end: int) -> int:
-    """The smallest attention window that covers cache entries [0, cache_end)."""
-    return next((w for w in self.attention_windows if w >= cache_end), self.cache_length)
-
-  def bucket_for(self, length: int) -> int:
-    if length < 1:
-      raise ValueError("empty prompt: a request needs at least one prompt token")
-    if length > self.max_prompt_length:
-      raise ValueError(f"prompt of {length} tokens exceeds EngineConfig.max_prompt_length={self.max_prompt_length}")
-    return next(b for b in self.prefill_buckets if b >= length)
-
-  @property
-  def extend_buckets(self) -> tuple[int, ...]:
-    """Lengths an `extend` call pads its tokens to: powers of two from 8, and the whole cache."""
-    out, size = [], 8
-    while size < self.cache_length:
-      out.append(size)
-      size *= 2
-    return (*out, self.cache_length)
-
-  @property
-  def resume_buckets(self) -> tuple[int, ...]:
-    """Length buckets past max_prompt_length that only resumed requests use: powers of two, the cache last."""
-    buckets, size = [], 1 << self.max_prompt_length.bit_length()
-    while size < self.cache_length:
-      buckets.append(size)
-      size *= 2
-    return tuple(buckets) + (self.cache_length,)
-
-  def resume_bucket_for(self, length: int) -> int:
-    """The length bucket of a resumed request's prefill (its prompt + tokens so far but the last), which may
-    exceed max_prompt_length (then one of `resume_buckets`)."""
-    if length <= self.max_prompt_length:
-      return self.bucket_for(length)
-    if length >= self.cache_length:
-      raise ValueError(f"a resumed request of {length} tokens does not fit the cache of {self.cache_length} "
-                       f"(max_prompt_length + max_new_tokens)")
-    return next(b for b in self.resume_buckets if b >= length)
-
-
-KV_LAYOUTS = ("contiguous", "paged")
+__all__ = ["KV_LAYOUTS", "DecodeEngine", "DecodeState", "Engine", "EngineConfig", "Prefix", "StepOutput"]
 
 
 @flax.struct.dataclass
@@ -177,90 +66,15 @@ class Prefix:
   stop_ids: jax.Array  # [rows, max_stop_tokens]
 
 
-@flax.struct.dataclass
-class StepOutput:
-  """Per decode step j and slot s: the token sampled, its logprob, whether the slot was generating,
-  and whether this token ended its request."""
-
-  tokens: jax.Array  # [steps, S]
-  logprobs: jax.Array
-  active: jax.Array
-  done: jax.Array
-
-
-class Engine(Protocol):
-  """What `StreamingSampler` calls: an engine on a mesh with a config, parameter placement, and JetStream's
-  prefill / insert / generate over a pytree decode state (prefill and insert take up to
-  `config.prefill_batch` prompts at once)."""
-
-  config: EngineConfig
-  mesh: Mesh
-
-  def place_params(self, params): ...
-
-  def init_decode_state(self) -> DecodeState: ...
-
-  def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
-              resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix: ...
-
-  def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState: ...
-
-  def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
-    ...
-
-  # Memory that rows take as they grow (the paged engine's); the contiguous engine has each slot's already.
-  def check_request(self, prompt_length: int, max_new_tokens: int) -> None: ...
-
-  def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int], version: int = 0) -> int: ...
-
-  def make_room(self, decode_state, progress: dict[int, int]) -> tuple[object, list[int]]: ...
-
-  def release(self, decode_state, slot: int): ...
-
-
-def _stop_hit(tokens, stop_ids):
-  return jnp.any((tokens[..., None] == stop_ids) & (stop_ids >= 0), axis=-1)
-
-
-def sample_next(state, logits):
-  """The sampling half of a decode step, the same for every engine: each active row's next token from
-  `logits` [S, 1, vocab] with its key folded by its token count; returns (the changed row fields, StepOutput)."""
-  active = state.active
-  keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.generated)
-  tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
-  generated = state.generated + active
-  done = active & (_stop_hit(tokens, state.stop_ids) | (generated >= state.max_new))
-  changes = dict(last_token=jnp.where(active, tokens, state.last_token), generated=generated, active=active & ~done)
-  return changes, StepOutput(tokens=tokens, logprobs=logprobs, active=active, done=done)
-
-
-def first_tokens(last_logits, rng, temperature, top_k, top_p, max_new, stop_ids):
-  """The first token of each request from its prompt's last logits [R, vocab], with key fold_in(rng, 0);
-  returns (token, logprob, done)."""
-  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
-  token, logprob = sample_tokens(last_logits, keys, temperature, top_k, top_p)
-  return token, logprob, _stop_hit(token, stop_ids) | (max_new <= 1)
-
-
-def device_memory_budget(device) -> int:
-  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-  if stats and stats.get("bytes_limit"):
-    return int(stats["bytes_limit"])
-  host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-  return host // max(1, len(jax.local_devices(backend=device.platform)))
-
-
-class DecodeEngine(RowMoves):
-  """An `Engine` for a `Transformer` on one mesh. Params are the model's `nnx.State`."""
-
-  _sample_next = staticmethod(sample_next)
+class DecodeEngine(EngineBase):
+  """An `Engine` for a `Transformer` on one mesh whose slots each hold a whole cache (the contiguous layout).
+  Params are the model's `nnx.State`."""
 
   def __init__(self, graphdef, model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules=None):
-    self.graphdef, self.model_config, self.config, self.mesh, self.rules = graphdef, model_config, config, mesh, rules
+    super().__init__(graphdef, model_config, config, mesh, rules)
     self.memory = self._check_memory()
     self._state_shardings = self._decode_state_shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
-    self.launcher = launch.launcher(mesh)  # every program of this engine goes through it (see launch.py)
     jit = self.launcher.jit
     self._prefill = jit(self._prefill_impl, out_shardings=replicated)
     self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
@@ -270,10 +84,6 @@ class DecodeEngine(RowMoves):
     self._move = jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,), out_shardings=self._state_shardings)
 
   # ---- placement and memory -------------------------------------------------------------------
-  def place_params(self, params):
-    """Puts an `nnx.State` of parameters onto this engine's mesh by the logical rules."""
-    return launch.put(params, state_shardings(params, self.mesh, self.rules))
-
   def _decode_state_shardings(self):
     abstract = jax.eval_shape(self._empty_state)
 
@@ -286,7 +96,7 @@ class DecodeEngine(RowMoves):
     mc, ec = self.model_config, self.config
     tensor = self.mesh.shape.get("tensor", 1)
     data = self.mesh.devices.size // tensor
-    param_bytes = mc.param_count() * jnp.dtype(mc.weight_dtype).itemsize
+    param_bytes = self.param_bytes()
     per_slot = kv_cache_bytes(mc, 1, ec.cache_length)
     per_device = param_bytes / tensor + per_slot * math.ceil(ec.num_slots / data) / tensor
     budget = ec.memory_budget_bytes or device_memory_budget(self.mesh.devices.flat[0])
@@ -300,19 +110,16 @@ class DecodeEngine(RowMoves):
     return report
 
   # ---- memory as rows grow: every slot holds its whole cache already -----------------------------
-  def check_request(self, prompt_length: int, max_new_tokens: int) -> None:
-    """Raises, naming the key, when a request cannot run on this engine."""
-    self.config.bucket_for(prompt_length)
-    if max_new_tokens > self.config.max_new_tokens:
-      raise ValueError(f"max_new_tokens={max_new_tokens} exceeds EngineConfig.max_new_tokens="
-                       f"{self.config.max_new_tokens}")
-
   def admissible(self, decode_state, prompts: Sequence, resumed: Sequence[int], version: int = 0) -> int:
     """How many of `prompts` (in order) have the memory to start: all, a free slot is enough here."""
     return len(prompts)
 
   def make_room(self, decode_state, progress: dict[int, int]) -> tuple[DecodeState, list[int]]:
     """Memory for the busy slots' next `steps_per_sync` tokens: always there; nothing is preempted."""
+    return decode_state, []
+
+  def extend_room(self, decode_state, rows: dict[int, int]) -> tuple[DecodeState, list[int]]:
+    """Memory for paused rows' appended tokens (`rows[slot]` of them): a slot holds its whole cache; none refused."""
     return decode_state, []
 
   def release(self, decode_state, slot: int) -> DecodeState:
@@ -340,40 +147,30 @@ class DecodeEngine(RowMoves):
     continues a request whose `prompts[i]` is its prompt + tokens so far but the last (preempted, handed
     over, or recomputed with new weights): that token is its next input, not sampled. `version` (of the
     weights) keys a prefix cache; this engine keeps none."""
-    n = len(prompts)
-    resume = list(resume) if resume is not None else [None] * n
-    if not 1 <= n <= self.config.prefill_batch or len(samplings) != n or len(rngs) != n or len(resume) != n:
-      raise ValueError(f"prefill takes 1..{self.config.prefill_batch} prompts with one SamplingParams, rng and "
-                       f"resume each; got {n}, {len(samplings)}, {len(rngs)}, {len(resume)}")
-    rows = next(r for r in self.config.row_buckets if r >= n)
+    resume = list(resume) if resume is not None else [None] * len(prompts)
+    if len(prompts) != len(samplings):
+      raise ValueError(f"prefill takes one SamplingParams per prompt; got {len(prompts)} and {len(samplings)}")
+    arrays = self.request_arrays(samplings, rngs, resume)
+    rows = arrays.rng.shape[0]
     bucket = max(self.config.resume_bucket_for(len(p)) if r else self.config.bucket_for(len(p))
                  for p, r in zip(prompts, resume))
     tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones((rows,), np.int32)
-    keys, knobs = np.zeros((rows, 2), np.uint32), _Knobs(rows, self.config.max_stop_tokens)
-    given, generated = np.full((rows,), -1, np.int32), np.ones((rows,), np.int32)
-    for i, (prompt, sampling, rng) in enumerate(zip(prompts, samplings, rngs)):
-      if sampling.max_new_tokens > self.config.max_new_tokens:
-        raise ValueError(f"max_new_tokens={sampling.max_new_tokens} exceeds the engine's "
-                         f"EngineConfig.max_new_tokens={self.config.max_new_tokens}")
-      tokens[i, :len(prompt)], lengths[i], keys[i] = prompt, len(prompt), np.asarray(rng, np.uint32)
-      knobs.set(i, sampling)
-      if resume[i]:
-        given[i], generated[i] = resume[i]
-    return self._prefill(params, tokens, lengths, keys, given, generated, *knobs.arrays())
+    for i, prompt in enumerate(prompts):
+      tokens[i, :len(prompt)], lengths[i] = prompt, len(prompt)
+    return self._prefill(params, tokens, lengths, arrays)
 
-  def _prefill_impl(self, params, tokens, true_length, rng, given, generated, temperature, top_k, top_p, max_new,
-                    stop_ids):
+  def _prefill_impl(self, params, tokens, true_length, arrays):
     model = nnx.merge(self.graphdef, params)
     rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
     logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
-    token, logprob, done = first_tokens(logits[:, 0], rng, temperature, top_k, top_p, max_new, stop_ids)
-    resumed = given >= 0
+    token, logprob, done = first_tokens(logits[:, 0], *arrays.knobs)
+    resumed = arrays.given >= 0
     return Prefix(keys=cache.keys, values=cache.values, valid=cache.valid, true_length=true_length,
-                  first_token=jnp.where(resumed, given, token), first_logprob=jnp.where(resumed, 0.0, logprob),
-                  done=done & ~resumed, generated=generated, rng=rng, temperature=temperature, top_k=top_k,
-                  top_p=top_p, max_new=max_new, stop_ids=stop_ids)
+                  first_token=jnp.where(resumed, arrays.given, token), first_logprob=jnp.where(resumed, 0.0, logprob),
+                  done=done & ~resumed, generated=arrays.generated, rng=arrays.rng, temperature=arrays.temperature,
+                  top_k=arrays.top_k, top_p=arrays.top_p, max_new=arrays.max_new, stop_ids=arrays.stop_ids)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
@@ -408,10 +205,7 @@ class DecodeEngine(RowMoves):
     `window`, one of `config.attention_windows`, must exceed every active slot's last write
     (its cache index + steps_per_sync - 1); the default, the whole cache, always does.
     """
-    window = self.config.cache_length if window is None else window
-    if window not in self.config.attention_windows:
-      raise ValueError(f"window {window} is not one of {self.config.attention_windows}")
-    return self._generate(params, decode_state, window)
+    return self._generate(params, decode_state, self._window(window))
 
   def _generate_impl(self, params, state: DecodeState, window: int):
     model = nnx.merge(self.graphdef, params)
@@ -425,24 +219,44 @@ class DecodeEngine(RowMoves):
 
     return jax.lax.scan(step, state, None, length=self.config.steps_per_sync)
 
+  # ---- multi-turn rows: extend a paused row, park it off its slot and back --------------------------
+  def _extend_call(self, params, decode_state, targets, chunk, lengths):
+    return self._extend(params, decode_state, targets, chunk, lengths)
 
+  def _extend_impl(self, params, state, targets, chunk, lengths):
+    model = nnx.merge(self.graphdef, params)
+    rows = jax.tree.map(lambda a: a[jnp.minimum(targets, self.config.num_slots - 1)], state)
+    mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
+    logits, cache = model.forward_with_cache(chunk, rows.cache, mask, logits_at=jnp.maximum(lengths - 1, 0))
+    cache = cache.replace(index=rows.cache.index + lengths)  # padding past a row's tokens is overwritten later
+    # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
+    rows = rows.replace(cache=cache, active=lengths > 0, generated=rows.generated + jnp.maximum(lengths - 1, 0))
+    changes, out = sample_next(rows, logits)
+    rows = rows.replace(**changes)
+    state = jax.tree.map(lambda big, small: big.at[targets].set(small, mode="drop"), state, rows)
+    return state, (out.tokens, out.logprobs, out.done)
 
-class _Knobs:
-  """Per-row sampling knobs of a prefill call, as the arrays the jitted prefill takes."""
+  def init_parking(self) -> DecodeState:
+    """Room for `num_slots` rows parked off their slots (rows waiting on a tool): a decode state's shape."""
+    return self.init_decode_state()
 
-  def __init__(self, rows: int, max_stops: int):
-    self.temperature, self.top_k = np.ones((rows,), np.float32), np.zeros((rows,), np.int32)
-    self.top_p, self.max_new = np.ones((rows,), np.float32), np.ones((rows,), np.int32)
-    self.stop_ids = np.full((rows, max_stops), -1, np.int32)
+  def park(self, decode_state, parking, slots: Sequence[int], places: Sequence[int]):
+    """Moves the paused rows of `slots` into `parking` at `places` (their whole cache, token count and knobs),
+    so the slots may take other requests; `unpark` brings them back into any free slots. Returns (state,
+    parking); compiles once per row bucket."""
+    for a, b in self.row_calls(slots, places):
+      parking = self._move(decode_state, parking, a, b, False)
+    return decode_state, parking
 
-  def set(self, row: int, sampling: SamplingParams) -> None:
-    if len(sampling.stop_token_ids) > self.stop_ids.shape[1]:
-      raise ValueError(f"{len(sampling.stop_token_ids)} stop tokens exceed EngineConfig.max_stop_tokens="
-                       f"{self.stop_ids.shape[1]}")
-    self.temperature[row], self.top_k[row], self.top_p[row] = sampling.temperature, sampling.top_k, sampling.top_p
-    self.max_new[row] = sampling.max_new_tokens
-    self.stop_ids[row, :len(sampling.stop_token_ids)] = sampling.stop_token_ids
+  def unpark(self, decode_state, parking, places: Sequence[int], slots: Sequence[int]):
+    """Puts parked rows back from `places` into `slots`, inactive until `extend` goes on from them; returns
+    (state, parking)."""
+    for a, b in self.row_calls(places, slots):
+      decode_state = self._move(parking, decode_state, a, b, True)
+    return decode_state, parking
 
-  def arrays(self) -> tuple:
-    return self.temperature, self.top_k, self.top_p, self.max_new, self.stop_ids
-
+  def _move_impl(self, source, target, rows_from, rows_to, inactive: bool):
+    rows = jax.tree.map(lambda a: a[rows_from], source)
+    if inactive:
+      rows = rows.replace(active=jnp.zeros_like(rows.active))
+    return jax.tree.map(lambda big, small: big.at[rows_to].set(small, mode="drop"), target, rows)

@@ -9,6 +9,8 @@ import flax.struct
 import jax
 import numpy as np
 
+from streamrl_jax.sampling.engine_base import RequestArrays
+
 
 @flax.struct.dataclass
 class FirstTokens:
@@ -27,7 +29,7 @@ class PagedPrefix:
   prompts: list[np.ndarray]
   keys: list  # (prompt tokens, version) of each request; None: not shared (resumed, or sharing off)
   resume: list  # (last token, generated) or None
-  arrays: tuple  # rng, temperature, top_k, top_p, max_new, stop_ids over the padded request rows
+  arrays: RequestArrays  # key data, sampling knobs and resume state over the padded request rows
   bucket: int  # length bucket of the longest prompt
   params: object = None  # the weights the prompts are prefilled with
   firsts: FirstTokens | None = None

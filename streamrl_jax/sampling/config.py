@@ -1,0 +1,119 @@
+"""The sampler's engine configuration: slots, lengths, KV layout, and the buckets every engine compiles for."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Slots and lengths of one engine instance."""
+
+  num_slots: int = 8
+  max_prompt_length: int = 64
+  max_new_tokens: int = 64
+  min_prefill_bucket: int = 16
+  prefill_batch: int = 8  # most prompts prefilled (and inserted) per call; a power of two
+  steps_per_sync: int = 1  # decode steps per host round trip
+  max_stop_tokens: int = 4
+  memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
+  # Cache prefixes shorter than the whole cache that a decode step may attend over when every slot
+  # fits (one more compiled `generate` each). On accelerators powers of two pay off; on CPU, XLA
+  # copies mid-size slices of the cache, which costs more than it saves, hence one short window.
+  short_attention_windows: tuple[int, ...] = (64,)
+  # "contiguous": a KV cache of cache_length per slot; "paged": a pool of pages that rows take as they grow,
+  # a GRPO group's prompt prefilled once and its full pages shared (`paged_engine`).
+  kv_layout: str = "contiguous"
+  page_size: int = 16  # tokens per page (paged); divides every attention window
+  kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
+  share_prompts: bool = True  # paged: requests of one prompt share its prefill and full pages
+  prefix_cache_rows: int = 8  # paged: prompts whose pages and last logits stay cached for later calls
+
+  def __post_init__(self):
+    if self.kv_layout not in KV_LAYOUTS:
+      raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
+    for field in dataclasses.fields(self):
+      value = getattr(self, field.name)
+      if isinstance(value, (bool, str)):
+        continue
+      if field.name == "short_attention_windows":
+        if any(w < 1 for w in value):
+          raise ValueError(f"EngineConfig.short_attention_windows={value} must be positive")
+      elif value < (0 if field.name in ("memory_budget_bytes", "kv_pages", "prefix_cache_rows") else 1):
+        raise ValueError(f"EngineConfig.{field.name}={value} is out of range")
+    if self.prefill_batch & (self.prefill_batch - 1):
+      raise ValueError(f"EngineConfig.prefill_batch={self.prefill_batch} must be a power of two")
+    if self.kv_layout == "paged":
+      bad = [w for w in self.attention_windows if w % self.page_size]
+      if bad:
+        raise ValueError(f"EngineConfig.page_size={self.page_size} does not divide the attention windows {bad} "
+                         f"(max_prompt_length + max_new_tokens and short_attention_windows)")
+
+  @property
+  def cache_length(self) -> int:
+    return self.max_prompt_length + self.max_new_tokens
+
+  @property
+  def prefill_buckets(self) -> tuple[int, ...]:
+    buckets, size = [], self.min_prefill_bucket
+    while size < self.max_prompt_length:
+      buckets.append(size)
+      size *= 2
+    return tuple(buckets) + (self.max_prompt_length,)
+
+  @property
+  def row_buckets(self) -> tuple[int, ...]:
+    """Prompts per prefill call: the powers of two up to `prefill_batch`."""
+    return tuple(1 << k for k in range(self.prefill_batch.bit_length()))
+
+  def row_bucket_for(self, rows: int) -> int:
+    """The row bucket a call of `rows` requests (1..prefill_batch) is padded to."""
+    return next(r for r in self.row_buckets if r >= max(1, rows))
+
+  @property
+  def attention_windows(self) -> tuple[int, ...]:
+    """Cache prefixes that decode steps attend over, ascending, the whole cache last. A step reads
+    only the smallest one that covers its longest slot."""
+    return tuple(sorted({w for w in self.short_attention_windows if w < self.cache_length})) + (self.cache_length,)
+
+  def window_for(self, cache_end: int) -> int:
+    """The smallest attention window that covers cache entries [0, cache_end)."""
+    return next((w for w in self.attention_windows if w >= cache_end), self.cache_length)
+
+  def bucket_for(self, length: int) -> int:
+    if length < 1:
+      raise ValueError("empty prompt: a request needs at least one prompt token")
+    if length > self.max_prompt_length:
+      raise ValueError(f"prompt of {length} tokens exceeds EngineConfig.max_prompt_length={self.max_prompt_length}")
+    return next(b for b in self.prefill_buckets if b >= length)
+
+  @property
+  def extend_buckets(self) -> tuple[int, ...]:
+    """Lengths an `extend` call pads its tokens to: powers of two from 8, and the whole cache."""
+    out, size = [], 8
+    while size < self.cache_length:
+      out.append(size)
+      size *= 2
+    return (*out, self.cache_length)
+
+  @property
+  def resume_buckets(self) -> tuple[int, ...]:
+    """Length buckets past max_prompt_length that only resumed requests use: powers of two, the cache last."""
+    buckets, size = [], 1 << self.max_prompt_length.bit_length()
+    while size < self.cache_length:
+      buckets.append(size)
+      size *= 2
+    return tuple(buckets) + (self.cache_length,)
+
+  def resume_bucket_for(self, length: int) -> int:
+    """The length bucket of a resumed request's prefill (its prompt + tokens so far but the last), which may
+    exceed max_prompt_length (then one of `resume_buckets`)."""
+    if length <= self.max_prompt_length:
+      return self.bucket_for(length)
+    if length >= self.cache_length:
+      raise ValueError(f"a resumed request of {length} tokens does not fit the cache of {self.cache_length} "
+                       f"(max_prompt_length + max_new_tokens)")
+    return next(b for b in self.resume_buckets if b >= length)
+
+
+KV_LAYOUTS = ("contiguous", "paged")
