@@ -60,7 +60,8 @@ def test_the_roster_expires_the_silent_sampler_and_remembers_it_lost():
   assert roster.silent() == []
   roster.remove(b, lost=False)
   assert roster.silent_s() is None and not roster.is_lost(b)
-  assert (timeline.counters["registered"], timeline.counters["samplers_lost"], timeline.counters["samplers_left"]) == (2, 1, 1)
+  counters = timeline.counters
+  assert (counters["registered"], counters["samplers_lost"], counters["samplers_left"]) == (2, 1, 1)
 
 
 def test_the_roster_sets_the_replica_target_per_sampler_process():
@@ -116,7 +117,8 @@ def test_groups_leased_again_after_a_loss_are_announced_once_when_first_delivere
 # ---- the step plans ------------------------------------------------------------------------------
 def make_plans(config=CONFIG) -> tuple[StepPlans, Leases, Timeline]:
   timeline = Timeline()
-  return StepPlans(config, ArithmeticTask(max_digits=2), CharTokenizer(), timeline, start_step=0), Leases(timeline), timeline
+  plans = StepPlans(config, ArithmeticTask(max_digits=2), CharTokenizer(), timeline, start_step=0)
+  return plans, Leases(timeline), timeline
 
 
 def test_a_step_opens_at_its_version_and_its_summary_is_taken_once():
@@ -208,7 +210,8 @@ def test_the_controller_and_the_follower_answer_the_same_protocol():
   assert follower.step_trained(StepTrained(0, 1.0)).metrics()["sampler_instances"] == 1
   assert follower.regenerate(Regenerate(0, (1,))) == follower.published(Published(1))
   # the controller's backfill rule (limit 3 a step), kept per step
-  assert [follower.backfill(Backfill(s, f)).count for s, f in [(0, (1, 2)), (0, (3, 4)), (0, (5,)), (1, (9,))]] == [2, 1, 0, 1]
+  asked = [(0, (1, 2)), (0, (3, 4)), (0, (5,)), (1, (9,))]
+  assert [follower.backfill(Backfill(step, filtered)).count for step, filtered in asked] == [2, 1, 0, 1]
   assert follower.sampler_wait(SamplerWaitQuery()).seconds == 0.0
 
 

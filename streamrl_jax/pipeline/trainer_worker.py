@@ -5,9 +5,9 @@ run through a shard source (`get`), a weight publisher (`publish`) and the contr
 the samplers' step summaries, the replica target), asked by typed messages (`trainer_control.TrainerControl`).
 Samples are keyed by (step, group, sample index): one that was trained already is dropped and counted, never
 trained twice (a shard's groups are taken apart, so a shard holding a trained group beside new ones trains the
-new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not hold, or one mixing steps, is dropped
-and counted (`refused_samples`), never a reason to stop: across processes the Flight server's door refuses
-such shards before they are acknowledged, so the counter stays 0 there.
+new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not
+hold, or one mixing steps, is dropped and counted (`refused_samples`), never a reason to stop: across processes
+the Flight server's door refuses such shards before they are acknowledged, so the counter stays 0 there.
 
 A group with a token older than the staleness bound (step - max_lag) is not trained: the controller leases
 it again (`groups_regenerated`). With dynamic sampling, a group whose rewards are all equal is not trained
@@ -76,8 +76,8 @@ class TrainerWorker:
     self._trained: set = set()  # sample keys of the step being trained
 
   def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
-          clock: Callable[[], float], on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None,
-          probe: Callable[[], dict] | None = None) -> list[dict]:
+          clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
+          aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None) -> list[dict]:
     """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
     raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
     (memory, queue depth)."""
