@@ -1,7 +1,8 @@
 """Typed messages between the controller, the sampler workers and the trainer worker, and their JSON codec.
 
 Samples travel as `SampleShard` (Arrow across processes) and weights as `WeightUpdate` (Arrow chunks
-across processes); everything else is one of the control records below. On the wire a record is JSON
+across processes); everything else is one of the control records below: the samplers' (`Register` to `Ack`)
+and the trainer's (`Published` on, the calls of `pipeline.trainer_control.TrainerControl`). On the wire a record is JSON
 `{"@type": name, ...fields}`; decoding checks the type name, the field names and each field's type, and
 raises `BadMessage` naming the first problem. No pickle. What a peer sends is bounded: the message's size,
 every number finite and within 64 bits (NaN and infinities refused), every wait and count within `LIMITS`,
@@ -166,6 +167,79 @@ class Ack:
   rejoin: bool = False  # the sender is not (any more) a sampler of this run: register again
 
 
+# ---- the trainer's messages to the controller (`pipeline.trainer_control.TrainerControl`) ----------------
+@dataclasses.dataclass(frozen=True)
+class Published:
+  """The trainer has published weights of `version`: steps up to version + max_lag may open."""
+
+  version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTrained:
+  """The trainer has trained `step` in `train_s` s; the reply is the step's `StepSummary`."""
+
+  step: int
+  train_s: float
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSummaryRequest:
+  """The summary of `step`, removing its plan, waiting up to `timeout_s` (None: the controller's own limit)."""
+
+  step: int
+  timeout_s: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSummary:
+  """What the samplers measured for one step once all its leases reported; `ranker` holds the ranker's figures
+  (`ranker_<name>`; empty without a ranker)."""
+
+  generation_s: float
+  sampler_instances: int
+  sampler_processes: int
+  sampler_rss_mb: float
+  ranker: dict
+
+  def metrics(self) -> dict:
+    """The summary as the step's metrics row has it."""
+    return dict(generation_s=self.generation_s, sampler_instances=self.sampler_instances,
+                sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb, **self.ranker)
+
+
+@dataclasses.dataclass(frozen=True)
+class Regenerate:
+  """The trainer refused the groups `group_ids` of `step` (a token older than the staleness bound): lease them again."""
+
+  step: int
+  group_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backfill:
+  """Dynamic sampling: the trainer did not train the groups `filtered` of `step` (equal rewards); the reply
+  (`Backfilled`) says how many more prompts of the step are leased."""
+
+  step: int
+  filtered: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backfilled:
+  count: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerWaitQuery:
+  """How long the samplers waited for leases and weights; the reply is a `SamplerWait`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerWait:
+  seconds: float  # per sampler on average, since the run began
+
+
 MAX_MESSAGE_BYTES = 4 << 20  # a Register's settings, a Lease's prompts: far below this
 QUOTE_CHARS = 80
 INT_RANGE = (-(1 << 63), (1 << 63) - 1)
@@ -177,6 +251,11 @@ LIMITS = {
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
     "Registered.heartbeat_s": (0.0, 1e6), "Partial.tokens": (0, (1 << 31) - 1), "Partial.logprobs": (-1000.0, 1e-3),
     "Partial.versions": (0, 1 << 62), "Partial.sample_index": (0, 1 << 20), "Partial.group_id": (0, 1 << 62),
+    "Published.version": (-1, 1 << 62), "StepTrained.step": (0, 1 << 62), "StepTrained.train_s": (0.0, 1e7),
+    "StepSummary.generation_s": (0.0, 1e7), "StepSummary.sampler_instances": (0, 1 << 40),
+    "StepSummary.sampler_processes": (0, 1 << 40), "StepSummary.sampler_rss_mb": (0.0, 1e9),
+    "Regenerate.group_ids": (0, 1 << 62), "Backfill.filtered": (0, 1 << 62), "Backfilled.count": (0, 1 << 40),
+    "SamplerWait.seconds": (0.0, 1e12),
 }
 
 
@@ -187,7 +266,9 @@ def quote(value, limit: int = QUOTE_CHARS) -> str:
 
 
 MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Partial, Lease, LeaseReply, StepReport,
-                                          Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack)}
+                                          Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack, Published,
+                                          StepTrained, StepSummaryRequest, StepSummary, Regenerate, Backfill,
+                                          Backfilled, SamplerWaitQuery, SamplerWait)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
 
 

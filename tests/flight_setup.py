@@ -1,6 +1,6 @@
 """A trainer's Flight server over a controller, and a sender holding a lease, for the Flight tests."""
 
-from streamrl_jax.messages import LeaseRequest, Register
+from streamrl_jax.messages import LeaseRequest, Published, Register
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
@@ -28,7 +28,7 @@ def make_server(capacity=8, tls=None, precision=None, **kwargs):
 def leased_sender(connection, controller) -> FlightSampleSender:
   """A registered sampler holding the lease of step 0 (groups 0..3, the run's only sampler)."""
   sampler_id = controller.register(Register("s", SETTINGS)).sampler_id
-  controller.published(0)
+  controller.published(Published(0))
   assert controller.lease(LeaseRequest(sampler_id, 0.0)).lease.group_ids == (0, 1, 2, 3)
   return FlightSampleSender(connection, sampler_id)
 

@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from streamrl_jax.messages import LeaseRequest, Register
+from streamrl_jax.messages import LeaseRequest, Published, Register
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
@@ -32,7 +32,7 @@ def leases_of_step_0(policy: str, samplers: int = 2) -> list:
   controller = Controller(config, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
                           ranker=ScriptedRanker())
   ids = [controller.register(Register(f"s{i}", {})).sampler_id for i in range(samplers)]
-  controller.published(0)
+  controller.published(Published(0))
   return [controller.lease(LeaseRequest(ids[0], 0.0)).lease for _ in range(samplers)]
 
 

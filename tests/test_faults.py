@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from streamrl_jax.commands.launch_local import Child, ElasticSamplers, Supervisor
-from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Register, StepReport
+from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Published, Register, StepReport, StepSummaryRequest
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
@@ -67,7 +67,7 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   controller = make_controller(clock, on_event=events.append)
   a, b = (controller.register(Register(name, {})).sampler_id for name in ("a", "b"))
   assert a != b
-  controller.published(0)
+  controller.published(Published(0))
   lease_a, lease_b = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b))
   assert sorted(lease_a.group_ids + lease_b.group_ids) == [0, 1, 2, 3]  # step 0 cut in two, one lease each
   clock.now += 4.0
@@ -86,7 +86,7 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   assert controller.on_shard(12345, groups(0, again.group_ids)) == "rejoin"  # never registered here
   for lease in (lease_b, again):
     assert not controller.report(report(b, lease)).rejoin
-  assert controller.step_summary(0, timeout=1)["generation_s"] == 1.0
+  assert controller.take_step_summary(StepSummaryRequest(0, timeout_s=1)).generation_s == 1.0
   counters = controller.counters
   assert (counters["samplers_lost"], counters["re_leased_leases"], counters["re_leased_prompts"]) == (1, 1, 2)
   assert (counters["late_samples"], counters["late_reports"], counters["rejoin_requests"]) == (2, 1, 3)
@@ -98,7 +98,7 @@ def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
   clock = Clock()
   controller = make_controller(clock)
   a, b, c = (controller.register(Register(name, {})).sampler_id for name in ("a", "b", "c"))
-  controller.published(0)
+  controller.published(Published(0))
   lease_a, lease_b, lease_c = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b, c))
   assert (lease_a.group_ids, lease_b.group_ids, lease_c.group_ids) == ((0, 1), (2,), (3,))
   assert controller.on_shard(a, groups(0, [0], completion=7)) == "accept"  # a delivers group 0 of its two, then dies
@@ -114,7 +114,7 @@ def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
   assert (counters["re_leased_prompts"], counters["groups_kept"]) == (1, 2)
   for lease in (lease_c, again):
     controller.report(report(c, lease))
-  summary = controller.step_summary(0, timeout=1)  # made without b's report
+  summary = controller.take_step_summary(StepSummaryRequest(0, timeout_s=1)).metrics()  # made without b's report
   assert summary["generation_s"] == 1.0 and (summary["sampler_instances"], summary["sampler_processes"]) == (1, 1)
 
 
@@ -122,14 +122,14 @@ def test_a_sampler_that_leaves_returns_its_leases_and_a_joiner_takes_the_next_pl
   clock = Clock()
   controller = make_controller(clock)
   a = controller.register(Register("a", {})).sampler_id
-  controller.published(0)
+  controller.published(Published(0))
   first = controller.lease(LeaseRequest(a, 0.0)).lease
   assert first.group_ids == (0, 1, 2, 3)  # one sampler: the whole step
   b = controller.register(Register("b", {})).sampler_id
   controller.leave(Leave(a))
   assert controller.lease(LeaseRequest(b, 0.0)).lease.group_ids == first.group_ids
   c = controller.register(Register("c", {})).sampler_id
-  controller.published(1)
+  controller.published(Published(1))
   leases = [controller.lease(LeaseRequest(s, 0.0)).lease for s in (b, c)]
   assert [lease.step for lease in leases] == [1, 1] and sorted(leases[0].group_ids + leases[1].group_ids) == [4, 5, 6, 7]
   assert controller.counters["samplers_left"] == 1 and controller.counters["samplers_lost"] == 0

@@ -13,7 +13,8 @@ import pytest
 from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
-from streamrl_jax.messages import BadMessage, Heartbeat, LeaseRequest, Register, RejoinRequired, StepReport
+from streamrl_jax.messages import (BadMessage, Heartbeat, LeaseRequest, Published, Register, RejoinRequired, StepReport,
+                                   StepSummaryRequest)
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.models.precision import SamplerPrecision, decode, encode, landing, to_wire, wire_bytes
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
@@ -91,7 +92,7 @@ def test_control_messages_over_flight(served):
   me = registered.sampler_id
   assert registered.steps == 2
   assert control.lease(LeaseRequest(me, wait_s=0.1)).lease is None  # no weights published: the gate is closed
-  controller.published(0)
+  controller.published(Published(0))
   lease = control.lease(LeaseRequest(me, wait_s=0.1)).lease
   assert lease.step == 0 and lease.group_ids == (0, 1, 2, 3) and lease.min_version == 0
   assert control.lease(LeaseRequest(me, wait_s=0.1)).lease is None  # step 1 needs version 1 (on-policy)
@@ -100,7 +101,7 @@ def test_control_messages_over_flight(served):
   with pytest.raises(BadMessage, match="which it does not hold"):
     control.report(StepReport(me, lease.lease_id + 1, 0, 1.0, (1.0,), 0.0, 8, 1, ()))
   control.report(StepReport(me, lease.lease_id, 0, 1.0, (1.0, 2.0, 3.0, 4.0), 0.5, 8, 1, ((10.0, 11.0),), 99.0))
-  summary = controller.step_summary(0, timeout=1)
+  summary = controller.take_step_summary(StepSummaryRequest(0, timeout_s=1)).metrics()
   assert summary["generation_s"] == 1.0 and summary["sampler_rss_mb"] == 99.0
   assert not control.heartbeat(Heartbeat(me)).stop
   stranger = me + 1  # an id this controller never gave (a sampler of a trainer that restarted): register again
@@ -152,7 +153,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
     good = FlightConnection(server.address, tls=TLSFiles(str(certs["client_cert"]), str(certs["client_key"]),
                                                          str(certs["ca"])), timeout_s=10, retry_s=5)
     me = FlightControl(good).register(Register("s", SETTINGS)).sampler_id
-    controller.published(0)
+    controller.published(Published(0))
     controller.lease(LeaseRequest(me, 0.0))
     FlightSampleSender(good, me).put(group_shard([3, 3], step=0, group=0))
     assert len(queue) == 2

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from streamrl_jax.messages import Ack, Backfill, Backfilled, Regenerate
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
@@ -148,12 +149,13 @@ class _Recorder:
   def __init__(self):
     self.regenerated, self.backfills = [], []
 
-  def regenerate(self, step, group_ids):
-    self.regenerated.append((step, list(group_ids)))
+  def regenerate(self, message: Regenerate) -> Ack:
+    self.regenerated.append((message.step, list(message.group_ids)))
+    return Ack()
 
-  def backfill(self, step, filtered):
-    self.backfills.append((step, list(filtered)))
-    return 0
+  def backfill(self, message: Backfill) -> Backfilled:
+    self.backfills.append((message.step, list(message.filtered)))
+    return Backfilled(0)
 
 
 def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
@@ -226,18 +228,18 @@ def worker_parts():
 
 
 def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_interrupted(worker_parts):
-  from streamrl_jax.messages import Leave
+  from streamrl_jax.messages import Leave, Published
   from streamrl_jax.pipeline.controller import Controller
   config = dataclasses.replace(BASE, steps=1)
   reference = worker_parts()
   controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
-  controller.published(0)
+  controller.published(Published(0))
   reference.register(controller)
   whole = _Sink(controller, reference, 4)  # stops after the step's 4 groups
   reference.serve(controller, whole, reference.weights, whole.stop)
 
   controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
-  controller.published(0)
+  controller.published(Published(0))
   first, second = worker_parts(), worker_parts()
   first.register(controller)
   early = _Sink(controller, first, 1)  # leaves once its first group is out: the others are begun

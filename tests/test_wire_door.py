@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Register, decode_message
+from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published, Register, decode_message
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
@@ -85,7 +85,7 @@ def test_3_samples_longer_or_more_than_the_run_allows_are_refused():
 def two_samplers():
   controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
   a, b = (controller.register(Register(name, {})).sampler_id for name in ("a", "b"))
-  controller.published(0)
+  controller.published(Published(0))
   leases = [controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b)]
   assert [lease.group_ids for lease in leases] == [(0, 1), (2, 3)]
   return controller, a, b
@@ -107,7 +107,7 @@ def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
     controller.on_shard(a, mixed)
   assert controller.on_shard(a, whole(0, [0, 1])) == "accept"
   assert controller.on_shard(12345, whole(0, [0])) == "rejoin"
-  controller.published(1)  # step 0 is trained: a copy arriving now is not taken
+  controller.published(Published(1))  # step 0 is trained: a copy arriving now is not taken
   assert controller.on_shard(b, whole(0, [2])) == "trained"
 
 

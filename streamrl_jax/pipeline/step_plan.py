@@ -1,6 +1,6 @@
 """The plan of one step as pure functions of plain data: its prompts (from (seed, step) alone, so a resumed run
 continues the data stream exactly), the version gate, the cut of its prompts into one lease per live sampler,
-and the leases. The `Controller` keeps the plans, the roster and the leases; it decides nothing here."""
+and the leases. The controller's parts keep the plans, the roster and the leases; they decide nothing here."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, Partial, StepReport
+from streamrl_jax.messages import Lease, Partial, StepReport, StepSummary
 from streamrl_jax.scheduling import dispatch_requests
 from streamrl_jax.tasks.rows import draw
 
@@ -25,10 +25,11 @@ class StepPlan:
   unleased: list[Lease]
   leases: int  # how many leases the step was cut into
   reports: dict[int, StepReport] = dataclasses.field(default_factory=dict)  # lease id -> report
+  reported_groups: dict[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # lease id -> its groups
   backfilled: int = 0  # prompts added by dynamic sampling
   observed: bool = False  # the ranker has learnt from this step's lengths
   delivered: dict = dataclasses.field(default_factory=dict)  # group id -> mean completion length
-  summary: dict | None = None
+  summary: StepSummary | None = None
 
 
 def step_prompts(config, task, step: int) -> list[tuple[str, str]]:

@@ -20,7 +20,7 @@ from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
-from streamrl_jax.pipeline.step_plan import backfill_count
+from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
@@ -101,31 +101,12 @@ def _broadcasting(get_shard):
   return get
 
 
-class _Follower:
-  """What a non-leading trainer process has instead of the controller and the weight store: it joins the
-  collectives (shards, weight gathers) and keeps nothing."""
+class _FollowerWeights:
+  """What a non-leading trainer process has instead of the weight store: it joins the weight gathers and keeps
+  nothing (its controller is a `FollowerControl`)."""
 
   def __init__(self, config: PipelineConfig):
-    self.config, self.precision, self.seconds = config, config.precision, {}
-    self._backfilled: dict[int, int] = {}
-
-  def backfill(self, step: int, filtered: list[int]) -> int:
-    """The count the controller on process 0 grants, by the same rule (the shards are the same)."""
-    count = backfill_count(self.config, self._backfilled.get(step, 0), len(filtered))
-    self._backfilled[step] = self._backfilled.get(step, 0) + count
-    return count
-
-  def regenerate(self, step: int, group_ids: list[int]) -> None:
-    pass
-
-  def published(self, version: int) -> None:
-    pass
-
-  def step_trained(self, step: int, train_s: float) -> dict:
-    return dict(generation_s=0.0, sampler_instances=1)
-
-  def sampler_wait_s(self) -> float:
-    return 0.0
+    self.precision, self.seconds = config.precision, {}
 
   def publish(self, params, version: int) -> None:
     gather_to_host(to_wire(params, self.precision))
@@ -140,8 +121,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
     if shard is None:
       raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None)
     return shard
-  follower = _Follower(config)
-  trainer.run(follower, get, follower, clock=time.monotonic, aux=ranker_aux(ranker))
+  trainer.run(FollowerControl(config), get, _FollowerWeights(config), clock=time.monotonic, aux=ranker_aux(ranker))
   if trainer.checkpointer is not None:
     trainer.checkpointer.wait()
   return RunResult(gather_to_host(trainer.state.params), [], dict(trainer.counters), {})

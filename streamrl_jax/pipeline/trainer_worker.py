@@ -2,12 +2,12 @@
 
 It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
 run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
-the samplers' step summaries, the replica target). Samples are keyed by (step, group, sample index): one
-that was trained already is dropped and counted, never trained twice (a shard's groups are taken apart,
-so a shard holding a trained group beside new ones trains the new ones); samples of a later step that
-arrive early wait for their step. A shard the step's plan does not hold, or one mixing steps, is dropped
-and counted (`refused_samples`), never a reason to stop: across processes the Flight server's door refuses
-such shards before they are acknowledged, so the counter stays 0 there.
+the samplers' step summaries, the replica target), asked by typed messages (`trainer_control.TrainerControl`).
+Samples are keyed by (step, group, sample index): one that was trained already is dropped and counted, never
+trained twice (a shard's groups are taken apart, so a shard holding a trained group beside new ones trains the
+new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not
+hold, or one mixing steps, is dropped and counted (`refused_samples`), never a reason to stop: across processes
+the Flight server's door refuses such shards before they are acknowledged, so the counter stays 0 there.
 
 A group with a token older than the staleness bound (step - max_lag) is not trained: the controller leases
 it again (`groups_regenerated`). With dynamic sampling, a group whose rewards are all equal is not trained
@@ -31,7 +31,9 @@ import numpy as np
 
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
+from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
 from streamrl_jax.pipeline.step_plan import step_group_ids
+from streamrl_jax.pipeline.trainer_control import TrainerControl
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
@@ -73,9 +75,9 @@ class TrainerWorker:
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._trained: set = set()  # sample keys of the step being trained
 
-  def run(self, controller, get_shard: Callable[[float], SampleShard], weights, *, clock: Callable[[], float],
-          on_step: Callable[[dict], None] | None = None, aux: Callable[[], dict] | None = None,
-          probe: Callable[[], dict] | None = None) -> list[dict]:
+  def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
+          clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
+          aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None) -> list[dict]:
     """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
     raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
     (memory, queue depth)."""
@@ -86,7 +88,7 @@ class TrainerWorker:
       else:
         self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
-    controller.published(self.start_step)
+    controller.published(Published(self.start_step))
     watch = None
     if self.config.step_timeout_s:
       watch = StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True),
@@ -99,7 +101,8 @@ class TrainerWorker:
         metrics.append(self._finish_step(step, row, controller, on_step, aux, probe))
       return metrics
 
-  def _train_step(self, step: int, controller, get_shard, weights, clock, last_end: float) -> tuple[dict, float]:
+  def _train_step(self, step: int, controller: TrainerControl, get_shard, weights, clock,
+                  last_end: float) -> tuple[dict, float]:
     """Takes the step's shards, trains on them and publishes the new weights; returns the step's metrics row and
     the time it ended."""
     first_entry = len(self.timeline["trainer"])
@@ -116,19 +119,19 @@ class TrainerWorker:
     done = {k: v - before[k] for k, v in self.batcher.counters.items()}
     train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
                          train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
-    summary = controller.step_trained(step, train_s)  # before the weights go out: the next replica target
+    summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next replica target
     sync_start = clock()
     weights.publish(self.state.params, step + 1)
     self.faults.hit("publish", step + 1)
     if not self.spec.shared_mesh:
-      controller.published(step + 1)
+      controller.published(Published(step + 1))
     self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
     self.counters["trainer_wait_s"] += waited
     end = clock()
     return self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary, weights,
-                              controller.sampler_wait_s() / max(end, 1e-9), train_s), end
+                              controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9), train_s), end
 
-  def _finish_step(self, step: int, row: dict, controller, on_step, aux, probe) -> dict:
+  def _finish_step(self, step: int, row: dict, controller: TrainerControl, on_step, aux, probe) -> dict:
     """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""
     if probe is not None:
       row.update(probe())
@@ -142,7 +145,7 @@ class TrainerWorker:
     release_free_memory()
     self._progress(f"the end of step {step + 1}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
-      controller.published(step + 1)
+      controller.published(Published(step + 1))
     if self.stop is not None and self.stop.requested and step + 1 < self.config.steps:
       raise self._stopped()
     return row
@@ -166,7 +169,7 @@ class TrainerWorker:
         if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
           raise self._stopped(abandoned_step=step + 1) from None
 
-  def _take_step(self, step: int, controller, get_shard, clock) -> tuple[list, float, dict]:
+  def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
     """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
     what arrived: rewards of every group, trained or not, and the groups filtered and backfilled)."""
     needed, shards, waited = self.config.samples_per_step, [], 0.0
@@ -199,7 +202,7 @@ class TrainerWorker:
         keys = shard.keys()
       stale = self._too_stale(shard, step)
       if stale:
-        controller.regenerate(step, stale)
+        controller.regenerate(Regenerate(step, tuple(stale)))
         shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
         self.counters["groups_regenerated"] += len(stale)
         if not shard.num_samples:
@@ -214,7 +217,7 @@ class TrainerWorker:
       if self.config.dynamic_sampling:
         flat = _equal_reward_groups(shard)
         if flat:
-          granted = controller.backfill(step, flat)
+          granted = controller.backfill(Backfill(step, tuple(flat))).count
           needed += granted * self.config.group_size
           received["filtered"] += len(flat)
           received["backfilled"] += granted
@@ -254,8 +257,8 @@ class TrainerWorker:
     self.counters["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
-  def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float, summary: dict,
-                    weights, sampler_idle: float, train_s: float) -> dict:
+  def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float,
+                    summary: StepSummary, weights, sampler_idle: float, train_s: float) -> dict:
     rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
     stale = np.concatenate([s.token_staleness(step) for s in shards]) if shards else np.zeros(1)
     seconds = [v for _, v in sorted(weights.seconds.items())]
@@ -271,7 +274,7 @@ class TrainerWorker:
                 env_tokens=sum(_env_tokens(s) for s in shards),
                 trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
                 sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-                step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary, **train)
+                step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary.metrics(), **train)
 
 
 def _packing(config, graphdef, params, mesh) -> dict:
