@@ -11,6 +11,10 @@
   tool pauses alone while the others decode, and is parked off its slot for a queued request after one step.
   Also reported: one step's 128 samples alone (`slow_tool_ratio_one_step`: the last rows' waits have nothing to
   overlap with) and 8 tool threads instead of 64 (`slow_tool_ratio_8_threads`: calls queue for a thread).
+- The same on the paged engine (`EngineConfig.kv_layout='paged'`, pages of 16 tokens, the contiguous engine's
+  KV memory): `paged_tool_gain` trains the tool run on it (minus the same run without the tool), and
+  `paged_slow_tool_throughput_ratio` is its slow over instant samples/s, interleaved with the arms above
+  (`paged_vs_contiguous_instant`: its instant samples/s over the contiguous engine's).
 
 Prints one JSON object as its last line.
 """
@@ -42,7 +46,8 @@ def configs():
           JobConfig(task="multiply", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
   plain = (PipelineConfig(**base),
            JobConfig(task="multiply_no_tool", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
-  return tool, plain
+  paged = (dataclasses.replace(tool[0], engine=dataclasses.replace(engine, kv_layout="paged", page_size=16)), tool[1])
+  return tool, plain, paged
 
 
 def train(config, job, workdir: Path) -> dict:
@@ -83,46 +88,59 @@ def precompile(engine, params) -> None:
   for rows in engine.config.row_buckets:
     for length in engine.config.extend_buckets:
       state, _ = engine.extend(params, state, list(range(rows)), [[1] * length] * rows)
-    parking = engine.park(state, parking, list(range(rows)), list(range(rows)))
-    state = engine.unpark(state, parking, list(range(rows)), list(range(rows)))
+    state, parking = engine.park(state, parking, list(range(rows)), list(range(rows)))
+    state, parking = engine.unpark(state, parking, list(range(rows)), list(range(rows)))
 
 
 def main() -> dict:
   from streamrl_jax.models import load_hf
-  (tool_config, tool_job), (plain_config, plain_job) = configs()
+  (tool_config, tool_job), (plain_config, plain_job), (paged_config, paged_job) = configs()
   out = {}
   with tempfile.TemporaryDirectory(prefix="streamrl-multiturn-") as tmp:
-    out["with_tool"] = train(tool_config, tool_job, Path(tmp) / "tool")
-    print("with tool", out["with_tool"], file=sys.stderr, flush=True)
-    out["without_tool"] = train(plain_config, plain_job, Path(tmp) / "plain")
-    print("without tool", out["without_tool"], file=sys.stderr, flush=True)
-    model = load_hf(Path(tmp) / "tool" / "final_model")
+    for name, config, job in (("with_tool", tool_config, tool_job), ("without_tool", plain_config, plain_job),
+                              ("paged_with_tool", paged_config, paged_job)):
+      out[name] = train(config, job, Path(tmp) / name)
+      print(name, out[name], file=sys.stderr, flush=True)
+    model = load_hf(Path(tmp) / "with_tool" / "final_model")
   out["tool_gain"] = round(out["with_tool"]["accuracy_after"] - out["without_tool"]["accuracy_after"], 4)
+  out["paged_tool_gain"] = round(out["paged_with_tool"]["accuracy_after"] - out["without_tool"]["accuracy_after"], 4)
+  out.update(throughput(model, tool_config, paged_config))
+  out.update(tool_delay_s=0.05, steps=STEPS, warmup_steps=WARMUP, digits=DIGITS)
+  return out
+
+
+def throughput(model, tool_config, paged_config) -> dict:
+  """Samples/s of the trained tool model with instant and slow tools, on both engines, interleaved."""
   from flax import nnx
   from streamrl_jax.meshes import single_device_mesh
   from streamrl_jax.sampling import make_engine
   graphdef, params = nnx.split(model)
-  engine = make_engine(graphdef, model.config, tool_config.engine, single_device_mesh())
-  rates = {"instant": [], "slow": [], "slow_8_threads": [], "instant_one_step": [], "slow_one_step": []}
+  engines = {layout: make_engine(graphdef, model.config, config.engine, single_device_mesh())
+             for layout, config in (("contiguous", tool_config), ("paged", paged_config))}
   few_threads = dataclasses.replace(tool_config, tool_threads=8)
   one_step = tool_config.prompts_per_step * tool_config.group_size
-  arms = (("instant", 0.0, tool_config, PROMPTS), ("slow", 0.05, tool_config, PROMPTS),
-          ("slow_8_threads", 0.05, few_threads, PROMPTS), ("instant_one_step", 0.0, tool_config, one_step),
-          ("slow_one_step", 0.05, tool_config, one_step))
-  precompile(engine, params)
-  for arm, delay, config, prompts in arms:  # a pass untimed: every prefill and decode shape compiles
-    sampling_rate(engine, params, config, delay, seed=100, prompts=prompts)
+  arms = (("instant", "contiguous", 0.0, tool_config, PROMPTS), ("slow", "contiguous", 0.05, tool_config, PROMPTS),
+          ("slow_8_threads", "contiguous", 0.05, few_threads, PROMPTS),
+          ("instant_one_step", "contiguous", 0.0, tool_config, one_step),
+          ("slow_one_step", "contiguous", 0.05, tool_config, one_step),
+          ("paged_instant", "paged", 0.0, paged_config, PROMPTS), ("paged_slow", "paged", 0.05, paged_config, PROMPTS))
+  rates, out = {arm[0]: [] for arm in arms}, {}
+  for engine in engines.values():
+    precompile(engine, params)
+  for arm, layout, delay, config, prompts in arms:  # a pass untimed: every prefill and decode shape compiles
+    sampling_rate(engines[layout], params, config, delay, seed=100, prompts=prompts)
   for rep in range(REPEATS):
-    for arm, delay, config, prompts in arms:
-      rate, counters = sampling_rate(engine, params, config, delay, seed=rep, prompts=prompts)
+    for arm, layout, delay, config, prompts in arms:
+      rate, counters = sampling_rate(engines[layout], params, config, delay, seed=rep, prompts=prompts)
       rates[arm].append(round(rate, 2))
       out[f"{arm}_counters"] = counters
   print("rates", rates, file=sys.stderr, flush=True)
-  ratio = lambda slow, instant: round(statistics.median(rates[slow]) / statistics.median(rates[instant]), 3)  # noqa: E731
+  ratio = lambda a, b: round(statistics.median(rates[a]) / statistics.median(rates[b]), 3)  # noqa: E731
   out.update(samples_per_s=rates, slow_tool_throughput_ratio=ratio("slow", "instant"),
              slow_tool_ratio_one_step=ratio("slow_one_step", "instant_one_step"),
              slow_tool_ratio_8_threads=ratio("slow_8_threads", "instant"),
-             tool_delay_s=0.05, steps=STEPS, warmup_steps=WARMUP, digits=DIGITS)
+             paged_slow_tool_throughput_ratio=ratio("paged_slow", "paged_instant"),
+             paged_vs_contiguous_instant=ratio("paged_instant", "instant"))
   return out
 
 

@@ -2,6 +2,8 @@
 against full forwards of that version's weights; a rollout resumed on another sampler against one never
 interrupted."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import load_hf
-from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler
+from streamrl_jax.sampling import EngineConfig, StreamingSampler, make_engine
 from streamrl_jax.types import Progress, SamplingParams
 
 ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=40, min_prefill_bucket=8)
@@ -19,13 +21,15 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=30)
 
 
-@pytest.fixture(scope="module")
-def setup(hf_dirs):
+@pytest.fixture(scope="module", params=["contiguous", "paged"])
+def setup(hf_dirs, request):
+  """The engine of each KV layout (pages of 8 tokens: a 56-token row is 7 pages)."""
   directory, _ = hf_dirs["qwen2"]
   model = load_hf(directory)
   graphdef, params = nnx.split(model)
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
-  return DecodeEngine(graphdef, model.config, ENGINE, mesh), graphdef, params
+  config = ENGINE if request.param == "contiguous" else dataclasses.replace(ENGINE, kv_layout="paged", page_size=8)
+  return make_engine(graphdef, model.config, config, mesh), graphdef, params
 
 
 def token_logprobs(graphdef, params, sample) -> np.ndarray:
