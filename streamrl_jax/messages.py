@@ -16,6 +16,8 @@ import json
 import math
 import typing
 
+from streamrl_jax.types import Rollout
+
 
 class BadMessage(ValueError):
   """A control message that is not one of the known records, or whose fields do not fit it."""
@@ -67,25 +69,6 @@ class LeaseRequest:
 
 
 @dataclasses.dataclass(frozen=True)
-class Partial:
-  """A sample a sampler began (or finished, its group not whole) before handing its lease back: its tokens so
-  far, each with its log-probability and the policy version that sampled it. Whoever takes the lease next
-  resumes it after its last token (or, `finished`, scores it as it is)."""
-
-  group_id: int
-  sample_index: int
-  tokens: tuple[int, ...]
-  logprobs: tuple[float, ...]
-  versions: tuple[int, ...]
-  finished: bool
-
-  def __post_init__(self):
-    if not 0 < len(self.tokens) == len(self.logprobs) == len(self.versions):
-      raise BadMessage(f"Partial of group {self.group_id}: {len(self.tokens)} tokens, {len(self.logprobs)} "
-                       f"log-probabilities, {len(self.versions)} versions; one of each per token, at least one")
-
-
-@dataclasses.dataclass(frozen=True)
 class Lease:
   """Prompts of one step leased to one sampler: generate `group_size` samples of each with weights of
   version >= `min_version`; `instances` is the replica count the controller wants the sampler to run."""
@@ -98,8 +81,9 @@ class Lease:
   length_quantiles: tuple[float, ...]  # percentiles 0..100 of recently realised lengths, or empty
   min_version: int
   instances: int
-  partials: tuple[Partial, ...] = ()  # samples of these groups begun elsewhere (partial rollouts)
+  partials: tuple[Rollout, ...] = ()  # samples of these groups begun elsewhere (partial rollouts)
   rows: tuple[str, ...] = ()  # one per prompt: its dataset row (`tasks.Row` as JSON) for the rewards; empty: none
+  prompt_ids: tuple[tuple[int, ...], ...] = ()  # one per prompt: its token ids, encoded once by the controller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,7 +143,7 @@ class Leave:
   """A sampler leaves; leases it has not reported go back to the plan, with the samples it had begun."""
 
   sampler_id: int
-  partials: tuple[Partial, ...] = ()
+  partials: tuple[Rollout, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,8 +233,9 @@ LIMITS = {
     "Register.name": 256, "Register.site": 64, "Register.relay": 256, "VersionInfo.source": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
-    "Registered.heartbeat_s": (0.0, 1e6), "Partial.tokens": (0, (1 << 31) - 1), "Partial.logprobs": (-1000.0, 1e-3),
-    "Partial.versions": (0, 1 << 62), "Partial.sample_index": (0, 1 << 20), "Partial.group_id": (0, 1 << 62),
+    "Registered.heartbeat_s": (0.0, 1e6), "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
+    "Rollout.versions": (0, 1 << 62), "Rollout.sample_index": (0, 1 << 20), "Rollout.group_id": (0, 1 << 62),
+    "Lease.prompt_ids": (0, (1 << 31) - 1),
     "Published.version": (-1, 1 << 62), "StepTrained.step": (0, 1 << 62), "StepTrained.train_s": (0.0, 1e7),
     "StepSummary.generation_s": (0.0, 1e7), "StepSummary.sampler_instances": (0, 1 << 40),
     "StepSummary.sampler_processes": (0, 1 << 40), "StepSummary.sampler_rss_mb": (0.0, 1e9),
@@ -265,7 +250,7 @@ def quote(value, limit: int = QUOTE_CHARS) -> str:
   return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
-MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Partial, Lease, LeaseReply, StepReport,
+MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Rollout, Lease, LeaseReply, StepReport,
                                           Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack, Published,
                                           StepTrained, StepSummaryRequest, StepSummary, Regenerate, Backfill,
                                           Backfilled, SamplerWaitQuery, SamplerWait)}
@@ -320,7 +305,10 @@ def _from_json(obj, where: str):
     where = f"{cls.__name__}.{name}"
     values[name] = _field_value(obj[name], fields[name].type, where)
     _check_limit(values[name], LIMITS.get(where), where)
-  return cls(**values)
+  try:
+    return cls(**values)
+  except ValueError as err:  # a record's own rule (e.g. one log-probability per token)
+    raise BadMessage(f"{cls.__name__}: {str(err)[:2 * QUOTE_CHARS]}") from None
 
 
 def _check_limit(value, limit, where: str) -> None:

@@ -37,18 +37,27 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True)
-class Progress:
-  """The tokens a request generated before it was interrupted (handed back, preempted, recomputed), each
-  with its log-probability and the policy version that sampled it; it resumes after the last."""
+class Rollout:
+  """One sample's generation as it travels: its tokens so far (or all of them, `finished`), each with its
+  log-probability, the policy version that sampled it and whether the model wrote it (`loss_mask`; empty: every
+  token the model's). The one record of a rollout between the driver, the wire and back: handed over by a
+  sampler that leaves, resumed after its last token by the next, or (finished) scored as it is."""
 
+  group_id: int
+  sample_index: int
   tokens: tuple[int, ...]
   logprobs: tuple[float, ...]
   versions: tuple[int, ...]
+  loss_mask: tuple[bool, ...] = ()
+  finished: bool = False
 
   def __post_init__(self):
     if not len(self.tokens) == len(self.logprobs) == len(self.versions):
-      raise ValueError(f"Progress holds {len(self.tokens)} tokens, {len(self.logprobs)} log-probabilities and "
-                       f"{len(self.versions)} versions; one of each per token")
+      raise ValueError(f"Rollout of group {self.group_id}: {len(self.tokens)} tokens, {len(self.logprobs)} "
+                       f"log-probabilities and {len(self.versions)} versions; one of each per token")
+    if self.loss_mask and len(self.loss_mask) != len(self.tokens):
+      raise ValueError(f"Rollout of group {self.group_id}: {len(self.loss_mask)} loss-mask entries for "
+                       f"{len(self.tokens)} tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +87,29 @@ class Sample:
   finish_reason: str
   first_version: int  # the oldest policy version among its tokens' (the first token's, unless handed over)
   last_version: int  # ... and the newest
-  instance: int
-  submit_time: float
-  admit_time: float
-  finish_time: float
+  instance: int = -1  # the engine instance that finished it (-1: it was finished on another sampler)
+  submit_time: float | None = None  # None: not measured here (finished on another sampler)
+  admit_time: float | None = None
+  finish_time: float | None = None
   loss_mask: np.ndarray | None = None  # bool [n]: False for tokens an environment wrote (None: all the model's)
   env_reward: float = 0.0  # the environment's rewards of the episode, added to the task's
 
   @property
   def num_tokens(self) -> int:
     return len(self.completion_tokens)
+
+  def rollout(self) -> Rollout:
+    """This sample as a finished `Rollout` (to hand over with its group)."""
+    mask = () if self.loss_mask is None else tuple(bool(m) for m in self.loss_mask)
+    return Rollout(self.group_id, self.sample_index, tuple(self.completion_tokens.tolist()),
+                   tuple(self.logprobs.tolist()), tuple(self.token_versions.tolist()), mask, finished=True)
+
+  @classmethod
+  def of_rollout(cls, rollout: Rollout, prompt_tokens, stop_ids) -> Sample:
+    """A finished rollout handed over by another sampler, as a sample (its timings were not measured here)."""
+    reason = FINISH_STOP if rollout.tokens[-1] in stop_ids else FINISH_LENGTH
+    return cls(request_id=-1, group_id=rollout.group_id, sample_index=rollout.sample_index,
+               prompt_tokens=np.asarray(prompt_tokens, np.int32), completion_tokens=np.asarray(rollout.tokens, np.int32),
+               logprobs=np.asarray(rollout.logprobs, np.float32), token_versions=np.asarray(rollout.versions, np.int32),
+               finish_reason=reason, first_version=min(rollout.versions), last_version=max(rollout.versions),
+               loss_mask=np.asarray(rollout.loss_mask, bool) if rollout.loss_mask else None)

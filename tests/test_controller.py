@@ -47,3 +47,11 @@ def test_skew_aware_leases_put_the_predicted_longest_prompts_together():
 def test_fifo_leases_are_consecutive_slices_and_one_sampler_takes_the_whole_step():
   assert [lease.group_ids for lease in leases_of_step_0("fifo")] == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)]
   assert [lease.group_ids for lease in leases_of_step_0("skew_aware", samplers=1)] == [tuple(range(10))]
+
+
+def test_leases_carry_their_prompts_token_ids_encoded_once_by_the_controller():
+  from streamrl_jax.tasks.rows import prompt_tokens
+  task, tokenizer = ArithmeticTask(max_digits=2), CharTokenizer()
+  for lease in leases_of_step_0("skew_aware"):  # cut by the ranker: the ids travel with their own prompts
+    assert len(lease.prompt_ids) == len(lease.prompts) == len(lease.group_ids)
+    assert [list(ids) for ids in lease.prompt_ids] == [prompt_tokens(task, tokenizer, p) for p in lease.prompts]

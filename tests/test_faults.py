@@ -51,7 +51,7 @@ def groups(step: int, group_ids, completion: int = 5) -> SampleShard:
   n, width = len(rows), completion + 1
   return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
                      loss_mask=np.arange(width)[None].repeat(n, 0) > 0, sampler_logprobs=np.zeros((n, width), np.float32),
-                     rewards=np.zeros(n, np.float32), group_ids=[g for g, _ in rows], prompt_ids=[g for g, _ in rows],
+                     rewards=np.zeros(n, np.float32), group_ids=[g for g, _ in rows],
                      first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
                      sample_indices=[i for _, i in rows], steps=np.full(n, step))
 
@@ -158,7 +158,7 @@ def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
   n = len(group_ids)
   return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
                      loss_mask=np.ones((n, width), bool), sampler_logprobs=np.zeros((n, width), np.float32),
-                     rewards=np.zeros(n, np.float32), group_ids=np.array(group_ids), prompt_ids=np.array(group_ids),
+                     rewards=np.zeros(n, np.float32), group_ids=np.array(group_ids),
                      first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
                      sample_indices=np.array(sample_indices), steps=np.full(n, step))
 

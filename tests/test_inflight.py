@@ -13,7 +13,7 @@ from flax import nnx
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import load_hf
 from streamrl_jax.sampling import EngineConfig, StreamingSampler, make_engine
-from streamrl_jax.types import Progress, SamplingParams
+from streamrl_jax.types import Rollout, SamplingParams
 
 ENGINE = EngineConfig(num_slots=4, max_prompt_length=16, max_new_tokens=40, min_prefill_bucket=8)
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4, 60, 61, 62, 70, 3, 11]]
@@ -109,11 +109,11 @@ def test_progress_that_cannot_resume_is_refused(setup):
   engine, _, params = setup
   sampler = StreamingSampler([engine], params)
   with pytest.raises(ValueError, match="one of each per token"):
-    Progress((1, 2), (0.0,), (0, 0))
+    Rollout(0, 0, (1, 2), (0.0,), (0, 0))
   with pytest.raises(ValueError, match="finished already"):
-    sampler.submit(PROMPTS[0], SamplingParams(max_new_tokens=2), progress=Progress((1, 2), (-1.0, -1.0), (0, 0)))
+    sampler.submit(PROMPTS[0], SamplingParams(max_new_tokens=2), progress=Rollout(0, 0, (1, 2), (-1.0, -1.0), (0, 0)))
   with pytest.raises(ValueError, match="one sample"):
-    sampler.submit(PROMPTS[0], SamplingParams(num_samples=2), progress=Progress((1,), (-1.0,), (0,)))
+    sampler.submit(PROMPTS[0], SamplingParams(num_samples=2), progress=Rollout(0, 0, (1,), (-1.0,), (0,)))
   with pytest.raises(ValueError, match="does not fit the cache"):
     ENGINE.resume_bucket_for(ENGINE.cache_length)
 

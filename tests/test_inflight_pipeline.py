@@ -260,20 +260,24 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
   # bad partials refuse the whole Leave, naming the sample
   third = worker_parts()
   third.register(controller)
-  from streamrl_jax.messages import BadMessage, Partial
+  from streamrl_jax.messages import BadMessage, decode_message, encode_message
+  from streamrl_jax.types import Rollout
   with pytest.raises(BadMessage, match="group 99, which is not of a lease it holds"):
-    controller.leave(Leave(third.sampler_id, partials=(Partial(99, 0, (1,), (-1.0,), (0,), False),)))
-  with pytest.raises(BadMessage, match="one of each per token"):
-    Partial(1, 0, (1, 2), (-1.0,), (0, 0), False)
+    controller.leave(Leave(third.sampler_id, partials=(Rollout(99, 0, (1,), (-1.0,), (0,)),)))
+  with pytest.raises(ValueError, match="one of each per token"):
+    Rollout(1, 0, (1, 2), (-1.0,), (0, 0))
+  sent = encode_message(Leave(third.sampler_id, partials=(Rollout(1, 0, (1,), (-1.0,), (0,)),)))
+  with pytest.raises(BadMessage, match="Rollout: .*one of each per token"):  # the same rule at the door
+    decode_message(sent.replace(b'"logprobs":[-1.0]', b'"logprobs":[-1.0,-2.0]'))
 
 
 def test_partials_a_leaving_sampler_may_hand_back_by_hand():
-  from streamrl_jax.messages import Partial
   from streamrl_jax.pipeline.step_plan import partial_problem
+  from streamrl_jax.types import Rollout
   config = BASE  # group_size 4, max_new_tokens 12
 
   def p(group=5, index=0, n=3, finished=False):
-    return Partial(group, index, (1,) * n, (-1.0,) * n, (0,) * n, finished)
+    return Rollout(group, index, (1,) * n, (-1.0,) * n, (0,) * n, finished=finished)
   assert partial_problem(config, {5, 6}, [p(), p(index=1), p(6, 3, 12, finished=True)]) is None
   assert partial_problem(config, {5}, [p(), p(group=7)]) == "sample 0 of group 7, which is not of a lease it holds"
   assert "which is not in the group" in partial_problem(config, {5}, [p(index=4)])

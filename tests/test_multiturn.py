@@ -356,7 +356,7 @@ def test_a_failing_environment_ends_its_episode_not_the_sampler(engine_and_param
 
 
 def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_params):
-  from streamrl_jax.types import Progress
+  from streamrl_jax.types import Rollout
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
   tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
@@ -364,7 +364,7 @@ def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_
   whole = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))[0]
   sampler = StreamingSampler([engine], params, tools=_FixedTools(tokens[j], [5, 6]))
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=7,
-                 progress=Progress(tuple(tokens[:2]), tuple(whole.logprobs[:2].tolist()), (0, 0)))
+                 progress=Rollout(7, 0, tuple(tokens[:2]), tuple(whole.logprobs[:2].tolist()), (0, 0)))
   (resumed,) = list(sampler.stream())
   assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
   assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()

@@ -45,7 +45,10 @@ def _bad_batches():
       "lacks column 'reward'": pa.record_batch(
           [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
           schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
-      "not 'streamrl.samples/3'": good.replace_schema_metadata({}),
+      "not 'streamrl.samples/4'": good.replace_schema_metadata({}),
+      # a sampler of the version before (prompt_id still a column): refused by its version, not a column
+      "of schema 'streamrl.samples/3', this trainer reads 'streamrl.samples/4'": good.replace_schema_metadata(
+          {"schema": "streamrl.samples/3"}),
       "row 1: reward_parts must hold one value per reward function": _replace_column(
           good, "reward_parts", pa.array([[1.0], [1.0, 0.0]], pa.list_(pa.float32()))),
       "row 0: reward_parts must be finite": _replace_column(
@@ -74,7 +77,7 @@ def test_malformed_sample_batches_are_refused_by_name(problem):
 
 
 def test_sample_schema_is_fixed():
-  assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "prompt_id", "sample_index", "tokens",
+  assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "sample_index", "tokens",
                                  "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version",
                                  "token_versions", "reward_parts", "reward_errors", "reward_timeouts"]
   with pytest.raises(ValueError, match="prefix"):

@@ -32,7 +32,6 @@ def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, ste
     versions[row, p:p + c] = s.token_versions
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
                      rewards=np.asarray([c.total + s.env_reward for c, s in zip(scores, samples)], np.float32),
-                     prompt_ids=[s.group_id for s in samples],
                      group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
                      steps=[step] * n, first_versions=[s.first_version for s in samples],
                      last_versions=[s.last_version for s in samples], token_versions=versions,

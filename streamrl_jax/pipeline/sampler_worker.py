@@ -17,15 +17,15 @@ import numpy as np
 
 from streamrl_jax.envs import make_tools
 from streamrl_jax.meshes import replica_meshes
-from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Partial, Register, RejoinRequired, StepReport,
+from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport,
                                    WeightUpdate)
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
-from streamrl_jax.tasks.rows import Row, prompt_tokens, question, verifier
-from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Progress, Sample, SamplingParams
+from streamrl_jax.tasks.rows import Row, question, verifier
+from streamrl_jax.types import Rollout, Sample, SamplingParams
 
 LEASE_POLL_S = 5.0
 SCORE_WAIT_S = 0.05  # nothing to decode, rewards still running: how long to wait for one before looking again
@@ -201,17 +201,13 @@ class SamplerWorker:
     self._apply_elastic()
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
                     np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
-    encoded = [prompt_tokens(self.task, self.tokenizer, p) for p in lease.prompts]
-    self._submit(lease, encoded)
-    for partial in (p for p in lease.partials if p.finished):
-      i = run.index_of[partial.group_id]
-      self._collect(run, Sample(
-          request_id=-1, group_id=partial.group_id, sample_index=partial.sample_index,
-          prompt_tokens=np.asarray(encoded[i], np.int32), completion_tokens=np.asarray(partial.tokens, np.int32),
-          logprobs=np.asarray(partial.logprobs, np.float32), token_versions=np.asarray(partial.versions, np.int32),
-          finish_reason=FINISH_STOP if partial.tokens[-1] in self.tokenizer.stop_ids else FINISH_LENGTH,
-          first_version=min(partial.versions), last_version=max(partial.versions), instance=-1,
-          submit_time=run.begin, admit_time=run.begin, finish_time=run.begin), samples)
+    if len(lease.prompt_ids) != len(lease.prompts):
+      raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_ids)} prompts' token ids for "
+                       f"{len(lease.prompts)} prompts: a controller of another streamrl_jax version?")
+    self._submit(lease, lease.prompt_ids)
+    for rollout in (p for p in lease.partials if p.finished):
+      i = run.index_of[rollout.group_id]
+      self._collect(run, Sample.of_rollout(rollout, lease.prompt_ids[i], self.tokenizer.stop_ids), samples)
     return run
 
   def _collect(self, run: _LeaseRun, sample: Sample, samples) -> None:
@@ -282,28 +278,25 @@ class SamplerWorker:
         partial = begun.get((lease.group_ids[i], k))
         if partial is not None and partial.finished:
           continue  # scored as it is (`_start`)
-        progress = None if partial is None else Progress(partial.tokens, partial.logprobs, partial.versions)
         sampler.submit(encoded[i], single, group_id=lease.group_ids[i], instance=dispatch.instance_of[r],
                        predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k,
-                       progress=progress)
+                       progress=partial)
 
-  def _partials(self, runs: dict) -> tuple[Partial, ...]:
+  def _partials(self, runs: dict) -> tuple[Rollout, ...]:
     """What this sampler has begun of the leases in hand, to hand back as it leaves: each running or preempted
     request's tokens so far, and each finished sample of a group not yet whole (within PARTIAL_TOKENS)."""
     if self.sampler is None:
       return ()
     out, budget = [], PARTIAL_TOKENS
-    for request, progress in self.sampler.in_flight_progress():
-      if progress.tokens and len(progress.tokens) <= budget:
-        out.append(Partial(request.group_id, request.sample_index, progress.tokens, progress.logprobs,
-                           progress.versions, finished=False))
-        budget -= len(progress.tokens)
+    for _, rollout in self.sampler.in_flight_progress():
+      if rollout.tokens and len(rollout.tokens) <= budget:
+        out.append(rollout)
+        budget -= len(rollout.tokens)
     for run in runs.values():
       for sample in run.collector.held():
-        if sample.loss_mask is not None or sample.env_reward:
-          continue  # an episode with an environment's tokens: a Partial carries no masks; it is sampled again
+        if sample.env_reward:
+          continue  # an episode's environment reward is not carried: it is sampled again
         if sample.num_tokens <= budget:
-          out.append(Partial(sample.group_id, sample.sample_index, tuple(sample.completion_tokens.tolist()),
-                             tuple(sample.logprobs.tolist()), tuple(sample.token_versions.tolist()), finished=True))
+          out.append(sample.rollout())
           budget -= sample.num_tokens
     return tuple(out)

@@ -9,9 +9,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, Partial, StepReport, StepSummary
+from streamrl_jax.messages import Lease, StepReport, StepSummary
 from streamrl_jax.scheduling import dispatch_requests
 from streamrl_jax.tasks.rows import draw
+from streamrl_jax.types import Rollout
 
 
 @dataclasses.dataclass
@@ -83,28 +84,29 @@ def cut_prompts(config, step: int, predicted: Sequence[float], history, parts: i
   return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]
 
 
-def step_leases(config, step: int, prompts: Sequence[str], rows: Sequence[str], cuts: Sequence[np.ndarray],
-                predicted: Sequence[float], quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
-  """One lease per cut (lease ids are given when a sampler takes one); group ids number the run's prompts."""
+def step_leases(config, step: int, plan: StepPlan, cuts: Sequence[np.ndarray], predicted: Sequence[float],
+                quantiles: Sequence[float], gate: int, instances: int) -> list[Lease]:
+  """One lease per cut of the plan's prompts (lease ids are given when a sampler takes one); group ids number
+  the run's prompts."""
   first = step_group_ids(config, step)[0].start
   return [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
-                prompts=tuple(prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
+                prompts=tuple(plan.prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
                 if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances,
-                rows=tuple(rows[i] for i in idx))
+                rows=tuple(plan.rows[i] for i in idx), prompt_ids=tuple(tuple(plan.encoded[i]) for i in idx))
           for idx in cuts]
 
 
-def partial_problem(config, held: set, partials: Sequence[Partial]) -> str | None:
+def partial_problem(config, held: set, partials: Sequence[Rollout]) -> str | None:
   """What is wrong with the first of `partials` a leaving sampler hands back, given the groups of the leases it
-  holds (None: nothing): a group it does not hold, an index outside the group, a sample twice, or more tokens
-  than a sample may have."""
+  holds (None: nothing): a group it does not hold, an index outside the group, a sample twice, no tokens, or more
+  tokens than a sample may have."""
   seen = set()
   for p in partials:
     key = (p.group_id, p.sample_index)
     longest = config.max_new_tokens if p.finished else config.max_new_tokens - 1
     problem = ("is not of a lease it holds" if p.group_id not in held else
                "is not in the group" if p.sample_index >= config.group_size else
-               "is there twice" if key in seen else
+               "is there twice" if key in seen else "has no tokens" if not p.tokens else
                f"has {len(p.tokens)} tokens, more than max_new_tokens={config.max_new_tokens} allows"
                if len(p.tokens) > longest else None)
     if problem:

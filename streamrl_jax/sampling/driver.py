@@ -21,7 +21,7 @@ import numpy as np
 
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.scheduling.policies import fifo_order
-from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, FINISH_TURNS, Progress, Request, Sample, SamplingParams
+from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, FINISH_TURNS, Request, Rollout, Sample, SamplingParams
 
 AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduling.policies.fifo_order`
 
@@ -41,6 +41,13 @@ class _InFlight:
   turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
   waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
   env_reward: float = 0.0
+
+  def rollout(self) -> Rollout:
+    """Its tokens so far as a `Rollout`; an episode with an environment's tokens gives none (its environment's
+    state stays here, so it starts again elsewhere)."""
+    request, keep = self.request, all(self.mask) and self.waiting is None
+    return Rollout(request.group_id, request.sample_index, tuple(self.tokens) if keep else (),
+                   tuple(self.logprobs) if keep else (), tuple(self.versions) if keep else ())
 
 
 @dataclasses.dataclass
@@ -105,14 +112,14 @@ class StreamingSampler:
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
              predicted_length: float | None = None, first_sample_index: int = 0,
-             progress: Progress | None = None) -> list[int]:
+             progress: Rollout | None = None) -> list[int]:
     """Queues `params.num_samples` requests for one prompt; returns their request ids.
 
     `instance` (an id from `instance_ids`) pins them to an engine instance (dispatch policies use
     this); otherwise the least loaded instance takes them. Samples are reproducible from (seed,
     group_id, sample_index), on any instance; sample indices start at `first_sample_index` (a group
     may be submitted one sample at a time). `progress` (one sample only) resumes a partial rollout after
-    its tokens so far, which keep their log-probabilities and versions.
+    its tokens so far, which keep their log-probabilities, versions and loss mask.
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     if self.tools is not None:
@@ -135,8 +142,9 @@ class StreamingSampler:
     for k in range(params.num_samples):
       request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
       if progress is not None and progress.tokens:
-        self._resume[request.request_id] = _InFlight(request, now, list(progress.tokens), list(progress.logprobs),
-                                                     list(progress.versions), mask=[True] * len(progress.tokens))
+        self._resume[request.request_id] = _InFlight(
+            request, now, list(progress.tokens), list(progress.logprobs), list(progress.versions),
+            mask=list(progress.loss_mask) or [True] * len(progress.tokens))
         self.counters["resumed_partial"] += 1
       target.pending.append(request)
       ids.append(self._next_id)
@@ -159,23 +167,19 @@ class StreamingSampler:
         self._requeue(inst, slots)
         self.counters["recomputed"] += len(slots)
 
-  def in_flight_progress(self) -> list[tuple[Request, Progress]]:
+  def in_flight_progress(self) -> list[tuple[Request, Rollout]]:
     """Every queued or running request with its tokens so far (a partial rollout to hand over when the
     sampler stops), in submission order."""
     requests = [r for inst in self._instances for r in inst.pending]
-    requests += [f.request for inst in self._instances for f in inst.slots.values()]
-    requests += [f.request for inst in self._instances for f, _ in inst.parked.values()]
     flights = {f.request.request_id: f for inst in self._instances for f in inst.slots.values()}
     flights.update({f.request.request_id: f for inst in self._instances for f, _ in inst.parked.values()})
     flights.update(self._resume)
+    requests += [f.request for f in flights.values() if f.request.request_id not in self._resume]
     out = []
     for request in sorted(requests, key=lambda r: r.request_id):
       flight = flights.get(request.request_id)
-      tokens = flight.tokens if flight is not None else []
-      if flight is not None and (not all(flight.mask) or flight.waiting is not None):
-        tokens = []  # an episode with an environment's tokens starts again (Progress carries no masks)
-      out.append((request, Progress(tuple(tokens), tuple(flight.logprobs) if tokens else (),
-                                    tuple(flight.versions) if tokens else ())))
+      out.append((request, flight.rollout() if flight is not None else
+                  Rollout(request.group_id, request.sample_index, (), (), ())))
     return out
 
   # ---- instances ----------------------------------------------------------------------------

@@ -19,15 +19,16 @@ import pyarrow as pa
 
 from streamrl_jax.streaming.shard import SampleShard
 
-SCHEMA_NAME = "streamrl.samples/3"  # /2: token_versions; /3: each reward function's value, failed calls
+# /2: token_versions; /3: each reward function's value, failed calls; /4: no prompt_id (it was the group id)
+SCHEMA_NAME = "streamrl.samples/4"
 SAMPLE_SCHEMA = pa.schema([
     ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
-    ("prompt_id", pa.int64()), ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
+    ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
     ("first_version", pa.int64()), ("last_version", pa.int64()), ("token_versions", pa.list_(pa.int64())),
     ("reward_parts", pa.list_(pa.float32())), ("reward_errors", pa.int32()), ("reward_timeouts", pa.int32()),
 ], metadata={"schema": SCHEMA_NAME})
-ROWS = {"step": "steps", "group_id": "group_ids", "prompt_id": "prompt_ids", "sample_index": "sample_indices",
+ROWS = {"step": "steps", "group_id": "group_ids", "sample_index": "sample_indices",
         "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions",
         "reward_errors": "reward_errors", "reward_timeouts": "reward_timeouts"}
 LISTS = ("tokens", "loss_mask", "sampler_logprobs", "token_versions")
@@ -87,7 +88,28 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
   """Checks a received batch and rebuilds the shard (rows right-padded to the longest); raises
   `BadSampleBatch` naming the first problem. `limits`: the run's, or a vocabulary size alone."""
   limits = limits if isinstance(limits, WireLimits) else WireLimits(int(limits))
-  vocab_size = limits.vocab_size
+  _check_batch(batch, limits)
+  envelope = SampleEnvelope(*(_uniform(batch, name) for name in ("sampler_id", "seq")))
+  lists = {name: _list_column(batch, name) for name in LISTS}
+  lengths = _check_lists(lists, limits)
+  rows = {field: batch.column(wire).to_numpy() for wire, field in ROWS.items()}
+  _check_rows(rows)
+  rows["reward_parts"] = _reward_parts(batch)
+  width = int(lengths.max())
+  valid = np.arange(width)[None] < lengths[:, None]
+  padded = {}
+  for name, (_, values) in lists.items():
+    padded[name] = np.zeros((batch.num_rows, width), values.dtype)
+    padded[name][valid] = values
+  if padded["loss_mask"][:, 0].any():
+    raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
+                         f"token has no prediction)")
+  _check_token_versions(padded["token_versions"], padded["loss_mask"], rows)
+  return SampleShard(valid=valid, **padded, **rows), envelope
+
+
+def _check_batch(batch: pa.RecordBatch, limits: WireLimits) -> None:
+  """The schema, well-formed Arrow, a row count within the run's, and no nulls at any level."""
   _check_schema(batch.schema)
   try:
     batch.validate(full=True)  # offsets within bounds, buffers of the right size
@@ -103,15 +125,18 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.null_count} nulls")
     if field.name in (*LISTS, "reward_parts") and column.values.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.values.null_count} nulls inside its lists")
-  envelope = SampleEnvelope(*(_uniform(batch, name) for name in ("sampler_id", "seq")))
-  lists = {name: _list_column(batch, name) for name in LISTS}
+
+
+def _check_lists(lists: dict, limits: WireLimits) -> np.ndarray:
+  """Every list column as long as 'tokens' in each row, token ids in the vocabulary, lengths within the run's,
+  log-probabilities in range; returns each row's length."""
   lengths = np.diff(lists["tokens"][0])
   for name in LISTS[1:]:
     bad = np.flatnonzero(np.diff(lists[name][0]) != lengths)
     if bad.size:
       raise BadSampleBatch(f"row {bad[0]}: {name!r} has {np.diff(lists[name][0])[bad[0]]} entries but 'tokens' has "
                            f"{lengths[bad[0]]}")
-  tokens = lists["tokens"][1]
+  tokens, vocab_size = lists["tokens"][1], limits.vocab_size
   if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab_size):
     row = int(np.searchsorted(lists["tokens"][0], np.flatnonzero((tokens < 0) | (tokens >= vocab_size))[0], "right")) - 1
     raise BadSampleBatch(f"row {row}: token ids must lie in [0, {vocab_size}) (the vocabulary)")
@@ -126,20 +151,7 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
     row = int(np.searchsorted(lists["sampler_logprobs"][0], np.flatnonzero(bad)[0], "right")) - 1
     raise BadSampleBatch(f"row {row}: sampler_logprobs must be finite and in [{LOGPROB_RANGE[0]:g}, 0], got "
                          f"{logprobs[np.flatnonzero(bad)[0]]!r}")
-  rows = {field: batch.column(wire).to_numpy() for wire, field in ROWS.items()}
-  _check_rows(rows)
-  rows["reward_parts"] = _reward_parts(batch)
-  width = int(lengths.max())
-  valid = np.arange(width)[None] < lengths[:, None]
-  padded = {}
-  for name, (_, values) in lists.items():
-    padded[name] = np.zeros((batch.num_rows, width), values.dtype)
-    padded[name][valid] = values
-  if padded["loss_mask"][:, 0].any():
-    raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
-                         f"token has no prediction)")
-  _check_token_versions(padded["token_versions"], padded["loss_mask"], rows)
-  return SampleShard(valid=valid, **padded, **rows), envelope
+  return lengths
 
 
 def _reward_parts(batch: pa.RecordBatch) -> np.ndarray:
@@ -157,7 +169,11 @@ def _reward_parts(batch: pa.RecordBatch) -> np.ndarray:
 
 
 def _check_schema(schema: pa.Schema) -> None:
-  if schema.metadata is None or schema.metadata.get(b"schema") != SCHEMA_NAME.encode():
+  name = (schema.metadata or {}).get(b"schema", b"").decode(errors="replace")
+  if name.startswith("streamrl.samples/") and name != SCHEMA_NAME:
+    raise BadSampleBatch(f"sample batch is of schema {name!r}, this trainer reads {SCHEMA_NAME!r}: run the samplers "
+                         f"and the trainer from one version of streamrl_jax")
+  if name != SCHEMA_NAME:
     raise BadSampleBatch(f"sample batch schema is not {SCHEMA_NAME!r} (metadata {schema.metadata})")
   got = {f.name: f.type for f in schema}
   for field in SAMPLE_SCHEMA:
@@ -203,7 +219,6 @@ def _check_token_versions(versions: np.ndarray, loss_mask: np.ndarray, rows: dic
 def _check_rows(rows: dict) -> None:
   checks = [("steps", rows["steps"] < 0, "step must be >= 0"),
             ("group_ids", rows["group_ids"] < 0, "group_id must be >= 0"),
-            ("prompt_ids", rows["prompt_ids"] < 0, "prompt_id must be >= 0"),
             ("sample_indices", rows["sample_indices"] < 0, "sample_index must be >= 0"),
             ("first_versions", rows["first_versions"] < 0, "first_version must be >= 0"),
             ("last_versions", rows["last_versions"] < rows["first_versions"], "last_version must be >= first_version"),

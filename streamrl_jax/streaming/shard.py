@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-ROW_FIELDS = {"rewards": np.float32, "prompt_ids": np.int64, "group_ids": np.int64, "sample_indices": np.int64,
+ROW_FIELDS = {"rewards": np.float32, "group_ids": np.int64, "sample_indices": np.int64,
               "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64, "reward_errors": np.int32,
               "reward_timeouts": np.int32}
 PART_FIELDS = {"reward_parts": np.float32}  # [n, reward functions]
@@ -35,7 +35,6 @@ class SampleShard:
   loss_mask: np.ndarray
   sampler_logprobs: np.ndarray
   rewards: np.ndarray
-  prompt_ids: np.ndarray
   group_ids: np.ndarray
   sample_indices: np.ndarray
   steps: np.ndarray

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, BadShard, Heartbeat, HeartbeatReply,
-                                   LeaseReply, LeaseRequest, Leave, Partial, Published, Regenerate, Register,
+                                   LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register,
                                    Registered, SamplerWait, SamplerWaitQuery, StepReport, StepSummary,
                                    StepSummaryRequest, StepTrained, quote)
 from streamrl_jax.pipeline.controller.door import shard_groups
@@ -27,6 +27,7 @@ from streamrl_jax.pipeline.controller.timeline import Timeline
 from streamrl_jax.pipeline.controller.weight_trees import WeightTrees
 from streamrl_jax.pipeline.step_plan import partial_problem
 from streamrl_jax.pipeline.watchdog import Watchdog
+from streamrl_jax.types import Rollout
 
 MAX_LEASE_WAIT_S = 30.0
 
@@ -195,7 +196,7 @@ class Controller:
     if self._watchdog is not None:
       self._watchdog.close()
 
-  def _drop(self, sampler_id: int, *, lost: bool, partials: tuple[Partial, ...] = ()) -> str:
+  def _drop(self, sampler_id: int, *, lost: bool, partials: tuple[Rollout, ...] = ()) -> str:
     """Removes a sampler (lock held); its unreported leases go back to the front of their steps, with the
     `partials` of their groups not yet delivered."""
     leases = self.leases.take_back(sampler_id, lost=lost)

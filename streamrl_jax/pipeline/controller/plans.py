@@ -13,12 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl_jax.messages import Lease, Partial, StepReport, StepSummary
+from streamrl_jax.messages import Lease, StepReport, StepSummary
 from streamrl_jax.pipeline.controller.timeline import Timeline
 from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version,
                                              step_group_ids, step_leases, step_prompts)
 from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
 from streamrl_jax.tasks.rows import prompt_tokens
+from streamrl_jax.types import Rollout
 
 
 class StepPlans:
@@ -68,7 +69,7 @@ class StepPlans:
     if step in self._plans:
       self._plans[step].delivered.update(lengths)
 
-  def hand_back(self, lease: Lease, partials: Sequence[Partial] = ()) -> tuple[int, ...]:
+  def hand_back(self, lease: Lease, partials: Sequence[Rollout] = ()) -> tuple[int, ...]:
     """An unreported lease of a sampler that left or was lost: its groups not yet delivered go back to the front
     of the step with the `partials` begun of them; returns those groups (none: only the report is lost)."""
     plan = self._plans[lease.step]
@@ -83,7 +84,7 @@ class StepPlans:
     begun = tuple(p for p in partials if p.group_id in set(groups))
     plan.unleased.insert(0, dataclasses.replace(lease, group_ids=groups, prompts=pick(lease.prompts),
                                                 predicted_lengths=pick(lease.predicted_lengths), partials=begun,
-                                                rows=pick(lease.rows)))
+                                                rows=pick(lease.rows), prompt_ids=pick(lease.prompt_ids)))
     self._timeline.count(partial_samples_handed_back=len(begun))
     return groups
 
@@ -131,7 +132,8 @@ class StepPlans:
     plan.unleased.append(Lease(lease_id=-1, step=step, group_ids=tuple(int(g) for g in group_ids),
                                prompts=tuple(p for p, _ in drawn), predicted_lengths=(), length_quantiles=(),
                                min_version=self._min_version(step), instances=instances,
-                               rows=tuple(r for _, r in drawn)))
+                               rows=tuple(r for _, r in drawn),
+                               prompt_ids=tuple(tuple(prompt_tokens(self.task, self.tokenizer, p)) for p, _ in drawn)))
     plan.leases += 1
     plan.summary = None
 
@@ -151,8 +153,10 @@ class StepPlans:
       if history.size:
         quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
     cuts = cut_prompts(config, step, predicted, history, parts=parts)
-    leases = step_leases(config, step, prompts, rows, cuts, predicted, quantiles, self._min_version(step), instances)
-    return StepPlan(prompts, rows, encoded, scores, leases, len(leases))
+    plan = StepPlan(prompts, rows, encoded, scores, [], 0)
+    plan.unleased = step_leases(config, step, plan, cuts, predicted, quantiles, self._min_version(step), instances)
+    plan.leases = len(plan.unleased)
+    return plan
 
   def _summarise_if_done(self, step: int) -> None:
     plan = self._plans[step]
