@@ -4,7 +4,7 @@ The setting of issue 12 (what Tunix's GRPO was timed on: 1.67 s per steady step 
 Qwen-shaped decoder of 2.39M parameters (4 layers, hidden 256, MLP 512, 4 heads and 2 KV heads of 64,
 vocabulary 64), 8 prompts x 8 samples per step, prompts of 8 tokens, 64 new tokens each (EOS off, so every
 sample is 72 tokens), AdamW, no KL; 10 steps, the first two left out; the trainer's shapes compiled first
-(`PipelineConfig.precompile`); the engine decodes 8 steps per host round trip (`EngineConfig.steps_per_sync`:
+(`TrainerConfig.precompile`); the engine decodes 8 steps per host round trip (`EngineConfig.steps_per_sync`:
 with EOS off nothing is lost to it). Modes colocated, stream and async on
 `streamrl train`'s default devices (one per core), each with the trainer's packed rows (`packing`, the
 default) and without (`chunk_rows` 8 padded to a power of two, as before). Then the same trainer on a
@@ -35,7 +35,7 @@ from flax import nnx  # noqa: E402
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline  # noqa: E402
 from streamrl_jax.sampling import EngineConfig  # noqa: E402
-from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer  # noqa: E402
+from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 
 STEPS, SKIP = 10, 2
@@ -81,8 +81,8 @@ def config_for(mode: str, packing: bool) -> PipelineConfig:
   engine = EngineConfig(num_slots=64, max_prompt_length=PROMPT, max_new_tokens=NEW, min_prefill_bucket=8,
                         steps_per_sync=8)
   return PipelineConfig(mode=mode, steps=STEPS, prompts_per_step=8, group_size=8, max_new_tokens=NEW,
-                        staleness=1, packing=packing, precompile=True, engine=engine, optimizer=OptimizerConfig(learning_rate=1e-5),
-                        objective=ObjectiveConfig())
+                        staleness=1, trainer=TrainerConfig(packing=packing, precompile=True), engine=engine,
+                        optimizer=OptimizerConfig(learning_rate=1e-5), objective=ObjectiveConfig())
 
 
 def train_flops(lengths) -> float:
@@ -152,13 +152,13 @@ def trainer_runs(params_host, graphdef, peak, device) -> dict:
     for packing in (True, False):
       trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(), mesh)
       config = config_for("stream", packing)
-      batcher = MicroBatcher(trainer, chunk_rows=config.chunk_rows, **(
+      batcher = MicroBatcher(trainer, chunk_rows=config.trainer.chunk_rows, **(
           dict(pack_length=config.packed_length, chunk_tokens=64 * config.packed_length) if packing else {}))
       state = trainer.init_state(jax.tree.map(jnp.asarray, params_host))
-      if packing:  # every shape compiled before the clock starts, as PipelineConfig.precompile does
+      if packing:  # every shape compiled before the clock starts, as TrainerConfig.precompile does
         state = trainer.precompile_packed(state, batcher.chunk_tokens, batcher.pack_length)
       else:
-        state = trainer.precompile(state, config.chunk_rows, PROMPT + NEW)
+        state = trainer.precompile(state, config.trainer.chunk_rows, PROMPT + NEW)
       seconds, flops, real, computed = 0.0, 0.0, 0, 0
       for step, lengths in enumerate(lengths_per_step):
         batch = trainer_batch(rng, lengths)

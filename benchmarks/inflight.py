@@ -38,7 +38,7 @@ from multiprocess import streamrl, warm_up  # noqa: E402
 DEMO_STEPS, SKIP = 48, 3
 # precompile: every trainer shape compiled before the first step, so no arm pays compiles that a later arm
 # finds in the shared compilation cache (the first arm run used to train at half speed for it)
-DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "PipelineConfig.precompile=True")
+DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True")
 ARMS = {  # in flight first: what a first arm might still pay counts against it
     "in_flight": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True"),
     "between": ("PipelineConfig.mode='async'",),

@@ -38,7 +38,7 @@ STEPS, SKIP = 10, 3
 MODES = ("disaggregated", "stream", "async", "colocated")
 WORKLOAD = ("JobConfig.hidden_size=160", "JobConfig.max_digits=8", "JobConfig.warmup_steps=100",
             "JobConfig.eval_prompts=1", "EngineConfig.num_slots=128", "EngineConfig.steps_per_sync=8",
-            f"PipelineConfig.steps={STEPS}", "PipelineConfig.precompile=True", "MeshConfig.sampler_devices=0",
+            f"PipelineConfig.steps={STEPS}", "TrainerConfig.precompile=True", "MeshConfig.sampler_devices=0",
             "MeshConfig.trainer_devices=0")
 WEIGHT_PARAMS = 100_000_000
 

@@ -2,7 +2,7 @@
 
 - `tool_gain`: two `train_job` runs on 3-digit multiplication with the demo decoder (hidden 64, 2 layers), each
   with a supervised warm-up on its own worked solutions and then STEPS GRPO steps in `stream` mode: one with the
-  calculator (`PipelineConfig.environment='calculator'`: the model writes `<A*B>`, the environment appends the
+  calculator (`EnvConfig.environment='calculator'`: the model writes `<A*B>`, the environment appends the
   product with loss mask 0, the model writes `;=` and the answer), one without (the answer alone). Held-out
   greedy accuracy after training, with the tool minus without.
 - `slow_tool_throughput_ratio`: the tool run's trained model samples PROMPTS held-out prompts (8 a group, 32
@@ -38,11 +38,12 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 
 def configs():
   from streamrl_jax.pipeline.config import PipelineConfig
+  from streamrl_jax.envs import EnvConfig
   from streamrl_jax.pipeline.train_job import JobConfig
   from streamrl_jax.sampling.engine import EngineConfig
   engine = EngineConfig(num_slots=32, max_prompt_length=16, max_new_tokens=32)
   base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32, engine=engine)
-  tool = (PipelineConfig(environment="calculator", **base),
+  tool = (PipelineConfig(env=EnvConfig(environment="calculator"), **base),
           JobConfig(task="multiply", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
   plain = (PipelineConfig(**base),
            JobConfig(task="multiply_no_tool", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
@@ -67,8 +68,8 @@ def sampling_rate(engine, params, config, delay_s: float, seed: int, prompts: in
   from streamrl_jax.tasks import MultiplyTask
   from streamrl_jax.types import SamplingParams
   tokenizer = CharTokenizer()
-  tools = ToolRunner(make_environment("calculator", max_turns=config.max_turns), tokenizer, delay_s=delay_s,
-                     threads=config.tool_threads)
+  tools = ToolRunner(make_environment("calculator", max_turns=config.env.max_turns), tokenizer, delay_s=delay_s,
+                     threads=config.env.tool_threads)
   sampler = StreamingSampler([engine], params, tools=tools, seed=seed)
   rng = np.random.default_rng(seed)
   knobs = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids,
@@ -117,7 +118,7 @@ def throughput(model, tool_config, paged_config) -> dict:
   graphdef, params = nnx.split(model)
   engines = {layout: make_engine(graphdef, model.config, config.engine, single_device_mesh())
              for layout, config in (("contiguous", tool_config), ("paged", paged_config))}
-  few_threads = dataclasses.replace(tool_config, tool_threads=8)
+  few_threads = dataclasses.replace(tool_config, env=dataclasses.replace(tool_config.env, tool_threads=8))
   one_step = tool_config.prompts_per_step * tool_config.group_size
   arms = (("instant", "contiguous", 0.0, tool_config, PROMPTS), ("slow", "contiguous", 0.05, tool_config, PROMPTS),
           ("slow_8_threads", "contiguous", 0.05, few_threads, PROMPTS),

@@ -77,7 +77,7 @@ def _groups(step: int, group_ids, rng: np.random.Generator, lengths=None) -> Sam
   valid = np.arange(width)[None] < lengths[:, None]
   return SampleShard(tokens=rng.integers(0, 20, (n, width)) * valid, valid=valid,
                      loss_mask=valid & (np.arange(width)[None] >= 2), sampler_logprobs=-rng.random((n, width)) * valid,
-                     rewards=rng.random(n), prompt_ids=[g for g, _ in rows], group_ids=[g for g, _ in rows],
+                     rewards=rng.random(n), group_ids=[g for g, _ in rows],
                      sample_indices=[i for _, i in rows], steps=np.full(n, step), first_versions=np.zeros(n),
                      last_versions=np.zeros(n))
 

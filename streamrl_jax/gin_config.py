@@ -7,11 +7,13 @@ Only this module knows gin; the dataclasses stay plain. A gin file writes e.g.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
 import gin
 
+from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.config import ModelConfig, RopeScaling
@@ -37,14 +39,34 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, PipelineConfig, JobConfig, FlightConfig,
+                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, PipelineConfig, JobConfig, FlightConfig,
                   GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 
 
+# Keys that moved to the config of the part that uses them: an old file or `--set` is refused naming the new key.
+MOVED_KEYS = {
+    **{f"PipelineConfig.{f}": f"TrainerConfig.{f}" for f in ("chunk_rows", "packing", "pack_length", "chunk_tokens",
+                                                               "precompile")},
+    **{f"PipelineConfig.{f}": f"EnvConfig.{f}" for f in ("environment", "max_turns", "tool_threads", "tool_delay_s")},
+}
+_KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
+
+
+def check_moved_keys(config_files=(), bindings=()) -> None:
+  """Refuses a binding of a key that moved, naming where it went and where it was written."""
+  sources = [(f"--set {b!r}", b) for b in bindings]
+  sources += [(str(f), Path(f).read_text()) for f in config_files if Path(f).is_file()]
+  for where, text in sources:
+    for key in _KEY.findall(text):
+      if key in MOVED_KEYS:
+        raise ValueError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
+
+
 def parse(config_files=(), bindings=()) -> None:
   """Parses gin files and binding strings; a mistake is raised as ValueError naming it."""
+  check_moved_keys(config_files, bindings)
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings([str(f) for f in config_files], list(bindings))
@@ -79,7 +101,7 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
                objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
-               reward=build(RewardConfig), trainer=build(TrainerConfig))
+               reward=build(RewardConfig), trainer=build(TrainerConfig), env=build(EnvConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
 
 

@@ -49,6 +49,18 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
   gin_config.parse()
 
 
+@pytest.mark.parametrize("old, new", [("PipelineConfig.packing", "TrainerConfig.packing"),
+                                      ("PipelineConfig.environment", "EnvConfig.environment")])
+def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
+  gin_file = tmp_path / "old.gin"
+  gin_file.write_text(f"PipelineConfig.steps = 2\n{old} = 1\n")
+  with pytest.raises(ValueError, match=f"{old} moved: set {new} instead \\({gin_file}\\)"):
+    gin_config.parse([gin_file])
+  assert cli.main(["info", "--set", f"{old}=1"]) == 2
+  assert f"{old} moved: set {new} instead (--set" in capsys.readouterr().err
+  gin_config.parse()
+
+
 def test_info_prints_the_split(capsys):
   assert cli.main(["info", "--set", "MeshConfig.sampler_devices=6"]) == 0
   info = json.loads(capsys.readouterr().out)

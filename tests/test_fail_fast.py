@@ -95,7 +95,7 @@ CASES = {
                                               "JobConfig.model_dir='{badgen}'", "--set",
                                               "JobConfig.prompt_file='{prompts}'"], None,
                                              "generation_config.json is not valid JSON"),
-    "more stop tokens than the engine takes": (["train", "--set", "PipelineConfig.environment='calculator'", "--set",
+    "more stop tokens than the engine takes": (["train", "--set", "EnvConfig.environment='calculator'", "--set",
                                                 "EngineConfig.max_stop_tokens=1"], None,
                                                "more than EngineConfig.max_stop_tokens=1: set it to 2"),
     "an activation budget below one row": (["train", "--set", "TrainerConfig.activation_budget_mb=1"], None,

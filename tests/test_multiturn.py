@@ -13,7 +13,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl_jax.envs import CalculatorEnv, CalculatorError, ToolResult, ToolRunner, evaluate, make_environment
+from streamrl_jax.envs import CalculatorEnv, CalculatorError, EnvConfig, ToolResult, ToolRunner, evaluate, make_environment
 from streamrl_jax.envs.calculator import format_value
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
@@ -267,12 +267,12 @@ def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
 # ---- the pipeline ------------------------------------------------------------------------------------
 def test_the_run_config_refuses_what_multi_turn_cannot_do():
   with pytest.raises(ValueError, match="unknown environment 'abacus'"):
-    PipelineConfig(environment="abacus")
-  PipelineConfig(environment="calculator", engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
+    EnvConfig(environment="abacus")
+  PipelineConfig(env=EnvConfig(environment="calculator"), engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
                                                                max_new_tokens=48))  # multi-turn runs on pages too
   with pytest.raises(ValueError, match="tool_threads must be >= 1"):
-    PipelineConfig(environment="calculator", tool_threads=0)
-  assert dataclasses.replace(PipelineConfig(), environment="calculator").max_turns == 2
+    EnvConfig(environment="calculator", tool_threads=0)
+  assert dataclasses.replace(PipelineConfig(), env=EnvConfig(environment="calculator")).env.max_turns == 2
 
 
 def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same(engine_and_params):
@@ -309,7 +309,7 @@ def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
   from tests.test_faults import Programs, check_each_step_once
   steps = 3
   run = Programs(tmp_path, steps, mode="async")
-  sets = ["PipelineConfig.environment='calculator'", "JobConfig.task='multiply'", "JobConfig.multiply_digits=1",
+  sets = ["EnvConfig.environment='calculator'", "JobConfig.task='multiply'", "JobConfig.multiply_digits=1",
           "JobConfig.warmup_steps=100", "PipelineConfig.max_new_tokens=16", "EngineConfig.max_new_tokens=16",
           "PipelineConfig.in_flight=True"]
   extra = [a for s in sets for a in ("--set", s)]

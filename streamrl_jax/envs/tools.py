@@ -90,8 +90,7 @@ class ToolRunner:
 
 
 def make_tools(config, tokenizer) -> ToolRunner | None:
-  """The tool runner of a run's config (`PipelineConfig.environment`, `max_turns`, `tool_threads`,
-  `tool_delay_s`), or None without an environment."""
+  """The tool runner of an `EnvConfig`, or None without an environment."""
   if not config.environment:
     return None
   from streamrl_jax.envs.catalog import make_environment

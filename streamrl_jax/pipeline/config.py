@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
@@ -33,18 +34,9 @@ class PipelineConfig:
   dynamic_sampling: bool = False
   backfill_limit: int = 0
   advantage: str = "grpo"
-  chunk_rows: int = 8  # trainer micro-batch rows (MicroBatcher) when packing is off
-  packing: bool = True  # the trainer packs samples end to end into rows (segment ids): compute follows tokens
-  pack_length: int = 0  # packed row length; 0: the longest sample (prompt + new tokens), rounded up to 8
-  chunk_tokens: int = 0  # tokens (padding included) per trainer call; 0: a step (a quarter in `stream`), within memory
-  precompile: bool = False  # compile every trainer micro-batch shape before the first step (no stalls later)
   queue_capacity: int = 256  # samples in the host queue before the sampler blocks
   sampler_precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
   quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
-  environment: str = ""  # multi-turn: an `envs` environment the samples call as a tool ("calculator"); "": none
-  max_turns: int = 2  # multi-turn: tool calls per episode
-  tool_threads: int = 64  # multi-turn: host threads running the environment's steps (>= slots: calls never queue)
-  tool_delay_s: float = 0.0  # multi-turn: added to every tool call (to measure slow tools)
   # a stop request (first Ctrl-C / SIGTERM) lets the step in progress finish and checkpoint; one still waiting
   # for samples this long after the request is abandoned (the checkpoint before it is the one resumed)
   stop_grace_s: float = 120.0
@@ -59,6 +51,7 @@ class PipelineConfig:
   scheduling: SchedulingConfig = SchedulingConfig()
   reward: RewardConfig = RewardConfig()
   trainer: TrainerConfig = TrainerConfig()
+  env: EnvConfig = EnvConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -66,13 +59,11 @@ class PipelineConfig:
     ADVANTAGES.get(self.advantage)
     if self.advantage in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
       raise ValueError(f"advantage {self.advantage!r} needs group_size >= 2 (GRPO group size 1 has no baseline)")
-    for name in ("pack_length", "chunk_tokens"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"PipelineConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
-    if self.pack_length and self.pack_length < self.engine.max_prompt_length + self.max_new_tokens:
-      raise ValueError(f"PipelineConfig.pack_length={self.pack_length} is shorter than the longest sample "
+    pack_length = self.trainer.pack_length
+    if pack_length and pack_length < self.engine.max_prompt_length + self.max_new_tokens:
+      raise ValueError(f"TrainerConfig.pack_length={pack_length} is shorter than the longest sample "
                        f"({self.engine.max_prompt_length} + {self.max_new_tokens} tokens)")
-    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "chunk_rows", "queue_capacity"):
+    for name in ("steps", "prompts_per_step", "group_size", "max_new_tokens", "queue_capacity"):
       if getattr(self, name) < 1:
         raise ValueError(f"PipelineConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.temperature <= 0:
@@ -91,11 +82,6 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.max_new_tokens={self.max_new_tokens} exceeds "
                        f"EngineConfig.max_new_tokens={self.engine.max_new_tokens}")
     SamplerPrecision(self.sampler_precision, self.quantize_on)  # refuses an unknown precision or side
-    if self.environment:
-      from streamrl_jax.envs import make_environment
-      make_environment(self.environment, max_turns=self.max_turns)  # refuses an unknown name or turn limit
-    if self.tool_threads < 1 or self.tool_delay_s < 0:
-      raise ValueError("PipelineConfig.tool_threads must be >= 1 and tool_delay_s >= 0")
     if not self.stop_grace_s > 0:
       raise ValueError(f"PipelineConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
     if self.step_timeout_s < 0:
@@ -114,8 +100,8 @@ class PipelineConfig:
 
   @property
   def packed_length(self) -> int:
-    """Packed trainer rows' length: `pack_length`, or the longest sample rounded up to a multiple of 8."""
-    return self.pack_length or -(-(self.engine.max_prompt_length + self.max_new_tokens) // 8) * 8
+    """Packed trainer rows' length: `TrainerConfig.pack_length`, or the longest sample rounded up to a multiple of 8."""
+    return self.trainer.pack_length or -(-(self.engine.max_prompt_length + self.max_new_tokens) // 8) * 8
 
   @property
   def precision(self) -> SamplerPrecision:

@@ -105,11 +105,11 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
   """The ids that end a turn (the model's eos ids, its template's end of turn, the environment's stop) fit
   `EngineConfig.max_stop_tokens`."""
   stops = set(tokenizer.stop_ids)
-  if config.environment:
+  if config.env.environment:
     from streamrl_jax.envs.catalog import make_environment
     from streamrl_jax.envs.tools import stop_token_ids
 
-    stops |= set(stop_token_ids(tokenizer, make_environment(config.environment, max_turns=config.max_turns).stop))
+    stops |= set(stop_token_ids(tokenizer, make_environment(config.env.environment, max_turns=config.env.max_turns).stop))
   if len(stops) > config.engine.max_stop_tokens:
     raise ValueError(f"a turn ends on any of {len(stops)} tokens {sorted(stops)} (the model's eos ids, its end of "
                      f"turn, the environment's stop), more than EngineConfig.max_stop_tokens="
@@ -119,7 +119,7 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
 def check_activation_budget(config: PipelineConfig, model_config) -> None:
   """An explicit `TrainerConfig.activation_budget_mb` holds at least one packed row of activations (the
   automatic one is checked against the device when the trainer starts)."""
-  if config.packing and config.trainer.activation_budget_mb:
+  if config.trainer.packing and config.trainer.activation_budget_mb:
     from streamrl_jax.training.packing import chunk_tokens_for
 
     chunk_tokens_for(model_config, config.packed_length, config.packed_length,

@@ -173,7 +173,7 @@ class SamplerWorker:
     if self.sampler is None:
       engines = [self.engine_for(k) for k in range(self.target_instances)]
       self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
-                                      seed=self.config.seed, tools=make_tools(self.config, self.tokenizer))
+                                      seed=self.config.seed, tools=make_tools(self.config.env, self.tokenizer))
       self.mesh_of = {i: i for i in range(len(engines))}
     elif update.version > self.sampler.version:
       self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")

@@ -179,7 +179,7 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
   engine = make_engine(graphdef, model.config, config.engine, mesh)
-  tools = make_tools(config, tokenizer)
+  tools = make_tools(config.env, tokenizer)
   sampler = StreamingSampler([engine], params, tools=tools)
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]

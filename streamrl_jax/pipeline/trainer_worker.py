@@ -61,8 +61,8 @@ class TrainerWorker:
       self.state, extra = checkpointer.restore(self.state)
       self.start_step = int(extra["next_step"])
     self.checkpointer = checkpointer
-    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.chunk_rows,
-                                **(_packing(config, graphdef, params, mesh) if config.packing else {}))
+    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.trainer.chunk_rows,
+                                **(_packing(config, graphdef, params, mesh) if config.trainer.packing else {}))
     # samples_trained counts what went into gradients, unique_samples_trained the distinct (step, group,
     # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
     # or trained twice.
@@ -81,12 +81,12 @@ class TrainerWorker:
     """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
     raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
     (memory, queue depth)."""
-    if self.config.precompile:
+    if self.config.trainer.precompile:
       width = self.config.engine.max_prompt_length + self.config.max_new_tokens
       if self.batcher.pack_length:
         self.state = self.trainer.precompile_packed(self.state, self.batcher.chunk_tokens, self.batcher.pack_length)
       else:
-        self.state = self.trainer.precompile(self.state, self.config.chunk_rows, width)
+        self.state = self.trainer.precompile(self.state, self.config.trainer.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
     watch = None
@@ -286,7 +286,7 @@ def _packing(config, graphdef, params, mesh) -> dict:
 
   length = config.packed_length
   step_tokens = config.samples_per_step * length
-  wanted = config.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
+  wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
                                    else step_tokens)
   model_config = nnx.merge(graphdef, params).config
   reference, platform = config.objective.kl_coef > 0, mesh.devices.flat[0].platform

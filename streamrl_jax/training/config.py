@@ -1,5 +1,6 @@
-"""How the trainer spends memory: log-probabilities over vocabulary chunks, rematerialisation, and the
-activation budget a trainer call is cut to."""
+"""The trainer's configuration: how samples are batched into trainer calls (packing, micro-batches, compiled
+shapes) and how a call spends memory (log-probabilities over vocabulary chunks, rematerialisation, the
+activation budget a call is cut to)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,28 @@ class TrainerConfig:
   full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
   `activation_budget_mb`: the temporaries of one trainer call (its gradient before it joins the running sum, and
   its activations: `training.packing.call_bytes`); the packed tokens per call are cut to fit. 0: 40% of a
-  device's memory; on the CPU, the gradient plus 1 GiB, or one packed row (`training.packing.auto_budget`)."""
+  device's memory; on the CPU, the gradient plus 1 GiB, or one packed row (`training.packing.auto_budget`).
+
+  `packing`: samples are packed end to end into rows (segment ids), so compute follows tokens; `pack_length` is
+  the packed rows' length (0: the longest sample, prompt + new tokens, rounded up to 8), and `chunk_tokens` the
+  tokens (padding included) per trainer call (0: a step, a quarter of one in `stream` mode, within memory).
+  Without packing, micro-batches of `chunk_rows` rows. `precompile`: every trainer call's shape is compiled
+  before the first step (no stalls later)."""
 
   logprob_chunk: int = 8192
   remat: str = "none"
   activation_budget_mb: int = 0
+  packing: bool = True
+  pack_length: int = 0
+  chunk_tokens: int = 0
+  chunk_rows: int = 8
+  precompile: bool = False
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"TrainerConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
-    for name in ("logprob_chunk", "activation_budget_mb"):
+    for name in ("logprob_chunk", "activation_budget_mb", "pack_length", "chunk_tokens"):
       if getattr(self, name) < 0:
-        raise ValueError(f"TrainerConfig.{name} must be >= 0, got {getattr(self, name)}")
+        raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+    if self.chunk_rows < 1:
+      raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
