@@ -265,7 +265,7 @@ def part_rl(steps: int) -> dict:
 
 
 MODES_SETTINGS = ("PipelineConfig.steps=8", "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8",
-                  "PipelineConfig.max_new_tokens=32", "EngineConfig.max_new_tokens=32", "JobConfig.eval_prompts=1")
+                  "PipelineConfig.max_new_tokens=32", "JobConfig.eval_prompts=1")
 
 
 def part_modes(steps: int) -> dict:

@@ -49,7 +49,7 @@ SETS = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConf
         "JobConfig.eval_prompts=2", "JobConfig.hidden_size=32", f"PipelineConfig.steps={STEPS}",
         "PipelineConfig.mode='stream'", f"PipelineConfig.prompts_per_step={PROMPTS}",
         f"PipelineConfig.group_size={GROUP}", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
-        "EngineConfig.num_slots=8", f"EngineConfig.max_new_tokens={NEW_TOKENS}",
+        "EngineConfig.num_slots=8", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
         f"EngineConfig.max_prompt_length={PROMPT_LENGTH}", "FlightConfig.heartbeat_s=0.5",
         "FlightConfig.lease_timeout_s=3.0")
 SHARDS, MESSAGES_SENT, TICKETS = 700, 300, 60

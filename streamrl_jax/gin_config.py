@@ -51,17 +51,21 @@ MOVED_KEYS = {
                                                                "precompile")},
     **{f"PipelineConfig.{f}": f"EnvConfig.{f}" for f in ("environment", "max_turns", "tool_threads", "tool_delay_s")},
 }
+# Keys a run derives from another, set once there.
+DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
 _KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
 
 
 def check_moved_keys(config_files=(), bindings=()) -> None:
-  """Refuses a binding of a key that moved, naming where it went and where it was written."""
+  """Refuses a binding of a key that moved or is derived, naming the key to set and where it was written."""
   sources = [(f"--set {b!r}", b) for b in bindings]
   sources += [(str(f), Path(f).read_text()) for f in config_files if Path(f).is_file()]
   for where, text in sources:
     for key in _KEY.findall(text):
       if key in MOVED_KEYS:
         raise ValueError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
+      if key in DERIVED_KEYS:
+        raise ValueError(f"{key} is set from {DERIVED_KEYS[key]}: bind that one alone ({where})")
 
 
 def parse(config_files=(), bindings=()) -> None:

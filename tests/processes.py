@@ -18,7 +18,6 @@ PipelineConfig.mode = '{mode}'
 PipelineConfig.seed = 3
 EngineConfig.num_slots = 4
 EngineConfig.max_prompt_length = 16
-EngineConfig.max_new_tokens = 8
 EngineConfig.min_prefill_bucket = 16
 MeshConfig.sampler_devices = 1
 MeshConfig.trainer_devices = {trainer_devices}

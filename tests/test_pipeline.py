@@ -9,6 +9,7 @@ from flax import nnx
 
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.sampling import EngineConfig
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 
 
@@ -55,8 +56,9 @@ def test_bad_pipeline_configs():
     PipelineConfig(mode="pipelined")
   with pytest.raises(ValueError, match="group_size >= 2"):
     PipelineConfig(group_size=1)
-  with pytest.raises(ValueError, match="exceeds EngineConfig.max_new_tokens"):
-    PipelineConfig(max_new_tokens=500)
+  with pytest.raises(ValueError, match="EngineConfig.max_new_tokens=32 differs from PipelineConfig.max_new_tokens=48"):
+    PipelineConfig(max_new_tokens=48, engine=EngineConfig(max_new_tokens=32))
+  assert PipelineConfig(max_new_tokens=24).engine.max_new_tokens == 24  # derived once, from the run's
 
 
 def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path):

@@ -63,7 +63,7 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
           "--set", "JobConfig.eval_prompts=4", "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=2",
           "--set", "PipelineConfig.group_size=2", "--set", "PipelineConfig.max_new_tokens=8",
           "--set", "EngineConfig.num_slots=4", "--set", "EngineConfig.max_prompt_length=16",
-          "--set", "EngineConfig.max_new_tokens=8", "--set", "EngineConfig.min_prefill_bucket=16"]
+          "--set", "EngineConfig.min_prefill_bucket=16"]
   assert cli.main(args) == 0
   summary = json.loads((workdir / "summary.json").read_text())
   assert summary["counters"]["samples_trained"] == 2 * 2 * 2 and not (workdir / "warmup_model").exists()

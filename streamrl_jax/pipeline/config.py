@@ -14,6 +14,7 @@ from streamrl_jax.scheduling.config import SchedulingConfig
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 IN_FLIGHT_CACHE = ("keep", "recompute")
+ENGINE_DEFAULT_NEW_TOKENS = EngineConfig().max_new_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,7 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.in_flight_cache={self.in_flight_cache!r}; known: {list(IN_FLIGHT_CACHE)}")
     if self.backfill_limit < 0:
       raise ValueError(f"PipelineConfig.backfill_limit must be >= 0 (0: prompts_per_step), got {self.backfill_limit}")
-    if self.max_new_tokens > self.engine.max_new_tokens:
-      raise ValueError(f"PipelineConfig.max_new_tokens={self.max_new_tokens} exceeds "
-                       f"EngineConfig.max_new_tokens={self.engine.max_new_tokens}")
+    self._derive_engine_length()
     SamplerPrecision(self.sampler_precision, self.quantize_on)  # refuses an unknown precision or side
     if not self.stop_grace_s > 0:
       raise ValueError(f"PipelineConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
@@ -88,6 +87,17 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
+
+  def _derive_engine_length(self) -> None:
+    """The engine's `max_new_tokens` is the run's, set here once; an engine config given another is refused."""
+    engine_new = self.engine.max_new_tokens
+    if engine_new == self.max_new_tokens:
+      return
+    if engine_new != ENGINE_DEFAULT_NEW_TOKENS:
+      raise ValueError(f"EngineConfig.max_new_tokens={engine_new} differs from PipelineConfig.max_new_tokens="
+                       f"{self.max_new_tokens}: a run's engine generates the run's length; set "
+                       f"PipelineConfig.max_new_tokens alone")
+    object.__setattr__(self, "engine", dataclasses.replace(self.engine, max_new_tokens=self.max_new_tokens))
 
   @property
   def backfill_per_step(self) -> int:
