@@ -6,7 +6,7 @@ namespaces, and the trainer's weight stream against memcpy on loopback.
   bytes into a fresh buffer, in the same run: `loopback_vs_memcpy` (`FlightConfig.weight_streams`) and the best.
 - Shaped star: a trainer node and 4 sampler nodes on one site, every link shaped to LINK_MBIT both ways, a
   MODEL_MB version: seconds from publish until every sampler holds it, relays on (the tree of
-  `scheduling.broadcast`, fan-out `FlightConfig.weight_fanout`) and off (every sampler pulls from the
+  `scheduling.broadcast`, fan-out `ControllerConfig.weight_fanout`) and off (every sampler pulls from the
   trainer); `tree_vs_star` is their ratio (median over the versions of each run).
 - Two sites: a trainer and 2 samplers on site a, 2 samplers on site b, the sites joined by LINK_MBIT / 10:
   `inter_site_copies` is the bytes sent across (the interface counter of the inter-site veth, all traffic

@@ -3,7 +3,7 @@
 Run 1 (the demo task, async, a trainer and two sampler processes on loopback): at step KILL_AT one sampler
 is killed (SIGKILL); at step JOIN_AT a new one is started; the run goes on to STEPS. `recovery_s` is the
 time from the kill to the first sample of one of its prompts delivered by another sampler (the controller's
-`re_leased_delivered` event; the kill is noticed after `FlightConfig.lease_timeout_s`). Throughput is the
+`re_leased_delivered` event; the kill is noticed after `ControllerConfig.lease_timeout_s`). Throughput is the
 mean of the per-step `samples_per_s` before the kill, between the loss and the join, and from 5 s after the
 joiner registered (its compile). `lost_samples` and `duplicate_trained` compare what the trainer trained with
 the plan: every step must train exactly its prompts x group size samples, each (step, group, sample) once (the trainer
@@ -33,8 +33,8 @@ from streamrl_jax.commands.launch_local import Child
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, KILL_AT, JOIN_AT = 40, 10, 20
 RUN = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=50",
-       "JobConfig.eval_prompts=1", f"PipelineConfig.steps={STEPS}", "FlightConfig.lease_timeout_s=4.0",
-       "FlightConfig.heartbeat_s=1.0")
+       "JobConfig.eval_prompts=1", f"PipelineConfig.steps={STEPS}", "ControllerConfig.lease_timeout_s=4.0",
+       "ControllerConfig.heartbeat_s=1.0")
 RSS_STEPS = 200
 TINY = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
         "JobConfig.eval_prompts=1", "JobConfig.hidden_size=32", f"PipelineConfig.steps={RSS_STEPS}",

@@ -50,8 +50,8 @@ SETS = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConf
         "PipelineConfig.mode='stream'", f"PipelineConfig.prompts_per_step={PROMPTS}",
         f"PipelineConfig.group_size={GROUP}", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
         "EngineConfig.num_slots=8", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
-        f"EngineConfig.max_prompt_length={PROMPT_LENGTH}", "FlightConfig.heartbeat_s=0.5",
-        "FlightConfig.lease_timeout_s=3.0")
+        f"EngineConfig.max_prompt_length={PROMPT_LENGTH}", "ControllerConfig.heartbeat_s=0.5",
+        "ControllerConfig.lease_timeout_s=3.0")
 SHARDS, MESSAGES_SENT, TICKETS = 700, 300, 60
 BEFORE_SAMPLER = 0.8  # the share of each kind sent before the honest sampler starts
 WIDTH = PROMPT_LENGTH + NEW_TOKENS

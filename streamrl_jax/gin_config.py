@@ -18,6 +18,7 @@ from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.config import ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.train_job import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
@@ -39,7 +40,7 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, PipelineConfig, JobConfig, FlightConfig,
+                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
                   GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
@@ -50,6 +51,8 @@ MOVED_KEYS = {
     **{f"PipelineConfig.{f}": f"TrainerConfig.{f}" for f in ("chunk_rows", "packing", "pack_length", "chunk_tokens",
                                                                "precompile")},
     **{f"PipelineConfig.{f}": f"EnvConfig.{f}" for f in ("environment", "max_turns", "tool_threads", "tool_delay_s")},
+    **{f"FlightConfig.{f}": f"ControllerConfig.{f}" for f in ("heartbeat_s", "lease_timeout_s", "sampler_timeout_s",
+                                                             "finish_grace_s", "weight_fanout")},
 }
 # Keys a run derives from another, set once there.
 DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
@@ -105,7 +108,8 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
                objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
-               reward=build(RewardConfig), trainer=build(TrainerConfig), env=build(EnvConfig))
+               reward=build(RewardConfig), trainer=build(TrainerConfig), env=build(EnvConfig),
+               controller=build(ControllerConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
 
 

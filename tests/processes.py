@@ -24,7 +24,7 @@ MeshConfig.trainer_devices = {trainer_devices}
 JobConfig.warmup_steps = 0
 JobConfig.eval_prompts = 2
 JobConfig.hidden_size = 32
-FlightConfig.heartbeat_s = 0.5
+ControllerConfig.heartbeat_s = 0.5
 """
 
 

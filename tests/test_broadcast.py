@@ -261,8 +261,7 @@ def test_a_relay_store_keeps_chunks_in_order_and_skips_what_it_holds():
 
 def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
   events = []
-  controller = Controller(PipelineConfig(), None, None, start_step=0, site="a", weight_fanout=1,
-                          on_event=events.append)
+  controller = Controller(PipelineConfig(), None, None, start_step=0, site="a", on_event=events.append)
   ids = [controller.register(Register(name, {}, site=site, relay=relay)).sampler_id
          for name, site, relay in [("s0", "a", "10.0.0.1:5"), ("s1", "a", "10.0.0.2:5"), ("s2", "b", ""),
                                    ("s3", "b", "10.0.0.4:5")]]

@@ -3,6 +3,7 @@ Each prompt of each step is trained exactly once whatever happens (the trainer r
 otherwise), and the counters say what was leased again, late or refused. The controller's rules are checked
 by hand first, with a clock the test moves; then the programs, as real processes on loopback."""
 
+import dataclasses
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from streamrl_jax.messages import Heartbeat, LeaseRequest, Leave, Published, Reg
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.trainer_worker import _refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
@@ -41,8 +43,8 @@ class Clock:
 
 
 def make_controller(clock, **kwargs) -> Controller:
-  return Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, lease_timeout_s=5.0,
-                    clock=clock, **kwargs)
+  config = dataclasses.replace(CONFIG, controller=ControllerConfig(lease_timeout_s=5.0))
+  return Controller(config, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, clock=clock, **kwargs)
 
 
 def groups(step: int, group_ids, completion: int = 5) -> SampleShard:
@@ -176,7 +178,7 @@ def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
 
 # ---- the programs ------------------------------------------------------------------------------
 FAULTS = TINY + """
-FlightConfig.lease_timeout_s = 3.0
+ControllerConfig.lease_timeout_s = 3.0
 FlightConfig.connect_retry_s = 120.0
 """
 
@@ -276,7 +278,7 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
       else:
         frozen = live[chaos.randrange(len(live))]
         os.kill(run.procs[frozen].pid, signal.SIGSTOP)
-        time.sleep(5.0)  # > FlightConfig.lease_timeout_s
+        time.sleep(5.0)  # > ControllerConfig.lease_timeout_s
         os.kill(run.procs[frozen].pid, signal.SIGCONT)
     assert run.wait_exit("trainer") == 0, run.tails()
     for name in live:  # one started near the end may find the run over before it registers: left to kill_all

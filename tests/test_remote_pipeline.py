@@ -16,15 +16,17 @@ from streamrl_jax.settings import flat_settings
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.sampler_program import run_sampler
 from streamrl_jax.pipeline.trainer_program import serve_training
+from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 
-FAST = FlightConfig(heartbeat_s=0.2, call_timeout_s=30, connect_retry_s=30, sampler_timeout_s=60, finish_grace_s=5)
+FAST = FlightConfig(call_timeout_s=30, connect_retry_s=30)
+FAST_CONTROL = ControllerConfig(heartbeat_s=0.2, sampler_timeout_s=60, finish_grace_s=5)
 
 
 def run_remote(mode: str, samplers: int = 1, **overrides):
   """(trainer's RunResult, each sampler's stats): the trainer on devices 4-7, samplers on devices 0-3."""
-  config = dataclasses.replace(BASE, mode=mode, mesh=MeshConfig(), **overrides)
+  config = dataclasses.replace(BASE, mode=mode, mesh=MeshConfig(), controller=FAST_CONTROL, **overrides)
   task, settings = DigitTask(max_digits=3), flat_settings(config)
   addresses, stats, errors = queue.Queue(), [None] * samplers, []
 

@@ -42,12 +42,13 @@ def say(**fields) -> None:
 def trainer(args) -> None:
   from streamrl_jax.pipeline.config import PipelineConfig
   from streamrl_jax.pipeline.controller import Controller
+  from streamrl_jax.pipeline.controller.config import ControllerConfig
   from streamrl_jax.streaming.flight_config import parse_address
   from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
   from streamrl_jax.streaming.queue import SampleQueue
   events = []
-  controller = Controller(PipelineConfig(), None, None, start_step=0, site=args.site, weight_fanout=args.fanout,
-                          on_event=events.append)
+  config = PipelineConfig(controller=ControllerConfig(weight_fanout=args.fanout))
+  controller = Controller(config, None, None, start_step=0, site=args.site, on_event=events.append)
   store = HostWeightStore(keep=2)
   server = TrainerFlightServer(*parse_address(args.listen, "--listen"), controller=controller, samples=SampleQueue(1),
                                weights=store, limits=1)

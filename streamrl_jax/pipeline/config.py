@@ -8,6 +8,7 @@ from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
+from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
@@ -53,6 +54,7 @@ class PipelineConfig:
   reward: RewardConfig = RewardConfig()
   trainer: TrainerConfig = TrainerConfig()
   env: EnvConfig = EnvConfig()
+  controller: ControllerConfig = ControllerConfig()
 
   def __post_init__(self):
     if self.mode not in MODES:

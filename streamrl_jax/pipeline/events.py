@@ -12,7 +12,7 @@ def describe_event(event: dict) -> str:
   if kind == "sampler_left":
     return f"sampler {name} left; {event['leases_returned']} lease(s) returned to the plan"
   if kind == "sampler_lost":
-    return (f"sampler {name} is silent past FlightConfig.lease_timeout_s: declared lost, "
+    return (f"sampler {name} is silent past ControllerConfig.lease_timeout_s: declared lost, "
             f"{event['leases_returned']} lease(s) leased again")
   if kind == "re_leased_delivered":
     return (f"prompts of lost sampler {event['lost_sampler']} (step {event['step']}) delivered by {name}, "

@@ -59,7 +59,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
                                       streams=flight_config.weight_streams, log=log, relay_tls_name=relay_tls_name)
-      outcome = _session(worker, control, sender, receiver, sampler_id, flight_config.heartbeat_s, stop, stats)
+      outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
       log(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); its lease "

@@ -55,10 +55,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
-                          heartbeat_s=flight_config.heartbeat_s, lease_timeout_s=flight_config.lease_timeout_s,
-                          summary_timeout_s=flight_config.sampler_timeout_s,
-                          on_event=on_event or (lambda e: log(describe_event(e))), site=site,
-                          weight_fanout=flight_config.weight_fanout)
+                          on_event=on_event or (lambda e: log(describe_event(e))), site=site)
   queue = SampleQueue(config.queue_capacity)
   store = HostWeightStore(precision=config.precision,
                           gather=gather_to_host if jax.process_count() > 1 else None)
@@ -68,13 +65,13 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)
-  get_shard = _waiting_get(queue, controller, flight_config, log)
+  get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s, log)
   if jax.process_count() > 1:
     get_shard = _broadcasting(get_shard)
 
   def teardown() -> None:
     controller.finish()
-    controller.wait_samplers_left(flight_config.finish_grace_s)
+    controller.wait_samplers_left(config.controller.finish_grace_s)
     controller.close()
     server.shutdown()
   try:
@@ -127,9 +124,9 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
   return RunResult(gather_to_host(trainer.state.params), [], dict(trainer.counters), {})
 
 
-def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: FlightConfig, log):
+def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float, log):
   """queue.get(timeout) that says when it has waited long for samplers, and gives up once none has been heard
-  from for `sampler_timeout_s`."""
+  from for `ControllerConfig.sampler_timeout_s`."""
   waited, said = 0.0, False  # since the last shard
 
   def get(timeout: float):
@@ -142,9 +139,9 @@ def _waiting_get(queue: SampleQueue, controller: Controller, flight_config: Flig
       if silent is None and waited >= 10 and not said:
         log(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
         said = True
-      if (silent if silent is not None else waited) > flight_config.sampler_timeout_s:
-        raise RuntimeError(f"no sampler has been heard from for {flight_config.sampler_timeout_s:.0f} s "
-                           f"(FlightConfig.sampler_timeout_s); start `streamrl sampler --connect` to this trainer")
+      if (silent if silent is not None else waited) > sampler_timeout_s:
+        raise RuntimeError(f"no sampler has been heard from for {sampler_timeout_s:.0f} s "
+                           f"(ControllerConfig.sampler_timeout_s); start `streamrl sampler --connect` to this trainer")
       raise
     waited, said = 0.0, False
     return shard

@@ -1,5 +1,6 @@
-"""How the trainer and its samplers reach each other across processes: timeouts of the Flight link and
-the address format of `--listen` / `--connect`."""
+"""How the trainer and its samplers reach each other across processes: the Flight link's calls and weight
+streams, and the address format of `--listen` / `--connect` (the controller's own timeouts are
+`pipeline.controller.config.ControllerConfig`, the same in one process)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,8 @@ import dataclasses
 class FlightConfig:
   """How the trainer and its samplers reach each other across processes."""
 
-  heartbeat_s: float = 2.0  # a sampler's heartbeat period
-  lease_timeout_s: float = 10.0  # a sampler silent this long is declared lost; its leases go to the others
   call_timeout_s: float = 60.0  # deadline of one call
   connect_retry_s: float = 300.0  # how long a sampler keeps trying to reach the trainer (a warm-up, a restart)
-  sampler_timeout_s: float = 600.0  # the trainer gives up when no sampler has been heard from for this long
-  finish_grace_s: float = 15.0  # after the last step: how long the trainer waits for samplers to learn it
-  weight_fanout: int = 1  # children per node of a version's broadcast tree (1: a chain, best when links are equal)
   weight_streams: int = 4  # parallel DoGet streams per weight fetch, each a part of the tensors
   weight_chunk_mb: int = 32  # a tensor travels in chunks of at most this; a relay forwards a chunk once it has it
 
@@ -26,9 +22,6 @@ class FlightConfig:
     for field in dataclasses.fields(self):
       if getattr(self, field.name) <= 0:
         raise ValueError(f"FlightConfig.{field.name} must be > 0, got {getattr(self, field.name)}")
-    if self.lease_timeout_s <= self.heartbeat_s:
-      raise ValueError(f"FlightConfig.lease_timeout_s ({self.lease_timeout_s}) must exceed heartbeat_s "
-                       f"({self.heartbeat_s}), or every sampler would be declared lost between two beats")
 
 
 def parse_address(address: str, flag: str) -> tuple[str, int]:

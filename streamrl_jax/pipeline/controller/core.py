@@ -3,7 +3,7 @@
 `streamrl_jax.messages` (directly in one process, samplers' over Arrow Flight DoAction across processes); it
 answers the trainer's as a `pipeline.trainer_control.TrainerControl`.
 
-Faults: a sampler that leaves, or is silent for `lease_timeout_s` (checked by `start_watchdog`), loses its
+Faults: a sampler that leaves, or is silent for `ControllerConfig.lease_timeout_s` (checked by `start_watchdog`), loses its
 leases, which go back to the front of their steps for the others. A lost sampler's samples that arrive late
 are still taken (the trainer keeps the first copy of each (step, group, sample)), and it is told to register
 again; so is a sampler the controller never knew (one of a trainer that restarted).
@@ -36,16 +36,18 @@ class Controller:
   """Routes the control messages to its parts under one lock; thread-safe."""
 
   def __init__(self, config, task, tokenizer, *, start_step: int, settings: dict | None = None, ranker=None,
-               heartbeat_s: float = 2.0, lease_timeout_s: float = 10.0, summary_timeout_s: float = 600.0,
                on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
-               site: str = "", weight_fanout: int = 1):
+               site: str = ""):
+    """`config.controller` (a `ControllerConfig`) holds the heartbeat, the lease timeout, how long a step's
+    summary is waited for (`sampler_timeout_s`) and the weight tree's fan-out."""
     self.config, self.settings, self.start_step = config, dict(settings or {}), start_step
-    self.heartbeat_s, self.summary_timeout_s = heartbeat_s, summary_timeout_s
+    control = config.controller
+    self.heartbeat_s, self.summary_timeout_s = control.heartbeat_s, control.sampler_timeout_s
     self.timeline = Timeline(on_event)
-    self.roster = Roster(config.scheduling, self.timeline, lease_timeout_s=lease_timeout_s, clock=clock)
+    self.roster = Roster(config.scheduling, self.timeline, lease_timeout_s=control.lease_timeout_s, clock=clock)
     self.leases = Leases(self.timeline)
     self.plans = StepPlans(config, task, tokenizer, self.timeline, start_step=start_step, ranker=ranker)
-    self.trees = WeightTrees(self.timeline, site=site, fanout=weight_fanout)
+    self.trees = WeightTrees(self.timeline, site=site, fanout=control.weight_fanout)
     self._cond, self._clock = threading.Condition(), clock  # the clock: when samplers were last heard from
     self._watchdog: Watchdog | None = None
     self.counters, self.events, self.busy = self.timeline.counters, self.timeline.events, self.timeline.busy

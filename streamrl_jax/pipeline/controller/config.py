@@ -1,0 +1,23 @@
+"""The controller's configuration, the same in one process and across processes: how often samplers beat, when
+a silent one is lost, how long the trainer waits for samplers, and the shape of the weights' broadcast tree."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class ControllerConfig:
+  heartbeat_s: float = 2.0  # a sampler's heartbeat period
+  lease_timeout_s: float = 10.0  # a sampler silent this long is declared lost; its leases go to the others
+  sampler_timeout_s: float = 600.0  # no sampler heard from this long (or a step's reports missing): the run stops
+  finish_grace_s: float = 15.0  # after the last step: how long the trainer waits for samplers to learn it
+  weight_fanout: int = 1  # children per node of a version's broadcast tree (1: a chain, best when links are equal)
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if getattr(self, field.name) <= 0:
+        raise ValueError(f"ControllerConfig.{field.name} must be > 0, got {getattr(self, field.name)}")
+    if self.lease_timeout_s <= self.heartbeat_s:
+      raise ValueError(f"ControllerConfig.lease_timeout_s ({self.lease_timeout_s}) must exceed heartbeat_s "
+                       f"({self.heartbeat_s}), or every sampler would be declared lost between two beats")
