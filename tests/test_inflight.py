@@ -121,7 +121,7 @@ def test_progress_that_cannot_resume_is_refused(setup):
 def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probability(setup):
   """A row that crossed an update: each token's behaviour log-probability is its own version's, and the
   corrections of ppo_tis, decoupled_ppo and aipo use it token by token (numpy below), not one per sample."""
-  from streamrl_jax.training.objectives import OBJECTIVES, ObjectiveConfig
+  from streamrl_jax.training import OBJECTIVES, ObjectiveConfig
   engine, graphdef, params = setup
   new = jax.tree.map(lambda x: x * 1.3, params)
   _, samples = run_with_update(engine, params, new, recompute=True)

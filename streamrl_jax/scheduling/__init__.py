@@ -1,12 +1,12 @@
 """Scheduling: pure policies over plain data (dispatch, admission order, resource split, elasticity), the
 registry of policies by name, the output-length ranker that drives them, and the config the pipeline reads."""
 
-from streamrl_jax.scheduling.config import CPU_PTL_CURVE, SchedulingConfig
+from streamrl_jax.scheduling.config import CPU_PTL_CURVE, RankerConfig, SchedulingConfig
 from streamrl_jax.scheduling.dispatch import StepDispatch, dispatch_requests, engine_slots
 from streamrl_jax.scheduling.policies import (DispatchPlan, elastic_decision, elastic_target, fifo_order,
                                               instance_latency, longest_first_admission, lpt_assign, lpt_order,
                                               ptl_at, random_dispatch, resource_split, skew_aware_dispatch)
-from streamrl_jax.scheduling.ranker import (LengthRanker, OnlineRanker, RankerConfig, RankerState, lengths_from_scores,
+from streamrl_jax.scheduling.ranker import (LengthRanker, OnlineRanker, RankerState, lengths_from_scores,
                                             pairwise_ranking_loss, ranking_metrics, recall_at)
 from streamrl_jax.scheduling.registry import SCHEDULING_POLICIES, SchedulingPolicy
 

@@ -6,13 +6,34 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.scheduling.policies import elastic_target, ptl_at
-from streamrl_jax.scheduling.ranker import RankerConfig
 from streamrl_jax.scheduling.registry import SCHEDULING_POLICIES, SchedulingPolicy
 
 # Seconds per decode step by batch size, measured on the 2-core CPU this project is developed on with
 # the ~10M-parameter benchmark model (`python benchmarks/sampler.py`, ptl_ms_by_batch). Set your own
 # model's, from `streamrl_jax.sampling.measure_ptl_curve`.
 CPU_PTL_CURVE = ((1, 0.0053), (2, 0.0056), (4, 0.0067), (8, 0.0083), (16, 0.0110), (32, 0.0178))
+
+
+@dataclasses.dataclass(frozen=True)
+class RankerConfig:
+  """Size and training of the ranker. Token ids are hashed into `vocab_buckets` embedding rows."""
+
+  vocab_buckets: int = 1024
+  max_prompt_length: int = 64  # longer prompts keep their last tokens
+  embed_dim: int = 32
+  hidden_dim: int = 64
+  learning_rate: float = 3e-3
+  batch_size: int = 64
+  history: int = 2048  # most recent (prompt, length) pairs kept to train on
+  steps_per_round: int = 16  # optimizer steps per background round (one round per new observation batch)
+  seed: int = 0
+
+  def __post_init__(self):
+    for field in dataclasses.fields(self):
+      if field.name != "seed" and getattr(self, field.name) <= 0:
+        raise ValueError(f"RankerConfig.{field.name} must be > 0, got {getattr(self, field.name)}")
+    if self.batch_size < 2:
+      raise ValueError(f"RankerConfig.batch_size must be >= 2 to form pairs, got {self.batch_size}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,6 @@ prompt's rank in its batch to the same quantile of recently observed lengths.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -29,30 +28,9 @@ from scipy import stats
 
 from streamrl_jax import launch
 from streamrl_jax.meshes import single_device_mesh
+from streamrl_jax.scheduling.config import RankerConfig
 
 RECALL_FRACTIONS = (0.2, 0.1, 0.05)
-
-
-@dataclasses.dataclass(frozen=True)
-class RankerConfig:
-  """Size and training of the ranker. Token ids are hashed into `vocab_buckets` embedding rows."""
-
-  vocab_buckets: int = 1024
-  max_prompt_length: int = 64  # longer prompts keep their last tokens
-  embed_dim: int = 32
-  hidden_dim: int = 64
-  learning_rate: float = 3e-3
-  batch_size: int = 64
-  history: int = 2048  # most recent (prompt, length) pairs kept to train on
-  steps_per_round: int = 16  # optimizer steps per background round (one round per new observation batch)
-  seed: int = 0
-
-  def __post_init__(self):
-    for field in dataclasses.fields(self):
-      if field.name != "seed" and getattr(self, field.name) <= 0:
-        raise ValueError(f"RankerConfig.{field.name} must be > 0, got {getattr(self, field.name)}")
-    if self.batch_size < 2:
-      raise ValueError(f"RankerConfig.batch_size must be >= 2 to form pairs, got {self.batch_size}")
 
 
 class LengthRanker(nnx.Module):

@@ -1,6 +1,5 @@
-"""The trainer's configuration: how samples are batched into trainer calls (packing, micro-batches, compiled
-shapes) and how a call spends memory (log-probabilities over vocabulary chunks, rematerialisation, the
-activation budget a call is cut to)."""
+"""The training part's configuration: the trainer's batching and memory (`TrainerConfig`) and the optimizer
+(`OptimizerConfig`); the policy loss's (`ObjectiveConfig`) stays beside the objectives' registry it names."""
 
 from __future__ import annotations
 
@@ -40,3 +39,28 @@ class TrainerConfig:
         raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
     if self.chunk_rows < 1:
       raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
+
+
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with global-norm clipping and a warm-up then decay schedule."""
+
+  learning_rate: float = 1e-5
+  schedule: str = "constant"
+  warmup_steps: int = 0
+  decay_steps: int = 1000  # for cosine/linear: steps from the end of warm-up to the end value
+  end_lr_fraction: float = 0.0
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+  max_grad_norm: float = 1.0  # 0: no clipping
+
+  def __post_init__(self):
+    if self.schedule not in SCHEDULES:
+      raise ValueError(f"unknown schedule {self.schedule!r}; known: {list(SCHEDULES)}")
+    if self.learning_rate <= 0 or self.warmup_steps < 0 or self.decay_steps < 1 or self.max_grad_norm < 0:
+      raise ValueError(f"OptimizerConfig out of range: {self}")

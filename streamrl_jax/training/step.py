@@ -9,7 +9,6 @@ Micro-batches are padded to (rows, length) buckets, so compiles stay few.
 
 from __future__ import annotations
 
-import dataclasses
 
 import flax.struct
 import jax
@@ -21,37 +20,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
-from streamrl_jax.training.config import TrainerConfig
+from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
                                               with_old_logprobs)
 from streamrl_jax.training.packing import packed_shapes
 
-SCHEDULES = ("constant", "cosine", "linear")
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs"),
               "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-  """AdamW with global-norm clipping and a warm-up then decay schedule."""
-
-  learning_rate: float = 1e-5
-  schedule: str = "constant"
-  warmup_steps: int = 0
-  decay_steps: int = 1000  # for cosine/linear: steps from the end of warm-up to the end value
-  end_lr_fraction: float = 0.0
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  max_grad_norm: float = 1.0  # 0: no clipping
-
-  def __post_init__(self):
-    if self.schedule not in SCHEDULES:
-      raise ValueError(f"unknown schedule {self.schedule!r}; known: {list(SCHEDULES)}")
-    if self.learning_rate <= 0 or self.warmup_steps < 0 or self.decay_steps < 1 or self.max_grad_norm < 0:
-      raise ValueError(f"OptimizerConfig out of range: {self}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
