@@ -39,7 +39,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 def configs():
   from streamrl_jax.pipeline.config import PipelineConfig
   from streamrl_jax.envs import EnvConfig
-  from streamrl_jax.pipeline.train_job import JobConfig
+  from streamrl_jax.pipeline.job_config import JobConfig
   from streamrl_jax.sampling.engine import EngineConfig
   engine = EngineConfig(num_slots=32, max_prompt_length=16, max_new_tokens=32)
   base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32, engine=engine)

@@ -46,7 +46,7 @@ from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
 from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
-from streamrl_jax.training.step import token_logprobs
+from streamrl_jax.training.trainer import token_logprobs
 from streamrl_jax.types import SamplingParams
 
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

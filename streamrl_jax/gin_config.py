@@ -19,7 +19,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.config import ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
-from streamrl_jax.pipeline.train_job import JobConfig
+from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig

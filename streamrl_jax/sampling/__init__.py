@@ -5,7 +5,7 @@ from streamrl_jax.sampling.engine import DecodeEngine, DecodeState, Engine, Engi
 from streamrl_jax.sampling.engines import ENGINES, kv_tokens, make_engine
 from streamrl_jax.sampling.paged_engine import PagedDecodeEngine
 from streamrl_jax.sampling.profile import measure_ptl_curve
-from streamrl_jax.sampling.sample import filter_logits, sample_tokens
+from streamrl_jax.sampling.token_sampling import filter_logits, sample_tokens
 
 __all__ = ["AdmissionPolicy", "DecodeEngine", "DecodeState", "ENGINES", "Engine", "EngineConfig", "PagedDecodeEngine",
            "Prefix", "StepOutput", "StreamingSampler", "filter_logits", "kv_tokens", "make_engine",

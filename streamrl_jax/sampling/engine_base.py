@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from streamrl_jax import launch
 from streamrl_jax.models import ModelConfig, state_shardings
 from streamrl_jax.sampling.config import EngineConfig
-from streamrl_jax.sampling.sample import sample_tokens
+from streamrl_jax.sampling.token_sampling import sample_tokens
 from streamrl_jax.types import SamplingParams
 
 

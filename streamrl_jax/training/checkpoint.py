@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from streamrl_jax import launch
 from streamrl_jax.pytrees import flatten_with_names as _flatten
 from streamrl_jax.pytrees import unflatten_like as _unflatten
-from streamrl_jax.training.step import TrainState, _zero_sums
+from streamrl_jax.training.trainer import TrainState, _zero_sums
 
 SAVED_FIELDS = ("params", "opt_state", "step", "rng")
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces, trimmed_call
-from streamrl_jax.training.step import Trainer, TrainState
+from streamrl_jax.training.trainer import Trainer, TrainState
 
 
 class MicroBatcher:

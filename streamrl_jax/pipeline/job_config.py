@@ -1,0 +1,114 @@
+"""What `streamrl train` runs around the pipeline (`JobConfig`): the task, the model (a catalog name, a GGUF or a
+Hugging Face directory, or the tiny demo decoder), the supervised warm-up and the held-out evaluation; and the
+model and task it builds from them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import nnx
+
+from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config
+from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
+
+TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_tool")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """What `streamrl train` runs around the pipeline."""
+
+  task: str = "arithmetic"  # "file": your JSONL/Parquet rows (needs a model); "sums": tasks.sums
+  prompt_file: str = ""  # task "file": a .jsonl or .parquet file, or a directory of .parquet shards
+  prompt_key: str = "question"  # the column holding the prompt; the others go to the rewards as fields
+  answer_key: str = "answer"  # the column the built-in numeric verifier reads (when RewardConfig names no function)
+  eval_file: str = ""  # task "file": held-out rows for the greedy accuracy before and after; "": eval_fraction
+  eval_fraction: float = 0.0  # task "file" without eval_file: prompts held out by a stable hash (0: evaluate on the training rows)
+  model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
+  model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json (the older key; `model` takes it too)
+  chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
+  system_prompt: str = ""  # chat: the system message; "": the template's own default
+  max_digits: int = 4
+  sum_digits: int = 2  # task "sums": digits of each term
+  sum_terms: int = 2
+  multiply_digits: int = 3  # task "multiply" (worked solutions call the calculator) and "multiply_no_tool"
+  warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
+  warmup_batch: int = 32
+  warmup_learning_rate: float = 3e-3
+  eval_prompts: int = 128
+  hidden_size: int = 64
+  num_layers: int = 2
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.task not in TASKS:
+      raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
+    if self.model and self.model_dir:
+      raise ValueError("set JobConfig.model or JobConfig.model_dir, not both")
+    if self.task == "file" and not self.prompt_file:
+      raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ValueError(f"JobConfig.eval_fraction must lie in [0, 1), got {self.eval_fraction}")
+    if self.eval_file and self.eval_fraction:
+      raise ValueError("set JobConfig.eval_file or JobConfig.eval_fraction, not both")
+    if self.task in ("file", "sums") and not self.pretrained:
+      raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
+                       "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
+    if self.chat and not self.pretrained:
+      raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
+    if self.warmup_steps < 0 or self.eval_prompts < 1:
+      raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
+
+  @property
+  def pretrained(self) -> str:
+    return self.model or self.model_dir
+
+  def model_path(self, log=print):
+    """The pretrained model's Hugging Face directory (fetched and converted on first use)."""
+    from streamrl_jax.models.catalog import resolve_model
+
+    return resolve_model(self.pretrained, log=log)
+
+  def make_task(self, tokenizer=None, split: str = "train"):
+    """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
+    With `chat`, prompts go into the tokenizer's chat template."""
+    if self.task == "file":
+      if split == "eval" and self.eval_file:
+        source = PromptFile(self.eval_file, self.prompt_key)
+      else:
+        source = PromptFile(self.prompt_file, self.prompt_key, split=("heldout" if split == "eval" else "train")
+                            if self.eval_fraction else "all", heldout_fraction=self.eval_fraction)
+      task = FileTask(source, self.answer_key)
+    elif self.task == "sums":
+      task = SumsTask(self.sum_digits, self.sum_terms, "heldout" if split == "eval" else "train")
+    elif self.task in ("multiply", "multiply_no_tool"):
+      task = MultiplyTask(self.multiply_digits, tool=self.task == "multiply")
+    else:
+      task = ArithmeticTask(max_digits=self.max_digits) if self.task == "arithmetic" else CountdownTask()
+    if not self.chat:
+      return task
+    if not tokenizer.chat_template:
+      raise ValueError(f"JobConfig.chat is set but the model {self.pretrained!r} has no chat template "
+                       "(tokenizer_config.json: chat_template)")
+    return ChatTask(task, tokenizer.chat_format(self.system_prompt or None))
+
+  def load_model(self):
+    """(model, tokenizer, needs warm-up): the pretrained model, else the tiny demo decoder."""
+    if self.pretrained:
+      path = self.model_path()
+      return load_hf(path), load_tokenizer(path), False
+    tokenizer = CharTokenizer()
+    return Transformer(self.model_config(tokenizer), rngs=nnx.Rngs(self.seed)), tokenizer, self.warmup_steps > 0
+
+  def model_spec(self):
+    """(ModelConfig, tokenizer) without the weights: what a sampler needs before the trainer's arrive."""
+    if self.pretrained:
+      path = self.model_path()
+      return read_hf_config(path, dtype="float32", param_dtype="float32"), load_tokenizer(path)
+    tokenizer = CharTokenizer()
+    return self.model_config(tokenizer), tokenizer
+
+  def model_config(self, tokenizer) -> ModelConfig:
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
+                       intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
+                       num_kv_heads=2, eos_token_id=tokenizer.eos_id)
