@@ -1,10 +1,10 @@
-"""Scheduling inside `run_pipeline`: generation time per step with one replica, two replicas under random
-dispatch + FIFO, and two replicas under the ranker's skew-aware dispatch + longest-first admission.
+"""Scheduling inside `run_pipeline`: generation time per step with one engine instance, two under random
+dispatch + FIFO, and two instances under the ranker's skew-aware dispatch + longest-first admission.
 
 The demo's model (warmed up for 100 supervised steps) on long-tailed arithmetic of up to 8 digits, `stream`
 mode (on-policy, so each step's generation is timed on its own), 16 prompts x 8 samples per step on 4
 sampler devices. Steps 1-2 (compiles, an untrained ranker) are left out. Prints one JSON object last:
-generation_s (mean per step, by variant), skew_vs_fifo (two replicas), ranker_recall_top20 (mean).
+generation_s (mean per step, by variant), skew_vs_fifo (two instances), ranker_recall_top20 (mean).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several processes inside one role: `jax.distributed` for that role only, and what its processes share.
 
-A role (the trainer, or one sampler replica) may span processes (hosts): they form one JAX cluster and one
+A role (the trainer, or one engine instance) may span processes (hosts): they form one JAX cluster and one
 mesh, and run the same program in lockstep. Its process 0 talks to the other roles; the others follow:
 process 0 broadcasts each sample shard it receives, and the weights it publishes are all-gathered.
 

@@ -1,5 +1,5 @@
 """Every mesh of a run is built here: the mesh config (how devices split between the sampler and the
-trainer), both meshes of one program, one role's mesh as its own program, the sampler's replica
+trainer), both meshes of one program, one role's mesh as its own program, the sampler's instance
 sub-meshes, a process's local share of a mesh, and the one-device mesh of tools and warm-up."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class MeshShape:
 class MeshConfig:
   """How devices split between the sampler mesh and the trainer mesh.
 
-  The sampler replicates weights over "data" (one engine slot group per data shard) and splits
+  The engine instancetes weights over "data" (one engine slot group per data shard) and splits
   them over "tensor"; the trainer shards them over "fsdp" and "tensor".
   0 devices means: the sampler gets half (rounded up), the trainer the rest.
   """
@@ -140,11 +140,11 @@ def split_mesh(mesh: Mesh, devices_per_instance: list[int]) -> list[Mesh]:
   return out
 
 
-def replica_meshes(sampler_mesh: Mesh, replicas: int) -> list[Mesh]:
-  """The sampler mesh itself for one replica; else `replicas` equal disjoint sub-meshes of it."""
-  if replicas == 1:
+def instance_meshes(sampler_mesh: Mesh, instances: int) -> list[Mesh]:
+  """The sampler mesh itself for one instance; else `instances` equal disjoint sub-meshes of it."""
+  if instances == 1:
     return [sampler_mesh]
-  if sampler_mesh.devices.size % replicas:
-    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_mesh.devices.size} "
+  if sampler_mesh.devices.size % instances:
+    raise ValueError(f"SchedulingConfig.max_instances={instances} does not divide the {sampler_mesh.devices.size} "
                      f"sampler devices")
-  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // replicas] * replicas)
+  return split_mesh(sampler_mesh, [sampler_mesh.devices.size // instances] * instances)

@@ -71,7 +71,7 @@ class LeaseRequest:
 @dataclasses.dataclass(frozen=True)
 class Lease:
   """Prompts of one step leased to one sampler: generate `group_size` samples of each with weights of
-  version >= `min_version`; `instances` is the replica count the controller wants the sampler to run."""
+  version >= `min_version`; `instances` is the instance count the controller wants the sampler to run."""
 
   lease_id: int
   step: int

@@ -64,7 +64,7 @@ def test_the_roster_expires_the_silent_sampler_and_remembers_it_lost():
   assert (counters["registered"], counters["samplers_lost"], counters["samplers_left"]) == (2, 1, 1)
 
 
-def test_the_roster_sets_the_replica_target_per_sampler_process():
+def test_the_roster_sets_the_instance_target_per_sampler_process():
   roster = Roster(SchedulingConfig(instances=2), Timeline(), lease_timeout_s=5.0, clock=Clock())
   assert roster.target_instances == 2
   roster.retarget(StepSummary(9.0, sampler_instances=6, sampler_processes=2, sampler_rss_mb=0.0, ranker={}), 1.0)
@@ -224,7 +224,7 @@ def test_the_controller_hands_a_step_summary_out_once_and_retargets_from_it():
   controller.report(report(sampler, given, generation_s=4.0))
   summary = controller.step_trained(StepTrained(0, 1.0))
   assert summary.generation_s == 4.0 and summary.metrics()["sampler_processes"] == 1
-  assert config.scheduling.replica_target(1, 4.0, 1.0) == 2  # generation 4x training: one more replica
+  assert config.scheduling.instance_target(1, 4.0, 1.0) == 2  # generation 4x training: one more instance
   controller.published(Published(1))
   assert controller.lease(LeaseRequest(sampler, 0.0)).lease.instances == 2
   with pytest.raises(TimeoutError, match="step 0"):

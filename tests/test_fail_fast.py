@@ -72,7 +72,7 @@ CASES = {
     "a bucket URL as workdir": (["train", "--workdir", "gs://bucket/run"], None, "mount the bucket"),
     "meshes larger than the machine": (["train", "--set", "MeshConfig.sampler_devices=6", "--set",
                                         "MeshConfig.trainer_devices=6"], None, "devices"),
-    "replicas that do not divide the sampler": (["train", "--set", "SchedulingConfig.max_instances=3"], None,
+    "instances that do not divide the sampler": (["train", "--set", "SchedulingConfig.max_instances=3"], None,
                                                 "SchedulingConfig.max_instances=3 does not divide the 4 sampler"),
     "generated prompts too long": (["train", "--set", "EngineConfig.max_prompt_length=4"], None,
                                    "exceed EngineConfig.max_prompt_length=4"),

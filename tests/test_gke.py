@@ -263,7 +263,7 @@ def hosts_namespace() -> list[str] | None:
 
 @pytest.mark.slow
 def test_the_rendered_containers_run_here(tmp_path, single_process_run):
-  """The TPU v5e manifests of a run with a trainer of 2 hosts and 2 sampler replicas: each pod's command,
+  """The TPU v5e manifests of a run with a trainer of 2 hosts and 2 engine instances: each pod's command,
   with its environment and volumes, runs as a local process on the CPU (JAX_PLATFORMS is the one thing
   changed), host names resolve to 127.0.0.1 through a private /etc/hosts; the run completes as on the
   cluster. Its two trainer processes form one 2-device mesh and train what a single-process run trains

@@ -78,14 +78,14 @@ def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path
                  resume=True)
 
 
-def test_skew_aware_scheduling_with_replicas_changing_mid_run(results, tmp_path, monkeypatch):
-  """Ranker-driven dispatch over replicas that join and leave while the job runs: every prompt is trained
-  once, the parameters equal the FIFO single-replica run (samples depend on (seed, group, index) only),
+def test_skew_aware_scheduling_with_instances_changing_mid_run(results, tmp_path, monkeypatch):
+  """Ranker-driven dispatch over engine instances that join and leave while the job runs: every prompt is trained
+  once, the parameters equal the FIFO single-instance run (samples depend on (seed, group, index) only),
   the ranker's metrics are logged and its state is checkpointed and restored."""
   from streamrl_jax.scheduling import SchedulingConfig
   from streamrl_jax.training.checkpoint import Checkpointer
   targets = iter([2, 1, 2, 2])
-  monkeypatch.setattr(SchedulingConfig, "replica_target", lambda self, current, gen_s, train_s: next(targets))
+  monkeypatch.setattr(SchedulingConfig, "instance_target", lambda self, current, gen_s, train_s: next(targets))
   scheduling = SchedulingConfig(policy="skew_aware", instances=1, max_instances=2, elastic=True)
   checkpointer = Checkpointer(tmp_path, max_to_keep=3)
   config = dataclasses.replace(BASE, mode="stream", scheduling=scheduling)

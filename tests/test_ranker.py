@@ -185,9 +185,9 @@ def test_engine_slots_round_a_planned_batch_up_to_a_power_of_two():
 
 def test_elastic_target_by_hand():
   config = SchedulingConfig(instances=2, max_instances=4, min_instances=1, elastic=True, hysteresis=0.0)
-  assert config.replica_target(2, gen_s=10.0, train_s=2.0) == 3  # lagging by 8 s > 10/3 saved
-  assert config.replica_target(4, gen_s=10.0, train_s=2.0) == 4  # no spare replica
-  assert config.replica_target(2, gen_s=1.0, train_s=5.0) == 1  # 5 - (1 + 1) > 0: one fewer still keeps up
-  assert config.replica_target(1, gen_s=1.0, train_s=5.0) == 1  # the floor
-  assert config.replica_target(2, gen_s=4.0, train_s=3.0) == 2  # 1 s behind < 4/3 saved: keep
-  assert SchedulingConfig(instances=2, max_instances=4).replica_target(2, 10.0, 2.0) == 2  # not elastic
+  assert config.instance_target(2, gen_s=10.0, train_s=2.0) == 3  # lagging by 8 s > 10/3 saved
+  assert config.instance_target(4, gen_s=10.0, train_s=2.0) == 4  # no spare instance
+  assert config.instance_target(2, gen_s=1.0, train_s=5.0) == 1  # 5 - (1 + 1) > 0: one fewer still keeps up
+  assert config.instance_target(1, gen_s=1.0, train_s=5.0) == 1  # the floor
+  assert config.instance_target(2, gen_s=4.0, train_s=3.0) == 2  # 1 s behind < 4/3 saved: keep
+  assert SchedulingConfig(instances=2, max_instances=4).instance_target(2, 10.0, 2.0) == 2  # not elastic

@@ -272,8 +272,8 @@ def test_slot_limit_caps_busy_slots(setup):
     sampler.set_slot_limits({7: 1})
 
 
-def test_replicas_join_and_retire_mid_stream_without_losing_samples(setup):
-  """A replica added while requests are in flight takes new ones; a retired one finishes its in-flight
+def test_instances_join_and_retire_mid_stream_without_losing_samples(setup):
+  """An engine instance added while requests are in flight takes new ones; a retired one finishes its in-flight
   requests, hands its queue over, and leaves. Every sample equals the single-instance run."""
   engine, params, model, _ = setup
   graphdef, _ = nnx.split(model)
@@ -291,7 +291,7 @@ def test_replicas_join_and_retire_mid_stream_without_losing_samples(setup):
   samples = sampler.step()
   added = sampler.add_instance(other)
   assert sampler.instance_ids == [0, added]
-  for i, k in enumerate(knobs):  # a second wave, spread over both replicas by load
+  for i, k in enumerate(knobs):  # a second wave, spread over both instances by load
     sampler.submit(PROMPTS[i % 3], k, group_id=100 + i)
   samples += sampler.step()
   assert sampler.num_in_flight > 0

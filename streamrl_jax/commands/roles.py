@@ -4,7 +4,7 @@ Both read the same gin files and `--set` bindings (the trainer refuses a sampler
 The trainer does what `streamrl train` does (warm-up, evaluation, metrics, checkpoints, `--resume`) and
 serves its samplers over Arrow Flight; a sampler connects, takes leases until the run is over, and exits.
 The trainer may span several processes (`--coordinator --num-processes --process-id`, or the environment
-that JobSet and GKE set; see `streamrl_jax.distributed`); a sampler is one process (one replica) per host.
+that JobSet and GKE set; see `streamrl_jax.distributed`); a sampler is one process per host.
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ def _start_role(args):
 
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
   if args.command == "sampler" and cluster is not None and cluster.num_processes > 1:
-    raise ValueError("a sampler replica runs in one process: start one `streamrl sampler` per host (each host is a "
-                     "replica of its own); replicas spanning several processes are not supported yet")
+    raise ValueError("a sampler runs in one process: start one `streamrl sampler` per host (each host is a "
+                     "sampler of its own); a sampler spanning several processes is not supported yet")
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
   distributed.initialize(cluster)
   gin_config.parse(gin_config.run_files(args.config), args.set)

@@ -35,7 +35,7 @@ def run_training(args, config, job, runner, prog: str) -> int:
 
   def progress(m):
     bar.update(1)
-    extra = {"replicas": m["sampler_instances"]} if "sampler_instances" in m else {}
+    extra = {"instances": m["sampler_instances"]} if "sampler_instances" in m else {}
     if "ranker_recall_top20" in m:
       extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",

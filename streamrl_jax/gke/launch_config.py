@@ -23,7 +23,7 @@ class GKEConfig:
   bucket: str = ""  # gs://BUCKET[/PREFIX]: the workdir is PREFIX/NAME in it, mounted by Cloud Storage FUSE
   trainer_topology: str = "2x4"  # the trainer's TPU slice (ignored on GPU)
   trainer_hosts: int = 0  # 0: from the topology (TPU) or 1 (GPU)
-  sampler_topology: str = "2x2"  # each sampler replica's TPU slice: single-host (ignored on GPU)
+  sampler_topology: str = "2x2"  # each engine instance's TPU slice: single-host (ignored on GPU)
   sampler_replicas: int = 2
   accelerators_per_host: int = 0  # 0: the platform's default for the topology (GPU: 8)
   flight_port: int = 8470  # the trainer's Arrow Flight server (samples in, weights out)

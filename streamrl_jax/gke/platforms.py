@@ -58,7 +58,7 @@ PLATFORMS = {p.name: p for p in (
 
 @dataclasses.dataclass(frozen=True)
 class RoleShape:
-  """Where one role (or one sampler replica) runs: its slice topology (TPU), hosts, and accelerators per host."""
+  """Where one role (or one engine instance) runs: its slice topology (TPU), hosts, and accelerators per host."""
 
   topology: str
   hosts: int

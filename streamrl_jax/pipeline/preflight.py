@@ -77,9 +77,9 @@ def check_devices(config: PipelineConfig, role: str, num_devices: int) -> None:
     return
   else:
     sampler_devices = role_mesh_shape(config.mesh, "sampler", num_devices).size
-  replicas = config.scheduling.instance_limit
-  if replicas > 1 and sampler_devices % replicas:
-    raise ValueError(f"SchedulingConfig.max_instances={replicas} does not divide the {sampler_devices} sampler "
+  instances = config.scheduling.instance_limit
+  if instances > 1 and sampler_devices % instances:
+    raise ValueError(f"SchedulingConfig.max_instances={instances} does not divide the {sampler_devices} sampler "
                      "devices")
 
 

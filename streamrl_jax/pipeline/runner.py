@@ -11,8 +11,8 @@ both is `pipeline.trainer_session`.
   async          two meshes; generation of step j needs version >= j - staleness and picks up newer
                  weights between decode steps; the trainer streams as in `stream`
 
-Every mode dispatches a step's requests over the sampler replicas by `SchedulingConfig` (random + FIFO, or
-the output-length ranker's skew-aware plan), and may add or retire a replica between decode steps.
+Every mode dispatches a step's requests over the engine instances by `SchedulingConfig` (random + FIFO, or
+the output-length ranker's skew-aware plan), and may add or retire an instance between decode steps.
 """
 
 from __future__ import annotations

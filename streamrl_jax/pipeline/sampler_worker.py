@@ -1,8 +1,8 @@
 """The sampler worker: generates the prompts of leased steps on the sampler mesh and streams each finished
 group, scored by the configured rewards (`RewardScorer`, off the decode loop), to the trainer as a `SampleShard`.
 
-It owns its engines (one per replica sub-mesh and compiled slot count), the continuous-batching driver,
-admission and the replica count; it reaches the rest of the run only through three interfaces: a control
+It owns its engines (one per instance sub-mesh and compiled slot count), the continuous-batching driver,
+admission and the instance count; it reaches the rest of the run only through three interfaces: a control
 channel (register / lease / report / leave: the `Controller` itself in one process, its Flight client
 across processes), a sample transport (`put`) and a weight source (`latest` / `wait_for`).
 """
@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from streamrl_jax.envs import make_tools
-from streamrl_jax.meshes import replica_meshes
+from streamrl_jax.meshes import instance_meshes
 from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport,
                                    WeightUpdate)
 from streamrl_jax.pipeline.groups import GroupCollector
@@ -59,19 +59,19 @@ class SamplerWorker:
     self.name, self.settings = name, dict(settings or {})
     self._graphdef, self._model_config = graphdef, model_config
     sched = config.scheduling
-    self.replica_meshes = replica_meshes(mesh, sched.instance_limit)
+    self.instance_meshes = instance_meshes(mesh, sched.instance_limit)
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
     self.scorer = RewardScorer(config.reward, builtin=verifier(task))
     self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
-    """The engine of replica mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
+    """The engine of instance mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
     slots = slots or self.config.engine.num_slots
     if (mesh_index, slots) not in self._engines:
       engine_config = dataclasses.replace(self.config.engine, num_slots=slots)
       self._engines[(mesh_index, slots)] = make_engine(self._graphdef, self._model_config, engine_config,
-                                                       self.replica_meshes[mesh_index])
+                                                       self.instance_meshes[mesh_index])
     return self._engines[(mesh_index, slots)]
 
   # ---- the loop ------------------------------------------------------------------------------
@@ -154,9 +154,9 @@ class SamplerWorker:
     """No requests, weights or id (kept: the compiled engines): the state of a fresh start or a rejoin."""
     sched = self.config.scheduling
     self.sampler: StreamingSampler | None = None
-    self.mesh_of: dict[int, int] = {}  # sampler instance id -> replica mesh index
+    self.mesh_of: dict[int, int] = {}  # sampler instance id -> instance mesh index
     self.sampler_id: int | None = None
-    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # replicas join in mesh order
+    self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # instances join in mesh order
     self.target_instances = sched.instances
     self.scorer.close()  # nothing of the leases dropped is scored
 
@@ -179,8 +179,8 @@ class SamplerWorker:
       self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")
 
   def _apply_elastic(self) -> None:
-    """Adds or retires replicas (between decode steps) until the target count takes requests; a retired
-    replica finishes its in-flight requests first and its queued ones move to the others."""
+    """Adds or retires engine instances (between decode steps) until the target count takes requests; a retired
+    instance finishes its in-flight requests first and its queued ones move to the others."""
     sampler = self.sampler
     while len(sampler.instance_ids) < self.target_instances and self.spare_meshes:
       mesh_index = self.spare_meshes.pop()
@@ -258,7 +258,7 @@ class SamplerWorker:
       raise RejoinRequired(f"{self.name}: the trainer took lease {lease.lease_id} from sampler {self.sampler_id}")
 
   def _submit(self, lease: Lease, encoded: list) -> None:
-    """Dispatches the lease's requests (group_size per prompt) over the replicas."""
+    """Dispatches the lease's requests (group_size per prompt) over the engine instances."""
     config, sampler, group = self.config, self.sampler, self.config.group_size
     predicted = np.asarray(lease.predicted_lengths, float) if lease.predicted_lengths else None
     per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)

@@ -17,7 +17,7 @@ class TrainerControl(Protocol):
     """Weights of a version are out: steps up to version + max_lag may open."""
 
   def step_trained(self, message: StepTrained) -> StepSummary:
-    """A step is trained: the replica target is set from its times; its summary is taken."""
+    """A step is trained: the instance target is set from its times; its summary is taken."""
 
   def take_step_summary(self, message: StepSummaryRequest) -> StepSummary:
     """A step's summary once all its leases reported; the step's plan is removed."""

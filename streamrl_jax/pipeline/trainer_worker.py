@@ -2,7 +2,7 @@
 
 It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
 run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
-the samplers' step summaries, the replica target), asked by typed messages (`trainer_control.TrainerControl`).
+the samplers' step summaries, the instance target), asked by typed messages (`trainer_control.TrainerControl`).
 Samples are keyed by (step, group, sample index): one that was trained already is dropped and counted, never
 trained twice (a shard's groups are taken apart, so a shard holding a trained group beside new ones trains the
 new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not
@@ -119,7 +119,7 @@ class TrainerWorker:
     done = {k: v - before[k] for k, v in self.batcher.counters.items()}
     train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
                          train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
-    summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next replica target
+    summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
     weights.publish(self.state.params, step + 1)
     self.faults.hit("publish", step + 1)

@@ -19,7 +19,7 @@ grow, so memory follows the tokens generated rather than `max_prompt_length + ma
   moves a paused row off its slot, which moves only its page-table row and a few scalars: its keys and values
   stay in their pages.
 
-The pool's heads are split over "tensor"; rows are not split over "data" (more sampler replicas are the
+The pool's heads are split over "tensor"; rows are not split over "data" (more engine instances are the
 data-parallel form). Compiles: prefill and insert one each per (distinct-prompt row bucket, request row
 bucket, length bucket), generate one per (busy-row bucket: a power of two up to num_slots, attention window).
 """

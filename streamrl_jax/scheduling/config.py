@@ -1,4 +1,4 @@
-"""What the sampler's scheduling is told by a run: the policy by name, the replica counts and the latency
+"""What the sampler's scheduling is told by a run: the policy by name, the instance counts and the latency
 curve its dispatch plans with."""
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ class SchedulingConfig:
   policy      a name in `SCHEDULING_POLICIES`. "fifo": requests dealt at random over the instances,
               admitted in arrival order, every instance at full batch; "skew_aware": the ranker's predicted-longest `alpha` share goes
               to long-tail instances sized by the latency model, admission is longest-first.
-  instances   engine instances (sampler replicas) at start; the sampler mesh is cut into
+  instances   engine instances (engine instances) at start; the sampler mesh is cut into
               `max_instances` equal sub-meshes (0: as many as `instances`).
-  elastic     add or remove a replica between steps when generation and training times diverge
+  elastic     add or remove an instance between steps when generation and training times diverge
               (`policies.elastic_target`), between `min_instances` and `max_instances`.
-  resize_engines  run each replica on an engine compiled for its planned batch size (rounded up to a
+  resize_engines  run each instance on an engine compiled for its planned batch size (rounded up to a
               power of two; one more compile per new size) instead of capping the busy slots of the
               full-size engine: a static-shape decode step costs its compiled slot count, busy or not.
   """
@@ -79,7 +79,7 @@ class SchedulingConfig:
 
   @property
   def instance_limit(self) -> int:
-    """Sub-meshes the sampler mesh is cut into: the most replicas that can run."""
+    """Sub-meshes the sampler mesh is cut into: the most instances that can run."""
     return self.max_instances or self.instances
 
   @property
@@ -87,8 +87,8 @@ class SchedulingConfig:
     """The registered policy `policy` names: its dispatch, admission order and whether it needs the ranker."""
     return SCHEDULING_POLICIES.get(self.policy)
 
-  def replica_target(self, current: int, gen_s: float, train_s: float) -> int:
-    """The replica count for the next step: `current` unless `elastic`, else the elastic rule
+  def instance_target(self, current: int, gen_s: float, train_s: float) -> int:
+    """The instance count for the next step: `current` unless `elastic`, else the elastic rule
     (`policies.elastic_target`) between `min_instances` and `instance_limit`."""
     if not self.elastic:
       return current

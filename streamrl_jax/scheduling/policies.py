@@ -154,7 +154,7 @@ def resource_split(total_devices: int, gen_time: Callable[[int], float], train_t
 
 def elastic_decision(t_gen: float, t_train: float, saved_by_one_more: float, lost_by_one_fewer: float, *,
                      hysteresis: float = 0.05) -> int:
-  """+1: add a sampler replica (generation lags training by more than one more replica would save);
+  """+1: add a engine instance (generation lags training by more than one more instance would save);
   -1: remove one (removing it still keeps generation ahead of training); 0: keep. `hysteresis` is a
   fraction of the iteration time that a change must clear, so the decision does not oscillate."""
   margin = hysteresis * max(t_gen, t_train)
@@ -167,9 +167,9 @@ def elastic_decision(t_gen: float, t_train: float, saved_by_one_more: float, los
 
 def elastic_target(current: int, gen_s: float, train_s: float, *, low: int, high: int,
                    hysteresis: float = 0.05) -> int:
-  """The replica count for the next step, within [low, high], changed by at most one: generation time is
-  assumed to scale as 1 / replicas, so one more saves gen_s / (n + 1) and one fewer costs gen_s / (n - 1).
-  The in-process replicas (`SchedulingConfig.elastic`) and `streamrl launch local`'s sampler processes both
+  """The instance count for the next step, within [low, high], changed by at most one: generation time is
+  assumed to scale as 1 / instances, so one more saves gen_s / (n + 1) and one fewer costs gen_s / (n - 1).
+  The in-process instances (`SchedulingConfig.elastic`) and `streamrl launch local`'s sampler processes both
   follow this rule."""
   saved = gen_s / (current + 1)
   lost = gen_s / (current - 1) if current > 1 else float("inf")

@@ -238,7 +238,7 @@ class Controller:
     return Ack()
 
   def step_trained(self, message: StepTrained) -> StepSummary:
-    """Sets the replica target of the next leases by the elastic rule from the step's times; returns (and
+    """Sets the instance target of the next leases by the elastic rule from the step's times; returns (and
     removes) the step's summary."""
     summary = self.take_step_summary(StepSummaryRequest(message.step))
     with self._cond:

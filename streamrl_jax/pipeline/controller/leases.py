@@ -26,7 +26,7 @@ class Leases:
     self._next = 0
 
   def grant(self, sampler_id: int, lease: Lease, instances: int) -> Lease:
-    """`lease` given to `sampler_id`, numbered, carrying the replica target `instances`."""
+    """`lease` given to `sampler_id`, numbered, carrying the instance target `instances`."""
     lease = dataclasses.replace(lease, lease_id=self._next, instances=instances)
     self._next += 1
     self._leases[lease.lease_id] = (sampler_id, lease)

@@ -1,5 +1,5 @@
 """The samplers' roster: who is registered (name, site, relay, when last heard from), who was declared lost,
-whether the run is over, and the replica target the next leases carry (the elastic rule). Sampler ids are
+whether the run is over, and the instance target the next leases carry (the elastic rule). Sampler ids are
 random, so a sampler of a trainer that restarted is unknown here."""
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ class Roster:
     self._target = instances
 
   def retarget(self, summary: StepSummary, train_s: float) -> None:
-    """The replica target by the elastic rule from a trained step's times, per sampler process (each runs its
-    own replicas)."""
+    """The instance target by the elastic rule from a trained step's times, per sampler process (each runs its
+    own instances)."""
     per_process = max(1, round(summary.sampler_instances / max(1, summary.sampler_processes)))
-    self._target = self._scheduling.replica_target(per_process, summary.generation_s, train_s)
+    self._target = self._scheduling.instance_target(per_process, summary.generation_s, train_s)
