@@ -83,4 +83,4 @@ def test_colocated_is_one_program_and_a_sampler_is_one_process(capsys):
                    DigitTask(max_digits=3))
   assert cli.main(["sampler", "--connect", "127.0.0.1:1", "--coordinator", "127.0.0.1:2", "--num-processes", "2",
                    "--process-id", "0"]) == 2
-  assert "a engine instance runs in one process" in capsys.readouterr().err
+  assert "a sampler runs in one process" in capsys.readouterr().err

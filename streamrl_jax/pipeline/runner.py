@@ -55,13 +55,31 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   queue = SampleQueue(config.queue_capacity)
   sync = WeightSync(landing(params, config.precision, sampler_mesh), config.precision)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
-  stop, errors = threading.Event(), []
+  thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
+
+  def teardown() -> None:
+    halt.set()
+    controller.finish()
+    queue.close()
+    thread.join()
+  result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
+                         start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
+                         on_step=on_step)
+  if errors:
+    raise RuntimeError("the sampler thread failed") from errors[0]
+  return result
+
+
+def _sampler_thread(sampler: SamplerWorker, controller: Controller, queue: SampleQueue, sync: WeightSync):
+  """The sampler's thread (not started), the trainer's `get_shard` over the queue, the event that halts the
+  sampler, and the errors it ended with (the first one raised to the trainer, in its own words for a reward's)."""
+  halt, errors = threading.Event(), []
 
   def sample() -> None:
     try:
-      sampler.run(controller, queue, sync, stop)
+      sampler.run(controller, queue, sync, halt)
     except BaseException as err:
-      if not (isinstance(err, QueueClosed) and stop.is_set()):  # a stop closes the queue under a put
+      if not (isinstance(err, QueueClosed) and halt.is_set()):  # a stop closes the queue under a put
         errors.append(err)
     finally:
       queue.close()
@@ -74,16 +92,4 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
         raise errors[0] from None
       raise RuntimeError("the sampler stopped before the run was complete") from (errors[0] if errors else None)
 
-  thread = threading.Thread(target=sample, daemon=True, name="sampler")
-
-  def teardown() -> None:
-    stop.set()
-    controller.finish()
-    queue.close()
-    thread.join()
-  result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
-                         start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
-                         on_step=on_step)
-  if errors:
-    raise RuntimeError("the sampler thread failed") from errors[0]
-  return result
+  return threading.Thread(target=sample, daemon=True, name="sampler"), get_shard, halt, errors

@@ -110,13 +110,9 @@ class SamplerWorker:
             raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
           held = reply.lease
         if held is not None:
-          if busy:  # rows are running: take the weights once they are here, decode meanwhile
-            update = weights.latest()
-            update = update if update is not None and update.version >= held.min_version else None
-          else:
-            update = self._wait_for_weights(weights, held.min_version, stop, rejoin)
-            if update is None:
-              break
+          update = self._lease_weights(held, busy, weights, stop, rejoin)
+          if update is None and not busy:
+            break  # stopped, or told to rejoin, while waiting for the weights
           if update is not None:
             self._take_weights(update)
             runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since, samples)
@@ -125,9 +121,7 @@ class SamplerWorker:
           continue
         self._decode(runs, samples, weights)
         self._send_scored(runs, samples)
-        for run in [r for r in runs.values() if r.left == 0]:
-          self._report(control, run)
-          del runs[run.lease.lease_id]
+        if self._report_finished(control, runs):
           waited_since = time.perf_counter()
       if rejoin.is_set():
         raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
@@ -137,10 +131,26 @@ class SamplerWorker:
     finally:
       self.scorer.close()  # its workers start again with the next session
     try:
-      control.leave(Leave(self.sampler_id, partials=self._partials(runs) if outcome == "stopped" else ()))
+      control.leave(Leave(self.sampler_id, partials=_partials(self.sampler, runs) if outcome == "stopped" else ()))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
     return outcome
+
+  def _lease_weights(self, lease: Lease, busy: bool, weights, stop, rejoin):
+    """Weights new enough for `lease`: while rows run, the newest if it is (else None: decode meanwhile);
+    idle, waited for (None: stopped or told to rejoin first)."""
+    if not busy:
+      return self._wait_for_weights(weights, lease.min_version, stop, rejoin)
+    update = weights.latest()
+    return update if update is not None and update.version >= lease.min_version else None
+
+  def _report_finished(self, control, runs: dict) -> bool:
+    """Reports every lease whose groups are all out and drops it; returns whether any was."""
+    done = [r for r in runs.values() if r.left == 0]
+    for run in done:
+      self._report(control, run)
+      del runs[run.lease.lease_id]
+    return bool(done)
 
   def _wants_lease(self, runs: dict, polled: float) -> bool:
     """Whether to ask for a lease now: when idle; with `in_flight`, also when the one lease in hand has every
@@ -282,21 +292,23 @@ class SamplerWorker:
                        predicted_length=None if predicted is None else float(predicted[i]), first_sample_index=k,
                        progress=partial)
 
-  def _partials(self, runs: dict) -> tuple[Rollout, ...]:
-    """What this sampler has begun of the leases in hand, to hand back as it leaves: each running or preempted
-    request's tokens so far, and each finished sample of a group not yet whole (within PARTIAL_TOKENS)."""
-    if self.sampler is None:
-      return ()
-    out, budget = [], PARTIAL_TOKENS
-    for _, rollout in self.sampler.in_flight_progress():
-      if rollout.tokens and len(rollout.tokens) <= budget:
-        out.append(rollout)
-        budget -= len(rollout.tokens)
-    for run in runs.values():
-      for sample in run.collector.held():
-        if sample.env_reward:
-          continue  # an episode's environment reward is not carried: it is sampled again
-        if sample.num_tokens <= budget:
-          out.append(sample.rollout())
-          budget -= sample.num_tokens
-    return tuple(out)
+
+def _partials(sampler, runs: dict) -> tuple[Rollout, ...]:
+  """What a `StreamingSampler` (None: none started) has begun of the leases in hand, to hand back as it leaves:
+  each running or preempted request's tokens so far, and each finished sample of a group not yet whole (within
+  PARTIAL_TOKENS)."""
+  if sampler is None:
+    return ()
+  out, budget = [], PARTIAL_TOKENS
+  for _, rollout in sampler.in_flight_progress():
+    if rollout.tokens and len(rollout.tokens) <= budget:
+      out.append(rollout)
+      budget -= len(rollout.tokens)
+  for run in runs.values():
+    for sample in run.collector.held():
+      if sample.env_reward:
+        continue  # an episode's environment reward is not carried: it is sampled again
+      if sample.num_tokens <= budget:
+        out.append(sample.rollout())
+        budget -= sample.num_tokens
+  return tuple(out)

@@ -133,38 +133,12 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
   if auto:
     log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
-  preflight.check_devices(config, role, len(jax.devices()))
-  if advice := preflight.precision_advice(config):
-    log(f"warning: {advice}")
-  model_config, tokenizer = job.model_spec()
-  task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
-  preflight.check_activation_budget(config, model_config)
-  if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
-    preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
-  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
-  preflight.check_stops(config, tokenizer)
-  preflight.check_rewards(config.reward, task, job.seed)
+  task, heldout, tokenizer = _preflight(config, job, role, log)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
-  model, tokenizer, warm_up = job.load_model()
-  width = config.engine.max_prompt_length + config.max_new_tokens
-  warm = workdir / "warmup_model"
-  if warm_up and (warm / "config.json").exists():
-    model = load_hf(warm)
-    log(f"loaded the warm-up model from {warm}")
-  elif warm_up:
-    model = supervised_warmup(model, tokenizer, task, job, width, log)
-    if leader:
-      save_hf(model, warm)
-  before_file = workdir / "accuracy_before.json"
-  if not leader:
-    before = float("nan")
-  elif resume and before_file.exists():
-    before = json.loads(before_file.read_text())["accuracy"]
-  else:
-    before = evaluate(model, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_before.jsonl")
-    before_file.write_text(json.dumps({"accuracy": before}))
+  model, tokenizer = _warm_model(config, job, task, workdir, leader, log)
+  before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
   if leader:
     log(f"held-out accuracy before RL: {before:.3f}")
   if resume:
@@ -179,6 +153,56 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
     raise RunStopped(checkpointer.latest_step())
   if not leader:
     return {}
+  return _finish(config, job, model, tokenizer, heldout, result, workdir, before, start, log)
+
+
+def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
+  """Every check that needs no weights, before anything is built; returns (task, held-out task, tokenizer)."""
+  preflight.check_devices(config, role, len(jax.devices()))
+  if advice := preflight.precision_advice(config):
+    log(f"warning: {advice}")
+  model_config, tokenizer = job.model_spec()
+  task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
+  preflight.check_activation_budget(config, model_config)
+  if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
+    preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
+  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_stops(config, tokenizer)
+  preflight.check_rewards(config.reward, task, job.seed)
+  return task, heldout, tokenizer
+
+
+def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, leader: bool, log):
+  """(model, tokenizer): the job's model, after its supervised warm-up (loaded from the workdir once done)."""
+  model, tokenizer, warm_up = job.load_model()
+  warm = workdir / "warmup_model"
+  if warm_up and (warm / "config.json").exists():
+    model = load_hf(warm)
+    log(f"loaded the warm-up model from {warm}")
+  elif warm_up:
+    model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
+                              log)
+    if leader:
+      save_hf(model, warm)
+  return model, tokenizer
+
+
+def _accuracy_before(model, tokenizer, heldout, config: PipelineConfig, job: JobConfig, workdir: Path, leader: bool,
+                     resume) -> float:
+  """Held-out accuracy before RL: measured once (a resumed run reads it back); NaN off process 0."""
+  before_file = workdir / "accuracy_before.json"
+  if not leader:
+    return float("nan")
+  if resume and before_file.exists():
+    return json.loads(before_file.read_text())["accuracy"]
+  before = evaluate(model, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_before.jsonl")
+  before_file.write_text(json.dumps({"accuracy": before}))
+  return before
+
+
+def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, result, workdir: Path, before: float,
+            start: float, log) -> dict:
+  """The trained model evaluated and saved, the timeline drawn, the summary written; returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
   after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
@@ -186,8 +210,8 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   save_hf(trained, workdir / "final_model")
   write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")
   write_chrome_trace(result.timeline, workdir / "trace.json")
-  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start,
-                 counters=result.counters, steps=len(result.metrics))
+  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start, counters=result.counters,
+                 steps=len(result.metrics))
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 

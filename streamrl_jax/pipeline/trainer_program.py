@@ -56,12 +56,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           on_event=on_event or (lambda e: log(describe_event(e))), site=site)
-  queue = SampleQueue(config.queue_capacity)
-  store = HostWeightStore(precision=config.precision,
-                          gather=gather_to_host if jax.process_count() > 1 else None)
-  server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
-                               limits=WireLimits.of_run(config, model.config.vocab_size), tls=tls,
-                               chunk_bytes=flight_config.weight_chunk_mb << 20)
+  queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)
@@ -82,6 +77,17 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop
       broadcast_shard(None)
     raise
+
+
+def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, listen: str, tls: TLSFiles | None,
+           flight_config: FlightConfig):
+  """The trainer's door: (sample queue, weight store, the Flight server listening on `listen`)."""
+  queue = SampleQueue(config.queue_capacity)
+  store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
+  server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
+                               limits=WireLimits.of_run(config, vocab_size), tls=tls,
+                               chunk_bytes=flight_config.weight_chunk_mb << 20)
+  return queue, store, server
 
 
 def _broadcasting(get_shard):

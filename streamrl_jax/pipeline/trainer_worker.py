@@ -183,59 +183,68 @@ class TrainerWorker:
         start = time.perf_counter()
         shard = self._next_shard(get_shard, step)
         waited += time.perf_counter() - start
-      problem = _refusal(shard, step, self.config)
-      if problem:
-        self.counters["refused_samples"] += shard.num_samples
-        self.refusals.append(problem)
+      shard = self._fresh_part(shard, step, controller)
+      if shard is None:
         continue
-      shard_step = int(shard.steps[0])
-      if shard_step > step:
-        self._early.setdefault(shard_step, []).append(shard)
-        continue
-      keys = shard.keys()
-      new = np.asarray([shard_step == step and key not in self._trained for key in keys], bool)
-      if not new.all():  # trained already: delivered twice, or late
-        self.counters["duplicate_samples"] += int((~new).sum())
-        if not new.any():
-          continue
-        shard = shard.take(np.flatnonzero(new))
-        keys = shard.keys()
-      stale = self._too_stale(shard, step)
-      if stale:
-        controller.regenerate(Regenerate(step, tuple(stale)))
-        shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
-        self.counters["groups_regenerated"] += len(stale)
+      self._trained.update(shard.keys())
+      needed -= shard.num_samples
+      _record(received, shard)
+      if self.config.dynamic_sampling:
+        shard, granted = self._filter_flat(shard, step, controller, received)
+        needed += granted * self.config.group_size
         if not shard.num_samples:
           continue
-        keys = shard.keys()
-      self._trained.update(keys)
-      needed -= shard.num_samples
-      received["rewards"].append(shard.rewards)
-      received["parts"].append(shard.reward_parts)
-      received["errors"] += int(shard.reward_errors.sum())
-      received["timeouts"] += int(shard.reward_timeouts.sum())
-      if self.config.dynamic_sampling:
-        flat = _equal_reward_groups(shard)
-        if flat:
-          granted = controller.backfill(Backfill(step, tuple(flat))).count
-          needed += granted * self.config.group_size
-          received["filtered"] += len(flat)
-          received["backfilled"] += granted
-          shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, flat)))
-          if not shard.num_samples:
-            continue
       shards.append(shard)
       if self.spec.streamed:
         self._accumulate(shard, step, clock)
+    self._count_step(shards, received)
+    if not self.spec.streamed:
+      for shard in shards:
+        self._accumulate(shard, step, clock)
+    return shards, waited, received
+
+  def _fresh_part(self, shard: SampleShard, step: int, controller: TrainerControl) -> SampleShard | None:
+    """What of an arrived shard this step trains (None: nothing): a refused shard is counted and dropped, one of
+    a later step kept for it, samples trained already dropped, and groups too stale leased again."""
+    problem = _refusal(shard, step, self.config)
+    if problem:
+      self.counters["refused_samples"] += shard.num_samples
+      self.refusals.append(problem)
+      return None
+    shard_step = int(shard.steps[0])
+    if shard_step > step:
+      self._early.setdefault(shard_step, []).append(shard)
+      return None
+    new = np.asarray([shard_step == step and key not in self._trained for key in shard.keys()], bool)
+    if not new.all():  # trained already: delivered twice, or late
+      self.counters["duplicate_samples"] += int((~new).sum())
+      if not new.any():
+        return None
+      shard = shard.take(np.flatnonzero(new))
+    stale = self._too_stale(shard, step)
+    if stale:
+      controller.regenerate(Regenerate(step, tuple(stale)))
+      shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
+      self.counters["groups_regenerated"] += len(stale)
+    return shard if shard.num_samples else None
+
+  def _filter_flat(self, shard: SampleShard, step: int, controller: TrainerControl, received: dict):
+    """Dynamic sampling: groups of equal rewards are not trained, and as many prompts are asked for again as the
+    backfill bound grants; returns (the shard without them, prompts granted)."""
+    flat = _equal_reward_groups(shard)
+    if not flat:
+      return shard, 0
+    granted = controller.backfill(Backfill(step, tuple(flat))).count
+    received["filtered"] += len(flat)
+    received["backfilled"] += granted
+    return shard.take(np.flatnonzero(~np.isin(shard.group_ids, flat))), granted
+
+  def _count_step(self, shards: list, received: dict) -> None:
     self.counters["unique_samples_trained"] += sum(s.num_samples for s in shards)
     self.counters["samples_planned"] += self.config.samples_per_step + (received["backfilled"]
                                                                         - received["filtered"]) * self.config.group_size
     self.counters["groups_filtered"] += received["filtered"]
     self.counters["groups_backfilled"] += received["backfilled"]
-    if not self.spec.streamed:
-      for shard in shards:
-        self._accumulate(shard, step, clock)
-    return shards, waited, received
 
   def _too_stale(self, shard: SampleShard, step: int) -> list[int]:
     """Groups of `shard` holding a token sampled by weights older than step - max_lag."""
@@ -324,6 +333,14 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
             f"its plan does not hold (groups {planned.start}..{planned.stop - 1}{backfill}, indices "
             f"0..{config.group_size - 1})")
   return None
+
+
+def _record(received: dict, shard: SampleShard) -> None:
+  """Every arrived group's rewards and reward calls, trained or not (the step's reward metrics)."""
+  received["rewards"].append(shard.rewards)
+  received["parts"].append(shard.reward_parts)
+  received["errors"] += int(shard.reward_errors.sum())
+  received["timeouts"] += int(shard.reward_timeouts.sum())
 
 
 def _equal_reward_groups(shard: SampleShard) -> list[int]:

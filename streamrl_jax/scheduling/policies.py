@@ -154,7 +154,7 @@ def resource_split(total_devices: int, gen_time: Callable[[int], float], train_t
 
 def elastic_decision(t_gen: float, t_train: float, saved_by_one_more: float, lost_by_one_fewer: float, *,
                      hysteresis: float = 0.05) -> int:
-  """+1: add a engine instance (generation lags training by more than one more instance would save);
+  """+1: add an engine instance (generation lags training by more than one more instance would save);
   -1: remove one (removing it still keeps generation ahead of training); 0: keep. `hysteresis` is a
   fraction of the iteration time that a change must clear, so the decision does not oscillate."""
   margin = hysteresis * max(t_gen, t_train)
