@@ -1,0 +1,85 @@
+"""One request's progress while it is in flight: on a slot, parked off it on a tool, or preempted and queued
+again. Its tokens so far leave as a `Rollout` (handed over) or, finished, as a `Sample`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from streamrl_jax.types import Request, Rollout, Sample, SamplingParams
+
+
+@dataclasses.dataclass
+class InFlight:
+  """One request's tokens so far and where its row stands."""
+
+  request: Request
+  admit_time: float
+  tokens: list = dataclasses.field(default_factory=list)
+  logprobs: list = dataclasses.field(default_factory=list)
+  versions: list = dataclasses.field(default_factory=list)  # the policy version of each token
+  first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
+  cache_end: int = 0  # upper bound of the slot's next cache write index
+  resumed: bool = False  # admitted again after a preemption: its first token is one it had already
+  mask: list = dataclasses.field(default_factory=list)  # per token: the model's (True) or an environment's
+  env_state: object = None  # multi-turn: the environment's state of this episode
+  turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
+  waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
+  env_reward: float = 0.0
+
+  @classmethod
+  def resuming(cls, request: Request, now: float, progress: Rollout) -> InFlight:
+    """A partial rollout handed over: it goes on after its tokens so far, which keep their log-probabilities,
+    versions and loss mask."""
+    return cls(request, now, list(progress.tokens), list(progress.logprobs), list(progress.versions),
+               mask=list(progress.loss_mask) or [True] * len(progress.tokens))
+
+  def prefill_input(self) -> tuple[np.ndarray, tuple[int, int]]:
+    """(tokens to prefill, resume) to admit it again: its prompt and tokens so far but its last, which is the
+    next input (resume = (that token, tokens generated))."""
+    so_far = np.asarray(self.tokens[:-1], np.int32)
+    return np.concatenate([self.request.prompt, so_far]), (self.tokens[-1], len(self.tokens))
+
+  def add(self, token, logprob, version: int) -> None:
+    """Records one token the model sampled."""
+    self.tokens.append(int(token))
+    self.logprobs.append(float(logprob))
+    self.versions.append(version)
+    self.mask.append(True)
+
+  def observe(self, tokens, version: int) -> None:
+    """Records an environment's tokens (loss mask 0); the model's next turn starts after them."""
+    self.tokens.extend(tokens)
+    self.logprobs.extend([0.0] * len(tokens))
+    self.versions.extend([version] * len(tokens))
+    self.mask.extend([False] * len(tokens))
+    self.turn_start = len(self.tokens)
+
+  def rollout(self) -> Rollout:
+    """Its tokens so far as a `Rollout`; an episode with an environment's tokens gives none (its environment's
+    state stays here, so it starts again elsewhere)."""
+    request, keep = self.request, all(self.mask) and self.waiting is None
+    return Rollout(request.group_id, request.sample_index, tuple(self.tokens) if keep else (),
+                   tuple(self.logprobs) if keep else (), tuple(self.versions) if keep else ())
+
+  def sample(self, reason: str, instance: int, now: float) -> Sample:
+    """The finished `Sample` (finished at `now` on engine instance `instance`)."""
+    request = self.request
+    return Sample(
+        request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
+        prompt_tokens=request.prompt, completion_tokens=np.asarray(self.tokens, np.int32),
+        logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int32),
+        finish_reason=reason, first_version=min(self.versions), last_version=max(self.versions), instance=instance,
+        submit_time=request.submit_time, admit_time=self.admit_time, finish_time=now,
+        loss_mask=None if all(self.mask) else np.asarray(self.mask, bool), env_reward=self.env_reward)
+
+
+def check_resumable(progress: Rollout, params: SamplingParams) -> None:
+  """Raises unless `progress` (some tokens) is a partial rollout that `params` can go on from."""
+  if params.num_samples != 1:
+    raise ValueError(f"a partial rollout resumes one sample; got num_samples={params.num_samples}")
+  if len(progress.tokens) >= params.max_new_tokens or progress.tokens[-1] in params.stop_token_ids:
+    raise ValueError(f"a partial rollout of {len(progress.tokens)} tokens (last {progress.tokens[-1]}) is "
+                     f"finished already (max_new_tokens={params.max_new_tokens}, stop ids "
+                     f"{list(params.stop_token_ids)}): nothing to resume")
