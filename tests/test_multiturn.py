@@ -428,3 +428,36 @@ def test_a_row_refused_room_for_its_tool_tokens_resumes_to_the_same_episode(engi
   assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
   assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
   np.testing.assert_allclose(resumed.logprobs, whole.logprobs, atol=1e-5)
+
+
+class _HeldEnding(_HeldTools):
+  """Held tools whose first call ends the episode."""
+
+  def submit(self, state, turn):
+    self.calls.append(list(turn))
+    future = concurrent.futures.Future()
+    self.pending.append((future, ToolResult(state + 1, (), 0.0, True)))
+    return future
+
+
+def test_an_episode_ending_while_parked_gives_its_memory_back(engine_and_params):
+  """One slot: row a is parked on its call while b runs; the call then ends a's episode while a is still parked.
+  Every page goes back to the pool (a paged row's pages are held while it is parked)."""
+  engine, params = engine_and_params
+  one = _paged(engine, num_slots=1, kv_pages=16)
+  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
+  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
+  j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
+  tools = _HeldEnding(a[j], [])
+  sampler = StreamingSampler([one], params, tools=tools)
+  sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
+  sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
+  finished = _steps_until(sampler, [], lambda done: done)
+  assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
+  tools.release()
+  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
+  assert [s.group_id for s in finished] == [1, 0] and finished[1].finish_reason == "turns"
+  if one.config.kv_layout == "paged":
+    state = one.drop_prefix_cache(sampler._instances[0].state)
+    assert one.free_pages(state) == one.num_pages

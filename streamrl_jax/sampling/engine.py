@@ -255,6 +255,10 @@ class DecodeEngine(EngineBase):
       decode_state = self._move(parking, decode_state, a, b, True)
     return decode_state, parking
 
+  def drop_parked(self, decode_state, parking, place: int):
+    """A parked row whose episode ended: its place is simply taken by the next one; returns (state, parking)."""
+    return decode_state, parking
+
   def _move_impl(self, source, target, rows_from, rows_to, inactive: bool):
     rows = jax.tree.map(lambda a: a[rows_from], source)
     if inactive:

@@ -73,6 +73,8 @@ class Engine(Protocol):
 
   def unpark(self, decode_state, parking, places: Sequence[int], slots: Sequence[int]) -> tuple[object, object]: ...
 
+  def drop_parked(self, decode_state, parking, place: int) -> tuple[object, object]: ...
+
 
 def _stop_hit(tokens, stop_ids):
   return jnp.any((tokens[..., None] == stop_ids) & (stop_ids >= 0), axis=-1)

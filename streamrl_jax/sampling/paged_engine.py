@@ -308,6 +308,10 @@ class PagedDecodeEngine(EngineBase):
                            list(slots))
     return state, parking
 
+  def drop_parked(self, state: PagedState, parking: dict, place: int):
+    """A parked row whose episode ended gives its pages back; returns (state, parking)."""
+    return self.book.release(state, self.book.parking_row(place)), parking
+
 
 def _park_impl(rows: PagedRows, parking: dict, rows_from, rows_to) -> dict:
   return {name: parking[name].at[rows_to].set(getattr(rows, name)[rows_from], mode="drop") for name in ROW_FIELDS}

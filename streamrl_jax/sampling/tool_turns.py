@@ -69,6 +69,8 @@ class ToolTurns:
         inst.slots[slot] = flight
       if place is not None:
         del inst.parked[flight.request.request_id]
+        if ends:  # its memory (a paged row's pages) goes back where it was parked
+          inst.state, inst.parking = inst.engine.drop_parked(inst.state, inst.parking, place)
       flight.waiting = None
       flight.env_state, flight.env_reward = result.state, flight.env_reward + result.reward
       if ends:
