@@ -40,8 +40,8 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
-                  GKEConfig)
+                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig,
+                  JobConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 

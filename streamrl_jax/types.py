@@ -109,7 +109,8 @@ class Sample:
     """A finished rollout handed over by another sampler, as a sample (its timings were not measured here)."""
     reason = FINISH_STOP if rollout.tokens[-1] in stop_ids else FINISH_LENGTH
     return cls(request_id=-1, group_id=rollout.group_id, sample_index=rollout.sample_index,
-               prompt_tokens=np.asarray(prompt_tokens, np.int32), completion_tokens=np.asarray(rollout.tokens, np.int32),
+               prompt_tokens=np.asarray(prompt_tokens, np.int32),
+               completion_tokens=np.asarray(rollout.tokens, np.int32),
                logprobs=np.asarray(rollout.logprobs, np.float32), token_versions=np.asarray(rollout.versions, np.int32),
                finish_reason=reason, first_version=min(rollout.versions), last_version=max(rollout.versions),
                loss_mask=np.asarray(rollout.loss_mask, bool) if rollout.loss_mask else None)

@@ -20,7 +20,7 @@ from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import samples_to_shard
 from streamrl_jax.rewards import Score
-from streamrl_jax.sampling.driver import StreamingSampler
+from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling import EngineConfig, make_engine
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
 from streamrl_jax.types import SamplingParams
@@ -268,8 +268,9 @@ def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
 def test_the_run_config_refuses_what_multi_turn_cannot_do():
   with pytest.raises(ValueError, match="unknown environment 'abacus'"):
     EnvConfig(environment="abacus")
-  PipelineConfig(env=EnvConfig(environment="calculator"), engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
-                                                               max_new_tokens=48))  # multi-turn runs on pages too
+  PipelineConfig(env=EnvConfig(environment="calculator"),
+                 engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
+                                     max_new_tokens=48))  # multi-turn runs on pages too
   with pytest.raises(ValueError, match="tool_threads must be >= 1"):
     EnvConfig(environment="calculator", tool_threads=0)
   assert dataclasses.replace(PipelineConfig(), env=EnvConfig(environment="calculator")).env.max_turns == 2

@@ -118,8 +118,8 @@ def take_step(shards, step=1):
                            counters=dict(unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
                                          refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
-  worker._too_stale = lambda shard, step: TrainerWorker._too_stale(worker, shard, step)
-  worker._next_shard = lambda get_shard, step: TrainerWorker._next_shard(worker, get_shard, step)
+  for name in ("_too_stale", "_next_shard", "_fresh_part", "_filter_flat", "_count_step"):  # the worker's own steps
+    setattr(worker, name, getattr(TrainerWorker, name).__get__(worker))
   worker.stop, worker._progress = None, lambda what: None
   feed = iter(shards)
   TrainerWorker._take_step(worker, step, None, lambda timeout: next(feed), clock=time.monotonic)  # no controller needed

@@ -7,5 +7,5 @@ from streamrl_jax.envs.calculator import CalculatorError, evaluate
 from streamrl_jax.envs.calculator_env import CalculatorEnv, parse_call
 from streamrl_jax.envs.tools import ToolResult, ToolRunner, make_tools
 
-__all__ = ["ENVIRONMENTS", "CalculatorEnv", "CalculatorError", "EnvConfig", "Environment", "Observation", "ToolResult", "ToolRunner",
-           "evaluate", "make_environment", "make_tools", "parse_call"]
+__all__ = ["ENVIRONMENTS", "CalculatorEnv", "CalculatorError", "EnvConfig", "Environment", "Observation", "ToolResult",
+           "ToolRunner", "evaluate", "make_environment", "make_tools", "parse_call"]

@@ -210,8 +210,8 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   save_hf(trained, workdir / "final_model")
   write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")
   write_chrome_trace(result.timeline, workdir / "trace.json")
-  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start, counters=result.counters,
-                 steps=len(result.metrics))
+  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start,
+                 counters=result.counters, steps=len(result.metrics))
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 

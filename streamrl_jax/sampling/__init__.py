@@ -1,7 +1,7 @@
 """Generation on the sampler mesh: the decode engine and the continuous-batching driver."""
 
 from streamrl_jax.sampling.admission import AdmissionPolicy
-from streamrl_jax.sampling.driver import StreamingSampler
+from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling.engine import DecodeEngine, DecodeState, Engine, EngineConfig, Prefix, StepOutput
 from streamrl_jax.sampling.engines import ENGINES, kv_tokens, make_engine
 from streamrl_jax.sampling.paged_engine import PagedDecodeEngine

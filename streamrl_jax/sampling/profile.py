@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from streamrl_jax.sampling.driver import StreamingSampler
+from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.types import SamplingParams
 
