@@ -241,7 +241,8 @@ class Fuzzer:
       names = [f.name for f in dataclasses.fields(MESSAGES[kind])] if kind in MESSAGES else ["x"]
       fields = {name: data.draw(_FIELD, label=name) for name in names}  # every field, each of any shape
       if data.draw(st.booleans(), label="break the field set"):
-        fields.pop(data.draw(st.sampled_from(names)), None)
+        if names:  # a message of no fields (`SamplerWaitQuery`) has none to take away
+          fields.pop(data.draw(st.sampled_from(names)), None)
         fields[data.draw(st.sampled_from(["x", "@type2", "wait"]))] = 1
       if fields.get("sampler_id") == self.sampler_id:  # its own id would make a valid lease request
         fields["sampler_id"] = 1
