@@ -21,14 +21,16 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=30)
 SAMPLED = SamplingParams(temperature=1.0, max_new_tokens=30)
 
 
-@pytest.fixture(scope="module", params=["contiguous", "paged"])
+@pytest.fixture(scope="module")
 def setup(hf_dirs, request):
-  """The engine of each KV layout (pages of 8 tokens: a 56-token row is 7 pages)."""
+  """The engine of a KV layout (`request.param`; contiguous unless a test asks for both): pages of 8 tokens, a
+  56-token row is 7 pages."""
   directory, _ = hf_dirs["qwen2"]
   model = load_hf(directory)
   graphdef, params = nnx.split(model)
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
-  config = ENGINE if request.param == "contiguous" else dataclasses.replace(ENGINE, kv_layout="paged", page_size=8)
+  layout = getattr(request, "param", "contiguous")
+  config = ENGINE if layout == "contiguous" else dataclasses.replace(ENGINE, kv_layout="paged", page_size=8)
   return make_engine(graphdef, model.config, config, mesh), graphdef, params
 
 
@@ -50,6 +52,7 @@ def run_with_update(engine, params, new_params, *, recompute: bool, sampling=SAM
   return sampler, sorted(sampler.stream(), key=lambda s: s.request_id)
 
 
+@pytest.mark.parametrize("setup", ["contiguous", "paged"], indirect=True)
 def test_a_row_crossing_an_update_records_each_tokens_version_and_its_own_weights_logprob(setup):
   engine, graphdef, params = setup
   new = jax.tree.map(lambda x: x * 1.3, params)
@@ -66,6 +69,7 @@ def test_a_row_crossing_an_update_records_each_tokens_version_and_its_own_weight
     np.testing.assert_allclose(sample.logprobs[cut:], token_logprobs(graphdef, new, sample)[cut:], atol=2e-5)
 
 
+@pytest.mark.parametrize("setup", ["contiguous", "paged"], indirect=True)
 def test_kept_cache_continues_without_prefill_and_differs_from_recompute_after_the_update(setup):
   engine, graphdef, params = setup
   new = jax.tree.map(lambda x: x * 1.3, params)
@@ -80,7 +84,8 @@ def test_kept_cache_continues_without_prefill_and_differs_from_recompute_after_t
     assert abs(a.logprobs[7] - token_logprobs(graphdef, new, a)[7]) > 1e-4
 
 
-@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+@pytest.mark.parametrize("setup, sampling", [("contiguous", GREEDY), ("contiguous", SAMPLED), ("paged", SAMPLED)],
+                         ids=["greedy", "sampled", "paged-sampled"], indirect=["setup"])
 def test_a_partial_rollout_resumed_elsewhere_equals_one_never_interrupted(setup, sampling):
   engine, _, params = setup
   reference = StreamingSampler([engine], params, seed=9)
