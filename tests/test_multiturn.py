@@ -3,7 +3,6 @@ flight, masked tool tokens in samples and in the gradient, replay from the seed,
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 
 import jax
@@ -13,10 +12,10 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl_jax.envs import CalculatorEnv, CalculatorError, EnvConfig, ToolResult, ToolRunner, evaluate, make_environment
+from streamrl_jax.envs import CalculatorEnv, CalculatorError, EnvConfig, ToolRunner, evaluate, make_environment
 from streamrl_jax.envs.calculator import format_value
 from streamrl_jax.meshes import single_device_mesh
-from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
+from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.groups import samples_to_shard
 from streamrl_jax.rewards import Score
@@ -24,9 +23,9 @@ from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling import EngineConfig, make_engine
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
 from streamrl_jax.types import SamplingParams
+from tests.tool_rows import (MODEL, TOKENIZER, FixedTools, HeldTools, engine_and_params,  # noqa: F401
+                             run_episode, steps_until)
 from tests.trainer_setup import make_batch, mean_gradient, trainer_for
-
-TOKENIZER = CharTokenizer()
 
 
 # ---- the calculator ------------------------------------------------------------------------------
@@ -92,59 +91,22 @@ def test_the_multiply_task_and_its_reward():
 
 
 # ---- rows extended in flight ---------------------------------------------------------------------
-MODEL = ModelConfig(vocab_size=TOKENIZER.vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                    num_kv_heads=2, eos_token_id=TOKENIZER.eos_id)
-
-
-# Both KV layouts run multi-turn rows: the paged one with pages of 8 tokens (a 64-token row is 8 pages).
-LAYOUTS = {"contiguous": {}, "paged": dict(kv_layout="paged", page_size=8)}
-
-
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def engine_and_params(request):
-  graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(3)))
-  config = EngineConfig(num_slots=4, max_prompt_length=32, max_new_tokens=32, **LAYOUTS[request.param])
-  return make_engine(graphdef, MODEL, config, single_device_mesh()), params
-
-
-class _FixedTools:
-  """Tools whose stop token and observation the test chooses; a second call ends the episode."""
-
-  def __init__(self, stop_id: int, observation: list[int]):
-    self.stop_ids, self.observation, self.calls = (stop_id,), observation, []
-
-  def start(self, prompt, seed):
-    return 0
-
-  def submit(self, state, turn):
-    self.calls.append(list(turn))
-    future = concurrent.futures.Future()
-    future.set_result(ToolResult(state + 1, () if state else tuple(self.observation), 0.0, bool(state)))
-    return future
-
-
-def _run(engine, params, prompt, params_kw, tools=None, seed=0):
-  sampler = StreamingSampler([engine], params, tools=tools, seed=seed)
-  sampler.submit(prompt, SamplingParams(**params_kw), group_id=7)
-  return list(sampler.stream())[0], sampler
-
-
 def test_a_row_extended_in_flight_decodes_as_one_prefilled_with_the_whole_history(engine_and_params):
   engine, params = engine_and_params
   prompt = TOKENIZER.encode("12*34=")
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  plain, _ = _run(engine, params, prompt, greedy)
+  plain, _ = run_episode(engine, params, prompt, greedy)
   tokens = plain.completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # a token first seen at i >= 2
   observation = TOKENIZER.encode("408")
-  tools = _FixedTools(tokens[j], observation)
-  extended, sampler = _run(engine, params, prompt, greedy, tools)
+  tools = FixedTools(tokens[j], observation)
+  extended, sampler = run_episode(engine, params, prompt, greedy, tools)
   got = extended.completion_tokens.tolist()
   assert got[:j + 1] == tokens[:j + 1] and got[j + 1:j + 4] == observation and sampler.counters["extend_calls"] == 1
   assert extended.loss_mask.tolist() == [True] * (j + 1) + [False] * 3 + [True] * (len(got) - j - 4)
   assert extended.logprobs[j + 1:j + 4].tolist() == [0.0] * 3
   # The same history prefilled at once, then decoded greedily: the same tokens after the observation.
-  reference, _ = _run(engine, params, np.asarray(prompt + got[:j + 4]),
+  reference, _ = run_episode(engine, params, np.asarray(prompt + got[:j + 4]),
                       dict(greedy, max_new_tokens=len(got) - j - 4, stop_token_ids=(TOKENIZER.eos_id, tokens[j])))
   after = got[j + 4:]
   assert reference.completion_tokens.tolist()[:len(after)] == after and len(after) >= 1
@@ -168,49 +130,21 @@ def test_an_episode_replays_identically_from_its_seed(engine_and_params):
     runner.close()
 
 
-class _HeldTools(_FixedTools):
-  """Tools whose first call returns only when the test releases it."""
-
-  def __init__(self, stop_id: int, observation: list[int]):
-    super().__init__(stop_id, observation)
-    self.pending: list[concurrent.futures.Future] = []
-
-  def submit(self, state, turn):
-    self.calls.append(list(turn))
-    future = concurrent.futures.Future()
-    self.pending.append((future, ToolResult(state + 1, () if state else tuple(self.observation), 0.0, bool(state))))
-    return future
-
-  def release(self) -> None:
-    for future, result in self.pending:
-      future.set_result(result)
-    self.pending = []
-
-
-def _steps_until(sampler, finished: list, condition, most: int = 200) -> list:
-  """Steps the sampler (at most `most` times) until `condition(finished so far)`; returns the finished samples."""
-  for _ in range(most):
-    finished = finished + sampler.step()
-    if condition(finished):
-      return finished
-  raise AssertionError(f"not done after {most} steps: {len(finished)} finished")
-
-
 def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
-  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
+  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
-  tools = _HeldTools(a[j], TOKENIZER.encode("408"))
+  tools = HeldTools(a[j], TOKENIZER.encode("408"))
   sampler = StreamingSampler([engine], params, tools=tools)
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
-  finished = _steps_until(sampler, [], lambda done: done)  # the call stays unanswered: b decodes to its end
+  finished = steps_until(sampler, [], lambda done: done)  # the call stays unanswered: b decodes to its end
   assert [s.group_id for s in finished] == [1] and finished[0].completion_tokens.tolist() == b
   assert len(tools.calls) == 1 and sampler.num_in_flight == 1  # row a, paused on its call
   tools.release()
-  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
+  finished = steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
   assert finished[1].completion_tokens.tolist()[:j + 4] == a[:j + 1] + TOKENIZER.encode("408")
 
@@ -219,9 +153,9 @@ def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params
 def test_tool_tokens_carry_loss_mask_zero_into_the_shard(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-  sample, _ = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))
+  sample, _ = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))
   shard = samples_to_shard([sample], [Score(1.0, (1.0,))], width=40, step=0)
   p = len(sample.prompt_tokens)
   assert shard.loss_mask[0, p:p + j + 1].all() and not shard.loss_mask[0, p + j + 1:p + j + 3].any()
@@ -284,19 +218,19 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   one = make_engine(engine.graphdef, MODEL, dataclasses.replace(engine.config, num_slots=1, kv_pages=16),
                     single_device_mesh())
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
-  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
+  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
-  unparked = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(a[j], [5, 6, 7]))[0]
-  tools = _HeldTools(a[j], [5, 6, 7])
+  unparked = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(a[j], [5, 6, 7]))[0]
+  tools = HeldTools(a[j], [5, 6, 7])
   sampler = StreamingSampler([one], params, tools=tools)
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
-  finished = _steps_until(sampler, [], lambda done: done)
+  finished = steps_until(sampler, [], lambda done: done)
   assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
   assert finished[0].completion_tokens.tolist() == b
   tools.release()
-  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
+  finished = steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
   assert finished[1].completion_tokens.tolist() == unparked.completion_tokens.tolist()
   assert finished[1].loss_mask.tolist() == unparked.loss_mask.tolist()
@@ -344,12 +278,12 @@ class _Raising:
 def test_a_failing_environment_ends_its_episode_not_the_sampler(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   runner = ToolRunner(_Raising(), TOKENIZER)
   runner.stop_ids = (tokens[j],)
   try:
-    sample, sampler = _run(engine, params, TOKENIZER.encode("12*34="), greedy, runner)
+    sample, sampler = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, runner)
   finally:
     runner.close()
   assert sample.finish_reason == "turns" and sample.completion_tokens.tolist() == tokens[:j + 1]
@@ -360,10 +294,10 @@ def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_
   from streamrl_jax.types import Rollout
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-  whole = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))[0]
-  sampler = StreamingSampler([engine], params, tools=_FixedTools(tokens[j], [5, 6]))
+  whole = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))[0]
+  sampler = StreamingSampler([engine], params, tools=FixedTools(tokens[j], [5, 6]))
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=7,
                  progress=Rollout(7, 0, tuple(tokens[:2]), tuple(whole.logprobs[:2].tolist()), (0, 0)))
   (resumed,) = list(sampler.stream())
@@ -374,91 +308,4 @@ def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_
 def test_tools_need_engines_that_extend_rows():
   import types
   with pytest.raises(ValueError, match="multi-turn tools need engines that extend rows"):
-    StreamingSampler([types.SimpleNamespace()], None, tools=_FixedTools(1, []))
-
-
-# ---- multi-turn rows on pages ------------------------------------------------------------------------
-def _paged(engine, **changes):
-  return make_engine(engine.graphdef, MODEL, dataclasses.replace(engine.config, **changes), single_device_mesh())
-
-
-def test_a_paged_pool_refuses_an_extension_it_cannot_hold_and_takes_it_once_pages_are_back(engine_and_params):
-  engine, params = engine_and_params
-  if engine.config.kv_layout != "paged":
-    pytest.skip("the contiguous layout holds every slot's whole cache: it never refuses")
-  small = _paged(engine, num_slots=2, kv_pages=8, prefix_cache_rows=0)  # 64 tokens: one full row
-  placed, state = small.place_params(params), small.init_decode_state()
-  knobs = [SamplingParams(max_new_tokens=32)] * 2
-  prefix = small.prefill(placed, [list(range(3, 13)), list(range(3, 43))], samplings=knobs,
-                         rngs=np.zeros((2, 2), np.uint32))
-  state = small.insert(prefix, state, [0, 1])  # rows of 10 and 40 tokens: 2 + 5 pages
-  state, refused = small.extend_room(state, {0: 20})  # 30 tokens need 4 pages; 1 is free
-  assert refused == [0] and small.free_pages(state) == 1
-  state = small.release(state, 1)
-  state, refused = small.extend_room(state, {0: 20})
-  assert refused == [] and small.free_pages(state) == 8 - 4
-  state, firsts = small.extend(placed, state, [0], [list(range(3, 23))])
-  assert np.asarray(state.pages.length)[0] == 30 and np.asarray(jax.device_get(state.rows.length))[0] == 30
-
-
-class _RefusingOnce:
-  """An engine whose first `extend_room` of some rows refuses them all (an injected full pool)."""
-
-  def __init__(self, engine):
-    self._engine, self.refusals = engine, 0
-
-  def __getattr__(self, name):
-    return getattr(self._engine, name)
-
-  def extend_room(self, state, rows):
-    if self.refusals or not rows:
-      return self._engine.extend_room(state, rows)
-    self.refusals += 1
-    return state, sorted(rows)
-
-
-def test_a_row_refused_room_for_its_tool_tokens_resumes_to_the_same_episode(engine_and_params):
-  engine, params = engine_and_params
-  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
-  j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
-  whole = _run(engine, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))[0]
-  refusing = _RefusingOnce(engine)
-  resumed, sampler = _run(refusing, params, TOKENIZER.encode("12*34="), greedy, _FixedTools(tokens[j], [5, 6]))
-  assert refusing.refusals == 1 and sampler.counters["preempted"] == 1
-  assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
-  assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
-  np.testing.assert_allclose(resumed.logprobs, whole.logprobs, atol=1e-5)
-
-
-class _HeldEnding(_HeldTools):
-  """Held tools whose first call ends the episode."""
-
-  def submit(self, state, turn):
-    self.calls.append(list(turn))
-    future = concurrent.futures.Future()
-    self.pending.append((future, ToolResult(state + 1, (), 0.0, True)))
-    return future
-
-
-def test_an_episode_ending_while_parked_gives_its_memory_back(engine_and_params):
-  """One slot: row a is parked on its call while b runs; the call then ends a's episode while a is still parked.
-  Every page goes back to the pool (a paged row's pages are held while it is parked)."""
-  engine, params = engine_and_params
-  one = _paged(engine, num_slots=1, kv_pages=16)
-  greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = _run(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
-  b = _run(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
-  j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
-  tools = _HeldEnding(a[j], [])
-  sampler = StreamingSampler([one], params, tools=tools)
-  sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
-  sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
-  finished = _steps_until(sampler, [], lambda done: done)
-  assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
-  tools.release()
-  finished = _steps_until(sampler, finished, lambda done: not sampler.has_work())
-  assert [s.group_id for s in finished] == [1, 0] and finished[1].finish_reason == "turns"
-  if one.config.kv_layout == "paged":
-    state = one.drop_prefix_cache(sampler._instances[0].state)
-    assert one.free_pages(state) == one.num_pages
+    StreamingSampler([types.SimpleNamespace()], None, tools=FixedTools(1, []))
