@@ -1,5 +1,6 @@
 """The `streamrl` command.
 
+  streamrl config [--config FILE] [--set BINDING] every key of the resolved configuration, as a gin file
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
   streamrl generate [--model M] [--prompt TEXT]    batch generation through the KV cache (--chat: chat template)
   streamrl convert IN.gguf OUT_DIR                 a GGUF file to a Hugging Face directory
@@ -58,6 +59,22 @@ def cmd_info(args) -> int:
     info["mesh_error"] = str(err)
   print(json.dumps(info, indent=2))
   return 0
+
+
+def cmd_config(args) -> int:
+  from streamrl_jax import gin_config
+
+  files = gin_config.run_files(args.config)
+  gin_config.parse(files, args.set)
+  print(gin_config.resolved_text(config_header(files, args.set)), end="")
+  return 0
+
+
+def config_header(files, bindings) -> str:
+  """The first lines of a resolved configuration: what it was resolved from, and how to use it."""
+  made = " ".join([*(f"--config {f}" for f in files), *(f"--set {b!r}" for b in bindings)])
+  return ("The resolved configuration of streamrl_jax, every key with its type and help, from\n"
+          f"  {made}\nSaved to a file, it is a --config that builds the same run.")
 
 
 def _demo_model(seed: int):
@@ -136,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
   from streamrl_jax.commands.train import cmd_train
+  from streamrl_jax.sim.preset_names import PRESETS
 
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
   parser.add_argument("--host-devices", type=int, default=None,
@@ -143,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "both meshes exist, more if MeshConfig asks; for `trainer` and `sampler`: "
                            "MeshConfig.<role>_devices, else one per core; 0 leaves XLA_FLAGS alone)")
   sub = parser.add_subparsers(dest="command", required=True)
+  conf = sub.add_parser("config", help="print every key of the resolved configuration, its value, type and help, "
+                        "as a gin file (a valid --config)")
+  _config_args(conf)
+  conf.set_defaults(run=cmd_config)
   info = sub.add_parser("info", help="devices, versions and the mesh split a config would use")
   _config_args(info)
   info.set_defaults(run=cmd_info)
@@ -152,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
   gen.add_argument("--chat", action="store_true", help="put each prompt into the model's chat template")
   gen.add_argument("--system", default=None, help="with --chat: the system message (default: the template's)")
   gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
-  gen.add_argument("--max-new-tokens", type=int, default=24)
-  gen.add_argument("--temperature", type=float, default=0.0)
-  gen.add_argument("--seed", type=int, default=0)
-  gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+  gen.add_argument("--max-new-tokens", type=int, default=24, help="tokens generated per prompt at most (default 24)")
+  gen.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature; 0 (the default) decodes greedily")
+  gen.add_argument("--seed", type=int, default=0, help="seed of the sampling and of the demo model's weights")
+  gen.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the weights' and activations' dtype (default float32)")
   gen.set_defaults(run=cmd_generate)
   conv = sub.add_parser("convert", help="a GGUF file (llama, qwen2) to a Hugging Face directory")
   conv.add_argument("gguf", help="the .gguf file")
@@ -164,16 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
-  train.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
+  train.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
+                     help="continue from the latest checkpoint in the workdir (an error when there is none); "
+                          "--resume=auto: continue if there is one, else start afresh")
   train.set_defaults(run=cmd_train)
   add_role_parsers(sub, _config_args)
   add_launch_parser(sub, _config_args)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
-  sim.add_argument("--preset", default="paper-72b-20k",
-                   help="paper-7b-5k, paper-32b-10k, paper-72b-20k, paper-32b-h20-sampler or local-cpu")
+  sim.add_argument("--preset", default="paper-72b-20k", choices=PRESETS, metavar="NAME",
+                   help=f"the cluster, model and lengths simulated: {', '.join(PRESETS)} (default paper-72b-20k)")
   sim.add_argument("--out", required=True, help="output directory")
-  sim.add_argument("--iterations", type=int, default=3)
-  sim.add_argument("--seed", type=int, default=0)
+  sim.add_argument("--iterations", type=int, default=3, help="RL iterations simulated per mode (default 3)")
+  sim.add_argument("--seed", type=int, default=0, help="seed of the simulated output lengths")
   sim.set_defaults(run=cmd_simulate)
   return parser
 

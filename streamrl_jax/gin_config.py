@@ -7,16 +7,20 @@ Only this module knows gin; the dataclasses stay plain. A gin file writes e.g.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import io
 import re
 import sys
+import tokenize
 from pathlib import Path
 
 import gin
 
+from streamrl_jax.config_listing import render
+from streamrl_jax.config_types import ConfigError, checked
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
-from streamrl_jax.models.config import ModelConfig, RopeScaling
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -39,12 +43,14 @@ def example_dir(name: str) -> Path:
                           f"{Path(sys.prefix) / 'share' / 'streamrl_jax' / 'examples'}")
 
 
-CONFIG_CLASSES = (MeshConfig, ModelConfig, RopeScaling, EngineConfig, OptimizerConfig, ObjectiveConfig,
-                  RankerConfig, SchedulingConfig, RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig,
-                  JobConfig, FlightConfig, GKEConfig)
+CONFIG_CLASSES = (MeshConfig, EngineConfig, OptimizerConfig, ObjectiveConfig, RankerConfig, SchedulingConfig,
+                  RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
+                  GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
-
+_CLASSES = {cls.__name__: cls for cls in CONFIG_CLASSES}
+KNOWN_KEYS = tuple(f"{cls.__name__}.{f.name}" for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)
+                   if not dataclasses.is_dataclass(f.default))
 
 # Keys that moved to the config of the part that uses them: an old file or `--set` is refused naming the new key.
 MOVED_KEYS = {
@@ -56,40 +62,94 @@ MOVED_KEYS = {
 }
 # Keys a run derives from another, set once there.
 DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
-_KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*\.[A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
+# Classes that are not bound, and where their values come from.
+NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConfig.model); the demo model's from "
+                            "JobConfig.hidden_size and JobConfig.num_layers",
+             "RopeScaling": "a model's RoPE scaling comes from its config.json (JobConfig.model)"}
+_KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
 
 
-def check_moved_keys(config_files=(), bindings=()) -> None:
-  """Refuses a binding of a key that moved or is derived, naming the key to set and where it was written."""
-  sources = [(f"--set {b!r}", b) for b in bindings]
-  sources += [(str(f), Path(f).read_text()) for f in config_files if Path(f).is_file()]
+def check_keys(config_files=(), bindings=()) -> None:
+  """Refuses, naming where it was written, a binding of an unknown class or key (with the closest known key), of
+  a key that moved or is derived, or of a nested config (bound through its own class's keys)."""
+  sources = [(f"--set {b!r}", b) for b in bindings] + [(str(f), Path(f).read_text()) for f in config_files]
   for where, text in sources:
-    for key in _KEY.findall(text):
+    for name, field in _KEY.findall(text):
+      key = f"{name}.{field}"
       if key in MOVED_KEYS:
-        raise ValueError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
+        raise ConfigError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
       if key in DERIVED_KEYS:
-        raise ValueError(f"{key} is set from {DERIVED_KEYS[key]}: bind that one alone ({where})")
+        raise ConfigError(f"{key} is set from {DERIVED_KEYS[key]}: bind that one alone ({where})")
+      if name in NOT_BOUND:
+        raise ConfigError(f"{key}: {name} is not a config to bind; {NOT_BOUND[name]} ({where})")
+      if name not in _CLASSES:
+        raise ConfigError(f"{key}: unknown config class {name!r}{_did_you_mean(name, _CLASSES)} ({where})")
+      fields = {f.name: f for f in dataclasses.fields(_CLASSES[name])}
+      if field not in fields:
+        raise ConfigError(f"{key}: {name} has no field {field!r}{_did_you_mean(key, KNOWN_KEYS, field)} ({where}); "
+                          f"`streamrl config` lists every key")
+      if dataclasses.is_dataclass(fields[field].default):
+        raise ConfigError(f"{key} is built from the {type(fields[field].default).__name__}.* keys: bind those "
+                          f"({where})")
+
+
+def _did_you_mean(given: str, known, field: str = "") -> str:
+  """"; did you mean X?" for the closest known name (a key of another class with the same field first)."""
+  same_field = [k for k in known if field and k.endswith(f".{field}")]
+  close = same_field or difflib.get_close_matches(given, list(known), n=1, cutoff=0.6)
+  return f"; did you mean {close[0]}?" if close else ""
 
 
 def parse(config_files=(), bindings=()) -> None:
-  """Parses gin files and binding strings; a mistake is raised as ValueError naming it."""
-  check_moved_keys(config_files, bindings)
+  """Parses gin files and binding strings; a mistake is raised as `ConfigError` in one line naming the file or
+  binding (and the line of it that gin could not read)."""
+  missing = [str(f) for f in config_files if not Path(f).is_file()]
+  if missing:
+    raise ConfigError(f"--config {missing[0]}: no such file")
+  check_keys(config_files, bindings)
   gin.clear_config()
+  for path in config_files:
+    text = Path(path).read_text()
+    _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), text)
+  for binding in bindings:
+    _gin_parse(lambda: gin.parse_config(binding), f"--set {binding!r}", binding)
+  _gin_parse(gin.finalize, "the configuration", "")
+
+
+def _gin_parse(call, where: str, text: str) -> None:
+  """Runs a gin parse; its error as one line naming `where` (and the line of a text of several)."""
+  many = "\n" in text.strip() or not where.startswith("--set")
   try:
-    gin.parse_config_files_and_bindings([str(f) for f in config_files], list(bindings))
-  except (ValueError, KeyError, SyntaxError, IOError) as err:
-    raise ValueError(f"bad gin configuration: {err}") from err
+    call()
+  except (tokenize.TokenError, SyntaxError) as err:
+    unclosed = _unclosed(text)
+    if unclosed is not None or isinstance(err, tokenize.TokenError):
+      line = f" (line {unclosed + 1}: {text.splitlines()[unclosed].strip()!r})" if many and unclosed is not None else ""
+      raise ConfigError(f"{where}: a bracket or quote is not closed{line}") from None
+    line = f" (line {err.lineno}: {text.splitlines()[err.lineno - 1].strip()!r})" if many and err.lineno else ""
+    raise ConfigError(f"{where}: {err.msg.splitlines()[0].rstrip('.')}{line}") from None
+  except (ValueError, KeyError, IOError) as err:
+    raise ConfigError(f"{where}: {str(err).splitlines()[0]}") from None
+
+
+def _unclosed(text: str) -> int | None:
+  """The index of the first line whose binding leaves a bracket or quote open (up to the next binding)."""
+  lines = text.splitlines()
+  starts = [i for i, line in enumerate(lines) if _KEY.match(line)] + [len(lines)]
+  for begin, end in zip(starts, starts[1:]):
+    try:
+      list(tokenize.generate_tokens(io.StringIO("\n".join(lines[begin:end]) + "\n").readline))
+    except tokenize.TokenError:
+      return begin
+  return None
 
 
 def build(cls, **defaults):
-  """An instance of a config dataclass from its gin bindings (over `defaults`)."""
+  """An instance of a config dataclass from its gin bindings (over `defaults`), each value checked against its
+  field's annotation (`config_types`)."""
   if cls not in CONFIG_CLASSES:
     raise TypeError(f"{cls.__name__} is not a gin-bindable config; known: {[c.__name__ for c in CONFIG_CLASSES]}")
-  bound = gin.get_bindings(cls.__name__)
-  known = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(bound) - known)
-  if unknown:
-    raise ValueError(f"unknown {cls.__name__} bindings {unknown}; fields: {sorted(known)}")
+  bound = {name: checked(cls, name, value) for name, value in gin.get_bindings(cls.__name__).items()}
   return cls(**{**defaults, **bound})
 
 
@@ -122,3 +182,18 @@ def build_gke() -> GKEConfig:
   """Where a run goes on GKE (`GKEConfig` bindings; `streamrl launch gke`)."""
   return build(GKEConfig)
 
+
+
+def resolved_text(header: str = "", run_only: bool = False) -> str:
+  """The parsed configuration as gin text, every key on its own line with its type and help (`config_listing`):
+  the run's configs, and with `run_only=False` also how programs connect (`FlightConfig`) and GKE's."""
+  configs = [*build_run()]
+  if not run_only:
+    configs.append(build_flight())
+    try:
+      configs.append(build_gke())
+    except ValueError as err:  # a GKE launch needs more (its image, its bucket): the listing says what
+      defaults = {f.name: f.default for f in dataclasses.fields(GKEConfig)}
+      bound = {name: checked(GKEConfig, name, value) for name, value in gin.get_bindings("GKEConfig").items()}
+      configs.append((GKEConfig, {**defaults, **bound}, f"`streamrl launch gke` would refuse these: {err}"))
+  return render(configs, DERIVED_KEYS, header)

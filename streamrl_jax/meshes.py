@@ -33,15 +33,16 @@ class MeshShape:
 class MeshConfig:
   """How devices split between the sampler mesh and the trainer mesh.
 
-  The engine instancetes weights over "data" (one engine slot group per data shard) and splits
-  them over "tensor"; the trainer shards them over "fsdp" and "tensor".
-  0 devices means: the sampler gets half (rounded up), the trainer the rest.
+  The engine replicates weights over "data" (one engine slot group per data shard) and splits
+  them over "tensor"; the trainer shards them over "fsdp" and "tensor". A role run as its own program
+  takes its first `<role>_devices` devices (0: all of its devices); the colocated mode puts both meshes on
+  every device.
   """
 
-  sampler_devices: int = 0
-  trainer_devices: int = 0
-  sampler_tensor_parallel: int = 1
-  trainer_tensor_parallel: int = 1
+  sampler_devices: int = 0  # sampler mesh devices; 0: all that trainer_devices leaves, else half (rounded up)
+  trainer_devices: int = 0  # trainer mesh devices; 0: the devices the sampler leaves
+  sampler_tensor_parallel: int = 1  # the sampler mesh's "tensor" axis; divides sampler_devices, the rest is "data"
+  trainer_tensor_parallel: int = 1  # the trainer mesh's "tensor" axis; divides trainer_devices, the rest is "fsdp"
 
   def __post_init__(self):
     for field in dataclasses.fields(self):

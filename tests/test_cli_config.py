@@ -41,7 +41,7 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
   gin_file.write_text("MeshConfig.sampler_devices = 6\nMeshConfig.trainer_tensor_parallel = 2\n")
   gin_config.parse([gin_file], ["MeshConfig.trainer_devices = 2"])
   assert gin_config.build(MeshConfig) == MeshConfig(6, 2, 1, 2)
-  with pytest.raises(ValueError, match="doesn't have a parameter named 'bogus'"):
+  with pytest.raises(ValueError, match="MeshConfig has no field 'bogus'"):
     gin_config.parse([], ["MeshConfig.bogus = 1"])
   with pytest.raises(ValueError, match="out of range"):
     gin_config.parse([], ["MeshConfig.sampler_devices = -1"])

@@ -159,7 +159,7 @@ def test_render_and_apply_with_or_without_kubectl(tmp_path, capsys, monkeypatch)
   common = ["launch", "gke", "--config", str(config), "--set", f"GKEConfig.image='{BASE['image']}'",
             "--set", f"GKEConfig.bucket='{BASE['bucket']}'", "--set", "GKEConfig.name='rl'"]
   code, out = run_cli([*common, "--set", "GKEConfig.imgae='x'", "--render", str(tmp_path / "bad")], capsys)
-  assert code == 2 and "GKEConfig' doesn't have a parameter named 'imgae'" in out and not (tmp_path / "bad").exists()
+  assert code == 2 and "GKEConfig has no field 'imgae'; did you mean GKEConfig.image?" in out and not (tmp_path / "bad").exists()
   code, out = run_cli([*common, "--set", "PipelineConfig.mode='sideways'", "--render", str(tmp_path / "bad")], capsys)
   assert code == 2 and "sideways" in out and not (tmp_path / "bad").exists()  # the run's config is checked first
 

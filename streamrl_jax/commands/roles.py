@@ -50,8 +50,8 @@ def add_role_parsers(sub, common) -> None:
     tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
     dist = parser.add_argument_group("several processes in this role (jax.distributed)")
     dist.add_argument("--coordinator", help="HOST:PORT of this role's process 0")
-    dist.add_argument("--num-processes", type=int)
-    dist.add_argument("--process-id", type=int)
+    dist.add_argument("--num-processes", type=int, help="processes in this role (with --coordinator)")
+    dist.add_argument("--process-id", type=int, help="this process's index among them, from 0 (with --coordinator)")
 
 
 def role_host_devices(args) -> int:

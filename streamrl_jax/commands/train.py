@@ -21,7 +21,8 @@ def cmd_train(args) -> int:
 
 
 def run_training(args, config, job, runner, prog: str) -> int:
-  """`train_job` with a progress bar (process 0 of the trainer only), a clean Ctrl-C and the summary line."""
+  """`train_job` with a progress bar (process 0 of the trainer only, from the first RL step on: a resumed run's
+  starts at the steps already trained), a clean Ctrl-C and the summary line."""
   import jax
   from tqdm import tqdm
 
@@ -31,9 +32,13 @@ def run_training(args, config, job, runner, prog: str) -> int:
   leader = jax.process_index() == 0
   print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
         f"workdir {args.workdir}", flush=True)
-  bar = tqdm(total=config.steps, unit="step", dynamic_ncols=True, disable=not leader)
+  bars = []
+
+  def on_start(done: int) -> None:
+    bars.append(tqdm(total=config.steps, initial=done, unit="step", dynamic_ncols=True, disable=not leader))
 
   def progress(m):
+    bar = bars[-1]
     bar.update(1)
     extra = {"instances": m["sampler_instances"]} if "sampler_instances" in m else {}
     if "ranker_recall_top20" in m:
@@ -41,17 +46,20 @@ def run_training(args, config, job, runner, prog: str) -> int:
     bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
   stop = StopRequest(log=tqdm.write)
+  resume = "auto" if getattr(args, "auto_resume", False) else args.resume
   try:
     with stop.installed():
-      summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress,
-                          resume="auto" if getattr(args, "auto_resume", False) else args.resume,
-                          runner=runner, role="trainer" if args.command == "trainer" else "train", stop=stop)
+      summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=resume,
+                          runner=runner, role="trainer" if args.command == "trainer" else "train", stop=stop,
+                          on_start=on_start)
   except RunStopped as stopped:
-    bar.close()
+    for bar in bars:
+      bar.close()
     print(f"{prog}: {stopped_advice(stopped, args.workdir)}", file=sys.stderr, flush=True)
     return 130
   finally:
-    bar.close()
+    for bar in bars:
+      bar.close()
   if leader:
     print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
   return 0

@@ -7,14 +7,12 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-  """`environment`: an `envs` environment the samples call as a tool ("calculator"; "": none, single-turn).
-  `max_turns`: tool calls per episode. `tool_threads`: host threads running the environment's steps (at least the
-  sampler's slots: calls never queue). `tool_delay_s`: added to every tool call (to measure slow tools)."""
+  """Which environment the samples call as a tool in multi-turn episodes, and how its calls run."""
 
-  environment: str = ""
-  max_turns: int = 2
-  tool_threads: int = 64
-  tool_delay_s: float = 0.0
+  environment: str = ""  # an `envs` environment the samples call as a tool: "calculator"; "": none (single-turn)
+  max_turns: int = 2  # tool calls per episode
+  tool_threads: int = 64  # host threads running tool calls; with at least the engine slots, calls never queue
+  tool_delay_s: float = 0.0  # seconds added to every tool call (to measure slow tools)
 
   def __post_init__(self):
     if self.environment:

@@ -17,14 +17,14 @@ class GKEConfig:
   cluster) and a sampler JobSet (`sampler_replicas` single-host replicas, each one `streamrl sampler`)."""
 
   name: str = "streamrl"  # the run: JobSets NAME-trainer and NAME-samplers, ConfigMap NAME-config
-  namespace: str = "default"
+  namespace: str = "default"  # the Kubernetes namespace the run's JobSets and ConfigMap go in
   platform: str = "tpu-v5e"  # tpu-v5e, tpu-v5p, tpu-v6e or gpu-a3 (H100 80GB)
   image: str = ""  # the container image built from launchers/gke/Dockerfile (required)
   bucket: str = ""  # gs://BUCKET[/PREFIX]: the workdir is PREFIX/NAME in it, mounted by Cloud Storage FUSE
   trainer_topology: str = "2x4"  # the trainer's TPU slice (ignored on GPU)
   trainer_hosts: int = 0  # 0: from the topology (TPU) or 1 (GPU)
   sampler_topology: str = "2x2"  # each engine instance's TPU slice: single-host (ignored on GPU)
-  sampler_replicas: int = 2
+  sampler_replicas: int = 2  # replicas of the sampler JobSet, each one single-host `streamrl sampler`
   accelerators_per_host: int = 0  # 0: the platform's default for the topology (GPU: 8)
   flight_port: int = 8470  # the trainer's Arrow Flight server (samples in, weights out)
   coordinator_port: int = 8476  # jax.distributed among the trainer's hosts

@@ -18,27 +18,30 @@ TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_too
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
 
-  task: str = "arithmetic"  # "file": your JSONL/Parquet rows (needs a model); "sums": tasks.sums
+  # arithmetic, countdown, sums, multiply, multiply_no_tool (built-in tasks), or "file": your JSONL/Parquet rows;
+  # "file" and "sums" need a pretrained model
+  task: str = "arithmetic"
   prompt_file: str = ""  # task "file": a .jsonl or .parquet file, or a directory of .parquet shards
   prompt_key: str = "question"  # the column holding the prompt; the others go to the rewards as fields
   answer_key: str = "answer"  # the column the built-in numeric verifier reads (when RewardConfig names no function)
   eval_file: str = ""  # task "file": held-out rows for the greedy accuracy before and after; "": eval_fraction
-  eval_fraction: float = 0.0  # task "file" without eval_file: prompts held out by a stable hash (0: evaluate on the training rows)
+  # task "file" without eval_file: share of the prompts held out by a stable hash (0: evaluate on the training rows)
+  eval_fraction: float = 0.0
   model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
   model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json (the older key; `model` takes it too)
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
   system_prompt: str = ""  # chat: the system message; "": the template's own default
-  max_digits: int = 4
+  max_digits: int = 4  # task "arithmetic": most digits of each operand (long-tailed draw)
   sum_digits: int = 2  # task "sums": digits of each term
-  sum_terms: int = 2
+  sum_terms: int = 2  # task "sums": terms per problem (at least 2)
   multiply_digits: int = 3  # task "multiply" (worked solutions call the calculator) and "multiply_no_tool"
-  warmup_steps: int = 300  # supervised steps on worked solutions before RL (0: none)
-  warmup_batch: int = 32
-  warmup_learning_rate: float = 3e-3
-  eval_prompts: int = 128
-  hidden_size: int = 64
-  num_layers: int = 2
-  seed: int = 0
+  warmup_steps: int = 300  # demo decoder: supervised steps on worked solutions before RL (0: none)
+  warmup_batch: int = 32  # demo decoder's warm-up: worked solutions per supervised step
+  warmup_learning_rate: float = 3e-3  # demo decoder's warm-up: peak learning rate (reached after 20 steps)
+  eval_prompts: int = 128  # held-out prompts of the greedy accuracy measured before and after RL
+  hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
+  num_layers: int = 2  # demo decoder (no `model`): decoder layers
+  seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
 
   def __post_init__(self):
     if self.task not in TASKS:

@@ -1,32 +1,96 @@
-"""Pictures of a run: the busy/idle timeline as PNG, and a Chrome-trace JSON for Perfetto."""
+"""Pictures of a run: the learning curves and the busy/idle timeline as PNG, and a Chrome-trace JSON for
+Perfetto."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a"}
+COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a", "resume": "#d62"}
+MARKS = ("sync", "resume")  # lanes drawn as vertical lines across the others
 
 
-def write_timeline_png(timeline: dict, path: str | Path, title: str = "") -> None:
-  """One row per component; bars where it was busy, gaps where it idled; weight syncs as ticks."""
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
 
-  fig, ax = plt.subplots(figsize=(9, 2.6))
-  rows = list(timeline)
+
+def write_timeline_png(timeline: dict, path: str | Path, title: str = "") -> None:
+  """One row per component; bars where it was busy, gaps where it idled; weight syncs (and resumes) as vertical
+  lines; a legend says which is which."""
+  from matplotlib.lines import Line2D
+  from matplotlib.patches import Patch
+
+  plt = _pyplot()
+  fig, ax = plt.subplots(figsize=(9, 2.8))
+  rows = [name for name in timeline if name not in MARKS]
   for y, name in enumerate(rows):
     for start, end, _ in timeline[name]:
-      if name == "sync":
-        ax.axvline(start, color=COLORS[name], linewidth=1)
-      else:
-        ax.barh(y, max(end - start, 1e-3), left=start, color=COLORS.get(name, "#888"))
+      ax.barh(y, max(end - start, 1e-3), left=start, color=_color(name))
+  for name in MARKS:
+    for start, _, _ in timeline.get(name, ()):
+      ax.axvline(start, color=COLORS[name], linewidth=1.5 if name == "resume" else 1,
+                 linestyle="--" if name == "resume" else "-")
   ax.set_yticks(range(len(rows)), rows)
-  ax.set_xlabel("seconds")
-  ax.set_title(title or "busy intervals (weight syncs as vertical lines)")
+  ax.set_xlabel("seconds (of RL steps; a resumed run's segments end to end)")
+  ax.set_title(title or "when each part was busy")
+  kinds = sorted({_kind(name) for name in rows})
+  handles = [Patch(color=_color(k), label=f"{k} busy") for k in kinds]
+  handles += [Line2D([], [], color=COLORS[m], linestyle="--" if m == "resume" else "-",
+                     label="weight sync" if m == "sync" else "resumed") for m in MARKS if timeline.get(m)]
+  ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=len(handles), frameon=False,
+            fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def _kind(lane: str) -> str:
+  """"sampler-1" -> "sampler": the part a lane belongs to."""
+  return next((k for k in COLORS if lane.startswith(k)), lane)
+
+
+def _color(lane: str) -> str:
+  return COLORS.get(_kind(lane), "#888")
+
+
+def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], path: str | Path,
+                     title: str = "") -> None:
+  """The learning curves: reward mean per step (and a moving average), held-out accuracy at each evaluation
+  (step 0: before RL), and the policy loss with the KL to the reference policy (when the objective has one)."""
+  plt = _pyplot()
+  fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+  steps = [m["step"] for m in metrics]
+  rewards = [m["reward_mean"] for m in metrics]
+  top.plot(steps, rewards, color="#9bd", linewidth=1, label="reward mean per step")
+  if len(rewards) >= 5:
+    width = max(2, len(rewards) // 10)
+    smooth = [sum(rewards[max(0, i - width + 1):i + 1]) / len(rewards[max(0, i - width + 1):i + 1])
+              for i in range(len(rewards))]
+    top.plot(steps, smooth, color="#26a", linewidth=2, label=f"moving average of {width} steps")
+  top.set_ylabel("reward")
+  top.legend(loc="lower right", fontsize=8)
+  if evaluations:
+    xs, ys = zip(*sorted(evaluations))
+    middle.plot(xs, ys, marker="o", color="#c53", label="held-out accuracy (greedy)")
+    for x, y in zip(xs, ys):
+      middle.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+  middle.set_ylabel("accuracy")
+  middle.set_ylim(-0.05, 1.1)
+  for key, color, label in (("loss", "#555", "policy loss"), ("kl", "#7a4", "KL to the reference policy")):
+    rows = [(m["step"], m[key]) for m in metrics if key in m]
+    if rows and (key == "loss" or any(value for _, value in rows)):
+      bottom.plot(*zip(*rows), color=color, linewidth=1, label=label)
+  bottom.set_ylabel("loss / KL")
+  bottom.set_xlabel("RL step")
+  for ax in (middle, bottom):
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(loc="upper left" if ax is middle else "upper right", fontsize=8)
+  top.set_title(title or "learning curves")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
   plt.close(fig)
 
 

@@ -38,13 +38,14 @@ from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                 stop: StopRequest | None = None) -> RunResult:
+                 stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
   With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
   restores the latest one and continues with the next step. Samples generated for a step that was not
   trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
-  `stop`: a stop request the trainer honours at a step boundary (`RunStopped`).
+  `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_timeline` gets the
+  timeline when the steps end, however they end.
   """
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
@@ -64,7 +65,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     thread.join()
   result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
                          start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
-                         on_step=on_step)
+                         on_step=on_step, on_timeline=on_timeline)
   if errors:
     raise RuntimeError("the sampler thread failed") from errors[0]
   return result

@@ -1,12 +1,12 @@
 """The main job behind `streamrl train`: optional supervised warm-up, held-out evaluation, the RL run,
-and its outputs (metrics JSONL, TensorBoard events, timeline PNG, Chrome trace, final checkpoint).
+and its outputs (config.gin, metrics JSONL, TensorBoard events, learning curves and timeline PNGs, Chrome trace,
+the run's record, final checkpoint, summary).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -18,7 +18,11 @@ from streamrl_jax.models import load_hf, save_hf
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.report import write_chrome_trace, write_timeline_png
+from streamrl_jax.config_listing import render
+from streamrl_jax.gin_config import DERIVED_KEYS
+from streamrl_jax.pipeline import run_record
+from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
+from streamrl_jax.pipeline.run_record import RunRecord
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
@@ -29,7 +33,10 @@ from streamrl_jax.tasks import draw, prompt_tokens, question, verifier
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
-__all__ = ["JobConfig", "evaluate", "greedy_completions", "supervised_warmup", "train_job"]
+__all__ = ["JobConfig", "evaluate", "greedy_completions", "read_metrics", "supervised_warmup", "train_job"]
+CONFIG_FILE = "config.gin"
+CONFIG_HEADER = ("The configuration this run ran with, every key with its type and help.\n"
+                 "`streamrl train --config WORKDIR/config.gin --workdir NEW` runs it again.")
 
 
 def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=print):
@@ -102,7 +109,7 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
 
 def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
               resume: bool | str = False, runner=run_pipeline, role: str = "train",
-              stop: StopRequest | None = None) -> dict:
+              stop: StopRequest | None = None, on_start=None) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
   and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
@@ -110,13 +117,15 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
   `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built. `stop`: a stop
   request the RL steps honour at a step boundary. However the job stops early (that request, KeyboardInterrupt),
-  it raises `RunStopped` naming the checkpoint on disk once the last save has committed."""
+  it raises `RunStopped` naming the checkpoint on disk once the last save has committed. `on_start(done)` is
+  called as the RL steps begin, with the steps already trained (a resumed run's), `progress(metrics)` after each.
+  A resumed run's outputs cover the whole run (`run_record`)."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
   workdir = preflight.check_workdir(workdir)
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   try:
-    return _job(config, job, workdir, checkpointer, log, progress, resume, runner, role, stop)
+    return _job(config, job, workdir, checkpointer, log, progress, resume, runner, role, stop, on_start)
   except (RunStopped, KeyboardInterrupt) as err:
     checkpointer.wait()  # the last save commits (a second Ctrl-C here stops at once)
     raise RunStopped(checkpointer.latest_step(),
@@ -126,34 +135,45 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
 
 
 def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, log, progress, resume: bool | str,
-         runner, role: str, stop: StopRequest | None) -> dict:
+         runner, role: str, stop: StopRequest | None, on_start) -> dict:
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
   auto = resume == "auto"
   resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
   if auto:
-    log(f"--auto-resume: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
+    log(f"--resume=auto: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
   task, heldout, tokenizer = _preflight(config, job, role, log)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
+    (workdir / CONFIG_FILE).write_text(render([config, job], DERIVED_KEYS, CONFIG_HEADER))
   model, tokenizer = _warm_model(config, job, task, workdir, leader, log)
   before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
+  resumed_at = checkpointer.latest_step() if resume else None
   if leader:
     log(f"held-out accuracy before RL: {before:.3f}")
+    write_curves(workdir, config, before)
   if resume:
-    log(f"resuming from the checkpoint of step {checkpointer.latest_step()}")
-  start = time.perf_counter()
-  resumed_at = checkpointer.latest_step() if resume else None
-  with _step_outputs(workdir, resumed_at, progress) if leader else contextlib.nullcontext() as on_step:
-    result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                    stop=stop)
+    log(f"resuming from the checkpoint of step {resumed_at}")
+  record = RunRecord(workdir, resumed_at) if leader else None
+  if on_start is not None:
+    on_start(resumed_at or 0)
+  with _step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext() as on_step:
+    try:
+      result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
+                      stop=stop, on_timeline=record.end if leader else None)
+    except (RunStopped, KeyboardInterrupt):
+      if leader:  # the pictures of the run so far
+        write_pictures(workdir, config, before, record.segments)
+      raise
   checkpointer.wait()
   if stop is not None and stop.requested:  # asked during the last step: stop before the final evaluation
+    if leader:
+      write_pictures(workdir, config, before, record.segments)
     raise RunStopped(checkpointer.latest_step())
   if not leader:
     return {}
-  return _finish(config, job, model, tokenizer, heldout, result, workdir, before, start, log)
+  return _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments, log)
 
 
 def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
@@ -201,24 +221,51 @@ def _accuracy_before(model, tokenizer, heldout, config: PipelineConfig, job: Job
 
 
 def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, result, workdir: Path, before: float,
-            start: float, log) -> dict:
-  """The trained model evaluated and saved, the timeline drawn, the summary written; returns the summary."""
+            segments: list[dict], log) -> dict:
+  """The trained model evaluated and saved, the pictures drawn, the summary of the whole run written (every
+  segment of a resumed run); returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
   after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
-  write_timeline_png(result.timeline, workdir / "timeline.png", title=f"mode {config.mode}")
-  write_chrome_trace(result.timeline, workdir / "trace.json")
-  summary = dict(accuracy_before=before, accuracy_after=after, rl_seconds=time.perf_counter() - start,
-                 counters=result.counters, steps=len(result.metrics))
+  write_pictures(workdir, config, before, segments, after)
+  counters = result.counters  # this segment's: counters are not kept across a resume
+  summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
+                 steps=len(read_metrics(workdir)), counters=counters)
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 
 
+def read_metrics(workdir: Path) -> list[dict]:
+  """The rows of WORKDIR/metrics.jsonl (each step once; a row cut short by a kill has no newline and is left out)."""
+  path = workdir / "metrics.jsonl"
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines(keepends=True)
+          if line.endswith("\n") and line.strip()]
+
+
+def write_curves(workdir: Path, config: PipelineConfig, before: float, after: float | None = None) -> None:
+  """WORKDIR/curves.png from metrics.jsonl and the held-out evaluations (before RL at step 0, after at the end)."""
+  metrics = read_metrics(workdir)
+  evaluations = [(0, before)] + ([(config.steps, after)] if after is not None else [])
+  write_curves_png(metrics, evaluations, workdir / "curves.png", title=f"mode {config.mode}, {config.steps} steps")
+
+
+def write_pictures(workdir: Path, config: PipelineConfig, before: float, segments: list[dict],
+                   after: float | None = None) -> None:
+  """curves.png, timeline.png and trace.json of the run so far, every segment of it."""
+  write_curves(workdir, config, before, after)
+  timeline = run_record.whole_timeline(segments)
+  write_timeline_png(timeline, workdir / "timeline.png", title=f"mode {config.mode}")
+  write_chrome_trace(timeline, workdir / "trace.json")
+
+
 @contextlib.contextmanager
-def _step_outputs(workdir: Path, resumed_at: int | None, progress):
-  """An on_step callback that appends to metrics.jsonl and TensorBoard and updates the progress bar. On a
+def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: RunRecord):
+  """An on_step callback that appends to metrics.jsonl and TensorBoard, keeps the run's record and updates the
+  progress bar. On a
   resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a crash, and
   about to be trained again) are dropped first, so each step appears once."""
   from tensorboardX import SummaryWriter
@@ -237,6 +284,7 @@ def _step_outputs(workdir: Path, resumed_at: int | None, progress):
       out.flush()
       for key, value in m.items():
         writer.add_scalar(key, value, m["step"])
+      record.step(m["step"])
       if progress is not None:
         progress(m)
     try:

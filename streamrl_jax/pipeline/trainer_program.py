@@ -35,13 +35,14 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
-                   stop: StopRequest | None = None) -> RunResult:
+                   stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
   the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
   the trainer's datacenter label (samplers of other sites get one copy of each version across). `stop`: a stop
-  request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision."""
+  request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision.
+  `on_timeline` (process 0) gets the timeline when the steps end, however they end."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   graphdef, params = nnx.split(model)
@@ -72,6 +73,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   try:
     return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
                          start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
+                         on_timeline=on_timeline,
                          extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
   except RunStopped:
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop

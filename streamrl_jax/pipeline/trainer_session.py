@@ -66,11 +66,13 @@ def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
 def train_session(trainer: TrainerWorker, controller: Controller, get_shard, weights, queue: SampleQueue, *,
                   ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
                   teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
-                  extra_counters: Callable[[], dict] = dict) -> RunResult:
+                  on_timeline: Callable[[dict], None] | None = None, extra_counters: Callable[[], dict] = dict
+                  ) -> RunResult:
   """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
   publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
   waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
-  trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`."""
+  trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_timeline` gets
+  the timeline once the steps end, also when they stop or fail."""
   start_epoch = time.time()
   start()
   if ranker is not None:
@@ -85,6 +87,8 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
       ranker.stop()
     if checkpointer is not None:
       checkpointer.wait()
+    if on_timeline is not None:
+      on_timeline(timeline_of(trainer, controller, start_epoch))
   counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                   **extra_counters())
   return RunResult(to_host(trainer.state.params), metrics, counters, timeline_of(trainer, controller, start_epoch))

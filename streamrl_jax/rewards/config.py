@@ -10,14 +10,16 @@ BUILTIN = "task"  # the name of the task's own verifier, used when no function i
 
 @dataclasses.dataclass(frozen=True)
 class RewardConfig:
-  """Reward functions by import path: `'package.module:function'` or `'path/to/file.py:function'`, each called as
-  `fn(prompt, completion, **fields)` (fields: the dataset row's other columns) and returning a number. The total
-  reward is the weighted sum. No function: the task's own verifier (in the sampler's thread)."""
+  """Which functions score a sample, how they are weighted, and how their calls run.
 
+  The total reward is the weighted sum of the functions' numbers."""
+
+  # 'package.module:function' or 'path/to/file.py:function': fn(prompt, completion, **fields) -> number, the
+  # fields being the row's other columns; empty: the task's own verifier (in the sampler's thread)
   functions: tuple[str, ...] = ()
   weights: tuple[float, ...] = ()  # one per function; empty: 1 each
   workers: int = 1  # processes that score; 0: in the sampler's own thread (no timeout can stop a hung call)
-  timeout_s: float = 30.0  # per call; a worker past it is replaced and the call counted in reward_timeouts
+  timeout_s: float = 30.0  # seconds per call; a worker past it is replaced and the call counted in reward_timeouts
   on_error: str = "stop"  # a call that raises, hangs or returns no finite number: "stop" the run, or score it "zero"
 
   def __post_init__(self):

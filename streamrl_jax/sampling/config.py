@@ -9,20 +9,20 @@ import dataclasses
 class EngineConfig:
   """Slots and lengths of one engine instance."""
 
-  num_slots: int = 8
-  max_prompt_length: int = 64
-  max_new_tokens: int = 64
-  min_prefill_bucket: int = 16
+  num_slots: int = 8  # sequences decoded at once by one engine instance (its decode batch)
+  max_prompt_length: int = 64  # prompt tokens an engine accepts; a longer prompt is refused
+  max_new_tokens: int = 64  # tokens generated per sample; a run sets it from PipelineConfig.max_new_tokens
+  min_prefill_bucket: int = 16  # smallest prompt-length bucket; buckets double up to max_prompt_length
   prefill_batch: int = 8  # most prompts prefilled (and inserted) per call; a power of two
   steps_per_sync: int = 1  # decode steps per host round trip
-  max_stop_tokens: int = 4
-  memory_budget_bytes: int = 0  # per device; 0: the device's own limit (host RAM share on CPU)
-  # Cache prefixes shorter than the whole cache that a decode step may attend over when every slot
-  # fits (one more compiled `generate` each). On accelerators powers of two pay off; on CPU, XLA
-  # copies mid-size slices of the cache, which costs more than it saves, hence one short window.
+  max_stop_tokens: int = 4  # most token ids that end a turn (eos ids, end of turn, the environment's stop)
+  # bytes per device for the weights and KV cache (checked at build); 0: the device's limit (CPU: a RAM share)
+  memory_budget_bytes: int = 0
+  # shorter cache prefixes a decode step attends over when every slot fits (one more compile each);
+  # on CPU one short window: XLA copies mid-size cache slices, which costs more than it saves
   short_attention_windows: tuple[int, ...] = (64,)
-  # "contiguous": a KV cache of cache_length per slot; "paged": a pool of pages that rows take as they grow,
-  # a GRPO group's prompt prefilled once and its full pages shared (`paged_engine`).
+  # "contiguous": a cache_length KV cache per slot; "paged": a pool of pages rows take as they grow,
+  # a group's prompt prefilled once and its full pages shared (`paged_engine`)
   kv_layout: str = "contiguous"
   page_size: int = 16  # tokens per page (paged); divides every attention window
   kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold

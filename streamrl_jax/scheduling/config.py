@@ -16,17 +16,17 @@ CPU_PTL_CURVE = ((1, 0.0053), (2, 0.0056), (4, 0.0067), (8, 0.0083), (16, 0.0110
 
 @dataclasses.dataclass(frozen=True)
 class RankerConfig:
-  """Size and training of the ranker. Token ids are hashed into `vocab_buckets` embedding rows."""
+  """Size and training of the output-length ranker that orders prompts for the skew_aware policy."""
 
-  vocab_buckets: int = 1024
+  vocab_buckets: int = 1024  # embedding rows; token ids are hashed into them (id mod vocab_buckets)
   max_prompt_length: int = 64  # longer prompts keep their last tokens
-  embed_dim: int = 32
-  hidden_dim: int = 64
-  learning_rate: float = 3e-3
-  batch_size: int = 64
+  embed_dim: int = 32  # width of the token and position embeddings and the attention layer
+  hidden_dim: int = 64  # width of the token MLP and of the scoring head
+  learning_rate: float = 3e-3  # AdamW learning rate of the ranker's training
+  batch_size: int = 64  # (prompt, length) pairs per training batch, drawn from the history; >= 2
   history: int = 2048  # most recent (prompt, length) pairs kept to train on
   steps_per_round: int = 16  # optimizer steps per background round (one round per new observation batch)
-  seed: int = 0
+  seed: int = 0  # seeds the ranker's initial weights and its batch draws
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
@@ -38,28 +38,22 @@ class RankerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SchedulingConfig:
-  """How the sampler dispatches and admits requests, and whether it grows or shrinks.
+  """How the sampler dispatches and admits requests, and whether it grows or shrinks."""
 
-  policy      a name in `SCHEDULING_POLICIES`. "fifo": requests dealt at random over the instances,
-              admitted in arrival order, every instance at full batch; "skew_aware": the ranker's predicted-longest `alpha` share goes
-              to long-tail instances sized by the latency model, admission is longest-first.
-  instances   engine instances (engine instances) at start; the sampler mesh is cut into
-              `max_instances` equal sub-meshes (0: as many as `instances`).
-  elastic     add or remove an instance between steps when generation and training times diverge
-              (`policies.elastic_target`), between `min_instances` and `max_instances`.
-  resize_engines  run each instance on an engine compiled for its planned batch size (rounded up to a
-              power of two; one more compile per new size) instead of capping the busy slots of the
-              full-size engine: a static-shape decode step costs its compiled slot count, busy or not.
-  """
-
+  # "fifo": random dispatch, arrival-order admission, full batches; "skew_aware": the ranker's predicted-longest
+  # `alpha` share goes to long-tail instances sized by ptl_curve, admission longest-first
   policy: str = "fifo"
-  instances: int = 1
-  max_instances: int = 0
-  min_instances: int = 1
+  instances: int = 1  # engine instances at start
+  max_instances: int = 0  # the sampler mesh is cut into this many equal sub-meshes; 0: as many as `instances`
+  min_instances: int = 1  # elastic: the fewest instances it shrinks to
+  # add or remove an instance between steps when generation and training times diverge (`elastic_target`)
   elastic: bool = False
-  alpha: float = 0.2
-  hysteresis: float = 0.05
+  alpha: float = 0.2  # skew_aware: the predicted-longest share of the requests that forms the long tail; in (0, 1)
+  hysteresis: float = 0.05  # elastic: fraction of the step time a change must clear (no oscillation)
+  # run each instance on an engine compiled for its planned batch (a power of two; a compile per new size), not
+  # the full-size engine with slots capped: a decode step costs its compiled slots, busy or not
   resize_engines: bool = True
+  # skew_aware's latency model: (batch size, seconds per decode step) points; the default: a 2-core CPU's
   ptl_curve: tuple[tuple[int, float], ...] = CPU_PTL_CURVE
   ranker: RankerConfig = RankerConfig()
 

@@ -7,15 +7,10 @@ import dataclasses
 import numpy as np
 
 from streamrl_jax.scheduling import resource_split
+from streamrl_jax.sim.preset_names import PAPER, PRESETS
 from streamrl_jax.sim.pipeline import SimConfig, generation, simulate, train_seconds
 from streamrl_jax.sim.profiles import H20, QWEN25, Hardware, LengthDistribution, ModelSpec
 
-PAPER = {
-    # name: (model, max output length, devices, tensor parallel)
-    "paper-7b-5k": ("7b", 5000, 32, 1),
-    "paper-32b-10k": ("32b", 10000, 64, 4),
-    "paper-72b-20k": ("72b", 20000, 128, 8),
-}
 
 
 # Measured here: benchmarks/sampler.py (ptl_ms_by_batch) and benchmarks/trainer.py (train_mfu) on 2 CPU cores.
@@ -23,7 +18,6 @@ CPU_2CORE = Hardware("cpu-2core", bf16_tflops=0.16, memory_gb=24.0, bandwidth_tb
 LOCAL_MODEL = ModelSpec("streamrl-10m", params_b=0.00997, layers=8, kv_heads=2, head_dim=64)
 LOCAL_PTL = ((1, 5.3e-3), (2, 5.6e-3), (4, 6.7e-3), (8, 8.3e-3), (16, 11.0e-3), (32, 17.8e-3))
 
-PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "cross-datacenter", "local-cpu"]
 # Samplers in another datacenter (StreamRL's H20 case): 200 Gb/s trainer and sampler links, 10 Gb/s between.
 CROSS_DATACENTER = dict(sync_bandwidth_gbs=25.0, sampler_link_gbs=25.0, inter_site_gbs=1.25)
 

@@ -10,26 +10,23 @@ from streamrl_jax.models.config import REMAT_POLICIES
 
 @dataclasses.dataclass(frozen=True)
 class TrainerConfig:
-  """`logprob_chunk`: vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0 builds the
-  full [tokens, vocab] logits. `remat`: "none", "layer" or "dots" (`ModelConfig.remat`), the trainer's own.
-  `activation_budget_mb`: the temporaries of one trainer call (its gradient before it joins the running sum, and
-  its activations: `training.packing.call_bytes`); the packed tokens per call are cut to fit. 0: 40% of a
-  device's memory; on the CPU, the gradient plus 1 GiB, or one packed row (`training.packing.auto_budget`).
+  """The trainer's batching and memory: how samples become trainer calls, and what each call may hold.
 
-  `packing`: samples are packed end to end into rows (segment ids), so compute follows tokens; `pack_length` is
-  the packed rows' length (0: the longest sample, prompt + new tokens, rounded up to 8), and `chunk_tokens` the
-  tokens (padding included) per trainer call (0: a step, a quarter of one in `stream` mode, within memory).
-  Without packing, micro-batches of `chunk_rows` rows. `precompile`: every trainer call's shape is compiled
-  before the first step (no stalls later)."""
+  With `packing`, samples are packed end to end into rows (segment ids), so compute follows tokens; without it,
+  each call is a micro-batch of `chunk_rows` padded rows."""
 
+  # vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0: full [tokens, vocab] logits
   logprob_chunk: int = 8192
-  remat: str = "none"
+  remat: str = "none"  # the trainer's rematerialisation: "none", "layer" or "dots" (see ModelConfig.remat)
+  # MiB for one trainer call's gradient and activations (tokens per call are cut to fit); 0: 40% of
+  # device memory, on CPU the gradient plus 1 GiB or one packed row (`packing.auto_budget`)
   activation_budget_mb: int = 0
-  packing: bool = True
-  pack_length: int = 0
+  packing: bool = True  # pack samples end to end into rows of pack_length; False: chunk_rows padded rows per call
+  pack_length: int = 0  # tokens per packed row; 0: the longest sample (prompt + new tokens) rounded up to 8
+  # tokens per packed trainer call, padding included, within the budget; 0: a step (stream mode: a quarter)
   chunk_tokens: int = 0
-  chunk_rows: int = 8
-  precompile: bool = False
+  chunk_rows: int = 8  # without packing: samples per trainer call (micro-batch)
+  precompile: bool = False  # compile every trainer call's shape before the first step (no stalls later)
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
@@ -48,16 +45,16 @@ SCHEDULES = ("constant", "cosine", "linear")
 class OptimizerConfig:
   """AdamW with global-norm clipping and a warm-up then decay schedule."""
 
-  learning_rate: float = 1e-5
-  schedule: str = "constant"
-  warmup_steps: int = 0
+  learning_rate: float = 1e-5  # peak learning rate, reached at the end of warm-up
+  schedule: str = "constant"  # after warm-up: "constant", "cosine" or "linear" decay
+  warmup_steps: int = 0  # optimizer steps of linear warm-up from 0 to learning_rate (0: none)
   decay_steps: int = 1000  # for cosine/linear: steps from the end of warm-up to the end value
-  end_lr_fraction: float = 0.0
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-  max_grad_norm: float = 1.0  # 0: no clipping
+  end_lr_fraction: float = 0.0  # cosine/linear: the final learning rate as a fraction of learning_rate
+  weight_decay: float = 0.0  # AdamW's decoupled weight decay (0: none)
+  b1: float = 0.9  # Adam's first-moment decay
+  b2: float = 0.999  # Adam's second-moment decay
+  eps: float = 1e-8  # Adam's denominator epsilon
+  max_grad_norm: float = 1.0  # clip gradients to this global norm; 0: no clipping
 
   def __post_init__(self):
     if self.schedule not in SCHEDULES:

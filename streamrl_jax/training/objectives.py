@@ -24,7 +24,9 @@ sg = jax.lax.stop_gradient
 class ObjectiveConfig:
   """Hyper-parameters of the policy loss."""
 
+  # the per-token policy loss: ppo, ppo_tis, ppo_recomputed, decoupled_ppo, aipo or reinforce (OBJECTIVES)
   objective: str = "ppo"
+  # how token losses become the batch loss: token_mean, seq_mean_token_sum, seq_mean_token_mean or constant
   aggregation: str = "token_mean"
   clip_low: float = 0.2  # ratio floor 1 - clip_low
   clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO clip-higher: 0.28)
@@ -32,12 +34,12 @@ class ObjectiveConfig:
   tis_cap: float = 2.0  # ppo_tis: behaviour weights are clamped at this value
   behaviour_cap: float = 5.0  # decoupled_ppo: tokens whose behaviour ratio exceeds this are dropped
   aipo_rho: float = 4.0  # aipo: ratio truncation, 2 to 10 in LlamaRL
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
+  kl_coef: float = 0.0  # weight of the KL penalty to the frozen initial policy (0: no penalty, no reference)
+  kl_estimator: str = "k3"  # per-token KL estimator: "k1", "k2" or "k3" (Schulman)
   kl_in_reward: bool = False  # True: the KL penalty goes into the reward instead of the loss
-  entropy_coef: float = 0.0
-  value_coef: float = 0.5
-  value_clip: float = 0.2
+  entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss (0: none)
+  value_coef: float = 0.5  # critic trainer only: weight of the clipped value loss
+  value_clip: float = 0.2  # critic trainer only: PPO clip range of the values around the old values
 
   def __post_init__(self):
     OBJECTIVES.get(self.objective)

@@ -1,0 +1,82 @@
+"""A run's record across its segments, so that a resumed run reads as one run: WORKDIR/run.json lists each
+segment (the first start, then each resume) with the steps it began and ended at, its wall seconds and its
+timeline. The summary's wall time and resume count, and the whole run's timeline, are computed from it.
+
+Plain data and pure functions, and `RunRecord`, which holds the record of the running segment and writes it at
+each change (one thread: the trainer's); the file is replaced whole, so a kill mid-write leaves the previous one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+RECORD_FILE = "run.json"
+
+
+def begin(workdir: Path, resumed_at: int | None) -> list[dict]:
+  """The segments of a run that starts now: none before it on a fresh start; on a resume from the checkpoint of
+  step `resumed_at`, those on record before it (none for a workdir written before this record existed)."""
+  path = Path(workdir) / RECORD_FILE
+  before = json.loads(path.read_text())["segments"] if resumed_at is not None and path.exists() else []
+  start = resumed_at or 0
+  return before + [dict(first_step=start, last_step=start, seconds=0.0, timeline=None)]
+
+
+def stepped(segments: list[dict], step: int, seconds: float) -> list[dict]:
+  """The record after the current segment trained `step`, `seconds` after it began."""
+  return segments[:-1] + [dict(segments[-1], last_step=step, seconds=seconds)]
+
+
+def ended(segments: list[dict], timeline: dict, seconds: float) -> list[dict]:
+  """The record once the current segment's RL steps ended (done, stopped or failed), with its timeline."""
+  return segments[:-1] + [dict(segments[-1], timeline=timeline, seconds=max(seconds, segments[-1]["seconds"]))]
+
+
+def save(workdir: Path, segments: list[dict]) -> None:
+  path = Path(workdir) / RECORD_FILE
+  tmp = path.with_suffix(".tmp")
+  tmp.write_text(json.dumps({"segments": segments}))
+  os.replace(tmp, path)
+
+
+def totals(segments: list[dict]) -> dict:
+  """{"rl_seconds": the segments' wall seconds summed, "resumes": how often the run was resumed}."""
+  return dict(rl_seconds=sum(s["seconds"] for s in segments), resumes=len(segments) - 1)
+
+
+def whole_timeline(segments: list[dict]) -> dict:
+  """The segments' timelines end to end on one clock (each shifted by the durations before it), with a
+  `resume` lane marking where each resumed segment begins; a segment killed before it ended has no
+  timeline, only its duration."""
+  out: dict[str, list] = {}
+  offset = 0.0
+  for i, segment in enumerate(segments):
+    lanes = segment["timeline"] or {}
+    if i:
+      out.setdefault("resume", []).append((offset, offset, f"resumed after step {segment['first_step']}"))
+    for name, spans in lanes.items():
+      out.setdefault(name, []).extend((offset + b, offset + e, label) for b, e, label in spans)
+    ends = [e for spans in lanes.values() for _, e, _ in spans]
+    offset += max([segment["seconds"], *ends])
+  return out
+
+
+class RunRecord:
+  """WORKDIR/run.json kept true while a segment runs: `step` after each trained step, `end` with its timeline."""
+
+  def __init__(self, workdir: Path, resumed_at: int | None, clock=time.perf_counter):
+    self.workdir, self._clock = Path(workdir), clock
+    self.segments = begin(self.workdir, resumed_at)
+    self._start = clock()
+    save(self.workdir, self.segments)
+
+  def step(self, step: int) -> None:
+    self.segments = stepped(self.segments, step, self._clock() - self._start)
+    save(self.workdir, self.segments)
+
+  def end(self, timeline: dict) -> None:
+    self.segments = ended(self.segments, timeline, self._clock() - self._start)
+    save(self.workdir, self.segments)
