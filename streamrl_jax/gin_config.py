@@ -59,6 +59,7 @@ MOVED_KEYS = {
     **{f"PipelineConfig.{f}": f"EnvConfig.{f}" for f in ("environment", "max_turns", "tool_threads", "tool_delay_s")},
     **{f"FlightConfig.{f}": f"ControllerConfig.{f}" for f in ("heartbeat_s", "lease_timeout_s", "sampler_timeout_s",
                                                              "finish_grace_s", "weight_fanout")},
+    "JobConfig.model_dir": "JobConfig.model",
 }
 # Keys a run derives from another, set once there.
 DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}

@@ -50,7 +50,8 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
 
 
 @pytest.mark.parametrize("old, new", [("PipelineConfig.packing", "TrainerConfig.packing"),
-                                      ("PipelineConfig.environment", "EnvConfig.environment")])
+                                      ("PipelineConfig.environment", "EnvConfig.environment"),
+                                      ("JobConfig.model_dir", "JobConfig.model")])
 def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
   gin_file = tmp_path / "old.gin"
   gin_file.write_text(f"PipelineConfig.steps = 2\n{old} = 1\n")

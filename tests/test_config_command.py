@@ -5,6 +5,7 @@ every flag of every subcommand."""
 import argparse
 import dataclasses
 import re
+from pathlib import Path
 from typing import Optional
 
 import pytest
@@ -154,3 +155,25 @@ def test_simulate_help_lists_its_presets(capsys):
   with pytest.raises(SystemExit) as exited:
     cli.main(["simulate", "--preset", "nope", "--out", "x"])
   assert exited.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+ROOT = Path(__file__).resolve().parent.parent
+NAMED = re.compile(r"\b(" + "|".join([c.__name__ for c in gin_config.CONFIG_CLASSES] + list(gin_config.NOT_BOUND))
+                   + r")\.([A-Za-z_]\w*)")
+
+
+def keys_named(text: str) -> set[str]:
+  """Every `Class.field` a text names, for the config classes (and the classes that are not bound)."""
+  return {f"{cls}.{field}" for cls, field in NAMED.findall(text)}
+
+
+def test_every_key_the_docs_name_is_a_key_streamrl_config_lists(capsys):
+  listed = {f"{m.group(2)}.{m.group(3)}" for m in map(LINE.match, listing(capsys).splitlines()) if m}
+  files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "configs").glob("*.gin"),
+           *(ROOT / "colab").glob("*.ipynb"), *(ROOT / "examples").rglob("*.gin"), *(ROOT / "launchers").rglob("*.md")]
+  named = {path.relative_to(ROOT): keys_named(path.read_text()) for path in files}
+  assert sum(map(len, named.values())) > 100  # the scan reads what it should
+  wrong = {str(path): sorted(keys - listed) for path, keys in named.items() if keys - listed}
+  assert not wrong, f"keys named that `streamrl config` does not list: {wrong}"
+  assert keys_named("set `JobConfig.model_dir` or ModelConfig.remat") - listed == {"JobConfig.model_dir",
+                                                                                    "ModelConfig.remat"}

@@ -123,7 +123,10 @@ def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp
   code, out = finish(train(workdir, "--config", config, "--resume"), workdir, timeout=180)
   assert code == 0, out
   assert [m["step"] for m in metrics(workdir)] == [1, 2, 3, 4, 5]
-  assert json.loads(out.splitlines()[-1])["accuracy_after"] >= 0
+  summary = json.loads(out.splitlines()[-1])
+  assert summary["accuracy_after"] >= 0 and summary["steps"] == 5 and summary["resumes"] == len(CHAIN)
+  segments = json.loads((workdir / "run.json").read_text())["segments"]
+  assert summary["rl_seconds"] == sum(s["seconds"] for s in segments) and len(segments) == len(CHAIN) + 1
 
 
 def test_the_stall_watch_ends_a_silent_process_and_not_a_paused_or_progressing_one():

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from streamrl_jax import cli
+from streamrl_jax import cli, gin_config
 from tests.checkpoints import word_checkpoint
 
 DEMO_GIN = str(Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.gin")
@@ -19,29 +19,57 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
           "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=4",
           "--set", "PipelineConfig.group_size=2", "--set", "JobConfig.warmup_steps=2", "--set", "JobConfig.eval_prompts=4",
           "--set", "JobConfig.hidden_size=32"]
-  assert cli.main(args) == 0
+  assert cli.main(args + ["--resume=auto"]) == 0  # no checkpoint yet: a fresh start
+  assert "--resume=auto: no checkpoint yet, starting afresh" in "".join(capsys.readouterr())
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2] and all(k in lines[0] for k in KEYS)
+  gin_config.parse([tmp_path / "config.gin"])  # what the run wrote it ran with builds the same configs
+  ran = gin_config.build_run()
+  gin_config.parse([DEMO_GIN], [a for a in args[5:] if a != "--set"])
+  assert ran == gin_config.build_run()
+  gin_config.parse()
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["counters"]["samples_trained"] == 2 * 4 * 2 and 0 <= summary["accuracy_after"] <= 1
   trace = json.loads((tmp_path / "trace.json").read_text())
   assert any(e.get("ph") == "X" for e in trace["traceEvents"])
-  for name in ("timeline.png", "warmup_model/config.json", "final_model/model.safetensors"):
+  for name in ("timeline.png", "curves.png", "warmup_model/config.json", "final_model/model.safetensors"):
     assert (tmp_path / name).exists()
   assert list((tmp_path / "tensorboard").iterdir())
-  # Resume with one more step: only step 3 runs, metrics are appended.
+  # Resume with one more step: only step 3 runs, metrics are appended, and the outputs read as one run.
   longer = [a.replace("PipelineConfig.steps=2", "PipelineConfig.steps=3") for a in args]
   assert cli.main(longer + ["--resume"]) == 0
+  err = capsys.readouterr().err
+  assert "2/3 [" in err and "0/3 [" not in err and "3/3 [" in err  # the bar starts at the step resumed
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2, 3]
-  assert json.loads((tmp_path / "summary.json").read_text())["counters"]["samples_trained"] == 4 * 2
+  summary = json.loads((tmp_path / "summary.json").read_text())
+  assert summary["counters"]["samples_trained"] == 4 * 2  # this segment's counters
+  segments = json.loads((tmp_path / "run.json").read_text())["segments"]
+  assert [(s["first_step"], s["last_step"]) for s in segments] == [(0, 2), (2, 3)]
+  assert summary["steps"] == 3 and summary["resumes"] == 1
+  assert summary["rl_seconds"] == pytest.approx(sum(s["seconds"] for s in segments)) and summary["rl_seconds"] > 0
+  lanes = {e["args"]["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+           if e["ph"] == "M"}
+  assert {"trainer", "resume"} <= lanes
 
 
 def test_resume_without_a_checkpoint_fails_before_any_work(tmp_path, capsys, monkeypatch):
   from streamrl_jax.pipeline import train_job
   monkeypatch.setattr(train_job, "supervised_warmup", lambda *a, **k: pytest.fail("warmed up before the check"))
   assert cli.main(["train", "--workdir", str(tmp_path), "--resume"]) == 2
-  assert "no checkpoint" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "no checkpoint" in err and err.count("\n") == 1 and "%|" not in err
+
+
+def test_a_run_stopped_before_any_checkpoint_does_not_advise_resume(tmp_path, capsys, monkeypatch):
+  from streamrl_jax.pipeline import train_job
+
+  def interrupted(*args, **kwargs):
+    raise KeyboardInterrupt
+  monkeypatch.setattr(train_job, "supervised_warmup", interrupted)  # Ctrl-C during the warm-up
+  assert cli.main(["train", "--workdir", str(tmp_path), "--set", "JobConfig.eval_prompts=2"]) == 130
+  err = capsys.readouterr().err
+  assert "no step was checkpointed, so there is nothing to resume" in err and "--resume" not in err
 
 
 def test_train_rejects_gin_mistakes(tmp_path, capsys):
@@ -59,7 +87,7 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
                                for a in range(3) for b in range(3)))
   workdir = tmp_path / "run"
   args = ["train", "--workdir", str(workdir), "--set", "JobConfig.task='file'",
-          "--set", f"JobConfig.prompt_file='{prompts}'", "--set", f"JobConfig.model_dir='{model_dir}'",
+          "--set", f"JobConfig.prompt_file='{prompts}'", "--set", f"JobConfig.model='{model_dir}'",
           "--set", "JobConfig.eval_prompts=4", "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=2",
           "--set", "PipelineConfig.group_size=2", "--set", "PipelineConfig.max_new_tokens=8",
           "--set", "EngineConfig.num_slots=4", "--set", "EngineConfig.max_prompt_length=16",

@@ -28,7 +28,6 @@ class JobConfig:
   # task "file" without eval_file: share of the prompts held out by a stable hash (0: evaluate on the training rows)
   eval_fraction: float = 0.0
   model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
-  model_dir: str = ""  # a Hugging Face checkpoint with tokenizer.json (the older key; `model` takes it too)
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
   system_prompt: str = ""  # chat: the system message; "": the template's own default
   max_digits: int = 4  # task "arithmetic": most digits of each operand (long-tailed draw)
@@ -46,31 +45,25 @@ class JobConfig:
   def __post_init__(self):
     if self.task not in TASKS:
       raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
-    if self.model and self.model_dir:
-      raise ValueError("set JobConfig.model or JobConfig.model_dir, not both")
     if self.task == "file" and not self.prompt_file:
       raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"JobConfig.eval_fraction must lie in [0, 1), got {self.eval_fraction}")
     if self.eval_file and self.eval_fraction:
       raise ValueError("set JobConfig.eval_file or JobConfig.eval_fraction, not both")
-    if self.task in ("file", "sums") and not self.pretrained:
+    if self.task in ("file", "sums") and not self.model:
       raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
                        "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
-    if self.chat and not self.pretrained:
+    if self.chat and not self.model:
       raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
-
-  @property
-  def pretrained(self) -> str:
-    return self.model or self.model_dir
 
   def model_path(self, log=print):
     """The pretrained model's Hugging Face directory (fetched and converted on first use)."""
     from streamrl_jax.models.catalog import resolve_model
 
-    return resolve_model(self.pretrained, log=log)
+    return resolve_model(self.model, log=log)
 
   def make_task(self, tokenizer=None, split: str = "train"):
     """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
@@ -91,13 +84,13 @@ class JobConfig:
     if not self.chat:
       return task
     if not tokenizer.chat_template:
-      raise ValueError(f"JobConfig.chat is set but the model {self.pretrained!r} has no chat template "
+      raise ValueError(f"JobConfig.chat is set but the model {self.model!r} has no chat template "
                        "(tokenizer_config.json: chat_template)")
     return ChatTask(task, tokenizer.chat_format(self.system_prompt or None))
 
   def load_model(self):
     """(model, tokenizer, needs warm-up): the pretrained model, else the tiny demo decoder."""
-    if self.pretrained:
+    if self.model:
       path = self.model_path()
       return load_hf(path), load_tokenizer(path), False
     tokenizer = CharTokenizer()
@@ -105,7 +98,7 @@ class JobConfig:
 
   def model_spec(self):
     """(ModelConfig, tokenizer) without the weights: what a sampler needs before the trainer's arrive."""
-    if self.pretrained:
+    if self.model:
       path = self.model_path()
       return read_hf_config(path, dtype="float32", param_dtype="float32"), load_tokenizer(path)
     tokenizer = CharTokenizer()

@@ -1,0 +1,55 @@
+"""A run's record across resumes (`pipeline.run_record`): segments, totals and the whole run's timeline, worked by
+hand; and the pictures drawn from them."""
+
+import json
+
+from streamrl_jax.pipeline import run_record
+from streamrl_jax.pipeline.report import write_curves_png, write_timeline_png
+
+
+def test_a_fresh_start_forgets_an_old_record_and_a_resume_appends_to_it(tmp_path):
+  first = run_record.stepped(run_record.begin(tmp_path, None), 3, 12.0)
+  run_record.save(tmp_path, first)
+  assert json.loads((tmp_path / "run.json").read_text())["segments"] == first
+  resumed = run_record.begin(tmp_path, 2)  # the checkpoint of step 2 (step 3 was lost to a kill)
+  assert resumed == first + [dict(first_step=2, last_step=2, seconds=0.0, timeline=None)]
+  assert run_record.begin(tmp_path, None) == [dict(first_step=0, last_step=0, seconds=0.0, timeline=None)]
+  assert run_record.begin(tmp_path / "old-workdir", 5)[0]["first_step"] == 5  # no record: from this segment on
+
+
+def test_totals_and_the_whole_timeline_put_segments_end_to_end():
+  segments = [dict(first_step=0, last_step=2, seconds=10.0, timeline={"trainer": [(1.0, 4.0, "update 0")],
+                                                                       "sync": [(4.0, 4.0, "v1")]}),
+              dict(first_step=2, last_step=3, seconds=5.0, timeline=None),  # killed: no timeline, its time counts
+              dict(first_step=3, last_step=4, seconds=6.0, timeline={"trainer": [(0.5, 7.0, "update 3")],
+                                                                       "sampler": [(0.0, 0.5, "step 3")]})]
+  assert run_record.totals(segments) == dict(rl_seconds=21.0, resumes=2)
+  whole = run_record.whole_timeline(segments)
+  assert whole["trainer"] == [(1.0, 4.0, "update 0"), (15.5, 22.0, "update 3")]
+  assert whole["sync"] == [(4.0, 4.0, "v1")] and whole["sampler"] == [(15.0, 15.5, "step 3")]
+  assert whole["resume"] == [(10.0, 10.0, "resumed after step 2"), (15.0, 15.0, "resumed after step 3")]
+  ended = run_record.ended(segments[:1], {"trainer": []}, 8.0)  # never less than the steps' own time
+  assert ended[0]["seconds"] == 10.0 and ended[0]["timeline"] == {"trainer": []}
+
+
+def test_the_record_is_kept_at_each_step_and_at_the_end(tmp_path):
+  now = [100.0]
+  record = run_record.RunRecord(tmp_path, None, clock=lambda: now[0])
+  now[0] = 103.5
+  record.step(1)
+  on_disk = json.loads((tmp_path / "run.json").read_text())["segments"]
+  assert on_disk == [dict(first_step=0, last_step=1, seconds=3.5, timeline=None)]
+  now[0] = 104.0
+  record.end({"trainer": [[0.0, 1.0, "step 0"]]})
+  assert json.loads((tmp_path / "run.json").read_text())["segments"][0]["seconds"] == 4.0
+
+
+def test_the_pictures_are_drawn_from_a_record_and_metrics(tmp_path):
+  metrics = [dict(step=s, reward_mean=s / 10, loss=0.1 * s, kl=0.0) for s in range(1, 13)]
+  write_curves_png(metrics, [(0, 0.2), (12, 0.6)], tmp_path / "curves.png")
+  write_curves_png([], [(0, 0.2)], tmp_path / "before.png")  # before the first step: the evaluation alone
+  timeline = {"sampler-0": [(0.0, 1.0, "step 0")], "trainer": [(1.0, 2.0, "update 0")], "sync": [(2.0, 2.0, "v1")],
+              "resume": [(2.5, 2.5, "resumed after step 1")]}
+  write_timeline_png(timeline, tmp_path / "timeline.png")
+  for name in ("curves.png", "before.png", "timeline.png"):
+    assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
