@@ -21,7 +21,7 @@ from streamrl_jax.config_types import ConfigError, checked
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
-from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
@@ -61,8 +61,6 @@ MOVED_KEYS = {
                                                              "finish_grace_s", "weight_fanout")},
     "JobConfig.model_dir": "JobConfig.model",
 }
-# Keys a run derives from another, set once there.
-DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
 # Classes that are not bound, and where their values come from.
 NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConfig.model); the demo model's from "
                             "JobConfig.hidden_size and JobConfig.num_layers",

@@ -16,6 +16,8 @@ from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, 
 
 IN_FLIGHT_CACHE = ("keep", "recompute")
 ENGINE_DEFAULT_NEW_TOKENS = EngineConfig().max_new_tokens
+# Keys a run derives from another (set once there; gin refuses them, listings show them as comments).
+DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -16,10 +16,9 @@ from flax import nnx
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import load_hf, save_hf
 from streamrl_jax.pipeline import preflight
-from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.config_listing import render
-from streamrl_jax.gin_config import DERIVED_KEYS
 from streamrl_jax.pipeline import run_record
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.run_record import RunRecord
