@@ -182,17 +182,14 @@ def build_gke() -> GKEConfig:
   return build(GKEConfig)
 
 
-
-def resolved_text(header: str = "", run_only: bool = False) -> str:
+def resolved_text(header: str = "") -> str:
   """The parsed configuration as gin text, every key on its own line with its type and help (`config_listing`):
-  the run's configs, and with `run_only=False` also how programs connect (`FlightConfig`) and GKE's."""
-  configs = [*build_run()]
-  if not run_only:
-    configs.append(build_flight())
-    try:
-      configs.append(build_gke())
-    except ValueError as err:  # a GKE launch needs more (its image, its bucket): the listing says what
-      defaults = {f.name: f.default for f in dataclasses.fields(GKEConfig)}
-      bound = {name: checked(GKEConfig, name, value) for name, value in gin.get_bindings("GKEConfig").items()}
-      configs.append((GKEConfig, {**defaults, **bound}, f"`streamrl launch gke` would refuse these: {err}"))
+  the run's configs, how programs connect (`FlightConfig`) and where a run goes on GKE (`GKEConfig`)."""
+  configs = [*build_run(), build_flight()]
+  try:
+    configs.append(build_gke())
+  except ValueError as err:  # a GKE launch needs more (its image, its bucket): the listing says what
+    defaults = {f.name: f.default for f in dataclasses.fields(GKEConfig)}
+    bound = {name: checked(GKEConfig, name, value) for name, value in gin.get_bindings("GKEConfig").items()}
+    configs.append((GKEConfig, {**defaults, **bound}, f"`streamrl launch gke` would refuse these: {err}"))
   return render(configs, DERIVED_KEYS, header)

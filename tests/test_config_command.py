@@ -171,8 +171,9 @@ def keys_named(text: str) -> set[str]:
 
 def test_every_key_the_docs_name_is_a_key_streamrl_config_lists(capsys):
   listed = {f"{m.group(2)}.{m.group(3)}" for m in map(LINE.match, listing(capsys).splitlines()) if m}
-  files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "configs").glob("*.gin"),
-           *(ROOT / "colab").glob("*.ipynb"), *(ROOT / "examples").rglob("*.gin"), *(ROOT / "launchers").rglob("*.md")]
+  files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "colab").glob("*.ipynb"),
+           *(p for folder in ("configs", "examples", "launchers") for p in (ROOT / folder).rglob("*")
+             if p.suffix in (".gin", ".md"))]
   named = {path.relative_to(ROOT): keys_named(path.read_text()) for path in files}
   assert sum(map(len, named.values())) > 100  # the scan reads what it should
   wrong = {str(path): sorted(keys - listed) for path, keys in named.items() if keys - listed}

@@ -13,15 +13,13 @@ import jax
 import numpy as np
 from flax import nnx
 
+from streamrl_jax.config_listing import render
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import load_hf, save_hf
-from streamrl_jax.pipeline import preflight
+from streamrl_jax.pipeline import preflight, run_record
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.config_listing import render
-from streamrl_jax.pipeline import run_record
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
-from streamrl_jax.pipeline.run_record import RunRecord
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
@@ -154,7 +152,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
     write_curves(workdir, config, before)
   if resume:
     log(f"resuming from the checkpoint of step {resumed_at}")
-  record = RunRecord(workdir, resumed_at) if leader else None
+  record = run_record.RunRecord(workdir, resumed_at) if leader else None
   if on_start is not None:
     on_start(resumed_at or 0)
   with _step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext() as on_step:
@@ -229,9 +227,8 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   write_pictures(workdir, config, before, segments, after)
-  counters = result.counters  # this segment's: counters are not kept across a resume
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
-                 steps=len(read_metrics(workdir)), counters=counters)
+                 steps=len(read_metrics(workdir)), counters=result.counters)  # the last segment's counters
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 
@@ -262,19 +259,16 @@ def write_pictures(workdir: Path, config: PipelineConfig, before: float, segment
 
 
 @contextlib.contextmanager
-def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: RunRecord):
+def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_record.RunRecord):
   """An on_step callback that appends to metrics.jsonl and TensorBoard, keeps the run's record and updates the
-  progress bar. On a
-  resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a crash, and
-  about to be trained again) are dropped first, so each step appears once."""
+  progress bar. On a resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a
+  crash, and about to be trained again) are dropped first, so each step appears once."""
   from tensorboardX import SummaryWriter
 
   path = workdir / "metrics.jsonl"
   if resumed_at is not None and path.exists():
-    lines = path.read_text().splitlines(keepends=True)  # a row cut short by a kill has no newline: dropped
-    kept = [line.rstrip("\n") for line in lines if line.endswith("\n") and line.strip()
-            and json.loads(line)["step"] <= resumed_at]
-    path.write_text("".join(line + "\n" for line in kept))
+    kept = [m for m in read_metrics(workdir) if m["step"] <= resumed_at]
+    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
   with path.open("a" if resumed_at is not None else "w") as out:
     writer = SummaryWriter(str(workdir / "tensorboard"))
 
