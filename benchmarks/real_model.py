@@ -29,8 +29,9 @@ Seven parts, each in its own process (so each starts from clean memory and its o
   the full logits, and a Qwen2.5-0.5B-shaped decoder (4 x 8 samples x 256 new tokens): peak RSS, steady step,
   train MFU (`smollm2_peak_rss_mb`, `smollm2_train_mfu`, `smollm2_train_step_vs_unchunked`, `qwen05b_peak_rss_mb`).
 
-`--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own).
-Prints one JSON object as its last line.
+`--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own). A quick run
+(STREAMRL_BENCH_QUICK=1, `benchmarks/suite.py --quick`) runs parity, speed and precision at small sizes and names the
+figures of the other parts in `quick_omits`. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations
@@ -45,13 +46,21 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks, by module name
+from sizing import QUICK, size  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2_cpu.gin"
 MODEL = "smollm2-135m-instruct"
-SLOTS, REQUESTS, TAIL_FRACTION = 16, 64, 0.15
+SLOTS, REQUESTS, TAIL_FRACTION = 16, size(64, 16), 0.15
+REPEATS = size(2, 1)  # timed runs of the speed part, interleaved
+# The parts a quick run (`benchmarks/suite.py --quick`) leaves out (minutes each on a CPU), and their figures.
+QUICK_PARTS = ("parity", "speed", "precision")
+FULL_ONLY = {"paged": ("smollm2_paged_vs_contiguous",), "rl": ("accuracy_gain",), "modes": ("async_step_s",),
+             "memory": ("smollm2_peak_rss_mb", "smollm2_train_mfu")}
 PROMPT_BUCKET = 48  # the chat prompts are 47 tokens: one prefill bucket that fits them
 PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",
-                  "Write a haiku about the sea.", "def fibonacci(n):")
+                  "Write a haiku about the sea.", "def fibonacci(n):")[:size(4, 2)]
 
 
 def _peak_rss_mb() -> float:
@@ -104,7 +113,8 @@ def part_parity() -> dict:
     tokens, mask = pad_prompts([ids], tokenizer.pad_id)
     greedy_equal += generate(model, tokens, mask, 24)[0].tolist() == ref_tokens
   return {"parity_max_abs_logit_diff": worst, "parity_prompts": len(PARITY_PROMPTS),
-          "parity_greedy24_equal": greedy_equal, "parity_rss_mb": round(_peak_rss_mb())}
+          "parity_greedy24_equal": greedy_equal, "parity_greedy24_all_equal": greedy_equal == len(PARITY_PROMPTS),
+          "parity_rss_mb": round(_peak_rss_mb())}
 
 
 def _speed_workload(tokenizer):
@@ -169,7 +179,7 @@ def part_speed() -> dict:
   run_engine(prompts[:SLOTS], [4] * SLOTS)  # compile
   run_hf(prompts[:SLOTS], [4] * SLOTS)  # warm up
   engine_s, hf_s = [], []
-  for _ in range(2):  # interleaved; best kept
+  for _ in range(REPEATS):  # interleaved; best kept
     engine_s.append(run_engine(prompts, lengths))
     hf_s.append(run_hf(prompts, lengths))
   tokens = sum(lengths)
@@ -182,7 +192,6 @@ def part_paged() -> dict:
   import jax
   from flax import nnx
 
-  sys.path.insert(0, str(Path(__file__).parent))
   from paged import decode_overhead, grouped, run
 
   from streamrl_jax.meshes import single_device_mesh
@@ -223,13 +232,12 @@ def part_precision() -> dict:
   part's chat prompts (64 held-out sums, 16 tokens each, sampled at temperature 1)."""
   from streamrl_jax import gin_config
 
-  sys.path.insert(0, str(Path(__file__).parent))
   from precision import mismatch
 
   gin_config.parse([str(CONFIG)])
   config, job = gin_config.build_run()
   model, tokenizer, _ = job.load_model()
-  out = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, 16, prompts=64)
+  out = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, 16, prompts=size(64, 16))
   return {f"smollm2_{k}": v for k, v in out.items()}
 
 
@@ -334,7 +342,6 @@ def memory_variant(name: str) -> dict:
   limit_fragmentation()  # as `streamrl` sets the allocator at its start
   force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from flax import nnx
 
@@ -368,7 +375,7 @@ def memory_variant(name: str) -> dict:
   compile_s = time.perf_counter() - compile_start
   rss.update(compiled=round(_rss_mb()), compile_peak=round(_peak_rss_mb()))
   rng = np.random.default_rng(0)
-  from grpo_step import measure_peak  # the f32 matmul peak the GRPO step benchmark uses (this script's folder)
+  from grpo_step import measure_peak  # the f32 matmul peak the GRPO step benchmark uses
 
   peak = measure_peak(device)
   times, flops = [], []
@@ -414,7 +421,9 @@ def main() -> dict:
 
   fetch(MODEL)
   out = {"model": MODEL}
-  for part in PARTS:
+  if QUICK:
+    out["quick_omits"] = [figure for part in PARTS if part not in QUICK_PARTS for figure in FULL_ONLY[part]]
+  for part in (QUICK_PARTS if QUICK else PARTS):
     started = time.perf_counter()
     print(f"real_model: part {part} ...", file=sys.stderr, flush=True)
     done = subprocess.run([sys.executable, __file__, "--part", part, "--steps", str(args.steps)],

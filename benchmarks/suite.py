@@ -102,11 +102,15 @@ def goal_met(value, goal: str) -> bool | None:
 
 
 def rows_of(bench: str, result: dict | None, error: str | None, goals: dict[str, str]) -> list[dict]:
-  """The table's rows of one benchmark: each goal's figure, or one row saying why there are none."""
+  """The table's rows of one benchmark: each goal's figure, or one row saying why there are none. A figure the
+  benchmark names in `quick_omits` (parts too long for a quick run) is a row saying so, with no verdict."""
   if result is None:
     return [dict(benchmark=bench, figure="(run)", value=error, goal="", met=False)]
   rows = []
   for figure, goal in goals.items():
+    if figure in result.get("quick_omits", ()):
+      rows.append(dict(benchmark=bench, figure=figure, value="full run only", goal=goal, met=None))
+      continue
     try:
       value = figure_value(result, figure)
     except KeyError:

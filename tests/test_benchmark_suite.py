@@ -17,6 +17,8 @@ def test_every_benchmark_script_is_in_the_suite_with_goals():
   scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "suite", "sizing"}
   assert {b.name for b in suite.BENCHES} == scripts == set(suite.load_goals())
   assert all(figures for figures in suite.load_goals().values())
+  from benchmarks.real_model import FULL_ONLY  # what a quick run leaves out is among its goals' figures
+  assert {f for figures in FULL_ONLY.values() for f in figures} <= set(suite.load_goals()["real_model"])
 
 
 def test_a_goal_that_does_not_read_is_refused_naming_it(tmp_path):
@@ -42,6 +44,9 @@ def test_rows_follow_dotted_paths_and_name_what_is_missing():
   assert [(r["figure"], r["value"], r["met"]) for r in rows] == [
       ("padding_frac.stream", 0.01, True), ("best_vs_tunix", 0.8, False),
       ("useful_train_mfu.stream", "not reported", False)]
+  omitted = rows_of("real_model", {"quick_omits": ["accuracy_gain"]}, None, {"accuracy_gain": ">= 0.1"})
+  assert omitted == [dict(benchmark="real_model", figure="accuracy_gain", value="full run only", goal=">= 0.1",
+                          met=None)]
   assert rows_of("paged", None, "timed out after 9 s", goals) == [
       dict(benchmark="paged", figure="(run)", value="timed out after 9 s", goal="", met=False)]
 
