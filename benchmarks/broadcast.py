@@ -31,9 +31,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from sizing import size  # noqa: E402
 
 LINK_MBIT = 400  # R: the trainer's link and every sampler's
-STAR_MODEL_MB, SITES_MODEL_MB, TENSORS, VERSIONS = 40, 8, 8, 3
+STAR_MODEL_MB, SITES_MODEL_MB, TENSORS, VERSIONS = size(40, 20), 8, 8, size(3, 2)
+TWO_SITE_RELAYS = size((True, False), (True,))  # quick: no two-site star (its figures, *_star, have no goal)
 
 
 def loopback() -> dict:
@@ -109,7 +111,7 @@ def shaped() -> dict:
   out["sim_one_site_star_s"] = round(simulated_seconds(STAR_MODEL_MB, (4,), "star"), 3)
   two_sites = {"trainer": ("a", LINK_MBIT), "s0": ("a", LINK_MBIT), "s1": ("a", LINK_MBIT), "s2": ("b", LINK_MBIT),
                "s3": ("b", LINK_MBIT)}
-  for relays in (True, False):
+  for relays in TWO_SITE_RELAYS:
     run = shaped_run(two_sites, samplers, relays, SITES_MODEL_MB, inter_site=LINK_MBIT / 10)
     key = "" if relays else "_star"
     out[f"inter_site_copies{key}"], out[f"two_site_s{key}"] = run["copies"], run["seconds"]

@@ -18,6 +18,7 @@ the last tenth, with the queue's depth alongside. Prints one JSON object as its 
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import socket
@@ -31,11 +32,15 @@ import numpy as np
 from streamrl_jax.commands.launch_local import Child
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS, KILL_AT, JOIN_AT = 40, 10, 20
-RUN = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=50",
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import size  # noqa: E402
+
+STEPS, KILL_AT, JOIN_AT = size(40, 32), size(10, 6), size(20, 14)
+WARMUP_STEPS = size(50, 20)
+RUN = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", f"JobConfig.warmup_steps={WARMUP_STEPS}",
        "JobConfig.eval_prompts=1", f"PipelineConfig.steps={STEPS}", "ControllerConfig.lease_timeout_s=4.0",
        "ControllerConfig.heartbeat_s=1.0")
-RSS_STEPS = 200
+RSS_STEPS = size(200, 60)
 TINY = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
         "JobConfig.eval_prompts=1", "JobConfig.hidden_size=32", f"PipelineConfig.steps={RSS_STEPS}",
         "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=4", "PipelineConfig.max_new_tokens=16",
@@ -102,7 +107,8 @@ def loss_and_join(workdir: Path) -> dict:
   events = [json.loads(line) for line in (workdir / "events.jsonl").read_text().splitlines()]
   lost = next(e for e in events if e["event"] == "sampler_lost")
   delivered = [e for e in events if e["event"] == "re_leased_delivered" and e["t"] > killed_at]
-  first_from_joiner = min(e["t"] for e in events if e["event"] == "sampler_joined" and e["sampler"] == "s2")
+  first_from_joiner = min((e["t"] for e in events if e["event"] == "sampler_joined" and e["sampler"] == "s2"),
+                          default=math.inf)  # inf: the run ended before the joiner registered
   metrics = run.metrics()
 
   def rate(lo: float, hi: float) -> float | None:

@@ -17,10 +17,13 @@ share of the trainer's computed token slots that held padding. Prints one JSON o
 
 from __future__ import annotations
 
-import dataclasses
+import atexit
 import json
-import os
+import shutil
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from streamrl_jax.cli import default_host_devices, force_host_devices
 
@@ -38,9 +41,14 @@ from streamrl_jax.sampling import EngineConfig  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 
-STEPS, SKIP = 10, 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+STEPS, SKIP = size(10, 3), size(2, 1)
 PROMPT, NEW = 8, 64
 MODES = ("colocated", "stream", "async")
+PACKINGS = size((True, False), (True,))  # the pipeline runs' trainer packing: quick runs the packed ones only
+MIXES = size(("equal", "long_tail"), ("long_tail",))  # the trainer alone: quick times the long-tailed mix only
 TUNIX_STEP_S = 1.67
 ALPHABET = "0123456789+-*/=()<>.,:;!? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW"[:61]
 MODEL = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
@@ -105,7 +113,7 @@ def measure_peak(device) -> float:
 
 def pipeline_runs(params_host, graphdef, tokenizer, task, peak) -> dict:
   out = {}
-  for packing in (True, False):
+  for packing in PACKINGS:
     for mode in MODES:
       model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params_host))
       result = run_pipeline(config_for(mode, packing), model, tokenizer, task)
@@ -148,7 +156,8 @@ def trainer_runs(params_host, graphdef, peak, device) -> dict:
   mixes = {"equal": [np.full(64, PROMPT + NEW)] * STEPS, "long_tail": [long_tail_lengths(rng) for _ in range(STEPS)]}
   mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
   out = {}
-  for mix, lengths_per_step in mixes.items():
+  for mix in MIXES:
+    lengths_per_step = mixes[mix]
     for packing in (True, False):
       trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(), mesh)
       config = config_for("stream", packing)
@@ -180,6 +189,11 @@ def trainer_runs(params_host, graphdef, peak, device) -> dict:
 
 
 def main() -> dict:
+  if QUICK:  # shapes the runs share compile once (no compile falls in a timed step either way)
+    cache = tempfile.mkdtemp(prefix="grpo-step-bench-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   tokenizer, task = NoEOS(CharTokenizer(ALPHABET)), AddTask()
   assert tokenizer.vocab_size == MODEL.vocab_size
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
@@ -199,7 +213,7 @@ def main() -> dict:
       breakdown_s={k: {p: round(v[p], 3) for p in ("generation_s", "train_s", "weight_sync_s", "trainer_idle_frac",
                                                    "train_calls")} for k, v in pipeline.items()},
       packed_vs_unpacked_step={m: round(pipeline[m]["steady_step_s"] / pipeline[f"{m}_unpacked"]["steady_step_s"], 3)
-                               for m in MODES},
+                               for m in MODES if f"{m}_unpacked" in pipeline},
       long_tail=dict(padding_frac=round(trainer["long_tail"]["padding_frac"], 3),
                      padding_frac_unpacked=round(trainer["long_tail_unpacked"]["padding_frac"], 3),
                      train_tokens_per_s=round(trainer["long_tail"]["train_tokens_per_s"], 1),

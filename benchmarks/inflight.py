@@ -34,11 +34,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from multiprocess import streamrl, warm_up  # noqa: E402
+from sizing import QUICK, size  # noqa: E402
 
-DEMO_STEPS, SKIP = 48, 3
+DEMO_STEPS, SKIP = size(48, 8), size(3, 2)
 # precompile: every trainer shape compiled before the first step, so no arm pays compiles that a later arm
 # finds in the shared compilation cache (the first arm run used to train at half speed for it)
-DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True")
+DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True",
+        # quick: a shorter supervised warm-up than the demo's 300 steps, half its 128 held-out prompts
+        *size((), ("JobConfig.warmup_steps=100", "JobConfig.eval_prompts=64")))
+# sampler_arms: leases; requests per lease (None: all 128); output lengths divided by (quick: the tail 100-128 tokens)
+SAMPLER_LEASES, SAMPLER_REQUESTS, SAMPLER_LENGTH_DIV = size(5, 2), size(None, 64), size(1, 2)
 ARMS = {  # in flight first: what a first arm might still pay counts against it
     "in_flight": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True"),
     "between": ("PipelineConfig.mode='async'",),
@@ -48,12 +53,17 @@ ARMS = {  # in flight first: what a first arm might still pay counts against it
     "dynamic_sampling": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True",
                          "PipelineConfig.dynamic_sampling=True"),
 }
+if QUICK:  # recompute left out (recompute_vs_keep has no goal)
+  del ARMS["in_flight_recompute"]
 
 
-def launch(workdir: Path, warm: Path, workload: tuple[str, ...], sets: tuple[str, ...]) -> tuple[list[dict], dict]:
-  """One run across processes; (per-step metrics, summary.json)."""
+def launch(workdir: Path, warm: Path | None, workload: tuple[str, ...], sets: tuple[str, ...]
+           ) -> tuple[list[dict], dict]:
+  """One run across processes; (per-step metrics, summary.json). `warm`: the warm-up model to start from (None:
+  this run's trainer does the supervised warm-up itself and saves it in WORKDIR/warmup_model)."""
   workdir.mkdir(parents=True)
-  (workdir / "warmup_model").symlink_to(warm)
+  if warm is not None:
+    (workdir / "warmup_model").symlink_to(warm)
   argv = streamrl("launch", "local", "--workdir", str(workdir), "--pin-cores", workload=workload)
   argv += [a for s in sets + (f"PipelineConfig.steps={DEMO_STEPS}",) for a in ("--set", s)]
   done = subprocess.run(argv, capture_output=True, text=True, timeout=1200, env=dict(os.environ, XLA_FLAGS=""))
@@ -75,7 +85,7 @@ def steady_rates(metrics: list[dict]) -> dict:
               token_staleness_mean=round(float(np.mean([m["staleness_mean"] for m in metrics])), 3))
 
 
-def sampler_arms(leases: int = 5, rounds: int = 1) -> dict:
+def sampler_arms(leases: int = SAMPLER_LEASES, rounds: int = 1) -> dict:
   """The sampler alone, where it is the bottleneck: `leases` leases of benchmarks/sampler.py's long-tailed
   workload (128 requests, 15% of them 200-256 tokens, 32 slots, ~10M parameters), a new weight version after
   each. `between`: a lease drains before the next one starts and the version is taken in between; `in_flight`:
@@ -94,7 +104,8 @@ def sampler_arms(leases: int = 5, rounds: int = 1) -> dict:
   engine = DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=SLOTS, max_prompt_length=MAX_PROMPT,
                                                        max_new_tokens=MAX_NEW, steps_per_sync=4),
                         mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
-  work = [workload(seed) for seed in range(leases)]
+  work = [(prompts[:SAMPLER_REQUESTS], [n // SAMPLER_LENGTH_DIV for n in lengths[:SAMPLER_REQUESTS]])
+          for prompts, lengths in map(workload, range(leases))]
 
   def run(in_flight: bool) -> float:
     sampler = StreamingSampler([engine], params)
@@ -125,9 +136,11 @@ def main() -> dict:
   with tempfile.TemporaryDirectory(prefix="streamrl-inflight-") as tmp:
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(tmp) / "xla"))  # compiles shared by the runs
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    warm = warm_up(Path(tmp) / "warm", workload=DEMO)
+    # quick: no warm-up run; the first arm's trainer warms up before its steps, the other arms start from its model
+    warm = None if QUICK else warm_up(Path(tmp) / "warm", workload=DEMO)
     for arm, sets in ARMS.items():
       metrics, summary = launch(Path(tmp) / arm, warm, DEMO, sets)
+      warm = warm or Path(tmp) / arm / "warmup_model"
       result = out["arms"][arm] = dict(accuracy_after=summary["accuracy_after"],
                                        rl_seconds=round(summary["rl_seconds"], 1), **steady_rates(metrics))
       if arm == "dynamic_sampling":
@@ -136,13 +149,13 @@ def main() -> dict:
       out["accuracy_before"] = summary["accuracy_before"]
       print(arm, result, file=sys.stderr, flush=True)
   arms = out["arms"]
-  dynamic = arms["dynamic_sampling"]
+  dynamic, recompute = arms["dynamic_sampling"], arms.get("in_flight_recompute")  # recompute: not in a quick run
   out.update(
       inflight_vs_between_samples=round(arms["in_flight"]["samples_per_s"] / arms["between"]["samples_per_s"], 3),
-      recompute_vs_keep=round(arms["in_flight_recompute"]["samples_per_s"] / arms["in_flight"]["samples_per_s"], 3),
+      recompute_vs_keep=recompute and round(recompute["samples_per_s"] / arms["in_flight"]["samples_per_s"], 3),
       trainer_idle_frac=arms["in_flight"]["trainer_idle_frac"],
       trainer_idle_frac_between=arms["between"]["trainer_idle_frac"],
-      max_token_staleness=max(arms[a]["max_token_staleness"] for a in ("in_flight", "in_flight_recompute")),
+      max_token_staleness=max(a["max_token_staleness"] for a in (arms["in_flight"], recompute) if a),
       accuracy_gap_vs_stream=round(arms["stream"]["accuracy_after"] - arms["in_flight"]["accuracy_after"], 4),
       equal_reward_groups_trained=dynamic["equal_reward_groups_trained"], groups_filtered=dynamic["groups_filtered"],
       groups_backfilled=dynamic["groups_backfilled"], workload=list(DEMO), steps=DEMO_STEPS, skipped_steps=SKIP)

@@ -9,7 +9,9 @@ a training step counts 3x the forward.
 from __future__ import annotations
 
 import json
+import sys
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +20,13 @@ from flax import nnx
 
 from streamrl_jax.models import ModelConfig, Transformer
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import size  # noqa: E402
+
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=4,
                      num_kv_heads=2)
 BATCH, LENGTH = 32, 128
+REPEATS = size(5, 1)  # timed model calls (after one untimed), the best kept; the matmul peak always takes 5
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -61,8 +67,8 @@ def main() -> dict:
     return optax.apply_updates(p, updates), o, loss
 
   peak = matmul_peak_gflops()
-  forward_s = best_time(forward, params, tokens)
-  train_s = best_time(lambda p, t: train_step(p, opt_state, t), params, tokens)
+  forward_s = best_time(forward, params, tokens, repeats=REPEATS)
+  train_s = best_time(lambda p, t: train_step(p, opt_state, t), params, tokens, repeats=REPEATS)
   peak = max(peak, matmul_peak_gflops())  # measured before and after the model, best kept
   flops = CONFIG.flops_per_token(context_length=LENGTH / 2)  # causal: on average half the keys
   forward_tps = BATCH * LENGTH / forward_s

@@ -21,9 +21,11 @@ Prints one JSON object as its last line.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -32,7 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = 8, 300, 3, 5, 512
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = size(8, 2), size(300, 150), 3, size(5, 3), 512
+EVAL = size(128, 64)  # held-out prompts of each run's greedy accuracy
+PAGED_RUN = size(True, False)  # the tool run trained on the paged engine (quick: only the paged engine's arms)
+PRECOMPILE = size(True, False)  # every extend/park shape compiled first (quick: the untimed pass compiles them)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  # a sampler and a trainer device
 
 
@@ -44,9 +52,9 @@ def configs():
   engine = EngineConfig(num_slots=32, max_prompt_length=16, max_new_tokens=32)
   base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32, engine=engine)
   tool = (PipelineConfig(env=EnvConfig(environment="calculator"), **base),
-          JobConfig(task="multiply", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
+          JobConfig(task="multiply", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=EVAL))
   plain = (PipelineConfig(**base),
-           JobConfig(task="multiply_no_tool", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=128))
+           JobConfig(task="multiply_no_tool", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=EVAL))
   paged = (dataclasses.replace(tool[0], engine=dataclasses.replace(engine, kv_layout="paged", page_size=16)), tool[1])
   return tool, plain, paged
 
@@ -95,18 +103,25 @@ def precompile(engine, params) -> None:
 
 def main() -> dict:
   from streamrl_jax.models import load_hf
+  if QUICK:  # the runs' and engines' shared shapes compile once (no compile falls in a timed pass either way)
+    import jax
+    cache = tempfile.mkdtemp(prefix="multiturn-bench-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   (tool_config, tool_job), (plain_config, plain_job), (paged_config, paged_job) = configs()
   out = {}
   with tempfile.TemporaryDirectory(prefix="streamrl-multiturn-") as tmp:
-    for name, config, job in (("with_tool", tool_config, tool_job), ("without_tool", plain_config, plain_job),
-                              ("paged_with_tool", paged_config, paged_job)):
+    runs = [("with_tool", tool_config, tool_job), ("without_tool", plain_config, plain_job)]
+    for name, config, job in runs + ([("paged_with_tool", paged_config, paged_job)] if PAGED_RUN else []):
       out[name] = train(config, job, Path(tmp) / name)
       print(name, out[name], file=sys.stderr, flush=True)
     model = load_hf(Path(tmp) / "with_tool" / "final_model")
   out["tool_gain"] = round(out["with_tool"]["accuracy_after"] - out["without_tool"]["accuracy_after"], 4)
-  out["paged_tool_gain"] = round(out["paged_with_tool"]["accuracy_after"] - out["without_tool"]["accuracy_after"], 4)
+  if PAGED_RUN:
+    out["paged_tool_gain"] = round(out["paged_with_tool"]["accuracy_after"] - out["without_tool"]["accuracy_after"], 4)
   out.update(throughput(model, tool_config, paged_config))
-  out.update(tool_delay_s=0.05, steps=STEPS, warmup_steps=WARMUP, digits=DIGITS)
+  out.update(tool_delay_s=0.05, steps=STEPS, warmup_steps=WARMUP, digits=DIGITS, eval_prompts=EVAL, repeats=REPEATS)
   return out
 
 
@@ -126,7 +141,7 @@ def throughput(model, tool_config, paged_config) -> dict:
           ("slow_one_step", "contiguous", 0.05, tool_config, one_step),
           ("paged_instant", "paged", 0.0, paged_config, PROMPTS), ("paged_slow", "paged", 0.05, paged_config, PROMPTS))
   rates, out = {arm[0]: [] for arm in arms}, {}
-  for engine in engines.values():
+  for engine in engines.values() if PRECOMPILE else ():
     precompile(engine, params)
   for arm, layout, delay, config, prompts in arms:  # a pass untimed: every prefill and decode shape compiles
     sampling_rate(engines[layout], params, config, delay, seed=100, prompts=prompts)

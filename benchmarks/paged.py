@@ -15,6 +15,8 @@ hidden 576, vocabulary 49,152) instead of the benchmark model: the decision betw
 model's arithmetic, on whatever backend runs it.
 
 Each arm runs the workload once untimed (every shape compiles), then twice interleaved; the best counts. Prints one JSON object as its last line.
+A quick run (`benchmarks/sizing.py`) times each arm once, on 64 long-tailed requests, 4 groups of outputs up to 32
+tokens and 12 decode calls.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG  # noqa: E402
 from precision import SMOLLM2_SHAPE  # noqa: E402
-from sampler import MAX_NEW, MAX_PROMPT, workload  # noqa: E402
+from sampler import MAX_NEW, MAX_PROMPT, NUM_REQUESTS, workload  # noqa: E402
+from sizing import size  # noqa: E402
 
 from streamrl_jax.meshes import single_device_mesh  # noqa: E402
 from streamrl_jax.models import Transformer  # noqa: E402
@@ -41,6 +44,10 @@ from streamrl_jax.types import SamplingParams  # noqa: E402
 
 SLOTS, ROWS, PAGE = 16, 64, 16
 GROUP, GROUPS, GROUP_PROMPT, GROUP_NEW = 8, 12, 256, 64
+# This run's sizes (`benchmarks/sizing.py`): long-tailed requests, GRPO groups and their longest output, timed
+# runs of each arm (after the untimed one that compiles), decode calls timed for the overhead.
+RUN_REQUESTS, RUN_GROUPS, RUN_GROUP_NEW = size(NUM_REQUESTS, 64), size(GROUPS, 4), size(GROUP_NEW, 32)
+RUN_REPEATS, RUN_DECODE_CALLS = size(2, 1), size(30, 12)
 
 
 def run(engine, params, requests) -> dict:
@@ -60,8 +67,8 @@ def run(engine, params, requests) -> dict:
               preempted=sampler.counters["preempted"])
 
 
-def long_tailed(graphdef, params, mesh, config=CONFIG) -> dict:
-  prompts, lengths = workload()
+def long_tailed(graphdef, params, mesh, config=CONFIG, num_requests: int = NUM_REQUESTS, repeats: int = 2) -> dict:
+  prompts, lengths = workload(requests=num_requests)
   requests = [(p, n, i) for i, (p, n) in enumerate(zip(prompts, lengths))]
   common = dict(max_prompt_length=MAX_PROMPT, max_new_tokens=MAX_NEW, min_prefill_bucket=32, steps_per_sync=4)
   engines = {"contiguous": make_engine(graphdef, config, EngineConfig(num_slots=SLOTS, **common), mesh),
@@ -69,10 +76,11 @@ def long_tailed(graphdef, params, mesh, config=CONFIG) -> dict:
                                                                  kv_pages=SLOTS * (MAX_PROMPT + MAX_NEW) // PAGE,
                                                                  **common), mesh)}
   assert kv_tokens(engines["paged"]) == kv_tokens(engines["contiguous"])
-  return _arms(engines, params, requests)
+  return _arms(engines, params, requests, repeats)
 
 
-def grouped(graphdef, params, mesh, config=CONFIG, groups: int = GROUPS, new_tokens: int = GROUP_NEW) -> dict:
+def grouped(graphdef, params, mesh, config=CONFIG, groups: int = GROUPS, new_tokens: int = GROUP_NEW,
+            repeats: int = 2) -> dict:
   """GRPO groups of G random prompts of GROUP_PROMPT tokens, outputs of 16 to `new_tokens`, shared and unshared."""
   rng = np.random.default_rng(1)
   requests = []
@@ -84,21 +92,21 @@ def grouped(graphdef, params, mesh, config=CONFIG, groups: int = GROUPS, new_tok
                 kv_pages=SLOTS * (GROUP_PROMPT + new_tokens) // PAGE)
   engines = {"shared": make_engine(graphdef, config, EngineConfig(**common), mesh),
              "unshared": make_engine(graphdef, config, EngineConfig(**common, share_prompts=False), mesh)}
-  out = _arms(engines, params, requests)
-  out["prefill_tokens_per_group"] = out.pop("shared_prefill_tokens") / (2 * groups)  # two timed runs
+  out = _arms(engines, params, requests, repeats)
+  out["prefill_tokens_per_group"] = out.pop("shared_prefill_tokens") / (repeats * groups)  # over the timed runs
   out.pop("unshared_prefill_tokens")
   out["group_prompt_tokens"] = GROUP_PROMPT
   out["shared_vs_unshared"] = round(out["shared_samples_per_s"] / out["unshared_samples_per_s"], 3)
   return out
 
 
-def _arms(engines: dict, params, requests) -> dict:
+def _arms(engines: dict, params, requests, repeats: int = 2) -> dict:
   for engine in engines.values():
     run(engine, params, requests)  # compiles every shape the timed runs meet
     if hasattr(engine, "counters"):  # the paged engine's
       engine.counters.update({k: 0 for k in engine.counters})
   results = {name: [] for name in engines}
-  for _ in range(2):
+  for _ in range(repeats):
     for name, engine in engines.items():
       results[name].append(run(engine, params, requests))
   out = {}
@@ -150,11 +158,11 @@ def main(shape: str = "benchmark") -> dict:
   mesh = single_device_mesh(jax.devices()[0])
   out = dict(shape=shape, backend=jax.default_backend(), kv_budget_tokens=SLOTS * (MAX_PROMPT + MAX_NEW),
              page_size=PAGE, paged_rows=ROWS)
-  out.update(long_tailed(graphdef, params, mesh, config))
+  out.update(long_tailed(graphdef, params, mesh, config, num_requests=RUN_REQUESTS, repeats=RUN_REPEATS))
   out["paged_vs_contiguous"] = round(out["paged_tokens_per_s"] / out["contiguous_tokens_per_s"], 3)
   if shape != "smollm2":
-    out.update(grouped(graphdef, params, mesh))
-  out.update(decode_overhead(graphdef, params, mesh, config))
+    out.update(grouped(graphdef, params, mesh, groups=RUN_GROUPS, new_tokens=RUN_GROUP_NEW, repeats=RUN_REPEATS))
+  out.update(decode_overhead(graphdef, params, mesh, config, calls=RUN_DECODE_CALLS))
   return out
 
 

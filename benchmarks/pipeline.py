@@ -10,11 +10,17 @@ stream_vs_disaggregated, async_vs_disaggregated, async_vs_colocated.
 from __future__ import annotations
 
 import dataclasses
+import atexit
 import json
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from streamrl_jax import gin_config  # noqa: E402
@@ -24,15 +30,25 @@ from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
 from streamrl_jax.models import Transformer  # noqa: E402
 from flax import nnx  # noqa: E402
 
-STEPS = 6
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+STEPS = size(6, 4)
+SKIP = size(1, 2)  # steps left out of the rates (quick: the second step still compiles what the first did not meet)
+WARMUP = size(100, 30)  # supervised steps before RL
 MODES = ("colocated", "disaggregated", "stream", "async")
 
 
 def main() -> dict:
+  if QUICK:  # the modes' shared shapes compile once (compiles fall in the steps left out)
+    cache = tempfile.mkdtemp(prefix="pipeline-bench-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS)
-  job = dataclasses.replace(job, warmup_steps=100)
+  job = dataclasses.replace(job, warmup_steps=WARMUP)
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
@@ -40,7 +56,7 @@ def main() -> dict:
   out = {k: {} for k in ("samples_per_s", "trainer_idle_frac", "sampler_idle_frac", "weight_sync_s")}
   for mode in MODES:
     result = run_pipeline(dataclasses.replace(config, mode=mode), model, tokenizer, task)
-    steady = result.metrics[1:]
+    steady = result.metrics[SKIP:]
     seconds = sum(m["step_s"] for m in steady)
     out["samples_per_s"][mode] = round(config.samples_per_step * len(steady) / seconds, 2)
     out["trainer_idle_frac"][mode] = round(float(np.mean([m["trainer_idle_frac"] for m in steady])), 3)

@@ -9,12 +9,18 @@ generation_s (mean per step, by variant), skew_vs_fifo (two instances), ranker_r
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
+import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -24,16 +30,25 @@ from streamrl_jax.pipeline import run_pipeline  # noqa: E402
 from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
 from streamrl_jax.scheduling import SchedulingConfig  # noqa: E402
 
-STEPS, SKIP = 8, 2
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+STEPS, SKIP = size(8, 4), 2
+WARMUP = size(100, 30)  # supervised steps before RL
 VARIANTS = {"fifo_1_replica": SchedulingConfig(), "fifo_2_replicas": SchedulingConfig(instances=2),
             "skew_2_replicas": SchedulingConfig(policy="skew_aware", instances=2)}
 
 
 def main() -> dict:
+  if QUICK:  # the variants' shared shapes compile once (compiles fall in the steps left out)
+    cache = tempfile.mkdtemp(prefix="pipeline-scheduling-bench-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS, mode="stream")
-  job = dataclasses.replace(job, warmup_steps=100, max_digits=8)
+  job = dataclasses.replace(job, warmup_steps=WARMUP, max_digits=8)
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,

@@ -23,6 +23,8 @@ Prints one JSON object as its last line.
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import json
 import os
 import shutil
@@ -49,10 +51,17 @@ from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightS
 from streamrl_jax.training.trainer import token_logprobs
 from streamrl_jax.types import SamplingParams
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                             num_kv_heads=3, tie_embeddings=True)
-PROMPTS, STEPS, EVAL = 256, 40, 512
+PROMPTS, STEPS, EVAL = size(256, 64), size(40, 3), size(512, 64)
+VERSIONS = size(3, 2)  # weight versions each transfer arm publishes (the best counts)
+WARMUP = size(None, 60)  # supervised steps of the demo's warm-up (None: the demo's own)
+TIMED = size(2, 1)  # timed sampling runs per precision (the best counts)
 ARMS = {"float32": ("float32", "ppo_tis"), "int8": ("int8", "ppo_tis"), "int8_uncorrected": ("int8", "ppo_recomputed")}
+RL_ARMS = size(tuple(ARMS), ("float32", "int8"))  # the RL arms run (quick: the two of int8_accuracy_gap)
 
 
 def transfer() -> dict:
@@ -67,7 +76,7 @@ def transfer() -> dict:
   seconds, nbytes = {name: [] for name in arms}, {}
   try:
     connections = {name: FlightConnection(server.address, timeout_s=120, retry_s=30) for name, server in servers.items()}
-    for version in range(3):
+    for version in range(VERSIONS):
       for name, precision in arms.items():
         land = landing(params, precision, mesh)
         expected = {k: tuple(v.shape) for k, v in flatten_with_names(land.template).items()}
@@ -114,7 +123,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
   for precision in PRECISIONS:  # compiles every shape the timed runs meet
     sample(precision)
   best = {}
-  for _ in range(2):  # timed runs, precisions interleaved; the best counts
+  for _ in range(TIMED):  # timed runs, precisions interleaved; the best counts
     for precision in PRECISIONS:
       seconds, samples = sample(precision)
       if precision not in best or seconds < best[precision][0]:
@@ -154,9 +163,17 @@ def rl_arm(workdir: Path, warm: Path, precision: str, objective: str) -> dict:
 
 
 def main() -> dict:
+  if QUICK:  # shapes the RL arms' processes (and this one) share compile once; compiles are never timed here
+    cache = tempfile.mkdtemp(prefix="precision-bench-cache-")
+    atexit.register(shutil.rmtree, cache, True)
+    os.environ.update(JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    jax.config.update("jax_compilation_cache_dir", cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   out = dict(transfer())
   gin_config.parse(gin_config.run_files([]))
   config, job = gin_config.build_run()
+  if WARMUP is not None:
+    job = dataclasses.replace(job, warmup_steps=WARMUP)
   model, tokenizer, _ = job.load_model()
   task = job.make_task(tokenizer)
   print("precision: supervised warm-up of the demo model ...", file=sys.stderr, flush=True)
@@ -168,14 +185,16 @@ def main() -> dict:
     warm = Path(tmp) / "warmup_model"
     save_hf(model, warm)
     arms = {}
-    for name, (precision, objective) in ARMS.items():
+    for name in RL_ARMS:
+      precision, objective = ARMS[name]
       print(f"precision: RL arm {name} ({STEPS} steps) ...", file=sys.stderr, flush=True)
       arms[name] = rl_arm(Path(tmp) / name, warm, precision, objective)
   for name, arm in arms.items():
     out.update({f"{name}_{k}": round(v, 4) for k, v in arm.items()})
   out["int8_accuracy_gap"] = round(arms["float32"]["accuracy_after"] - arms["int8"]["accuracy_after"], 4)
-  out["int8_uncorrected_accuracy_gap"] = round(arms["float32"]["accuracy_after"]
-                                               - arms["int8_uncorrected"]["accuracy_after"], 4)
+  if "int8_uncorrected" in arms:
+    out["int8_uncorrected_accuracy_gap"] = round(arms["float32"]["accuracy_after"]
+                                                 - arms["int8_uncorrected"]["accuracy_after"], 4)
   out.update(rl_steps=STEPS, eval_prompts=EVAL)
   return out
 

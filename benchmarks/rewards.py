@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -50,10 +51,13 @@ from streamrl_jax.pipeline import run_pipeline  # noqa: E402
 from streamrl_jax.rewards import RewardConfig  # noqa: E402
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import size  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 3
-ROUNDS = 2
-SCORED = 20_000
+STEPS = size(3, 2)
+ROUNDS = size(2, 1)
+SCORED = size(20_000, 5_000)
 HIDDEN = 256
 LAYERS = 4
 SLOW_S = 0.05

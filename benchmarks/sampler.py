@@ -7,7 +7,9 @@ batching, samples leave as they finish), static batching on the same engine kern
 about 10x longer) and only tokens up to each request's own end are counted.
 
 Prints one JSON object as its last line: engine_tokens_per_s, static_tokens_per_s, hf_tokens_per_s,
-engine_vs_static, engine_vs_hf, decode_mfu, kv_bytes_per_slot, ptl_ms_by_batch, and more.
+engine_vs_static, engine_vs_hf, decode_mfu, kv_bytes_per_slot, ptl_ms_by_batch, and more. A quick run
+(`benchmarks/sizing.py`): 64 requests for every arm (HF included), each engine arm timed once after an untimed
+pass, and the latency curve at 1 and 32 slots.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG, matmul_peak_gflops  # noqa: E402
+from sizing import size  # noqa: E402
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 from streamrl_jax.models import Transformer, save_hf  # noqa: E402
@@ -32,14 +35,17 @@ from streamrl_jax.types import SamplingParams  # noqa: E402
 
 SLOTS, NUM_REQUESTS, MAX_PROMPT, MAX_NEW = 32, 128, 32, 256
 TAIL_FRACTION = 0.15
+REQUESTS = size(NUM_REQUESTS, 64)  # this run's workload, every arm (HF included) on the same requests
+REPEATS = size(2, 1)  # interleaved timed runs of each engine arm; the best kept
+PTL_BATCHES, PTL_STEPS = size((1, 2, 4, 8, 16, 32), (1, 32)), size(24, 8)
 
 
-def workload(seed: int = 0):
+def workload(seed: int = 0, requests: int = NUM_REQUESTS):
   """(prompts, output lengths): prompts of 8-32 tokens; 85% of outputs 12-36 tokens, 15% 200-256."""
   rng = np.random.default_rng(seed)
-  prompts = [rng.integers(3, CONFIG.vocab_size, rng.integers(8, MAX_PROMPT + 1)).tolist() for _ in range(NUM_REQUESTS)]
-  tail = rng.random(NUM_REQUESTS) < TAIL_FRACTION
-  lengths = np.where(tail, rng.integers(200, MAX_NEW + 1, NUM_REQUESTS), rng.integers(12, 37, NUM_REQUESTS))
+  prompts = [rng.integers(3, CONFIG.vocab_size, rng.integers(8, MAX_PROMPT + 1)).tolist() for _ in range(requests)]
+  tail = rng.random(requests) < TAIL_FRACTION
+  lengths = np.where(tail, rng.integers(200, MAX_NEW + 1, requests), rng.integers(12, 37, requests))
   return prompts, lengths.tolist()
 
 
@@ -77,28 +83,30 @@ def run_hf(directory, prompts, lengths) -> float:
   return time.perf_counter() - start
 
 
-def ptl_curve(graphdef, params, mesh, batches=(1, 2, 4, 8, 16, 32)) -> dict[str, float]:
+def ptl_curve(graphdef, params, mesh, batches=PTL_BATCHES) -> dict[str, float]:
   """Per-token decode latency (ms per step) with every one of `batch` slots generating."""
   def engine_for(slots):
     return DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=slots, max_prompt_length=MAX_PROMPT,
                                                        max_new_tokens=MAX_NEW, min_prefill_bucket=32), mesh)
-  curve = measure_ptl_curve(engine_for, params, batches, steps=24, prompt=[5] * 16)
+  curve = measure_ptl_curve(engine_for, params, batches, steps=PTL_STEPS, prompt=[5] * 16)
   return {str(b): round(1e3 * s, 3) for b, s in curve.items()}
 
 
 def main() -> dict:
-  prompts, lengths = workload()
+  prompts, lengths = workload(requests=REQUESTS)
   model = Transformer(CONFIG, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
   engines = {k: DecodeEngine(graphdef, CONFIG, EngineConfig(num_slots=SLOTS, max_prompt_length=MAX_PROMPT,
                                                             max_new_tokens=MAX_NEW, min_prefill_bucket=32,
                                                             steps_per_sync=k), mesh) for k in (1, 4)}
-  warm = prompts[:SLOTS], [4] * SLOTS
+  # compile; a quick run times each arm once, so it warms up on the workload itself (outputs cut to 72 tokens:
+  # still past the short attention window, and admitting in every row bucket the timed run meets)
+  warm = size((prompts[:SLOTS], [4] * SLOTS), (prompts, [min(n, 72) for n in lengths]))
   for engine in engines.values():
-    run_engine(engine, params, *warm, static=False)  # compile
+    run_engine(engine, params, *warm, static=False)
   times = {"engine_sync1": [], "engine_sync4": [], "static": []}
-  for _ in range(2):  # interleaved repeats; best kept
+  for _ in range(REPEATS):  # interleaved repeats; best kept
     times["engine_sync1"].append(run_engine(engines[1], params, prompts, lengths, static=False))
     times["engine_sync4"].append(run_engine(engines[4], params, prompts, lengths, static=False))
     times["static"].append(run_engine(engines[1], params, prompts, lengths, static=True))
@@ -111,7 +119,7 @@ def main() -> dict:
   peak = matmul_peak_gflops()
   context = MAX_PROMPT / 2 + float(np.mean(lengths)) / 2
   return {
-      "requests": NUM_REQUESTS, "generated_tokens": tokens, "slots": SLOTS,
+      "requests": REQUESTS, "generated_tokens": tokens, "slots": SLOTS,
       "output_len_p50": float(np.median(lengths)), "output_len_max": int(max(lengths)),
       "engine_tokens_per_s": round(tokens / engine_s, 1),
       "engine_sync1_tokens_per_s": round(tokens / best["engine_sync1"], 1),

@@ -17,6 +17,8 @@ devices) holds `INSTANCES` engine instances of 2 devices each.
 
 Variants are interleaved, `REPEATS` times; the best time of each is kept. Prints one JSON object last:
 makespan_s (by policy), skew_vs_random, skew_vs_oracle, ranker_recall_top20, ranker_cost_frac, and more.
+A quick run (`benchmarks/sizing.py`): 128 requests on 4 host devices (one per instance), a 3-point latency
+curve, a ranker trained for 4 rounds, and every plan run once untimed (outputs cut short) before one timed run.
 """
 
 from __future__ import annotations
@@ -27,12 +29,15 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, str(Path(__file__).parent))
+from sizing import size  # noqa: E402
+
+DEVICES = size(8, 4)  # host devices of the sampler mesh, split evenly between the instances
+os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEVICES}")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG  # noqa: E402
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices, split_mesh  # noqa: E402
@@ -43,7 +48,10 @@ from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, SchedulingConfi
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 
-INSTANCES, SLOTS, REQUESTS, REPEATS = 4, 16, 256, 2
+INSTANCES, SLOTS, REQUESTS, REPEATS = 4, 16, size(256, 128), size(2, 1)
+RANKER_ROUNDS, RANKER_ROUND_SIZE = size(8, 4), 128  # the ranker's online training before the batch
+PTL_SIZES = size((1, 2, 4, 8, 16), (1, 4, 16))  # batches of the measured latency curve (the planner interpolates)
+WARM_CAP = size(0, 20)  # if > 0: every plan runs once untimed first, outputs cut to this (its prefill shapes compile)
 MAX_PROMPT, MAX_NEW, TOKENS_PER_CHAR = 32, 160, 2
 TOKENIZER, TASK = CharTokenizer(), ArithmeticTask(max_digits=8)
 
@@ -96,8 +104,8 @@ def makespan(engines: Engines, dispatch, prompts, lengths, predicted, admission)
 def train_ranker(mesh) -> OnlineRanker:
   """The ranker as the pipeline grows it: rounds of observed (prompt, length) pairs, trained between."""
   ranker = OnlineRanker(RankerConfig(max_prompt_length=MAX_PROMPT), mesh)
-  for round_ in range(8):
-    prompts, lengths = batch(128, seed=1000 + round_)
+  for round_ in range(RANKER_ROUNDS):
+    prompts, lengths = batch(RANKER_ROUND_SIZE, seed=1000 + round_)
     ranker.observe(prompts, lengths)
     ranker.train()
   return ranker
@@ -106,9 +114,9 @@ def train_ranker(mesh) -> OnlineRanker:
 def main() -> dict:
   model = Transformer(CONFIG, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
-  sampler_mesh = mesh_from_devices(jax.devices()[:8], MeshShape(8, 1, 1))
-  engines = Engines(graphdef, params, split_mesh(sampler_mesh, [8 // INSTANCES] * INSTANCES))
-  curve = measure_ptl_curve(lambda slots: engines.get(0, slots), params, (1, 2, 4, 8, 16))  # instance 0's mesh
+  sampler_mesh = mesh_from_devices(jax.devices()[:DEVICES], MeshShape(DEVICES, 1, 1))
+  engines = Engines(graphdef, params, split_mesh(sampler_mesh, [DEVICES // INSTANCES] * INSTANCES))
+  curve = measure_ptl_curve(lambda slots: engines.get(0, slots), params, PTL_SIZES)  # instance 0's mesh
   ranker = train_ranker(sampler_mesh)
   prompts, lengths = batch(REQUESTS, seed=0)
   ranker.predict_lengths(prompts, default=MAX_NEW / 2)  # compile the scoring shape
@@ -128,6 +136,9 @@ def main() -> dict:
   for dispatch, _, _ in plans.values():  # compile every engine a plan needs before timing
     for k, b in enumerate(dispatch.plan.batch_sizes):
       engines.get(k, engine_slots(b, SLOTS))
+  if WARM_CAP:  # a quick run times each plan once: none of its prefill shapes may compile inside it
+    for dispatch, guess, admission in plans.values():
+      makespan(engines, dispatch, prompts, [min(n, WARM_CAP) for n in lengths], guess, admission)
   times = {name: [] for name in plans}
   for _ in range(REPEATS):
     for name, (dispatch, guess, admission) in plans.items():

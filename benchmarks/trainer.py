@@ -8,7 +8,8 @@ decoder, PPO with token-mean aggregation. Variants, interleaved, best of 3 kept:
   streamed  micro-batches of 8, 13, 11, 17, 15 sequences as they would arrive from the sampler, re-chunked
             by `MicroBatcher` into fixed chunks (rows carried between micro-batches), then `apply`.
 Prints one JSON object as its last line: train_tokens_per_s, train_mfu, dynamic_microbatch_overhead
-(streamed time / fused time - 1), and more.
+(streamed time / fused time - 1), and more. A quick run (`benchmarks/sizing.py`) halves the batch (32 rows of
+64 tokens, 16 prompt, arrivals of 4, 7, 5, 9, 7) and times each variant once.
 """
 
 from __future__ import annotations
@@ -24,13 +25,15 @@ from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
 from model_forward import CONFIG, matmul_peak_gflops  # noqa: E402
+from sizing import size  # noqa: E402
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 from streamrl_jax.models import Transformer  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer  # noqa: E402
 
-ROWS, LENGTH, PROMPT = 64, 128, 32
-ARRIVALS = (8, 13, 11, 17, 15)
+ROWS, LENGTH, PROMPT = size(64, 32), size(128, 64), size(32, 16)
+ARRIVALS = size((8, 13, 11, 17, 15), (4, 7, 5, 9, 7))
+REPEATS = size(3, 1)  # interleaved timed steps of each variant (after one that compiles); the best kept
 
 
 def global_batch(seed: int = 0) -> dict:
@@ -80,7 +83,7 @@ def main() -> dict:
   for fn in variants.values():  # compile every shape
     state, _ = timed(fn, state)
   times = {name: [] for name in variants}
-  for _ in range(3):
+  for _ in range(REPEATS):
     for name, fn in variants.items():
       state, seconds = timed(fn, state)
       times[name].append(seconds)
