@@ -57,6 +57,7 @@ from sizing import size  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = size(3, 2)
 ROUNDS = size(2, 1)
+PROMPTS_PER_STEP = size(None, 8)  # None: the CPU demo's (16 prompts of 8 samples)
 SCORED = size(20_000, 5_000)
 HIDDEN = 256
 LAYERS = 4
@@ -88,6 +89,8 @@ def throughput(hidden: int = HIDDEN, layers: int = LAYERS) -> dict:
   gin_config.parse([gin_config.DEMO_CONFIG])
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS, mode="disaggregated")
+  if PROMPTS_PER_STEP is not None:
+    config = dataclasses.replace(config, prompts_per_step=PROMPTS_PER_STEP)
   job = dataclasses.replace(job, hidden_size=hidden, num_layers=layers)
   tokenizer = CharTokenizer()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
