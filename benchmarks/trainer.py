@@ -33,7 +33,7 @@ from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig
 
 ROWS, LENGTH, PROMPT = size(64, 32), size(128, 64), size(32, 16)
 ARRIVALS = size((8, 13, 11, 17, 15), (4, 7, 5, 9, 7))
-REPEATS = size(3, 1)  # interleaved timed steps of each variant (after one that compiles); the best kept
+REPEATS = size(3, 2)  # interleaved timed steps of each variant (after one that compiles); the best kept
 
 
 def global_batch(seed: int = 0) -> dict:
