@@ -47,8 +47,10 @@ from sizing import QUICK, size  # noqa: E402
 STEPS, SKIP = size(10, 3), size(2, 1)
 PROMPT, NEW = 8, 64
 MODES = ("colocated", "stream", "async")
-PACKINGS = size((True, False), (True,))  # the pipeline runs' trainer packing: quick runs the packed ones only
-MIXES = size(("equal", "long_tail"), ("long_tail",))  # the trainer alone: quick times the long-tailed mix only
+PACKINGS = size((True, False), (True,))  # the pipeline runs' trainer packing (quick: packed, the goals')
+# the trainer alone's runs, (mix, packing) (quick: the long-tailed mix packed, the goal's)
+TRAINER_RUNS = size((("equal", True), ("equal", False), ("long_tail", True), ("long_tail", False)),
+                    (("long_tail", True),))
 TUNIX_STEP_S = 1.67
 ALPHABET = "0123456789+-*/=()<>.,:;!? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVW"[:61]
 MODEL = ModelConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_layers=4, num_heads=4,
@@ -156,35 +158,46 @@ def trainer_runs(params_host, graphdef, peak, device) -> dict:
   mixes = {"equal": [np.full(64, PROMPT + NEW)] * STEPS, "long_tail": [long_tail_lengths(rng) for _ in range(STEPS)]}
   mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
   out = {}
-  for mix in MIXES:
+  for mix, packing in TRAINER_RUNS:
     lengths_per_step = mixes[mix]
-    for packing in (True, False):
-      trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(), mesh)
-      config = config_for("stream", packing)
-      batcher = MicroBatcher(trainer, chunk_rows=config.trainer.chunk_rows, **(
-          dict(pack_length=config.packed_length, chunk_tokens=64 * config.packed_length) if packing else {}))
-      state = trainer.init_state(jax.tree.map(jnp.asarray, params_host))
-      if packing:  # every shape compiled before the clock starts, as TrainerConfig.precompile does
-        state = trainer.precompile_packed(state, batcher.chunk_tokens, batcher.pack_length)
-      else:
-        state = trainer.precompile(state, config.trainer.chunk_rows, PROMPT + NEW)
-      seconds, flops, real, computed = 0.0, 0.0, 0, 0
-      for step, lengths in enumerate(lengths_per_step):
-        batch = trainer_batch(rng, lengths)
-        before = dict(batcher.counters)
-        start = time.perf_counter()
-        state = batcher.add(state, batch)
-        state, _ = batcher.finish(state)
-        jax.block_until_ready(state.params)
-        if step >= SKIP:
-          seconds += time.perf_counter() - start
-          flops += train_flops(lengths)
-          real += batcher.counters["real_tokens"] - before["real_tokens"]
-          computed += batcher.counters["computed_tokens"] - before["computed_tokens"]
-      key = f"{mix}{'' if packing else '_unpacked'}"
-      out[key] = dict(train_step_s=seconds / (STEPS - SKIP), train_tokens_per_s=real / seconds,
-                      useful_train_mfu=flops / seconds / peak, padding_frac=1 - real / computed)
-      print("trainer", key, json.dumps({k: round(v, 4) for k, v in out[key].items()}), flush=True)
+    trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(), mesh)
+    config = config_for("stream", packing)
+    batcher = MicroBatcher(trainer, chunk_rows=config.trainer.chunk_rows, **(
+        dict(pack_length=config.packed_length, chunk_tokens=64 * config.packed_length) if packing else {}))
+    state = trainer.init_state(jax.tree.map(jnp.asarray, params_host))
+    if packing:  # every shape compiled before the clock starts, as TrainerConfig.precompile does
+      state = trainer.precompile_packed(state, batcher.chunk_tokens, batcher.pack_length)
+    else:
+      state = trainer.precompile(state, config.trainer.chunk_rows, PROMPT + NEW)
+    seconds, flops, real, computed = 0.0, 0.0, 0, 0
+    for step, lengths in enumerate(lengths_per_step):
+      batch = trainer_batch(rng, lengths)
+      before = dict(batcher.counters)
+      start = time.perf_counter()
+      state = batcher.add(state, batch)
+      state, _ = batcher.finish(state)
+      jax.block_until_ready(state.params)
+      if step >= SKIP:
+        seconds += time.perf_counter() - start
+        flops += train_flops(lengths)
+        real += batcher.counters["real_tokens"] - before["real_tokens"]
+        computed += batcher.counters["computed_tokens"] - before["computed_tokens"]
+    key = f"{mix}{'' if packing else '_unpacked'}"
+    out[key] = dict(train_step_s=seconds / (STEPS - SKIP), train_tokens_per_s=real / seconds,
+                    useful_train_mfu=flops / seconds / peak, padding_frac=1 - real / computed)
+    print("trainer", key, json.dumps({k: round(v, 4) for k, v in out[key].items()}), flush=True)
+  return out
+
+
+def long_tail_figures(packed: dict, unpacked: dict | None) -> dict:
+  """The long-tailed mix's figures; those against the unpacked trainer only where it ran (not in a quick run)."""
+  out = dict(padding_frac=round(packed["padding_frac"], 3))
+  if unpacked is not None:
+    out.update(padding_frac_unpacked=round(unpacked["padding_frac"], 3))
+  out.update(train_tokens_per_s=round(packed["train_tokens_per_s"], 1),
+             useful_train_mfu=round(packed["useful_train_mfu"], 3))
+  if unpacked is not None:
+    out.update(packed_vs_unpacked_train_s=round(packed["train_step_s"] / unpacked["train_step_s"], 3))
   return out
 
 
@@ -214,12 +227,7 @@ def main() -> dict:
                                                    "train_calls")} for k, v in pipeline.items()},
       packed_vs_unpacked_step={m: round(pipeline[m]["steady_step_s"] / pipeline[f"{m}_unpacked"]["steady_step_s"], 3)
                                for m in MODES if f"{m}_unpacked" in pipeline},
-      long_tail=dict(padding_frac=round(trainer["long_tail"]["padding_frac"], 3),
-                     padding_frac_unpacked=round(trainer["long_tail_unpacked"]["padding_frac"], 3),
-                     train_tokens_per_s=round(trainer["long_tail"]["train_tokens_per_s"], 1),
-                     useful_train_mfu=round(trainer["long_tail"]["useful_train_mfu"], 3),
-                     packed_vs_unpacked_train_s=round(trainer["long_tail"]["train_step_s"]
-                                                      / trainer["long_tail_unpacked"]["train_step_s"], 3)),
+      long_tail=long_tail_figures(trainer["long_tail"], trainer.get("long_tail_unpacked")),
       trainer_alone={k: {p: round(x, 4) for p, x in v.items()} for k, v in trainer.items()},
       steps=STEPS, skipped=SKIP, floor_s=round(84e9 / peak, 3))
 

@@ -9,8 +9,8 @@ stream_vs_disaggregated, async_vs_disaggregated, async_vs_colocated.
 
 from __future__ import annotations
 
-import dataclasses
 import atexit
+import dataclasses
 import json
 import os
 import shutil

@@ -58,7 +58,7 @@ SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size
                             num_kv_heads=3, tie_embeddings=True)
 PROMPTS, STEPS, EVAL = size(256, 64), size(40, 3), size(512, 64)
 VERSIONS = size(3, 2)  # weight versions each transfer arm publishes (the best counts)
-WARMUP = size(None, 60)  # supervised steps of the demo's warm-up (None: the demo's own)
+WARMUP = size(None, 40)  # supervised steps of the demo's warm-up (None: the demo's own)
 TIMED = size(2, 1)  # timed sampling runs per precision (the best counts)
 ARMS = {"float32": ("float32", "ppo_tis"), "int8": ("int8", "ppo_tis"), "int8_uncorrected": ("int8", "ppo_recomputed")}
 RL_ARMS = size(tuple(ARMS), ("float32", "int8"))  # the RL arms run (quick: the two of int8_accuracy_gap)
@@ -200,4 +200,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+  if QUICK:  # as many CPU devices as the RL arms' processes have (one a core): they reuse this process's compiles
+    from streamrl_jax.cli import default_host_devices, force_host_devices
+    force_host_devices(default_host_devices())
   print(json.dumps(main()))
