@@ -134,6 +134,14 @@ def cmd_convert(args) -> int:
   return 0
 
 
+def cmd_merge(args) -> int:
+  from streamrl_jax.models.merge import merge_adapter
+
+  out = merge_adapter(args.base, args.adapter, args.out)
+  print(f"wrote {out} (the base with the adapter merged: config.json, model.safetensors, the base's tokenizer files)")
+  return 0
+
+
 def cmd_simulate(args) -> int:
   from streamrl_jax.sim.report import run_report, summary_lines
 
@@ -185,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
   conv.add_argument("gguf", help="the .gguf file")
   conv.add_argument("out_dir", help="the directory to write")
   conv.set_defaults(run=cmd_convert)
+  merge = sub.add_parser("merge", help="a base model with a PEFT LoRA adapter merged in, as a Hugging Face directory")
+  merge.add_argument("base", help="the base: a catalog name (smollm2-135m-instruct), a .gguf file or a Hugging Face "
+                     "directory")
+  merge.add_argument("adapter", help="the PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
+  merge.add_argument("out", help="the directory to write")
+  merge.set_defaults(run=cmd_merge)
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")

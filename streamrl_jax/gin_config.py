@@ -21,6 +21,7 @@ from streamrl_jax.config_types import ConfigError, checked
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -44,7 +45,7 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, OptimizerConfig, ObjectiveConfig, RankerConfig, SchedulingConfig,
-                  RewardConfig, TrainerConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
+                  RewardConfig, TrainerConfig, LoraConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
                   GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
@@ -167,7 +168,7 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
                objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
-               reward=build(RewardConfig), trainer=build(TrainerConfig), env=build(EnvConfig),
+               reward=build(RewardConfig), trainer=build(TrainerConfig), lora=build(LoraConfig), env=build(EnvConfig),
                controller=build(ControllerConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
 

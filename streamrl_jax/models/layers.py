@@ -71,6 +71,14 @@ def tokens_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
 
+def project(module: nnx.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
+  """`tokens_matmul(x, w)` for the module's projection `name` (w its kernel as [in, out]), plus the projection's
+  low-rank adapter where one is attached (`models.lora`: the attribute `name + "_lora"`)."""
+  out = tokens_matmul(x, w)
+  adapter = getattr(module, name + "_lora", None)
+  return out if adapter is None else out + adapter(x)
+
+
 class Attention(nnx.Module):
   """Grouped-query attention with rotary embeddings over an optional KV cache of one layer."""
 
@@ -88,9 +96,9 @@ class Attention(nnx.Module):
     if config.o_bias:
       self.o_bias = _constant(config, (h,), ("embed",), 0.0)
 
-  def _project(self, x, kernel, bias_name):
-    w = kernel[...].astype(x.dtype)
-    out = tokens_matmul(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
+  def _project(self, x, name, bias_name):
+    w = getattr(self, name)[...].astype(x.dtype)
+    out = project(self, name, x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
     if self.config.qkv_bias:
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
     return out
@@ -105,15 +113,15 @@ class Attention(nnx.Module):
     """
     cfg = self.config
     inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q = apply_rope(self._project(x, self.q_proj, "q_bias"), positions, inv_freq)
-    k = apply_rope(self._project(x, self.k_proj, "k_bias"), positions, inv_freq)
-    v = self._project(x, self.v_proj, "v_bias")
+    q = apply_rope(self._project(x, "q_proj", "q_bias"), positions, inv_freq)
+    k = apply_rope(self._project(x, "k_proj", "k_bias"), positions, inv_freq)
+    v = self._project(x, "v_proj", "v_bias")
     if kv_cache is None:
       out = grouped_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     else:
       kv_cache, out = kv_cache.attend(q, k, v, mask)
     w = self.o_proj[...].astype(x.dtype)
-    out = tokens_matmul(out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
+    out = project(self, "o_proj", out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
     if self.config.o_bias:
       out = out + self.o_bias[...].astype(x.dtype)
     return out, kv_cache
@@ -146,6 +154,6 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, config, (i, h), ("mlp", "embed"))
 
   def __call__(self, x):
-    gate = tokens_matmul(x, self.gate_proj[...].astype(x.dtype))
-    up = tokens_matmul(x, self.up_proj[...].astype(x.dtype))
-    return tokens_matmul(jax.nn.silu(gate) * up, self.down_proj[...].astype(x.dtype))
+    gate = project(self, "gate_proj", x, self.gate_proj[...].astype(x.dtype))
+    up = project(self, "up_proj", x, self.up_proj[...].astype(x.dtype))
+    return project(self, "down_proj", jax.nn.silu(gate) * up, self.down_proj[...].astype(x.dtype))

@@ -18,6 +18,7 @@ every projection.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -136,8 +137,15 @@ class Landing:
   finish: object
 
 
-def landing(abstract: nnx.State, precision: SamplerPrecision, mesh, rules=None) -> Landing:
-  """The sampler's half of `precision` for parameters shaped like `abstract`, on `mesh`."""
+def landing(abstract: nnx.State, precision: SamplerPrecision, mesh, rules=None, *, base=None,
+            lora_scale: float = 1.0) -> Landing:
+  """The sampler's half of `precision` for parameters shaped like `abstract`, on `mesh`.
+
+  With `base` (LoRA: a plain model's parameters), a version is the adapters (`abstract` their shapes), sent in
+  float32: `finish` merges them into the base, placed on the mesh once (`lora.merge`), then reduces the merged
+  weights to `precision`."""
+  if base is not None:
+    return _lora_landing(abstract, precision, mesh, rules, base, lora_scale)
   sent = precision.on_trainer.precision
   template = wire_template(abstract, sent)
   shardings = wire_shardings(template, mesh, rules)
@@ -151,6 +159,20 @@ def landing(abstract: nnx.State, precision: SamplerPrecision, mesh, rules=None) 
   return Landing(template, shardings, finish)
 
 
+def _lora_landing(abstract, precision: SamplerPrecision, mesh, rules, base, scale: float) -> Landing:
+  from streamrl_jax.models import lora
+
+  template = wire_template(abstract, "float32")
+  shardings = wire_shardings(template, mesh, rules)
+  placed_base = launch.put(base, state_shardings(base, mesh, rules))
+
+  def merged(base, wire):
+    params = lora.merge(base, wire["values"], scale)
+    return params if precision.precision == "float32" else decode(encode(params, precision.precision))
+  merge_jit = launch.launcher(mesh).jit(merged)
+  return Landing(template, shardings, lambda wire: merge_jit(placed_base, wire))
+
+
 def wire_bytes(wire: dict) -> int:
   """Bytes a version moves at this precision."""
-  return sum(int(a.size) * jnp.dtype(a.dtype).itemsize for a in flatten_with_names(wire).values())
+  return sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in flatten_with_names(wire).values())

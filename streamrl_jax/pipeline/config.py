@@ -6,6 +6,7 @@ import dataclasses
 
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.pipeline.controller.config import ControllerConfig
@@ -59,6 +60,7 @@ class PipelineConfig:
   scheduling: SchedulingConfig = SchedulingConfig()
   reward: RewardConfig = RewardConfig()
   trainer: TrainerConfig = TrainerConfig()
+  lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
   env: EnvConfig = EnvConfig()
   controller: ControllerConfig = ControllerConfig()
 
@@ -123,7 +125,9 @@ class PipelineConfig:
 
   @property
   def precision(self) -> SamplerPrecision:
-    return SamplerPrecision(self.sampler_precision, self.quantize_on)
+    """The sampler's precision; with LoRA the adapters travel in float32 and the sampler reduces the merged
+    weights (`quantize_on` is then "sampler" whatever the setting)."""
+    return SamplerPrecision(self.sampler_precision, "sampler" if self.lora.enabled else self.quantize_on)
 
   @property
   def spec(self) -> ModeSpec:

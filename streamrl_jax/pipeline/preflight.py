@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from streamrl_jax.config_types import ConfigError
 from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
@@ -178,6 +179,24 @@ def check_host_memory(config: PipelineConfig, model_config, role: str, available
                      f"parameters) but the machine has {gib(available)} available: use a smaller model, or lower "
                      "TrainerConfig.activation_budget_mb, EngineConfig.num_slots or "
                      "PipelineConfig.sampler_precision='bfloat16'")
+
+
+def check_lora(config: PipelineConfig, model_config, base_name: str) -> None:
+  """LoRA's rank against the model's projections, and an `init_from` adapter against the base (its shapes and
+  base name) and against LoraConfig: one-line errors before anything is built."""
+  from streamrl_jax.models import lora
+  from streamrl_jax.models.peft_io import load_adapter
+
+  if not config.lora.enabled:
+    return
+  lora.check(config.lora, model_config)
+  if config.lora.init_from:
+    loaded, _ = load_adapter(config.lora.init_from, model_config, base_name)
+    if (loaded.rank, loaded.alpha, set(loaded.targets)) != (config.lora.rank, config.lora.alpha,
+                                                           set(config.lora.targets)):
+      raise ConfigError(f"LoraConfig.init_from = {config.lora.init_from!r} holds rank {loaded.rank}, alpha "
+                        f"{loaded.alpha}, targets {list(loaded.targets)}; set LoraConfig.rank, alpha and targets to "
+                        "match")
 
 
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:

@@ -54,7 +54,9 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   ranker = make_ranker(config, sampler_mesh, checkpointer, resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.queue_capacity)
-  sync = WeightSync(landing(params, config.precision, sampler_mesh), config.precision)
+  lora_base = dict(base=params, lora_scale=config.lora.scale) if config.lora.enabled else {}  # LoRA: adapters sync
+  sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
+                            **lora_base), config.precision)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 

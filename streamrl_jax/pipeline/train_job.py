@@ -15,7 +15,8 @@ from flax import nnx
 
 from streamrl_jax.config_listing import render
 from streamrl_jax.meshes import single_device_mesh
-from streamrl_jax.models import load_hf, save_hf
+from streamrl_jax.models import load_hf, lora, save_hf
+from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight, run_record
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -181,6 +182,7 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
   model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_activation_budget(config, model_config)
+  preflight.check_lora(config, model_config, job.model)
   if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
     preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
@@ -226,6 +228,10 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
+  if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
+    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.lora, job.model)
+    log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
+        f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), counters=result.counters)  # the last segment's counters

@@ -27,6 +27,7 @@ class RunResult:
   metrics: list[dict]
   counters: dict
   timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
+  adapters: nnx.State | None = None  # LoRA: the trained adapters (`params` then holds them merged into the base)
 
 
 def make_ranker(config: PipelineConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
@@ -91,4 +92,6 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
       on_timeline(timeline_of(trainer, controller, start_epoch))
   counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                   **extra_counters())
-  return RunResult(to_host(trainer.state.params), metrics, counters, timeline_of(trainer, controller, start_epoch))
+  adapters = to_host(trainer.state.params) if trainer.lora else None
+  return RunResult(to_host(trainer.policy_params()), metrics, counters, timeline_of(trainer, controller, start_epoch),
+                   adapters)

@@ -22,15 +22,20 @@ checkpoint before it stays the one a resume starts from). Fault points (`faults.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
 from collections.abc import Callable
 
 import jax
 import numpy as np
+from flax import nnx
 
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
+from streamrl_jax.models import lora
+from streamrl_jax.models.peft_io import load_adapter
+from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer_control import TrainerControl
@@ -50,9 +55,19 @@ class TrainerWorker:
                stop: StopRequest | None = None):
     self.config, self.spec, self.stop = config, config.spec, stop
     self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
-    # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference.
+    # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference. With LoRA the state
+    # holds the adapters alone; the base is frozen on the mesh, and it is the reference.
+    plain_graphdef, plain_params = graphdef, params
+    self.lora, base = (config.lora if config.lora.enabled else None), None
+    if self.lora:
+      arrays = None
+      if self.lora.init_from:  # checked against the base and LoraConfig before anything was built (preflight)
+        loaded, arrays = load_adapter(self.lora.init_from, nnx.merge(graphdef, params).config)
+        self.lora = dataclasses.replace(self.lora, alpha=loaded.alpha)
+      graphdef, params, base = lora.adapt(graphdef, params, self.lora, arrays)
+    reference = params if config.objective.kl_coef > 0 and not self.lora else None
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
-                           ref_params=params if config.objective.kl_coef > 0 else None, config=config.trainer)
+                           ref_params=reference, config=config.trainer, base_params=base)
     self.state = self.trainer.init_state(params, seed=config.seed)
     self.start_step = 0
     if resume:
@@ -62,18 +77,26 @@ class TrainerWorker:
       self.start_step = int(extra["next_step"])
     self.checkpointer = checkpointer
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.trainer.chunk_rows,
-                                **(_packing(config, graphdef, params, mesh) if config.trainer.packing else {}))
+                                **(_packing(config, plain_graphdef, plain_params, mesh) if config.trainer.packing else {}))
     # samples_trained counts what went into gradients, unique_samples_trained the distinct (step, group,
     # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
     # or trained twice.
     self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
                          trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0, groups_filtered=0,
-                         groups_backfilled=0, groups_regenerated=0)
+                         groups_backfilled=0, groups_regenerated=0,
+                         weight_version_bytes=wire_bytes(wire_template(self.state.params, config.precision.on_trainer.precision)))
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._trained: set = set()  # sample keys of the step being trained
+
+  def policy_params(self):
+    """The policy's parameters as a plain model's: the state's, or with LoRA the base with the adapters merged."""
+    if not self.lora:
+      return self.state.params
+    return self.trainer.launcher.jit(lora.merge, static_argnums=2)(self.trainer.base_params, self.state.params,
+                                                                    self.lora.scale)
 
   def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
           clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
@@ -291,8 +314,6 @@ def _packing(config, graphdef, params, mesh) -> dict:
   step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
   trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
   activations."""
-  from flax import nnx
-
   length = config.packed_length
   step_tokens = config.samples_per_step * length
   wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag

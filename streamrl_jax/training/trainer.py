@@ -84,7 +84,7 @@ class Trainer:
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
                rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
-               temperature: float = 1.0, config: TrainerConfig = TrainerConfig()):
+               temperature: float = 1.0, config: TrainerConfig = TrainerConfig(), base_params=None):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
     Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
     (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
@@ -93,7 +93,10 @@ class Trainer:
     `temperature` is the sampler's: the policy's (and the reference's) logits are divided by it before
     log-probabilities, so tokens are scored under the distribution they were sampled from (on-policy, the
     ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature).
-    `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`)."""
+    `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`).
+    `base_params`: LoRA (`models.lora`): the frozen base, placed once and never differentiated or copied; the
+    state's params are then the adapters alone (what `graphdef` splits off with `lora.split`), and the reference
+    policy of a KL penalty is the base itself (the adapters zeroed), so `ref_params` is not needed."""
     self.config = config
     if temperature <= 0:
       raise ValueError(f"the trainer's temperature must be > 0 (greedy samples have no log-probability to "
@@ -102,7 +105,8 @@ class Trainer:
     if role not in BATCH_KEYS:
       raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
     self.role = role
-    if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None:
+    if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None \
+       and base_params is None:
       raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
     self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
         graphdef, optimizer, objective, mesh, rules)
@@ -113,6 +117,8 @@ class Trainer:
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.launcher = launch.launcher(mesh)  # every program of this trainer goes through it (see launch.py)
     self.ref_params = None if ref_params is None else launch.copy(self.place(ref_params))
+    self.base_params = None if base_params is None else self.place(base_params)  # LoRA's frozen base
+    self._adapter_shapes = None  # LoRA: the adapters' shapes (the reference zeroes them), known at init_state
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
     self._reference = self.launcher.jit(self._reference_impl)
     self.compiled_shapes: set[tuple[int, int]] = set()
@@ -129,10 +135,34 @@ class Trainer:
   def place(self, params):
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
+  @property
+  def frozen(self) -> dict:
+    """What every step reads and never changes: the reference policy and LoRA's base (None where absent)."""
+    return {"ref": self.ref_params, "base": self.base_params}
+
+  @property
+  def has_reference(self) -> bool:
+    return self.ref_params is not None or (self.base_params is not None and self.objective.kl_coef > 0)
+
+  def _model(self, params, frozen):
+    """The policy of `params` (with LoRA: the adapters over the frozen base)."""
+    if frozen["base"] is None:
+      return nnx.merge(self.graphdef, params)
+    return nnx.merge(self.graphdef, params, frozen["base"])
+
+  def _reference_model(self, frozen):
+    """The frozen reference policy: `ref_params`, or LoRA's base (its adapters zeroed: x @ W + 0 exactly)."""
+    if frozen["ref"] is not None:
+      return nnx.merge(self.graphdef, frozen["ref"])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._adapter_shapes)
+    return nnx.merge(self.graphdef, zeros, frozen["base"])
+
   def init_state(self, params, seed: int = 0) -> TrainState:
     # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
     # steps would then delete under the caller's model.
     params = launch.copy(self.place(params))
+    if self.base_params is not None:
+      self._adapter_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     with self.launcher.launching():
       grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
       opt_state = jax.jit(self.tx.init)(params)
@@ -214,29 +244,29 @@ class Trainer:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks)."""
     batch = self.prepare(self._lossless_batch(rows, length, packed))
-    analysis = self._accumulate.lower(state, batch, self.ref_params).compile().memory_analysis()
+    analysis = self._accumulate.lower(state, batch, self.frozen).compile().memory_analysis()
     return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
                 temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes)
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
-    return self._accumulate(state, self.prepare(batch), self.ref_params)
+    return self._accumulate(state, self.prepare(batch), self.frozen)
 
   def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """log pi_ref of each token under the frozen reference policy ([rows, length], column 0 is 0): what
     'KL in the reward' needs before advantages are computed."""
-    if self.ref_params is None:
+    if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
     rows, length = np.shape(tokens)
     shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
     padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
     padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-    out = self._reference(self.ref_params, launch.put(padded, sharding))
+    out = self._reference(self.frozen, launch.put(padded, sharding))
     return np.asarray(out)[:rows, :length]
 
-  def _reference_impl(self, ref_params, batch):
-    return self._token_logprobs(nnx.merge(self.graphdef, ref_params), batch)[0]
+  def _reference_impl(self, frozen, batch):
+    return self._token_logprobs(self._reference_model(frozen), batch)[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
@@ -256,9 +286,9 @@ class Trainer:
       logits = logits / self.temperature
     return token_logprobs(logits, batch["tokens"])
 
-  def _per_token_loss(self, params, batch, ref_params):
+  def _per_token_loss(self, params, batch, frozen):
     cfg = self.objective
-    model = nnx.merge(self.graphdef, params)
+    model = self._model(params, frozen)
     if self.role == "critic":
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
@@ -267,8 +297,8 @@ class Trainer:
     batch = with_old_logprobs(batch, logp, cfg.objective)
     per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
-    if ref_params is not None:
-      ref_logp, _ = self._token_logprobs(nnx.merge(self.graphdef, ref_params), batch)
+    if frozen["ref"] is not None or (frozen["base"] is not None and cfg.kl_coef > 0):
+      ref_logp, _ = self._token_logprobs(self._reference_model(frozen), batch)
       kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
       if not cfg.kl_in_reward:
         per_token = per_token + cfg.kl_coef * kl
@@ -276,11 +306,11 @@ class Trainer:
       per_token = per_token - cfg.entropy_coef * ent
     return per_token, logp, kl, ent
 
-  def _accumulate_impl(self, state: TrainState, batch, ref_params):
+  def _accumulate_impl(self, state: TrainState, batch, frozen):
     mask = batch["loss_mask"]
 
     def loss_fn(params):
-      per_token, logp, kl, ent = self._per_token_loss(params, batch, ref_params)
+      per_token, logp, kl, ent = self._per_token_loss(params, batch, frozen)
       numerator, denominator = aggregate(per_token, mask, self.objective, batch.get("segment_ids"))
       return numerator, (denominator, logp, kl, ent)
 
