@@ -204,3 +204,37 @@ def test_pipeline_trains_adapters_and_syncs_them_alone():
   for (path, got), (_, want) in zip(nnx.to_flat_state(result.params), nnx.to_flat_state(merged)):
     np.testing.assert_allclose(np.asarray(got[...]), np.asarray(want[...]), atol=1e-6, err_msg=str(path))
   assert result.counters["unique_samples_trained"] == result.counters["samples_planned"]
+
+
+@pytest.mark.slow
+def test_separate_programs_sync_adapters_over_flight(tmp_path):
+  """`streamrl launch local` with LoRA: the sampler program loads the base itself, every version over Flight is
+  the adapters' bytes, and the run leaves a PEFT adapter whose merge into the base is its final model."""
+  from streamrl_jax.pipeline.job_config import JobConfig
+  from tests.processes import finish, launch, write_config
+
+  workdir = tmp_path / "run"
+  code, out = finish(launch(workdir, "--config", write_config(tmp_path / "tiny.gin"), "--set", "LoraConfig.rank=4",
+                            "--set", "OptimizerConfig.learning_rate=0.01"), workdir)
+  assert code == 0, out
+  counters = json.loads((workdir / "summary.json").read_text())["counters"]
+  base_model = JobConfig(hidden_size=32, warmup_steps=0).load_model()[0]
+  config, arrays = load_adapter(workdir / "final_adapter", base_model.config)
+  assert config.rank == 4
+  adapter_bytes = sum(a.nbytes + b.nbytes for a, b in arrays.values())
+  assert counters["weight_version_bytes"] == adapter_bytes
+  assert counters["flight_weight_bytes"] >= 3 * adapter_bytes and counters["flight_weight_bytes"] % adapter_bytes == 0
+  graphdef, base = nnx.split(base_model)
+  merged = nnx.merge(graphdef, lora.merge(base, arrays, config.scale))
+  final = load_hf(workdir / "final_model")
+  np.testing.assert_allclose(np.asarray(final(jnp.asarray(TOKENS))), np.asarray(merged(jnp.asarray(TOKENS))),
+                             atol=1e-5)  # (the untrained demo's rewards are all 0: the in-process test trains)
+
+
+def test_lora_across_processes_refuses_a_warmed_demo_base():
+  from streamrl_jax.commands.roles import check_lora_base
+  from streamrl_jax.pipeline.job_config import JobConfig
+
+  with pytest.raises(ConfigError, match="set JobConfig.warmup_steps = 0"):
+    check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=10))
+  check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=0))

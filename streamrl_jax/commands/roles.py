@@ -15,6 +15,8 @@ import os
 import sys
 from pathlib import Path
 
+from streamrl_jax.config_types import ConfigError
+
 ROLES = ("trainer", "sampler")
 
 
@@ -93,6 +95,7 @@ def cmd_trainer(args) -> int:
   from streamrl_jax.pipeline.trainer_program import serve_training
 
   config, job, flight_config, tls, settings = _start_role(args)
+  check_lora_base(config, job)
   events = Path(args.workdir) / "events.jsonl"
 
   def on_event(event: dict) -> None:  # samplers joining, leaving, lost: kept in WORKDIR/events.jsonl
@@ -107,6 +110,25 @@ def cmd_trainer(args) -> int:
   runner = functools.partial(serve_training, listen=args.listen, tls=tls, settings=settings,
                              flight_config=flight_config, on_listening=listening, on_event=on_event, site=args.site)
   return run_training(args, config, job, runner, "streamrl trainer")
+
+
+def check_lora_base(config, job) -> None:
+  """With LoRA across processes every sampler loads the base itself (the trainer sends adapters only): a base the
+  trainer changes before RL (the demo model's warm-up) is refused, in the trainer and in each sampler."""
+  if config.lora.enabled and not job.model and job.warmup_steps > 0:
+    raise ConfigError("LoraConfig.rank > 0 across processes: samplers load the base themselves, and the demo "
+                      "model's warm-up changes it on the trainer only; set JobConfig.warmup_steps = 0 or name a "
+                      "pretrained JobConfig.model")
+
+
+def lora_base(config, job):
+  """With LoRA, the base a sampler merges each version's adapters into, loaded as the trainer loads it."""
+  if not config.lora.enabled:
+    return None
+  from flax import nnx
+
+  check_lora_base(config, job)
+  return nnx.split(job.load_model()[0])[1]
 
 
 def cmd_sampler(args) -> int:
@@ -126,13 +148,15 @@ def cmd_sampler(args) -> int:
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
+  preflight.check_lora(config, model_config, job.model)
+  base = lora_base(config, job)
   stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:
     with stop.installed(), stop.deferred("handing its leases back"):
       stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
                           name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
                           site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
-                          relay_tls_name=args.relay_tls_name,
+                          relay_tls_name=args.relay_tls_name, base_params=base,
                           log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)

@@ -136,6 +136,11 @@ def adapt(graphdef, params, config: LoraConfig, arrays: dict | None = None):
   return split(attach(nnx.merge(graphdef, params), config, arrays))
 
 
+def adapter_shapes(graphdef, abstract, config: LoraConfig):
+  """The adapters' shapes and dtypes (no values) for a plain model's (graphdef, abstract parameters)."""
+  return jax.eval_shape(lambda p: adapt(graphdef, p, config)[1], abstract)
+
+
 def adapter_arrays(adapters) -> dict:
   """{(layer, target): (A, B)} of an adapters state (the inverse of `attach`'s `arrays`)."""
   by_name = {f"{module}.{name}": target for target, (module, name) in TARGETS.items()}

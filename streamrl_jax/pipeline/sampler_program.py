@@ -9,7 +9,7 @@ import threading
 
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.messages import Heartbeat
-from streamrl_jax.models import abstract_model
+from streamrl_jax.models import abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
@@ -23,14 +23,16 @@ from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
 def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
                 name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                 stop: threading.Event | None = None, devices=None, log=print, site: str = "",
-                relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None) -> dict:
+                relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None,
+                base_params=None) -> dict:
   """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
   When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease
   in hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this
   program's). `site`: its datacenter's label. With `relay_listen` (HOST:PORT), it serves the weight versions
   it receives to the samplers below it in each version's broadcast tree, at `relay_host` (default: the listen
   host) and the bound port; `relay_tls_name` is the name relays' certificates carry when it is not the address
-  dialled (one certificate for every pod). Returns the sampler's transport statistics."""
+  dialled (one certificate for every pod). `base_params` (LoRA, `config.lora`): the base each version's adapters
+  merge into, as the trainer's. Returns the sampler's transport statistics."""
   parse_address(connect, "--connect")
   if relay_listen:
     parse_address(relay_listen, "--relay-listen")
@@ -40,7 +42,13 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)
-  weights = landing(abstract, config.precision, mesh)
+  if config.lora.enabled:  # a version is the adapters; the sampler merges them into its base
+    if base_params is None:
+      raise ValueError("LoraConfig.rank > 0: run_sampler needs base_params (the base the adapters merge into)")
+    weights = landing(lora.adapter_shapes(graphdef, abstract, config.lora), config.precision, mesh,
+                      base=base_params, lora_scale=config.lora.scale)
+  else:
+    weights = landing(abstract, config.precision, mesh)
   worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
