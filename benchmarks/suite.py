@@ -19,9 +19,11 @@ import json
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 from pathlib import Path
@@ -42,6 +44,7 @@ class Bench:
   quick_timeout_s: float
   args: tuple[str, ...] = ()
   quick_args: tuple[str, ...] = ()
+  shared_cache: bool = True  # a quick run compiles through the suite's XLA cache (off where compiles are measured)
 
 
 # In the order they run: the quick and fundamental first.
@@ -61,9 +64,10 @@ BENCHES = (
     Bench("multiturn", 1800, 240),
     Bench("rewards", 3600, 180, (), ("--part", "throughput")),
     Bench("faults", 1200, 240),
-    Bench("wire", 1200, 240),
+    Bench("wire", 1200, 240, shared_cache=False),  # rss_growth_frac compares a clean and a fuzzed trainer's peaks
     Bench("broadcast", 900, 180),
     Bench("real_model", 6000, 420),
+    Bench("lora", 3600, 420),
 )
 
 
@@ -119,13 +123,17 @@ def rows_of(bench: str, result: dict | None, error: str | None, goals: dict[str,
   return rows
 
 
-def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None
+def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None, cache: Path | None = None
               ) -> tuple[dict | None, str | None, float]:
   """(its JSON, None) or (None, why it has none), and its seconds; output to `log_path`, the whole process group
-  killed when it runs past its time. `script`: the file run (default benchmarks/NAME.py)."""
+  killed when it runs past its time. `script`: the file run (default benchmarks/NAME.py). `cache`: an XLA
+  compilation cache directory its processes share (a quick run's: the many processes and arms of one benchmark
+  compile the same programs; figures are steady-state, never a compile)."""
   script = script or ROOT / "benchmarks" / f"{bench.name}.py"
   command = [sys.executable, str(script), *(bench.quick_args if quick else bench.args)]
   env = dict(os.environ, STREAMRL_BENCH_QUICK="1" if quick else "0")
+  if cache is not None and bench.shared_cache:
+    env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
   timeout = bench.quick_timeout_s if quick else bench.timeout_s
   start = time.perf_counter()
   with log_path.open("w") as log:
@@ -192,8 +200,10 @@ def show(value) -> str:
 
 def markdown(suite: dict) -> str:
   """The suite as a Markdown table, with the machine, commit and date above it."""
-  mode = "--quick" if suite["quick"] else "full sizes"
-  lines = [f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}` ({mode}) on {suite['device']} "
+  mode = "small sizes, figures noisier" if suite["quick"] else "full sizes"
+  seconds = suite.get("seconds") or {}
+  took = f", {sum(seconds.values()) / 60:.0f} min in all" if seconds else ""
+  lines = [f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}` ({mode}{took}) on {suite['device']} "
            f"(jax backend `{suite['backend']}`), commit `{suite['commit']}`, {suite['date']}; goals from "
            "`benchmarks/goals.toml`.", "", "| benchmark | figure | value | goal | met |", "| --- | --- | --- | --- | --- |"]
   for row in suite["rows"]:
@@ -220,17 +230,27 @@ def run_suite(benches, quick: bool, out: Path, log=print) -> dict:
   (out / "logs").mkdir(exist_ok=True)
   suite = dict(**machine(), commit=commit(), date=datetime.date.today().isoformat(), quick=quick, rows=[],
                seconds={})
-  for bench in benches:
-    log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
-    result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log")
-    suite["seconds"][bench.name] = round(seconds, 1)
-    rows = rows_of(bench.name, result, error, goals.get(bench.name, {}))
-    suite["rows"] += rows
-    said = error or ", ".join(f"{r['figure']}={show(r['value'])}" for r in rows)
-    log(f"[suite] {bench.name}: {seconds:.0f} s; {said}")
-    (out / "suite.json").write_text(json.dumps(suite, indent=1))  # kept after each one: nothing lost to a stop
-    (out / "suite.md").write_text(markdown(suite))
+  cache = Path(tempfile.mkdtemp(prefix="xla-cache-", dir=out)) if quick else None  # fresh: a cold start's figures
+  try:
+    for bench in benches:
+      _run_one(bench, quick, out, cache, goals, suite, log)
+  finally:
+    if cache is not None:
+      shutil.rmtree(cache, ignore_errors=True)
   return suite
+
+
+def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: dict, suite: dict, log) -> None:
+  """One benchmark: its rows added to `suite`, its line logged, the results written."""
+  log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
+  result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache)
+  suite["seconds"][bench.name] = round(seconds, 1)
+  rows = rows_of(bench.name, result, error, goals.get(bench.name, {}))
+  suite["rows"] += rows
+  said = error or ", ".join(f"{r['figure']}={show(r['value'])}" for r in rows)
+  log(f"[suite] {bench.name}: {seconds:.0f} s; {said}")
+  (out / "suite.json").write_text(json.dumps(suite, indent=1))  # kept after each one: nothing lost to a stop
+  (out / "suite.md").write_text(markdown(suite))
 
 
 def main(argv=None) -> int:

@@ -110,6 +110,7 @@ def parse(config_files=(), bindings=()) -> None:
   gin.clear_config()
   for path in config_files:
     text = Path(path).read_text()
+    gin.add_config_file_search_path(str(Path(path).resolve().parent))  # `include 'x.gin'` beside the file
     _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), text)
   for binding in bindings:
     _gin_parse(lambda: gin.parse_config(binding), f"--set {binding!r}", binding)

@@ -1,0 +1,231 @@
+"""LoRA against full fine-tuning: bytes per weight version, the trainer's steady step and peak memory, and the
+held-out gain after equal RL steps. Arms in one run.
+
+1. Sync, on SmolLM2-135M's shapes (random weights: only sizes matter): a version published through the trainer's
+   weight store, fetched over Arrow Flight on loopback, placed on the sampler's device and finished there (LoRA:
+   the adapters merged into the sampler's base). `lora_sync_bytes_ratio` = adapter bytes / full bytes (rank 16 on
+   all seven projections); `<arm>_update_s` publish-to-usable seconds (best of VERSIONS, arms interleaved).
+2. Train, on SmolLM2-135M-Instruct with the shipped RL config's work (`configs/smollm2_cpu.gin`: 8 prompts x 8
+   samples, 47-token chat prompts, up to 48 new tokens, packed rows, log-probabilities over vocabulary chunks),
+   each arm in its own process (peak RSS is per process): `lora_train_step_ratio` (steady step, LoRA over full),
+   `lora_peak_rss_ratio` (the process's peak RSS: model, trainer state, compiles, steps).
+3. Accuracy, on the CPU demo (the tiny decoder after its supervised warm-up, shared by both arms): `streamrl train`
+   in `stream` mode for equal steps, full at the demo's learning rate and LoRA (rank 16, all projections) at
+   LORA_LR; `lora_accuracy_gain_ratio` = LoRA's held-out gain over full's. (SmolLM2's RL run is 35 min an arm
+   here: the demo stands in for it.)
+
+Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RANK, ALPHA = 16, 32.0
+LORA_SETS = (f"LoraConfig.rank={RANK}", f"LoraConfig.alpha={ALPHA}")
+VERSIONS = size(3, 2)
+TRAIN_STEPS = size(4, 3)  # trainer steps per arm (the first, compiling, is not counted)
+RL_STEPS = size(40, 12)  # RL steps of each accuracy arm
+EVAL = size(512, 128)
+WARMUP = size(None, 150)  # the demo's supervised warm-up (None: its own)
+LORA_LR = 3e-3  # 10x the demo's full learning rate (3e-4): tuned on the demo (README: LoRA)
+
+
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def part_sync() -> dict:
+  import jax
+  from flax import nnx
+
+  from streamrl_jax.meshes import single_device_mesh
+  from streamrl_jax.models import Transformer, lora
+  from streamrl_jax.models.precision import SamplerPrecision, landing
+  from streamrl_jax.pytrees import flatten_with_names, unflatten_like
+  from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
+  from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+  from precision import SMOLLM2_SHAPE
+
+  config = lora.LoraConfig(rank=RANK, alpha=ALPHA)
+  graphdef, params = nnx.split(Transformer(SMOLLM2_SHAPE, rngs=nnx.Rngs(0)))
+  _, adapters, _ = lora.adapt(graphdef, params, config)
+  mesh = single_device_mesh(jax.devices()[0])
+  precision = SamplerPrecision(quantize_on="sampler")  # a LoRA run's: float32 adapters, merged on the sampler
+  arms = {"full": (params, landing(params, SamplerPrecision(), mesh)),
+          "lora": (adapters, landing(adapters, precision, mesh, base=params, lora_scale=config.scale))}
+  stores = {name: HostWeightStore(precision=SamplerPrecision()) for name in arms}
+  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
+             for name, store in stores.items()}
+  seconds, nbytes = {name: [] for name in arms}, {}
+  try:
+    connections = {name: FlightConnection(s.address, timeout_s=120, retry_s=30) for name, s in servers.items()}
+    for version in range(VERSIONS):
+      for name, (published, land) in arms.items():
+        expected = {k: tuple(v.shape) for k, v in flatten_with_names(land.template).items()}
+        start = time.perf_counter()
+        stores[name].publish(published, version)
+        stores[name].wait_version(version, timeout=300)
+        _, flat, nbytes[name] = fetch_weights(connections[name], version, expected)
+        placed = jax.device_put(unflatten_like(land.template, flat, "the weight stream"), land.shardings)
+        jax.block_until_ready(land.finish(placed))
+        seconds[name].append(time.perf_counter() - start)
+    for connection in connections.values():
+      connection.client.close()
+  finally:
+    for server in servers.values():
+      server.shutdown()
+  return dict(lora_sync_bytes_ratio=round(nbytes["lora"] / nbytes["full"], 4), full_bytes=nbytes["full"],
+              lora_bytes=nbytes["lora"], full_update_s=round(min(seconds["full"]), 3),
+              lora_update_s=round(min(seconds["lora"]), 3),
+              lora_update_ratio=round(min(seconds["lora"]) / min(seconds["full"]), 3))
+
+
+def train_arm(arm: str) -> dict:
+  """One arm's trainer on SmolLM2 (run in its own process by `part_train`)."""
+  from streamrl_jax.cli import force_host_devices
+  from streamrl_jax.host_memory import limit_fragmentation
+
+  limit_fragmentation()
+  force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
+  import jax
+  import numpy as np
+  from flax import nnx
+
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  from streamrl_jax.models import load_hf, lora
+  from streamrl_jax.models.catalog import fetch
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+  from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+
+  model = load_hf(fetch("smollm2-135m-instruct"))
+  config = model.config
+  graphdef, params = nnx.split(model)
+  del model
+  base = None
+  if arm == "lora":
+    graphdef, params, base = lora.adapt(graphdef, params, lora.LoraConfig(rank=RANK, alpha=ALPHA))
+  mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
+  trainer_config = TrainerConfig(logprob_chunk=8192)
+  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
+                    temperature=0.8, config=trainer_config, base_params=base)
+  prompts, group, prompt_len, new = 8, 8, 47, 48
+  length, samples = -(-(prompt_len + new) // 8) * 8, prompts * group
+  chunk_tokens = chunk_tokens_for(config, length, samples * length, auto_budget(config, length, trainer_config),
+                                  trainer_config)
+  batcher = MicroBatcher(trainer, pack_length=length, chunk_tokens=chunk_tokens)
+  state = trainer.init_state(params)
+  del params, base
+  state = trainer.precompile_packed(state, chunk_tokens, length)
+  rng = np.random.default_rng(0)
+  times = []
+  for _ in range(TRAIN_STEPS):
+    lengths = prompt_len + rng.integers(new // 8, new + 1, samples)
+    valid = np.arange(length)[None, :] < lengths[:, None]
+    batch = dict(tokens=rng.integers(3, config.vocab_size, (samples, length)).astype(np.int32), valid=valid,
+                 loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
+                 advantages=rng.normal(size=samples).astype(np.float32),
+                 sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+    start = time.perf_counter()
+    state = batcher.add(state, batch)
+    state, _ = batcher.finish(state)
+    jax.block_until_ready(state.params)
+    times.append(time.perf_counter() - start)
+  trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(_peak_rss_mb()),
+              trained_params=trained, steps=len(times) - 1)
+
+
+def part_train() -> dict:
+  out = {}
+  for arm in ("full", "lora"):
+    print(f"lora: trainer arm {arm} ...", file=sys.stderr, flush=True)
+    done = subprocess.run([sys.executable, __file__, "--train-arm", arm], stdout=subprocess.PIPE, text=True,
+                          timeout=1800, env=dict(os.environ, XLA_FLAGS=""))
+    if done.returncode:
+      raise RuntimeError(f"trainer arm {arm} failed (exit {done.returncode})")
+    out.update({f"{arm}_{k}": v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()})
+  out["lora_train_step_ratio"] = round(out["lora_train_step_s"] / out["full_train_step_s"], 3)
+  out["lora_peak_rss_ratio"] = round(out["lora_peak_rss_mb"] / out["full_peak_rss_mb"], 3)
+  return out
+
+
+def rl_arm(workdir: Path, warm: Path, sets: list[str]) -> dict:
+  workdir.mkdir(parents=True)
+  shutil.copytree(warm, workdir / "warmup_model")
+  command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--workdir", str(workdir)]
+  for binding in ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={RL_STEPS}", f"JobConfig.eval_prompts={EVAL}",
+                  *sets]:
+    command += ["--set", binding]
+  done = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=dict(os.environ, XLA_FLAGS=""))
+  if done.returncode:
+    raise RuntimeError(f"streamrl train {sets} failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+  summary = json.loads(done.stdout.strip().splitlines()[-1])
+  return dict(accuracy_before=summary["accuracy_before"], accuracy_after=summary["accuracy_after"],
+              gain=round(summary["accuracy_after"] - summary["accuracy_before"], 4), rl_seconds=summary["rl_seconds"])
+
+
+def part_accuracy() -> dict:
+  import dataclasses
+
+  from streamrl_jax import gin_config
+  from streamrl_jax.models import save_hf
+  from streamrl_jax.pipeline.train_job import supervised_warmup
+
+  gin_config.parse(gin_config.run_files([]))
+  config, job = gin_config.build_run()
+  if WARMUP is not None:
+    job = dataclasses.replace(job, warmup_steps=WARMUP)
+  model, tokenizer, _ = job.load_model()
+  print("lora: supervised warm-up of the demo model ...", file=sys.stderr, flush=True)
+  model = supervised_warmup(model, tokenizer, job.make_task(tokenizer), job,
+                            config.engine.max_prompt_length + config.max_new_tokens,
+                            log=lambda m: print(m, file=sys.stderr, flush=True))
+  out = {}
+  with tempfile.TemporaryDirectory() as tmp:
+    warm = Path(tmp) / "warmup_model"
+    save_hf(model, warm)
+    arms = {"full": [], "lora": [*LORA_SETS, f"OptimizerConfig.learning_rate={LORA_LR}"]}
+    for name, sets in arms.items():
+      print(f"lora: RL arm {name} ({RL_STEPS} steps) ...", file=sys.stderr, flush=True)
+      out.update({f"{name}_{k}": v for k, v in rl_arm(Path(tmp) / name, warm, sets).items()})
+  out["lora_accuracy_gain_ratio"] = round(out["lora_gain"] / out["full_gain"], 3) if out["full_gain"] > 0 else None
+  out.update(rl_steps=RL_STEPS, eval_prompts=EVAL, lora_learning_rate=LORA_LR,
+             full_learning_rate=config.optimizer.learning_rate)
+  return out
+
+
+PARTS = {"sync": part_sync, "train": part_train, "accuracy": part_accuracy}
+
+
+def main(parts) -> dict:
+  out = dict(rank=RANK, alpha=ALPHA, quick=QUICK)
+  for part in parts:
+    start = time.perf_counter()
+    out.update(PARTS[part]())
+    out[f"{part}_s"] = round(time.perf_counter() - start, 1)
+  return out
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--part", action="append", choices=sorted(PARTS), help="parts to run (default: all)")
+  parser.add_argument("--train-arm", choices=("full", "lora"), help=argparse.SUPPRESS)
+  args = parser.parse_args()
+  if args.train_arm:
+    print(json.dumps(train_arm(args.train_arm)))
+  else:
+    print(json.dumps(main(args.part or list(PARTS))))
