@@ -59,6 +59,12 @@ def test_chunked_matches_the_plain_path_in_value_and_gradient(vocab, chunk, temp
     np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
     assert np.abs(a).max() > 1e-2  # a gradient that is there to compare
 
+  def frozen_head(h, w):  # LoRA's: the head's gradient skipped, the hidden states' unchanged
+    return chunked_token_logprobs(h, w, jnp.asarray(tokens), temperature, chunk, head_grad=False)
+  g_hidden, g_head = jax.jit(jax.grad(loss(frozen_head), argnums=(0, 1)))(hidden, head)
+  np.testing.assert_allclose(g_hidden, grads[0][0], atol=1e-5, rtol=1e-5)
+  assert not np.asarray(g_head).any()
+
 
 def test_vocab_chunk_divides_the_vocabulary_when_it_can():
   assert vocab_chunk(49152, 8192) == 8192

@@ -113,8 +113,22 @@ def test_adapter_for_another_base_is_refused(tmp_path):
   other = dataclasses.replace(CONFIG, hidden_size=16, num_heads=2, num_kv_heads=1)
   with pytest.raises(ConfigError, match="another base"):
     load_adapter(directory, other)
+  load_adapter(directory, CONFIG, str(tmp_path))  # a local path's name says nothing: the shapes decide
   with pytest.raises(ConfigError, match="adapter_config.json is missing"):
     load_adapter(tmp_path / "nowhere", CONFIG)
+
+
+def test_init_from_gives_its_rank_unless_one_is_set(tmp_path):
+  from streamrl_jax.models.peft_io import resolve
+
+  directory = _write_adapter(tmp_path, CONFIG)
+  taken = resolve(LoraConfig(init_from=str(directory)), CONFIG)
+  assert (taken.rank, taken.alpha, taken.targets, taken.init_from) == (ALL.rank, ALL.alpha, ALL.targets, str(directory))
+  assert resolve(dataclasses.replace(ALL, init_from=str(directory)), CONFIG).rank == ALL.rank
+  with pytest.raises(ConfigError, match="holds rank 4, alpha 8.0.*LoraConfig says rank 8"):
+    resolve(LoraConfig(rank=8, alpha=8.0, init_from=str(directory)), CONFIG)
+  remote = LoraConfig(rank=8, init_from=str(tmp_path / "elsewhere"))  # a sampler never reads it
+  assert resolve(remote, CONFIG, read=False) == remote
 
 
 def test_config_refusals_are_one_line():
@@ -208,27 +222,36 @@ def test_pipeline_trains_adapters_and_syncs_them_alone():
 
 @pytest.mark.slow
 def test_separate_programs_sync_adapters_over_flight(tmp_path):
-  """`streamrl launch local` with LoRA: the sampler program loads the base itself, every version over Flight is
-  the adapters' bytes, and the run leaves a PEFT adapter whose merge into the base is its final model."""
+  """`streamrl launch local` with LoRA, started from a PEFT adapter (`LoraConfig.init_from`): the sampler program
+  loads the base itself, every version over Flight is the adapters' bytes, and the run leaves a PEFT adapter (the
+  initial one moved by at most Adam's steps) whose merge into the base is its final model."""
   from streamrl_jax.pipeline.job_config import JobConfig
+
   from tests.processes import finish, launch, write_config
 
-  workdir = tmp_path / "run"
+  base_model = JobConfig(hidden_size=32, warmup_steps=0).load_model()[0]
+  start = LoraConfig(rank=4)
+  initial = random_arrays(start, base_model.config, seed=5)
+  save_adapter(tmp_path / "initial", initial, start, "")
+  workdir, lr = tmp_path / "run", 0.01
   code, out = finish(launch(workdir, "--config", write_config(tmp_path / "tiny.gin"), "--set", "LoraConfig.rank=4",
-                            "--set", "OptimizerConfig.learning_rate=0.01"), workdir)
+                            "--set", f"LoraConfig.init_from='{tmp_path / 'initial'}'",
+                            "--set", f"OptimizerConfig.learning_rate={lr}"), workdir)
   assert code == 0, out
   counters = json.loads((workdir / "summary.json").read_text())["counters"]
-  base_model = JobConfig(hidden_size=32, warmup_steps=0).load_model()[0]
   config, arrays = load_adapter(workdir / "final_adapter", base_model.config)
-  assert config.rank == 4
+  assert (config.rank, config.alpha) == (4, start.alpha)
   adapter_bytes = sum(a.nbytes + b.nbytes for a, b in arrays.values())
   assert counters["weight_version_bytes"] == adapter_bytes
   assert counters["flight_weight_bytes"] >= 3 * adapter_bytes and counters["flight_weight_bytes"] % adapter_bytes == 0
+  for key, (a, b) in arrays.items():  # two Adam steps move a weight by at most about 2 x lr
+    assert np.abs(a - initial[key][0]).max() <= 2.05 * lr and np.abs(b - initial[key][1]).max() <= 2.05 * lr
+  assert max(np.abs(b).max() for _, b in arrays.values()) > 0.1  # the initial adapter's B, not a fresh zero
   graphdef, base = nnx.split(base_model)
   merged = nnx.merge(graphdef, lora.merge(base, arrays, config.scale))
   final = load_hf(workdir / "final_model")
   np.testing.assert_allclose(np.asarray(final(jnp.asarray(TOKENS))), np.asarray(merged(jnp.asarray(TOKENS))),
-                             atol=1e-5)  # (the untrained demo's rewards are all 0: the in-process test trains)
+                             atol=1e-5)
 
 
 def test_lora_across_processes_refuses_a_warmed_demo_base():
@@ -238,3 +261,17 @@ def test_lora_across_processes_refuses_a_warmed_demo_base():
   with pytest.raises(ConfigError, match="set JobConfig.warmup_steps = 0"):
     check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=10))
   check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=0))
+
+
+def test_streamrl_merge_refuses_a_dora_adapter_in_one_line(hf_dirs, tmp_path, capsys):
+  from streamrl_jax import cli
+
+  directory, _ = hf_dirs["llama"]
+  model = load_hf(directory)
+  save_adapter(tmp_path / "adapter", random_arrays(ALL, model.config), ALL, "")
+  meta = json.loads((tmp_path / "adapter" / CONFIG_FILE).read_text())
+  (tmp_path / "adapter" / CONFIG_FILE).write_text(json.dumps(dict(meta, use_dora=True)))
+  assert cli.main(["--host-devices", "0", "merge", str(directory), str(tmp_path / "adapter"), str(tmp_path / "o")]) == 2
+  err = capsys.readouterr().err.strip()
+  assert "use_dora = True is not supported" in err and len(err.splitlines()) == 1
+  assert not (tmp_path / "o").exists()

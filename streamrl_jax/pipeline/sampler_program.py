@@ -47,6 +47,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       raise ValueError("LoraConfig.rank > 0: run_sampler needs base_params (the base the adapters merge into)")
     weights = landing(lora.adapter_shapes(graphdef, abstract, config.lora), config.precision, mesh,
                       base=base_params, lora_scale=config.lora.scale)
+    base_params = None  # the landing holds the base on the mesh; the host copy goes
   else:
     weights = landing(abstract, config.precision, mesh)
   worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)

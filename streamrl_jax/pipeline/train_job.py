@@ -16,6 +16,7 @@ from flax import nnx
 from streamrl_jax.config_listing import render
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import load_hf, lora, save_hf
+from streamrl_jax.models.catalog import base_model_id
 from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight, run_record
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
@@ -140,7 +141,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
   if auto:
     log(f"--resume=auto: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
-  task, heldout, tokenizer = _preflight(config, job, role, log)
+  config, task, heldout, tokenizer = _preflight(config, job, role, log)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
@@ -175,20 +176,21 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
 
 
 def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
-  """Every check that needs no weights, before anything is built; returns (task, held-out task, tokenizer)."""
+  """Every check that needs no weights, before anything is built; returns (config, task, held-out task, tokenizer),
+  the config with LoRA resolved (`preflight.check_lora`)."""
   preflight.check_devices(config, role, len(jax.devices()))
   if advice := preflight.precision_advice(config):
     log(f"warning: {advice}")
   model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_activation_budget(config, model_config)
-  preflight.check_lora(config, model_config, job.model)
+  config = preflight.check_lora(config, model_config, job.model)
   if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
     preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
   preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
   preflight.check_rewards(config.reward, task, job.seed)
-  return task, heldout, tokenizer
+  return config, task, heldout, tokenizer
 
 
 def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, leader: bool, log):
@@ -229,7 +231,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
-    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.lora, job.model)
+    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.lora, base_model_id(job.model))
     log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
         f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)

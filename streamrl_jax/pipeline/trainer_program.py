@@ -21,7 +21,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.pipeline.trainer_control import FollowerControl
-from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session
+from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session, trained_params
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleQueue
@@ -129,7 +129,8 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
   trainer.run(FollowerControl(config), get, _FollowerWeights(config), clock=time.monotonic, aux=ranker_aux(ranker))
   if trainer.checkpointer is not None:
     trainer.checkpointer.wait()
-  return RunResult(gather_to_host(trainer.state.params), [], dict(trainer.counters), {})
+  params, adapters = trained_params(trainer, gather_to_host)  # the leader's collectives, in its order
+  return RunResult(params, [], dict(trainer.counters), {}, adapters)
 
 
 def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float, log):

@@ -92,6 +92,12 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
       on_timeline(timeline_of(trainer, controller, start_epoch))
   counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                   **extra_counters())
+  params, adapters = trained_params(trainer, to_host)
+  return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters)
+
+
+def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:
+  """(the policy's parameters, LoRA's adapters or None) through `to_host`. Every process of a trainer calls it:
+  with several, each step (the adapters' gather, the merge, its gather) is a collective."""
   adapters = to_host(trainer.state.params) if trainer.lora else None
-  return RunResult(to_host(trainer.policy_params()), metrics, counters, timeline_of(trainer, controller, start_epoch),
-                   adapters)
+  return to_host(trainer.policy_params()), adapters

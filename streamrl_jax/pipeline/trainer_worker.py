@@ -22,7 +22,6 @@ checkpoint before it stays the one a resume starts from). Fault points (`faults.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import sys
 import time
 from collections.abc import Callable
@@ -34,7 +33,7 @@ from flax import nnx
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.models import lora
-from streamrl_jax.models.peft_io import load_adapter
+from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
 from streamrl_jax.pipeline.step_plan import step_group_ids
@@ -61,9 +60,9 @@ class TrainerWorker:
     self.lora, base = (config.lora if config.lora.enabled else None), None
     if self.lora:
       arrays = None
-      if self.lora.init_from:  # checked against the base and LoraConfig before anything was built (preflight)
+      if self.lora.init_from and not resume:  # (a resume restores the adapters from its checkpoint)
         loaded, arrays = load_adapter(self.lora.init_from, nnx.merge(graphdef, params).config)
-        self.lora = dataclasses.replace(self.lora, alpha=loaded.alpha)
+        check_matches(self.lora, loaded)
       graphdef, params, base = lora.adapt(graphdef, params, self.lora, arrays)
     reference = params if config.objective.kl_coef > 0 and not self.lora else None
     self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,

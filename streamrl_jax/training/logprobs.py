@@ -44,15 +44,17 @@ def vocab_chunk(vocab: int, wanted: int) -> int:
   return best if best * 4 >= wanted else wanted
 
 
-def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1):
+def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1,
+                           head_grad: bool = True):
   """From final hidden states [B, T, H] and the output weights `head` ([H, vocab] with `vocab_axis=1`, or the tied
   embeddings [vocab, H] with `vocab_axis=0`): (log pi [B, T], entropy [B, T]) as `token_logprobs` gives them from
   the logits, without the [B, T, vocab] logits. The weights are read, and their gradient written, a chunk of the
-  vocabulary at a time in their own layout: no transposed copy of a [vocab, H] matrix."""
+  vocabulary at a time in their own layout: no transposed copy of a [vocab, H] matrix. `head_grad=False` (a frozen
+  head: LoRA's base) skips the weights' gradient, a third of the head's backward work (their gradient is zero)."""
   b, t, h = hidden.shape
   flat_hidden = hidden[:, :-1].reshape(b * (t - 1), h)
   logp, ent = _chunked(flat_hidden, head, tokens[:, 1:].reshape(-1).astype(jnp.int32), float(temperature),
-                       vocab_chunk(head.shape[vocab_axis], chunk), vocab_axis)
+                       vocab_chunk(head.shape[vocab_axis], chunk), vocab_axis, bool(head_grad))
   pad = jnp.zeros((b, 1), jnp.float32)
   return (jnp.concatenate([pad, logp.reshape(b, t - 1)], axis=1),
           jnp.concatenate([pad, ent.reshape(b, t - 1)], axis=1))
@@ -106,18 +108,18 @@ def _statistics(hidden, head, tokens, temperature: float, chunk: int, axis: int)
   return top + jnp.log(total), picked, weighted / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked(hidden, head, tokens, temperature: float, chunk: int, axis: int):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _chunked(hidden, head, tokens, temperature: float, chunk: int, axis: int, head_grad: bool):
   lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
   return picked - lse, lse - mean
 
 
-def _chunked_fwd(hidden, head, tokens, temperature: float, chunk: int, axis: int):
+def _chunked_fwd(hidden, head, tokens, temperature: float, chunk: int, axis: int, head_grad: bool):
   lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
   return (picked - lse, lse - mean), (hidden, head, tokens, lse, mean)
 
 
-def _chunked_bwd(temperature: float, chunk: int, axis: int, residuals, cotangents):
+def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, residuals, cotangents):
   hidden, head, tokens, lse, mean = residuals
   g_logp, g_ent = cotangents
   vocab = head.shape[axis]
@@ -135,13 +137,15 @@ def _chunked_bwd(temperature: float, chunk: int, axis: int, residuals, cotangent
     g_logits = g_logits.astype(hidden.dtype)
     block = _block(padded, i, chunk, axis, hidden.dtype)
     g_hidden = g_hidden + jax.lax.dot_general(g_logits, block, (((1,), (axis,)), ((), ()))).astype(jnp.float32)
+    if not head_grad:
+      return g_hidden, g_head
     pair = (g_logits, hidden) if axis == 0 else (hidden, g_logits)  # the block's own layout: [chunk, H] or [H, chunk]
     g_block = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ()))).astype(jnp.float32)
     return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_head, g_block, i * chunk, axis=axis)
 
-  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape, jnp.float32))
+  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape if head_grad else (), jnp.float32))
   g_hidden, g_head = jax.lax.fori_loop(0, chunks, body, init)
-  g_head = jax.lax.slice_in_dim(g_head, 0, vocab, axis=axis)
+  g_head = jax.lax.slice_in_dim(g_head, 0, vocab, axis=axis) if head_grad else jnp.zeros(head.shape, head.dtype)
   return g_hidden.astype(hidden.dtype), g_head.astype(head.dtype), None
 
 

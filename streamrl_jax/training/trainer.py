@@ -280,7 +280,7 @@ class Trainer:
     if self.config.logprob_chunk:
       head, vocab_axis = model.output_weights()
       return chunked_token_logprobs(hidden, head, batch["tokens"], self.temperature, self.config.logprob_chunk,
-                                    vocab_axis)
+                                    vocab_axis, head_grad=self.base_params is None)  # LoRA: the head is frozen
     logits = model.head_logits(hidden)
     if self.temperature != 1.0:
       logits = logits / self.temperature
