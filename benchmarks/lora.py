@@ -9,8 +9,9 @@ held-out gain after equal RL steps. Arms in one run.
    samples, 47-token chat prompts, up to 48 new tokens, packed rows, log-probabilities over vocabulary chunks),
    each arm in its own process: `lora_train_step_ratio` (steady step, LoRA over full), `lora_peak_rss_ratio` (the
    trainer's peak RSS: the loaded model, the trainer's state, its compiles and steps; the count restarts once the
-   model is loaded, since loading SmolLM2 from its converted checkpoint peaks higher than either trainer, and
-   `<arm>_process_peak_rss_mb` gives the whole process's).
+   model is loaded, and `<arm>_process_peak_rss_mb` gives the whole process's), the peaks of the compiles and of the
+   steps apart (`lora_steps_peak_rss_ratio`), XLA's figures of one accumulation call (its arguments, temporaries and
+   FLOPs: `lora_call_flops_ratio`).
 3. Accuracy, on the CPU demo (the tiny decoder after its supervised warm-up, shared by both arms): `streamrl train`
    in `stream` mode for equal steps, full at the demo's learning rate and LoRA (rank 16, all projections) at
    LORA_LR; `lora_accuracy_gain_ratio` = LoRA's held-out gain over full's. (SmolLM2's RL run is 35 min an arm
@@ -154,6 +155,8 @@ def train_arm(arm: str) -> dict:
   state = trainer.init_state(params)
   del params, base
   state = trainer.precompile_packed(state, chunk_tokens, length)
+  compiled_peak = _hwm_mb()
+  _reset_peak_rss()  # the steps' own peak (the compiles' temporaries gone)
   rng = np.random.default_rng(0)
   times = []
   for _ in range(TRAIN_STEPS):
@@ -169,8 +172,14 @@ def train_arm(arm: str) -> dict:
     jax.block_until_ready(state.params)
     times.append(time.perf_counter() - start)
   trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
+  steps_peak = _hwm_mb()
   memory = trainer.compiled_memory(state, chunk_tokens // length, length)  # XLA's view of one accumulation call
-  return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(_hwm_mb()), peak_rss_reset=reset,
+  batch = trainer.prepare(trainer._lossless_batch(chunk_tokens // length, length, True))
+  cost = trainer._accumulate.lower(state, batch, trainer.frozen).compile().cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(max(compiled_peak, steps_peak)),
+              peak_rss_reset=reset, compile_peak_rss_mb=round(compiled_peak), steps_peak_rss_mb=round(steps_peak),
+              call_gflops=round(cost.get("flops", 0.0) / 1e9, 1),
               process_peak_rss_mb=round(_peak_rss_mb()), load_peak_rss_mb=round(load_peak), trained_params=trained,
               call_arguments_mb=round(memory["argument"] / 2**20), call_temp_mb=round(memory["temp"] / 2**20),
               steps=len(times) - 1)
@@ -187,6 +196,8 @@ def part_train() -> dict:
     out.update({f"{arm}_{k}": v for k, v in json.loads(done.stdout.strip().splitlines()[-1]).items()})
   out["lora_train_step_ratio"] = round(out["lora_train_step_s"] / out["full_train_step_s"], 3)
   out["lora_peak_rss_ratio"] = round(out["lora_peak_rss_mb"] / out["full_peak_rss_mb"], 3)
+  out["lora_steps_peak_rss_ratio"] = round(out["lora_steps_peak_rss_mb"] / out["full_steps_peak_rss_mb"], 3)
+  out["lora_call_flops_ratio"] = round(out["lora_call_gflops"] / out["full_call_gflops"], 3)
   return out
 
 

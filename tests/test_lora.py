@@ -275,3 +275,18 @@ def test_streamrl_merge_refuses_a_dora_adapter_in_one_line(hf_dirs, tmp_path, ca
   err = capsys.readouterr().err.strip()
   assert "use_dora = True is not supported" in err and len(err.splitlines()) == 1
   assert not (tmp_path / "o").exists()
+
+
+def test_the_shipped_lora_config_is_the_smollm2_run_with_adapters():
+  from pathlib import Path
+
+  from streamrl_jax import gin_config
+
+  configs = Path(__file__).resolve().parent.parent / "configs"
+  gin_config.parse([str(configs / "smollm2_lora_cpu.gin")])  # `include 'smollm2_cpu.gin'`, found beside it
+  config, job = gin_config.build_run()
+  gin_config.parse([str(configs / "smollm2_cpu.gin")])
+  full, full_job = gin_config.build_run()
+  assert (config.lora.rank, config.lora.targets) == (16, ALL.targets) and job == full_job
+  assert config.optimizer.learning_rate == pytest.approx(full.optimizer.learning_rate * 10 / 3)
+  assert dataclasses.replace(config, lora=full.lora, optimizer=full.optimizer) == full
