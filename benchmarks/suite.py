@@ -192,7 +192,7 @@ def show(value) -> str:
   if isinstance(value, bool):
     return "yes" if value else "no"
   if isinstance(value, float):
-    return f"{value:.4g}"
+    return f"{value + 0.0:.4g}"  # (+ 0.0: a negative zero prints as 0)
   if isinstance(value, (dict, list)):
     return json.dumps(value)
   return str(value)
