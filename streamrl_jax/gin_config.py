@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import io
+import logging
 import re
 import sys
 import tokenize
@@ -100,6 +101,13 @@ def _did_you_mean(given: str, known, field: str = "") -> str:
   return f"; did you mean {close[0]}?" if close else ""
 
 
+class _MissingPathFilter(logging.Filter):
+  """Drops gin's "Path not found" records: an include missing from every search path is still an error (raised)."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Path not found")
+
+
 def parse(config_files=(), bindings=()) -> None:
   """Parses gin files and binding strings; a mistake is raised as `ConfigError` in one line naming the file or
   binding (and the line of it that gin could not read)."""
@@ -108,10 +116,15 @@ def parse(config_files=(), bindings=()) -> None:
     raise ConfigError(f"--config {missing[0]}: no such file")
   check_keys(config_files, bindings)
   gin.clear_config()
-  for path in config_files:
-    text = Path(path).read_text()
-    gin.add_config_file_search_path(str(Path(path).resolve().parent))  # `include 'x.gin'` beside the file
-    _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), text)
+  quiet = _MissingPathFilter()  # gin logs an error for each search path an `include` is not in, found or not
+  logging.getLogger().addFilter(quiet)
+  try:
+    for path in config_files:
+      text = Path(path).read_text()
+      gin.add_config_file_search_path(str(Path(path).resolve().parent))  # `include 'x.gin'` beside the file
+      _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), text)
+  finally:
+    logging.getLogger().removeFilter(quiet)
   for binding in bindings:
     _gin_parse(lambda: gin.parse_config(binding), f"--set {binding!r}", binding)
   _gin_parse(gin.finalize, "the configuration", "")

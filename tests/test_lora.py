@@ -290,3 +290,17 @@ def test_the_shipped_lora_config_is_the_smollm2_run_with_adapters():
   assert (config.lora.rank, config.lora.targets) == (16, ALL.targets) and job == full_job
   assert config.optimizer.learning_rate == pytest.approx(full.optimizer.learning_rate * 10 / 3)
   assert dataclasses.replace(config, lora=full.lora, optimizer=full.optimizer) == full
+
+
+def test_an_include_found_nowhere_is_one_line(tmp_path, caplog):
+  from streamrl_jax import gin_config
+
+  (tmp_path / "run.gin").write_text("include 'nowhere.gin'\nLoraConfig.rank = 4\n")
+  with pytest.raises(ConfigError, match="nowhere.gin") as err:
+    gin_config.parse([str(tmp_path / "run.gin")])
+  assert "\n" not in str(err.value)
+  (tmp_path / "base.gin").write_text("LoraConfig.alpha = 8.0\n")
+  (tmp_path / "run.gin").write_text("include 'base.gin'\nLoraConfig.rank = 4\n")
+  gin_config.parse([str(tmp_path / "run.gin")])  # found beside the including file, whatever the working directory
+  assert (gin_config.build(LoraConfig).rank, gin_config.build(LoraConfig).alpha) == (4, 8.0)
+  assert "Path not found" not in caplog.text
