@@ -288,7 +288,7 @@ def test_the_shipped_lora_config_is_the_smollm2_run_with_adapters():
   gin_config.parse([str(configs / "smollm2_cpu.gin")])
   full, full_job = gin_config.build_run()
   assert (config.lora.rank, config.lora.targets) == (16, ALL.targets) and job == full_job
-  assert config.optimizer.learning_rate == pytest.approx(full.optimizer.learning_rate * 10)
+  assert config.optimizer.learning_rate == pytest.approx(full.optimizer.learning_rate * 100 / 3)
   assert dataclasses.replace(config, lora=full.lora, optimizer=full.optimizer) == full
 
 
