@@ -80,10 +80,9 @@ def part_sync() -> dict:
   from streamrl_jax.meshes import single_device_mesh
   from streamrl_jax.models import Transformer, lora
   from streamrl_jax.models.precision import SamplerPrecision, landing
-  from streamrl_jax.pytrees import flatten_with_names, unflatten_like
-  from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
+  from streamrl_jax.streaming.flight_client import FlightConnection
   from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
-  from precision import SMOLLM2_SHAPE
+  from precision import SMOLLM2_SHAPE, timed_update
 
   config = lora.LoraConfig(rank=RANK, alpha=ALPHA)
   graphdef, params = nnx.split(Transformer(SMOLLM2_SHAPE, rngs=nnx.Rngs(0)))
@@ -100,14 +99,8 @@ def part_sync() -> dict:
     connections = {name: FlightConnection(s.address, timeout_s=120, retry_s=30) for name, s in servers.items()}
     for version in range(VERSIONS):
       for name, (published, land) in arms.items():
-        expected = {k: tuple(v.shape) for k, v in flatten_with_names(land.template).items()}
-        start = time.perf_counter()
-        stores[name].publish(published, version)
-        stores[name].wait_version(version, timeout=300)
-        _, flat, nbytes[name] = fetch_weights(connections[name], version, expected)
-        placed = jax.device_put(unflatten_like(land.template, flat, "the weight stream"), land.shardings)
-        jax.block_until_ready(land.finish(placed))
-        seconds[name].append(time.perf_counter() - start)
+        seconds_taken, nbytes[name] = timed_update(stores[name], connections[name], land, published, version)
+        seconds[name].append(seconds_taken)
     for connection in connections.values():
       connection.client.close()
   finally:
@@ -135,6 +128,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+  from real_model import step_batch
 
   mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
   model = load_hf(fetch("smollm2-135m-instruct"), mesh=mesh)  # on the trainer's device: placing copies nothing
@@ -162,12 +156,7 @@ def train_arm(arm: str) -> dict:
   rng = np.random.default_rng(0)
   times = []
   for _ in range(TRAIN_STEPS):
-    lengths = prompt_len + rng.integers(new // 8, new + 1, samples)
-    valid = np.arange(length)[None, :] < lengths[:, None]
-    batch = dict(tokens=rng.integers(3, config.vocab_size, (samples, length)).astype(np.int32), valid=valid,
-                 loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
-                 advantages=rng.normal(size=samples).astype(np.float32),
-                 sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+    _, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
     start = time.perf_counter()
     state = batcher.add(state, batch)
     state, _ = batcher.finish(state)
@@ -176,12 +165,9 @@ def train_arm(arm: str) -> dict:
   trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   steps_peak = _hwm_mb()
   memory = trainer.compiled_memory(state, chunk_tokens // length, length)  # XLA's view of one accumulation call
-  batch = trainer.prepare(trainer._lossless_batch(chunk_tokens // length, length, True))
-  cost = trainer._accumulate.lower(state, batch, trainer.frozen).compile().cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
   return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(max(compiled_peak, steps_peak)),
               peak_rss_reset=reset, compile_peak_rss_mb=round(compiled_peak), steps_peak_rss_mb=round(steps_peak),
-              call_gflops=round(cost.get("flops", 0.0) / 1e9, 1),
+              call_gflops=round(memory["flops"] / 1e9, 1),
               process_peak_rss_mb=round(_peak_rss_mb()), load_peak_rss_mb=round(load_peak), trained_params=trained,
               call_arguments_mb=round(memory["argument"] / 2**20), call_temp_mb=round(memory["temp"] / 2**20),
               steps=len(times) - 1)

@@ -64,6 +64,19 @@ ARMS = {"float32": ("float32", "ppo_tis"), "int8": ("int8", "ppo_tis"), "int8_un
 RL_ARMS = size(tuple(ARMS), ("float32", "int8"))  # the RL arms run (quick: the two of int8_accuracy_gap)
 
 
+def timed_update(store, connection, land, params, version: int) -> tuple[float, int]:
+  """(seconds, bytes) of one version from publish to usable: published through the trainer's weight `store`,
+  fetched over Flight, placed on the sampler's device and finished by its landing `land`."""
+  expected = {k: tuple(v.shape) for k, v in flatten_with_names(land.template).items()}
+  start = time.perf_counter()
+  store.publish(params, version)
+  store.wait_version(version, timeout=300)
+  _, flat, nbytes = fetch_weights(connection, version, expected)
+  placed = jax.device_put(unflatten_like(land.template, flat, "the weight stream"), land.shardings)
+  jax.block_until_ready(land.finish(placed))
+  return time.perf_counter() - start, nbytes
+
+
 def transfer() -> dict:
   """Publish -> fetch over Flight -> place -> finish, per precision and side, on SmolLM2-135M's shapes."""
   _, params = nnx.split(Transformer(SMOLLM2_SHAPE, rngs=nnx.Rngs(0)))
@@ -78,15 +91,9 @@ def transfer() -> dict:
     connections = {name: FlightConnection(server.address, timeout_s=120, retry_s=30) for name, server in servers.items()}
     for version in range(VERSIONS):
       for name, precision in arms.items():
-        land = landing(params, precision, mesh)
-        expected = {k: tuple(v.shape) for k, v in flatten_with_names(land.template).items()}
-        start = time.perf_counter()
-        stores[name].publish(params, version)
-        stores[name].wait_version(version, timeout=300)
-        _, flat, nbytes[name] = fetch_weights(connections[name], version, expected)
-        placed = jax.device_put(unflatten_like(land.template, flat, "the weight stream"), land.shardings)
-        jax.block_until_ready(land.finish(placed))
-        seconds[name].append(time.perf_counter() - start)
+        seconds_taken, nbytes[name] = timed_update(stores[name], connections[name], landing(params, precision, mesh),
+                                                   params, version)
+        seconds[name].append(seconds_taken)
     for connection in connections.values():
       connection.client.close()
   finally:

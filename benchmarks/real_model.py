@@ -336,6 +336,19 @@ def part_memory() -> dict:
   return out
 
 
+def step_batch(rng, vocab: int, samples: int, length: int, prompt_len: int, new: int) -> tuple:
+  """(lengths, a trainer batch) of one RL step's shape: random tokens, prompts of `prompt_len`, completions of
+  new // 8 (at least 4) to `new` tokens, rows padded to `length`."""
+  import numpy as np
+
+  lengths = prompt_len + rng.integers(max(4, new // 8), new + 1, samples)
+  valid = np.arange(length)[None, :] < lengths[:, None]
+  return lengths, dict(tokens=rng.integers(3, vocab, (samples, length)).astype(np.int32), valid=valid,
+                       loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
+                       advantages=rng.normal(size=samples).astype(np.float32),
+                       sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+
+
 def memory_variant(name: str) -> dict:
   from streamrl_jax.cli import force_host_devices
   from streamrl_jax.host_memory import limit_fragmentation
@@ -381,12 +394,7 @@ def memory_variant(name: str) -> dict:
   peak = measure_peak(device)
   times, flops = [], []
   for _ in range(steps):
-    lengths = prompt_len + rng.integers(max(4, new // 8), new + 1, samples)
-    valid = np.arange(length)[None, :] < lengths[:, None]
-    batch = dict(tokens=rng.integers(3, config.vocab_size, (samples, length)).astype(np.int32), valid=valid,
-                 loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
-                 advantages=rng.normal(size=samples).astype(np.float32),
-                 sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+    lengths, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
     start = time.perf_counter()
     state = batcher.add(state, batch)
     state, _ = batcher.finish(state)

@@ -242,11 +242,14 @@ class Trainer:
 
   def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
-    and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks)."""
+    and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
+    FLOPs XLA counts in it."""
     batch = self.prepare(self._lossless_batch(rows, length, packed))
-    analysis = self._accumulate.lower(state, batch, self.frozen).compile().memory_analysis()
+    compiled = self._accumulate.lower(state, batch, self.frozen).compile()
+    analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
     return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
-                temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes)
+                temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes, flops=cost.get("flops", 0.0))
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
