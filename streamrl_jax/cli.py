@@ -3,6 +3,7 @@
   streamrl config [--config FILE] [--set BINDING] every key of the resolved configuration, as a gin file
   streamrl info [--config FILE] [--set BINDING]   devices, versions, and the mesh split a config gives
   streamrl generate [--model M] [--prompt TEXT]    batch generation through the KV cache (--chat: chat template)
+  streamrl serve --model M [--port P]             an OpenAI-compatible server in front of the engine
   streamrl convert IN.gguf OUT_DIR                 a GGUF file to a Hugging Face directory
   streamrl train --workdir DIR [--config FILE]    RL post-training in one program (default: the CPU demo)
   streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
@@ -160,6 +161,7 @@ def _config_args(parser) -> None:
 def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
+  from streamrl_jax.commands.serve import add_serve_parser
   from streamrl_jax.commands.train import cmd_train
   from streamrl_jax.sim.preset_names import PRESETS
 
@@ -208,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
   train.set_defaults(run=cmd_train)
   add_role_parsers(sub, _config_args)
   add_launch_parser(sub, _config_args)
+  add_serve_parser(sub)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k", choices=PRESETS, metavar="NAME",
                    help=f"the cluster, model and lengths simulated: {', '.join(PRESETS)} (default paper-72b-20k)")

@@ -11,7 +11,7 @@ FLOORS = (
     ("types", "messages", "pytrees", "registry", "settings", "meshes", "modes", "resources", "stopping", "faults", "launch",
      "host_memory", "config_types", "config_listing"),  # plain records and helpers
     ("models", "tasks", "envs", "rewards"),  # the decoder, tokenizers, prompt datasets, environments, reward functions
-    ("training", "streaming", "scheduling", "sampling", "sim", "distributed", "gke"),  # the parts
+    ("training", "streaming", "scheduling", "sampling", "serving", "sim", "distributed", "gke"),  # the parts
     ("pipeline",),  # workers, controller, sessions, programs, the training job
     ("gin_config",),  # the config layer binds every part's config
     ("commands", "cli"),  # the `streamrl` command

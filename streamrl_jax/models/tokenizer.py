@@ -37,6 +37,8 @@ class Tokenizer(Protocol):
 
   def decode(self, ids) -> str: ...
 
+  def token_text(self, token: int) -> str: ...
+
 
 CHAR_ALPHABET = "0123456789+-*/=()<>.,:;!? \nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ#_'\""
 
@@ -65,6 +67,11 @@ class CharTokenizer:
   def encode_prompt(self, text: str) -> list[int]:
     """A raw prompt: no BOS (the demo model is trained without one)."""
     return self.encode(text)
+
+  def token_text(self, token: int) -> str:
+    """One token's text (a special token's name)."""
+    token = int(token)
+    return self.SPECIALS[token] if token < len(self.SPECIALS) else self.alphabet[token - len(self.SPECIALS)]
 
   def decode(self, ids) -> str:
     """Characters of `ids`, stopping at the first eos; pad and bos are skipped."""
@@ -104,6 +111,10 @@ class HFTokenizer:
 
   def decode(self, ids) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+  def token_text(self, token: int) -> str:
+    """One token's text as a template writes it (a special token's included)."""
+    return self._tok.decode([int(token)], skip_special_tokens=False)
 
   def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, tools=None, **extra) -> str:
     """The conversation as the model's template writes it, special tokens included."""

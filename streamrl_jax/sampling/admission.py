@@ -35,6 +35,11 @@ class Admitter:
     """Keeps a queued request's progress until it is admitted again."""
     self._held[flight.request.request_id] = flight
 
+  def drop(self, request_ids) -> None:
+    """Forgets the progress of dropped requests."""
+    for request_id in request_ids:
+      self._held.pop(request_id, None)
+
   def held(self) -> dict[int, InFlight]:
     """Request id -> progress, of every queued request that resumes."""
     return dict(self._held)

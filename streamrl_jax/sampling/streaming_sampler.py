@@ -43,21 +43,22 @@ class StreamingSampler:
     self._roster = Roster(engines, params)
     self._next_id = 0
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
-                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0)
+                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
     self._admitter = Admitter(seed, self._turns)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
              predicted_length: float | None = None, first_sample_index: int = 0,
-             progress: Rollout | None = None) -> list[int]:
+             progress: Rollout | None = None, first: bool = False) -> list[int]:
     """Queues `params.num_samples` requests for one prompt; returns their request ids.
 
     `instance` (an id from `instance_ids`) pins them to an engine instance (dispatch policies use
     this); otherwise the least loaded instance takes them. Samples are reproducible from (seed,
     group_id, sample_index), on any instance; sample indices start at `first_sample_index` (a group
     may be submitted one sample at a time). `progress` (one sample only) resumes a partial rollout after
-    its tokens so far, which keep their log-probabilities, versions and loss mask.
+    its tokens so far, which keep their log-probabilities, versions and loss mask. `first` puts them at the front
+    of their queue (ahead of requests already waiting: served requests of a higher priority).
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     params = self._turns.with_stops(params) if self._turns is not None else params
@@ -70,15 +71,19 @@ class StreamingSampler:
     except ValueError as err:
       raise ValueError(f"engine instance {target.index}: {err}") from None
     group_id = self._next_id if group_id is None else group_id
-    ids, now = [], time.perf_counter()
+    requests, now = [], time.perf_counter()
     for k in range(params.num_samples):
       request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
       if resuming:
         self._admitter.hold(InFlight.resuming(request, now, progress))
         self.counters["resumed_partial"] += 1
-      target.pending.append(request)
-      ids.append(self._next_id)
+      requests.append(request)
       self._next_id += 1
+    if first:
+      target.pending[0:0] = requests
+    else:
+      target.pending.extend(requests)
+    ids = [r.request_id for r in requests]
     self.counters["submitted"] += len(ids)
     return ids
 
@@ -103,6 +108,33 @@ class StreamingSampler:
     requests = self._roster.queued() + [f.request for f in flights.values() if f.request.request_id not in held]
     return [(r, flights[r.request_id].rollout() if r.request_id in flights else
              Rollout(r.group_id, r.sample_index, (), (), ())) for r in sorted(requests, key=lambda r: r.request_id)]
+
+  def cancel(self, request_ids) -> int:
+    """Drops requests wherever they are: queued, on a slot (its memory given back), parked on a tool or held to
+    resume. Unknown ids (finished already) are ignored; returns how many were dropped."""
+    ids, dropped = set(request_ids), 0
+    for inst in self._roster.instances:
+      kept = [r for r in inst.pending if r.request_id not in ids]
+      dropped += len(inst.pending) - len(kept)
+      inst.pending = kept
+      for slot in [s for s, f in inst.slots.items() if f.request.request_id in ids]:
+        _abandon(inst.free(slot))
+        dropped += 1
+      for request_id in [r for r in inst.parked if r in ids]:
+        flight, place = inst.parked.pop(request_id)
+        inst.state, inst.parking = inst.engine.drop_parked(inst.state, inst.parking, place)
+        _abandon(flight)
+        dropped += 1
+    self._admitter.drop(ids)
+    self.counters["cancelled"] += dropped
+    return dropped
+
+  def progress(self, request_ids) -> dict[int, tuple[list[int], list[float], list[int]]]:
+    """Request id -> (tokens, log-probabilities, versions) so far, copied, of each of `request_ids` that is on a
+    slot, parked or held to resume (a queued fresh request has none yet)."""
+    flights = {**self._admitter.held(), **self._roster.rows()}
+    return {i: (list(f.tokens), list(f.logprobs), list(f.versions)) for i in request_ids
+            if (f := flights.get(i)) is not None}
 
   # ---- instances ----------------------------------------------------------------------------
   @property
@@ -252,3 +284,9 @@ class StreamingSampler:
     """Yields every sample as it finishes until no request is queued or in flight."""
     while self.has_work():
       yield from self.step()
+
+
+def _abandon(flight: InFlight) -> None:
+  """A dropped row's tool call, if it waits on one, is not wanted any more."""
+  if flight.waiting is not None:
+    flight.waiting.cancel()

@@ -1,0 +1,123 @@
+"""Token-exact transcripts of agent episodes: the turns an agent program asks for under one episode tag become one
+sample, built from the token ids that were sampled, never from a re-tokenization of the text sent back.
+
+An episode's next request must continue its conversation: rendered (the chat template, or the text prompt), it
+starts with the text of everything so far, the last reply included. Only what follows is encoded (the environment's
+or user's messages and the template's own tokens, loss mask 0); the replies keep their sampled ids (loss mask 1).
+The transcripts are owned by the server's event loop; a sampler opens and closes them through it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from streamrl_jax.serving.protocol import ApiError
+from streamrl_jax.serving.text_stream import ChoiceText
+
+EPISODE_HEADER = "x-streamrl-episode"
+
+
+@dataclasses.dataclass
+class Transcript:
+  """One episode so far: its first prompt's ids, then every later token with its mask, log-probability and
+  version; `text`: the conversation rendered through the last reply."""
+
+  tag: str
+  budget: int  # the most tokens after the first prompt
+  prompt_ids: list[int] = dataclasses.field(default_factory=list)
+  ids: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  versions: list[int] = dataclasses.field(default_factory=list)
+  mask: list[bool] = dataclasses.field(default_factory=list)
+  text: str = ""
+  stop_text: str = ""  # the text of the stop token the last reply ended on ("": it ended otherwise)
+  turns: int = 0
+  busy: bool = False  # a turn is being generated (an episode's turns come one at a time)
+  finish_reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+  """A turn being generated: the ids added before it (mask 0) and the whole prompt it is generated from."""
+
+  tag: str
+  rendered: str
+  added: tuple[int, ...]
+  prompt: np.ndarray
+  room: int  # tokens it may generate within the episode's budget
+
+
+class Episodes:
+  """The open transcripts, by tag. `token_text(id)` is a token's text as a template writes it (a stop token's)."""
+
+  def __init__(self, encode: Callable[[str], list[int]], token_text: Callable[[int], str]):
+    self._encode, self._token_text = encode, token_text
+    self._open: dict[str, Transcript] = {}
+
+  def open(self, tag: str, budget: int) -> None:
+    if tag in self._open:
+      raise KeyError(f"episode {tag!r} is open already")
+    self._open[tag] = Transcript(tag, budget)
+
+  def close(self, tag: str) -> Transcript | None:
+    """Ends an episode and returns its transcript (None if it was never opened)."""
+    return self._open.pop(tag, None)
+
+  def __contains__(self, tag: str) -> bool:
+    return tag in self._open
+
+  def begin(self, tag: str, rendered: str, encode_first: Callable[[str], list[int]], n: int) -> Turn:
+    """The next turn of episode `tag` from its request's rendered text; an unknown tag, a second turn at once, a
+    conversation that does not continue the episode's, or a spent budget raise `ApiError`."""
+    t = self._open.get(tag)
+    if t is None:
+      raise ApiError(400, f"unknown episode {tag!r} (not open on this sampler, or ended)", param=EPISODE_HEADER,
+                     code="unknown_episode")
+    if n != 1:
+      raise ApiError(400, f"episode {tag!r}: an episode's request has one choice (n=1), got n={n}", param="n")
+    if t.busy:
+      raise ApiError(409, f"episode {tag!r}: turn {t.turns + 1} is being generated already; an episode's turns "
+                          "come one at a time", param=EPISODE_HEADER, code="episode_busy")
+    if t.turns == 0:
+      prompt, added = list(encode_first(rendered)), ()
+    else:
+      if not rendered.startswith(t.text):
+        at = next((i for i, (a, b) in enumerate(zip(rendered, t.text)) if a != b), min(len(rendered), len(t.text)))
+        raise ApiError(400, f"episode {tag!r} turn {t.turns + 1}: the conversation does not continue the one its "
+                            f"last reply was sampled in (they differ at character {at}); send the earlier messages "
+                            "and replies back unchanged", param="messages", code="episode_diverged")
+      rest = rendered[len(t.text):]
+      if t.stop_text and rest.startswith(t.stop_text):
+        rest = rest[len(t.stop_text):]  # the sampled stop token stands for it
+      added = tuple(self._encode(rest)) if rest else ()
+      prompt = t.prompt_ids + t.ids + list(added)
+    room = t.budget - len(t.ids) - len(added)
+    if room < 1:
+      raise ApiError(400, f"episode {tag!r} has used its {t.budget} tokens; end the episode",
+                     param="max_tokens", code="episode_budget")
+    t.busy = True
+    return Turn(tag, rendered, added, np.asarray(prompt, np.int32), room)
+
+  def record(self, turn: Turn, choice: ChoiceText) -> None:
+    """A turn's reply, as sampled: the ids added before it (mask 0, the reply's first version) and its tokens."""
+    t = self._open.get(turn.tag)
+    if t is None:
+      return  # closed while the turn ran: the sampler has its transcript already
+    if t.turns == 0:
+      t.prompt_ids = [int(i) for i in turn.prompt]
+    version = choice.versions[0] if choice.versions else (t.versions[-1] if t.versions else 0)
+    t.ids += list(turn.added) + choice.tokens
+    t.logprobs += [0.0] * len(turn.added) + choice.logprobs
+    t.versions += [version] * len(turn.added) + choice.versions
+    t.mask += [False] * len(turn.added) + [True] * len(choice.tokens)
+    t.text = turn.rendered + choice.text
+    t.stop_text = self._token_text(choice.tokens[-1]) if choice.stopped_on_token else ""
+    t.turns, t.busy, t.finish_reason = t.turns + 1, False, choice.finish_reason or ""
+
+  def abort(self, turn: Turn) -> None:
+    """A turn that did not finish (refused, cancelled, timed out): the episode goes on as before it."""
+    t = self._open.get(turn.tag)
+    if t is not None:
+      t.busy = False
