@@ -97,7 +97,7 @@ def test_an_episode_trains_on_the_sampled_ids_even_where_the_text_retokenizes_di
   vocab = bpe.vocab()
   sampled = [vocab["Ġ"], vocab["t"], vocab["h"], vocab["e"]]  # " the" as four tokens
   assert bpe.decode(sampled) == " the" and bpe.encode(" the") == [vocab["Ġthe"]]  # re-encoded: one token
-  episodes = Episodes(bpe.encode, bpe.token_text)
+  episodes = Episodes(bpe.encode, bpe.token_text, bpe.decode)
   episodes.open("e1", budget=64)
   chat = [{"role": "user", "content": "say it"}]
   first = episodes.begin("e1", bpe.render_chat(chat), bpe.encode, 1)
@@ -120,7 +120,7 @@ def test_an_episode_trains_on_the_sampled_ids_even_where_the_text_retokenizes_di
 
 
 def test_an_episode_refuses_a_conversation_that_does_not_continue_it_and_a_spent_budget(bpe):
-  episodes = Episodes(bpe.encode, bpe.token_text)
+  episodes = Episodes(bpe.encode, bpe.token_text, bpe.decode)
   episodes.open("e", budget=6)
   chat = [{"role": "user", "content": "hi"}]
   turn = episodes.begin("e", bpe.render_chat(chat), bpe.encode, 1)

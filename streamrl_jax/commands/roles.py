@@ -36,6 +36,9 @@ def add_role_parsers(sub, common) -> None:
   common(sampler)
   sampler.add_argument("--connect", required=True, help="HOST:PORT of the trainer's server")
   sampler.add_argument("--name", default=f"sampler-{os.getpid()}", help="how the trainer's logs and timeline call it")
+  sampler.add_argument("--serve", metavar="HOST:PORT", help="also answer OpenAI-compatible requests "
+                       "(/v1/chat/completions, ...) at HOST:PORT with this sampler's engine and newest weights "
+                       "(mutual TLS as Flight's when --tls-* are given; key: $STREAMRL_API_KEY)")
   sampler.add_argument("--relay-listen", help="HOST:PORT where this sampler serves the weight versions it holds to "
                        "other samplers (the broadcast tree; port 0 picks a free one); default: it serves none")
   sampler.add_argument("--relay-host", help="the host other samplers dial for this relay (when --relay-listen binds "
@@ -156,6 +159,7 @@ def cmd_sampler(args) -> int:
                           name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
                           site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
                           relay_tls_name=args.relay_tls_name, base_params=lora_base(config, job),
+                          serve=_serve_config(args.serve),
                           log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
@@ -171,3 +175,15 @@ def cmd_sampler(args) -> int:
         f"({stats['weights_relay_fetches']} from a relay, {stats['weights_relay_fallbacks']} relay fallbacks)",
         file=sys.stderr)
   return 0
+
+
+def _serve_config(address: str | None):
+  """The `ServeConfig` of `--serve HOST:PORT` (None: not given)."""
+  if not address:
+    return None
+  from streamrl_jax.commands.serve import API_KEY_ENV
+  from streamrl_jax.serving.config import ServeConfig
+  from streamrl_jax.streaming.flight_config import parse_address
+
+  host, port = parse_address(address, "--serve")
+  return ServeConfig(host=host, port=port, api_key=os.environ.get(API_KEY_ENV, ""))

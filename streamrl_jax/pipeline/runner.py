@@ -89,6 +89,7 @@ def _sampler_thread(sampler: SamplerWorker, controller: Controller, queue: Sampl
       if not (isinstance(err, QueueClosed) and halt.is_set()):  # a stop closes the queue under a put
         errors.append(err)
     finally:
+      sampler.close()
       queue.close()
 
   def get_shard(timeout: float):

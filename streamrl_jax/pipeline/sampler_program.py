@@ -24,7 +24,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
                 name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                 stop: threading.Event | None = None, devices=None, log=print, site: str = "",
                 relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None,
-                base_params=None) -> dict:
+                base_params=None, serve=None) -> dict:
   """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
   When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease
   in hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this
@@ -32,7 +32,9 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   it receives to the samplers below it in each version's broadcast tree, at `relay_host` (default: the listen
   host) and the bound port; `relay_tls_name` is the name relays' certificates carry when it is not the address
   dialled (one certificate for every pod). `base_params` (LoRA, `config.lora`): the base each version's adapters
-  merge into, as the trainer's. Returns the sampler's transport statistics."""
+  merge into, as the trainer's. `serve` (a `ServeConfig`): an OpenAI-compatible server on this sampler's engine too,
+  answering with the newest weights that landed (mutual TLS with `tls`, as Flight's). Returns the sampler's
+  transport statistics."""
   parse_address(connect, "--connect")
   if relay_listen:
     parse_address(relay_listen, "--relay-listen")
@@ -50,7 +52,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
     base_params = None  # the landing holds the base on the mesh; the host copy goes
   else:
     weights = landing(abstract, config.precision, mesh)
-  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings)
+  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings,
+                         serve=serve, serve_tls=tls if serve is not None else None, log=log)
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
@@ -74,6 +77,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       log(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); its lease "
           f"is dropped, registering again")
   finally:
+    worker.close()
     connection.close()  # calls still retrying give up at once
     connection.client.close()
     if relay is not None:

@@ -16,14 +16,19 @@ import time
 import numpy as np
 
 from streamrl_jax.envs import make_tools
+from streamrl_jax.envs.agent import POLICY_MODEL
 from streamrl_jax.meshes import instance_meshes
 from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport,
                                    WeightUpdate)
+from streamrl_jax.pipeline.agent_rollouts import AgentRollouts, episode_sample, scored_text, serving_for
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
+from streamrl_jax.rewards.scorer import RewardError, Score
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
+from streamrl_jax.serving.app import ServedModel
+from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.tasks.rows import Row, question, verifier
 from streamrl_jax.types import Rollout, Sample, SamplingParams
 
@@ -31,6 +36,9 @@ LEASE_POLL_S = 5.0
 SCORE_WAIT_S = 0.05  # nothing to decode, rewards still running: how long to wait for one before looking again
 LEASE_REPOLL_S = 0.05  # in flight: how often a busy sampler asks whether the next lease is open
 PARTIAL_TOKENS = 60_000  # the most tokens of begun samples a leaving sampler hands back (a Leave stays < 2 MB)
+SERVING_LEASE_POLL_S = 0.2  # idle with a server: a shorter long poll, so served requests wait no longer for the loop
+SERVING_IDLE_S = 0.02  # a server's requests or episodes pending, nothing to decode: the wait for the next request
+AGENT_FAILURES_SHOWN = 3  # failed episodes named in the log (the rest are counted)
 
 
 @dataclasses.dataclass
@@ -54,8 +62,11 @@ class SamplerWorker:
   """Leases in, shards and step reports out."""
 
   def __init__(self, config, graphdef, model_config, tokenizer, task, mesh, *, name: str = "sampler",
-               settings: dict | None = None):
+               settings: dict | None = None, serve=None, serve_tls=None, log=print):
+    """`serve` (a `ServeConfig`): also an OpenAI-compatible server on this sampler's engine (`serving`); with an
+    agent program (`EnvConfig.agent`) one is started on a free local port anyway, for the agents."""
     self.config, self.spec, self.tokenizer, self.task = config, config.spec, tokenizer, task
+    self.log = log
     self.name, self.settings = name, dict(settings or {})
     self._graphdef, self._model_config = graphdef, model_config
     sched = config.scheduling
@@ -63,6 +74,14 @@ class SamplerWorker:
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
     self.scorer = RewardScorer(config.reward, builtin=verifier(task))
+    self.bridge, self.server, self.agents = None, None, None
+    if serve is not None or config.env.agent:
+      self.bridge = RequestBridge(before_leases=serve is None or serve.priority == "before_leases")
+      name_served = POLICY_MODEL if config.env.agent else (serve.model_name or POLICY_MODEL)
+      served = ServedModel(name_served, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
+      self.server = serving_for(serve, served, self.bridge, serve_tls)
+      self.log(f"{name}: OpenAI-compatible API at {self.server.base_url} (model {name_served!r})")
+    self._agent_scores: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
     self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
@@ -102,7 +121,8 @@ class SamplerWorker:
         busy = bool(runs)
         if held is None and self._wants_lease(runs, polled):
           polled = time.perf_counter()
-          reply = control.lease(LeaseRequest(self.sampler_id, wait_s=0.0 if busy else LEASE_POLL_S))
+          idle_wait = SERVING_LEASE_POLL_S if self.server is not None else LEASE_POLL_S
+          reply = control.lease(LeaseRequest(self.sampler_id, wait_s=0.0 if busy or self._serving() else idle_wait))
           if reply.finished:
             outcome = "finished"
             break
@@ -117,7 +137,7 @@ class SamplerWorker:
             self._take_weights(update)
             runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since, samples)
             held = None
-        if not runs:
+        if not runs and not self._serving():
           continue
         self._decode(runs, samples, weights)
         self._send_scored(runs, samples)
@@ -130,11 +150,30 @@ class SamplerWorker:
       return "rejoin"
     finally:
       self.scorer.close()  # its workers start again with the next session
+      if self.agents is not None:
+        self.agents.close()
+        self.agents = None
     try:
-      control.leave(Leave(self.sampler_id, partials=_partials(self.sampler, runs) if outcome == "stopped" else ()))
+      control.leave(Leave(self.sampler_id, partials=_partials(self.sampler, runs, bool(self.config.env.agent))
+                                             if outcome == "stopped" else ()))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
     return outcome
+
+  def close(self) -> None:
+    """Stops the server (its requests refused) and the agent workers; the end of the sampler's program."""
+    if self.agents is not None:
+      self.agents.close()
+      self.agents = None
+    if self.bridge is not None:
+      self.bridge.close(self.sampler, "the sampler has stopped")
+    if self.server is not None:
+      self.server.stop()
+      self.server = None
+
+  def _serving(self) -> bool:
+    """Whether served requests wait or run on this sampler (its engine decodes for them between leases)."""
+    return self.bridge is not None and self.sampler is not None and (self.bridge.busy or self.sampler.has_work())
 
   def _lease_weights(self, lease: Lease, busy: bool, weights, stop, rejoin):
     """Weights new enough for `lease`: while rows run, the newest if it is (else None: decode meanwhile);
@@ -169,6 +208,12 @@ class SamplerWorker:
     self.spare_meshes = list(range(sched.instances, sched.instance_limit))[::-1]  # instances join in mesh order
     self.target_instances = sched.instances
     self.scorer.close()  # nothing of the leases dropped is scored
+    if self.agents is not None:
+      self.agents.close()  # the episodes of the leases dropped are not wanted
+      self.agents = None
+    if self.bridge is not None:
+      self.bridge.refuse_all(None, "the sampler is joining the run again; retry")
+      self.bridge.version = -1
 
   @staticmethod
   def _wait_for_weights(weights, version: int, stop: threading.Event, rejoin: threading.Event) -> WeightUpdate | None:
@@ -185,6 +230,8 @@ class SamplerWorker:
       self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
                                       seed=self.config.seed, tools=make_tools(self.config.env, self.tokenizer))
       self.mesh_of = {i: i for i in range(len(engines))}
+      if self.bridge is not None:
+        self.bridge.version = update.version
     elif update.version > self.sampler.version:
       self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")
 
@@ -214,27 +261,69 @@ class SamplerWorker:
     if len(lease.prompt_ids) != len(lease.prompts):
       raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_ids)} prompts' token ids for "
                        f"{len(lease.prompts)} prompts: a controller of another streamrl_jax version?")
-    self._submit(lease, lease.prompt_ids)
+    if self.config.env.agent:
+      self._start_episodes(lease, rows)
+    else:
+      self._submit(lease, lease.prompt_ids)
     for rollout in (p for p in lease.partials if p.finished):
       i = run.index_of[rollout.group_id]
       self._collect(run, Sample.of_rollout(rollout, lease.prompt_ids[i], self.tokenizer.stop_ids), samples)
     return run
 
-  def _collect(self, run: _LeaseRun, sample: Sample, samples) -> None:
-    """A finished sample into its lease's collector, and to the scorer."""
+  def _collect(self, run: _LeaseRun, sample: Sample, samples, text: str | None = None, failure: str = "") -> None:
+    """A finished sample into its lease's collector, and to the scorer (`text`: what the reward functions score,
+    default its completion's text). An agent episode that failed (`failure`: why) is scored 0 and counted."""
     run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
     group = run.collector.add(sample)
     where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {run.lease.step}, group "
              f"{sample.group_id}, sample {sample.sample_index}")
-    self.scorer.submit((run.lease.lease_id, sample.group_id, sample.sample_index), question(self.task, group.prompt),
-                       self.tokenizer.decode(sample.completion_tokens), group.row.fields, where)
+    key = (run.lease.lease_id, sample.group_id, sample.sample_index)
+    if failure:
+      self._agent_failed(key, failure, where)
+      return
+    text = self.tokenizer.decode(sample.completion_tokens) if text is None else text
+    self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
+
+  def _agent_failed(self, key: tuple, failure: str, where: str) -> None:
+    message = f"agent {self.config.env.agent!r} {failure} on {where}"
+    if self.config.env.agent_on_error == "stop":
+      raise RewardError(f"{message} (EnvConfig.agent_on_error='stop'; 'zero' scores such episodes 0 and counts "
+                        "them in reward_errors)")
+    failed = self.agents.counters["agent_failures"] + self.agents.counters["agent_timeouts"]
+    if failed <= AGENT_FAILURES_SHOWN:
+      self.log(f"{self.name}: {message}; scored 0, counted in reward_errors"
+               + (" (later failures are only counted)" if failed == AGENT_FAILURES_SHOWN else ""))
+    timed_out = failure.startswith("ran past") or "killed" in failure
+    self._agent_scores.append((key, Score(0.0, (0.0,) * len(self.scorer.names), errors=int(not timed_out),
+                                          timeouts=int(timed_out))))
+
+  def _start_episodes(self, lease: Lease, rows: list) -> None:
+    """Starts `group_size` episodes of the agent program per leased prompt."""
+    if self.agents is None:
+      self.agents = AgentRollouts(self.config.env, self.server, self.config.max_new_tokens)
+    for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
+      self.agents.start((lease.lease_id, group_id), {"prompt": question(self.task, prompt), **row.fields},
+                        self.config.group_size)
+
+  def _collect_episodes(self, runs: dict, samples) -> None:
+    """Each finished agent episode, as a sample of its group."""
+    for result in self.agents.finished():
+      lease_id, group_id = result.key
+      run = runs.get(lease_id)
+      if run is None:
+        continue  # its lease was dropped
+      prompt_ids = run.lease.prompt_ids[run.index_of[group_id]]
+      sample = episode_sample(result, group_id, prompt_ids, self.tokenizer.stop_ids[0], self.sampler.version)
+      text, env_reward, failure = scored_text(result)
+      self._collect(run, dataclasses.replace(sample, env_reward=env_reward), samples, text=text, failure=failure)
 
   def _send_scored(self, runs: dict, samples) -> None:
     """Each scored sample to its collector; a group whole and scored goes out. With nothing to decode, waits a
     moment for a reward first (rather than spin)."""
     if self.scorer.pending and (self.sampler is None or not self.sampler.has_work()):
       self.scorer.wait(SCORE_WAIT_S)
-    for (lease_id, group_id, index), score in self.scorer.done():
+    failed, self._agent_scores = self._agent_scores, []
+    for (lease_id, group_id, index), score in self.scorer.done() + failed:
       run = runs[lease_id]
       shard = run.collector.scored(group_id, index, score)
       if shard is not None:
@@ -250,11 +339,20 @@ class SamplerWorker:
       latest = weights.latest()
       if latest is not None and latest.version > sampler.version:
         sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
-    finished = sampler.step()
+    bridge = self.bridge
+    if bridge is not None:
+      bridge.pump(sampler)
+    finished = sampler.step() if bridge is None or sampler.has_work() else []
+    if bridge is not None:
+      finished = bridge.deliver(sampler, finished)  # the served requests' samples go to their clients
     if finished:
       owner = {g: run for run in runs.values() for g in run.lease.group_ids}
       for sample in finished:
         self._collect(owner[sample.group_id], sample, samples)
+    if self.agents is not None:
+      self._collect_episodes(runs, samples)
+    if bridge is not None and not sampler.has_work() and not self.scorer.pending:
+      bridge.wait(SERVING_IDLE_S)  # agents or clients thinking: wake at their next request
 
   def _report(self, control, run: _LeaseRun) -> None:
     """The lease's step report, once its last group is out."""
@@ -293,11 +391,11 @@ class SamplerWorker:
                        progress=partial)
 
 
-def _partials(sampler, runs: dict) -> tuple[Rollout, ...]:
+def _partials(sampler, runs: dict, agents: bool = False) -> tuple[Rollout, ...]:
   """What a `StreamingSampler` (None: none started) has begun of the leases in hand, to hand back as it leaves:
   each running or preempted request's tokens so far, and each finished sample of a group not yet whole (within
-  PARTIAL_TOKENS)."""
-  if sampler is None:
+  PARTIAL_TOKENS). Agent episodes are not handed over: the next sampler plays them again."""
+  if sampler is None or agents:
     return ()
   out, budget = [], PARTIAL_TOKENS
   for _, rollout in sampler.in_flight_progress():

@@ -71,7 +71,11 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
              record: Path | None = None) -> float:
   """Greedy accuracy on held-out prompts (their own seed, never used for training); with `record`, every
   (prompt, completion, reward) is written there as JSON lines."""
-  rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
+  if config.env.agent:  # each prompt one episode of the agent program, the policy served greedily
+    from streamrl_jax.pipeline.agent_eval import agent_completions
+    rows = agent_completions(model, tokenizer, task, config, prompts, seed)
+  else:
+    rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
   if record is not None:
     record.write_text("".join(json.dumps(dict(prompt=p, completion=c, reward=r)) + "\n" for p, c, r in rows))
   return float(np.mean(np.asarray([r for _, _, r in rows]) >= 1.0))

@@ -47,7 +47,7 @@ class Service:
 
   def __init__(self, model: ServedModel, config: ServeConfig, bridge: RequestBridge):
     self.model, self.config, self.bridge = model, config, bridge
-    self.episodes = Episodes(model.tokenizer.encode, model.tokenizer.token_text)
+    self.episodes = Episodes(model.tokenizer.encode, model.tokenizer.token_text, model.tokenizer.decode)
     self.active = 0
     self.started = int(time.time())
     self._next_key = 0
@@ -218,7 +218,8 @@ async def _complete(service: Service, request: Request, *, chat: bool):
   turn = service.episodes.begin(tag, rendered, lambda text: service.encode(call, text), call.n) if tag else None
   try:
     prompt = turn.prompt if turn is not None else np.asarray(service.encode(call, rendered), np.int32)
-    params = SamplingParams(temperature=call.temperature, top_k=call.top_k, top_p=call.top_p,
+    forced = service.config.temperature
+    params = SamplingParams(temperature=forced if forced >= 0 else call.temperature, top_k=call.top_k, top_p=call.top_p,
                             max_new_tokens=service.max_tokens(call, prompt, turn),
                             stop_token_ids=service.model.tokenizer.stop_ids, num_samples=call.n)
   except BaseException:

@@ -154,10 +154,8 @@ class RequestBridge:
         del self._live[key]
     return others
 
-  def close(self, sampler, message: str) -> None:
-    """Refuses every request not finished and every later one (503, `message`), dropping them from the sampler
-    (None: it is gone)."""
-    self.closed = message
+  def refuse_all(self, sampler, message: str) -> None:
+    """Refuses every request not finished (503, `message`), dropping them from the sampler (None: it is gone)."""
     while True:
       try:
         item = self._inbox.get_nowait()
@@ -172,6 +170,11 @@ class RequestBridge:
     self._waiting.clear()
     self._live.clear()
     self._owner.clear()
+
+  def close(self, sampler, message: str) -> None:
+    """`refuse_all`, and every later request too."""
+    self.closed = message
+    self.refuse_all(sampler, message)
 
   def _submit(self, sampler, request: Generate) -> None:
     try:

@@ -23,6 +23,7 @@ class ServeConfig:
   # lease requests, "after_leases" only while none waits
   priority: str = "before_leases"
   request_timeout_s: float = 600.0  # a request generating longer than this is cancelled (504)
+  temperature: float = -1.0  # >= 0: every request samples at this temperature, whatever it asks (0: greedy)
 
   def __post_init__(self):
     if not 0 <= self.port < 65536:

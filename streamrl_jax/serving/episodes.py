@@ -13,10 +13,9 @@ from collections.abc import Callable
 
 import numpy as np
 
+from streamrl_jax.envs.agent import EPISODE_HEADER
 from streamrl_jax.serving.protocol import ApiError
 from streamrl_jax.serving.text_stream import ChoiceText
-
-EPISODE_HEADER = "x-streamrl-episode"
 
 
 @dataclasses.dataclass
@@ -32,7 +31,8 @@ class Transcript:
   versions: list[int] = dataclasses.field(default_factory=list)
   mask: list[bool] = dataclasses.field(default_factory=list)
   text: str = ""
-  stop_text: str = ""  # the text of the stop token the last reply ended on ("": it ended otherwise)
+  reply: str = ""  # the text of the last reply
+  stop_text: str = ""  # what ended the last reply, as sampled: a stop token's text or a stop string ("": length)
   turns: int = 0
   busy: bool = False  # a turn is being generated (an episode's turns come one at a time)
   finish_reason: str = ""
@@ -52,8 +52,9 @@ class Turn:
 class Episodes:
   """The open transcripts, by tag. `token_text(id)` is a token's text as a template writes it (a stop token's)."""
 
-  def __init__(self, encode: Callable[[str], list[int]], token_text: Callable[[int], str]):
-    self._encode, self._token_text = encode, token_text
+  def __init__(self, encode: Callable[[str], list[int]], token_text: Callable[[int], str],
+               decode: Callable[[list[int]], str]):
+    self._encode, self._token_text, self._decode = encode, token_text, decode
     self._open: dict[str, Transcript] = {}
 
   def open(self, tag: str, budget: int) -> None:
@@ -89,8 +90,8 @@ class Episodes:
                             f"last reply was sampled in (they differ at character {at}); send the earlier messages "
                             "and replies back unchanged", param="messages", code="episode_diverged")
       rest = rendered[len(t.text):]
-      if t.stop_text and rest.startswith(t.stop_text):
-        rest = rest[len(t.stop_text):]  # the sampled stop token stands for it
+      same = next((i for i, (a, b) in enumerate(zip(rest, t.stop_text)) if a != b), min(len(rest), len(t.stop_text)))
+      rest = rest[same:]  # as far as it repeats what ended the reply, the sampled tokens stand for it
       added = tuple(self._encode(rest)) if rest else ()
       prompt = t.prompt_ids + t.ids + list(added)
     room = t.budget - len(t.ids) - len(added)
@@ -112,8 +113,13 @@ class Episodes:
     t.logprobs += [0.0] * len(turn.added) + choice.logprobs
     t.versions += [version] * len(turn.added) + choice.versions
     t.mask += [False] * len(turn.added) + [True] * len(choice.tokens)
-    t.text = turn.rendered + choice.text
-    t.stop_text = self._token_text(choice.tokens[-1]) if choice.stopped_on_token else ""
+    t.text, t.reply = turn.rendered + choice.text, choice.text
+    if choice.stopped_on_token:
+      t.stop_text = self._token_text(choice.tokens[-1])
+    elif choice.finish_reason == "stop":  # a stop string: its text as sampled (the reply's text leaves it out)
+      t.stop_text = self._decode(choice.tokens)[len(choice.text):]
+    else:
+      t.stop_text = ""
     t.turns, t.busy, t.finish_reason = t.turns + 1, False, choice.finish_reason or ""
 
   def abort(self, turn: Turn) -> None:

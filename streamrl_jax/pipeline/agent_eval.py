@@ -1,0 +1,58 @@
+"""Held-out evaluation of an agent program: each prompt one episode, played against the policy served greedily
+(every request at temperature 0, whatever the agent asks) on one device, scored as training scores it."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.envs.agent import POLICY_MODEL
+from streamrl_jax.meshes import single_device_mesh
+from streamrl_jax.pipeline.agent_rollouts import AgentRollouts, scored_text, serving_for
+from streamrl_jax.rewards import RewardScorer
+from streamrl_jax.sampling import StreamingSampler, make_engine
+from streamrl_jax.serving.app import ServedModel
+from streamrl_jax.serving.bridge import RequestBridge
+from streamrl_jax.serving.config import ServeConfig
+from streamrl_jax.serving.server import GenerationLoop
+from streamrl_jax.tasks.rows import draw, question, verifier
+
+EVAL_WAIT_S = 1.0
+
+
+def agent_completions(model, tokenizer, task, config, prompts: int, seed: int) -> list[tuple[str, str, float]]:
+  """(prompt, the agent's answer or last reply, reward) of one greedy episode per held-out prompt (drawn with
+  their own seed, as `greedy_completions` draws them); a failed episode scores 0."""
+  import secrets
+
+  graphdef, params = nnx.split(model)
+  sampler = StreamingSampler([make_engine(graphdef, model.config, config.engine, single_device_mesh())], params)
+  bridge = RequestBridge()
+  served = ServedModel(POLICY_MODEL, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
+  server = serving_for(ServeConfig(port=0, api_key=secrets.token_hex(16), max_requests=4096, temperature=0.0),
+                       served, bridge)
+  loop = GenerationLoop(sampler, bridge)
+  agents = AgentRollouts(config.env, server, config.max_new_tokens)
+  rng = np.random.default_rng(10_000 + seed)
+  items = [draw(task, rng) for _ in range(prompts)]
+  results = {}
+  try:
+    for i, (prompt, row) in enumerate(items):
+      agents.start((i,), {"prompt": question(task, prompt), **row.fields}, 1)
+    while agents.running:
+      agents.wait(EVAL_WAIT_S)
+      results.update({r.key[0]: r for r in agents.finished()})
+  finally:
+    agents.close()
+    server.stop()
+    loop.stop()
+  out = []
+  with RewardScorer(config.reward, builtin=verifier(task)) as scorer:
+    for i, (prompt, row) in enumerate(items):
+      text, env_reward, failure = scored_text(results[i])
+      if failure:
+        out.append((prompt, f"(the agent failed: {failure})", 0.0))
+        continue
+      where = f"{row.where or 'prompt ' + repr(prompt[:40])} (evaluation)"
+      out.append((prompt, text, scorer.score(question(task, prompt), text, row.fields, where).total + env_reward))
+  return out
