@@ -24,7 +24,7 @@ from streamrl_jax.serving.episodes import Transcript
 from streamrl_jax.serving.server import ServerThread
 from streamrl_jax.types import FINISH_STOP, Sample
 
-TASK_MARGIN_S = 15.0  # past an episode's own limit, how long its worker may take before it is killed
+TASK_MARGIN_S = 5.0  # past an episode's own limit, how long its worker may take before it is killed
 
 
 @dataclasses.dataclass(frozen=True)
