@@ -68,6 +68,7 @@ BENCHES = (
     Bench("broadcast", 900, 180),
     Bench("real_model", 6000, 420),
     Bench("lora", 3600, 420),
+    Bench("serve", 1200, 420),
 )
 
 

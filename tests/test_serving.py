@@ -239,3 +239,43 @@ def test_mutual_tls_admits_a_client_with_a_certificate_and_refuses_one_without(t
     bare = httpx.Client(verify=ssl.create_default_context(cafile=str(pem["ca"])))
     with pytest.raises(openai.APIConnectionError):
       openai.OpenAI(base_url=server.base_url, api_key="-", http_client=bare, max_retries=0).models.list()
+
+
+def test_streamrl_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(model_dir):
+  """The command as a user runs it: a free port, a key from the environment, one answer, Ctrl-C: exit 0."""
+  import os
+  import re
+  import signal
+  import subprocess
+  import sys
+  import threading
+
+  import openai
+
+  env = dict(os.environ, STREAMRL_API_KEY="from-env", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "serve", "--model", str(model_dir), "--name",
+                           MODEL, "--port", "0", "--slots", "2", "--max-prompt-tokens", "64", "--max-tokens", "8"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+  try:
+    lines, found = [], threading.Event()
+
+    def read():
+      for line in proc.stdout:
+        lines.append(line)
+        if "OpenAI-compatible API at" in line:
+          found.set()
+    threading.Thread(target=read, daemon=True).start()
+    assert found.wait(120), "".join(lines)
+    url = re.search(r"(http://\S+/v1)", "".join(lines)).group(1)
+    with pytest.raises(openai.AuthenticationError):
+      openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
+    reply = openai.OpenAI(base_url=url, api_key="from-env", max_retries=0, timeout=60).completions.create(
+        model=MODEL, prompt=TEXT, max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0, "".join(lines)
+    assert "Traceback" not in "".join(lines) and "stopped (1 requests" in "".join(lines)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait(timeout=30)

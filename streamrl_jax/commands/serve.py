@@ -55,11 +55,16 @@ def cmd_serve(args) -> int:
   service = Service(served, config, bridge)
   loop = GenerationLoop(sampler, bridge)
   scheme = "https" if tls else "http"
-  print(f"OpenAI-compatible API at {scheme}://{config.host}:{sock.getsockname()[1]}/v1 (model {served.name!r}"
+  host = f"[{config.host}]" if ":" in config.host else config.host
+  print(f"OpenAI-compatible API at {scheme}://{host}:{sock.getsockname()[1]}/v1 (model {served.name!r}"
         f"{', key required' if config.api_key else ''}); Ctrl-C stops", flush=True)
   try:
-    uvicorn.Server(uvicorn_config(service, tls)).run(sockets=[sock])
+    uvicorn.Server(uvicorn_config(service, tls)).run(sockets=[sock])  # a Ctrl-C shuts it down, then is raised again
+  except KeyboardInterrupt:
+    pass
   finally:
     loop.stop()
     sock.close()
+  print(f"streamrl serve: stopped ({bridge.counters['served_requests']} requests, "
+        f"{bridge.counters['served_tokens']} tokens served)", flush=True)
   return 0

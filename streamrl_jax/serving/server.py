@@ -39,7 +39,7 @@ def uvicorn_config(service: Service, tls=None) -> uvicorn.Config:
     tls.read()  # a missing file: one line naming its flag
     options = dict(ssl_certfile=tls.cert, ssl_keyfile=tls.key, ssl_ca_certs=tls.ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
   return uvicorn.Config(make_app(service), log_level="warning", access_log=False, timeout_graceful_shutdown=2,
-                        limit_concurrency=None, **options)
+                        limit_concurrency=None, lifespan="off", **options)
 
 
 class ServerThread:
@@ -123,8 +123,9 @@ class GenerationLoop:
     except BaseException as err:  # noqa: BLE001 - the server answers 503 from here on, the error is logged
       self.error = err
       self.log(f"the generation loop stopped: {type(err).__name__}: {err}")
-    finally:
-      bridge.close(sampler, "the server's generation loop has stopped")
+    finally:  # an error ends the server's service; a stop only this loop's (another may take the sampler on)
+      message = "the server's generation loop has stopped"
+      bridge.close(sampler, message) if self.error is not None else bridge.refuse_all(sampler, message)
 
   def stop(self) -> None:
     self._stop.set()
