@@ -120,9 +120,16 @@ class _Run:
     self.choices = [ChoiceText(tokenizer.decode, call.stop, tokenizer.stop_ids) for _ in range(call.n)]
     self.key = service.next_key()
     self.deadline = self.loop.time() + service.config.request_timeout_s
-    group = None if call.seed is None else call.seed % (1 << 32)
-    service.active += 1
-    service.bridge.post(Generate(self.key, prompt, params, group, self._sink))
+    self._request = Generate(self.key, prompt, params, None if call.seed is None else call.seed % (1 << 32),
+                             self._sink)
+    self.started = False
+
+  def start(self) -> None:
+    """Hands the request to the sampler (a stream does so once its response has begun: a client gone before
+    that costs nothing)."""
+    self.started = True
+    self.service.active += 1
+    self.service.bridge.post(self._request)
 
   def _sink(self, event) -> None:
     self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -156,9 +163,10 @@ class _Run:
   def close(self) -> None:
     """Cancels what is not finished and records an episode's turn (or lets the episode go on without it)."""
     service = self.service
-    service.active -= 1
-    if not self.done:
-      service.bridge.post(Cancel(self.key))
+    if self.started:
+      service.active -= 1
+      if not self.done:
+        service.bridge.post(Cancel(self.key))
     if self.turn is not None:
       if self.done:
         service.episodes.record(self.turn, self.choices[0])
@@ -232,6 +240,7 @@ async def _complete(service: Service, request: Request, *, chat: bool):
     return StreamingResponse(_stream(service, run, reply), media_type="text/event-stream",
                              headers={VERSION_HEADER: str(service.bridge.version), "cache-control": "no-cache"})
   try:
+    run.start()
     async for _ in run.events():
       pass
   finally:
@@ -244,6 +253,7 @@ async def _stream(service: Service, run: _Run, reply: Reply):
   """The server-sent events of a streamed request; a client that goes away cancels what is left."""
   marks, ended = [0] * len(run.choices), [False] * len(run.choices)
   try:
+    run.start()
     if run.call.chat:
       for index in range(len(run.choices)):
         yield sse(reply.chunk(index, "", [], [], [], None, first=True))
