@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory):
 @contextlib.contextmanager
 def running_server(model_dir, *, config: ServeConfig = ServeConfig(port=0, api_key=API_KEY, max_requests=16, max_n=4),
                    engine: EngineConfig = ENGINE, tls=None, before_start=None):
-  """(service, sampler, server) of a served tiny model; `before_start(sampler, served)` runs on the idle sampler
+  """(service, sampler, server, generation loop) of a served tiny model; `before_start(sampler, served)` runs on the idle sampler
   before the generation loop takes it (an in-process reference)."""
   served, sampler = load_served_model(str(model_dir), engine, name=MODEL, log=lambda *a: None)
   if before_start is not None:
@@ -42,7 +42,7 @@ def running_server(model_dir, *, config: ServeConfig = ServeConfig(port=0, api_k
   server = None
   try:
     server = ServerThread(service, tls=tls)
-    yield service, sampler, server
+    yield service, sampler, server, loop
   finally:
     if server is not None:
       server.stop()

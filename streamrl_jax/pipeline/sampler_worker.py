@@ -154,8 +154,9 @@ class SamplerWorker:
         self.agents.close()
         self.agents = None
     try:
-      control.leave(Leave(self.sampler_id, partials=_partials(self.sampler, runs, bool(self.config.env.agent))
-                                             if outcome == "stopped" else ()))
+      served = self.bridge.request_ids if self.bridge is not None else frozenset()
+      partials = _partials(self.sampler, runs, bool(self.config.env.agent), served) if outcome == "stopped" else ()
+      control.leave(Leave(self.sampler_id, partials=partials))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
     return outcome
@@ -391,14 +392,18 @@ class SamplerWorker:
                        progress=partial)
 
 
-def _partials(sampler, runs: dict, agents: bool = False) -> tuple[Rollout, ...]:
+def _partials(sampler, runs: dict, agents: bool = False, served: frozenset = frozenset()) -> tuple[Rollout, ...]:
   """What a `StreamingSampler` (None: none started) has begun of the leases in hand, to hand back as it leaves:
   each running or preempted request's tokens so far, and each finished sample of a group not yet whole (within
-  PARTIAL_TOKENS). Agent episodes are not handed over: the next sampler plays them again."""
+  PARTIAL_TOKENS). Agent episodes are not handed over: the next sampler plays them again; nor are served requests
+  (`served`: their request ids), which are no lease's."""
   if sampler is None or agents:
     return ()
   out, budget = [], PARTIAL_TOKENS
-  for _, rollout in sampler.in_flight_progress():
+  leased = {g for run in runs.values() for g in run.lease.group_ids}
+  for request, rollout in sampler.in_flight_progress():
+    if request.request_id in served or rollout.group_id not in leased:
+      continue
     if rollout.tokens and len(rollout.tokens) <= budget:
       out.append(rollout)
       budget -= len(rollout.tokens)

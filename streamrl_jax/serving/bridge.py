@@ -109,6 +109,11 @@ class RequestBridge:
     return bool(self._live or self._waiting) or not self._inbox.empty()
 
   @property
+  def request_ids(self) -> frozenset:
+    """The sampler's request ids of the served requests not finished."""
+    return frozenset(self._owner)
+
+  @property
   def live_requests(self) -> int:
     return len(self._live) + len(self._waiting)
 

@@ -4,6 +4,7 @@ or in the foreground (`streamrl serve`), and the loop that owns a standalone ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import ssl
 import threading
@@ -107,6 +108,8 @@ class GenerationLoop:
   def __init__(self, sampler, bridge: RequestBridge, *, log=print):
     self.sampler, self.bridge, self.log = sampler, bridge, log
     self._stop = threading.Event()
+    self._going = threading.Event()
+    self._going.set()
     self.error: BaseException | None = None
     self._thread = threading.Thread(target=self._run, daemon=True, name="generation")
     self._thread.start()
@@ -115,6 +118,7 @@ class GenerationLoop:
     sampler, bridge = self.sampler, self.bridge
     try:
       while not self._stop.is_set():
+        self._going.wait()
         bridge.pump(sampler)
         if sampler.has_work():
           bridge.deliver(sampler, sampler.step())
@@ -127,7 +131,18 @@ class GenerationLoop:
       message = "the server's generation loop has stopped"
       bridge.close(sampler, message) if self.error is not None else bridge.refuse_all(sampler, message)
 
+  @contextlib.contextmanager
+  def held(self):
+    """Holds the loop between two steps while inside (requests wait in the bridge, none finishes): maintenance, and
+    tests that need requests to stay in flight."""
+    self._going.clear()
+    try:
+      yield
+    finally:
+      self._going.set()
+
   def stop(self) -> None:
     self._stop.set()
+    self._going.set()
     self.bridge.post_wake()
     self._thread.join(timeout=30)
