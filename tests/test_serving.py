@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import numpy as np
 import pytest
@@ -289,3 +290,40 @@ def test_streamrl_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(mo
     if proc.poll() is None:
       proc.kill()
       proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_a_sampler_program_serves_clients_with_the_newest_weights_while_it_trains(tmp_path):
+  """`streamrl sampler --serve`: a trainer and a sampler as processes; while the run trains, a client's requests to
+  the sampler are answered with the weights that have landed there; the run still trains each step once."""
+  import re
+
+  from tests.test_faults import Programs, check_each_step_once, free_port
+
+  steps, programs = 3, Programs(tmp_path, steps=3, mode="async")
+  port = free_port()
+  try:
+    programs.start("trainer", "trainer")
+    programs.start("sampler", "s0", "--serve", f"127.0.0.1:{port}")
+    programs.wait_until(lambda: "OpenAI-compatible API at" in programs.logs["s0"].read_text(), "the sampler's server")
+    url = re.search(r"(http://\S+/v1)", programs.logs["s0"].read_text()).group(1)
+    api = client(type("S", (), {"base_url": url})())
+    versions = []
+    for _ in range(600):  # until its weights land; then a few answers while the run goes on (at most 60 s)
+      try:
+        reply = api.completions.create(model="policy", prompt="12+34=", max_tokens=4, temperature=1.0)
+      except Exception as err:  # noqa: BLE001 - 503 until the first weights land; the run may end meanwhile
+        if "no weights have landed" not in str(err):
+          break
+        time.sleep(0.1)
+        continue
+      versions.append(reply.weight_version)
+      if len(versions) >= 3:
+        break
+    assert versions and min(versions) >= 0, programs.tails()
+    assert versions == sorted(versions)  # answered with the newest weights that landed, never older ones
+    assert programs.wait_exit("trainer") == 0, programs.tails()
+    assert programs.wait_exit("s0") == 0, programs.tails()
+    check_each_step_once(tmp_path, steps)
+  finally:
+    programs.kill_all()
