@@ -6,6 +6,7 @@ or a page."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 
@@ -228,6 +229,33 @@ def test_a_cancel_frees_the_rows_of_a_request_mid_generation(served, model_dir):
   assert sampler.counters["cancelled"] == bridge.counters["served_cancelled"] == 3 - finished
   bridge.deliver(sampler, sampler.step())
   assert len(events) == seen
+
+
+def test_served_requests_go_ahead_of_queued_lease_requests_or_wait_for_them(model_dir):
+  """`before_leases`: a served request is admitted ahead of lease requests already queued; `after_leases`: it is
+  handed to the sampler only once no other request waits."""
+  from streamrl_jax.serving.standalone import load_served_model
+  from tests.serving_setup import ENGINE
+
+  model, sampler = load_served_model(str(model_dir), ENGINE, log=lambda *a: None)
+  prompt = np.asarray(model.tokenizer.encode_prompt(TEXT), np.int32)
+  lease = SamplingParams(temperature=1.0, max_new_tokens=24)
+  for before in (True, False):
+    bridge, events = RequestBridge(before_leases=before), []
+    leased = sampler.submit(prompt, dataclasses.replace(lease, num_samples=ENGINE.num_slots + 2))  # 2 wait
+    bridge.post(Generate(7, prompt, SamplingParams(temperature=1.0, max_new_tokens=4), None, events.append))
+    bridge.pump(sampler)
+    bridge.deliver(sampler, sampler.step())
+    served = bridge.request_ids
+    assert bool(served) == before
+    if before:  # in a slot; two lease requests still queued
+      assert sampler.num_pending == 3 and set(sampler.progress(served)) == set(served)
+    while sampler.has_work() or bridge.busy:
+      bridge.pump(sampler)
+      if not before and bridge.request_ids:
+        assert sampler.num_pending <= 1  # handed over only once the lease queue had drained
+      bridge.deliver(sampler, sampler.step())
+    assert any(isinstance(e, Finished) for e in events) and len(leased) == ENGINE.num_slots + 2
 
 
 def test_mutual_tls_admits_a_client_with_a_certificate_and_refuses_one_without(tmp_path_factory, model_dir):

@@ -38,7 +38,10 @@ def add_role_parsers(sub, common) -> None:
   sampler.add_argument("--name", default=f"sampler-{os.getpid()}", help="how the trainer's logs and timeline call it")
   sampler.add_argument("--serve", metavar="HOST:PORT", help="also answer OpenAI-compatible requests "
                        "(/v1/chat/completions, ...) at HOST:PORT with this sampler's engine and newest weights "
-                       "(mutual TLS as Flight's when --tls-* are given; key: $STREAMRL_API_KEY)")
+                       "(model 'policy'; mutual TLS as Flight's when --tls-* are given; key: $STREAMRL_API_KEY)")
+  sampler.add_argument("--serve-priority", default="before_leases", choices=["before_leases", "after_leases"],
+                       help="with --serve: served requests go ahead of queued lease requests (default), or only "
+                            "while none waits")
   sampler.add_argument("--relay-listen", help="HOST:PORT where this sampler serves the weight versions it holds to "
                        "other samplers (the broadcast tree; port 0 picks a free one); default: it serves none")
   sampler.add_argument("--relay-host", help="the host other samplers dial for this relay (when --relay-listen binds "
@@ -159,7 +162,7 @@ def cmd_sampler(args) -> int:
                           name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
                           site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
                           relay_tls_name=args.relay_tls_name, base_params=lora_base(config, job),
-                          serve=_serve_config(args.serve),
+                          serve=_serve_config(args.serve, args.serve_priority),
                           log=lambda text: print(text, file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
@@ -177,8 +180,8 @@ def cmd_sampler(args) -> int:
   return 0
 
 
-def _serve_config(address: str | None):
-  """The `ServeConfig` of `--serve HOST:PORT` (None: not given)."""
+def _serve_config(address: str | None, priority: str = "before_leases"):
+  """The `ServeConfig` of `--serve HOST:PORT` and `--serve-priority` (None: not served)."""
   if not address:
     return None
   from streamrl_jax.commands.serve import API_KEY_ENV
@@ -186,4 +189,4 @@ def _serve_config(address: str | None):
   from streamrl_jax.streaming.flight_config import parse_address
 
   host, port = parse_address(address, "--serve")
-  return ServeConfig(host=host, port=port, api_key=os.environ.get(API_KEY_ENV, ""))
+  return ServeConfig(host=host, port=port, api_key=os.environ.get(API_KEY_ENV, ""), priority=priority)
