@@ -200,18 +200,20 @@ def test_a_client_that_leaves_mid_stream_and_a_thousand_requests_at_once_leak_no
   assert after.choices[0].finish_reason in ("stop", "length")
 
 
-def test_a_cancel_frees_the_rows_of_a_request_mid_generation(served, model_dir):
-  """The bridge's cancel path, driven by hand on a second sampler of the same model: a request cancelled while its
-  rows decode leaves no slot, page or queued request behind, and sends nothing after the cancel."""
-  service, _, _, _, _ = served
-  from streamrl_jax.sampling import StreamingSampler
+@pytest.fixture(scope="module")
+def by_hand(model_dir):
+  """A second sampler of the served model, driven by the test's own hand (no loop, no server)."""
   from streamrl_jax.serving.standalone import load_served_model
   from tests.serving_setup import ENGINE
 
-  served_model = service.model
-  events = []
-  _, sampler = load_served_model(str(model_dir), ENGINE, log=lambda *a: None)
-  assert isinstance(sampler, StreamingSampler)
+  return load_served_model(str(model_dir), ENGINE, log=lambda *a: None)
+
+
+def test_a_cancel_frees_the_rows_of_a_request_mid_generation(by_hand):
+  """The bridge's cancel path, driven by hand: a request cancelled while its rows decode leaves no slot, page or
+  queued request behind, and sends nothing after the cancel."""
+  served_model, sampler = by_hand
+  events, cancelled = [], sampler.counters["cancelled"]
   bridge = RequestBridge()
   prompt = np.asarray(served_model.tokenizer.encode_prompt(TEXT), np.int32)
   bridge.post(Generate(1, prompt, SamplingParams(temperature=1.0, max_new_tokens=24, num_samples=3), None,
@@ -226,18 +228,17 @@ def test_a_cancel_frees_the_rows_of_a_request_mid_generation(served, model_dir):
   seen = len(events)
   assert not sampler.has_work() and not bridge.busy
   assert leaks(sampler) == dict(slots=0, parked=0, pages=0)
-  assert sampler.counters["cancelled"] == bridge.counters["served_cancelled"] == 3 - finished
+  assert sampler.counters["cancelled"] - cancelled == bridge.counters["served_cancelled"] == 3 - finished
   bridge.deliver(sampler, sampler.step())
   assert len(events) == seen
 
 
-def test_served_requests_go_ahead_of_queued_lease_requests_or_wait_for_them(model_dir):
+def test_served_requests_go_ahead_of_queued_lease_requests_or_wait_for_them(by_hand):
   """`before_leases`: a served request is admitted ahead of lease requests already queued; `after_leases`: it is
   handed to the sampler only once no other request waits."""
-  from streamrl_jax.serving.standalone import load_served_model
   from tests.serving_setup import ENGINE
 
-  model, sampler = load_served_model(str(model_dir), ENGINE, log=lambda *a: None)
+  model, sampler = by_hand
   prompt = np.asarray(model.tokenizer.encode_prompt(TEXT), np.int32)
   lease = SamplingParams(temperature=1.0, max_new_tokens=24)
   for before in (True, False):
