@@ -250,7 +250,7 @@ def test_served_requests_go_ahead_of_queued_lease_requests_or_wait_for_them(by_h
     served = bridge.request_ids
     assert bool(served) == before
     if before:  # in a slot; two lease requests still queued
-      assert sampler.num_pending == 3 and set(sampler.progress(served)) == set(served)
+      assert sampler.num_pending == 3 and set(sampler.progress(dict.fromkeys(served, 0))) == set(served)
     while sampler.has_work() or bridge.busy:
       bridge.pump(sampler)
       if not before and bridge.request_ids:

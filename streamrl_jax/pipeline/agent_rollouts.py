@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import multiprocessing
 import secrets
 
 import numpy as np
 
 from streamrl_jax.envs.agent import FAILED, POLICY_MODEL, TIMED_OUT, run_group
+from streamrl_jax.rewards.scorer import Score, worker_pool
 from streamrl_jax.serving.app import ServedModel, Service
 from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.serving.config import ServeConfig
@@ -35,6 +35,26 @@ class EpisodeResult:
   index: int
   outcome: tuple[str, object]
   transcript: Transcript | None
+
+
+def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, log=print, name: str = "sampler"):
+  """(bridge, server) of a sampler worker that serves clients (`serve`) or runs an agent program; (None, None)
+  otherwise. An agent's sampler answers to `POLICY_MODEL`, the name agents ask for."""
+  if serve is None and not config.env.agent:
+    return None, None
+  bridge = RequestBridge(before_leases=serve is None or serve.priority == "before_leases")
+  served_name = POLICY_MODEL if config.env.agent or not serve.model_name else serve.model_name
+  served = ServedModel(served_name, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
+  server = serving_for(serve, served, bridge, tls)
+  log(f"{name}: OpenAI-compatible API at {server.base_url} (model {served_name!r})")
+  return bridge, server
+
+
+def failure_score(failure: str, functions: int) -> Score:
+  """The score of an episode that failed: 0 from each of the `functions` reward functions, counted as a timeout
+  (it ran past its limit, or its worker was killed for it) or an error."""
+  timed_out = failure.startswith("ran past") or "killed" in failure
+  return Score(0.0, (0.0,) * functions, errors=int(not timed_out), timeouts=int(timed_out))
 
 
 def serving_for(config: ServeConfig | None, model: ServedModel, bridge: RequestBridge, tls=None) -> ServerThread:
@@ -59,10 +79,7 @@ class AgentRollouts:
 
   def _workers(self):
     if self._pool is None:
-      import pebble
-
-      context = multiprocessing.get_context("forkserver")  # never fork a process whose threads run JAX
-      self._pool = pebble.ProcessPool(max_workers=self.config.agent_workers, context=context)
+      self._pool = worker_pool(self.config.agent_workers)
     return self._pool
 
   def start(self, key: tuple, row: dict, episodes: int) -> None:
@@ -144,4 +161,5 @@ def episode_sample(result: EpisodeResult, group_id: int, prompt_ids, stop_id: in
                 loss_mask=np.asarray(mask, bool))
 
 
-__all__ = ["AgentRollouts", "EpisodeResult", "POLICY_MODEL", "episode_sample", "scored_text", "serving_for"]
+__all__ = ["AgentRollouts", "EpisodeResult", "episode_sample", "failure_score", "sampler_server", "scored_text",
+           "serving_for"]

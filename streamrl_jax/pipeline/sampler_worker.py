@@ -16,19 +16,17 @@ import time
 import numpy as np
 
 from streamrl_jax.envs import make_tools
-from streamrl_jax.envs.agent import POLICY_MODEL
 from streamrl_jax.meshes import instance_meshes
 from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport,
                                    WeightUpdate)
-from streamrl_jax.pipeline.agent_rollouts import AgentRollouts, episode_sample, scored_text, serving_for
+from streamrl_jax.pipeline.agent_rollouts import (AgentRollouts, episode_sample, failure_score, sampler_server,
+                                                  scored_text)
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
-from streamrl_jax.rewards.scorer import RewardError, Score
+from streamrl_jax.rewards.scorer import RewardError
 from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
-from streamrl_jax.serving.app import ServedModel
-from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.tasks.rows import Row, question, verifier
 from streamrl_jax.types import Rollout, Sample, SamplingParams
 
@@ -74,13 +72,8 @@ class SamplerWorker:
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
     self.scorer = RewardScorer(config.reward, builtin=verifier(task))
-    self.bridge, self.server, self.agents = None, None, None
-    if serve is not None or config.env.agent:
-      self.bridge = RequestBridge(before_leases=serve is None or serve.priority == "before_leases")
-      name_served = POLICY_MODEL if config.env.agent else (serve.model_name or POLICY_MODEL)
-      served = ServedModel(name_served, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
-      self.server = serving_for(serve, served, self.bridge, serve_tls)
-      self.log(f"{name}: OpenAI-compatible API at {self.server.base_url} (model {name_served!r})")
+    self.bridge, self.server = sampler_server(config, serve, tokenizer, serve_tls, log, name)
+    self.agents = None
     self._agent_scores: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
     self.reset()
 
@@ -294,9 +287,7 @@ class SamplerWorker:
     if failed <= AGENT_FAILURES_SHOWN:
       self.log(f"{self.name}: {message}; scored 0, counted in reward_errors"
                + (" (later failures are only counted)" if failed == AGENT_FAILURES_SHOWN else ""))
-    timed_out = failure.startswith("ran past") or "killed" in failure
-    self._agent_scores.append((key, Score(0.0, (0.0,) * len(self.scorer.names), errors=int(not timed_out),
-                                          timeouts=int(timed_out))))
+    self._agent_scores.append((key, failure_score(failure, len(self.scorer.names))))
 
   def _start_episodes(self, lease: Lease, rows: list) -> None:
     """Starts `group_size` episodes of the agent program per leased prompt."""

@@ -60,11 +60,7 @@ class RewardScorer:
 
   def _workers(self):
     if self._pool is None:
-      import pebble
-
-      context = multiprocessing.get_context("forkserver")  # never fork a process whose threads run JAX
-      context.set_forkserver_preload(["__main__", "streamrl_jax.rewards.functions"])  # main: once, not per worker
-      self._pool = pebble.ProcessPool(max_workers=self.config.workers, context=context, initializer=_ignore_sigint)
+      self._pool = worker_pool(self.config.workers)
     return self._pool
 
   def submit(self, key: Hashable, prompt: str, completion: str, fields: dict, where: str) -> None:
@@ -160,6 +156,17 @@ def _outcome(result) -> tuple[str, object]:
                    else f"could not run: {type(err).__name__}: {err}")
 
 
+def worker_pool(workers: int):
+  """A pebble pool of `workers` processes for user code run off the sampler's thread (reward functions, agent
+  programs): started by a fork server, never a fork of a process whose threads run JAX; each worker leaves Ctrl-C
+  to its sampler."""
+  import pebble
+
+  context = multiprocessing.get_context("forkserver")
+  context.set_forkserver_preload(["__main__", "streamrl_jax.rewards.functions"])  # main: once, not per worker
+  return pebble.ProcessPool(max_workers=workers, context=context, initializer=_ignore_sigint)
+
+
 def _ignore_sigint() -> None:
-  """A scoring worker leaves Ctrl-C to its sampler (which stops at a step boundary)."""
+  """A worker leaves Ctrl-C to its sampler (which stops at a step boundary)."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)

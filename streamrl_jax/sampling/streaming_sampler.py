@@ -129,12 +129,12 @@ class StreamingSampler:
     self.counters["cancelled"] += dropped
     return dropped
 
-  def progress(self, request_ids) -> dict[int, tuple[list[int], list[float], list[int]]]:
-    """Request id -> (tokens, log-probabilities, versions) so far, copied, of each of `request_ids` that is on a
-    slot, parked or held to resume (a queued fresh request has none yet)."""
+  def progress(self, seen: dict[int, int]) -> dict[int, tuple[list[int], list[float], list[int]]]:
+    """Request id -> (tokens, log-probabilities, versions) sampled after the first `seen[id]`, copied, of each
+    request in `seen` that has new ones (on a slot, parked or held to resume; a queued fresh one has none yet)."""
     flights = {**self._admitter.held(), **self._roster.rows()}
-    return {i: (list(f.tokens), list(f.logprobs), list(f.versions)) for i in request_ids
-            if (f := flights.get(i)) is not None}
+    return {i: (f.tokens[n:], f.logprobs[n:], f.versions[n:]) for i, n in seen.items()
+            if (f := flights.get(i)) is not None and len(f.tokens) > n}
 
   # ---- instances ----------------------------------------------------------------------------
   @property

@@ -25,7 +25,7 @@ from streamrl_jax.serving.bridge import Cancel, Finished, Generate, Progress, Re
 from streamrl_jax.serving.config import ServeConfig
 from streamrl_jax.serving.episodes import EPISODE_HEADER, Episodes, Turn
 from streamrl_jax.serving.protocol import ApiError, Call, parse_body, parse_call
-from streamrl_jax.serving.responses import Reply, sse, weight_version
+from streamrl_jax.serving.responses import Reply, sse
 from streamrl_jax.serving.text_stream import ChoiceText
 from streamrl_jax.types import SamplingParams
 
@@ -280,4 +280,4 @@ async def _stream(service: Service, run: _Run, reply: Reply):
     run.close()
 
 
-__all__ = ["ServedModel", "Service", "make_app", "VERSION_HEADER", "weight_version"]
+__all__ = ["ServedModel", "Service", "make_app", "VERSION_HEADER"]

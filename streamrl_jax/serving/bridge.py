@@ -120,11 +120,7 @@ class RequestBridge:
   def pump(self, sampler) -> None:
     """Takes the posted messages in: cancels drop their requests, new requests are submitted (by priority)."""
     self.version = sampler.version
-    while True:
-      try:
-        message = self._inbox.get_nowait()
-      except queue.Empty:
-        break
+    for message in self._drain():
       if isinstance(message, Cancel):
         self._cancel(sampler, message.key, message.choice)
       else:
@@ -137,17 +133,17 @@ class RequestBridge:
 
   def deliver(self, sampler, finished: list[Sample]) -> list[Sample]:
     """Sends each live request its new tokens and finished choices; returns the samples that are not served ones."""
+    if not self._owner:
+      return finished
     others, done = [], []
     for sample in finished:
       (done if sample.request_id in self._owner else others).append(sample)
-    open_ids = [i for live in self._live.values() for i in live.open]
-    for request_id, (tokens, logprobs, versions) in sampler.progress(open_ids).items():
+    sent = {i: live.sent[i] for live in self._live.values() for i in live.open}
+    for request_id, (tokens, logprobs, versions) in sampler.progress(sent).items():
       key, choice = self._owner[request_id]
       live = self._live[key]
-      sent = live.sent[request_id]
-      if len(tokens) > sent:
-        live.sent[request_id] = len(tokens)
-        _send(live.request, Progress(choice, tuple(tokens[sent:]), tuple(logprobs[sent:]), tuple(versions[sent:])))
+      live.sent[request_id] += len(tokens)
+      _send(live.request, Progress(choice, tuple(tokens), tuple(logprobs), tuple(versions)))
     for sample in done:
       key, choice = self._owner.pop(sample.request_id)
       live = self._live[key]
@@ -161,13 +157,7 @@ class RequestBridge:
 
   def refuse_all(self, sampler, message: str) -> None:
     """Refuses every request not finished (503, `message`), dropping them from the sampler (None: it is gone)."""
-    while True:
-      try:
-        item = self._inbox.get_nowait()
-      except queue.Empty:
-        break
-      if isinstance(item, Generate):
-        self._waiting.append(item)
+    self._waiting.extend(m for m in self._drain() if isinstance(m, Generate))
     for request in list(self._waiting) + [live.request for live in self._live.values()]:
       _send(request, Refused(503, message))
     if sampler is not None:
@@ -180,6 +170,14 @@ class RequestBridge:
     """`refuse_all`, and every later request too."""
     self.closed = message
     self.refuse_all(sampler, message)
+
+  def _drain(self):
+    """The posted messages, in order, until the inbox is empty."""
+    while True:
+      try:
+        yield self._inbox.get_nowait()
+      except queue.Empty:
+        return
 
   def _submit(self, sampler, request: Generate) -> None:
     try:
