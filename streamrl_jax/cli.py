@@ -9,6 +9,8 @@
   streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
   streamrl sampler --connect H:P                   a sampler of a run across processes
   streamrl launch local --workdir DIR --samplers N one trainer and N sampler processes on this machine
+  streamrl train --workdir DIR --arms A.gin B.gin  several algorithms trained on one sample stream
+  streamrl compare RUN_DIR                         those arms side by side: a table and RUN_DIR/compare.png
   streamrl simulate --preset NAME --out DIR       the pipeline at cluster scale: results.json and plots
 """
 
@@ -158,9 +160,17 @@ def _config_args(parser) -> None:
   parser.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
 
 
+def arms_arg(parser) -> None:
+  """`--arms FILE ...`: follower arms (`pipeline.arms`)."""
+  parser.add_argument("--arms", nargs="+", default=[], metavar="FILE",
+                      help="follower arm gin files (e.g. configs/arms/*.gin): more trainers on this run's samples, each with the "
+                            "advantage, objective and optimizer its file sets; the run's own config is the lead")
+
+
 def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
+  from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.serve import add_serve_parser
   from streamrl_jax.commands.train import cmd_train
   from streamrl_jax.sim.preset_names import PRESETS
@@ -204,6 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
+  arms_arg(train)
   train.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
                      help="continue from the latest checkpoint in the workdir (an error when there is none); "
                           "--resume=auto: continue if there is one, else start afresh")
@@ -211,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
   add_role_parsers(sub, _config_args)
   add_launch_parser(sub, _config_args)
   add_serve_parser(sub)
+  add_compare_parser(sub)
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k", choices=PRESETS, metavar="NAME",
                    help=f"the cluster, model and lengths simulated: {', '.join(PRESETS)} (default paper-72b-20k)")

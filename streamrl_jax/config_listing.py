@@ -82,5 +82,5 @@ def _sections(configs) -> list[tuple[type, dict, str]]:
 
 def _plain(config) -> dict:
   """{field: value} of a config's fields that are not configs themselves."""
-  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+  values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if "bound_by" not in f.metadata}
   return {k: v for k, v in values.items() if not dataclasses.is_dataclass(v)}

@@ -52,7 +52,7 @@ for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 _CLASSES = {cls.__name__: cls for cls in CONFIG_CLASSES}
 KNOWN_KEYS = tuple(f"{cls.__name__}.{f.name}" for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)
-                   if not dataclasses.is_dataclass(f.default))
+                   if not dataclasses.is_dataclass(f.default) and "bound_by" not in f.metadata)
 
 # Keys that moved to the config of the part that uses them: an old file or `--set` is refused naming the new key.
 MOVED_KEYS = {
@@ -89,6 +89,8 @@ def check_keys(config_files=(), bindings=()) -> None:
       if field not in fields:
         raise ConfigError(f"{key}: {name} has no field {field!r}{_did_you_mean(key, KNOWN_KEYS, field)} ({where}); "
                           f"`streamrl config` lists every key")
+      if "bound_by" in fields[field].metadata:
+        raise ConfigError(f"{key} is not a gin key: it is set by {fields[field].metadata['bound_by']} ({where})")
       if dataclasses.is_dataclass(fields[field].default):
         raise ConfigError(f"{key} is built from the {type(fields[field].default).__name__}.* keys: bind those "
                           f"({where})")
@@ -108,13 +110,13 @@ class _MissingPathFilter(logging.Filter):
     return not record.getMessage().startswith("Path not found")
 
 
-def parse(config_files=(), bindings=()) -> None:
-  """Parses gin files and binding strings; a mistake is raised as `ConfigError` in one line naming the file or
-  binding (and the line of it that gin could not read)."""
-  missing = [str(f) for f in config_files if not Path(f).is_file()]
+def parse(config_files=(), bindings=(), late_files=()) -> None:
+  """Parses gin files and binding strings, then `late_files` (an arm's file, over the run's `--set`s); a mistake is
+  raised as `ConfigError` in one line naming the file or binding (and the line of it that gin could not read)."""
+  missing = [str(f) for f in [*config_files, *late_files] if not Path(f).is_file()]
   if missing:
-    raise ConfigError(f"--config {missing[0]}: no such file")
-  check_keys(config_files, bindings)
+    raise ConfigError(f"{'--arms' if missing[0] in map(str, late_files) else '--config'} {missing[0]}: no such file")
+  check_keys([*config_files, *late_files], bindings)
   gin.clear_config()
   quiet = _MissingPathFilter()  # gin logs an error for each search path an `include` is not in, found or not
   logging.getLogger().addFilter(quiet)
@@ -127,6 +129,8 @@ def parse(config_files=(), bindings=()) -> None:
     logging.getLogger().removeFilter(quiet)
   for binding in bindings:
     _gin_parse(lambda: gin.parse_config(binding), f"--set {binding!r}", binding)
+  for path in late_files:
+    _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), Path(path).read_text())
   _gin_parse(gin.finalize, "the configuration", "")
 
 
@@ -185,6 +189,24 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
                reward=build(RewardConfig), trainer=build(TrainerConfig), lora=build(LoraConfig), env=build(EnvConfig),
                controller=build(ControllerConfig))
   return build(PipelineConfig, **parts), build(JobConfig)
+
+
+def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, bindings) -> PipelineConfig:
+  """`config` (the lead) with a follower arm per file of `arm_files` (`--arms`), each parsed over the run's files
+  and bindings and named by its file's stem (`pipeline.arms.arms_from_configs` checks what they change). The
+  run's own bindings are parsed again at the end."""
+  from streamrl_jax.pipeline.arms import arms_from_configs
+
+  if not arm_files:
+    return config
+  parsed = []
+  try:
+    for path in arm_files:
+      parse(config_files, bindings, late_files=[path])
+      parsed.append((Path(path).stem, *build_run()))
+  finally:
+    parse(config_files, bindings)
+  return dataclasses.replace(config, arms=arms_from_configs(config, job, parsed, JobConfig.model_spec))
 
 
 def build_flight() -> FlightConfig:

@@ -13,6 +13,8 @@ def flat_settings(*configs) -> dict[str, str]:
   for config in configs:
     for field in dataclasses.fields(config):
       value = getattr(config, field.name)
+      if "bound_by" in field.metadata:  # not a gin key (PipelineConfig.arms: --arms files)
+        continue
       if dataclasses.is_dataclass(value):
         out.update(flat_settings(value))
       else:

@@ -51,6 +51,8 @@ def add_launch_parser(sub, common) -> None:
                      help="grow and shrink sampler processes by the elastic decision, up to this many")
   local.add_argument("--min-samplers", type=int, default=1, help="with --max-samplers: the fewest (default 1)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
+  from streamrl_jax.cli import arms_arg
+  arms_arg(local)
   local.set_defaults(run=cmd_launch_local)
   from streamrl_jax.commands.launch_gke import add_gke_parser
   add_gke_parser(where, common)
@@ -118,6 +120,7 @@ def plan_children(args, cores: list[int] | None) -> list[Child]:
   for i in range(args.trainer_processes):
     argv = base + ["trainer", "--workdir", str(workdir), "--listen", address, *config]
     argv += ["--resume"] if args.resume else []
+    argv += ["--arms", *args.arms] if args.arms else []
     if coordinator:
       argv += ["--coordinator", coordinator, "--num-processes", str(args.trainer_processes), "--process-id", str(i)]
     children.append(Child(f"trainer-{i}" if coordinator else "trainer", argv, cores[i] if cores else None,
@@ -161,6 +164,8 @@ def cmd_launch_local(args) -> int:
                        f"--max-samplers {elastic.high}")
     if args.pin_cores:
       raise ValueError("--pin-cores splits the cores at start; it cannot be combined with --max-samplers")
+  if args.arms:
+    _check_arms(args)
   cores = None
   if args.pin_cores:
     cores = assign_cores(sorted(os.sched_getaffinity(0)), args.trainer_processes, args.samplers)
@@ -184,6 +189,17 @@ def cmd_launch_local(args) -> int:
   finally:
     _kill_leftovers(children)
     signal.signal(signal.SIGTERM, previous)
+
+
+def _check_arms(args) -> None:
+  """`--arms` files refused here, before any process starts (the trainer would refuse them the same way)."""
+  from streamrl_jax import gin_config
+
+  if args.trainer_processes > 1:
+    raise ValueError("--arms: follower arms run beside a trainer of one process; drop --trainer-processes")
+  files = gin_config.run_files(args.config)
+  gin_config.parse(files, args.set)
+  gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
 
 
 def _write_manifest(workdir: Path, children: list[Child]) -> None:

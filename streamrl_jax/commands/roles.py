@@ -26,6 +26,8 @@ def add_role_parsers(sub, common) -> None:
   trainer.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
   trainer.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (default loopback; port 0: "
                                                                 "any free one, printed and written to --address-file)")
+  from streamrl_jax.cli import arms_arg
+  arms_arg(trainer)
   trainer.add_argument("--address-file", help="write the address served on to this file once listening")
   trainer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
   trainer.add_argument("--auto-resume", action="store_true",
@@ -73,6 +75,8 @@ def role_host_devices(args) -> int:
   if not wanted:
     from streamrl_jax.resources import cpu_cores
     return cpu_cores()
+  if args.command == "trainer" and args.arms:  # each follower arm on devices of its own, shaped as the trainer's
+    wanted *= 1 + len(args.arms)
   cluster = distributed.detect(args.coordinator, args.num_processes, args.process_id)
   return -(-wanted // (cluster.num_processes if cluster else 1))
 
@@ -90,9 +94,13 @@ def _start_role(args):
                      "sampler of its own); a sampler spanning several processes is not supported yet")
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
   distributed.initialize(cluster)
-  gin_config.parse(gin_config.run_files(args.config), args.set)
+  files = gin_config.run_files(args.config)
+  gin_config.parse(files, args.set)
   config, job = gin_config.build_run()
-  return config, job, gin_config.build_flight(), tls, flat_settings(config, job)
+  settings = flat_settings(config, job)  # what samplers are checked against: the lead's (arms train, not sample)
+  if args.command == "trainer":
+    config = gin_config.with_arms(config, job, args.arms, files, args.set)
+  return config, job, gin_config.build_flight(), tls, settings
 
 
 def cmd_trainer(args) -> int:

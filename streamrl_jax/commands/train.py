@@ -15,8 +15,10 @@ def cmd_train(args) -> int:
   from streamrl_jax import gin_config
   from streamrl_jax.pipeline.runner import run_pipeline
 
-  gin_config.parse(gin_config.run_files(args.config), args.set)
+  files = gin_config.run_files(args.config)
+  gin_config.parse(files, args.set)
   config, job = gin_config.build_run()
+  config = gin_config.with_arms(config, job, args.arms, files, args.set)
   return run_training(args, config, job, run_pipeline, "streamrl train")
 
 

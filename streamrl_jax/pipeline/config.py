@@ -9,6 +9,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
+from streamrl_jax.pipeline.arms import check_arm_names
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
@@ -63,6 +64,10 @@ class PipelineConfig:
   lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
   env: EnvConfig = EnvConfig()
   controller: ControllerConfig = ControllerConfig()
+  # follower arms: more trainers on this run's sample stream (`pipeline.arms`; `--arms FILES`, not gin)
+  arms: tuple = dataclasses.field(default=(), metadata={"bound_by": "--arms FILE.gin ..."})
+  arm_name: str = "lead"  # with arms: this config's own trainer's name (its rows' `arm`)
+  arm_max_lag: int = 2  # with arms: a follower this many steps behind the lead skips a step to catch up
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -95,6 +100,13 @@ class PipelineConfig:
       raise ValueError(f"PipelineConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
     if self.step_timeout_s < 0:
       raise ValueError(f"PipelineConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")
+    if self.arm_max_lag < 0:
+      raise ValueError(f"PipelineConfig.arm_max_lag must be >= 0, got {self.arm_max_lag}")
+    if self.arms:
+      check_arm_names(self.arm_name, self.arms)
+      if self.spec.shared_mesh:
+        raise ValueError("PipelineConfig.arms: mode 'colocated' time-shares one mesh; followers need a streamed "
+                         "or disaggregated mode")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 

@@ -30,6 +30,7 @@ from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
@@ -40,14 +41,17 @@ from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                 stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None) -> RunResult:
+                 stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None,
+                 arm_outputs: dict | None = None) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
   With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
   restores the latest one and continues with the next step. Samples generated for a step that was not
   trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
   `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_timeline` gets the
-  timeline when the steps end, however they end.
+  timeline when the steps end, however they end. With `config.arms`, the follower arms train on the lead's
+  stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
+  arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`.
   """
   if config.lora.init_from and not config.lora.rank:  # the adapter's rank, alpha and targets
     config = dataclasses.replace(config, lora=resolve(config.lora, model.config))
@@ -61,6 +65,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   lora_base = dict(base=params, lora_scale=config.lora.scale) if config.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
+  followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
+                             trainer.start_step, arm_outputs, resume)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 
@@ -71,7 +77,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     thread.join()
   result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
                          start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
-                         on_step=on_step, on_timeline=on_timeline)
+                         on_step=on_step, on_timeline=on_timeline, followers=followers)
   if errors:
     raise RuntimeError("the sampler thread failed") from errors[0]
   return result

@@ -19,8 +19,11 @@ from streamrl_jax.models import load_hf, lora, save_hf
 from streamrl_jax.models.catalog import base_model_id
 from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight, run_record
+from streamrl_jax.pipeline.arm_outputs import arm_outputs, finish_arms
+from streamrl_jax.pipeline.arms import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.pipeline.metrics_log import open_metrics, read_metrics
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
@@ -161,10 +164,11 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
   if on_start is not None:
     on_start(resumed_at or 0)
-  with _step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext() as on_step:
+  with (_step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext()) as on_step, \
+       (arm_outputs(workdir, config, bool(resume)) if config.arms else contextlib.nullcontext()) as arms:
     try:
       result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                      stop=stop, on_timeline=record.end if leader else None)
+                      stop=stop, on_timeline=record.end if leader else None, **({"arm_outputs": arms} if arms else {}))
     except (RunStopped, KeyboardInterrupt):
       if leader:  # the pictures of the run so far
         write_pictures(workdir, config, before, record.segments)
@@ -184,6 +188,8 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
   the config with LoRA resolved (`preflight.check_lora`)."""
   preflight.check_devices(config, role, len(jax.devices()))
   if advice := preflight.precision_advice(config):
+    log(f"warning: {advice}")
+  for advice in arm_advice(config):
     log(f"warning: {advice}")
   model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
@@ -239,19 +245,12 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
     log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
         f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
+  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate) if result.arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
-                 steps=len(read_metrics(workdir)), counters=result.counters)  # the last segment's counters
+                 steps=len(read_metrics(workdir)), counters=result.counters,  # the last segment's counters
+                 **({"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}))
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
-
-
-def read_metrics(workdir: Path) -> list[dict]:
-  """The rows of WORKDIR/metrics.jsonl (each step once; a row cut short by a kill has no newline and is left out)."""
-  path = workdir / "metrics.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line) for line in path.read_text().splitlines(keepends=True)
-          if line.endswith("\n") and line.strip()]
 
 
 def write_curves(workdir: Path, config: PipelineConfig, before: float, after: float | None = None) -> None:
@@ -277,18 +276,15 @@ def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_r
   crash, and about to be trained again) are dropped first, so each step appears once."""
   from tensorboardX import SummaryWriter
 
-  path = workdir / "metrics.jsonl"
-  if resumed_at is not None and path.exists():
-    kept = [m for m in read_metrics(workdir) if m["step"] <= resumed_at]
-    path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-  with path.open("a" if resumed_at is not None else "w") as out:
+  with open_metrics(workdir, resumed_at) as out:
     writer = SummaryWriter(str(workdir / "tensorboard"))
 
     def on_step(m):
       out.write(json.dumps(m) + "\n")
       out.flush()
       for key, value in m.items():
-        writer.add_scalar(key, value, m["step"])
+        if not isinstance(value, str):  # (a run with arms names its rows' arm)
+          writer.add_scalar(key, value, m["step"])
       record.step(m["step"])
       if progress is not None:
         progress(m)

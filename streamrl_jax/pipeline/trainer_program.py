@@ -20,6 +20,7 @@ from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
+from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session, trained_params
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
@@ -35,16 +36,22 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
-                   stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None) -> RunResult:
+                   stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None,
+                   arm_outputs: dict | None = None) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
   the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
   the trainer's datacenter label (samplers of other sites get one copy of each version across). `stop`: a stop
   request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision.
-  `on_timeline` (process 0) gets the timeline when the steps end, however they end."""
+  `on_timeline` (process 0) gets the timeline when the steps end, however they end. Follower arms
+  (`config.arms`, `arm_outputs` as `runner.run_pipeline`'s) train in this program, on devices the trainer's mesh
+  leaves while they last."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
+  if config.arms and jax.process_count() > 1:
+    raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
+                     f"{jax.process_count()}")
   graphdef, params = nnx.split(model)
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
@@ -57,6 +64,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           on_event=on_event or (lambda e: log(describe_event(e))), site=site)
+  followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
+                             arm_outputs, resume)
   queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
@@ -73,7 +82,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   try:
     return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
                          start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
-                         on_timeline=on_timeline,
+                         on_timeline=on_timeline, followers=followers,
                          extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
   except RunStopped:
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop

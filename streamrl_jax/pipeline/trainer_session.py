@@ -15,6 +15,7 @@ from flax import nnx
 
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.follower_arms import Followers
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker
@@ -28,6 +29,7 @@ class RunResult:
   counters: dict
   timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
   adapters: nnx.State | None = None  # LoRA: the trained adapters (`params` then holds them merged into the base)
+  arms: dict = dataclasses.field(default_factory=dict)  # follower arm name -> its own RunResult
 
 
 def make_ranker(config: PipelineConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
@@ -67,22 +69,32 @@ def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
 def train_session(trainer: TrainerWorker, controller: Controller, get_shard, weights, queue: SampleQueue, *,
                   ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
                   teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
-                  on_timeline: Callable[[dict], None] | None = None, extra_counters: Callable[[], dict] = dict
-                  ) -> RunResult:
+                  on_timeline: Callable[[dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
+                  followers: Followers | None = None) -> RunResult:
   """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
   publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
   waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
   trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_timeline` gets
-  the timeline once the steps end, also when they stop or fail."""
+  the timeline once the steps end, also when they stop or fail. `followers`: follower arms fed every shard the
+  lead takes; once the lead is done they train what they hold (a stop or failure: only their step in progress)."""
   start_epoch = time.time()
+  if followers is not None:
+    get_shard, on_step = followers.tap(get_shard), followers.lead_rows(on_step)
+    followers.start()
   start()
   if ranker is not None:
     ranker.start()
+  completed, arms = False, {}
   try:
     metrics = trainer.run(controller, get_shard, weights, clock=lambda: time.time() - start_epoch, on_step=on_step,
                           aux=ranker_aux(ranker), probe=memory_probe(queue))
+    completed = True
   finally:
-    teardown()
+    try:
+      teardown()
+    finally:
+      if followers is not None:
+        arms = followers.finish(discard=not completed)
     weights.wait()
     if ranker is not None:
       ranker.stop()
@@ -93,7 +105,12 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
   counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                   **extra_counters())
   params, adapters = trained_params(trainer, to_host)
-  return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters)
+  arm_results = {}
+  for name, (arm_metrics, arm_counters, worker) in arms.items():
+    arm_params, arm_adapters = trained_params(worker, to_host)
+    arm_results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
+                                  arm_adapters)
+  return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters, arm_results)
 
 
 def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:

@@ -36,6 +36,7 @@ from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
+from streamrl_jax.pipeline.arm_feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer_control import TrainerControl
 from streamrl_jax.pipeline.watchdog import StallWatch
@@ -51,8 +52,11 @@ class TrainerWorker:
   """Steps from `start_step` to `config.steps`; `run` returns the per-step metrics."""
 
   def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False,
-               stop: StopRequest | None = None):
+               stop: StopRequest | None = None, streamed: bool | None = None):
     self.config, self.spec, self.stop = config, config.spec, stop
+    # streamed: each shard is accumulated as it arrives (the mode's choice); a follower arm gathers its step first,
+    # so that a step it skips midway leaves nothing behind
+    self.streamed = self.spec.streamed if streamed is None else streamed
     self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference. With LoRA the state
     # holds the adapters alone; the base is frozen on the mesh, and it is the reference.
@@ -99,10 +103,12 @@ class TrainerWorker:
 
   def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
           clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
-          aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None) -> list[dict]:
+          aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None,
+          skip: Callable[[int], str | None] | None = None) -> list[dict]:
     """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
     raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
-    (memory, queue depth)."""
+    (memory, queue depth). A follower arm's `skip(step)` says why it does not train a step (None: it does), and its
+    `get_shard` may raise `StepSkipped` for the step in progress: the step is then left, untrained."""
     if self.config.trainer.precompile:
       width = self.config.engine.max_prompt_length + self.config.max_new_tokens
       if self.batcher.pack_length:
@@ -119,7 +125,14 @@ class TrainerWorker:
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
       for step in range(self.start_step, self.config.steps):
-        row, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)
+        if skip is not None and skip(step) is not None:
+          continue
+        try:
+          row, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)
+        except StepSkipped:
+          if skip is None:
+            raise
+          continue
         metrics.append(self._finish_step(step, row, controller, on_step, aux, probe))
       return metrics
 
@@ -217,10 +230,10 @@ class TrainerWorker:
         if not shard.num_samples:
           continue
       shards.append(shard)
-      if self.spec.streamed:
+      if self.streamed:
         self._accumulate(shard, step, clock)
     self._count_step(shards, received)
-    if not self.spec.streamed:
+    if not self.streamed:
       for shard in shards:
         self._accumulate(shard, step, clock)
     return shards, waited, received

@@ -1,0 +1,188 @@
+"""The fan-out of the lead's sample stream to follower arms: each follower's bounded `ArmFeed`, the lead's
+`Fanout` that offers every shard to every feed without ever waiting, and a follower's `FollowerSource`.
+
+A feed that is full refuses the shard; the fan-out then drops that whole step for that follower (a follower
+trains whole steps or none) and says so in the feed (`dropped`). A follower more than `arm_max_lag` steps behind
+the lead skips the step it is at. Both are counted, never silent: every sample offered to a follower is trained
+by it or counted in `arm_samples_skipped`, and every step it does not train in `arm_steps_skipped`.
+
+The fan-out writes a feed from the lead's thread and the follower reads it from its own; all they share is the
+feed, whose state changes under its lock only.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+from streamrl_jax.streaming import QueueClosed, SampleShard
+
+
+class StepSkipped(Exception):
+  """A follower does not train this step: it was dropped from its feed, or the follower is too far behind."""
+
+  def __init__(self, step: int, why: str):
+    super().__init__(f"step {step + 1} skipped: {why}")
+    self.step, self.why = step, why
+
+
+class ArmFeed:
+  """One follower's inbox of shards, at most `capacity` samples; with what it knows of the lead (steps the lead
+  has trained, steps dropped from this feed). One writer (the fan-out), one reader (the follower)."""
+
+  def __init__(self, capacity: int):
+    if capacity < 1:
+      raise ValueError(f"ArmFeed capacity must be >= 1 sample, got {capacity}")
+    self.capacity = capacity
+    self._items: collections.deque[SampleShard] = collections.deque()
+    self._samples, self._closed, self._lead_done = 0, False, 0
+    self._dropped: set[int] = set()
+    self._cond = threading.Condition()
+    self._stats = dict(offered_samples=0, refused_samples=0, max_depth=0)
+
+  def offer(self, shard: SampleShard) -> bool:
+    """Enqueues `shard` if it fits, now; False when full or closed (nothing waits)."""
+    with self._cond:
+      self._stats["offered_samples"] += shard.num_samples
+      if self._closed or self._samples + shard.num_samples > self.capacity:
+        self._stats["refused_samples"] += shard.num_samples
+        return False
+      self._items.append(shard)
+      self._samples += shard.num_samples
+      self._stats["max_depth"] = max(self._stats["max_depth"], self._samples)
+      self._cond.notify_all()
+      return True
+
+  def drop(self, step: int) -> None:
+    """Step `step` will not reach this follower whole."""
+    with self._cond:
+      self._dropped.add(step)
+      self._cond.notify_all()
+
+  def lead_trained(self, steps_done: int) -> None:
+    """The lead has trained every step below `steps_done`."""
+    with self._cond:
+      self._lead_done = max(self._lead_done, steps_done)
+      self._cond.notify_all()
+
+  def get(self, timeout: float, step: int) -> SampleShard:
+    """The next shard; raises `StepSkipped` as soon as `step` is dropped, TimeoutError after `timeout` s, and
+    QueueClosed once closed and drained."""
+    with self._cond:
+      ready = self._cond.wait_for(lambda: self._items or self._closed or step in self._dropped, timeout)
+      if step in self._dropped:
+        raise StepSkipped(step, "the follower's feed was full")
+      if not ready:
+        raise TimeoutError(f"no shard for {timeout} s")
+      if not self._items:
+        raise QueueClosed("the lead's stream ended")
+      shard = self._items.popleft()
+      self._samples -= shard.num_samples
+      self._cond.notify_all()
+      return shard
+
+  def view(self) -> tuple[int, frozenset]:
+    """(steps the lead has trained, steps dropped from this feed)."""
+    with self._cond:
+      return self._lead_done, frozenset(self._dropped)
+
+  def close(self, discard: bool = False) -> None:
+    """No more offers; with `discard`, what is queued is thrown away too (a stop: followers end at their step)."""
+    with self._cond:
+      self._closed = True
+      if discard:
+        self._items.clear()
+        self._samples = 0
+      self._cond.notify_all()
+
+  @property
+  def closed(self) -> bool:
+    with self._cond:
+      return self._closed
+
+  def stats(self) -> dict:
+    with self._cond:
+      return dict(self._stats, depth=self._samples)
+
+
+class Fanout:
+  """The lead's side: `offer` every shard the lead receives to every open feed, `lead_trained` after each of the
+  lead's steps. Owned by the lead's thread."""
+
+  def __init__(self, feeds: dict[str, ArmFeed]):
+    self.feeds = feeds
+    self._dropped = {name: set() for name in feeds}  # steps dropped per feed
+
+  def offer(self, shard: SampleShard) -> None:
+    step = int(shard.steps[0])
+    for name, feed in self.feeds.items():
+      if step in self._dropped[name]:
+        continue
+      if not feed.offer(shard) and not feed.closed:
+        self._dropped[name].add(step)
+        feed.drop(step)
+
+  def lead_trained(self, steps_done: int) -> None:
+    for feed in self.feeds.values():
+      feed.lead_trained(steps_done)
+
+  def close(self, discard: bool = False) -> None:
+    for feed in self.feeds.values():
+      feed.close(discard)
+
+
+class FollowerSource:
+  """A follower's shard source and skip rule over its feed (the follower's thread only). Steps before
+  `first_step` (the lead started later: a resume) are skipped; so is a step dropped from the feed, and a step the
+  follower reaches more than `max_lag` steps behind the lead. Shards of skipped steps are thrown away, counted."""
+
+  def __init__(self, feed: ArmFeed, max_lag: int, first_step: int):
+    self.feed, self.max_lag, self.first_step = feed, max_lag, first_step
+    self.step = first_step
+    self.skipped: set[int] = set()
+    self._handed: dict[int, int] = {}  # samples handed to the follower, per step not yet skipped
+    self.counters = dict(arm_steps_skipped=0, arm_samples_skipped=0)
+
+  def lag(self, step: int) -> int:
+    """Steps the lead has trained beyond `step`."""
+    return max(0, self.feed.view()[0] - step)
+
+  def skip(self, step: int) -> str | None:
+    """Why step `step` is not trained (None: it is); called as the follower begins it."""
+    self.step = step
+    lead_done, dropped = self.feed.view()
+    why = None
+    if step < self.first_step:
+      why = f"the lead's stream starts at step {self.first_step + 1}"
+    elif step in dropped:
+      why = "the follower's feed was full"
+    elif lead_done - step > self.max_lag:
+      why = f"{lead_done - step} steps behind the lead (PipelineConfig.arm_max_lag={self.max_lag})"
+    if why is not None:
+      self.mark_skipped(step)
+    return why
+
+  def mark_skipped(self, step: int) -> None:
+    """Step `step` is not trained: the samples of it handed out already are counted as skipped."""
+    self.skipped.add(step)
+    self.counters["arm_steps_skipped"] += 1
+    self.counters["arm_samples_skipped"] += self._handed.pop(step, 0)
+
+  def get(self, timeout: float) -> SampleShard:
+    """The next shard of a step not skipped (`StepSkipped` when the current one is dropped meanwhile)."""
+    while True:
+      try:
+        shard = self.feed.get(timeout, self.step)
+      except StepSkipped as skipped:
+        self.mark_skipped(skipped.step)
+        raise
+      step = int(shard.steps[0])
+      if step in self.skipped:
+        self.counters["arm_samples_skipped"] += shard.num_samples
+        continue
+      self._handed[step] = self._handed.get(step, 0) + shard.num_samples
+      return shard
+
+  def trained(self, step: int) -> None:
+    """Step `step` is trained: its samples are the follower's counters' now."""
+    self._handed.pop(step, None)

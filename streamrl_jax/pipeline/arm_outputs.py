@@ -1,0 +1,91 @@
+"""Each follower arm's outputs, under WORKDIR/arms/NAME: its checkpoints, metrics.jsonl (every row with `arm`),
+arm.json (what it trains with), and after the run its held-out evaluation (eval_after.jsonl), final_model,
+curves.png and summary.json. The lead's are the run's own, in WORKDIR. `streamrl compare` reads both."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+from flax import nnx
+
+from streamrl_jax.models import save_hf
+from streamrl_jax.pipeline.arms import arm_pipeline
+from streamrl_jax.pipeline.metrics_log import open_metrics, read_metrics
+from streamrl_jax.pipeline.report import write_curves_png
+
+ARMS_DIR = "arms"
+
+
+def arm_dir(workdir: Path, name: str) -> Path:
+  return Path(workdir) / ARMS_DIR / name
+
+
+def describe_arm(config) -> dict:
+  """What an arm trains with, as arm.json and the comparison's table show it."""
+  return dict(arm=config.arm_name, advantage=config.advantage, objective=config.objective.objective,
+              learning_rate=config.optimizer.learning_rate, aggregation=config.objective.aggregation,
+              seed=config.seed)
+
+
+@contextlib.contextmanager
+def arm_outputs(workdir: Path, config, resume: bool):
+  """{arm name: (checkpointer, on_step)} for every follower arm; on_step appends its rows to its metrics.jsonl. A
+  resumed arm's rows after its own checkpoint are dropped first (they are trained again). Checkpoints are waited
+  for and closed on the way out."""
+  from streamrl_jax.training.checkpoint import Checkpointer
+
+  outputs, files = {}, []
+  (Path(workdir) / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's
+  try:
+    for arm in config.arms:
+      directory = arm_dir(workdir, arm.name)
+      directory.mkdir(parents=True, exist_ok=True)
+      checkpointer = Checkpointer(directory / "checkpoints", max_to_keep=2)
+      latest = checkpointer.latest_step()
+      if latest is not None and not resume:
+        checkpointer.close()
+        raise ValueError(f"arm {arm.name!r}: {directory / 'checkpoints'} holds checkpoints up to step {latest}; "
+                         "continue them with --resume or start afresh in another --workdir")
+      (directory / "arm.json").write_text(json.dumps(describe_arm(arm_pipeline(config, arm)), indent=1))
+      out = open_metrics(directory, latest if resume else None)
+      files.append(out)
+      outputs[arm.name] = (checkpointer, _appender(out))
+    yield outputs
+  finally:
+    for out in files:
+      out.close()
+    for checkpointer, _ in outputs.values():
+      checkpointer.wait()
+      checkpointer.close()
+
+
+def _appender(out):
+  def on_step(row: dict) -> None:
+    out.write(json.dumps(row) + "\n")
+    out.flush()
+  return on_step
+
+
+def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, before: float, log, evaluate) -> dict:
+  """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
+  saved; its curves and summary.json written. Returns {arm name: summary}."""
+  graphdef, _ = nnx.split(model)
+  summaries = {}
+  for name, arm in result.arms.items():
+    directory = arm_dir(workdir, name)
+    arm_config = arm_pipeline(config, next(a for a in config.arms if a.name == name))
+    trained = nnx.merge(graphdef, arm.params)
+    after = evaluate(trained, tokenizer, heldout, arm_config, job.eval_prompts, job.seed, directory / "eval_after.jsonl")
+    log(f"arm {name!r}: held-out accuracy after RL {after:.3f} ({after - before:+.3f}); "
+        f"{arm.counters.get('arm_steps_skipped', 0)} steps skipped")
+    save_hf(trained, directory / "final_model")
+    rows = read_metrics(directory)
+    write_curves_png(rows, [(0, before), (config.steps, after)], directory / "curves.png",
+                     title=f"arm {name}: {arm_config.advantage}, {arm_config.objective.objective}")
+    summary = dict(describe_arm(arm_config), accuracy_before=before, accuracy_after=after, steps=len(rows),
+                   counters={k: v for k, v in arm.counters.items() if not isinstance(v, (list, dict))})
+    (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+    summaries[name] = summary
+  return summaries

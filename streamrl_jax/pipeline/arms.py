@@ -1,0 +1,101 @@
+"""Algorithm arms: several trainers on one sample stream (`PipelineConfig.arms`).
+
+The run's own config is the lead arm: the samplers generate with its weights. Each follower arm trains a copy of
+the same initial policy on every sample the lead receives, with its own advantage estimator, objective and
+optimizer; everything that shapes the stream (model, task, batch, sampling, rewards) is the lead's. An arm is
+written as a gin file (`streamrl ... --arms configs/arms/*.gin`), named by its file, holding only the keys it
+changes; `arms_from_configs` turns parsed files into `ArmConfig`s and refuses, naming the arm, what cannot share
+a stream. A follower trains off-policy by construction (the lead's weights sampled), so its objective should
+weigh each token by the behaviour probabilities: `arm_advice` warns of one that does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from streamrl_jax.config_types import ConfigError
+from streamrl_jax.settings import flat_settings
+from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
+
+# Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
+ARM_KEYS = ("PipelineConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
+UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmConfig:
+  """One follower trainer on the lead's stream: its name, and its own trainer settings."""
+
+  name: str
+  advantage: str = "grpo"  # the advantage estimator: grpo, dr_grpo, rloo or reinforce_pp
+  objective: ObjectiveConfig = ObjectiveConfig(objective="ppo_tis")
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+  seed: int = 0
+
+  def __post_init__(self):
+    if not _NAME.match(self.name):
+      raise ValueError(f"arm name {self.name!r}: letters, digits, '_', '.', '-' (a directory under WORKDIR/arms)")
+    ADVANTAGES.get(self.advantage)
+
+
+def check_arm_names(lead: str, arms) -> None:
+  """Refuses two arms of one name (the lead's included) and a name that is not a directory name."""
+  seen = {lead}
+  if not _NAME.match(lead):
+    raise ValueError(f"PipelineConfig.arm_name={lead!r}: letters, digits, '_', '.', '-'")
+  for arm in arms:
+    if arm.name in seen:
+      raise ValueError(f"two arms are named {arm.name!r}: each arm's outputs go to its own WORKDIR/arms/NAME")
+    seen.add(arm.name)
+
+
+def arm_pipeline(config, arm: ArmConfig):
+  """The lead's `PipelineConfig` as a follower runs it: the arm's advantage, objective, optimizer and seed; no
+  arms of its own; no stall limit (a follower waits on the lead, whose own watch stops the run)."""
+  return dataclasses.replace(config, advantage=arm.advantage, objective=arm.objective, optimizer=arm.optimizer,
+                             seed=arm.seed, arms=(), arm_name=arm.name, step_timeout_s=0.0)
+
+
+def arm_advice(config) -> list[str]:
+  """A warning per follower whose objective ignores the behaviour (sampler) probabilities: its samples come from
+  the lead's policy, and the mismatch then goes uncorrected every step."""
+  return [f"arm {arm.name!r}: ObjectiveConfig.objective={arm.objective.objective!r} ignores the sampler's "
+          f"probabilities, but a follower trains on the lead's samples (off-policy): 'ppo_tis', 'decoupled_ppo' or "
+          f"'aipo' correct for it" for arm in config.arms if arm.objective.objective in UNCORRECTED]
+
+
+def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], model_specs=None) -> tuple:
+  """`ArmConfig`s of arm files parsed over the lead's configs: `parsed` holds (name, PipelineConfig, JobConfig)
+  per file. A key outside `ARM_KEYS` set differently from the lead is refused naming the arm and the key; a model
+  of another shape or tokenizer says which. `model_specs(job)` gives (ModelConfig, tokenizer) to compare."""
+  lead_settings = flat_settings(lead, lead_job)
+  arms = []
+  for name, config, job in parsed:
+    if job.model != lead_job.model or job.hidden_size != lead_job.hidden_size or job.num_layers != lead_job.num_layers:
+      raise ConfigError(_model_difference(name, lead_job, job, model_specs))
+    settings = flat_settings(config, job)
+    for key in sorted(settings):
+      if settings[key] != lead_settings.get(key) and not key.startswith(ARM_KEYS):
+        raise ConfigError(f"arm {name!r}: {key}={settings[key]} differs from the lead's ({lead_settings.get(key)}); "
+                          f"arms share one stream and may only change "
+                          f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in ARM_KEYS)}")
+    arms.append(ArmConfig(name=name, advantage=config.advantage, objective=config.objective,
+                          optimizer=config.optimizer, seed=config.seed))
+  check_arm_names(lead.arm_name, arms)
+  return tuple(arms)
+
+
+def _model_difference(name: str, lead_job, job, model_specs) -> str:
+  """One line naming how an arm's model differs from the lead's (shape, tokenizer, or only its weights)."""
+  given = f"arm {name!r}: JobConfig.model={job.model!r}, the lead's {lead_job.model!r}"
+  if model_specs is not None:
+    (lead_model, lead_tok), (model, tok) = model_specs(lead_job), model_specs(job)
+    if lead_model != model:
+      diff = next(f.name for f in dataclasses.fields(model) if getattr(model, f.name) != getattr(lead_model, f.name))
+      return (f"{given}: the models differ in shape ({diff} {getattr(model, diff)} vs {getattr(lead_model, diff)}); "
+              "every arm trains a copy of the lead's initial policy")
+    if type(tok) is not type(lead_tok) or tok.vocab_size != lead_tok.vocab_size:
+      return f"{given}: the tokenizers differ; arms train on one stream of token ids, so one tokenizer"
+  return f"{given}: every arm starts from the lead's initial checkpoint; leave JobConfig.model to the lead"

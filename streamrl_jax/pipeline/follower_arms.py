@@ -1,0 +1,158 @@
+"""The follower arms of a run (`PipelineConfig.arms`): a trainer worker each, on its own thread and mesh, fed by
+the lead's fan-out (`arm_feed`). A follower answers the controller's questions itself (`FollowerControl`: it
+leases nothing, regenerates nothing; its backfill counts follow the controller's rule on the same groups), and
+publishes nowhere. It never holds the lead up: the lead only offers shards to its feed. A follower that fails is
+logged and closed; the lead and the other arms go on, and a resumed run restarts it from its own checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout, FollowerSource
+from streamrl_jax.pipeline.arms import arm_pipeline
+from streamrl_jax.pipeline.trainer_control import FollowerControl
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.streaming import QueueClosed, SampleShard
+
+
+class _Unpublished:
+  """A follower's weight publisher: its versions stay with it."""
+
+  seconds: dict = {}
+
+  def publish(self, params, version: int) -> None:
+    pass
+
+  def wait(self) -> None:
+    pass
+
+
+def feed_capacity(config) -> int:
+  """Samples a follower's feed holds: its lag bound's steps, the lead's staleness window's, and one step of
+  slack, each with its backfill."""
+  per_step = (config.prompts_per_step + config.backfill_per_step) * config.group_size
+  return (config.arm_max_lag + config.spec.max_lag + 2) * per_step
+
+
+class _Arm:
+  """One follower: its worker, feed, source and thread, and how it ended."""
+
+  def __init__(self, config, graphdef, params, mesh, checkpointer, resume: bool, first_step: int,
+               on_step: Callable[[dict], None] | None, log):
+    self.config, self.name, self.log = config, config.arm_name, log
+    resume = resume and checkpointer is not None and checkpointer.latest_step() is not None
+    self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
+                                streamed=False)
+    self.feed = ArmFeed(feed_capacity(config))
+    self.source = FollowerSource(self.feed, config.arm_max_lag, first_step)
+    self.on_step, self.metrics, self.error = on_step, [], None
+    self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
+
+  def _row(self, row: dict) -> None:
+    self.source.trained(row["step"] - 1)
+    row.update(arm=self.name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0),
+               arm_lag=self.source.lag(row["step"]), **self.source.counters)
+    if self.on_step is not None:
+      self.on_step(row)
+
+  def _run(self) -> None:
+    start = time.monotonic()
+    try:
+      self.metrics = self.worker.run(FollowerControl(self.config), self.source.get, _Unpublished(),
+                                     clock=lambda: time.monotonic() - start, on_step=self._row, skip=self.source.skip)
+    except QueueClosed:  # the lead stopped before this follower's last step: it ends at its last whole step
+      pass
+    except BaseException as err:  # the lead and the other arms go on
+      self.error = err
+      self.feed.close(discard=True)
+      self.log(f"arm {self.name!r} failed at step {self.source.step + 1}: {type(err).__name__}: {err}; the lead goes "
+               "on (a resumed run restarts the arm from its checkpoint)")
+    finally:
+      if self.worker.checkpointer is not None:
+        self.worker.checkpointer.wait()
+
+  def counters(self) -> dict:
+    feed = self.feed.stats()
+    return dict(self.worker.counters, **self.source.counters, arm_samples_refused=feed["refused_samples"],
+                arm_feed_max_depth=feed["max_depth"], arm_failed=int(self.error is not None))
+
+
+class Followers:
+  """The follower arms: `start` their threads, `tap` the lead's shard source and `on_step`, then `finish`."""
+
+  def __init__(self, config, graphdef, params, meshes: list, *, first_step: int, checkpointers: dict | None = None,
+               resume: bool = False, sinks: dict | None = None, log=lambda text: print(text, file=sys.stderr)):
+    checkpointers, sinks = checkpointers or {}, sinks or {}
+    self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
+                      first_step, sinks.get(arm.name), log) for arm, mesh in zip(config.arms, meshes)]
+    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms})
+    self.lead_name = config.arm_name
+
+  def start(self) -> None:
+    for arm in self.arms:
+      arm.thread.start()
+
+  def tap(self, get_shard: Callable[[float], SampleShard]) -> Callable[[float], SampleShard]:
+    """The lead's `get_shard`, offering every shard to the followers as the lead takes it."""
+    def get(timeout: float) -> SampleShard:
+      shard = get_shard(timeout)
+      self.fanout.offer(shard)
+      return shard
+    return get
+
+  def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
+    """The lead's `on_step`: its rows named by arm, with its own policy divergence; the followers learn the
+    lead's progress."""
+    def row(m: dict) -> None:
+      m.update(arm=self.lead_name, arm_policy_divergence=m.get("logprob_mismatch_kl", 0.0))
+      self.fanout.lead_trained(m["step"])
+      if on_step is not None:
+        on_step(m)
+    return row
+
+  def finish(self, discard: bool) -> dict:
+    """Ends the stream (with `discard`, the followers' queued samples too: a stop or a failure) and waits for the
+    followers to train what they hold; returns {arm name: (metrics, counters, state params)}."""
+    self.fanout.close(discard)
+    for arm in self.arms:
+      arm.thread.join()
+    return {arm.name: (arm.metrics, arm.counters(), arm.worker) for arm in self.arms}
+
+
+def follower_meshes(trainer_mesh, spare_devices: list, count: int) -> list:
+  """A mesh per follower: its own devices, shaped as the trainer's, while `spare_devices` last; then the trainer's
+  mesh itself (the follower's steps then take turns with the lead's on it)."""
+  size = trainer_mesh.devices.size
+  meshes = []
+  for i in range(count):
+    own = spare_devices[i * size:(i + 1) * size]
+    meshes.append(Mesh(np.asarray(own).reshape(trainer_mesh.devices.shape), trainer_mesh.axis_names)
+                  if len(own) == size else trainer_mesh)
+  return meshes
+
+
+def spare_devices(devices, *meshes) -> list:
+  """The devices (default: all) that none of `meshes` uses, in order."""
+  used = {d.id for mesh in meshes for d in mesh.devices.flat}
+  return [d for d in (jax.devices() if devices is None else devices) if d.id not in used]
+
+
+def make_followers(config, graphdef, params, trainer_mesh, spare: list, first_step: int, outputs: dict | None,
+                   resume: bool) -> Followers | None:
+  """The run's `Followers` (None without arms): meshes by `follower_meshes`, each arm's (checkpointer, on_step)
+  from `outputs`."""
+  if not config.arms:
+    return None
+  outputs = outputs or {}
+  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms)),
+                   first_step=first_step, resume=resume,
+                   checkpointers={name: out[0] for name, out in outputs.items()},
+                   sinks={name: out[1] for name, out in outputs.items()})
