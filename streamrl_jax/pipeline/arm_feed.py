@@ -1,8 +1,8 @@
 """The fan-out of the lead's sample stream to follower arms: each follower's bounded `ArmFeed`, the lead's
 `Fanout` that offers every shard to every feed without ever waiting, and a follower's `FollowerSource`.
 
-A feed that is full refuses the shard; the fan-out then drops that whole step for that follower (a follower
-trains whole steps or none) and says so in the feed (`dropped`). A follower more than `arm_max_lag` steps behind
+A feed that is full refuses the shard and drops that whole step for that follower (a follower trains whole steps
+or none): the follower learns it from the feed. A follower more than `arm_max_lag` steps behind
 the lead skips the step it is at. Both are counted, never silent: every sample offered to a follower is trained
 by it or counted in `arm_samples_skipped`, and every step it does not train in `arm_steps_skipped`.
 
@@ -38,26 +38,25 @@ class ArmFeed:
     self._samples, self._closed, self._lead_done = 0, False, 0
     self._dropped: set[int] = set()
     self._cond = threading.Condition()
-    self._stats = dict(offered_samples=0, refused_samples=0, max_depth=0)
+    self._stats = dict(offered_samples=0, refused_samples=0, discarded_samples=0, max_depth=0)
 
   def offer(self, shard: SampleShard) -> bool:
-    """Enqueues `shard` if it fits, now; False when full or closed (nothing waits)."""
+    """Enqueues `shard` if it fits, now (nothing waits). A shard that does not fit drops its step: it and every
+    later shard of that step are refused (counted), so the follower never trains half a step."""
+    step = int(shard.steps[0])
     with self._cond:
       self._stats["offered_samples"] += shard.num_samples
-      if self._closed or self._samples + shard.num_samples > self.capacity:
+      if self._closed or step in self._dropped or self._samples + shard.num_samples > self.capacity:
         self._stats["refused_samples"] += shard.num_samples
+        if not self._closed:
+          self._dropped.add(step)
+          self._cond.notify_all()
         return False
       self._items.append(shard)
       self._samples += shard.num_samples
       self._stats["max_depth"] = max(self._stats["max_depth"], self._samples)
       self._cond.notify_all()
       return True
-
-  def drop(self, step: int) -> None:
-    """Step `step` will not reach this follower whole."""
-    with self._cond:
-      self._dropped.add(step)
-      self._cond.notify_all()
 
   def lead_trained(self, steps_done: int) -> None:
     """The lead has trained every step below `steps_done`."""
@@ -91,6 +90,7 @@ class ArmFeed:
     with self._cond:
       self._closed = True
       if discard:
+        self._stats["discarded_samples"] += self._samples
         self._items.clear()
         self._samples = 0
       self._cond.notify_all()
@@ -106,21 +106,15 @@ class ArmFeed:
 
 
 class Fanout:
-  """The lead's side: `offer` every shard the lead receives to every open feed, `lead_trained` after each of the
-  lead's steps. Owned by the lead's thread."""
+  """The lead's side: `offer` every shard the lead receives to every feed, `lead_trained` after each of the lead's
+  steps. Owned by the lead's thread; it keeps nothing itself."""
 
   def __init__(self, feeds: dict[str, ArmFeed]):
     self.feeds = feeds
-    self._dropped = {name: set() for name in feeds}  # steps dropped per feed
 
   def offer(self, shard: SampleShard) -> None:
-    step = int(shard.steps[0])
-    for name, feed in self.feeds.items():
-      if step in self._dropped[name]:
-        continue
-      if not feed.offer(shard) and not feed.closed:
-        self._dropped[name].add(step)
-        feed.drop(step)
+    for feed in self.feeds.values():
+      feed.offer(shard)
 
   def lead_trained(self, steps_done: int) -> None:
     for feed in self.feeds.values():

@@ -44,10 +44,10 @@ def check_arm_names(lead: str, arms) -> None:
   """Refuses two arms of one name (the lead's included) and a name that is not a directory name."""
   seen = {lead}
   if not _NAME.match(lead):
-    raise ValueError(f"PipelineConfig.arm_name={lead!r}: letters, digits, '_', '.', '-'")
+    raise ConfigError(f"PipelineConfig.arm_name={lead!r}: letters, digits, '_', '.', '-'")
   for arm in arms:
     if arm.name in seen:
-      raise ValueError(f"two arms are named {arm.name!r}: each arm's outputs go to its own WORKDIR/arms/NAME")
+      raise ConfigError(f"two arms are named {arm.name!r}: each arm's outputs go to its own WORKDIR/arms/NAME")
     seen.add(arm.name)
 
 

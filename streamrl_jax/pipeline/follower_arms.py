@@ -80,9 +80,16 @@ class _Arm:
         self.worker.checkpointer.wait()
 
   def counters(self) -> dict:
+    """The worker's counters and the arm's: steps and samples skipped (a skipped step's samples, those thrown
+    away at a stop or failure, and those left unread), samples the full feed refused. Every sample offered is
+    in `samples_trained`, `duplicate_samples`, `arm_samples_skipped` or `arm_samples_refused` (stale groups:
+    `groups_regenerated`)."""
     feed = self.feed.stats()
+    left = feed["depth"] + feed["discarded_samples"]
     return dict(self.worker.counters, **self.source.counters, arm_samples_refused=feed["refused_samples"],
-                arm_feed_max_depth=feed["max_depth"], arm_failed=int(self.error is not None))
+                arm_samples_offered=feed["offered_samples"], arm_feed_max_depth=feed["max_depth"],
+                arm_failed=int(self.error is not None)) | {
+                    "arm_samples_skipped": self.source.counters["arm_samples_skipped"] + left}
 
 
 class Followers:
