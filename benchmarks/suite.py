@@ -69,6 +69,7 @@ BENCHES = (
     Bench("real_model", 6000, 420),
     Bench("lora", 3600, 420),
     Bench("serve", 1200, 420),
+    Bench("arms", 1800, 420),
 )
 
 

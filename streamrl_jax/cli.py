@@ -8,6 +8,7 @@
   streamrl train --workdir DIR [--config FILE]    RL post-training in one program (default: the CPU demo)
   streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
   streamrl sampler --connect H:P                   a sampler of a run across processes
+  streamrl follower --connect H:P --arm A.gin      a follower arm of a run as its own program
   streamrl launch local --workdir DIR --samplers N one trainer and N sampler processes on this machine
   streamrl train --workdir DIR --arms A.gin B.gin  several algorithms trained on one sample stream
   streamrl compare RUN_DIR                         those arms side by side: a table and RUN_DIR/compare.png
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
       args.host_devices = (role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch"
                            else default_host_devices(args))
     force_host_devices(args.host_devices)
-    if args.command in ("trainer", "sampler"):  # a launcher's SIGTERM stops them as Ctrl-C does
+    if args.command in ("trainer", "sampler", "follower"):  # a launcher's SIGTERM stops them as Ctrl-C does
       signal.signal(signal.SIGTERM, _interrupt)
     code = args.run(args)
   except (ValueError, OSError, KeyError) as err:  # OSError: missing files, a model that could not be fetched

@@ -241,7 +241,48 @@ LIMITS = {
     "StepSummary.sampler_processes": (0, 1 << 40), "StepSummary.sampler_rss_mb": (0.0, 1e9),
     "Regenerate.group_ids": (0, 1 << 62), "Backfill.filtered": (0, 1 << 62), "Backfilled.count": (0, 1 << 40),
     "SamplerWait.seconds": (0.0, 1e12),
+    "ArmJoin.name": 64, "ArmJoin.run_id": 64, "ArmPoll.name": 64, "ArmPoll.run_id": 64,
+    "ArmPoll.checkpointed": (0, 1 << 40), "ArmState.dropped": (0, 1 << 40),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmJoin:
+  """A follower arm's program joins the lead's stream of samples. `run_id`: the run its workdir's checkpoints belong
+  to ("" when it has none yet); `settings`: its configuration's stream settings, checked against the lead's."""
+
+  name: str
+  run_id: str
+  settings: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmJoined:
+  """The lead's run, the first step of its stream in this program (earlier steps are not served) and its steps."""
+
+  run_id: str
+  start_step: int
+  steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmPoll:
+  """A follower program asks after its stream and acknowledges the steps below `checkpointed` as saved (their
+  samples are let go)."""
+
+  name: str
+  run_id: str
+  checkpointed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmState:
+  """What the lead knows of a follower's stream: steps it has trained, steps dropped from the follower's feed (it
+  was full), and whether the stream is closed (every shard of the run offered)."""
+
+  lead_done: int
+  dropped: tuple[int, ...]
+  closed: bool
 
 
 def quote(value, limit: int = QUOTE_CHARS) -> str:
@@ -253,7 +294,8 @@ def quote(value, limit: int = QUOTE_CHARS) -> str:
 MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Rollout, Lease, LeaseReply, StepReport,
                                           Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack, Published,
                                           StepTrained, StepSummaryRequest, StepSummary, Regenerate, Backfill,
-                                          Backfilled, SamplerWaitQuery, SamplerWait)}
+                                          Backfilled, SamplerWaitQuery, SamplerWait, ArmJoin, ArmJoined, ArmPoll,
+                                          ArmState)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
 
 

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COLAB = ROOT / "colab"
-NOTEBOOKS = ("quickstart", "run_modes", "scheduling", "simulator", "own_checkpoint")
+NOTEBOOKS = ("quickstart", "run_modes", "scheduling", "simulator", "own_checkpoint", "arms")
 CELL_TIMEOUT_S = 300
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours in IPython's tracebacks
 

@@ -1,4 +1,5 @@
-"""`streamrl trainer` and `streamrl sampler`: the two roles of a run as separate programs.
+"""`streamrl trainer` and `streamrl sampler`: the two roles of a run as separate programs; and `streamrl follower`,
+a follower arm trained on the trainer's samples in a program of its own (`pipeline.follower_program`).
 
 Both read the same gin files and `--set` bindings (the trainer refuses a sampler whose settings differ).
 The trainer does what `streamrl train` does (warm-up, evaluation, metrics, checkpoints, `--resume`) and
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from streamrl_jax.config_types import ConfigError
 
-ROLES = ("trainer", "sampler")
+ROLES = ("trainer", "sampler", "follower")
 
 
 def add_role_parsers(sub, common) -> None:
@@ -51,6 +52,18 @@ def add_role_parsers(sub, common) -> None:
   sampler.add_argument("--relay-tls-name", help="with mutual TLS: the name relays' certificates carry, when it is not "
                        "the host dialled (one certificate for every sampler pod)")
   sampler.set_defaults(run=cmd_sampler)
+  follower = sub.add_parser("follower", help="a follower arm of a run as its own program: trains on the lead "
+                            "trainer's samples (PipelineConfig.arm_programs)")
+  common(follower)
+  follower.add_argument("--connect", required=True, help="HOST:PORT of the lead trainer's server")
+  follower.add_argument("--arm", required=True, metavar="FILE", help="the arm's gin file (its name is the file's)")
+  follower.add_argument("--workdir", required=True, help="the arm's outputs: the lead's WORKDIR/arms/NAME, so that "
+                        "`streamrl compare` finds them; run it again with the same workdir to resume the arm")
+  follower.set_defaults(run=cmd_follower)
+  tls = follower.add_argument_group("mutual TLS (all three, or none)")
+  tls.add_argument("--tls-cert", help="this side's PEM certificate")
+  tls.add_argument("--tls-key", help="this side's PEM private key")
+  tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
   for parser in (trainer, sampler):
     parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
                         "every weight version across, from the trainer's site, and passes it on inside")
@@ -71,7 +84,8 @@ def role_host_devices(args) -> int:
   from streamrl_jax.meshes import MeshConfig
 
   gin_config.parse(gin_config.run_files(args.config), args.set)
-  wanted = getattr(gin_config.build(MeshConfig), f"{args.command}_devices")
+  role = "trainer" if args.command == "follower" else args.command  # a follower arm is a trainer of its own
+  wanted = getattr(gin_config.build(MeshConfig), f"{role}_devices")
   if not wanted:
     from streamrl_jax.resources import cpu_cores
     return cpu_cores()
@@ -143,6 +157,31 @@ def lora_base(config, job):
 
   check_lora_base(config, job)
   return nnx.split(job.load_model()[0])[1]
+
+
+def cmd_follower(args) -> int:
+  from streamrl_jax import gin_config
+  from streamrl_jax.pipeline.follower_program import follow_lead
+  from streamrl_jax.streaming.flight_server import TLSFiles
+
+  files = gin_config.run_files(args.config)
+  gin_config.parse(files, args.set)
+  config, job = gin_config.build_run()
+  config = gin_config.with_arms(config, job, [args.arm], files, args.set)
+  tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
+  name = config.arms[0].name
+  try:
+    summary = follow_lead(config, job, name, connect=args.connect, workdir=Path(args.workdir), tls=tls,
+                          log=lambda text: print(f"streamrl follower {name}: {text}", file=sys.stderr, flush=True))
+  except KeyboardInterrupt:
+    print(f"streamrl follower {name}: stopped; run it again with --workdir {args.workdir} to resume from its last "
+          "checkpoint", file=sys.stderr)
+    return 130
+  except ConnectionError as err:
+    print(f"streamrl follower {name}: {err}", file=sys.stderr)
+    return 3
+  print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
+  return 0
 
 
 def cmd_sampler(args) -> int:

@@ -28,14 +28,17 @@ class StepSkipped(Exception):
 
 class ArmFeed:
   """One follower's inbox of shards, at most `capacity` samples; with what it knows of the lead (steps the lead
-  has trained, steps dropped from this feed). One writer (the fan-out), one reader (the follower)."""
+  has trained, steps dropped from this feed). One writer (the fan-out), one reader: a follower in this program
+  (`get` takes a shard out), or with `retain` a follower program across Flight (`read` from a sequence number on,
+  `acknowledge` the steps it has checkpointed: only then are their shards let go, so a follower that restarts
+  reads again whatever it had not saved)."""
 
-  def __init__(self, capacity: int):
+  def __init__(self, capacity: int, retain: bool = False):
     if capacity < 1:
       raise ValueError(f"ArmFeed capacity must be >= 1 sample, got {capacity}")
-    self.capacity = capacity
-    self._items: collections.deque[SampleShard] = collections.deque()
-    self._samples, self._closed, self._lead_done = 0, False, 0
+    self.capacity, self.retain = capacity, retain
+    self._items: collections.deque[tuple[int, SampleShard]] = collections.deque()  # (sequence number, shard)
+    self._samples, self._closed, self._lead_done, self._seq = 0, False, 0, 0
     self._dropped: set[int] = set()
     self._cond = threading.Condition()
     self._stats = dict(offered_samples=0, refused_samples=0, discarded_samples=0, max_depth=0)
@@ -52,11 +55,37 @@ class ArmFeed:
           self._dropped.add(step)
           self._cond.notify_all()
         return False
-      self._items.append(shard)
+      self._items.append((self._seq, shard))
+      self._seq += 1
       self._samples += shard.num_samples
       self._stats["max_depth"] = max(self._stats["max_depth"], self._samples)
       self._cond.notify_all()
       return True
+
+  def mark_dropped(self, steps) -> None:
+    """Steps that will not reach this follower whole (a follower program learns them from the lead's feed)."""
+    with self._cond:
+      self._dropped.update(steps)
+      self._cond.notify_all()
+
+  def read(self, after: int, timeout: float) -> list[tuple[int, SampleShard]]:
+    """Retained shards numbered above `after`, waiting up to `timeout` s for one ([] then, or once closed)."""
+    with self._cond:
+      self._cond.wait_for(lambda: self._closed or (self._items and self._items[-1][0] > after), timeout)
+      return [(seq, shard) for seq, shard in self._items if seq > after]
+
+  def wait_empty(self, timeout: float) -> bool:
+    """Whether the feed holds nothing, waiting up to `timeout` s for it to."""
+    with self._cond:
+      return self._cond.wait_for(lambda: not self._items, timeout)
+
+  def acknowledge(self, checkpointed: int) -> None:
+    """The follower has saved every step below `checkpointed`: their retained shards go."""
+    with self._cond:
+      kept = collections.deque(item for item in self._items if int(item[1].steps[0]) >= checkpointed)
+      self._samples = sum(shard.num_samples for _, shard in kept)
+      self._items = kept
+      self._cond.notify_all()
 
   def lead_trained(self, steps_done: int) -> None:
     """The lead has trained every step below `steps_done`."""
@@ -75,7 +104,7 @@ class ArmFeed:
         raise TimeoutError(f"no shard for {timeout} s")
       if not self._items:
         raise QueueClosed("the lead's stream ended")
-      shard = self._items.popleft()
+      _, shard = self._items.popleft()
       self._samples -= shard.num_samples
       self._cond.notify_all()
       return shard

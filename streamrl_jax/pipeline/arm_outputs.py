@@ -37,7 +37,6 @@ def arm_outputs(workdir: Path, config, resume: bool):
   from streamrl_jax.training.checkpoint import Checkpointer
 
   outputs, files = {}, []
-  (Path(workdir) / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's
   try:
     for arm in config.arms:
       directory = arm_dir(workdir, arm.name)
@@ -72,20 +71,25 @@ def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, b
   """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
   saved; its curves and summary.json written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
-  summaries = {}
-  for name, arm in result.arms.items():
-    directory = arm_dir(workdir, name)
-    arm_config = arm_pipeline(config, next(a for a in config.arms if a.name == name))
-    trained = nnx.merge(graphdef, arm.params)
-    after = evaluate(trained, tokenizer, heldout, arm_config, job.eval_prompts, job.seed, directory / "eval_after.jsonl")
-    log(f"arm {name!r}: held-out accuracy after RL {after:.3f} ({after - before:+.3f}); "
-        f"{arm.counters.get('arm_steps_skipped', 0)} steps skipped")
-    save_hf(trained, directory / "final_model")
-    rows = read_metrics(directory)
-    write_curves_png(rows, [(0, before), (config.steps, after)], directory / "curves.png",
-                     title=f"arm {name}: {arm_config.advantage}, {arm_config.objective.objective}")
-    summary = dict(describe_arm(arm_config), accuracy_before=before, accuracy_after=after, steps=len(rows),
-                   counters={k: v for k, v in arm.counters.items() if not isinstance(v, (list, dict))})
-    (directory / "summary.json").write_text(json.dumps(summary, indent=2))
-    summaries[name] = summary
-  return summaries
+  return {name: finish_arm(arm_dir(workdir, name), arm_pipeline(config, next(a for a in config.arms if a.name == name)),
+                           nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before, log, evaluate)
+          for name, arm in result.arms.items()}
+
+
+def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, heldout, job, before: float | None, log,
+               evaluate) -> dict:
+  """One follower's end: its trained model evaluated and saved to DIRECTORY/final_model, its curves drawn and its
+  summary.json written (`before`: the held-out accuracy of the policy every arm started from, None if unknown)."""
+  name = config.arm_name
+  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, directory / "eval_after.jsonl")
+  change = f" ({after - before:+.3f})" if before is not None else ""
+  log(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
+      f"{counters.get('arm_steps_skipped', 0)} steps skipped")
+  save_hf(trained, directory / "final_model")
+  rows = read_metrics(directory)
+  write_curves_png(rows, [(0, before)] * (before is not None) + [(config.steps, after)], directory / "curves.png",
+                   title=f"arm {name}: {config.advantage}, {config.objective.objective}")
+  summary = dict(describe_arm(config), accuracy_before=before, accuracy_after=after, steps=len(rows),
+                 counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})
+  (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+  return summary

@@ -68,6 +68,9 @@ class PipelineConfig:
   arms: tuple = dataclasses.field(default=(), metadata={"bound_by": "--arms FILE.gin ..."})
   arm_name: str = "lead"  # with arms: this config's own trainer's name (its rows' `arm`)
   arm_max_lag: int = 2  # with arms: a follower this many steps behind the lead skips a step to catch up
+  # with arms: each follower is a program of its own (`streamrl follower`, reading its stream from the trainer's
+  # Flight server); False: threads of the lead's program
+  arm_programs: bool = False
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -107,6 +110,10 @@ class PipelineConfig:
       if self.spec.shared_mesh:
         raise ValueError("PipelineConfig.arms: mode 'colocated' time-shares one mesh; followers need a streamed "
                          "or disaggregated mode")
+      if self.arm_programs and (self.sampler_precision != "float32" or self.lora.enabled):
+        raise ValueError("PipelineConfig.arm_programs: a follower program starts from the lead's weights as samplers "
+                         "get them, so it needs sampler_precision='float32' and no LoRA; train such arms in the "
+                         "lead's program (arm_programs=False)")
     if self.queue_capacity < self.group_size:
       raise ValueError("PipelineConfig.queue_capacity must hold at least one group")
 

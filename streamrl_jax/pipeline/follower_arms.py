@@ -35,6 +35,15 @@ class _Unpublished:
     pass
 
 
+def arm_row(row: dict, name: str, source: FollowerSource) -> dict:
+  """A follower's metrics row with its arm keys: its name, its policy's divergence from the sampler's
+  (`logprob_mismatch_kl`), how far behind the lead it is, its skips so far; its step's samples are then its own."""
+  source.trained(row["step"] - 1)
+  row.update(arm=name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0), arm_lag=source.lag(row["step"]),
+             **source.counters)
+  return row
+
+
 def feed_capacity(config) -> int:
   """Samples a follower's feed holds: its lag bound's steps, the lead's staleness window's, and one step of
   slack, each with its backfill."""
@@ -57,9 +66,7 @@ class _Arm:
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
   def _row(self, row: dict) -> None:
-    self.source.trained(row["step"] - 1)
-    row.update(arm=self.name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0),
-               arm_lag=self.source.lag(row["step"]), **self.source.counters)
+    arm_row(row, self.name, self.source)
     if self.on_step is not None:
       self.on_step(row)
 

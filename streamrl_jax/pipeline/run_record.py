@@ -14,6 +14,17 @@ import time
 from pathlib import Path
 
 RECORD_FILE = "run.json"
+RUN_ID_FILE = "run_id"
+
+
+def run_id(workdir: Path) -> str:
+  """The run's id: made at its first start (WORKDIR/run_id), the same on every resume. A follower arm's program
+  keeps the id of the run it joined beside its checkpoints, and a lead refuses one of another run."""
+  path = Path(workdir) / RUN_ID_FILE
+  if not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(os.urandom(8).hex())
+  return path.read_text().strip()
 
 
 def begin(workdir: Path, resumed_at: int | None) -> list[dict]:

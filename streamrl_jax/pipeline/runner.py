@@ -53,6 +53,9 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
   arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`.
   """
+  if config.arms and config.arm_programs:
+    raise ValueError("PipelineConfig.arm_programs: follower programs read from a trainer program's Flight server; "
+                     "run `streamrl launch local --arms ...` (or `streamrl trainer` and `streamrl follower`)")
   if config.lora.init_from and not config.lora.rank:  # the adapter's rank, alpha and targets
     config = dataclasses.replace(config, lora=resolve(config.lora, model.config))
   graphdef, initial = nnx.split(model)

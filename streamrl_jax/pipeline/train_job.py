@@ -19,7 +19,7 @@ from streamrl_jax.models import load_hf, lora, save_hf
 from streamrl_jax.models.catalog import base_model_id
 from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight, run_record
-from streamrl_jax.pipeline.arm_outputs import arm_outputs, finish_arms
+from streamrl_jax.pipeline.arm_outputs import arm_outputs, describe_arm, finish_arms
 from streamrl_jax.pipeline.arms import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -162,13 +162,21 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   if resume:
     log(f"resuming from the checkpoint of step {resumed_at}")
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
+  in_process_arms = bool(config.arms) and not config.arm_programs
+
+  def arm_kwargs(arms) -> dict:
+    if config.arms and config.arm_programs:  # the follower programs must belong to this run
+      return {"run_id": run_record.run_id(workdir)}
+    return {"arm_outputs": arms} if arms else {}
+  if config.arms and leader:
+    (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
   if on_start is not None:
     on_start(resumed_at or 0)
   with (_step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext()) as on_step, \
-       (arm_outputs(workdir, config, bool(resume)) if config.arms else contextlib.nullcontext()) as arms:
+       (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
     try:
       result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                      stop=stop, on_timeline=record.end if leader else None, **({"arm_outputs": arms} if arms else {}))
+                      stop=stop, on_timeline=record.end if leader else None, **arm_kwargs(arms))
     except (RunStopped, KeyboardInterrupt):
       if leader:  # the pictures of the run so far
         write_pictures(workdir, config, before, record.segments)
@@ -191,6 +199,10 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
     log(f"warning: {advice}")
   for advice in arm_advice(config):
     log(f"warning: {advice}")
+  if config.arms and config.arm_programs and role == "train":
+    raise ValueError("PipelineConfig.arm_programs: follower programs read their streams from a trainer program's "
+                     "Flight server; run `streamrl launch local --arms ...` (or `streamrl trainer` and "
+                     "`streamrl follower`), or leave arm_programs off to train the arms in this program")
   model_config, tokenizer = job.model_spec()
   task, heldout = job.make_task(tokenizer), job.make_task(tokenizer, "eval")
   preflight.check_activation_budget(config, model_config)

@@ -21,6 +21,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
+from streamrl_jax.pipeline.remote_arms import RemoteArms
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session, trained_params
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
@@ -37,7 +38,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
                    stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None,
-                   arm_outputs: dict | None = None) -> RunResult:
+                   arm_outputs: dict | None = None, run_id: str = "") -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
@@ -46,7 +47,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision.
   `on_timeline` (process 0) gets the timeline when the steps end, however they end. Follower arms
   (`config.arms`, `arm_outputs` as `runner.run_pipeline`'s) train in this program, on devices the trainer's mesh
-  leaves while they last."""
+  leaves while they last; with `config.arm_programs` they are programs of their own, served their streams by this
+  program's Flight server, and `run_id` names the run they must belong to."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   if config.arms and jax.process_count() > 1:
@@ -64,9 +66,13 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           on_event=on_event or (lambda e: log(describe_event(e))), site=site)
-  followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
-                             arm_outputs, resume)
-  queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config)
+  if config.arms and config.arm_programs:
+    followers = RemoteArms(config, run_id, trainer.start_step, settings or {}, log=log)
+  else:
+    followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
+                               arm_outputs, resume)
+  queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config,
+                                followers if isinstance(followers, RemoteArms) else None)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
   if on_listening is not None:
     on_listening(server.address)
@@ -91,13 +97,14 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
 
 
 def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, listen: str, tls: TLSFiles | None,
-           flight_config: FlightConfig):
-  """The trainer's door: (sample queue, weight store, the Flight server listening on `listen`)."""
+           flight_config: FlightConfig, arms: RemoteArms | None):
+  """The trainer's door: (sample queue, weight store, the Flight server listening on `listen`, serving `arms`' streams
+  too)."""
   queue = SampleQueue(config.queue_capacity)
   store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
                                limits=WireLimits.of_run(config, vocab_size), tls=tls,
-                               chunk_bytes=flight_config.weight_chunk_mb << 20)
+                               chunk_bytes=flight_config.weight_chunk_mb << 20, arms=arms)
   return queue, store, server
 
 

@@ -16,6 +16,7 @@ from flax import nnx
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.follower_arms import Followers
+from streamrl_jax.pipeline.remote_arms import RemoteArms
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker
@@ -70,13 +71,14 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
                   ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
                   teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
                   on_timeline: Callable[[dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
-                  followers: Followers | None = None) -> RunResult:
+                  followers: Followers | RemoteArms | None = None) -> RunResult:
   """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
   publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
   waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
   trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_timeline` gets
   the timeline once the steps end, also when they stop or fail. `followers`: follower arms fed every shard the
-  lead takes; once the lead is done they train what they hold (a stop or failure: only their step in progress)."""
+  lead takes (`Followers` in this program, `RemoteArms` served to follower programs); once the lead is done they
+  train what they hold (a stop or failure: only their step in progress)."""
   start_epoch = time.time()
   if followers is not None:
     get_shard, on_step = followers.tap(get_shard), followers.lead_rows(on_step)
@@ -91,10 +93,10 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
     completed = True
   finally:
     try:
-      teardown()
-    finally:
-      if followers is not None:
+      if followers is not None:  # before the samplers' side stops: follower programs read through its server
         arms = followers.finish(discard=not completed)
+    finally:
+      teardown()
     weights.wait()
     if ranker is not None:
       ranker.stop()

@@ -9,6 +9,8 @@ messages by DoAction. It moves typed records and does no training math.
   one outside the sender's leases is refused with a message naming the row and the rule, counted, and the
   connection stays usable. Nothing is acknowledged as accepted that the trainer will not take.
 - DoGet (ticket `{"weights": version}`): the tensors of a published version in chunks (`weight_chunks`).
+- DoGet (ticket `{"arm": NAME, "after": SEQ}`): a follower arm's program reads its stream of samples
+  (`pipeline.remote_arms`), the shards numbered above SEQ.
 - DoAction (type `control`): a JSON control message in, its reply out (`streamrl_jax.messages`).
 """
 
@@ -26,12 +28,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from streamrl_jax import launch
-from streamrl_jax.messages import (QUOTE_CHARS, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave, Register,
-                                   StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
+from streamrl_jax.messages import (QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave,
+                                   Register, StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
 from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
-from streamrl_jax.streaming.sample_schema import BadSampleBatch, WireLimits, batch_to_shard
+from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, WireLimits,
+                                                  batch_to_shard, shard_to_batch)
 from streamrl_jax.streaming.weight_chunks import (DEFAULT_CHUNK_BYTES, manifest_of, part_indices, read_weights_ticket,
                                                   weight_batches, weight_schema)
 
@@ -154,7 +157,7 @@ class TrainerFlightServer(flight.FlightServerBase):
 
   def __init__(self, host: str, port: int, *, controller, samples: SampleQueue, weights: HostWeightStore,
                limits: WireLimits | int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES, arms=None):
     scheme = "grpc+tls" if tls else "grpc+tcp"
     super().__init__(f"{scheme}://{host}:{port}", **server_tls_options(tls))
     self.address = f"{host}:{self.port}"
@@ -171,6 +174,9 @@ class TrainerFlightServer(flight.FlightServerBase):
     if controller is not None:  # None: a server of weights alone
       self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
                              StepReport: controller.report, Heartbeat: controller.heartbeat, Leave: controller.leave})
+    self.arms = arms  # follower programs' streams (`pipeline.remote_arms.RemoteArms`), or None
+    if arms is not None:
+      self._handlers.update({ArmJoin: arms.join, ArmPoll: arms.poll})
 
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
@@ -229,7 +235,10 @@ class TrainerFlightServer(flight.FlightServerBase):
 
   # ---- weights -------------------------------------------------------------------------------
   def do_get(self, context, ticket):
-    """Ticket `weight_chunks.weights_ticket(version, part, parts)`: the part's tensors of a held version."""
+    """Ticket `weight_chunks.weights_ticket(version, part, parts)`: the part's tensors of a held version; ticket
+    `{"arm": NAME, "after": SEQ}`: that follower's retained shards numbered above SEQ."""
+    if self.arms is not None and ticket.ticket.startswith(b'{"arm"'):
+      return self._arm_stream(ticket.ticket)
     try:
       version, part, parts = read_weights_ticket(ticket.ticket)
       manifest, arrays = self.weights.get(version)
@@ -242,6 +251,20 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._count("weight_bytes", sum(arrays[i].nbytes for i in indices))
     schema = weight_schema(version, manifest, indices)
     return flight.GeneratorStream(schema, weight_batches(schema, arrays, self.chunk_bytes))
+
+  def _arm_stream(self, raw: bytes):
+    """A follower's shards as sample batches, each stamped with its sequence number (the envelope's seq)."""
+    try:
+      ticket = json.loads(raw[:QUOTE_CHARS * 4])
+      name, after = ticket["arm"], ticket["after"]
+      if not isinstance(name, str) or not isinstance(after, int) or isinstance(after, bool):
+        raise ValueError("'arm' must be a name and 'after' a sequence number")
+      items = self.arms.read(name, after)
+    except (ValueError, KeyError, TypeError, BadMessage) as err:
+      self._count("bad_tickets")
+      raise flight.FlightServerError(f"bad arm ticket {raw[:QUOTE_CHARS]!r}: {_bounded(err)}") from None
+    return flight.GeneratorStream(SAMPLE_SCHEMA, (shard_to_batch(shard, SampleEnvelope(0, seq))
+                                                  for seq, shard in items))
 
   def _version_info(self, query: VersionQuery) -> VersionInfo:
     """The newest version (a long poll), with where the asking sampler fetches it: its parent in the version's

@@ -1,0 +1,188 @@
+"""The follower program (`streamrl follower`): one follower arm of a run in a program of its own, reading its
+stream from the lead trainer's Flight server (`pipeline.remote_arms` is the lead's side).
+
+It joins (its run id, kept beside its checkpoints, and its settings are checked by the lead), starts from its own
+checkpoint or else from the lead's weights of the run's first version, and trains as an in-process follower does:
+a `TrainerWorker` fed by a local `ArmFeed`, which a reader thread fills from the lead (DoGet) and keeps told of the
+lead's progress and dropped steps (`ArmPoll`). A poll acknowledges the steps whose checkpoint has committed; the
+lead lets their shards go then, and not before, so a follower killed at any point and started again with the same
+workdir trains every sample it had not saved, and none twice. Its outputs are those of an in-process arm
+(`arm_outputs`), in its own workdir (by default the lead's WORKDIR/arms/NAME).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pyarrow.flight as flight
+from flax import nnx
+
+from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery
+from streamrl_jax.meshes import role_mesh
+from streamrl_jax.pipeline.arm_feed import ArmFeed, FollowerSource
+from streamrl_jax.pipeline.arm_outputs import describe_arm, finish_arm
+from streamrl_jax.pipeline.arms import arm_pipeline
+from streamrl_jax.pipeline.follower_arms import _Unpublished, arm_row, feed_capacity
+from streamrl_jax.pipeline.metrics_log import open_metrics
+from streamrl_jax.pipeline.run_record import RUN_ID_FILE
+from streamrl_jax.pipeline.trainer_control import FollowerControl
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pytrees import unflatten_like
+from streamrl_jax.settings import flat_settings
+from streamrl_jax.streaming import QueueClosed
+from streamrl_jax.streaming.flight_client import FlightConnection, VersionGone, fetch_weights
+from streamrl_jax.streaming.sample_schema import WireLimits, batch_to_shard
+
+READ_DEADLINE_S = 60.0  # one DoGet of the stream (the lead answers within its READ_WAIT_S)
+
+
+class _Saved:
+  """The steps below `value` are checkpointed and committed: written by the follower's thread, read by the reader."""
+
+  def __init__(self, value: int):
+    self._value, self._lock = value, threading.Lock()
+
+  def set(self, value: int) -> None:
+    with self._lock:
+      self._value = max(self._value, value)
+
+  def get(self) -> int:
+    with self._lock:
+      return self._value
+
+
+class _CommittingCheckpointer:
+  """The follower's checkpointer, telling `saved` which steps have committed: before each save the previous one
+  is waited for (an asynchronous save is only safe to acknowledge once on disk)."""
+
+  def __init__(self, inner, saved: _Saved):
+    self.inner, self.saved = inner, saved
+
+  def save(self, state, extra=None, aux=None, step=None) -> None:
+    self.inner.wait()
+    self.saved.set(self.inner.latest_step() or 0)
+    self.inner.save(state, extra=extra, aux=aux, step=step)
+
+  def __getattr__(self, name):
+    return getattr(self.inner, name)
+
+
+class _StreamReader:
+  """The reader thread: the lead's shards into the local feed, the lead's progress and dropped steps with them,
+  acknowledging what `saved` says is committed. It ends when the lead's stream is closed and read whole, or
+  `halt` is set; a failure is kept in `error` and closes the feed."""
+
+  def __init__(self, connection: FlightConnection, name: str, run_id: str, feed: ArmFeed, saved: _Saved,
+               limits: WireLimits):
+    self.connection, self.name, self.run_id, self.feed, self.saved, self.limits = (connection, name, run_id, feed,
+                                                                                   saved, limits)
+    self.after, self.error, self.halt = -1, None, threading.Event()
+    self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{name}-reader")
+
+  def _read(self) -> list:
+    ticket = flight.Ticket(json.dumps({"arm": self.name, "after": self.after}).encode())
+    reader = self.connection.client.do_get(ticket, options=self.connection.options(READ_DEADLINE_S))
+    return [batch_to_shard(chunk.data, self.limits) for chunk in reader]
+
+  def _run(self) -> None:
+    try:
+      while not self.halt.is_set():
+        got = self.connection.call(self._read)
+        for shard, envelope in got:
+          self.feed.offer(shard)
+          self.after = max(self.after, envelope.seq)
+        state = self.poll()
+        self.feed.lead_trained(state.lead_done)
+        self.feed.mark_dropped(state.dropped)
+        if state.closed and not got:
+          break
+    except BaseException as err:  # the follower's get then ends: the error is raised in its words
+      self.error = err
+    finally:
+      self.feed.close()
+
+  def poll(self) -> ArmState:
+    return self.connection.action(ArmPoll(self.name, self.run_id, self.saved.get()), ArmState)
+
+
+def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None, log=print) -> dict:
+  """Runs follower arm `arm_name` of `config.arms` against the lead at `connect` until the lead's stream ends;
+  returns the arm's summary (also WORKDIR/summary.json)."""
+  from streamrl_jax.pipeline.train_job import evaluate
+  from streamrl_jax.training.checkpoint import Checkpointer
+
+  arm = next((a for a in config.arms if a.name == arm_name), None)
+  if arm is None:
+    raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms]})")
+  arm_config = arm_pipeline(config, arm)
+  workdir = Path(workdir)
+  workdir.mkdir(parents=True, exist_ok=True)
+  id_file = workdir / RUN_ID_FILE
+  connection = FlightConnection(connect, tls=tls, log=log, peer="the lead trainer")
+  joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
+                                     flat_settings(config, job)), ArmJoined)
+  id_file.write_text(joined.run_id)
+  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm_config), indent=1))
+  base = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  resumed_at = base.latest_step()
+  saved = _Saved(resumed_at or 0)
+  model, tokenizer, _ = job.load_model()
+  graphdef, params = nnx.split(model)
+  if resumed_at is None:
+    params = _lead_weights(connection, params, joined.start_step, log)
+  log(f"arm {arm.name!r}: joined run {joined.run_id}; " + (f"resuming after its step {resumed_at}" if resumed_at
+                                                           else f"starting at step {joined.start_step + 1}"))
+  checkpointer = _CommittingCheckpointer(base, saved)
+  worker = TrainerWorker(arm_config, graphdef, params, role_mesh(config.mesh, "trainer", devices),
+                         checkpointer=checkpointer, resume=resumed_at is not None, streamed=False)
+  feed = ArmFeed(feed_capacity(config))
+  reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
+                         WireLimits.of_run(config, model.config.vocab_size))
+  source = FollowerSource(feed, config.arm_max_lag, first_step=joined.start_step)
+  reader.thread.start()
+  metrics, start, completed = [], time.monotonic(), False
+  try:
+    with open_metrics(workdir, resumed_at) as out:
+      def on_step(row: dict) -> None:
+        out.write(json.dumps(arm_row(row, arm.name, source)) + "\n")
+        out.flush()
+      try:
+        metrics = worker.run(FollowerControl(arm_config), source.get, _Unpublished(),
+                             clock=lambda: time.monotonic() - start, on_step=on_step, skip=source.skip)
+        completed = True
+      except QueueClosed:
+        if reader.error is not None:
+          raise reader.error
+        log(f"arm {arm.name!r}: the lead's stream ended before step {config.steps}")
+    base.wait()
+    saved.set(config.steps if completed else base.latest_step() or 0)  # every step trained and saved, or skipped
+    reader.halt.set()
+    reader.poll()  # the last acknowledgement: the lead may end
+  finally:
+    reader.halt.set()
+    connection.close()
+    base.wait()
+    base.close()
+  counters = dict(worker.counters, **source.counters)
+  before_file = workdir.parent.parent / "accuracy_before.json"  # the lead's, when this is its WORKDIR/arms/NAME
+  before = json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
+  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, tokenizer,
+                    job.make_task(tokenizer, "eval"), job, before, log, evaluate)
+
+
+def _lead_weights(connection: FlightConnection, template, version: int, log):
+  """The lead's weights of `version` (the run's first) as `template`'s tree (float32 on the wire: `to_wire`); the
+  newest the lead holds when that one is gone (the follower joined late: it starts from the lead's policy then)."""
+  newest = -1
+  while newest < version:  # the lead publishes its first version as its steps begin
+    newest = connection.action(VersionQuery(version, 30.0), VersionInfo, timeout=60.0).version
+  try:
+    _, flat, _ = fetch_weights(connection, version)
+  except VersionGone:
+    newest = connection.action(VersionQuery(version), VersionInfo).version
+    log(f"the lead no longer holds version {version}: starting from its version {newest}")
+    _, flat, _ = fetch_weights(connection, newest)
+  return unflatten_like({"values": template, "scales": {}}, flat, "the lead's weights")["values"]  # float32 wire
