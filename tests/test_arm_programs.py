@@ -63,8 +63,8 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
   monkeypatch.setattr(follower_program, "arm_row", failing_row)
 
   def follow(**kwargs):
-    return follower_program.follow_lead(CONFIG, JOB, "rloo", devices=jax.devices()[6:8], log=lambda *_: None,
-                                        **kwargs)
+    return follower_program.follow_lead(CONFIG, JOB, "rloo", devices=jax.devices()[6:8], flight_config=FAST,
+                                        log=lambda *_: None, **kwargs)
 
   def follower(address: str):
     try:
@@ -111,3 +111,31 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
   for lead_row, row in zip(result.metrics, rows):
     assert row["reward_mean"] == lead_row["reward_mean"]  # the lead's samples
   assert np.isfinite(rows[-1]["arm_policy_divergence"]) and rows[-1]["arm_policy_divergence"] > 0
+
+
+def test_launch_local_starts_a_follower_program_per_arm_in_the_leads_workdir(tmp_path):
+  from streamrl_jax.cli import build_parser
+  from streamrl_jax.commands.launch_local import Supervisor, _check_arms, plan_children
+
+  arm = tmp_path / "rloo.gin"
+  arm.write_text("PipelineConfig.advantage = 'rloo'\nObjectiveConfig.objective = 'ppo_tis'\n")
+  args = build_parser().parse_args(["launch", "local", "--workdir", str(tmp_path / "run"), "--arms", str(arm),
+                                    "--set", "PipelineConfig.mode='stream'", "--set", "PipelineConfig.arm_programs=True"])
+  programs = _check_arms(args)
+  assert programs == (("rloo", str(arm)),)
+  children = plan_children(args, None, programs)
+  trainer, sampler, follower = children
+  assert trainer.argv[trainer.argv.index("--arms") + 1] == str(arm)
+  assert follower.name == "arm-rloo" and follower.argv[3] == "follower"
+  assert follower.argv[follower.argv.index("--workdir") + 1] == str(tmp_path / "run" / "arms" / "rloo")
+  connect = follower.argv[follower.argv.index("--connect") + 1]
+  assert connect == sampler.argv[sampler.argv.index("--connect") + 1]
+  supervisor = Supervisor(children, 1, tmp_path / "run")
+  assert supervisor.samplers() == [sampler] and supervisor.followers() == [follower]
+  args.set = ["PipelineConfig.mode='stream'"]  # arms in the trainer's program: no follower processes
+  assert _check_arms(args) == ()
+  bad = tmp_path / "bad.gin"
+  bad.write_text("PipelineConfig.group_size = 2\n")
+  args.arms = [str(bad)]
+  with pytest.raises(ValueError, match="arm 'bad': PipelineConfig.group_size=2 differs from the lead's"):
+    _check_arms(args)

@@ -1,4 +1,5 @@
-"""`streamrl launch local`: one trainer and N sampler processes on this machine.
+"""`streamrl launch local`: one trainer and N sampler processes on this machine (and with `--arms` and
+`PipelineConfig.arm_programs`, a `streamrl follower` process per arm, restarted like a sampler when it dies).
 
 The trainer (one process, or several forming one `jax.distributed` cluster) keeps the terminal (its progress
 bar); samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs on its own CPU cores
@@ -32,6 +33,8 @@ import numpy as np
 STOP_SAVE_MARGIN_S = 60.0  # a stopping trainer's checkpoint and teardown, beyond its stop grace
 FAILURE_STOP_S = 60.0  # after a child failed: how long the trainer may take to stop
 SAMPLER_EXIT_GRACE_S = 30.0
+FOLLOWER_EXIT_GRACE_S = 900.0  # after the trainer: a follower program evaluates and saves its policy
+ARM_CHILD = "arm-"  # follower programs' names: arm-NAME
 USAGE_ERROR = 2  # `streamrl ...: error: ...` (a config or user-code mistake): starting it again would repeat it
 
 
@@ -110,7 +113,9 @@ def _child_setup(cores: list[int] | None) -> None:
     pass
 
 
-def plan_children(args, cores: list[int] | None) -> list[Child]:
+def plan_children(args, cores: list[int] | None, arm_programs=()) -> list[Child]:
+  """The trainer's processes, the samplers, then a `streamrl follower` per (arm name, file) of `arm_programs` (its
+  workdir the trainer's WORKDIR/arms/NAME)."""
   base = [sys.executable, "-m", "streamrl_jax.cli"]
   config = [a for f in args.config for a in ("--config", f)] + [a for b in args.set for a in ("--set", b)]
   workdir = Path(args.workdir)
@@ -129,6 +134,9 @@ def plan_children(args, cores: list[int] | None) -> list[Child]:
     argv = base + ["sampler", "--connect", address, "--name", f"sampler-{k}", *config]
     children.append(Child(f"sampler-{k}", argv, cores[args.trainer_processes + k] if cores else None,
                           workdir / "logs" / f"sampler-{k}.log"))
+  for name, path in arm_programs:
+    argv = base + ["follower", "--connect", address, "--arm", path, "--workdir", str(workdir / "arms" / name), *config]
+    children.append(Child(f"{ARM_CHILD}{name}", argv, None, workdir / "logs" / f"{ARM_CHILD}{name}.log"))
   return children
 
 
@@ -164,12 +172,14 @@ def cmd_launch_local(args) -> int:
                        f"--max-samplers {elastic.high}")
     if args.pin_cores:
       raise ValueError("--pin-cores splits the cores at start; it cannot be combined with --max-samplers")
-  if args.arms:
-    _check_arms(args)
+  arm_programs = _check_arms(args) if args.arms else ()
+  if arm_programs and args.pin_cores:
+    raise ValueError("--pin-cores splits the cores between the trainer and samplers; follower programs "
+                     "(PipelineConfig.arm_programs) would share them: drop one")
   cores = None
   if args.pin_cores:
     cores = assign_cores(sorted(os.sched_getaffinity(0)), args.trainer_processes, args.samplers)
-  children = plan_children(args, cores)
+  children = plan_children(args, cores, arm_programs)
   workdir = Path(args.workdir)
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
   previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -191,15 +201,17 @@ def cmd_launch_local(args) -> int:
     signal.signal(signal.SIGTERM, previous)
 
 
-def _check_arms(args) -> None:
-  """`--arms` files refused here, before any process starts (the trainer would refuse them the same way)."""
+def _check_arms(args) -> tuple:
+  """`--arms` files refused here, before any process starts (the trainer would refuse them the same way); returns
+  (arm name, file) of each follower program to start (none when the arms train in the trainer's program)."""
   from streamrl_jax import gin_config
 
   if args.trainer_processes > 1:
     raise ValueError("--arms: follower arms run beside a trainer of one process; drop --trainer-processes")
   files = gin_config.run_files(args.config)
   gin_config.parse(files, args.set)
-  gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
+  config = gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
+  return tuple(zip((arm.name for arm in config.arms), args.arms)) if config.arm_programs else ()
 
 
 def _write_manifest(workdir: Path, children: list[Child]) -> None:
@@ -227,7 +239,10 @@ class Supervisor:
     self.started = len(children) - trainer_processes  # samplers ever started: names stay unique
 
   def samplers(self) -> list[Child]:
-    return [c for c in self.children if c not in self.trainers]
+    return [c for c in self.children if c not in self.trainers and not c.name.startswith(ARM_CHILD)]
+
+  def followers(self) -> list[Child]:
+    return [c for c in self.children if c.name.startswith(ARM_CHILD)]
 
   def run(self) -> int:
     while any(c.proc.poll() is None for c in self.trainers):
@@ -240,6 +255,13 @@ class Supervisor:
     deadline = time.monotonic() + SAMPLER_EXIT_GRACE_S
     while any(c.proc.poll() is None for c in self.samplers()) and time.monotonic() < deadline:
       time.sleep(0.2)
+    deadline = time.monotonic() + FOLLOWER_EXIT_GRACE_S  # they evaluate and save their policies
+    while any(c.proc.poll() is None for c in self.followers()) and time.monotonic() < deadline:
+      time.sleep(0.2)
+    failed = [c for c in self.followers() if c.proc.returncode not in (None, 0)]
+    for child in failed:
+      print(f"streamrl launch local: {child.name} exited with code {child.proc.returncode} (its log: {child.log})",
+            file=sys.stderr)
     return self.trainers[0].proc.returncode
 
   def _check_exits(self) -> int | None:
@@ -255,6 +277,9 @@ class Supervisor:
         _write_manifest(self.workdir, self.children)
         continue
       print(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
+      if child.name.startswith(ARM_CHILD):  # the lead and the other arms go on; the arm resumes on a later run
+        child.retired = True
+        continue
       _stop(self.children, self.trainers, FAILURE_STOP_S)
       return code
     return None

@@ -172,6 +172,7 @@ def cmd_follower(args) -> int:
   name = config.arms[0].name
   try:
     summary = follow_lead(config, job, name, connect=args.connect, workdir=Path(args.workdir), tls=tls,
+                          flight_config=gin_config.build_flight(),
                           log=lambda text: print(f"streamrl follower {name}: {text}", file=sys.stderr, flush=True))
   except KeyboardInterrupt:
     print(f"streamrl follower {name}: stopped; run it again with --workdir {args.workdir} to resume from its last "

@@ -34,6 +34,7 @@ from streamrl_jax.pytrees import unflatten_like
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.streaming.flight_client import FlightConnection, VersionGone, fetch_weights
+from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.streaming.sample_schema import WireLimits, batch_to_shard
 
 READ_DEADLINE_S = 60.0  # one DoGet of the stream (the lead answers within its READ_WAIT_S)
@@ -108,9 +109,11 @@ class _StreamReader:
     return self.connection.action(ArmPoll(self.name, self.run_id, self.saved.get()), ArmState)
 
 
-def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None, log=print) -> dict:
+def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None, log=print,
+                flight_config: FlightConfig = FlightConfig()) -> dict:
   """Runs follower arm `arm_name` of `config.arms` against the lead at `connect` until the lead's stream ends;
-  returns the arm's summary (also WORKDIR/summary.json)."""
+  returns the arm's summary (also WORKDIR/summary.json). `flight_config`: call deadlines and how long to keep
+  trying to reach the lead (its warm-up, a restart)."""
   from streamrl_jax.pipeline.train_job import evaluate
   from streamrl_jax.training.checkpoint import Checkpointer
 
@@ -121,7 +124,8 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
   id_file = workdir / RUN_ID_FILE
-  connection = FlightConnection(connect, tls=tls, log=log, peer="the lead trainer")
+  connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
+                                retry_s=flight_config.connect_retry_s, log=log, peer="the lead trainer")
   joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
                                      flat_settings(config, job)), ArmJoined)
   id_file.write_text(joined.run_id)
