@@ -161,19 +161,12 @@ def _config_args(parser) -> None:
   parser.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
 
 
-def arms_arg(parser) -> None:
-  """`--arms FILE ...`: follower arms (`pipeline.arms`)."""
-  parser.add_argument("--arms", nargs="+", default=[], metavar="FILE",
-                      help="follower arm gin files (e.g. configs/arms/*.gin): more trainers on this run's samples, each with the "
-                            "advantage, objective and optimizer its file sets; the run's own config is the lead")
-
-
 def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
   from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.serve import add_serve_parser
-  from streamrl_jax.commands.train import cmd_train
+  from streamrl_jax.commands.train import arms_arg, cmd_train
   from streamrl_jax.sim.preset_names import PRESETS
 
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])

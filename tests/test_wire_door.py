@@ -114,7 +114,8 @@ def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
 def take_step(shards, step=1):
   """`TrainerWorker._take_step` on a stand-in worker that records what it would train."""
   trained = []
-  worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, _early={}, _trained=set(), refusals=[],
+  worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed, _early={}, _trained=set(),
+                           refusals=[],
                            counters=dict(unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
                                          refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))

@@ -54,7 +54,7 @@ def add_launch_parser(sub, common) -> None:
                      help="grow and shrink sampler processes by the elastic decision, up to this many")
   local.add_argument("--min-samplers", type=int, default=1, help="with --max-samplers: the fewest (default 1)")
   local.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
-  from streamrl_jax.cli import arms_arg
+  from streamrl_jax.commands.train import arms_arg
   arms_arg(local)
   local.set_defaults(run=cmd_launch_local)
   from streamrl_jax.commands.launch_gke import add_gke_parser

@@ -27,7 +27,7 @@ def add_role_parsers(sub, common) -> None:
   trainer.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
   trainer.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (default loopback; port 0: "
                                                                 "any free one, printed and written to --address-file)")
-  from streamrl_jax.cli import arms_arg
+  from streamrl_jax.commands.train import arms_arg
   arms_arg(trainer)
   trainer.add_argument("--address-file", help="write the address served on to this file once listening")
   trainer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")

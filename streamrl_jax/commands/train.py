@@ -11,6 +11,13 @@ import json
 import sys
 
 
+def arms_arg(parser) -> None:
+  """`--arms FILE ...`: follower arms (`pipeline.arms`)."""
+  parser.add_argument("--arms", nargs="+", default=[], metavar="FILE",
+                      help="follower arm gin files (e.g. configs/arms/*.gin): more trainers on this run's samples, "
+                           "each with the advantage, objective and optimizer its file sets; the run's config leads")
+
+
 def cmd_train(args) -> int:
   from streamrl_jax import gin_config
   from streamrl_jax.pipeline.runner import run_pipeline

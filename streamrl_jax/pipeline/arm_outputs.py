@@ -71,8 +71,9 @@ def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, b
   """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
   saved; its curves and summary.json written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
-  return {name: finish_arm(arm_dir(workdir, name), arm_pipeline(config, next(a for a in config.arms if a.name == name)),
-                           nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before, log, evaluate)
+  arms = {arm.name: arm for arm in config.arms}
+  return {name: finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]), nnx.merge(graphdef, arm.params),
+                           arm.counters, tokenizer, heldout, job, before, log, evaluate)
           for name, arm in result.arms.items()}
 
 

@@ -257,10 +257,11 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
     log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
         f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
-  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate) if result.arms else {}
+  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate)
+  by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), counters=result.counters,  # the last segment's counters
-                 **({"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}))
+                 **by_arm)
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 
