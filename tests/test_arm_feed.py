@@ -3,7 +3,6 @@ skips, nothing is waited for on the lead's side, and every offered sample is tra
 
 import dataclasses
 
-import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Callable
 
 from streamrl_jax.streaming import QueueClosed, SampleShard
 
@@ -136,10 +137,28 @@ class ArmFeed:
 
 class Fanout:
   """The lead's side: `offer` every shard the lead receives to every feed, `lead_trained` after each of the lead's
-  steps. Owned by the lead's thread; it keeps nothing itself."""
+  steps; `tap` and `lead_rows` wrap the lead's shard source and row callback to do both. Owned by the lead's
+  thread; it keeps nothing itself."""
 
-  def __init__(self, feeds: dict[str, ArmFeed]):
-    self.feeds = feeds
+  def __init__(self, feeds: dict[str, ArmFeed], lead_name: str = "lead"):
+    self.feeds, self.lead_name = feeds, lead_name
+
+  def tap(self, get_shard: Callable[[float], SampleShard]) -> Callable[[float], SampleShard]:
+    """The lead's `get_shard`, offering every shard to the followers as the lead takes it."""
+    def get(timeout: float) -> SampleShard:
+      shard = get_shard(timeout)
+      self.offer(shard)
+      return shard
+    return get
+
+  def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
+    """The lead's `on_step`: its rows named by arm, with its own policy divergence; the feeds learn its progress."""
+    def row(m: dict) -> None:
+      m.update(arm=self.lead_name, arm_policy_divergence=m.get("logprob_mismatch_kl", 0.0))
+      self.lead_trained(m["step"])
+      if on_step is not None:
+        on_step(m)
+    return row
 
   def offer(self, shard: SampleShard) -> None:
     for feed in self.feeds.values():

@@ -20,7 +20,7 @@ from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.pipeline.arms import arm_pipeline
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
-from streamrl_jax.streaming import QueueClosed, SampleShard
+from streamrl_jax.streaming import QueueClosed
 
 
 class _Unpublished:
@@ -100,37 +100,18 @@ class _Arm:
 
 
 class Followers:
-  """The follower arms: `start` their threads, `tap` the lead's shard source and `on_step`, then `finish`."""
+  """The follower arms: `start` their threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
 
   def __init__(self, config, graphdef, params, meshes: list, *, first_step: int, checkpointers: dict | None = None,
                resume: bool = False, sinks: dict | None = None, log=lambda text: print(text, file=sys.stderr)):
     checkpointers, sinks = checkpointers or {}, sinks or {}
     self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
                       first_step, sinks.get(arm.name), log) for arm, mesh in zip(config.arms, meshes)]
-    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms})
-    self.lead_name = config.arm_name
+    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arm_name)
 
   def start(self) -> None:
     for arm in self.arms:
       arm.thread.start()
-
-  def tap(self, get_shard: Callable[[float], SampleShard]) -> Callable[[float], SampleShard]:
-    """The lead's `get_shard`, offering every shard to the followers as the lead takes it."""
-    def get(timeout: float) -> SampleShard:
-      shard = get_shard(timeout)
-      self.fanout.offer(shard)
-      return shard
-    return get
-
-  def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
-    """The lead's `on_step`: its rows named by arm, with its own policy divergence; the followers learn the
-    lead's progress."""
-    def row(m: dict) -> None:
-      m.update(arm=self.lead_name, arm_policy_divergence=m.get("logprob_mismatch_kl", 0.0))
-      self.fanout.lead_trained(m["step"])
-      if on_step is not None:
-        on_step(m)
-    return row
 
   def finish(self, discard: bool) -> dict:
     """Ends the stream (with `discard`, the followers' queued samples too: a stop or a failure) and waits for the

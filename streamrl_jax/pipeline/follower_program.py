@@ -147,15 +147,15 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
                          WireLimits.of_run(config, model.config.vocab_size))
   source = FollowerSource(feed, config.arm_max_lag, first_step=joined.start_step)
   reader.thread.start()
-  metrics, start, completed = [], time.monotonic(), False
+  start, completed = time.monotonic(), False
   try:
     with open_metrics(workdir, resumed_at) as out:
       def on_step(row: dict) -> None:
         out.write(json.dumps(arm_row(row, arm.name, source)) + "\n")
         out.flush()
       try:
-        metrics = worker.run(FollowerControl(arm_config), source.get, _Unpublished(),
-                             clock=lambda: time.monotonic() - start, on_step=on_step, skip=source.skip)
+        worker.run(FollowerControl(arm_config), source.get, _Unpublished(), clock=lambda: time.monotonic() - start,
+                   on_step=on_step, skip=source.skip)
         completed = True
       except QueueClosed:
         if reader.error is not None:

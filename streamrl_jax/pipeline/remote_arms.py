@@ -32,35 +32,20 @@ def stream_settings(settings: dict) -> dict:
 
 
 class RemoteArms:
-  """The follower programs' streams on the lead: `tap` the lead's shard source and `lead_rows` its rows as
-  `Followers` does; `join`, `poll` and `read` answer the Flight server; `finish` at the end."""
+  """The follower programs' streams on the lead: `fanout` taps the lead's shard source and rows as `Followers`'
+  does; `join`, `poll` and `read` answer the Flight server; `finish` at the end."""
 
   def __init__(self, config, run_id: str, start_step: int, settings: dict,
                log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic):
     self.run_id, self.start_step, self.steps = run_id, start_step, config.steps
-    self.settings, self.lead_name, self.log, self.clock = stream_settings(settings), config.arm_name, log, clock
+    self.settings, self.log, self.clock = stream_settings(settings), log, clock
     self.feeds = {arm.name: ArmFeed(feed_capacity(config), retain=True) for arm in config.arms}
-    self.fanout = Fanout(self.feeds)
+    self.fanout = Fanout(self.feeds, config.arm_name)
     self._heard: dict[str, float] = {}  # arm -> when it last joined or polled
     self._lock = threading.Lock()
 
   def start(self) -> None:
     pass
-
-  def tap(self, get_shard: Callable[[float], SampleShard]) -> Callable[[float], SampleShard]:
-    def get(timeout: float) -> SampleShard:
-      shard = get_shard(timeout)
-      self.fanout.offer(shard)
-      return shard
-    return get
-
-  def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
-    def row(m: dict) -> None:
-      m.update(arm=self.lead_name, arm_policy_divergence=m.get("logprob_mismatch_kl", 0.0))
-      self.fanout.lead_trained(m["step"])
-      if on_step is not None:
-        on_step(m)
-    return row
 
   def _feed(self, name: str, run_id: str) -> ArmFeed:
     feed = self.feeds.get(name)

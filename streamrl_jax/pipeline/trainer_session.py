@@ -81,7 +81,7 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
   train what they hold (a stop or failure: only their step in progress)."""
   start_epoch = time.time()
   if followers is not None:
-    get_shard, on_step = followers.tap(get_shard), followers.lead_rows(on_step)
+    get_shard, on_step = followers.fanout.tap(get_shard), followers.fanout.lead_rows(on_step)
     followers.start()
   start()
   if ranker is not None:
