@@ -97,7 +97,7 @@ def test_a_follower_with_the_leads_algorithm_ends_at_the_leads_weights(first_run
 
 def test_a_failing_follower_leaves_the_lead_and_the_others_running(first_run):
   _, _, outputs, lead, result = first_run
-  assert result.arms["broken"].counters["arm_failed"] == 1
+  assert result.arms["broken"].counters["arm_failed"] == 1 and result.arms["broken"].params is None
   assert [r["step"] for r in outputs.rows["broken"]] == [1]
   assert outputs.checkpointers["broken"].latest_step() == 1  # its step 2 never reached its checkpoint
   assert lead.latest_step() == 3 and len(result.metrics) == 3

@@ -71,10 +71,16 @@ def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, b
   """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
   saved; its curves and summary.json written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
-  arms = {arm.name: arm for arm in config.arms}
-  return {name: finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]), nnx.merge(graphdef, arm.params),
-                           arm.counters, tokenizer, heldout, job, before, log, evaluate)
-          for name, arm in result.arms.items()}
+  arms, summaries = {arm.name: arm for arm in config.arms}, {}
+  for name, arm in result.arms.items():
+    if arm.params is None:
+      log(f"arm {name!r} failed during the run: not evaluated; `--resume` continues it from "
+          f"{arm_dir(workdir, name) / 'checkpoints'}")
+      continue
+    summaries[name] = finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]),
+                                 nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before, log,
+                                 evaluate)
+  return summaries
 
 
 def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, heldout, job, before: float | None, log,

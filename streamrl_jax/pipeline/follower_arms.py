@@ -115,11 +115,12 @@ class Followers:
 
   def finish(self, discard: bool) -> dict:
     """Ends the stream (with `discard`, the followers' queued samples too: a stop or a failure) and waits for the
-    followers to train what they hold; returns {arm name: (metrics, counters, state params)}."""
+    followers to train what they hold; returns {arm name: (metrics, counters, its worker; None for one that failed,
+    whose state may be half way through a step)}."""
     self.fanout.close(discard)
     for arm in self.arms:
       arm.thread.join()
-    return {arm.name: (arm.metrics, arm.counters(), arm.worker) for arm in self.arms}
+    return {arm.name: (arm.metrics, arm.counters(), arm.worker if arm.error is None else None) for arm in self.arms}
 
 
 def follower_meshes(trainer_mesh, spare_devices: list, count: int) -> list:

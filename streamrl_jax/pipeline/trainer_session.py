@@ -109,6 +109,9 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
   params, adapters = trained_params(trainer, to_host)
   arm_results = {}
   for name, (arm_metrics, arm_counters, worker) in arms.items():
+    if worker is None:  # it failed: what it saved is in its checkpoints
+      arm_results[name] = RunResult(None, arm_metrics, arm_counters, {})
+      continue
     arm_params, arm_adapters = trained_params(worker, to_host)
     arm_results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
                                   arm_adapters)
