@@ -2,7 +2,8 @@
 
 Samples travel as `SampleShard` (Arrow across processes) and weights as `WeightUpdate` (Arrow chunks
 across processes); everything else is one of the control records below: the samplers' (`Register` to `Ack`)
-and the trainer's (`Published` on, the calls of `pipeline.trainer_control.TrainerControl`). On the wire a record is JSON
+and the trainer's (`Published` on, the calls of `pipeline.trainer_control.TrainerControl`), and a follower arm
+program's (`ArmJoin` to `ArmState`, answered by `pipeline.remote_arms`). On the wire a record is JSON
 `{"@type": name, ...fields}`; decoding checks the type name, the field names and each field's type, and
 raises `BadMessage` naming the first problem. No pickle. What a peer sends is bounded: the message's size,
 every number finite and within 64 bits (NaN and infinities refused), every wait and count within `LIMITS`,

@@ -23,7 +23,7 @@ from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.streaming import QueueClosed
 
 
-class _Unpublished:
+class NoPublisher:
   """A follower's weight publisher: its versions stay with it."""
 
   seconds: dict = {}
@@ -73,7 +73,7 @@ class _Arm:
   def _run(self) -> None:
     start = time.monotonic()
     try:
-      self.metrics = self.worker.run(FollowerControl(self.config), self.source.get, _Unpublished(),
+      self.metrics = self.worker.run(FollowerControl(self.config), self.source.get, NoPublisher(),
                                      clock=lambda: time.monotonic() - start, on_step=self._row, skip=self.source.skip)
     except QueueClosed:  # the lead stopped before this follower's last step: it ends at its last whole step
       pass

@@ -25,7 +25,7 @@ from streamrl_jax.meshes import role_mesh
 from streamrl_jax.pipeline.arm_feed import ArmFeed, FollowerSource
 from streamrl_jax.pipeline.arm_outputs import describe_arm, finish_arm
 from streamrl_jax.pipeline.arms import arm_pipeline
-from streamrl_jax.pipeline.follower_arms import _Unpublished, arm_row, feed_capacity
+from streamrl_jax.pipeline.follower_arms import NoPublisher, arm_row, feed_capacity
 from streamrl_jax.pipeline.metrics_log import open_metrics
 from streamrl_jax.pipeline.run_record import RUN_ID_FILE
 from streamrl_jax.pipeline.trainer_control import FollowerControl
@@ -154,7 +154,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
         out.write(json.dumps(arm_row(row, arm.name, source)) + "\n")
         out.flush()
       try:
-        worker.run(FollowerControl(arm_config), source.get, _Unpublished(), clock=lambda: time.monotonic() - start,
+        worker.run(FollowerControl(arm_config), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
                    on_step=on_step, skip=source.skip)
         completed = True
       except QueueClosed:
