@@ -14,6 +14,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import run_pipeline
 from streamrl_jax.pipeline.arms import ArmConfig
+from streamrl_jax.pipeline.metrics_log import PeriodicEval
 from streamrl_jax.training import ObjectiveConfig
 from streamrl_jax.training.checkpoint import Checkpointer
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
@@ -67,8 +68,13 @@ def first_run(tmp_path_factory):
   outputs = Outputs(root, ["same", "rloo", "broken"], fail_at={"broken": 2})
   lead = Checkpointer(root / "lead", max_to_keep=2)
   result = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
-                        checkpointer=lead, arm_outputs=outputs.sinks())
+                        checkpointer=lead, arm_outputs=outputs.sinks(), periodic_eval=PeriodicEval(2, weight_sum))
   return root, config, outputs, lead, result
+
+
+def weight_sum(params, config) -> float:
+  """A stand-in held-out evaluation: a number that only the same parameters give."""
+  return float(sum(np.asarray(leaf, np.float64).sum() for leaf in jax.tree.leaves(params)))
 
 
 def test_every_arm_trains_every_sample_of_the_stream_once(first_run):
@@ -93,6 +99,10 @@ def test_a_follower_with_the_leads_algorithm_ends_at_the_leads_weights(first_run
   # the follower on its own estimator drifts from the policy that samples; the one on the lead's does not
   assert outputs.rows["rloo"][-1]["arm_policy_divergence"] > 0
   assert outputs.rows["same"][-1]["arm_policy_divergence"] == pytest.approx(result.metrics[-1]["arm_policy_divergence"])
+  # JobConfig.eval_every's evaluation, of each policy's own parameters after its step 2 only
+  assert ["heldout_accuracy" in m for m in result.metrics] == [False, True, False]
+  assert outputs.rows["same"][1]["heldout_accuracy"] == result.metrics[1]["heldout_accuracy"]
+  assert outputs.rows["rloo"][1]["heldout_accuracy"] != result.metrics[1]["heldout_accuracy"]
 
 
 def test_a_failing_follower_leaves_the_lead_and_the_others_running(first_run):

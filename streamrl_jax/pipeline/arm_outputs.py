@@ -12,7 +12,7 @@ from flax import nnx
 
 from streamrl_jax.models import save_hf
 from streamrl_jax.pipeline.arms import arm_pipeline
-from streamrl_jax.pipeline.metrics_log import open_metrics, read_metrics
+from streamrl_jax.pipeline.metrics_log import evaluations, open_metrics, read_metrics
 from streamrl_jax.pipeline.report import write_curves_png
 
 ARMS_DIR = "arms"
@@ -94,7 +94,7 @@ def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, held
       f"{counters.get('arm_steps_skipped', 0)} steps skipped")
   save_hf(trained, directory / "final_model")
   rows = read_metrics(directory)
-  write_curves_png(rows, [(0, before)] * (before is not None) + [(config.steps, after)], directory / "curves.png",
+  write_curves_png(rows, evaluations(rows, before, after, config.steps), directory / "curves.png",
                    title=f"arm {name}: {config.advantage}, {config.objective.objective}")
   summary = dict(describe_arm(config), accuracy_before=before, accuracy_after=after, steps=len(rows),
                  counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})

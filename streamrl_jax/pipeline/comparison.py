@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from streamrl_jax.pipeline.arm_outputs import ARMS_DIR
-from streamrl_jax.pipeline.metrics_log import read_metrics
+from streamrl_jax.pipeline.metrics_log import evaluations, read_metrics
 from streamrl_jax.pipeline.report import _pyplot
 
 TAIL = 5  # steps averaged for the table's "last" figures
@@ -83,7 +83,8 @@ def _num(value) -> str:
 
 def write_comparison_png(arms: list[ArmRecord], path: Path, steps: int | None = None) -> None:
   """Three panels over RL steps, a colour per arm: the reward of the samples each trained on, its policy's
-  divergence from the sampling policy, and its held-out accuracy (before RL and after)."""
+  divergence from the sampling policy, and its held-out accuracy (before RL, every `JobConfig.eval_every` steps,
+  after)."""
   plt = _pyplot()
   fig, (reward, divergence, accuracy) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
   last = steps or max((arm.rows[-1]["step"] for arm in arms if arm.rows), default=1)
@@ -94,8 +95,7 @@ def write_comparison_png(arms: list[ArmRecord], path: Path, steps: int | None = 
     reward.plot(xs, [r["reward_mean"] for r in arm.rows], color=color, linewidth=1.2, label=label,
                 linestyle="-" if i == 0 else "--", marker="." if len(xs) < 30 else None)
     divergence.plot(xs, [r.get("arm_policy_divergence", math.nan) for r in arm.rows], color=color, linewidth=1.2)
-    points = [(0, arm.accuracy_before), (last, arm.accuracy_after)]
-    points = [(x, y) for x, y in points if y is not None]
+    points = evaluations(arm.rows, arm.accuracy_before, arm.accuracy_after, last)
     if points:
       accuracy.plot(*zip(*points), color=color, marker="o", linewidth=1.2)
       x, y = points[-1]

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.pipeline.arms import arm_pipeline
+from streamrl_jax.pipeline.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.streaming import QueueClosed
@@ -55,18 +56,20 @@ class _Arm:
   """One follower: its worker, feed, source and thread, and how it ended."""
 
   def __init__(self, config, graphdef, params, mesh, checkpointer, resume: bool, first_step: int,
-               on_step: Callable[[dict], None] | None, log):
+               on_step: Callable[[dict], None] | None, log, periodic_eval: PeriodicEval | None = None):
     self.config, self.name, self.log = config, config.arm_name, log
     resume = resume and checkpointer is not None and checkpointer.latest_step() is not None
     self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                                 streamed=False)
     self.feed = ArmFeed(feed_capacity(config))
     self.source = FollowerSource(self.feed, config.arm_max_lag, first_step)
-    self.on_step, self.metrics, self.error = on_step, [], None
+    self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, periodic_eval
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
   def _row(self, row: dict) -> None:
     arm_row(row, self.name, self.source)
+    if self.periodic_eval is not None:
+      self.periodic_eval.add(row, lambda: jax.device_get(self.worker.policy_params()), self.config)
     if self.on_step is not None:
       self.on_step(row)
 
@@ -103,10 +106,11 @@ class Followers:
   """The follower arms: `start` their threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
 
   def __init__(self, config, graphdef, params, meshes: list, *, first_step: int, checkpointers: dict | None = None,
-               resume: bool = False, sinks: dict | None = None, log=lambda text: print(text, file=sys.stderr)):
+               resume: bool = False, sinks: dict | None = None, log=lambda text: print(text, file=sys.stderr),
+               periodic_eval: PeriodicEval | None = None):
     checkpointers, sinks = checkpointers or {}, sinks or {}
     self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
-                      first_step, sinks.get(arm.name), log) for arm, mesh in zip(config.arms, meshes)]
+                      first_step, sinks.get(arm.name), log, periodic_eval) for arm, mesh in zip(config.arms, meshes)]
     self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arm_name)
 
   def start(self) -> None:
@@ -142,13 +146,13 @@ def spare_devices(devices, *meshes) -> list:
 
 
 def make_followers(config, graphdef, params, trainer_mesh, spare: list, first_step: int, outputs: dict | None,
-                   resume: bool) -> Followers | None:
+                   resume: bool, periodic_eval: PeriodicEval | None = None) -> Followers | None:
   """The run's `Followers` (None without arms): meshes by `follower_meshes`, each arm's (checkpointer, on_step)
-  from `outputs`."""
+  from `outputs`, each arm's held-out accuracy by `periodic_eval` on its due rows."""
   if not config.arms:
     return None
   outputs = outputs or {}
   return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms)),
                    first_step=first_step, resume=resume,
                    checkpointers={name: out[0] for name, out in outputs.items()},
-                   sinks={name: out[1] for name, out in outputs.items()})
+                   sinks={name: out[1] for name, out in outputs.items()}, periodic_eval=periodic_eval)

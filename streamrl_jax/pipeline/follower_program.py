@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import pyarrow.flight as flight
 from flax import nnx
 
@@ -26,7 +27,7 @@ from streamrl_jax.pipeline.arm_feed import ArmFeed, FollowerSource
 from streamrl_jax.pipeline.arm_outputs import describe_arm, finish_arm
 from streamrl_jax.pipeline.arms import arm_pipeline
 from streamrl_jax.pipeline.follower_arms import NoPublisher, arm_row, feed_capacity
-from streamrl_jax.pipeline.metrics_log import open_metrics
+from streamrl_jax.pipeline.metrics_log import PeriodicEval, open_metrics
 from streamrl_jax.pipeline.run_record import RUN_ID_FILE
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
@@ -146,12 +147,18 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
                          WireLimits.of_run(config, model.config.vocab_size))
   source = FollowerSource(feed, config.arm_max_lag, first_step=joined.start_step)
+  heldout = job.make_task(tokenizer, "eval")
+  periodic = PeriodicEval(job.eval_every, lambda p, c: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, c,
+                                                                job.eval_prompts, job.seed)) if job.eval_every else None
   reader.thread.start()
   start, completed = time.monotonic(), False
   try:
     with open_metrics(workdir, resumed_at) as out:
       def on_step(row: dict) -> None:
-        out.write(json.dumps(arm_row(row, arm.name, source)) + "\n")
+        arm_row(row, arm.name, source)
+        if periodic is not None:
+          periodic.add(row, lambda: jax.device_get(worker.policy_params()), arm_config)
+        out.write(json.dumps(row) + "\n")
         out.flush()
       try:
         worker.run(FollowerControl(arm_config), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
@@ -174,7 +181,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   before_file = workdir.parent.parent / "accuracy_before.json"  # the lead's, when this is its WORKDIR/arms/NAME
   before = json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
   return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, tokenizer,
-                    job.make_task(tokenizer, "eval"), job, before, log, evaluate)
+                    heldout, job, before, log, evaluate)
 
 
 def _lead_weights(connection: FlightConnection, template, version: int, log):

@@ -38,6 +38,9 @@ class JobConfig:
   warmup_batch: int = 32  # demo decoder's warm-up: worked solutions per supervised step
   warmup_learning_rate: float = 3e-3  # demo decoder's warm-up: peak learning rate (reached after 20 steps)
   eval_prompts: int = 128  # held-out prompts of the greedy accuracy measured before and after RL
+  # also every this many RL steps, for the lead and each arm (a row's `heldout_accuracy`; it takes the evaluating
+  # policy's own time); 0: before and after only
+  eval_every: int = 0
   hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
   num_layers: int = 2  # demo decoder (no `model`): decoder layers
   seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
@@ -56,6 +59,8 @@ class JobConfig:
                        "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
     if self.chat and not self.model:
       raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
+    if self.eval_every < 0:
+      raise ValueError(f"JobConfig.eval_every must be >= 0 (0: before and after RL only), got {self.eval_every}")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
 

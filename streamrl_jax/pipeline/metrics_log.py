@@ -2,9 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
+
+
+@dataclasses.dataclass(frozen=True)
+class PeriodicEval:
+  """Held-out accuracy every `every` RL steps, of the policy whose row it is: `evaluate(params, config)` (host
+  parameters, that policy's config) gives it, and the row gets `heldout_accuracy`."""
+
+  every: int
+  evaluate: Callable
+
+  def add(self, row: dict, params: Callable[[], object], config) -> None:
+    """Adds `heldout_accuracy` to `row` when its step is due; `params()` is asked only then."""
+    if self.every and row["step"] % self.every == 0:
+      row["heldout_accuracy"] = float(self.evaluate(params(), config))
+
+
+def evaluations(rows: list[dict], before: float | None, after: float | None, steps: int) -> list[tuple[int, float]]:
+  """(step, held-out accuracy) points of a policy: before RL at step 0, each periodic one, after RL at the end."""
+  points = [(0, before)] + [(r["step"], r["heldout_accuracy"]) for r in rows if "heldout_accuracy" in r]
+  return [(x, y) for x, y in points + [(steps, after)] if y is not None]
 
 
 def read_metrics(directory: Path) -> list[dict]:

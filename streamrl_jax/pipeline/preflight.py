@@ -22,7 +22,7 @@ from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "PipelineConfig.stop_grace_s", "PipelineConfig.step_timeout_s",
-                        "JobConfig.eval_prompts", "JobConfig.warmup_", "MeshConfig.",
+                        "JobConfig.eval_prompts", "JobConfig.eval_every", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
                         "RewardConfig.on_error", "TrainerConfig.")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")

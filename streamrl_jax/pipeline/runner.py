@@ -42,7 +42,7 @@ from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                  stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None,
-                 arm_outputs: dict | None = None) -> RunResult:
+                 arm_outputs: dict | None = None, periodic_eval=None) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
   With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
@@ -51,7 +51,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_timeline` gets the
   timeline when the steps end, however they end. With `config.arms`, the follower arms train on the lead's
   stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
-  arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`.
+  arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`. `periodic_eval`
+  (`metrics_log.PeriodicEval`): the held-out accuracy of the lead and each arm on the rows it is due.
   """
   if config.arms and config.arm_programs:
     raise ValueError("PipelineConfig.arm_programs: follower programs read from a trainer program's Flight server; "
@@ -69,7 +70,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
-                             trainer.start_step, arm_outputs, resume)
+                             trainer.start_step, arm_outputs, resume, periodic_eval)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 
@@ -80,7 +81,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     thread.join()
   result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
                          start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
-                         on_step=on_step, on_timeline=on_timeline, followers=followers)
+                         on_step=on_step, on_timeline=on_timeline, followers=followers, periodic_eval=periodic_eval)
   if errors:
     raise RuntimeError("the sampler thread failed") from errors[0]
   return result

@@ -23,7 +23,7 @@ from streamrl_jax.pipeline.arm_outputs import arm_outputs, describe_arm, finish_
 from streamrl_jax.pipeline.arms import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.metrics_log import open_metrics, read_metrics
+from streamrl_jax.pipeline.metrics_log import PeriodicEval, evaluations, open_metrics, read_metrics
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
@@ -165,9 +165,10 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   in_process_arms = bool(config.arms) and not config.arm_programs
 
   def arm_kwargs(arms) -> dict:
+    kwargs = {"periodic_eval": _periodic_eval(model, tokenizer, heldout, job)} if job.eval_every else {}
     if config.arms and config.arm_programs:  # the follower programs must belong to this run
-      return {"run_id": run_record.run_id(workdir)}
-    return {"arm_outputs": arms} if arms else {}
+      return dict(kwargs, run_id=run_record.run_id(workdir))
+    return dict(kwargs, arm_outputs=arms) if arms else kwargs
   if config.arms and leader:
     (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
   if on_start is not None:
@@ -191,10 +192,22 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   return _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments, log)
 
 
+def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
+  """`JobConfig.eval_every`'s evaluation: greedy accuracy on the held-out prompts of any policy of this model."""
+  graphdef, _ = nnx.split(model)
+
+  def accuracy(params, config) -> float:
+    return evaluate(nnx.merge(graphdef, params), tokenizer, heldout, config, job.eval_prompts, job.seed)
+  return PeriodicEval(job.eval_every, accuracy)
+
+
 def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
   """Every check that needs no weights, before anything is built; returns (config, task, held-out task, tokenizer),
   the config with LoRA resolved (`preflight.check_lora`)."""
   preflight.check_devices(config, role, len(jax.devices()))
+  if job.eval_every and jax.process_count() > 1:
+    raise ValueError("JobConfig.eval_every: periodic evaluation runs in a trainer of one process; this one has "
+                     f"{jax.process_count()}")
   if advice := preflight.precision_advice(config):
     log(f"warning: {advice}")
   for advice in arm_advice(config):
@@ -267,10 +280,11 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
 
 
 def write_curves(workdir: Path, config: PipelineConfig, before: float, after: float | None = None) -> None:
-  """WORKDIR/curves.png from metrics.jsonl and the held-out evaluations (before RL at step 0, after at the end)."""
+  """WORKDIR/curves.png from metrics.jsonl and the held-out evaluations (before RL at step 0, every
+  `JobConfig.eval_every` steps, after at the end)."""
   metrics = read_metrics(workdir)
-  evaluations = [(0, before)] + ([(config.steps, after)] if after is not None else [])
-  write_curves_png(metrics, evaluations, workdir / "curves.png", title=f"mode {config.mode}, {config.steps} steps")
+  write_curves_png(metrics, evaluations(metrics, before, after, config.steps), workdir / "curves.png",
+                   title=f"mode {config.mode}, {config.steps} steps")
 
 
 def write_pictures(workdir: Path, config: PipelineConfig, before: float, segments: list[dict],

@@ -38,7 +38,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
                    stop: StopRequest | None = None, on_timeline: Callable[[dict], None] | None = None,
-                   arm_outputs: dict | None = None, run_id: str = "") -> RunResult:
+                   arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
@@ -70,7 +70,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     followers = RemoteArms(config, run_id, trainer.start_step, settings or {}, log=log)
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
-                               arm_outputs, resume)
+                               arm_outputs, resume, periodic_eval)
   queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config,
                                 followers if isinstance(followers, RemoteArms) else None)
   log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
@@ -88,7 +88,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   try:
     return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
                          start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
-                         on_timeline=on_timeline, followers=followers,
+                         on_timeline=on_timeline, followers=followers, periodic_eval=periodic_eval,
                          extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
   except RunStopped:
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop

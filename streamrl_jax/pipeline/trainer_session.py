@@ -16,6 +16,7 @@ from flax import nnx
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.follower_arms import Followers
+from streamrl_jax.pipeline.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.remote_arms import RemoteArms
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
@@ -71,15 +72,19 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
                   ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
                   teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
                   on_timeline: Callable[[dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
-                  followers: Followers | RemoteArms | None = None) -> RunResult:
+                  followers: Followers | RemoteArms | None = None, periodic_eval: PeriodicEval | None = None
+                  ) -> RunResult:
   """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
   publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
   waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
   trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_timeline` gets
   the timeline once the steps end, also when they stop or fail. `followers`: follower arms fed every shard the
   lead takes (`Followers` in this program, `RemoteArms` served to follower programs); once the lead is done they
-  train what they hold (a stop or failure: only their step in progress)."""
+  train what they hold (a stop or failure: only their step in progress). `periodic_eval` (one process only): the
+  lead's held-out accuracy on the rows it is due."""
   start_epoch = time.time()
+  if periodic_eval is not None:
+    on_step = _evaluating(on_step, periodic_eval, trainer, to_host)
   if followers is not None:
     get_shard, on_step = followers.fanout.tap(get_shard), followers.fanout.lead_rows(on_step)
     followers.start()
@@ -116,6 +121,15 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
     arm_results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
                                   arm_adapters)
   return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters, arm_results)
+
+
+def _evaluating(on_step, periodic_eval: PeriodicEval, trainer: TrainerWorker, to_host: Callable):
+  """`on_step` whose due rows carry the lead's held-out accuracy, of its parameters after the row's step."""
+  def row(m: dict) -> None:
+    periodic_eval.add(m, lambda: to_host(trainer.policy_params()), trainer.config)
+    if on_step is not None:
+      on_step(m)
+  return row
 
 
 def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:
