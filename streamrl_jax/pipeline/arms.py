@@ -17,10 +17,10 @@ import re
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
+from streamrl_jax.training.objectives import UNCORRECTED
 
 # Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
 ARM_KEYS = ("PipelineConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
-UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
@@ -51,6 +51,11 @@ def check_arm_names(lead: str, arms) -> None:
     seen.add(arm.name)
 
 
+def stream_settings(settings: dict) -> dict:
+  """A run's flat settings without the keys an arm may change: what every arm of one stream shares."""
+  return {k: v for k, v in settings.items() if not k.startswith(ARM_KEYS)}
+
+
 def arm_pipeline(config, arm: ArmConfig):
   """The lead's `PipelineConfig` as a follower runs it: the arm's advantage, objective, optimizer and seed; no
   arms of its own; no stall limit (a follower waits on the lead, whose own watch stops the run)."""
@@ -70,14 +75,14 @@ def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], 
   """`ArmConfig`s of arm files parsed over the lead's configs: `parsed` holds (name, PipelineConfig, JobConfig)
   per file. A key outside `ARM_KEYS` set differently from the lead is refused naming the arm and the key; a model
   of another shape or tokenizer says which. `model_specs(job)` gives (ModelConfig, tokenizer) to compare."""
-  lead_settings = flat_settings(lead, lead_job)
+  lead_settings = stream_settings(flat_settings(lead, lead_job))
   arms = []
   for name, config, job in parsed:
     if job.model != lead_job.model or job.hidden_size != lead_job.hidden_size or job.num_layers != lead_job.num_layers:
       raise ConfigError(_model_difference(name, lead_job, job, model_specs))
-    settings = flat_settings(config, job)
+    settings = stream_settings(flat_settings(config, job))
     for key in sorted(settings):
-      if settings[key] != lead_settings.get(key) and not key.startswith(ARM_KEYS):
+      if settings[key] != lead_settings.get(key):
         raise ConfigError(f"arm {name!r}: {key}={settings[key]} differs from the lead's ({lead_settings.get(key)}); "
                           f"arms share one stream and may only change "
                           f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in ARM_KEYS)}")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from streamrl_jax.pipeline.arm_outputs import ARMS_DIR
 from streamrl_jax.pipeline.metrics_log import evaluations, read_metrics
-from streamrl_jax.pipeline.report import _pyplot
+from streamrl_jax.pipeline.report import pyplot
 
 TAIL = 5  # steps averaged for the table's "last" figures
 
@@ -85,7 +85,7 @@ def write_comparison_png(arms: list[ArmRecord], path: Path, steps: int | None = 
   """Three panels over RL steps, a colour per arm: the reward of the samples each trained on, its policy's
   divergence from the sampling policy, and its held-out accuracy (before RL, every `JobConfig.eval_every` steps,
   after)."""
-  plt = _pyplot()
+  plt = pyplot()
   fig, (reward, divergence, accuracy) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
   last = steps or max((arm.rows[-1]["step"] for arm in arms if arm.rows), default=1)
   for i, arm in enumerate(arms):

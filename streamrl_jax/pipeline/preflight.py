@@ -18,6 +18,7 @@ from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
 from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
+from streamrl_jax.training.objectives import UNCORRECTED
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
@@ -213,7 +214,6 @@ def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
                      "(set JobConfig.answer_key, or name your reward functions in RewardConfig.functions)")
 
 
-UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
 
 
 def precision_advice(config: PipelineConfig) -> str | None:

@@ -17,18 +17,13 @@ from collections.abc import Callable
 
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, BadMessage, quote
 from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout
-from streamrl_jax.pipeline.arms import ARM_KEYS
+from streamrl_jax.pipeline.arms import stream_settings
 from streamrl_jax.pipeline.follower_arms import feed_capacity
 from streamrl_jax.streaming import SampleShard
 
 READ_WAIT_S = 5.0  # how long one DoGet of an arm's stream waits for a shard before it ends empty
 DROPPED_SHOWN = 4096  # the most recent dropped steps an ArmState carries
 GONE_S = 60.0  # at the end: a follower not heard from for this long is not waited for
-
-
-def stream_settings(settings: dict) -> dict:
-  """A run's settings without the keys an arm may change: what a follower and its lead must share."""
-  return {k: v for k, v in settings.items() if not k.startswith(ARM_KEYS)}
 
 
 class RemoteArms:

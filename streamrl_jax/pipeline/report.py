@@ -10,7 +10,7 @@ COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a", "resume": "#d62"
 MARKS = ("sync", "resume")  # lanes drawn as vertical lines across the others
 
 
-def _pyplot():
+def pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -23,7 +23,7 @@ def write_timeline_png(timeline: dict, path: str | Path, title: str = "") -> Non
   from matplotlib.lines import Line2D
   from matplotlib.patches import Patch
 
-  plt = _pyplot()
+  plt = pyplot()
   fig, ax = plt.subplots(figsize=(9, 2.8))
   rows = [name for name in timeline if name not in MARKS]
   for y, name in enumerate(rows):
@@ -60,7 +60,7 @@ def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], 
                      title: str = "") -> None:
   """The learning curves: reward mean per step (and a moving average), held-out accuracy at each evaluation
   (step 0: before RL), and the policy loss with the KL to the reference policy (when the objective has one)."""
-  plt = _pyplot()
+  plt = pyplot()
   fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
   steps = [m["step"] for m in metrics]
   rewards = [m["reward_mean"] for m in metrics]

@@ -17,6 +17,7 @@ from streamrl_jax.registry import Registry
 OBJECTIVES = Registry("policy objective")
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
 sg = jax.lax.stop_gradient
 
 
