@@ -181,6 +181,65 @@ def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   assert stale.max() == 1 and stale.min() == 0
 
 
+class _StepControl(_Recorder):
+  """The controller as `_train_step` sees it: no samplers to summarise."""
+
+  def __init__(self):
+    super().__init__()
+    self.published_versions = []
+
+  def step_trained(self, message):
+    from streamrl_jax.messages import StepSummary
+    return StepSummary(0.0, 1, 1, 0.0, {})
+
+  def published(self, message):
+    self.published_versions.append(message.version)
+
+  def sampler_wait(self, query):
+    from streamrl_jax.messages import SamplerWait
+    return SamplerWait(0.0)
+
+
+class _Publisher:
+  def __init__(self):
+    self.seconds, self.versions = {}, []
+
+  def publish(self, params, version):
+    self.versions.append(version)
+
+
+@pytest.mark.parametrize("mode", ["stream", "disaggregated"])  # accumulated as it arrives, or gathered first
+def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode, capsys):
+  """Every completion empty (every episode failed): the step leaves the weights and optimizer as they were, says
+  so in a warning line and its metrics row, and the next step trains as usual."""
+  from streamrl_jax.meshes import MeshShape, mesh_from_devices
+  from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+  config = dataclasses.replace(BASE, mode=mode)
+  graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
+  worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+
+  def group(step, g, empty):
+    shard = group_shard([9, 10, 11, 12], step=step, group=g)
+    mask = np.zeros_like(shard.loss_mask) if empty else shard.loss_mask
+    return dataclasses.replace(shard, tokens=shard.tokens % MODEL.vocab_size, loss_mask=mask,
+                               token_versions=np.where(mask, step, 0), first_versions=np.full(4, step),
+                               last_versions=np.full(4, step))
+  before = jax.device_get(worker.state.params)
+  control, weights = _StepControl(), _Publisher()
+  arriving = [group(0, g, empty=True) for g in range(4)]
+  row, _ = worker._train_step(0, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)
+  assert "warning: step 1: its 16 samples hold no token to train" in capsys.readouterr().err
+  assert row["empty_step"] == 1.0 and row["update_skipped"] == 1.0 and worker.counters["empty_steps"] == 1
+  assert all(np.isfinite(v) for v in row.values() if isinstance(v, float)) and row["staleness_max"] == 0
+  assert int(worker.state.step) == 0 and not worker.batcher.pending_rows and weights.versions == [1]
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(worker.state.params), before)
+  arriving = [group(1, g, empty=g == 4) for g in range(4, 8)]  # the next step trains, its empty group adds nothing
+  row, _ = worker._train_step(1, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)
+  assert row["empty_step"] == 0.0 and "update_skipped" not in row and int(worker.state.step) == 1
+  assert row["tokens"] == sum(int(group(1, g, g == 4).loss_mask.sum()) for g in range(4, 8))
+  assert worker.counters["empty_steps"] == 1
+
+
 class _Weights:
   """A weight source holding one version."""
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 from flax import nnx
+from tqdm import tqdm
 
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
@@ -86,7 +87,7 @@ class TrainerWorker:
     # or trained twice.
     self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
                          trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0, groups_filtered=0,
-                         groups_backfilled=0, groups_regenerated=0,
+                         groups_backfilled=0, groups_regenerated=0, empty_steps=0,
                          weight_version_bytes=wire_bytes(wire_template(self.state.params, config.precision.on_trainer.precision)))
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
@@ -144,10 +145,18 @@ class TrainerWorker:
     before = dict(self.batcher.counters)
     shards, waited, received = self._take_step(step, controller, get_shard, clock)
     begin = clock()
+    empty = self.batcher.rows_seen and not sum(s.trained_tokens for s in shards)
+    if empty:  # every completion empty, every episode failed: no token carries a loss, the state's sums are zero
+      self.batcher.discard()
+      self.counters["empty_steps"] += 1
+      tqdm.write(f"warning: step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train "
+                 "(every completion empty or every episode failed); the step is skipped, the weights unchanged",
+                 file=sys.stderr)  # (above a progress bar, if one is drawn)
     if self.batcher.rows_seen:
       self.state, train_metrics = self.batcher.finish(self.state)
-    else:  # dynamic sampling filtered every group and nothing was left to backfill: no update
+    else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
       train_metrics = {"update_skipped": 1.0}
+    train_metrics["empty_step"] = float(bool(empty))
     self._progress(f"the update of step {step + 1}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
     train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
@@ -304,7 +313,8 @@ class TrainerWorker:
   def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float,
                     summary: StepSummary, weights, sampler_idle: float, train_s: float) -> dict:
     rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
-    stale = np.concatenate([s.token_staleness(step) for s in shards]) if shards else np.zeros(1)
+    stale = np.concatenate([s.token_staleness(step) for s in shards] + [np.zeros(0, np.int64)])
+    stale = stale if stale.size else np.zeros(1)  # (a step with no token to train)
     seconds = [v for _, v in sorted(weights.seconds.items())]
     flat = sum(len(_equal_reward_groups(s)) for s in shards)
     parts = np.concatenate(received["parts"]).mean(axis=0)

@@ -75,6 +75,11 @@ class SampleShard:
     return len(self.tokens)
 
   @property
+  def trained_tokens(self) -> int:
+    """Completion tokens that carry a loss (0: nothing of this shard is trained)."""
+    return int(np.count_nonzero(self.loss_mask))
+
+  @property
   def min_version(self) -> int:
     return int(self.first_versions.min()) if len(self.first_versions) else 0
 

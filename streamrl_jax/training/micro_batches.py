@@ -116,6 +116,11 @@ class MicroBatcher:
       self.counters["computed_tokens"] += int(np.prod(self.trainer.last_shape))
     return state
 
+  def discard(self) -> None:
+    """Drops what was added since the last optimizer step and is still pending (a step skipped: its rows carry no
+    loss, so what already ran added nothing)."""
+    self._pending, self.rows_seen = [], 0
+
   def finish(self, state: TrainState) -> tuple[TrainState, dict]:
     """Flushes, then one optimizer step for everything added since the last one."""
     if self.rows_seen == 0:
