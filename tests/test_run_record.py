@@ -12,24 +12,32 @@ def test_a_fresh_start_forgets_an_old_record_and_a_resume_appends_to_it(tmp_path
   run_record.save(tmp_path, first)
   assert json.loads((tmp_path / "run.json").read_text())["segments"] == first
   resumed = run_record.begin(tmp_path, 2)  # the checkpoint of step 2 (step 3 was lost to a kill)
-  assert resumed == first + [dict(first_step=2, last_step=2, seconds=0.0, timeline=None)]
-  assert run_record.begin(tmp_path, None) == [dict(first_step=0, last_step=0, seconds=0.0, timeline=None)]
+  fresh = dict(first_step=0, last_step=0, seconds=0.0, timeline=None, counters=None)
+  assert resumed == first + [dict(fresh, first_step=2, last_step=2)]
+  assert run_record.begin(tmp_path, None) == [fresh]
   assert run_record.begin(tmp_path / "old-workdir", 5)[0]["first_step"] == 5  # no record: from this segment on
 
 
 def test_totals_and_the_whole_timeline_put_segments_end_to_end():
   segments = [dict(first_step=0, last_step=2, seconds=10.0, timeline={"trainer": [(1.0, 4.0, "update 0")],
-                                                                       "sync": [(4.0, 4.0, "v1")]}),
-              dict(first_step=2, last_step=3, seconds=5.0, timeline=None),  # killed: no timeline, its time counts
+                                                                       "sync": [(4.0, 4.0, "v1")]},
+                   counters=dict(samples_trained=32, trainer_wait_s=1.5, queue_max_depth=4, queue_depth=0,
+                                 weight_version_bytes=100, queue_closed=True)),
+              dict(first_step=2, last_step=3, seconds=5.0, timeline=None, counters=None),  # killed: its time counts
               dict(first_step=3, last_step=4, seconds=6.0, timeline={"trainer": [(0.5, 7.0, "update 3")],
-                                                                       "sampler": [(0.0, 0.5, "step 3")]})]
-  assert run_record.totals(segments) == dict(rl_seconds=21.0, resumes=2)
+                                                                       "sampler": [(0.0, 0.5, "step 3")]},
+                   counters=dict(samples_trained=16, trainer_wait_s=0.25, queue_max_depth=3, queue_depth=1,
+                                 weight_version_bytes=100, queue_closed=False, empty_steps=1))]
+  assert run_record.totals(segments) == dict(
+      rl_seconds=21.0, resumes=2, counted_segments=2,
+      counters=dict(samples_trained=48, trainer_wait_s=1.75, queue_max_depth=4, queue_depth=1, weight_version_bytes=100,
+                    queue_closed=False, empty_steps=1))
   whole = run_record.whole_timeline(segments)
   assert whole["trainer"] == [(1.0, 4.0, "update 0"), (15.5, 22.0, "update 3")]
   assert whole["sync"] == [(4.0, 4.0, "v1")] and whole["sampler"] == [(15.0, 15.5, "step 3")]
   assert whole["resume"] == [(10.0, 10.0, "resumed after step 2"), (15.0, 15.0, "resumed after step 3")]
-  ended = run_record.ended(segments[:1], {"trainer": []}, 8.0)  # never less than the steps' own time
-  assert ended[0]["seconds"] == 10.0 and ended[0]["timeline"] == {"trainer": []}
+  ended = run_record.ended(segments[:1], {"trainer": []}, {"leases": 2}, 8.0)  # never less than the steps' own time
+  assert ended[0]["seconds"] == 10.0 and ended[0]["timeline"] == {"trainer": []} and ended[0]["counters"] == {"leases": 2}
 
 
 def test_the_record_is_kept_at_each_step_and_at_the_end(tmp_path):
@@ -38,10 +46,11 @@ def test_the_record_is_kept_at_each_step_and_at_the_end(tmp_path):
   now[0] = 103.5
   record.step(1)
   on_disk = json.loads((tmp_path / "run.json").read_text())["segments"]
-  assert on_disk == [dict(first_step=0, last_step=1, seconds=3.5, timeline=None)]
+  assert on_disk == [dict(first_step=0, last_step=1, seconds=3.5, timeline=None, counters=None)]
   now[0] = 104.0
-  record.end({"trainer": [[0.0, 1.0, "step 0"]]})
-  assert json.loads((tmp_path / "run.json").read_text())["segments"][0]["seconds"] == 4.0
+  record.end({"trainer": [[0.0, 1.0, "step 0"]]}, {"samples_trained": 8})
+  (segment,) = json.loads((tmp_path / "run.json").read_text())["segments"]
+  assert segment["seconds"] == 4.0 and segment["counters"] == {"samples_trained": 8}
 
 
 def test_the_pictures_are_drawn_from_a_record_and_metrics(tmp_path):

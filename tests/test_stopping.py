@@ -15,6 +15,7 @@ from streamrl_jax.pipeline.watchdog import STALL_EXIT_CODE, StallWatch
 from streamrl_jax.pipeline.trainer_worker import SHARD_POLL_S, TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from tests.processes import finish, metrics, train, write_config
+from tests.tensorboard_events import scalar_steps
 
 
 def test_the_first_signal_in_a_deferred_region_is_a_request_and_the_second_stops_at_once():
@@ -123,10 +124,18 @@ def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp
   code, out = finish(train(workdir, "--config", config, "--resume"), workdir, timeout=180)
   assert code == 0, out
   assert [m["step"] for m in metrics(workdir)] == [1, 2, 3, 4, 5]
-  summary = json.loads(out.splitlines()[-1])
-  assert summary["accuracy_after"] >= 0 and summary["steps"] == 5 and summary["resumes"] == len(CHAIN)
+  summary = json.loads((workdir / "summary.json").read_text())
+  assert summary == dict(json.loads(out.splitlines()[-1]), counters=summary["counters"])  # the line is the file's
+  assert summary["steps"] == 5 and summary["resumes"] == len(CHAIN)
+  after = [json.loads(line)["reward"] >= 1.0 for line in (workdir / "eval_after.jsonl").read_text().splitlines()]
+  assert summary["accuracy_after"] == sum(after) / len(after) and len(after) == 2  # JobConfig.eval_prompts
   segments = json.loads((workdir / "run.json").read_text())["segments"]
   assert summary["rl_seconds"] == sum(s["seconds"] for s in segments) and len(segments) == len(CHAIN) + 1
+  # a resumed run is one run: counters of every segment that ended (the killed ones left none), steps shown once
+  ended = [s["counters"] for s in segments if s["counters"] is not None]
+  assert summary["counted_segments"] == len(ended) == 1 + sum(code == 130 for _, code in CHAIN)
+  assert summary["counters"]["samples_trained"] == sum(c["samples_trained"] for c in ended) > ended[-1]["samples_trained"]
+  assert scalar_steps(workdir / "tensorboard")["reward_mean"] == [1, 2, 3, 4, 5]
 
 
 def test_the_stall_watch_ends_a_silent_process_and_not_a_paused_or_progressing_one():

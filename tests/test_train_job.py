@@ -7,6 +7,7 @@ import pytest
 
 from streamrl_jax import cli, gin_config
 from tests.checkpoints import word_checkpoint
+from tests.tensorboard_events import scalar_steps
 
 DEMO_GIN = str(Path(__file__).resolve().parent.parent / "configs" / "demo_cpu.gin")
 KEYS = ("step", "reward_mean", "accuracy", "samples_per_s", "staleness_mean", "trainer_idle_frac", "sampler_idle_frac",
@@ -43,7 +44,8 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   assert [m["step"] for m in lines] == [1, 2, 3]
   summary = json.loads((tmp_path / "summary.json").read_text())
-  assert summary["counters"]["samples_trained"] == 4 * 2  # this segment's counters
+  assert summary["counters"]["samples_trained"] == 3 * 4 * 2 and summary["counted_segments"] == 2  # both segments'
+  assert scalar_steps(tmp_path / "tensorboard")["reward_mean"] == [1, 2, 3]
   segments = json.loads((tmp_path / "run.json").read_text())["segments"]
   assert [(s["first_step"], s["last_step"]) for s in segments] == [(0, 2), (2, 3)]
   assert summary["steps"] == 3 and summary["resumes"] == 1

@@ -1,9 +1,11 @@
-"""A run's metrics.jsonl: one JSON row per trained step, appended as steps end, read back whole."""
+"""A run's metrics.jsonl: one JSON row per trained step, appended as steps end, read back whole; and its TensorBoard
+events, which hold the same rows, each step once."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -47,3 +49,25 @@ def open_metrics(directory: Path, resumed_at: int | None) -> IO[str]:
     kept = [m for m in read_metrics(directory) if m["step"] <= resumed_at]
     path.write_text("".join(json.dumps(m) + "\n" for m in kept))
   return path.open("a" if resumed_at is not None else "w")
+
+
+def tensorboard_writer(directory: Path, rows: list[dict]):
+  """A `tensorboardX.SummaryWriter` on DIRECTORY/tensorboard holding `rows` (`add_row`) and nothing else: the folder
+  is written anew, so a resumed run shows each of its steps once (the steps lost to a crash are not left behind
+  beside their second run), at the times the rows were written."""
+  from tensorboardX import SummaryWriter
+
+  folder = Path(directory) / "tensorboard"
+  shutil.rmtree(folder, ignore_errors=True)
+  writer = SummaryWriter(str(folder))
+  for row in rows:
+    add_row(writer, row)
+  return writer
+
+
+def add_row(writer, row: dict) -> None:
+  """A metrics row as TensorBoard scalars at its step (a run with arms names its rows' arm: strings are left out)."""
+  for key, value in row.items():
+    if not isinstance(value, str):
+      writer.add_scalar(key, value, row["step"], walltime=row.get("time"))
+  writer.flush()  # on disk as metrics.jsonl's row is: a kill loses neither

@@ -1,6 +1,7 @@
 """A run's record across its segments, so that a resumed run reads as one run: WORKDIR/run.json lists each
-segment (the first start, then each resume) with the steps it began and ended at, its wall seconds and its
-timeline. The summary's wall time and resume count, and the whole run's timeline, are computed from it.
+segment (the first start, then each resume) with the steps it began and ended at, its wall seconds, its timeline
+and its counters. The summary's wall time, resume count and counters, and the whole run's timeline, are computed
+from it.
 
 Plain data and pure functions, and `RunRecord`, which holds the record of the running segment and writes it at
 each change (one thread: the trainer's); the file is replaced whole, so a kill mid-write leaves the previous one.
@@ -33,7 +34,7 @@ def begin(workdir: Path, resumed_at: int | None) -> list[dict]:
   path = Path(workdir) / RECORD_FILE
   before = json.loads(path.read_text())["segments"] if resumed_at is not None and path.exists() else []
   start = resumed_at or 0
-  return before + [dict(first_step=start, last_step=start, seconds=0.0, timeline=None)]
+  return before + [dict(first_step=start, last_step=start, seconds=0.0, timeline=None, counters=None)]
 
 
 def stepped(segments: list[dict], step: int, seconds: float) -> list[dict]:
@@ -41,9 +42,11 @@ def stepped(segments: list[dict], step: int, seconds: float) -> list[dict]:
   return segments[:-1] + [dict(segments[-1], last_step=step, seconds=seconds)]
 
 
-def ended(segments: list[dict], timeline: dict, seconds: float) -> list[dict]:
-  """The record once the current segment's RL steps ended (done, stopped or failed), with its timeline."""
-  return segments[:-1] + [dict(segments[-1], timeline=timeline, seconds=max(seconds, segments[-1]["seconds"]))]
+def ended(segments: list[dict], timeline: dict, counters: dict, seconds: float) -> list[dict]:
+  """The record once the current segment's RL steps ended (done, stopped or failed), with its timeline and
+  counters."""
+  return segments[:-1] + [dict(segments[-1], timeline=timeline, counters=counters,
+                               seconds=max(seconds, segments[-1]["seconds"]))]
 
 
 def save(workdir: Path, segments: list[dict]) -> None:
@@ -53,9 +56,32 @@ def save(workdir: Path, segments: list[dict]) -> None:
   os.replace(tmp, path)
 
 
+# Counters that are a level or a size, not a count of events: the latest segment's value stands for the run.
+LEVELS = ("weight_version_bytes", "queue_depth", "queue_closed")
+
+
 def totals(segments: list[dict]) -> dict:
-  """{"rl_seconds": the segments' wall seconds summed, "resumes": how often the run was resumed}."""
-  return dict(rl_seconds=sum(s["seconds"] for s in segments), resumes=len(segments) - 1)
+  """{"rl_seconds": the segments' wall seconds summed, "resumes": how often the run was resumed, "counters": the
+  segments' counters as one run's (`merged_counters`), "counted_segments": how many segments they come from (a
+  segment killed before its steps ended left none)}."""
+  counted = [s["counters"] for s in segments if s.get("counters") is not None]
+  return dict(rl_seconds=sum(s["seconds"] for s in segments), resumes=len(segments) - 1,
+              counters=merged_counters(counted), counted_segments=len(counted))
+
+
+def merged_counters(parts: list[dict]) -> dict:
+  """Counters of consecutive segments as one run's: counts and seconds summed, a most (`*max*`) the largest, a
+  level (`LEVELS`) and a flag the latest."""
+  out: dict = {}
+  for counters in parts:
+    for key, value in counters.items():
+      if key not in out or key in LEVELS or isinstance(value, bool) or not isinstance(value, (int, float)):
+        out[key] = value
+      elif "max" in key:
+        out[key] = max(out[key], value)
+      else:
+        out[key] = out[key] + value
+  return out
 
 
 def whole_timeline(segments: list[dict]) -> dict:
@@ -88,6 +114,6 @@ class RunRecord:
     self.segments = stepped(self.segments, step, self._clock() - self._start)
     save(self.workdir, self.segments)
 
-  def end(self, timeline: dict) -> None:
-    self.segments = ended(self.segments, timeline, self._clock() - self._start)
+  def end(self, timeline: dict, counters: dict) -> None:
+    self.segments = ended(self.segments, timeline, counters, self._clock() - self._start)
     save(self.workdir, self.segments)

@@ -23,7 +23,8 @@ from streamrl_jax.pipeline.arm_outputs import arm_outputs, describe_arm, finish_
 from streamrl_jax.pipeline.arms import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.metrics_log import PeriodicEval, evaluations, open_metrics, read_metrics
+from streamrl_jax.pipeline.metrics_log import (PeriodicEval, add_row, evaluations, open_metrics, read_metrics,
+                                              tensorboard_writer)
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
@@ -177,7 +178,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
        (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
     try:
       result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                      stop=stop, on_timeline=record.end if leader else None, **arm_kwargs(arms))
+                      stop=stop, on_end=record.end if leader else None, **arm_kwargs(arms))
     except (RunStopped, KeyboardInterrupt):
       if leader:  # the pictures of the run so far
         write_pictures(workdir, config, before, record.segments)
@@ -273,8 +274,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate)
   by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
-                 steps=len(read_metrics(workdir)), counters=result.counters,  # the last segment's counters
-                 **by_arm)
+                 steps=len(read_metrics(workdir)), **by_arm)
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary
 
@@ -300,18 +300,15 @@ def write_pictures(workdir: Path, config: PipelineConfig, before: float, segment
 def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_record.RunRecord):
   """An on_step callback that appends to metrics.jsonl and TensorBoard, keeps the run's record and updates the
   progress bar. On a resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a
-  crash, and about to be trained again) are dropped first, so each step appears once."""
-  from tensorboardX import SummaryWriter
-
+  crash, and about to be trained again) are dropped first, from metrics.jsonl and TensorBoard, so each step appears
+  once."""
   with open_metrics(workdir, resumed_at) as out:
-    writer = SummaryWriter(str(workdir / "tensorboard"))
+    writer = tensorboard_writer(workdir, read_metrics(workdir))
 
     def on_step(m):
       out.write(json.dumps(m) + "\n")
       out.flush()
-      for key, value in m.items():
-        if not isinstance(value, str):  # (a run with arms names its rows' arm)
-          writer.add_scalar(key, value, m["step"])
+      add_row(writer, m)
       record.step(m["step"])
       if progress is not None:
         progress(m)
