@@ -11,9 +11,10 @@ on the same devices.
 XLA:CPU adds a second hazard: it runs the parts of programs in flight on a shared pool of threads, not in
 order per device, and a part waiting in a rendezvous holds its thread. With as many pool threads as devices
 (2 here), two collective programs in flight can each hold one thread while their other parts wait for one:
-on a 2-device CPU, 20 alternating launches of two collective programs from ONE thread deadlock, and 500 from
-two threads with a lock over each dispatch too (tests/test_launch.py); with 8 forced devices they pass,
-which is why the tests' 8-device runs never met it.
+on a 2-device CPU, 20 alternating launches of two collective programs from ONE thread can deadlock (one run in
+three here), and 500 from two threads with a lock over each dispatch too (`python -m tests.launch_stress bare
+500`); with 8 forced devices they pass, which is why the tests' 8-device runs never met it. Since a deadlock is
+chance, the tests check the rule itself: a colocated run's programs all went through their launcher (`tally`).
 
 The rule: every multi-device program is launched through the `Launcher` of its devices, which holds one lock
 per device, taken in device order, across the launch: on accelerators (in-order streams per device) across
@@ -29,6 +30,7 @@ every device they touch.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -40,6 +42,19 @@ from jax.sharding import Mesh, Sharding
 
 _registry = threading.Lock()
 _device_locks: dict[int, threading.RLock] = {}
+_tally: collections.Counter = collections.Counter()  # (device ids, program, waited for) -> launches
+
+
+def tally() -> dict[tuple[tuple[int, ...], str, bool], int]:
+  """How many launches each (device ids, program name, waited for under the locks) has had in this process: what a
+  run's programs on shared devices went through (tests check that colocated mode's all do)."""
+  with _registry:
+    return dict(_tally)
+
+
+def _count(device_ids: tuple[int, ...], name: str, finish: bool) -> None:
+  with _registry:
+    _tally[(device_ids, name, finish)] += 1
 
 
 def _lock_of(device_id: int) -> threading.RLock:
@@ -57,8 +72,11 @@ class Launcher:
     self._locks = [_lock_of(i) for i in self.device_ids]
 
   @contextlib.contextmanager
-  def launching(self) -> Iterator[None]:
-    """Holds every device's lock (in device order: no two launchers wait on each other in a circle)."""
+  def launching(self, name: str = "") -> Iterator[None]:
+    """Holds every device's lock (in device order: no two launchers wait on each other in a circle); a `name`d
+    launch is counted (`tally`)."""
+    if name:
+      _count(self.device_ids, name, self.finish)
     for lock in self._locks:
       lock.acquire()
     try:
@@ -69,7 +87,7 @@ class Launcher:
 
   def __call__(self, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` launched through this launcher (with `finish`, waited for under it)."""
-    with self.launching():
+    with self.launching(getattr(fn, "__name__", type(fn).__name__)):
       out = fn(*args, **kwargs)
       if self.finish:
         jax.block_until_ready(out)
@@ -123,11 +141,11 @@ def put(tree, shardings):
   """`jax.device_put(tree, shardings)` launched on every device of both (a reshard between layouts on shared
   devices is a multi-device program). Transfers and copies hold no rendezvous, so even on the CPU they are
   ordered at dispatch and not waited for."""
-  with launcher(tree, shardings).launching():
+  with launcher(tree, shardings).launching("put"):
     return jax.device_put(tree, shardings)
 
 
 def copy(tree):
   """A private copy of every array of `tree` (`jnp.copy`), launched on the tree's devices."""
-  with launcher(tree).launching():
+  with launcher(tree).launching("copy"):
     return jax.tree.map(jnp.copy, tree)

@@ -16,6 +16,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from streamrl_jax import launch  # noqa: E402
 from streamrl_jax.meshes import pipeline_meshes  # noqa: E402
 from streamrl_jax.models import Transformer, state_shardings  # noqa: E402
 from streamrl_jax.pipeline import run_pipeline  # noqa: E402
@@ -32,8 +33,10 @@ def main(workdir: Path, runs: int, steps: int) -> None:
                             checkpointer=checkpointer)
     finally:
       checkpointer.close()
+    launches = [[list(ids), name, finish, n] for (ids, name, finish), n in sorted(launch.tally().items())]
     print(json.dumps(dict(run=run, steps=[m["step"] for m in result.metrics], checkpoint=checkpointer.latest_step(),
-                          devices=len(jax.devices()), split_parameters=split_parameters(config))), flush=True)
+                          devices=len(jax.devices()), split_parameters=split_parameters(config),
+                          launches=launches)), flush=True)
 
 
 def split_parameters(config) -> int:

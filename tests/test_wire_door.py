@@ -173,10 +173,8 @@ def test_6_waits_that_are_not_finite_or_not_bounded_are_refused_at_once(door, bo
   server, _, _, _, connection = door
   with pytest.raises(BadMessage, match="finite|must lie in"):
     decode_message(body)
-  start = time.monotonic()
-  with pytest.raises(flight.FlightServerError, match="finite|must lie in"):
+  with pytest.raises(flight.FlightServerError, match="finite|must lie in"):  # answered: a wait would time out
     list(connection.client.do_action(flight.Action("control", body), options=flight.FlightCallOptions(timeout=10)))
-  assert time.monotonic() - start < 5  # answered, not spinning
   assert server.counters["bad_actions"] == 1
 
 
@@ -189,7 +187,11 @@ def test_7_a_ticket_asking_for_millions_of_parts_is_refused(door):
       connection.client.do_get(flight.Ticket(json.dumps(ticket).encode()),
                                options=flight.FlightCallOptions(timeout=10)).read_all()
   assert server.counters["bad_tickets"] == 3
-  assert connection.client.do_get(flight.Ticket(b'{"weights": 0, "part": 1, "parts": 2}')).read_all().num_rows >= 0
+  # a ticket in range is served: part 1 of 2 carries exactly that part's tensor, whole (of the manifest [b, w], by
+  # name, the larger w goes to part 0 and b to part 1)
+  part = connection.client.do_get(flight.Ticket(b'{"weights": 0, "part": 1, "parts": 2}')).read_all()
+  assert json.loads(part.schema.metadata[b"part"]) == [0] and part.column("tensor").to_pylist() == [0]
+  assert part.column("data")[0].as_py() == np.zeros((2,), np.float32).tobytes()
 
 
 def test_refusals_quote_little_of_what_was_sent(door):
