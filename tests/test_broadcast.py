@@ -148,10 +148,12 @@ def test_a_relay_refuses_a_version_it_does_not_hold_and_a_manifest_that_changes(
 def test_a_child_fetches_through_a_relay_while_the_relay_receives(trainer_server):
   relay = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10))
   try:
-    got = {}
+    got, asking = {}, threading.Event()
+    stream = relay.store.stream
+    relay.store.stream = lambda *args: (asking.set(), stream(*args))[1]
     child = threading.Thread(target=lambda: got.update(v=fetch_weights(FlightConnection(relay.address), 2, streams=3)))
-    child.start()  # asks before the relay has any of version 2
-    time.sleep(0.2)
+    child.start()
+    assert asking.wait(30)  # it asks before the relay has any of version 2
     _, flat, _ = fetch_weights(FlightConnection(trainer_server.address), 2, streams=3, sink=relay.store)
     child.join(timeout=60)
     version, child_flat, nbytes = got["v"]
@@ -163,8 +165,9 @@ def test_a_child_fetches_through_a_relay_while_the_relay_receives(trainer_server
     relay.shutdown()
 
 
-def _partial_relay(version: int, chunks: int) -> tuple[RelayServer, list]:
-  """A relay holding the first `chunks` chunks (4 KiB) of each tensor of `version`, still 'receiving' more."""
+def _partial_relay(version: int, chunks: int) -> tuple[RelayServer, int]:
+  """A relay holding the first `chunks` chunks (4 KiB) of each tensor of `version`, still 'receiving' more; and
+  how many bytes it holds."""
   flat = _expected_flat(version)
   manifest = manifest_of(flat)
   store = RelayStore(begin_wait_s=10, stall_s=30)
@@ -173,7 +176,7 @@ def _partial_relay(version: int, chunks: int) -> tuple[RelayServer, list]:
     data = np.ascontiguousarray(flat[name]).reshape(-1).view(np.uint8)
     for offset in range(0, min(len(data), chunks * 4096), 4096):
       store.add(version, index, offset, pa.py_buffer(data[offset:offset + 4096]))
-  return RelayServer("127.0.0.1", 0, store), manifest
+  return RelayServer("127.0.0.1", 0, store), sum(data.size for _, _, data in store._versions[version].rows)
 
 
 def _wait_until(condition, timeout: float = 30.0) -> None:
@@ -184,7 +187,7 @@ def _wait_until(condition, timeout: float = 30.0) -> None:
 
 
 def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_server):
-  parent, _ = _partial_relay(2, chunks=2)
+  parent, held = _partial_relay(2, chunks=2)
   logs = []
   receiver = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
                                                                              _params(0).items()}, None, log=logs.append)
@@ -192,8 +195,8 @@ def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_
     got = {}
     child = threading.Thread(target=lambda: got.update(update=receiver.fetch(2, parent.address)))
     child.start()
-    _wait_until(lambda: parent.counters["relay_streams"] == receiver.streams)  # streaming, chunks on their way
-    time.sleep(0.2)
+    _wait_until(lambda: parent.counters["relay_streams"] == receiver.streams)  # streaming
+    _wait_until(lambda: parent.store.served_bytes == held)  # every chunk it holds is on its way: mid-transfer
     parent.store.fail(2, "its source died")
     child.join(timeout=60)
     update = got["update"]
@@ -213,7 +216,7 @@ def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_
 def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer_server):
   """Relay A takes version 2 from parent P, which breaks off; A fetches it from the trainer into the same store
   (chunks it holds are skipped), so child C, streaming from A all along, gets the version whole, no fallback."""
-  parent, _ = _partial_relay(2, chunks=3)
+  parent, held = _partial_relay(2, chunks=3)
   middle = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10, stall_s=30))
   template = {k: np.zeros_like(v) for k, v in _params(0).items()}
   a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relay=middle.store)
@@ -225,7 +228,7 @@ def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer
     fetch = threading.Thread(target=lambda: got.update(a=a.fetch(2, parent.address)))
     fetch.start()
     _wait_until(lambda: middle.counters["relay_streams"] == a.streams and middle.store.holds() == {2: "receiving"})
-    time.sleep(0.2)
+    _wait_until(lambda: parent.store.served_bytes == held)  # P has sent A every chunk it holds: mid-transfer
     parent.store.fail(2, "cut")
     fetch.join(timeout=60)
     child.join(timeout=60)

@@ -143,16 +143,24 @@ def test_a_late_watchdog_tick_blames_this_process_not_the_samplers():
   events = []
   controller = make_controller(clock, on_event=events.append)
   a = controller.register(Register("a", {})).sampler_id
+  after_pause, checked = [], threading.Event()
+  expire = controller.expire_silent
+
+  def check() -> list[str]:  # the watchdog's regular tick, counted once the pause was seen
+    lost = expire()
+    if any(e["event"] == "trainer_paused" for e in events):
+      after_pause.append(lost)
+      if len(after_pause) >= 3:
+        checked.set()
+    return lost
+  controller.expire_silent = check
   controller.start_watchdog(period=0.02)
   try:
     clock.now += 60.0  # the process was paused for a minute
-    deadline = time.monotonic() + 10
-    while not any(e["event"] == "trainer_paused" for e in events) and time.monotonic() < deadline:
-      time.sleep(0.02)
-    time.sleep(0.1)  # later ticks see a fresh heartbeat
+    assert checked.wait(30), events  # three regular ticks after the late one
   finally:
     controller.close()
-  assert any(e["event"] == "trainer_paused" for e in events)
+  assert after_pause[:3] == [[], [], []]  # later ticks see a fresh heartbeat: nobody blamed
   assert controller.counters["samplers_lost"] == 0 and not controller.heartbeat(Heartbeat(a)).rejoin
 
 
@@ -206,6 +214,12 @@ class Programs:
                             env=dict(os.environ, XLA_FLAGS=""), stdout=log, stderr=subprocess.STDOUT, text=True)
     self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
     return proc
+
+  def lost(self, name: str) -> bool:
+    """Whether the trainer has declared sampler `name` lost (its events.jsonl)."""
+    path = self.workdir / "events.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+    return any(row.get("event") == "sampler_lost" and row.get("sampler") == name for row in rows)
 
   def steps_done(self) -> int:
     path = self.workdir / "metrics.jsonl"
@@ -278,7 +292,7 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
       else:
         frozen = live[chaos.randrange(len(live))]
         os.kill(run.procs[frozen].pid, signal.SIGSTOP)
-        time.sleep(5.0)  # > ControllerConfig.lease_timeout_s
+        run.wait_until(lambda: run.lost(frozen), f"{frozen} declared lost")  # silent past the lease timeout
         os.kill(run.procs[frozen].pid, signal.SIGCONT)
     assert run.wait_exit("trainer") == 0, run.tails()
     for name in live:  # one started near the end may find the run over before it registers: left to kill_all
@@ -438,14 +452,22 @@ def test_a_long_poll_waiting_in_the_controller_does_not_keep_a_silent_sampler_al
   clock = Clock()
   controller = make_controller(clock)
   a = controller.register(Register("a", {})).sampler_id
-  waiting = threading.Thread(target=controller.lease, args=(LeaseRequest(a, 2.0),))
+  asked = [threading.Event(), threading.Event()]  # the request looked for a lease: once on entry, once woken
+  lease_now = controller._lease_now
+
+  def looked(sampler_id):
+    reply = lease_now(sampler_id)
+    next((e for e in asked if not e.is_set()), threading.Event()).set()
+    return reply
+  controller._lease_now = looked
+  waiting = threading.Thread(target=controller.lease, args=(LeaseRequest(a, 30.0),))
   waiting.start()  # no step is open (nothing published): the request waits
-  time.sleep(0.2)
-  clock.now += 6.0
-  controller.set_target_instances(1)
-  with controller._cond:  # wake the waiting request, as any event would
-    controller._cond.notify_all()
-  time.sleep(0.2)
+  assert asked[0].wait(10)
+  with controller._cond:  # taken once the request waits on the condition (it releases the lock there)
+    clock.now += 6.0
+    controller.set_target_instances(1)
+    controller._cond.notify_all()  # wake the waiting request, as any event would
+  assert asked[1].wait(10)  # it woke, found nothing and waits again
   assert controller.expire_silent() == ["a"]
-  waiting.join(timeout=5)
+  waiting.join(timeout=30)  # the run over (its sampler lost), the request is answered
   assert not waiting.is_alive()

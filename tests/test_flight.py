@@ -71,7 +71,9 @@ def test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost():
     sent = [group_shard([3, 4], seed=k, step=0, group=k % 4) for k in range(6)]
     thread = threading.Thread(target=lambda: [sender.put(s) for s in sent])
     thread.start()
-    time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while not server.counters["full_refusals"] and time.monotonic() < deadline:  # a put found the queue full
+      time.sleep(0.01)
     assert len(queue) == 4 and thread.is_alive()  # blocked by backpressure, not dropped
     got = [queue.get(timeout=10) for _ in sent]
     thread.join(timeout=10)

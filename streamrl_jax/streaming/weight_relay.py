@@ -50,6 +50,7 @@ class RelayStore:
     self._cond = threading.Condition()
     self._versions: dict[int, _Version] = {}
     self._closed = False
+    self.served_bytes = 0  # chunk bytes handed to the streams it serves (written under the lock)
 
   def begin(self, version: int, manifest: list) -> None:
     """Announces a version (once per stream of it: the manifests must agree); a failed one starts afresh."""
@@ -142,6 +143,8 @@ class RelayStore:
       for index, offset, data in rows:
         if index in wanted:
           left -= data.size
+          with self._cond:
+            self.served_bytes += data.size
           yield chunk_batch(schema, index, offset, data)
 
 
