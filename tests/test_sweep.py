@@ -1,0 +1,32 @@
+"""The flake sweep (tests/sweep.py): CI runs the riskiest thread tests three times in a row; and the sweep itself
+finds the thread tests of a file and counts a failure in every round it happens."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import sweep
+
+ROOT = sweep.ROOT
+
+
+@pytest.mark.slow
+def test_the_riskiest_thread_tests_pass_three_rounds_in_a_row():
+  done = subprocess.run([sys.executable, "-m", "tests.sweep", "--count", "3", "--riskiest"], cwd=ROOT,
+                        capture_output=True, text=True, timeout=900)
+  result = json.loads(done.stdout.strip().splitlines()[-1])
+  assert done.returncode == 0 and result["failures"] == {} and result["rounds"] == 3, done.stderr[-3000:]
+
+
+def test_the_sweep_takes_only_thread_tests_and_counts_each_failing_round(tmp_path):
+  (tmp_path / "test_mixed.py").write_text(
+      "import threading\n\n"
+      "def test_plain():\n  assert True\n\n"
+      "def test_threaded():\n  t = threading.Thread(target=lambda: None)\n  t.start()\n  t.join()\n\n"
+      "def test_threaded_and_failing():\n  t = threading.Thread(target=lambda: None)\n  t.start()\n  t.join()\n"
+      "  assert False\n")
+  (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())  # the recorder
+  result = sweep.sweep([str(tmp_path / "test_mixed.py")], count=3)
+  assert result["tests"] == 2 and result["failures"] == {f"{tmp_path}/test_mixed.py::test_threaded_and_failing": 3}
