@@ -41,15 +41,15 @@ def launch(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Pop
   return _streamrl("launch", "local", "--workdir", str(workdir), *args, env=env)
 
 
-def train(workdir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+def train(workdir: Path, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
   """`streamrl train` (sampler and trainer in one process) in a process of its own."""
-  return _streamrl("train", "--workdir", str(workdir), *args, env=env)
+  return _streamrl("train", "--workdir", str(workdir), *args, env=env, cwd=cwd)
 
 
-def _streamrl(*args: str, env: dict | None = None) -> subprocess.Popen:
+def _streamrl(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
   env = dict(os.environ, XLA_FLAGS="", **(env or {}))  # each program forces its own host devices
   return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args], env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
+                          stderr=subprocess.STDOUT, text=True, cwd=cwd)
 
 
 def children_of(workdir: Path) -> list[int]:

@@ -13,7 +13,6 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tests.gguf_files import CHATML, byte_alphabet
 from streamrl_jax.models import chat as chat_module
 from streamrl_jax.models import load_tokenizer
-from streamrl_jax.models.catalog import cache_root
 from streamrl_jax.models.chat import ChatFormat, ChatTemplateError, render_chat
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>",
@@ -237,11 +236,8 @@ def test_gguf_add_bos_flag_reaches_the_converted_directory(tmp_path):
     assert ours.stop_ids == (2,)
 
 
-@pytest.mark.skipif(not (cache_root() / "models" / "smollm2-135m-instruct" / "config.json").exists(),
-                    reason="SmolLM2-135M-Instruct is not in the cache (streamrl train --config configs/smollm2_cpu.gin "
-                           "fetches it)")
-def test_smollm2_template_and_tokenizer_match_transformers():
-  directory = cache_root() / "models" / "smollm2-135m-instruct"
+def test_smollm2_template_and_tokenizer_match_transformers(smollm2):
+  directory = smollm2
   ours, theirs = load_tokenizer(directory), _theirs(directory)
   for messages in ([{"role": "user", "content": "What is 12 + 34? Reply with only the number."}],
                    [{"role": "system", "content": "Reply with only the answer."},

