@@ -47,7 +47,7 @@ RUNS = {
     "arms": ShippedRun("configs/demo_cpu.gin", "async", DEMO, 2, demo_warmup=True,
                        arms=("configs/arms/dr_grpo.gin", "configs/arms/rloo.gin")),
     "smollm2": ShippedRun("configs/smollm2_cpu.gin", "async", SMOLLM2, 2, smollm2=True),
-    "smollm2_lora": ShippedRun("configs/smollm2_lora_cpu.gin", "async", SMOLLM2, 2, smollm2=True),
+    "smollm2_lora": ShippedRun("configs/smollm2_lora_cpu.gin", "async", SMOLLM2, 1, smollm2=True),
     "own_task": ShippedRun("examples/own_task/own_task.gin", "async",  # its 48 new tokens: shorter ones reach no number
                            ("PipelineConfig.prompts_per_step=8", "PipelineConfig.group_size=4", "JobConfig.eval_prompts=4",
                             "EngineConfig.num_slots=16"), 1, smollm2=True),
