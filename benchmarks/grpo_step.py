@@ -11,7 +11,7 @@ default) and without (`chunk_rows` 8 padded to a power of two, as before). Then 
 long-tailed length mix (most samples short, a few at the maximum), packed and not, timed alone.
 
 `useful_train_mfu` counts the model FLOPs of real (unpadded) tokens, 3x the forward's matmuls and causal
-attention, over the f32 matmul peak measured in the same run on the trainer's device; `padding_frac` is the
+attention, over the f32 matmul peak measured in the same run on the trainer's device (before and after, `peak.py`); `padding_frac` is the
 share of the trainer's computed token slots that held padding. Prints one JSON object as its last line.
 """
 
@@ -42,6 +42,7 @@ from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak import Peak  # noqa: E402
 from sizing import QUICK, size  # noqa: E402
 
 STEPS, SKIP = size(10, 3), size(2, 1)
@@ -100,20 +101,7 @@ def train_flops(lengths) -> float:
   return 3.0 * sum(MODEL.flops_per_token(t + 1) for n in lengths for t in range(int(n)))
 
 
-def measure_peak(device) -> float:
-  """f32 matmul FLOP/s on `device`, best of several 1024x1024 products."""
-  a = jax.device_put(jnp.ones((1024, 1024), jnp.float32), device)
-  mm = jax.jit(lambda x: x @ x)
-  mm(a).block_until_ready()
-  best = float("inf")
-  for _ in range(20):
-    start = time.perf_counter()
-    mm(a).block_until_ready()
-    best = min(best, time.perf_counter() - start)
-  return 2 * 1024 ** 3 / best
-
-
-def pipeline_runs(params_host, graphdef, tokenizer, task, peak) -> dict:
+def pipeline_runs(params_host, graphdef, tokenizer, task) -> dict:
   out = {}
   for packing in PACKINGS:
     for mode in MODES:
@@ -131,10 +119,15 @@ def pipeline_runs(params_host, graphdef, tokenizer, task, peak) -> dict:
           trainer_idle_frac=float(np.mean([m["trainer_idle_frac"] for m in steady])),
           train_calls=float(np.mean([m["train_calls"] for m in steady])),
           train_tokens_per_s=sum(m["train_tokens"] for m in steady) / train_s,
-          useful_train_mfu=flops / train_s / peak,
+          useful_train_flops_per_s=flops / train_s,
           padding_frac=float(np.mean([m["train_padding_frac"] for m in steady])))
       print(key, json.dumps({k: round(v, 4) for k, v in out[key].items()}), flush=True)
   return out
+
+
+def with_mfu(runs: dict, peak: Peak) -> dict:
+  """Each run's `useful_train_mfu`: its useful training FLOP/s over the peak measured around all of them."""
+  return {k: dict(v, useful_train_mfu=peak.mfu(v["useful_train_flops_per_s"])) for k, v in runs.items()}
 
 
 def long_tail_lengths(rng, samples: int = 64) -> np.ndarray:
@@ -152,7 +145,7 @@ def trainer_batch(rng, lengths) -> dict:
               sampler_logprobs=np.full((len(lengths), width), -4.0, np.float32))
 
 
-def trainer_runs(params_host, graphdef, peak, device) -> dict:
+def trainer_runs(params_host, graphdef, device) -> dict:
   """The trainer alone on a step's samples: the equal-work mix and the long-tailed one, packed or not."""
   rng = np.random.default_rng(0)
   mixes = {"equal": [np.full(64, PROMPT + NEW)] * STEPS, "long_tail": [long_tail_lengths(rng) for _ in range(STEPS)]}
@@ -184,7 +177,7 @@ def trainer_runs(params_host, graphdef, peak, device) -> dict:
         computed += batcher.counters["computed_tokens"] - before["computed_tokens"]
     key = f"{mix}{'' if packing else '_unpacked'}"
     out[key] = dict(train_step_s=seconds / (STEPS - SKIP), train_tokens_per_s=real / seconds,
-                    useful_train_mfu=flops / seconds / peak, padding_frac=1 - real / computed)
+                    useful_train_flops_per_s=flops / seconds, padding_frac=1 - real / computed)
     print("trainer", key, json.dumps({k: round(v, 4) for k, v in out[key].items()}), flush=True)
   return out
 
@@ -212,12 +205,15 @@ def main() -> dict:
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   params_host = jax.tree.map(np.asarray, params)
   devices = jax.devices()
-  peak = measure_peak(devices[-1])
-  pipeline = pipeline_runs(params_host, graphdef, tokenizer, task, peak)
-  trainer = trainer_runs(params_host, graphdef, peak, devices[-1])
+  peak = Peak(devices[-1])  # the trainer's device (in stream and async, the trainer's mesh is that one alone here)
+  peak.measure()
+  pipeline = pipeline_runs(params_host, graphdef, tokenizer, task)
+  trainer = trainer_runs(params_host, graphdef, devices[-1])
+  peak.measure()
+  pipeline, trainer = with_mfu(pipeline, peak), with_mfu(trainer, peak)
   best = min(pipeline[m]["steady_step_s"] for m in MODES)
   return dict(
-      devices=len(devices), params=MODEL.param_count(), peak_gflops=peak / 1e9,
+      devices=len(devices), params=MODEL.param_count(), peak_gflops=round(peak.flops / 1e9, 1),
       steady_step_s={k: round(v["steady_step_s"], 3) for k, v in pipeline.items()},
       best_steady_step_s=round(best, 3), best_vs_tunix=round(best / TUNIX_STEP_S, 3),
       train_tokens_per_s={k: round(v["train_tokens_per_s"], 1) for k, v in pipeline.items()},
@@ -229,7 +225,7 @@ def main() -> dict:
                                for m in MODES if f"{m}_unpacked" in pipeline},
       long_tail=long_tail_figures(trainer["long_tail"], trainer.get("long_tail_unpacked")),
       trainer_alone={k: {p: round(x, 4) for p, x in v.items()} for k, v in trainer.items()},
-      steps=STEPS, skipped=SKIP, floor_s=round(84e9 / peak, 3))
+      steps=STEPS, skipped=SKIP, floor_s=round(84e9 / peak.flops, 3))
 
 
 if __name__ == "__main__":

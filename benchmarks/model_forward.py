@@ -1,7 +1,7 @@
 """Forward and training throughput of a ~10M-parameter decoder, as a fraction of measured matmul peak.
 
 Prints one JSON object as its last line: params, forward_tokens_per_s, train_tokens_per_s,
-peak_gflops (float32 matmul peak measured in this run), forward_mfu, train_mfu.
+peak_gflops (float32 matmul peak measured in this run, before and after: `peak.py`), forward_mfu, train_mfu.
 Model FLOPs per token = 2 x matmul weights (LM head included, embedding lookup not) + attention;
 a training step counts 3x the forward.
 """
@@ -21,12 +21,13 @@ from flax import nnx
 from streamrl_jax.models import ModelConfig, Transformer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak import Peak  # noqa: E402
 from sizing import size  # noqa: E402
 
 CONFIG = ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=1024, num_layers=8, num_heads=4,
                      num_kv_heads=2)
 BATCH, LENGTH = 32, 128
-REPEATS = size(5, 1)  # timed model calls (after one untimed), the best kept; the matmul peak always takes 5
+REPEATS = size(5, 1)  # timed model calls (after one untimed), the best kept
 
 
 def best_time(fn, *args, repeats: int = 5) -> float:
@@ -37,13 +38,6 @@ def best_time(fn, *args, repeats: int = 5) -> float:
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
   return min(times)
-
-
-def matmul_peak_gflops(n: int = 2048) -> float:
-  a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-  matmul = jax.jit(lambda x, y: x @ y)
-  return 2 * n**3 / best_time(matmul, a, b) / 1e9
 
 
 def main() -> dict:
@@ -66,10 +60,11 @@ def main() -> dict:
     updates, o = optimizer.update(grads, o, p)
     return optax.apply_updates(p, updates), o, loss
 
-  peak = matmul_peak_gflops()
+  peak = Peak()
+  peak.measure()
   forward_s = best_time(forward, params, tokens, repeats=REPEATS)
   train_s = best_time(lambda p, t: train_step(p, opt_state, t), params, tokens, repeats=REPEATS)
-  peak = max(peak, matmul_peak_gflops())  # measured before and after the model, best kept
+  peak.measure()
   flops = CONFIG.flops_per_token(context_length=LENGTH / 2)  # causal: on average half the keys
   forward_tps = BATCH * LENGTH / forward_s
   train_tps = BATCH * (LENGTH - 1) / train_s
@@ -78,9 +73,9 @@ def main() -> dict:
       "batch": BATCH, "length": LENGTH,
       "forward_tokens_per_s": round(forward_tps, 1),
       "train_tokens_per_s": round(train_tps, 1),
-      "peak_gflops": round(peak, 2),
-      "forward_mfu": round(flops * forward_tps / (peak * 1e9), 4),
-      "train_mfu": round(3 * flops * train_tps / (peak * 1e9), 4),
+      "peak_gflops": round(peak.flops / 1e9, 2),
+      "forward_mfu": round(peak.mfu(flops * forward_tps), 4),
+      "train_mfu": round(peak.mfu(3 * flops * train_tps), 4),
       "backend": jax.default_backend(), "device_count": jax.device_count(),
   }
 

@@ -16,7 +16,8 @@ trainer (the stage the modes exist to keep busy) is the one the others must feed
 reports the balance of this run.
 
 Weights: a ~100M-parameter set of float32 tensors published by a weights-only Flight server in another
-process and fetched by DoGet (chunks reassembled on the host), against a host copy of the same bytes into a
+process and fetched by DoGet with a sampler's parallel streams (`FlightConfig.weight_streams`; chunks reassembled on
+the host), against a host copy of the same bytes into a
 fresh buffer (what a receiver must do) in the same run. Prints one JSON object as its last line.
 """
 
@@ -108,8 +109,12 @@ def _address(ready, server) -> str:
   raise RuntimeError(f"the weights server did not start (exit code {server.exitcode})")
 
 
-def weight_transfer(streams: int = 2) -> dict:
+def weight_transfer(streams: int | None = None) -> dict:
+  """A version fetched over Flight with `streams` parallel DoGets (default: `FlightConfig.weight_streams`, what a
+  sampler uses) against a copy of the same bytes into a fresh buffer."""
+  from streamrl_jax.streaming.flight_config import FlightConfig
   from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
+  streams = streams or FlightConfig().weight_streams
   ctx = multiprocessing.get_context("spawn")
   ready, stop = ctx.Queue(), ctx.Event()
   server = ctx.Process(target=serve_weights, args=(ready, stop), daemon=True)
@@ -136,7 +141,7 @@ def weight_transfer(streams: int = 2) -> dict:
     server.join(timeout=30)
   gbps = lambda seconds: round(nbytes / min(seconds) / 1e9, 3)  # noqa: E731
   return dict(weight_transfer_gbps=gbps(flight_s), memcpy_gbps=gbps(copy_s), memcpy_prefaulted_gbps=gbps(prefaulted_s),
-              weight_bytes=nbytes)
+              weight_bytes=nbytes, weight_streams=streams)
 
 
 def main() -> dict:

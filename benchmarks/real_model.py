@@ -9,9 +9,10 @@ Seven parts, each in its own process (so each starts from clean memory and its o
   with long-tailed output lengths (85% 12-36 tokens, 15% 100-128; EOS off so every request runs to its own
   length), batch 16 both (continuous batching here; static batches of 16 in `generate`, each run to its
   longest request); only tokens up to each request's own end count;
-- rl: `streamrl train --config configs/smollm2_cpu.gin` (greedy held-out accuracy before and after on 200
-  problems, the RL run, its reward curve, samples/s and peak RSS), with the format (the reply is the number
-  alone) reported apart from correctness.
+- rl: `streamrl train --config configs/smollm2_cpu.gin` as its own process (greedy held-out accuracy before and
+  after on 200 problems, the RL run, its reward curve, samples/s, and `smollm2_peak_rss_mb`: the peak resident
+  memory of the whole run, its processes summed), with the format (the reply is the number alone) reported apart
+  from correctness.
 
 - paged: the speed part's workload (sampled at temperature 1) through the contiguous engine (16 slots) and
   the paged one at equal KV memory (32 rows over 16 x 176 tokens of pages), one timed run each after one that
@@ -26,8 +27,10 @@ Seven parts, each in its own process (so each starts from clean memory and its o
   `colocated_step_s`, `async_step_s` and where a colocated step's time goes (`colocated_step_parts_s`).
 
 - memory: the trainer alone on the shipped config's step, with log-probabilities over vocabulary chunks and with
-  the full logits, and a Qwen2.5-0.5B-shaped decoder (4 x 8 samples x 256 new tokens): peak RSS, steady step,
-  train MFU (`smollm2_peak_rss_mb`, `smollm2_train_mfu`, `smollm2_train_step_vs_unchunked`, `qwen05b_peak_rss_mb`).
+  the full logits, and a Qwen2.5-0.5B-shaped decoder (4 x 8 samples x 256 new tokens): the trainer process's peak
+  RSS, steady step, train MFU over the f32 matmul peak measured before and after the steps (`peak.py`)
+  (`smollm2_trainer_peak_rss_mb`, `smollm2_train_mfu`, `smollm2_train_step_vs_unchunked`,
+  `qwen05b_trainer_peak_rss_mb`).
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own). A quick run
 (STREAMRL_BENCH_QUICK=1, `benchmarks/suite.py --quick`) runs parity, speed and precision at small sizes and names the
@@ -56,8 +59,8 @@ SLOTS, REQUESTS, TAIL_FRACTION = 16, size(64, 16), 0.15
 REPEATS = size(2, 1)  # timed runs of the speed part, interleaved
 # The parts a quick run (`benchmarks/suite.py --quick`) leaves out (minutes each on a CPU), and their figures.
 QUICK_PARTS = ("parity", "speed", "precision")
-FULL_ONLY = {"paged": ("smollm2_paged_vs_contiguous",), "rl": ("accuracy_gain",), "modes": ("async_step_s",),
-             "memory": ("smollm2_peak_rss_mb", "smollm2_train_mfu")}
+FULL_ONLY = {"paged": ("smollm2_paged_vs_contiguous",), "rl": ("accuracy_gain", "smollm2_peak_rss_mb"),
+             "modes": ("async_step_s",), "memory": ("smollm2_train_mfu",)}
 PROMPT_BUCKET = 48  # the chat prompts are 47 tokens: one prefill bucket that fits them
 PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",
                   "Write a haiku about the sea.", "def fibonacci(n):")[:size(4, 2)]
@@ -243,20 +246,21 @@ def part_precision() -> dict:
 
 
 def part_rl(steps: int) -> dict:
-  from streamrl_jax.cli import default_host_devices, force_host_devices
-  from streamrl_jax.host_memory import limit_fragmentation
+  """`streamrl train --config configs/smollm2_cpu.gin` as a user runs it, in a process of its own: accuracy before
+  and after, the reward curve, and the peak resident memory of the whole run (the train process and its reward
+  workers, summed: `process_memory.run_measured`)."""
+  from process_memory import run_measured
 
-  limit_fragmentation()  # as `streamrl train` sets the allocator at its start
-  force_host_devices(default_host_devices())
-  from streamrl_jax import gin_config
-  from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.models.catalog import fetch
   from streamrl_jax.tasks import format_ok
 
-  gin_config.parse([str(CONFIG)], [f"PipelineConfig.steps={steps}"] if steps else [])
-  config, job = gin_config.build_run()
+  fetch(MODEL)  # fetched and converted before the clock starts
   workdir = Path(tempfile.mkdtemp(prefix="real_model_"))
-  job.model_path()  # fetched and converted before the clock starts
-  summary = train_job(config, job, workdir, log=lambda m: print(m, file=sys.stderr, flush=True))
+  command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--config", str(CONFIG), "--workdir", str(workdir)]
+  run = run_measured(command + (["--set", f"PipelineConfig.steps={steps}"] if steps else []), cwd=ROOT)
+  if run["returncode"]:
+    raise RuntimeError(f"streamrl train exited {run['returncode']}:\n{run['output'][-3000:]}")
+  summary = json.loads((workdir / "summary.json").read_text())
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
   def format_rate(name):
@@ -266,11 +270,13 @@ def part_rl(steps: int) -> dict:
   return {"accuracy_before": summary["accuracy_before"], "accuracy_after": summary["accuracy_after"],
           "accuracy_gain": round(summary["accuracy_after"] - summary["accuracy_before"], 4),
           "format_before": format_rate("eval_before.jsonl"), "format_after": format_rate("eval_after.jsonl"),
-          "eval_prompts": job.eval_prompts, "rl_steps": len(metrics), "rl_minutes": round(summary["rl_seconds"] / 60, 2),
+          "eval_prompts": len((workdir / "eval_after.jsonl").read_text().splitlines()), "rl_steps": len(metrics), "rl_minutes": round(summary["rl_seconds"] / 60, 2),
           "reward_curve": [round(m["reward_mean"], 4) for m in metrics],
           "samples_per_s": round(sum(m["samples_per_s"] for m in steady) / len(steady), 3),
           "step_s": round(sum(m["step_s"] for m in steady) / len(steady), 1),
-          "peak_rss_mb": round(_peak_rss_mb()), "workdir": str(workdir), "config": str(CONFIG.relative_to(ROOT))}
+          "smollm2_peak_rss_mb": run["peak_rss_mb"], "rl_main_peak_rss_mb": run["main_peak_rss_mb"],
+          "rl_processes": run["processes"], "rl_wall_s": run["seconds"], "workdir": str(workdir),
+          "config": str(CONFIG.relative_to(ROOT))}
 
 
 MODES_SETTINGS = ("PipelineConfig.steps=8", "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8",
@@ -389,9 +395,10 @@ def memory_variant(name: str) -> dict:
   compile_s = time.perf_counter() - compile_start
   rss.update(compiled=round(_rss_mb()), compile_peak=round(_peak_rss_mb()))
   rng = np.random.default_rng(0)
-  from grpo_step import measure_peak  # the f32 matmul peak the GRPO step benchmark uses
+  from peak import Peak
 
-  peak = measure_peak(device)
+  peak = Peak(device)
+  peak.measure()
   times, flops = [], []
   for _ in range(steps):
     lengths, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
@@ -401,12 +408,14 @@ def memory_variant(name: str) -> dict:
     jax.block_until_ready(state.params)
     times.append(time.perf_counter() - start)
     flops.append(3.0 * sum(config.flops_per_token(t + 1) for n in lengths for t in range(int(n))))
+  peak.measure()
   rss["steps"] = round(_rss_mb())
   steady = slice(1, None) if steps > 1 else slice(None)
   step_s = float(np.mean(times[steady]))
   temp = trainer.compiled_memory(state, chunk_tokens // length, length)["temp"]
-  return {"peak_rss_mb": round(_peak_rss_mb()), "train_step_s": round(step_s, 2),
-          "train_mfu": round(float(np.mean(flops[steady])) / step_s / peak, 3), "peak_gflops": round(peak / 1e9, 1),
+  return {"trainer_peak_rss_mb": round(_peak_rss_mb()), "train_step_s": round(step_s, 2),
+          "train_mfu": round(peak.mfu(float(np.mean(flops[steady])) / step_s), 3),
+          "peak_gflops": round(peak.flops / 1e9, 1),
           "tokens_per_call": chunk_tokens, "call_temp_mb": round(temp / 2**20), "compile_s": round(compile_s, 1),
           "params": config.param_count(), "samples": samples, "length": length, "rss_mb": rss}
 

@@ -1,13 +1,16 @@
 """Every benchmark in its own process, each headline figure against its goal, in one table.
 
   python -m benchmarks.suite [--quick] [--only NAME ...] [--out DIR]
-  python -m benchmarks.suite --readme DIR/suite.json     rewrites the README's table from a suite's results
+  python -m benchmarks.suite --page DIR/suite.json     the benchmark page (and README block) from one run's results
 
-Writes DIR/suite.json ({"backend", "device", "commit", "date", "quick", "rows": [{"benchmark", "figure", "value",
-"goal", "met"}, ...]}), DIR/suite.md (the same as a table) and DIR/logs/NAME.log (each benchmark's output). The
-figures and their goals are `benchmarks/goals.toml`. A benchmark that fails or runs past its time is a row that
-says so, and the suite goes on. `--quick` runs each benchmark at its small sizes (`benchmarks/sizing.py`): every
-figure, in minutes on a 2-core CPU, noisier. Prints one JSON object (the counts) as its last line.
+Writes DIR/suite.json ({"backend", "device", "commit", "date", "quick", "wall_s", "seconds", "benchmarks": what
+each is measured on, "rows": [{"benchmark", "figure", "value", "goal", "verdict"}, ...]}), DIR/suite.md (the page)
+and DIR/logs/NAME.log (each benchmark's output). The figures, their goals and what they are measured on are
+`benchmarks/goals.toml` (`benchmarks/goals.py`). A benchmark that fails or runs past its time is a row that says so,
+and the suite goes on. `--quick` runs each benchmark at its small sizes (`benchmarks/sizing.py`): every figure, in
+minutes on a 2-core CPU, noisier, and only the goals that hold at any size judged. Prints one JSON object (the
+counts) as its last line. `--page` (`benchmarks/page.py`) writes docs/benchmarks.md (docs/accelerator.md for a GPU
+or TPU run) with that run's results beside it.
 """
 
 from __future__ import annotations
@@ -16,23 +19,20 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-import tomllib
 from pathlib import Path
 
+from benchmarks import page
+from benchmarks.goals import load_goals, rows_of
+
 ROOT = Path(__file__).resolve().parent.parent
-GOALS = Path(__file__).resolve().parent / "goals.toml"
-README = ROOT / "README.md"
-BEGIN, END = "<!-- benchmarks-suite:begin -->", "<!-- benchmarks-suite:end -->"
-GOAL = re.compile(r"^(>=|<=|==|<|>)\s*(\S+)$")
+HELPERS = ("suite", "sizing", "goals", "page", "peak", "process_memory")  # modules of benchmarks/ that are no benchmark
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,58 +71,6 @@ BENCHES = (
     Bench("serve", 1200, 420),
     Bench("arms", 1800, 420),
 )
-
-
-def load_goals(path: Path = GOALS) -> dict[str, dict[str, str]]:
-  """{benchmark: {figure path: goal}}; a goal that does not read is an error naming it."""
-  goals = tomllib.loads(path.read_text())
-  for bench, figures in goals.items():
-    for figure, goal in figures.items():
-      if goal != "report" and not GOAL.match(goal):
-        raise ValueError(f"{path}: [{bench}] {figure} = {goal!r}: expected 'report' or an op (>=, <=, ==, <, >) "
-                         "and a number, true or false")
-  return goals
-
-
-def figure_value(result: dict, path: str):
-  """The value at a dotted path of a benchmark's JSON, or KeyError naming the missing step."""
-  value = result
-  for part in path.split("."):
-    if not isinstance(value, dict) or part not in value:
-      raise KeyError(part)
-    value = value[part]
-  return value
-
-
-def goal_met(value, goal: str) -> bool | None:
-  """Whether `value` meets `goal` (None for "report"); a value that is not a number or boolean does not."""
-  if goal == "report":
-    return None
-  op, want = GOAL.match(goal).groups()
-  if want in ("true", "false"):
-    return isinstance(value, bool) and (value == (want == "true")) == (op == "==")
-  if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-    return False
-  want = float(want)
-  return {">=": value >= want, "<=": value <= want, "==": value == want, "<": value < want, ">": value > want}[op]
-
-
-def rows_of(bench: str, result: dict | None, error: str | None, goals: dict[str, str]) -> list[dict]:
-  """The table's rows of one benchmark: each goal's figure, or one row saying why there are none. A figure the
-  benchmark names in `quick_omits` (parts too long for a quick run) is a row saying so, with no verdict."""
-  if result is None:
-    return [dict(benchmark=bench, figure="(run)", value=error, goal="", met=False)]
-  rows = []
-  for figure, goal in goals.items():
-    if figure in result.get("quick_omits", ()):
-      rows.append(dict(benchmark=bench, figure=figure, value="full run only", goal=goal, met=None))
-      continue
-    try:
-      value = figure_value(result, figure)
-    except KeyError:
-      value = "not reported"
-    rows.append(dict(benchmark=bench, figure=figure, value=value, goal=goal, met=goal_met(value, goal)))
-  return rows
 
 
 def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None, cache: Path | None = None
@@ -189,57 +137,29 @@ def commit() -> str:
     return "unknown"
 
 
-def show(value) -> str:
-  """A figure as the table prints it."""
-  if isinstance(value, bool):
-    return "yes" if value else "no"
-  if isinstance(value, float):
-    return f"{value + 0.0:.4g}"  # (+ 0.0: a negative zero prints as 0)
-  if isinstance(value, (dict, list)):
-    return json.dumps(value)
-  return str(value)
-
-
-def markdown(suite: dict) -> str:
-  """The suite as a Markdown table, with the machine, commit and date above it."""
-  mode = "small sizes, figures noisier" if suite["quick"] else "full sizes"
-  seconds = suite.get("seconds") or {}
-  took = f", {sum(seconds.values()) / 60:.0f} min in all" if seconds else ""
-  lines = [f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}` ({mode}{took}) on {suite['device']} "
-           f"(jax backend `{suite['backend']}`), commit `{suite['commit']}`, {suite['date']}; goals from "
-           "`benchmarks/goals.toml`.", "", "| benchmark | figure | value | goal | met |", "| --- | --- | --- | --- | --- |"]
-  for row in suite["rows"]:
-    met = {True: "yes", False: "**no**", None: ""}[row["met"]]
-    lines.append(f"| {row['benchmark']} | `{row['figure']}` | {show(row['value'])} | {row['goal']} | {met} |")
-  return "\n".join(lines) + "\n"
-
-
-def rewrite_readme(suite_json: Path, readme: Path = README) -> None:
-  """Replaces the README's block between the suite's markers with the table of `suite_json`."""
-  text = readme.read_text()
-  if BEGIN not in text or END not in text:
-    raise ValueError(f"{readme} has no {BEGIN} ... {END} block to rewrite")
-  head, rest = text.split(BEGIN, 1)
-  _, tail = rest.split(END, 1)
-  table = markdown(json.loads(suite_json.read_text()))
-  readme.write_text(f"{head}{BEGIN}\n{table}{END}{tail}")
-
-
 def run_suite(benches, quick: bool, out: Path, log=print) -> dict:
   """Runs `benches` one after another; returns (and writes) the suite's results."""
   goals = load_goals()
   out.mkdir(parents=True, exist_ok=True)
   (out / "logs").mkdir(exist_ok=True)
-  suite = dict(**machine(), commit=commit(), date=datetime.date.today().isoformat(), quick=quick, rows=[],
-               seconds={})
+  suite = dict(**machine(), commit=commit(), date=datetime.date.today().isoformat(), quick=quick, wall_s=0.0,
+               seconds={}, benchmarks={}, rows=[])
   cache = Path(tempfile.mkdtemp(prefix="xla-cache-", dir=out)) if quick else None  # fresh: a cold start's figures
+  start = time.perf_counter()
   try:
     for bench in benches:
       _run_one(bench, quick, out, cache, goals, suite, log)
+      suite["wall_s"] = round(time.perf_counter() - start, 1)
+      _write(out, suite)  # after each one: nothing lost to a stop
   finally:
     if cache is not None:
       shutil.rmtree(cache, ignore_errors=True)
   return suite
+
+
+def _write(out: Path, suite: dict) -> None:
+  (out / "suite.json").write_text(json.dumps(suite, indent=1))
+  (out / "suite.md").write_text(page.markdown(suite))
 
 
 def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: dict, suite: dict, log) -> None:
@@ -247,12 +167,13 @@ def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: di
   log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
   result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache)
   suite["seconds"][bench.name] = round(seconds, 1)
-  rows = rows_of(bench.name, result, error, goals.get(bench.name, {}))
+  spec = goals.get(bench.name)
+  if spec is not None:  # what this run's figures are measured on, as goals.toml said at its start
+    suite["benchmarks"][bench.name] = dict(spec.about(), figures={k: f.what for k, f in spec.figures.items()})
+  rows = rows_of(bench.name, result, error, spec, quick)
   suite["rows"] += rows
-  said = error or ", ".join(f"{r['figure']}={show(r['value'])}" for r in rows)
+  said = error or ", ".join(f"{r['figure']}={page.show(r['value'])}" for r in rows)
   log(f"[suite] {bench.name}: {seconds:.0f} s; {said}")
-  (out / "suite.json").write_text(json.dumps(suite, indent=1))  # kept after each one: nothing lost to a stop
-  (out / "suite.md").write_text(markdown(suite))
 
 
 def main(argv=None) -> int:
@@ -261,12 +182,13 @@ def main(argv=None) -> int:
   parser.add_argument("--only", action="append", default=[], metavar="NAME",
                       help=f"run only this benchmark (repeatable): {', '.join(b.name for b in BENCHES)}")
   parser.add_argument("--out", default="runs/benchmarks", help="where suite.json, suite.md and logs/ go")
-  parser.add_argument("--readme", metavar="SUITE_JSON",
-                      help="rewrite the README's table from this suite.json instead of running anything")
+  parser.add_argument("--page", metavar="SUITE_JSON",
+                      help="write the benchmark page (docs/benchmarks.md, or docs/accelerator.md for a GPU or TPU "
+                           "run) and the README's block from one run's suite.json, instead of running anything")
   args = parser.parse_args(argv)
-  if args.readme:
-    rewrite_readme(Path(args.readme))
-    print(json.dumps({"readme": str(README), "from": args.readme}))
+  if args.page:
+    written = page.write(Path(args.page))
+    print(json.dumps({"page": str(written.relative_to(ROOT)), "from": args.page}))
     return 0
   known = {b.name for b in BENCHES}
   unknown = sorted(set(args.only) - known)
@@ -274,10 +196,9 @@ def main(argv=None) -> int:
     parser.error(f"--only {unknown[0]}: no such benchmark; known: {', '.join(sorted(known))}")
   benches = [b for b in BENCHES if not args.only or b.name in args.only]
   suite = run_suite(benches, args.quick, Path(args.out), log=lambda text: print(text, file=sys.stderr, flush=True))
-  rows = suite["rows"]
-  print(json.dumps(dict(out=args.out, rows=len(rows), met=sum(r["met"] is True for r in rows),
-                        not_met=sum(r["met"] is False for r in rows), reported=sum(r["met"] is None for r in rows),
-                        failed=sum(r["figure"] == "(run)" for r in rows), seconds=round(sum(suite["seconds"].values())))))
+  print(json.dumps(dict(out=args.out, rows=len(suite["rows"]), **{k.replace(" ", "_"): v for k, v in
+                                                                  page.counts(suite).items()},
+                        wall_s=suite["wall_s"])))
   return 0
 
 

@@ -24,7 +24,8 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_forward import CONFIG, matmul_peak_gflops  # noqa: E402
+from model_forward import CONFIG  # noqa: E402
+from peak import Peak  # noqa: E402
 from sizing import size  # noqa: E402
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
@@ -83,19 +84,21 @@ def main() -> dict:
   for fn in variants.values():  # compile every shape
     state, _ = timed(fn, state)
   times = {name: [] for name in variants}
+  peak = Peak()
+  peak.measure()
   for _ in range(REPEATS):
     for name, fn in variants.items():
       state, seconds = timed(fn, state)
       times[name].append(seconds)
   best = {name: min(v) for name, v in times.items()}
-  peak = matmul_peak_gflops()
+  peak.measure()
   tokens = ROWS * LENGTH
   tps = tokens / min(best["fused"], best["fused_chunk16"])  # the faster way to run a whole batch
   return {
       "params": CONFIG.param_count(), "global_batch_rows": ROWS, "length": LENGTH, "arrivals": list(ARRIVALS),
       "train_tokens_per_s": round(tps, 1),
-      "train_mfu": round(3 * CONFIG.flops_per_token(LENGTH / 2) * tps / (peak * 1e9), 4),
-      "peak_gflops": round(peak, 2),
+      "train_mfu": round(peak.mfu(3 * CONFIG.flops_per_token(LENGTH / 2) * tps), 4),
+      "peak_gflops": round(peak.flops / 1e9, 2),
       "step_s": {k: round(v, 4) for k, v in best.items()},
       "dynamic_microbatch_overhead": round(best["streamed_chunk8"] / best["fused"] - 1, 4),
       "dynamic_microbatch_overhead_chunk16": round(best["streamed_chunk16"] / best["fused"] - 1, 4),

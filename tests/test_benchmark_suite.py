@@ -1,5 +1,6 @@
-"""`python -m benchmarks.suite`: goals read and checked, rows from a benchmark's JSON, a failing or hanging
-benchmark as a row (its whole process group killed), the table and the README block it rewrites."""
+"""`python -m benchmarks.suite`: goals read and checked (each with what it is measured on), rows from a benchmark's
+JSON (a quick run judging only what holds at any size), a failing or hanging benchmark as a row (its whole process
+group killed), and the benchmark page and README block, which must be those of one run's results."""
 
 import json
 import time
@@ -7,25 +8,39 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import suite
-from benchmarks.suite import Bench, goal_met, rows_of
+from benchmarks import page, suite
+from benchmarks.goals import Benchmark, Figure, goal_met, load_goals, rows_of
+from benchmarks.suite import Bench
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_every_benchmark_script_is_in_the_suite_with_goals():
-  scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "suite", "sizing"}
-  assert {b.name for b in suite.BENCHES} == scripts == set(suite.load_goals())
-  assert all(figures for figures in suite.load_goals().values())
+def test_every_benchmark_script_is_in_the_suite_with_goals_that_say_what_they_measure():
+  scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", *suite.HELPERS}
+  goals = load_goals()
+  assert {b.name for b in suite.BENCHES} == scripts == set(goals)
+  for name, bench in goals.items():
+    assert bench.workload and bench.process and bench.quick and bench.figures, name
+    assert all(f.what for f in bench.figures.values()), name
   from benchmarks.real_model import FULL_ONLY  # what a quick run leaves out is among its goals' figures
-  assert {f for figures in FULL_ONLY.values() for f in figures} <= set(suite.load_goals()["real_model"])
+  assert {f for figures in FULL_ONLY.values() for f in figures} <= set(goals["real_model"].figures)
 
 
-def test_a_goal_that_does_not_read_is_refused_naming_it(tmp_path):
+ABOUT = 'issue = "22"\nworkload = "w"\nquick = "q"\nprocess = "p"\n'
+
+
+@pytest.mark.parametrize("text, error", [
+    ('[paged]\n' + ABOUT + '[paged.figures]\nx = { goal = "at least 1.5", quick = false, what = "w" }\n',
+     r"\[paged\] x = 'at least 1.5'"),
+    ('[paged]\n' + ABOUT + '[paged.figures]\nx = ">= 1.5"\n', r"\[paged\] x: expected \{ goal"),
+    ('[paged]\nissue = "22"\nquick = "q"\nprocess = "p"\n[paged.figures]\n', r"\[paged\] lacks 'workload'"),
+    ('[paged]\n' + ABOUT + '[paged.figures]\nx = { goal = ">= 1", quick = "yes", what = "w" }\n',
+     "quick must be true or false")])
+def test_a_goal_that_does_not_read_or_says_not_what_it_measures_is_refused_naming_it(tmp_path, text, error):
   bad = tmp_path / "goals.toml"
-  bad.write_text('[paged]\npaged_vs_contiguous = "at least 1.5"\n')
-  with pytest.raises(ValueError, match=r"\[paged\] paged_vs_contiguous = 'at least 1.5'"):
-    suite.load_goals(bad)
+  bad.write_text(text)
+  with pytest.raises(ValueError, match=error):
+    load_goals(bad)
 
 
 @pytest.mark.parametrize("value, goal, met", [
@@ -37,18 +52,27 @@ def test_goals_are_met_as_written(value, goal, met):
   assert goal_met(value, goal) is met
 
 
-def test_rows_follow_dotted_paths_and_name_what_is_missing():
-  result = {"padding_frac": {"stream": 0.01}, "best_vs_tunix": 0.8}
-  goals = {"padding_frac.stream": "< 0.05", "best_vs_tunix": "<= 0.75", "useful_train_mfu.stream": ">= 0.45"}
-  rows = rows_of("grpo_step", result, None, goals)
-  assert [(r["figure"], r["value"], r["met"]) for r in rows] == [
-      ("padding_frac.stream", 0.01, True), ("best_vs_tunix", 0.8, False),
-      ("useful_train_mfu.stream", "not reported", False)]
-  omitted = rows_of("real_model", {"quick_omits": ["accuracy_gain"]}, None, {"accuracy_gain": ">= 0.1"})
+def spec(**figures) -> Benchmark:
+  return Benchmark("1", "w", "q", "p", {k: Figure(goal, quick, "what") for k, (goal, quick) in figures.items()})
+
+
+def test_rows_follow_dotted_paths_name_what_is_missing_and_judge_a_quick_run_only_where_its_goal_holds():
+  result = {"padding_frac": {"stream": 0.01}, "best_vs_tunix": 0.8, "lost": 0}
+  goals = spec(**{"padding_frac.stream": ("< 0.05", False), "best_vs_tunix": ("<= 0.75", False),
+                  "useful_train_mfu.stream": (">= 0.45", False), "lost": ("== 0", True), "seconds": ("report", False)})
+  result["seconds"] = 3.5
+  full = rows_of("grpo_step", result, None, goals, quick=False)
+  assert [(r["figure"], r["value"], r["verdict"]) for r in full] == [
+      ("padding_frac.stream", 0.01, "met"), ("best_vs_tunix", 0.8, "not met"),
+      ("useful_train_mfu.stream", "not reported", "not met"), ("lost", 0, "met"), ("seconds", 3.5, "report")]
+  quick = rows_of("grpo_step", result, None, goals, quick=True)  # a size-bound goal reported, never judged
+  assert [r["verdict"] for r in quick] == ["full size only", "full size only", "not met", "met", "report"]
+  omitted = rows_of("real_model", {"quick_omits": ["accuracy_gain"]}, None, spec(accuracy_gain=(">= 0.1", False)),
+                    quick=True)
   assert omitted == [dict(benchmark="real_model", figure="accuracy_gain", value="full run only", goal=">= 0.1",
-                          met=None)]
-  assert rows_of("paged", None, "timed out after 9 s", goals) == [
-      dict(benchmark="paged", figure="(run)", value="timed out after 9 s", goal="", met=False)]
+                          verdict="full size only")]
+  assert rows_of("paged", None, "timed out after 9 s", goals, quick=False) == [
+      dict(benchmark="paged", figure="(run)", value="timed out after 9 s", goal="", verdict="not met")]
 
 
 def test_a_benchmark_is_run_and_a_failing_or_hanging_one_is_a_row(tmp_path):
@@ -86,21 +110,44 @@ def alive(pid: int) -> bool:
     return False
 
 
-def test_the_table_and_the_readme_block_come_from_suite_json(tmp_path):
-  results = dict(backend="cpu", device="CPU, 2 of 2 cores", commit="abc1234", date="2026-11-26", quick=True,
-                 rows=rows_of("paged", {"paged_vs_contiguous": 1.2345678}, None, {"paged_vs_contiguous": ">= 1.5"})
-                 + rows_of("wire", None, "timed out after 240 s", {}))
-  (tmp_path / "suite.json").write_text(json.dumps(results))
-  table = suite.markdown(results)
-  assert "| paged | `paged_vs_contiguous` | 1.235 | >= 1.5 | **no** |" in table
-  assert "| wire | `(run)` | timed out after 240 s |  | **no** |" in table and "commit `abc1234`" in table
+def results(**overrides) -> dict:
+  rows = (rows_of("paged", {"paged_vs_contiguous": 1.2345678}, None, spec(paged_vs_contiguous=(">= 1.5", False)),
+                  quick=False)
+          + rows_of("wire", None, "timed out after 240 s", None, quick=False))
+  return dict(dict(backend="cpu", device="CPU, 2 of 2 cores", commit="abc1234", date="2026-11-26", quick=False,
+                   wall_s=125.0, seconds={"paged": 100.0, "wire": 25.0}, rows=rows,
+                   benchmarks={"paged": dict(issue="22", workload="the workload", quick="q", process="one process",
+                                             figures={"paged_vs_contiguous": "paged over contiguous tokens/s"})}),
+              **overrides)
+
+
+def test_the_page_and_the_readme_block_come_from_one_runs_results(tmp_path):
+  suite_json = results()
+  text = page.markdown(suite_json)
+  assert "| paged | `paged_vs_contiguous` | 1.235 | >= 1.5 | **no** |" in text
+  assert "| wire | `(run)` | timed out after 240 s |  | **no** |" in text and "commit `abc1234`" in text
+  assert "2.1 min of wall time" in text and "- Workload: the workload." in text
+  assert "0 goals met, 2 not met" in text
   readme = tmp_path / "README.md"
-  readme.write_text(f"# title\n\nbefore\n{suite.BEGIN}\nold table\n{suite.END}\nafter\n")
-  suite.rewrite_readme(tmp_path / "suite.json", readme)
-  assert readme.read_text() == f"# title\n\nbefore\n{suite.BEGIN}\n{table}{suite.END}\nafter\n"
+  readme.write_text(f"# title\n\nbefore\n{page.BEGIN}\nold table\n{page.END}\nafter\n")
+  page.rewrite_readme(suite_json, readme)
+  assert readme.read_text() == f"# title\n\nbefore\n{page.readme_block(suite_json)}\nafter\n"
+  assert "[docs/benchmarks.md](docs/benchmarks.md)" in page.readme_block(suite_json)
+  (tmp_path / "other.md").write_text("# no block\n")
   with pytest.raises(ValueError, match="no <!-- benchmarks-suite:begin -->"):
-    suite.rewrite_readme(tmp_path / "suite.json", tmp_path / "suite.json")
-  assert suite.BEGIN in (ROOT / "README.md").read_text()  # the project's README has the block
+    page.rewrite_readme(suite_json, tmp_path / "other.md")
+  assert page.page_path("gpu").name == "accelerator.md"  # an accelerator's run has a page of its own
+  assert "# Benchmarks on 1 x H100" in page.markdown(results(backend="gpu", device="1 x H100"))
+
+
+def test_the_committed_page_and_readme_block_are_one_runs():
+  """docs/benchmarks.md and the README's block are exactly what their run's results give: no row edited by hand,
+  no row of another run stitched in."""
+  results_file = page.page_path("cpu").with_suffix(".json")
+  suite_json = json.loads(results_file.read_text())
+  assert page.page_path("cpu").read_text() == page.markdown(suite_json), "rewrite it: python -m benchmarks.suite --page"
+  assert page.readme_block_in() == page.readme_block(suite_json)
+  assert len({r["benchmark"] for r in suite_json["rows"]}) == len(suite_json["seconds"])  # each benchmark once
 
 
 def test_only_refuses_an_unknown_benchmark(capsys):

@@ -1,0 +1,94 @@
+"""A run's memory as its goal means it: the peak resident memory of the whole run, every process of it at once.
+
+`run_measured(command)` starts the command and samples, every `period` seconds, the resident memory of its process
+and every descendant (reward workers, a fork server, samplers and followers of a launch), summed; the peak of those
+sums, and at least the largest single process's own high-water mark (wait4's ru_maxrss, which no sample can miss),
+is `peak_rss_mb`. Linux /proc only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _parents() -> dict[int, int]:
+  """{pid: parent pid} of every process."""
+  out = {}
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        with open(f"/proc/{entry}/stat") as f:
+          stat = f.read()
+      except OSError:  # gone meanwhile
+        continue
+      out[int(entry)] = int(stat[stat.rindex(")") + 2:].split()[1])
+  return out
+
+
+def tree(root: int) -> list[int]:
+  """`root` and its descendants."""
+  children: dict[int, list[int]] = {}
+  for pid, parent in _parents().items():
+    children.setdefault(parent, []).append(pid)
+  found, todo = [], [root]
+  while todo:
+    pid = todo.pop()
+    found.append(pid)
+    todo.extend(children.get(pid, []))
+  return found
+
+
+def resident_bytes(pid: int) -> int:
+  try:
+    with open(f"/proc/{pid}/statm") as f:
+      return int(f.read().split()[1]) * PAGE
+  except OSError:
+    return 0
+
+
+class TreeSampler:
+  """Samples the summed resident memory of `root`'s process tree on a thread until `stop()`."""
+
+  def __init__(self, root: int, period: float = 0.1):
+    self.root, self.period = root, period
+    self.peak_bytes, self.most_processes, self.samples = 0, 0, 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True, name="tree-memory")
+
+  def start(self) -> TreeSampler:
+    self._thread.start()
+    return self
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join()
+
+  def _run(self) -> None:
+    while not self._stop.is_set():
+      pids = tree(self.root)
+      self.peak_bytes = max(self.peak_bytes, sum(resident_bytes(p) for p in pids))
+      self.most_processes, self.samples = max(self.most_processes, len(pids)), self.samples + 1
+      self._stop.wait(self.period)
+
+
+def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.1) -> dict:
+  """Runs `command` to its end; {"returncode", "output", "peak_rss_mb" (the whole tree's), "main_peak_rss_mb" (the
+  command's own process), "processes" (the most seen at once), "seconds"}."""
+  start = time.perf_counter()
+  proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  sampler = TreeSampler(proc.pid, period).start()
+  output = []
+  reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
+  reader.start()
+  _, status, usage = os.wait4(proc.pid, 0)
+  sampler.stop()
+  reader.join()
+  proc.returncode = os.waitstatus_to_exitcode(status)
+  main_peak = usage.ru_maxrss * 1024  # kB on Linux
+  return dict(returncode=proc.returncode, output="".join(output),
+              peak_rss_mb=round(max(sampler.peak_bytes, main_peak) / 2**20), main_peak_rss_mb=round(main_peak / 2**20),
+              processes=sampler.most_processes, seconds=round(time.perf_counter() - start, 1))
