@@ -12,8 +12,10 @@ STEP (counted from 1, as metrics rows are), it does ACTION. Points, in the order
 Actions: `sigint` / `sigterm` signal the trainer's own process (a Ctrl-C landing exactly there); `sigkill` ends
 it at once (no handler runs, as with an out-of-memory kill); `pause` writes `POINT@STEP` to the file named by
 `STREAMRL_FAULT_FILE` and waits until a signal reaches the process (at most `PAUSE_LIMIT_S`), so a test can
-signal another process (the launcher) knowing where the trainer stands; `hang` never returns (a step stuck as a
-device wait would be: only the stall watch, `PipelineConfig.step_timeout_s`, or a second Ctrl-C ends it).
+signal another process (the launcher) knowing where the trainer stands; `hold` writes that file too and waits until
+it is removed (at most `PAUSE_LIMIT_S`), then goes on, so a test can fault the samplers while the run stands at a
+known step (its controller and server still answer) and then let it continue; `hang` never returns (a step stuck as
+a device wait would be: only the stall watch, `PipelineConfig.step_timeout_s`, or a second Ctrl-C ends it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from streamrl_jax.stopping import StopRequest
 
 ENV, FILE_ENV = "STREAMRL_FAULT", "STREAMRL_FAULT_FILE"
 POINTS = ("publish", "row", "save")
-ACTIONS = ("sigint", "sigterm", "sigkill", "pause", "hang")
+ACTIONS = ("sigint", "sigterm", "sigkill", "pause", "hold", "hang")
 PAUSE_LIMIT_S = 300.0
 
 
@@ -69,13 +71,15 @@ class FaultPoints:
   def _act(self, fault: Fault) -> None:
     while fault.action == "hang":
       time.sleep(3600)
-    if fault.action == "pause":
+    if fault.action in ("pause", "hold"):
       seen = self._stop.signals if self._stop is not None else 0
       if self._mark_file:
         with open(self._mark_file, "w") as out:
           out.write(f"{fault.point}@{fault.step}")
       deadline = time.monotonic() + PAUSE_LIMIT_S
-      while time.monotonic() < deadline and (self._stop is None or self._stop.signals == seen):
+      waiting = ((lambda: os.path.exists(self._mark_file)) if fault.action == "hold"
+                 else (lambda: self._stop is None or self._stop.signals == seen))
+      while time.monotonic() < deadline and waiting():
         time.sleep(0.05)  # a signal's handler runs on this (the main) thread, between two sleeps
       return
     sig = {"sigint": signal.SIGINT, "sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}[fault.action]

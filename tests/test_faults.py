@@ -206,12 +206,13 @@ class Programs:
     self.config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode=mode))
     self.address = f"127.0.0.1:{free_port()}"
 
-  def start(self, role: str, name: str, *extra: str) -> subprocess.Popen:
+  def start(self, role: str, name: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
     args = (["trainer", "--workdir", str(self.workdir), "--listen", self.address] if role == "trainer"
             else ["sampler", "--connect", self.address, "--name", name])
     log = (self.workdir / f"{name}.log").open("a")
     proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args, "--config", str(self.config), *extra],
-                            env=dict(os.environ, XLA_FLAGS=""), stdout=log, stderr=subprocess.STDOUT, text=True)
+                            env=dict(os.environ, XLA_FLAGS="", **(env or {})), stdout=log, stderr=subprocess.STDOUT,
+                            text=True)
     self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
     return proc
 
@@ -269,12 +270,13 @@ def check_each_step_once(workdir: Path, steps: int, trainer_restarts: int = 0) -
 @pytest.mark.slow
 def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
   """A 20-step run with two samplers: at steps 3, 8 and 13 one is killed (SIGKILL) and a fresh one started;
-  at step 5 one is frozen past the lease timeout and thawed (it is declared lost, comes back, registers again);
-  at step 10 a third one joins. The run completes and trains each prompt of each step exactly once."""
-  steps, chaos = 20, random.Random(7)
+  at step 5 one is frozen past the lease timeout and thawed (it is declared lost, comes back, registers again) while
+  the trainer holds after that step's row (a fault point: the run cannot end meanwhile); at step 10 a third one
+  joins. The run completes and trains each prompt of each step exactly once."""
+  steps, chaos, hold = 20, random.Random(7), tmp_path / "holding"
   run = Programs(tmp_path, steps, mode="async")
   try:
-    run.start("trainer", "trainer")
+    run.start("trainer", "trainer", env={"STREAMRL_FAULT": "row@5=hold", "STREAMRL_FAULT_FILE": str(hold)})
     live = []
 
     def new_sampler() -> None:
@@ -284,7 +286,7 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
     new_sampler()
     frozen = None
     for at, fault in ((3, "kill"), (5, "freeze"), (8, "kill"), (10, "join"), (13, "kill")):
-      run.wait_until(lambda: run.steps_done() >= at, f"step {at}")
+      run.wait_until((lambda: hold.exists()) if fault == "freeze" else (lambda: run.steps_done() >= at), f"step {at}")
       if fault == "kill":  # any sampler but the frozen one, which must live to register again
         run.procs[live.pop(chaos.choice([i for i, name in enumerate(live) if name != frozen]))].kill()
       if fault in ("kill", "join"):
@@ -294,6 +296,8 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
         os.kill(run.procs[frozen].pid, signal.SIGSTOP)
         run.wait_until(lambda: run.lost(frozen), f"{frozen} declared lost")  # silent past the lease timeout
         os.kill(run.procs[frozen].pid, signal.SIGCONT)
+        run.wait_until(lambda: "registering again" in run.logs[frozen].read_text(), f"{frozen} registering again")
+        hold.unlink()  # the trainer goes on
     assert run.wait_exit("trainer") == 0, run.tails()
     for name in live:  # one started near the end may find the run over before it registers: left to kill_all
       if "registered with the trainer" in run.logs[name].read_text():

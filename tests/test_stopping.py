@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -69,6 +70,20 @@ def test_a_pause_waits_for_a_signal_and_a_fault_fires_only_at_its_point(tmp_path
     points.hit("row", 2)
     ctrl_c.join()
   assert mark.read_text() == "row@2" and stop.requested
+
+
+def test_a_hold_waits_until_its_file_is_removed_and_then_goes_on(tmp_path):
+  mark = tmp_path / "holding"
+  points = FaultPoints(parse_faults("row@3=hold"), StopRequest(), str(mark))
+  held = threading.Thread(target=points.hit, args=("row", 3))
+  held.start()
+  deadline = time.monotonic() + 30
+  while not mark.exists() and time.monotonic() < deadline:  # it stands at row@3
+    time.sleep(0.01)
+  assert mark.read_text() == "row@3" and held.is_alive()  # waiting: only the file's removal lets it go on
+  mark.unlink()
+  held.join(30)
+  assert not held.is_alive()
 
 
 def test_a_step_still_waiting_after_the_grace_is_abandoned_and_not_before():
