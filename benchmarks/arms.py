@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = size(24, 8)  # RL steps of each run
+STEPS = size(24, 5)  # RL steps of each run
 EVAL = size(256, 64)  # held-out prompts of each evaluation
-WARMUP = size(None, 150)  # the demo's supervised warm-up (None: its own, 300 steps)
+WARMUP = size(None, 80)  # the demo's supervised warm-up (None: its own, 300 steps)
 
 
 def log(text: str) -> None:

@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import size  # noqa: E402
 
-STEPS, SKIP = size(10, 5), size(3, 2)
+STEPS, SKIP = size(10, 4), size(3, 2)
 # quick: no supervised warm-up, so no warm-up run; every mode starts from the same freshly initialised model
 WARMUP_STEPS = size(100, 0)
 # quick: no colocated baseline (async_vs_colocated has no goal here; pipeline.py's has)

@@ -56,7 +56,7 @@ from sizing import QUICK, size  # noqa: E402
 
 SMOLLM2_SHAPE = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                             num_kv_heads=3, tie_embeddings=True)
-PROMPTS, STEPS, EVAL = size(256, 64), size(40, 3), size(512, 64)
+PROMPTS, STEPS, EVAL = size(256, 48), size(40, 2), size(512, 48)
 VERSIONS = size(3, 2)  # weight versions each transfer arm publishes (the best counts)
 WARMUP = size(None, 40)  # supervised steps of the demo's warm-up (None: the demo's own)
 TIMED = size(2, 1)  # timed sampling runs per precision (the best counts)

@@ -35,8 +35,8 @@ from sizing import size  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 REQUESTS, MAX_TOKENS, STREAMS = 64, 32, 16
-REPEATS = size(3, 2)
-AGENT_STEPS = size(8, 4)
+REPEATS = size(3, 1)
+AGENT_STEPS = size(8, 2)
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
 
