@@ -17,8 +17,7 @@ held-out gain after equal RL steps. Arms in one run.
    projections, its own learning rate), equal steps, 200 held-out prompts; `lora_accuracy_gain_ratio` = LoRA's
    held-out gain over full's.
 
-A quick run (`benchmarks/sizing.py`) runs the sync and trainer parts, the trainer on a quarter of the step's
-samples, and names the accuracy figure in `quick_omits`. Prints one JSON object as its last line.
+A quick run (`benchmarks/sizing.py`) runs the sync part and names the figures of the others in `quick_omits`. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations
@@ -214,13 +213,14 @@ def part_accuracy() -> dict:
 
 
 PARTS = {"sync": part_sync, "train": part_train, "accuracy": part_accuracy}
-QUICK_PARTS = ("sync", "train")  # a quick run's: the RL arms are minutes each, and a few steps' gain is noise
+PART_FIGURES = {"train": ("lora_train_step_ratio", "lora_peak_rss_ratio"), "accuracy": ("lora_accuracy_gain_ratio",)}
+QUICK_PARTS = ("sync",)  # a quick run's: the trainer arms and the RL arms are minutes each; their figures a full run's
 
 
 def main(parts) -> dict:
   out = dict(rank=RANK, alpha=ALPHA, quick=QUICK)
-  if QUICK and "accuracy" not in parts:
-    out["quick_omits"] = ["lora_accuracy_gain_ratio"]
+  if QUICK:
+    out["quick_omits"] = [f for part, figures in PART_FIGURES.items() if part not in parts for f in figures]
   for part in parts:
     start = time.perf_counter()
     out.update(PARTS[part]())

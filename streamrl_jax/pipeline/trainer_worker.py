@@ -145,13 +145,8 @@ class TrainerWorker:
     before = dict(self.batcher.counters)
     shards, waited, received = self._take_step(step, controller, get_shard, clock)
     begin = clock()
-    empty = self.batcher.rows_seen and not sum(s.trained_tokens for s in shards)
-    if empty:  # every completion empty, every episode failed: no token carries a loss, the state's sums are zero
-      self.batcher.discard()
-      self.counters["empty_steps"] += 1
-      tqdm.write(f"warning: step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train "
-                 "(every completion empty or every episode failed); the step is skipped, the weights unchanged",
-                 file=sys.stderr)  # (above a progress bar, if one is drawn)
+    empty = _drop_empty_step(self.batcher, shards, step)
+    self.counters["empty_steps"] += empty
     if self.batcher.rows_seen:
       self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
@@ -376,6 +371,18 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
             f"its plan does not hold (groups {planned.start}..{planned.stop - 1}{backfill}, indices "
             f"0..{config.group_size - 1})")
   return None
+
+
+def _drop_empty_step(batcher: MicroBatcher, shards: list, step: int) -> bool:
+  """Whether the step's samples hold no token to train (every completion empty, every episode failed); if so what
+  the batcher holds of it is dropped (its rows added nothing: the state's sums are still zero) and a warning says so."""
+  if not batcher.rows_seen or sum(s.trained_tokens for s in shards):
+    return False
+  batcher.discard()
+  tqdm.write(f"warning: step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train "
+             "(every completion empty or every episode failed); the step is skipped, the weights unchanged",
+             file=sys.stderr)  # (above a progress bar, if one is drawn)
+  return True
 
 
 def _record(received: dict, shard: SampleShard) -> None:
