@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = size(24, 5)  # RL steps of each run
-EVAL = size(256, 64)  # held-out prompts of each evaluation
+STEPS = size(24, 4)  # RL steps of each run
+EVAL = size(256, 32)  # held-out prompts of each evaluation
 WARMUP = size(None, 80)  # the demo's supervised warm-up (None: its own, 300 steps)
 
 

@@ -35,12 +35,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import size  # noqa: E402
 
-STEPS, KILL_AT, JOIN_AT = size(40, 16), size(10, 4), size(20, 8)
+STEPS, KILL_AT, JOIN_AT = size(40, 12), size(10, 3), size(20, 6)
 WARMUP_STEPS = size(50, 0)  # quick: the RL steps start from the freshly initialised model
 RUN = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", f"JobConfig.warmup_steps={WARMUP_STEPS}",
        "JobConfig.eval_prompts=1", f"PipelineConfig.steps={STEPS}", "ControllerConfig.lease_timeout_s=4.0",
        "ControllerConfig.heartbeat_s=1.0")
-RSS_STEPS = size(200, 24)
+RSS_STEPS = size(200, 20)
 TINY = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
         "JobConfig.eval_prompts=1", "JobConfig.hidden_size=32", f"PipelineConfig.steps={RSS_STEPS}",
         "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=4", "PipelineConfig.max_new_tokens=16",

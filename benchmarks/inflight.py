@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from multiprocess import streamrl, warm_up  # noqa: E402
 from sizing import QUICK, size  # noqa: E402
 
-DEMO_STEPS, SKIP = size(48, 5), size(3, 2)
+DEMO_STEPS, SKIP = size(48, 4), size(3, 2)
 # precompile: every trainer shape compiled before the first step, so no arm pays compiles that a later arm
 # finds in the shared compilation cache (the first arm run used to train at half speed for it)
 DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True",

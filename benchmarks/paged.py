@@ -46,7 +46,7 @@ SLOTS, ROWS, PAGE = 16, 64, 16
 GROUP, GROUPS, GROUP_PROMPT, GROUP_NEW = 8, 12, 256, 64
 # This run's sizes (`benchmarks/sizing.py`): long-tailed requests, GRPO groups and their longest output, timed
 # runs of each arm (after the untimed one that compiles), decode calls timed for the overhead.
-RUN_REQUESTS, RUN_GROUPS, RUN_GROUP_NEW = size(NUM_REQUESTS, 64), size(GROUPS, 4), size(GROUP_NEW, 32)
+RUN_REQUESTS, RUN_GROUPS, RUN_GROUP_NEW = size(NUM_REQUESTS, 48), size(GROUPS, 4), size(GROUP_NEW, 32)
 RUN_REPEATS, RUN_DECODE_CALLS = size(2, 1), size(30, 12)
 
 

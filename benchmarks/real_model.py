@@ -33,7 +33,7 @@ Seven parts, each in its own process (so each starts from clean memory and its o
   `qwen05b_trainer_peak_rss_mb`).
 
 `--part NAME` runs one part; `--steps N` shortens the RL run (the issue's figures use the config's own). A quick run
-(STREAMRL_BENCH_QUICK=1, `benchmarks/suite.py --quick`) runs parity, speed and precision at small sizes and names the
+(STREAMRL_BENCH_QUICK=1, `benchmarks/suite.py --quick`) runs parity and precision at small sizes and names the
 figures of the other parts in `quick_omits`. Prints one JSON object as its last line.
 """
 
@@ -58,8 +58,8 @@ MODEL = "smollm2-135m-instruct"
 SLOTS, REQUESTS, TAIL_FRACTION = 16, size(64, 16), 0.15
 REPEATS = size(2, 1)  # timed runs of the speed part, interleaved
 # The parts a quick run (`benchmarks/suite.py --quick`) leaves out (minutes each on a CPU), and their figures.
-QUICK_PARTS = ("parity", "speed", "precision")
-FULL_ONLY = {"paged": ("smollm2_paged_vs_contiguous",), "rl": ("accuracy_gain", "smollm2_peak_rss_mb"),
+QUICK_PARTS = ("parity", "precision")
+FULL_ONLY = {"speed": ("engine_vs_hf",), "paged": ("smollm2_paged_vs_contiguous",), "rl": ("accuracy_gain", "smollm2_peak_rss_mb"),
              "modes": ("async_step_s",), "memory": ("smollm2_train_mfu",)}
 PROMPT_BUCKET = 48  # the chat prompts are 47 tokens: one prefill bucket that fits them
 PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",

@@ -45,7 +45,7 @@ from streamrl_jax.streaming.flight_client import FlightConnection, FlightControl
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND  # noqa: E402
 from streamrl_jax.streaming.sample_schema import SampleEnvelope, shard_to_batch  # noqa: E402
 
-STEPS, PROMPTS, GROUP, NEW_TOKENS, PROMPT_LENGTH = size(8, 4), 4, 2, 8, 16
+STEPS, PROMPTS, GROUP, NEW_TOKENS, PROMPT_LENGTH = size(8, 3), 4, 2, 8, 16
 SETS = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
         "JobConfig.eval_prompts=2", "JobConfig.hidden_size=32", f"PipelineConfig.steps={STEPS}",
         "PipelineConfig.mode='stream'", f"PipelineConfig.prompts_per_step={PROMPTS}",
