@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RANK, ALPHA = 16, 32.0
 LORA_SETS = (f"LoraConfig.rank={RANK}", f"LoraConfig.alpha={ALPHA}")
 VERSIONS = size(3, 2)
-TRAIN_STEPS = size(4, 2)  # trainer steps per arm (the first, compiling, is not counted)
-TRAIN_PROMPTS = size(8, 2)  # prompts of 8 samples per trainer step (quick: a quarter of the shipped config's)
+TRAIN_STEPS = size(4, 3)  # trainer steps per arm (the first, compiling, is not counted; `--part train` quick: 3)
+TRAIN_PROMPTS = size(8, 2)  # prompts of 8 samples per trainer step (`--part train` quick: a quarter of the shipped config's)
 ACCURACY_ARMS = {"full": Path("configs/smollm2_cpu.gin"), "lora": Path("configs/smollm2_lora_cpu.gin")}
 
 

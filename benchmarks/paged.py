@@ -15,7 +15,7 @@ hidden 576, vocabulary 49,152) instead of the benchmark model: the decision betw
 model's arithmetic, on whatever backend runs it.
 
 Each arm runs the workload once untimed (every shape compiles), then twice interleaved; the best counts. Prints one JSON object as its last line.
-A quick run (`benchmarks/sizing.py`) times each arm once, on 64 long-tailed requests, 4 groups of outputs up to 32
+A quick run (`benchmarks/sizing.py`) times each arm once, on 48 long-tailed requests, 4 groups of outputs up to 32
 tokens and 12 decode calls.
 """
 

@@ -3,7 +3,9 @@
 `run_measured(command)` starts the command and samples, every `period` seconds, the resident memory of its process
 and every descendant (reward workers, a fork server, samplers and followers of a launch), summed; the peak of those
 sums, and at least the largest single process's own high-water mark (wait4's ru_maxrss, which no sample can miss),
-is `peak_rss_mb`. Linux /proc only."""
+is `peak_rss_mb`. Pages that processes share (a forked worker's) count once per process there; `peak_pss_mb` is the
+same peak of proportional set sizes (each shared page split between its holders), the run's own footprint. Linux
+/proc only."""
 
 from __future__ import annotations
 
@@ -50,12 +52,24 @@ def resident_bytes(pid: int) -> int:
     return 0
 
 
+def proportional_bytes(pid: int) -> int:
+  """The process's proportional set size (its private pages, and its share of those it shares)."""
+  try:
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+      for line in f:
+        if line.startswith("Pss:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return 0
+
+
 class TreeSampler:
   """Samples the summed resident memory of `root`'s process tree on a thread until `stop()`."""
 
-  def __init__(self, root: int, period: float = 0.1):
+  def __init__(self, root: int, period: float = 0.2):
     self.root, self.period = root, period
-    self.peak_bytes, self.most_processes, self.samples = 0, 0, 0
+    self.peak_bytes, self.peak_pss_bytes, self.most_processes, self.samples = 0, 0, 0, 0
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="tree-memory")
 
@@ -71,13 +85,14 @@ class TreeSampler:
     while not self._stop.is_set():
       pids = tree(self.root)
       self.peak_bytes = max(self.peak_bytes, sum(resident_bytes(p) for p in pids))
+      self.peak_pss_bytes = max(self.peak_pss_bytes, sum(proportional_bytes(p) for p in pids))
       self.most_processes, self.samples = max(self.most_processes, len(pids)), self.samples + 1
       self._stop.wait(self.period)
 
 
-def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.1) -> dict:
-  """Runs `command` to its end; {"returncode", "output", "peak_rss_mb" (the whole tree's), "main_peak_rss_mb" (the
-  command's own process), "processes" (the most seen at once), "seconds"}."""
+def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.2) -> dict:
+  """Runs `command` to its end; {"returncode", "output", "peak_rss_mb" (the whole tree's), "peak_pss_mb",
+  "main_peak_rss_mb" (the command's own process), "processes" (the most seen at once), "seconds"}."""
   start = time.perf_counter()
   proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   sampler = TreeSampler(proc.pid, period).start()
@@ -90,5 +105,6 @@ def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.1)
   proc.returncode = os.waitstatus_to_exitcode(status)
   main_peak = usage.ru_maxrss * 1024  # kB on Linux
   return dict(returncode=proc.returncode, output="".join(output),
-              peak_rss_mb=round(max(sampler.peak_bytes, main_peak) / 2**20), main_peak_rss_mb=round(main_peak / 2**20),
+              peak_rss_mb=round(max(sampler.peak_bytes, main_peak) / 2**20),
+              peak_pss_mb=round(sampler.peak_pss_bytes / 2**20), main_peak_rss_mb=round(main_peak / 2**20),
               processes=sampler.most_processes, seconds=round(time.perf_counter() - start, 1))

@@ -274,7 +274,8 @@ def part_rl(steps: int) -> dict:
           "reward_curve": [round(m["reward_mean"], 4) for m in metrics],
           "samples_per_s": round(sum(m["samples_per_s"] for m in steady) / len(steady), 3),
           "step_s": round(sum(m["step_s"] for m in steady) / len(steady), 1),
-          "smollm2_peak_rss_mb": run["peak_rss_mb"], "rl_main_peak_rss_mb": run["main_peak_rss_mb"],
+          "smollm2_peak_rss_mb": run["peak_rss_mb"], "smollm2_peak_pss_mb": run["peak_pss_mb"],
+          "rl_main_peak_rss_mb": run["main_peak_rss_mb"],
           "rl_processes": run["processes"], "rl_wall_s": run["seconds"], "workdir": str(workdir),
           "config": str(CONFIG.relative_to(ROOT))}
 

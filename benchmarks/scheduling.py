@@ -48,7 +48,7 @@ from streamrl_jax.scheduling import (OnlineRanker, RankerConfig, SchedulingConfi
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 
-INSTANCES, SLOTS, REQUESTS, REPEATS = 4, 16, size(256, 64), size(2, 1)
+INSTANCES, SLOTS, REQUESTS, REPEATS = 4, 16, size(256, 128), size(2, 1)
 RANKER_ROUNDS, RANKER_ROUND_SIZE = size(8, 4), 128  # the ranker's online training before the batch
 PTL_SIZES = size((1, 2, 4, 8, 16), (1, 4, 16))  # batches of the measured latency curve (the planner interpolates)
 WARM_CAP = size(0, 20)  # if > 0: every plan runs once untimed first, outputs cut to this (its prefill shapes compile)

@@ -130,9 +130,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
+  """The commit this run measures (`-dirty` when the tree holds uncommitted changes)."""
   try:
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
+                          text=True, check=True).stdout.strip()
   except (subprocess.SubprocessError, OSError):
     return "unknown"
 
@@ -187,6 +188,10 @@ def main(argv=None) -> int:
                            "run) and the README's block from one run's suite.json, instead of running anything")
   args = parser.parse_args(argv)
   if args.page:
+    ran = set(json.loads(Path(args.page).read_text())["seconds"])
+    missing = [b.name for b in BENCHES if b.name not in ran]
+    if missing:  # a page is one whole run: every benchmark, each once
+      parser.error(f"--page {args.page}: a run of every benchmark is needed; this one lacks {', '.join(missing)}")
     written = page.write(Path(args.page))
     print(json.dumps({"page": str(written.relative_to(ROOT)), "from": args.page}))
     return 0

@@ -57,6 +57,9 @@ class FaultPoints:
   """The faults of this process (from `STREAMRL_FAULT`); `hit(point, step)` does the matching ones."""
 
   def __init__(self, faults: tuple[Fault, ...] = (), stop: StopRequest | None = None, mark_file: str = ""):
+    held = next((f for f in faults if f.action == "hold"), None)
+    if held is not None and not mark_file:
+      raise ValueError(f"{ENV}: '{held.point}@{held.step}=hold' waits on a file: set {FILE_ENV} to its path")
     self.faults, self._stop, self._mark_file = faults, stop, mark_file
 
   @classmethod

@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-RECORD_ENV = "STREAMRL_SWEEP_RECORD"
+RECORD_ENV, FAILED_ENV = "STREAMRL_SWEEP_RECORD", "STREAMRL_SWEEP_FAILED"  # read by tests/conftest.py
+SELF = "tests/test_sweep.py"
 # The thread tests that order threads by events and fault points (once by sleeps) and finish in seconds: CI runs
 # them three times. The process chaos tests take minutes a round; the full sweep covers them.
 RISKIEST = (
@@ -40,14 +41,23 @@ RISKIEST = (
 
 
 def _pytest(args: list[str], record: Path | None = None) -> tuple[int, list[str]]:
-  """One pytest process over `args`; (exit code, node ids that failed)."""
+  """One pytest process over `args` (the sweep's own tests left out: they run sweeps of their own); (exit code, node
+  ids that failed). Only this pytest writes to `record` and to its failures file: nothing of a sweep this one runs
+  inside (its environment's) reaches them."""
   with tempfile.NamedTemporaryFile("r", suffix=".txt") as failed:
-    env = dict(os.environ, STREAMRL_SWEEP_FAILED=failed.name, **({RECORD_ENV: str(record)} if record else {}))
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=ROOT, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {k: v for k, v in os.environ.items() if k not in (RECORD_ENV, FAILED_ENV)}
+    env.update({FAILED_ENV: failed.name, **({RECORD_ENV: str(record)} if record else {})})
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+                           "--deselect", SELF], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     print(lines[-1] if lines else f"pytest exited {done.returncode}", file=sys.stderr, flush=True)
-    return done.returncode, sorted(set(Path(failed.name).read_text().split()))
+    return done.returncode, _ids(Path(failed.name))
+
+
+def _ids(path: Path) -> list[str]:
+  """The node ids a recorder or reporter wrote, one a line (an id may hold spaces: a test's parameters)."""
+  return sorted({line for line in path.read_text().splitlines() if line.strip()})
 
 
 def _short(node: str) -> str:
@@ -64,7 +74,7 @@ def sweep(selection: list[str], count: int, record_first: bool = True) -> dict:
     code, failed = _pytest(selection, record if record_first else None)
     if code not in (0, 1):  # 1: tests failed (counted); anything else: pytest could not run them
       raise RuntimeError(f"pytest exited {code} on {selection}")
-    tests = sorted(set(record.read_text().split())) if record_first else selection
+    tests = _ids(record) if record_first else selection
   for node in failed:
     failures[_short(node)] = failures.get(_short(node), 0) + 1
   for round_ in range(2, count + 1):

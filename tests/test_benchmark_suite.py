@@ -147,10 +147,15 @@ def test_the_committed_page_and_readme_block_are_one_runs():
   suite_json = json.loads(results_file.read_text())
   assert page.page_path("cpu").read_text() == page.markdown(suite_json), "rewrite it: python -m benchmarks.suite --page"
   assert page.readme_block_in() == page.readme_block(suite_json)
-  assert len({r["benchmark"] for r in suite_json["rows"]}) == len(suite_json["seconds"])  # each benchmark once
+  assert set(suite_json["seconds"]) == {r["benchmark"] for r in suite_json["rows"]} == {b.name for b in suite.BENCHES}
+  assert not suite_json["commit"].endswith("-dirty")  # a run of committed code
 
 
-def test_only_refuses_an_unknown_benchmark(capsys):
+def test_only_refuses_an_unknown_benchmark_and_a_page_refuses_a_partial_run(capsys, tmp_path):
   with pytest.raises(SystemExit):
     suite.main(["--only", "nope"])
   assert "--only nope: no such benchmark" in capsys.readouterr().err
+  (tmp_path / "suite.json").write_text(json.dumps(results()))  # paged and wire only: an --only run
+  with pytest.raises(SystemExit):
+    suite.main(["--page", str(tmp_path / "suite.json")])
+  assert "a run of every benchmark is needed; this one lacks model_forward" in capsys.readouterr().err

@@ -62,3 +62,17 @@ def test_the_pictures_are_drawn_from_a_record_and_metrics(tmp_path):
   write_timeline_png(timeline, tmp_path / "timeline.png")
   for name in ("curves.png", "before.png", "timeline.png"):
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_each_follower_arms_counters_add_up_over_the_segments_that_ended():
+  segments = [dict(first_step=0, last_step=2, seconds=1.0, timeline=None, counters={"samples_trained": 8},
+                   arm_counters={"rloo": {"samples_trained": 8, "arm_steps_skipped": 1}}),
+              dict(first_step=2, last_step=3, seconds=1.0, timeline=None, counters=None),  # killed: nothing recorded
+              dict(first_step=3, last_step=4, seconds=1.0, timeline=None, counters={"samples_trained": 4},
+                   arm_counters={"rloo": {"samples_trained": 4, "arm_steps_skipped": 0}, "dr": {"samples_trained": 4}})]
+  assert run_record.arm_totals(segments) == {"dr": {"samples_trained": 4},
+                                             "rloo": {"samples_trained": 12, "arm_steps_skipped": 1}}
+  assert run_record.arm_totals(segments[1:2]) == {}
+  ended = run_record.ended(segments[:1], {}, {"samples_trained": 8}, 1.0, {"rloo": {"samples_trained": 8}})
+  assert ended[0]["arm_counters"] == {"rloo": {"samples_trained": 8}}
+  assert "arm_counters" not in run_record.ended(segments[1:2], {}, {}, 1.0)[0]  # a run without arms

@@ -84,6 +84,8 @@ def test_a_hold_waits_until_its_file_is_removed_and_then_goes_on(tmp_path):
   mark.unlink()
   held.join(30)
   assert not held.is_alive()
+  with pytest.raises(ValueError, match="'row@3=hold' waits on a file: set STREAMRL_FAULT_FILE"):
+    FaultPoints(parse_faults("row@3=hold"), StopRequest(), "")
 
 
 def test_a_step_still_waiting_after_the_grace_is_abandoned_and_not_before():
@@ -150,6 +152,7 @@ def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp
   ended = [s["counters"] for s in segments if s["counters"] is not None]
   assert summary["counted_segments"] == len(ended) == 1 + sum(code == 130 for _, code in CHAIN)
   assert summary["counters"]["samples_trained"] == sum(c["samples_trained"] for c in ended) > ended[-1]["samples_trained"]
+  assert summary["counters"]["samples_trained"] == summary["counters"]["samples_planned"]  # a step cut short counts none
   assert scalar_steps(workdir / "tensorboard")["reward_mean"] == [1, 2, 3, 4, 5]
 
 

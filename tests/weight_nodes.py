@@ -5,7 +5,8 @@ real controller and weight store, no model) and sampler nodes (the real weight r
       prints {"listening": address}; then reads commands from stdin, one a line: `publish V` (prints
       {"published": V, "t": epoch seconds}), `stop`.
   python tests/weight_nodes.py sampler --connect ADDR --name s0 [--site b] [--relay-listen HOST:0]
-      prints {"held": V, "t": epoch seconds, "crc": ..., **stats} each time a version lands; exits when stdin closes.
+      prints {"held": V, "t": epoch seconds, "crc": ..., **stats} each time a version lands, and with a relay
+      {"serving": V} while it sends a child chunks of version V it does not hold whole yet; exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -91,8 +92,11 @@ def sampler(args) -> None:
   say(registered=args.name, relay=relay.address if relay else "")
   done = threading.Event()
   threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
-  have = -1
+  have, served = -1, 0
   while not done.wait(0.005):
+    if relay is not None and relay.store.served_bytes > served:  # a child takes chunks of the version on its way
+      served = relay.store.served_bytes
+      say(serving=have + 1)
     update = receiver.latest()
     if update is not None and update.version > have:
       have = update.version
@@ -132,11 +136,11 @@ class Lines:
 
 def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions: int = 1, trainer_site: str = "",
                   fanout: int = 1, mb: float = 8.0, tensors: int = 8, kill=None,
-                  kill_after_s: float = 0.5, timeout: float = 120.0, on_version=None) -> dict:
+                  timeout: float = 120.0, on_version=None) -> dict:
   """Starts a trainer node and `samplers` [(name, site, serves a relay)] with `spawn(name, argv) -> Popen`
   (stdin and stdout pipes, text), `ip(name)` the host each listens on; publishes `versions` versions one after
   another, each once every live sampler holds the last. `kill(previous version's record) -> name`: a sampler
-  killed `kill_after_s` after the last version is published. Returns {"versions": [{version, published, held: {name: t}, crc_ok, trees}],
+  killed once it relays the last version to its child (its first `serving` line of it). Returns {"versions": [{version, published, held: {name: t}, crc_ok, trees}],
   "stats": {name: the sampler's last line}}. `on_version(version)` runs before each publish."""
   import subprocess
   node = [sys.executable, str(Path(__file__).resolve())]
@@ -162,9 +166,10 @@ def run_broadcast(spawn, ip, samplers: list[tuple[str, str, bool]], *, versions:
     trainer_proc.stdin.flush()
     published = trainer_lines.next("published", timeout)
     killed = None
-    if kill is not None and version == versions:
+    if kill is not None and version == versions:  # killed while it relays the version to its child: mid-transfer
       killed = kill(out[-1])
-      time.sleep(kill_after_s)
+      while lines[killed].next("serving", timeout)["serving"] != version:
+        pass
       procs[killed].kill()
     held, crc_ok = {}, True
     for name in procs:

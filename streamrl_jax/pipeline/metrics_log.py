@@ -61,13 +61,16 @@ def tensorboard_writer(directory: Path, rows: list[dict]):
   shutil.rmtree(folder, ignore_errors=True)
   writer = SummaryWriter(str(folder))
   for row in rows:
-    add_row(writer, row)
+    add_row(writer, row, flush=False)
+  writer.flush()
   return writer
 
 
-def add_row(writer, row: dict) -> None:
-  """A metrics row as TensorBoard scalars at its step (a run with arms names its rows' arm: strings are left out)."""
+def add_row(writer, row: dict, flush: bool = True) -> None:
+  """A metrics row as TensorBoard scalars at its step (a run with arms names its rows' arm: strings are left out);
+  flushed, so it is on disk as metrics.jsonl's row is and a kill loses neither."""
   for key, value in row.items():
     if not isinstance(value, str):
       writer.add_scalar(key, value, row["step"], walltime=row.get("time"))
-  writer.flush()  # on disk as metrics.jsonl's row is: a kill loses neither
+  if flush:
+    writer.flush()

@@ -42,10 +42,12 @@ def stepped(segments: list[dict], step: int, seconds: float) -> list[dict]:
   return segments[:-1] + [dict(segments[-1], last_step=step, seconds=seconds)]
 
 
-def ended(segments: list[dict], timeline: dict, counters: dict, seconds: float) -> list[dict]:
-  """The record once the current segment's RL steps ended (done, stopped or failed), with its timeline and
-  counters."""
-  return segments[:-1] + [dict(segments[-1], timeline=timeline, counters=counters,
+def ended(segments: list[dict], timeline: dict, counters: dict, seconds: float, arm_counters: dict | None = None
+          ) -> list[dict]:
+  """The record once the current segment's RL steps ended (done, stopped or failed), with its timeline, counters and
+  its follower arms' counters (by arm name; none without arms)."""
+  extra = {"arm_counters": arm_counters} if arm_counters else {}
+  return segments[:-1] + [dict(segments[-1], timeline=timeline, counters=counters, **extra,
                                seconds=max(seconds, segments[-1]["seconds"]))]
 
 
@@ -56,8 +58,10 @@ def save(workdir: Path, segments: list[dict]) -> None:
   os.replace(tmp, path)
 
 
-# Counters that are a level or a size, not a count of events: the latest segment's value stands for the run.
+# Counters that are a level or a size, not a count of events: the latest segment's value stands for the run; and
+# those that are the most of something: the largest.
 LEVELS = ("weight_version_bytes", "queue_depth", "queue_closed")
+MOSTS = ("queue_max_depth",)
 
 
 def totals(segments: list[dict]) -> dict:
@@ -69,15 +73,22 @@ def totals(segments: list[dict]) -> dict:
               counters=merged_counters(counted), counted_segments=len(counted))
 
 
+def arm_totals(segments: list[dict]) -> dict[str, dict]:
+  """{follower arm: its counters over every segment that ended, as one run's} (`merged_counters`)."""
+  names = sorted({name for s in segments for name in s.get("arm_counters") or {}})
+  return {name: merged_counters([s["arm_counters"][name] for s in segments if name in (s.get("arm_counters") or {})])
+          for name in names}
+
+
 def merged_counters(parts: list[dict]) -> dict:
-  """Counters of consecutive segments as one run's: counts and seconds summed, a most (`*max*`) the largest, a
+  """Counters of consecutive segments as one run's: counts and seconds summed, a most (`MOSTS`) the largest, a
   level (`LEVELS`) and a flag the latest."""
   out: dict = {}
   for counters in parts:
     for key, value in counters.items():
       if key not in out or key in LEVELS or isinstance(value, bool) or not isinstance(value, (int, float)):
         out[key] = value
-      elif "max" in key:
+      elif key in MOSTS:
         out[key] = max(out[key], value)
       else:
         out[key] = out[key] + value
@@ -114,6 +125,6 @@ class RunRecord:
     self.segments = stepped(self.segments, step, self._clock() - self._start)
     save(self.workdir, self.segments)
 
-  def end(self, timeline: dict, counters: dict) -> None:
-    self.segments = ended(self.segments, timeline, counters, self._clock() - self._start)
+  def end(self, timeline: dict, counters: dict, arm_counters: dict | None = None) -> None:
+    self.segments = ended(self.segments, timeline, counters, self._clock() - self._start, arm_counters)
     save(self.workdir, self.segments)

@@ -41,7 +41,7 @@ from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                 stop: StopRequest | None = None, on_end: Callable[[dict, dict], None] | None = None,
+                 stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
                  arm_outputs: dict | None = None, periodic_eval=None) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
@@ -49,7 +49,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   restores the latest one and continues with the next step. Samples generated for a step that was not
   trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
   `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_end` gets the
-  timeline and the counters when the steps end, however they end. With `config.arms`, the follower arms train on the lead's
+  timeline, the counters and each follower arm's counters when the steps end, however they end. With `config.arms`, the follower arms train on the lead's
   stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
   arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`. `periodic_eval`
   (`metrics_log.PeriodicEval`): the held-out accuracy of the lead and each arm on the rows it is due.

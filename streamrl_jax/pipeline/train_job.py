@@ -6,6 +6,7 @@ the run's record, final checkpoint, summary).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from pathlib import Path
 
@@ -271,6 +272,9 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
     log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
         f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
+  whole = run_record.arm_totals(segments)  # each arm's counters over the run's segments, not this one's alone
+  result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
+                                             for n, a in result.arms.items()})
   arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate)
   by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),

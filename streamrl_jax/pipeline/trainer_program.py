@@ -37,7 +37,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
-                   stop: StopRequest | None = None, on_end: Callable[[dict, dict], None] | None = None,
+                   stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
                    arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
@@ -45,7 +45,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
   the trainer's datacenter label (samplers of other sites get one copy of each version across). `stop`: a stop
   request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision.
-  `on_end` (process 0) gets the timeline and the counters when the steps end, however they end. Follower arms
+  `on_end` (process 0) gets the timeline, the counters and each follower arm's counters when the steps end,
+  however they end. Follower arms
   (`config.arms`, `arm_outputs` as `runner.run_pipeline`'s) train in this program, on devices the trainer's mesh
   leaves while they last; with `config.arm_programs` they are programs of their own, served their streams by this
   program's Flight server, and `run_id` names the run they must belong to."""

@@ -71,14 +71,15 @@ def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
 def train_session(trainer: TrainerWorker, controller: Controller, get_shard, weights, queue: SampleQueue, *,
                   ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
                   teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
-                  on_end: Callable[[dict, dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
+                  on_end: Callable[[dict, dict, dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
                   followers: Followers | RemoteArms | None = None, periodic_eval: PeriodicEval | None = None
                   ) -> RunResult:
   """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
   publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
   waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
   trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_end(timeline,
-  counters)` gets both once the steps end, also when they stop or fail. `followers`: follower arms fed every shard the
+  counters, arm_counters)` gets them (and each follower arm's counters by name) once the steps end, also when they
+  stop or fail. `followers`: follower arms fed every shard the
   lead takes (`Followers` in this program, `RemoteArms` served to follower programs); once the lead is done they
   train what they hold (a stop or failure: only their step in progress). `periodic_eval` (one process only): the
   lead's held-out accuracy on the rows it is due."""
@@ -110,7 +111,7 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
     counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
                     **extra_counters())
     if on_end is not None:
-      on_end(timeline_of(trainer, controller, start_epoch), counters)
+      on_end(timeline_of(trainer, controller, start_epoch), counters, {n: c for n, (_, c, _) in arms.items()})
   params, adapters = trained_params(trainer, to_host)
   arm_results = {}
   for name, (arm_metrics, arm_counters, worker) in arms.items():

@@ -94,6 +94,8 @@ class TrainerWorker:
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._trained: set = set()  # sample keys of the step being trained
+    self._step_counts: dict = {}  # counters of the step being trained, added to `counters` once it is (a step cut
+    # short by a stop leaves no count behind: its samples are trained again after a resume)
 
   def policy_params(self):
     """The policy's parameters as a plain model's: the state's, or with LoRA the base with the adapters merged."""
@@ -151,6 +153,9 @@ class TrainerWorker:
       self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
       train_metrics = {"update_skipped": 1.0}
+      if not empty:
+        _warn(f"step {step + 1}: dynamic sampling filtered every group (equal rewards in each) and nothing was left "
+              "to backfill; the step is skipped, the weights unchanged")
     train_metrics["empty_step"] = float(bool(empty))
     self._progress(f"the update of step {step + 1}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
@@ -213,7 +218,7 @@ class TrainerWorker:
     what arrived: rewards of every group, trained or not, and the groups filtered and backfilled)."""
     needed, shards, waited = self.config.samples_per_step, [], 0.0
     received = dict(rewards=[], parts=[], errors=0, timeouts=0, filtered=0, backfilled=0)
-    self._trained = set()
+    self._trained, self._step_counts = set(), dict(samples_trained=0, stale_samples=0)
     early = self._early.pop(step, [])
     while needed > 0:
       if early:
@@ -240,6 +245,8 @@ class TrainerWorker:
     if not self.streamed:
       for shard in shards:
         self._accumulate(shard, step, clock)
+    for key, count in self._step_counts.items():  # the step taken whole: its counts are the run's
+      self.counters[key] += count
     return shards, waited, received
 
   def _fresh_part(self, shard: SampleShard, step: int, controller: TrainerControl) -> SampleShard | None:
@@ -293,7 +300,7 @@ class TrainerWorker:
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
     stale = step - shard.first_versions
-    self.counters["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
+    self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
     rewards, objective = shard.rewards, self.config.objective
     if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
       ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
@@ -302,7 +309,7 @@ class TrainerWorker:
     advantages = compute_advantages(self.config.advantage, rewards, shard.group_ids)
     self.state = self.batcher.add(self.state, shard.train_batch(advantages))
     jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
-    self.counters["samples_trained"] += shard.num_samples
+    self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
   def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float,
@@ -379,10 +386,15 @@ def _drop_empty_step(batcher: MicroBatcher, shards: list, step: int) -> bool:
   if not batcher.rows_seen or sum(s.trained_tokens for s in shards):
     return False
   batcher.discard()
-  tqdm.write(f"warning: step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train "
-             "(every completion empty or every episode failed); the step is skipped, the weights unchanged",
-             file=sys.stderr)  # (above a progress bar, if one is drawn)
+  _warn(f"step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train (every completion "
+        "empty or every episode failed); the step is skipped, the weights unchanged")
   return True
+
+
+def _warn(text: str) -> None:
+  """A warning line on stderr, above a progress bar if one is drawn; once for a trainer of several processes."""
+  if jax.process_index() == 0:
+    tqdm.write(f"warning: {text}", file=sys.stderr)
 
 
 def _record(received: dict, shard: SampleShard) -> None:
