@@ -39,7 +39,7 @@ from sizing import QUICK, size  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = size(24, 4)  # RL steps of each run
 EVAL = size(256, 32)  # held-out prompts of each evaluation
-WARMUP = size(None, 80)  # the demo's supervised warm-up (None: its own, 300 steps)
+WARMUP = size(None, 40)  # the demo's supervised warm-up (None: its own, 300 steps)
 
 
 def log(text: str) -> None:

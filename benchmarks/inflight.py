@@ -41,9 +41,9 @@ DEMO_STEPS, SKIP = size(48, 4), size(3, 2)
 # finds in the shared compilation cache (the first arm run used to train at half speed for it)
 DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True",
         # quick: a shorter supervised warm-up than the demo's 300 steps, half its 128 held-out prompts
-        *size((), ("JobConfig.warmup_steps=60", "JobConfig.eval_prompts=64")))
+        *size((), ("JobConfig.warmup_steps=30", "JobConfig.eval_prompts=32")))
 # sampler_arms: leases; requests per lease (None: all 128); output lengths divided by (quick: the tail 50-64 tokens)
-SAMPLER_LEASES, SAMPLER_REQUESTS, SAMPLER_LENGTH_DIV = size(5, 2), size(None, 64), size(1, 4)
+SAMPLER_LEASES, SAMPLER_REQUESTS, SAMPLER_LENGTH_DIV = size(5, 2), size(None, 48), size(1, 4)
 ARMS = {  # in flight first: what a first arm might still pay counts against it
     "in_flight": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True"),
     "between": ("PipelineConfig.mode='async'",),

@@ -48,7 +48,7 @@ WORKLOAD = ("JobConfig.hidden_size=160", "JobConfig.max_digits=8", f"JobConfig.w
             f"PipelineConfig.steps={STEPS}", "TrainerConfig.precompile=True", "MeshConfig.sampler_devices=0",
             "MeshConfig.trainer_devices=0")
 WEIGHT_PARAMS = size(100_000_000, 25_000_000)
-FETCHES = size(3, 5)  # fetches (and copies) timed, the fastest kept: cheap at the quick size, and steadier
+FETCHES = size(3, 4)  # fetches (and copies) timed, the fastest kept: cheap at the quick size, and steadier
 
 
 def streamrl(*args: str, host_devices: int | None = None, workload: tuple[str, ...] = WORKLOAD) -> list[str]:

@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
 
-STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = size(8, 2), size(300, 50), 3, size(5, 1), 512
+STEPS, WARMUP, DIGITS, REPEATS, PROMPTS = size(8, 2), size(300, 30), 3, size(5, 1), 512
 EVAL = size(128, 64)  # held-out prompts of each run's greedy accuracy
 PAGED_RUN = size(True, False)  # the tool run trained on the paged engine (quick: only the paged engine's arms)
 PRECOMPILE = size(True, False)  # every extend/park shape compiled first (quick: the untimed pass compiles them)

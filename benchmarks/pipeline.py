@@ -35,7 +35,7 @@ from sizing import QUICK, size  # noqa: E402
 
 STEPS = size(6, 4)
 SKIP = size(1, 2)  # steps left out of the rates (quick: the second step still compiles what the first did not meet)
-WARMUP = size(100, 30)  # supervised steps before RL
+WARMUP = size(100, 20)  # supervised steps before RL
 MODES = ("colocated", "disaggregated", "stream", "async")
 
 

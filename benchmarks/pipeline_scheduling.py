@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
 
 STEPS, SKIP = size(8, 4), 2
-WARMUP = size(100, 30)  # supervised steps before RL
+WARMUP = size(100, 20)  # supervised steps before RL
 VARIANTS = {"fifo_1_replica": SchedulingConfig(), "fifo_2_replicas": SchedulingConfig(instances=2),
             "skew_2_replicas": SchedulingConfig(policy="skew_aware", instances=2)}
 
