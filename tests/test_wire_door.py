@@ -116,7 +116,7 @@ def take_step(shards, step=1):
   trained = []
   worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed, _early={}, _trained=set(),
                            refusals=[],
-                           counters=dict(unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
+                           counters=dict(samples_trained=0, stale_samples=0, unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
                                          refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
   for name in ("_too_stale", "_next_shard", "_fresh_part", "_filter_flat", "_count_step"):  # the worker's own steps
