@@ -40,7 +40,7 @@ DEMO_STEPS, SKIP = size(48, 4), size(3, 2)
 # precompile: every trainer shape compiled before the first step, so no arm pays compiles that a later arm
 # finds in the shared compilation cache (the first arm run used to train at half speed for it)
 DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "TrainerConfig.precompile=True",
-        # quick: a shorter supervised warm-up than the demo's 300 steps, half its 128 held-out prompts
+        # quick: a shorter supervised warm-up than the demo's 300 steps, a quarter of its 128 held-out prompts
         *size((), ("JobConfig.warmup_steps=30", "JobConfig.eval_prompts=32")))
 # sampler_arms: leases; requests per lease (None: all 128); output lengths divided by (quick: the tail 50-64 tokens)
 SAMPLER_LEASES, SAMPLER_REQUESTS, SAMPLER_LENGTH_DIV = size(5, 2), size(None, 48), size(1, 4)
