@@ -70,6 +70,7 @@ BENCHES = (
     Bench("lora", 3600, 420),
     Bench("serve", 1200, 420),
     Bench("arms", 1800, 420),
+    Bench("step_profile", 1800, 300),
 )
 
 

@@ -96,6 +96,19 @@ class LeaseReply:
   rejoin: bool = False
 
 
+# Where a sampler thread's seconds go (`phase_clock.PhaseClock`): waiting for a lease, waiting for and taking in
+# weights, prefill and decode calls (dispatch and the wait for their results), the host's work between calls
+# (admission, bookkeeping), reward scoring (detokenizing, handing samples to the scorer, waiting on it), sending
+# groups out, reporting leases. A report's `phase_s` gives them in this order, then "other".
+SAMPLER_PHASES = ("lease_wait", "weight_receive", "prefill", "decode", "host", "reward", "send", "report")
+
+
+def _check_phases(phase_s: tuple) -> None:
+  if phase_s and len(phase_s) != len(SAMPLER_PHASES) + 1:
+    raise ValueError(f"phase_s holds {len(phase_s)} values; it needs {len(SAMPLER_PHASES) + 1} "
+                     f"({', '.join(SAMPLER_PHASES)}, other) or none")
+
+
 @dataclasses.dataclass(frozen=True)
 class StepReport:
   """What a sampler measured while generating one lease; sent once the lease's last samples are acknowledged."""
@@ -110,6 +123,11 @@ class StepReport:
   instances: int
   busy: tuple[tuple[float, float], ...]  # generation intervals, epoch seconds
   rss_mb: float = 0.0  # the sampler process's resident memory
+  # the sampler thread's seconds since its previous report, by phase: SAMPLER_PHASES, then "other" (empty: not told)
+  phase_s: tuple[float, ...] = ()
+
+  def __post_init__(self):
+    _check_phases(self.phase_s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,11 +204,21 @@ class StepSummary:
   sampler_processes: int
   sampler_rss_mb: float
   ranker: dict
+  phase_s: tuple[float, ...] = ()  # the step's reports' `phase_s`, added up over its samplers (empty: none told)
+
+  def __post_init__(self):
+    _check_phases(self.phase_s)
 
   def metrics(self) -> dict:
-    """The summary as the step's metrics row has it."""
+    """The summary as the step's metrics row has it: `sampler_s/<phase>` seconds (every sampler's added up) and
+    `sampler_accounted_frac`, the share of them in a named phase."""
+    seconds = {}
+    if self.phase_s:
+      wall = sum(self.phase_s)
+      seconds = {f"sampler_s/{name}": s for name, s in zip((*SAMPLER_PHASES, "other"), self.phase_s)}
+      seconds["sampler_accounted_frac"] = 1.0 - self.phase_s[-1] / wall if wall > 0 else 1.0
     return dict(generation_s=self.generation_s, sampler_instances=self.sampler_instances,
-                sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb, **self.ranker)
+                sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb, **seconds, **self.ranker)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -234,6 +262,7 @@ LIMITS = {
     "Register.name": 256, "Register.site": 64, "Register.relay": 256, "VersionInfo.source": 256, "StepReport.generation_s": (0.0, 1e7), "StepReport.wait_s": (0.0, 1e7),
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
+    "StepReport.phase_s": (0.0, 1e9), "StepSummary.phase_s": (0.0, 1e12),
     "Registered.heartbeat_s": (0.0, 1e6), "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
     "Rollout.versions": (0, 1 << 62), "Rollout.sample_index": (0, 1 << 20), "Rollout.group_id": (0, 1 << 62),
     "Lease.prompt_ids": (0, (1 << 31) - 1),

@@ -15,7 +15,8 @@ import pytest
 from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published, Register, decode_message
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.phase_clock import PhaseClock
+from streamrl_jax.pipeline.trainer_worker import TRAINER_PHASES, TrainerWorker
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND
@@ -115,7 +116,7 @@ def take_step(shards, step=1):
   """`TrainerWorker._take_step` on a stand-in worker that records what it would train."""
   trained = []
   worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed, _early={}, _trained=set(),
-                           refusals=[],
+                           refusals=[], phase_clock=PhaseClock(TRAINER_PHASES),
                            counters=dict(samples_trained=0, stale_samples=0, unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
                                          refused_samples=0, groups_filtered=0, groups_backfilled=0),
                            _accumulate=lambda shard, step, clock: trained.append(shard))

@@ -17,10 +17,11 @@ import numpy as np
 
 from streamrl_jax.envs import make_tools
 from streamrl_jax.meshes import instance_meshes
-from streamrl_jax.messages import (Lease, LeaseRequest, Leave, Register, RejoinRequired, StepReport,
-                                   WeightUpdate)
+from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseRequest, Leave, Register, RejoinRequired,
+                                   StepReport, WeightUpdate)
 from streamrl_jax.pipeline.agent_rollouts import (AgentRollouts, episode_sample, failure_score, sampler_server,
                                                   scored_text)
+from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
@@ -75,6 +76,7 @@ class SamplerWorker:
     self.bridge, self.server = sampler_server(config, serve, tokenizer, serve_tls, log, name)
     self.agents = None
     self._agent_scores: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
+    self.phase_clock = PhaseClock(SAMPLER_PHASES)  # the serving thread's seconds, by phase: each report carries them
     self.reset()
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
@@ -115,7 +117,8 @@ class SamplerWorker:
         if held is None and self._wants_lease(runs, polled):
           polled = time.perf_counter()
           idle_wait = SERVING_LEASE_POLL_S if self.server is not None else LEASE_POLL_S
-          reply = control.lease(LeaseRequest(self.sampler_id, wait_s=0.0 if busy or self._serving() else idle_wait))
+          with self.phase_clock.phase("lease_wait"):
+            reply = control.lease(LeaseRequest(self.sampler_id, wait_s=0.0 if busy or self._serving() else idle_wait))
           if reply.finished:
             outcome = "finished"
             break
@@ -123,18 +126,23 @@ class SamplerWorker:
             raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
           held = reply.lease
         if held is not None:
-          update = self._lease_weights(held, busy, weights, stop, rejoin)
+          with self.phase_clock.phase("weight_receive"):
+            update = self._lease_weights(held, busy, weights, stop, rejoin)
+            if update is not None:
+              self._take_weights(update)
           if update is None and not busy:
             break  # stopped, or told to rejoin, while waiting for the weights
           if update is not None:
-            self._take_weights(update)
-            runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since, samples)
+            with self.phase_clock.phase("host"):
+              runs[held.lease_id] = self._start(held, time.perf_counter() - waited_since, samples)
             held = None
         if not runs and not self._serving():
           continue
         self._decode(runs, samples, weights)
         self._send_scored(runs, samples)
-        if self._report_finished(control, runs):
+        with self.phase_clock.phase("report"):
+          reported = self._report_finished(control, runs)
+        if reported:
           waited_since = time.perf_counter()
       if rejoin.is_set():
         raise RejoinRequired(f"{self.name}: the trainer does not know sampler {self.sampler_id}")
@@ -222,7 +230,8 @@ class SamplerWorker:
     if self.sampler is None:
       engines = [self.engine_for(k) for k in range(self.target_instances)]
       self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
-                                      seed=self.config.seed, tools=make_tools(self.config.env, self.tokenizer))
+                                      seed=self.config.seed, tools=make_tools(self.config.env, self.tokenizer),
+                                      clock=self.phase_clock)
       self.mesh_of = {i: i for i in range(len(engines))}
       if self.bridge is not None:
         self.bridge.version = update.version
@@ -275,8 +284,9 @@ class SamplerWorker:
     if failure:
       self._agent_failed(key, failure, where)
       return
-    text = self.tokenizer.decode(sample.completion_tokens) if text is None else text
-    self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
+    with self.phase_clock.phase("reward"):
+      text = self.tokenizer.decode(sample.completion_tokens) if text is None else text
+      self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
 
   def _agent_failed(self, key: tuple, failure: str, where: str) -> None:
     message = f"agent {self.config.env.agent!r} {failure} on {where}"
@@ -312,14 +322,17 @@ class SamplerWorker:
   def _send_scored(self, runs: dict, samples) -> None:
     """Each scored sample to its collector; a group whole and scored goes out. With nothing to decode, waits a
     moment for a reward first (rather than spin)."""
-    if self.scorer.pending and (self.sampler is None or not self.sampler.has_work()):
-      self.scorer.wait(SCORE_WAIT_S)
-    failed, self._agent_scores = self._agent_scores, []
-    for (lease_id, group_id, index), score in self.scorer.done() + failed:
+    with self.phase_clock.phase("reward"):
+      if self.scorer.pending and (self.sampler is None or not self.sampler.has_work()):
+        self.scorer.wait(SCORE_WAIT_S)
+      failed, self._agent_scores = self._agent_scores, []
+      scored = self.scorer.done() + failed
+    for (lease_id, group_id, index), score in scored:
       run = runs[lease_id]
       shard = run.collector.scored(group_id, index, score)
       if shard is not None:
-        samples.put(shard)
+        with self.phase_clock.phase("send"):
+          samples.put(shard)
         run.left -= self.config.group_size
 
   def _decode(self, runs: dict, samples, weights) -> None:
@@ -328,13 +341,15 @@ class SamplerWorker:
     sampler = self.sampler
     self._apply_elastic()
     if self.spec.mid_step_swap:
-      latest = weights.latest()
-      if latest is not None and latest.version > sampler.version:
-        sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
+      with self.phase_clock.phase("weight_receive"):
+        latest = weights.latest()
+        if latest is not None and latest.version > sampler.version:
+          sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
     bridge = self.bridge
     if bridge is not None:
       bridge.pump(sampler)
-    finished = sampler.step() if bridge is None or sampler.has_work() else []
+    with self.phase_clock.phase("host"):  # less its prefill and decode waits (the sampler's own phases)
+      finished = sampler.step() if bridge is None or sampler.has_work() else []
     if bridge is not None:
       finished = bridge.deliver(sampler, finished)  # the served requests' samples go to their clients
     if finished:
@@ -353,7 +368,7 @@ class SamplerWorker:
         sampler_id=self.sampler_id, lease_id=lease.lease_id, step=lease.step,
         generation_s=time.perf_counter() - run.begin, lengths=tuple(float(x) for x in run.lengths), wait_s=run.wait_s,
         samples=len(lease.prompts) * self.config.group_size, instances=len(self.sampler.instance_ids),
-        busy=((run.begin_epoch, time.time()),), rss_mb=resident_mb()))
+        busy=((run.begin_epoch, time.time()),), rss_mb=resident_mb(), phase_s=tuple(self.phase_clock.take().values())))
     if reply.rejoin:
       raise RejoinRequired(f"{self.name}: the trainer took lease {lease.lease_id} from sampler {self.sampler_id}")
 

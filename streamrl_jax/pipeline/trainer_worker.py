@@ -37,6 +37,7 @@ from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
+from streamrl_jax.phase_clock import PhaseClock, accounted_frac
 from streamrl_jax.pipeline.arm_feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer_control import TrainerControl
@@ -47,6 +48,10 @@ from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 SHARD_POLL_S = 1.0  # how often a trainer waiting for samples looks at a stop request
+# Where the training thread's seconds go: waiting for samples, forward and backward passes (advantages and the
+# reference's log-probabilities included), the optimizer update, publishing weights, writing the metrics row (its
+# callbacks: held-out evaluation, TensorBoard), saving the checkpoint; the rest is "other".
+TRAINER_PHASES = ("wait_samples", "forward_backward", "optimizer", "weight_send", "row", "checkpoint")
 
 
 class TrainerWorker:
@@ -96,6 +101,7 @@ class TrainerWorker:
     self._trained: set = set()  # sample keys of the step being trained
     self._step_counts: dict = {}  # counters of the step being trained, added to `counters` once it is (a step cut
     # short by a stop leaves no count behind: its samples are trained again after a resume)
+    self.phase_clock = PhaseClock(TRAINER_PHASES)  # the training thread's seconds, by phase: each row carries them
 
   def policy_params(self):
     """The policy's parameters as a plain model's: the state's, or with LoRA the base with the adapters merged."""
@@ -120,6 +126,7 @@ class TrainerWorker:
         self.state = self.trainer.precompile(self.state, self.config.trainer.chunk_rows, width)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
+    self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
     watch = None
     if self.config.step_timeout_s:
       watch = StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True),
@@ -150,7 +157,11 @@ class TrainerWorker:
     empty = _drop_empty_step(self.batcher, shards, step)
     self.counters["empty_steps"] += empty
     if self.batcher.rows_seen:
-      self.state, train_metrics = self.batcher.finish(self.state)
+      with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
+        self.state = self.batcher.flush(self.state)
+        jax.block_until_ready(self.state.sums)
+      with self.phase_clock.phase("optimizer"):
+        self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
       train_metrics = {"update_skipped": 1.0}
       if not empty:
@@ -165,7 +176,8 @@ class TrainerWorker:
                          train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
     summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
-    weights.publish(self.state.params, step + 1)
+    with self.phase_clock.phase("weight_send"):
+      weights.publish(self.state.params, step + 1)
     self.faults.hit("publish", step + 1)
     if not self.spec.shared_mesh:
       controller.published(Published(step + 1))
@@ -179,12 +191,15 @@ class TrainerWorker:
     """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""
     if probe is not None:
       row.update(probe())
+    row.update(_phase_row(self.phase_clock.take()))
     if on_step is not None:
-      on_step(row)
+      with self.phase_clock.phase("row"):
+        on_step(row)
     self.faults.hit("row", step + 1)
     if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
       # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
-      self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
+      with self.phase_clock.phase("checkpoint"):
+        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.faults.hit("save", step + 1)
     release_free_memory()
     self._progress(f"the end of step {step + 1}")
@@ -225,7 +240,8 @@ class TrainerWorker:
         shard = early.pop(0)
       else:
         start = time.perf_counter()
-        shard = self._next_shard(get_shard, step)
+        with self.phase_clock.phase("wait_samples"):
+            shard = self._next_shard(get_shard, step)
         waited += time.perf_counter() - start
       shard = self._fresh_part(shard, step, controller)
       if shard is None:
@@ -298,6 +314,10 @@ class TrainerWorker:
     return sorted({int(g) for g in shard.group_ids[shard.first_versions < oldest]})
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
+    with self.phase_clock.phase("forward_backward"):
+      self._accumulate_shard(shard, step, clock)
+
+  def _accumulate_shard(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
     stale = step - shard.first_versions
     self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
@@ -351,6 +371,13 @@ def _packing(config, graphdef, params, mesh) -> dict:
     budget = auto_budget(model_config, length, config.trainer, platform, reference, limit)
   return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
                                                                 platform, reference))
+
+
+def _phase_row(seconds: dict[str, float]) -> dict:
+  """A row's `trainer_s/<phase>` seconds (the training thread's since the previous row: this step's checkpoint is in
+  the next row), `step_wall_s` (their sum) and `trainer_accounted_frac` (the share in a named phase)."""
+  return {**{f"trainer_s/{name}": s for name, s in seconds.items()}, "step_wall_s": sum(seconds.values()),
+          "trainer_accounted_frac": accounted_frac(seconds)}
 
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:

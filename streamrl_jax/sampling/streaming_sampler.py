@@ -10,12 +10,14 @@ finish order.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
+from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.sampling.in_flight import InFlight, check_resumable
@@ -29,12 +31,13 @@ class StreamingSampler:
   """One request API over several `DecodeEngine` instances sharing one policy version."""
 
   def __init__(self, engines: Sequence[DecodeEngine], params, *, version: int = 0,
-               admission: AdmissionPolicy = fifo_order, seed: int = 0, tools=None):
+               admission: AdmissionPolicy = fifo_order, seed: int = 0, tools=None, clock: PhaseClock | None = None):
     """`tools` (an `envs.ToolRunner`): multi-turn episodes. A row whose turn ends with the environment's stop
     token pauses (its slot kept, the other rows decoding on), the environment's step runs on a host thread,
     and its observation is appended to the row by `extend` (loss mask 0) before the row goes on. While requests
     are queued, a paused row is parked off its slot (`park`: its cache kept aside on the device) so the slot
-    decodes another request; it comes back into a free slot, before any queued request, once its tool returns."""
+    decodes another request; it comes back into a free slot, before any queued request, once its tool returns.
+    `clock` (the calling thread's): the waits for prefill and for decode results go to its `prefill` and `decode`."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
@@ -46,6 +49,7 @@ class StreamingSampler:
                          resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
     self._admitter = Admitter(seed, self._turns)
+    self._phase = clock.phase if clock is not None else _no_phase
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -229,10 +233,14 @@ class StreamingSampler:
     return out
 
   def _read_back(self, outputs: list, finished: list) -> None:
-    """Reads the new rows' first tokens and every step output back in one transfer; records their tokens."""
+    """Reads the new rows' first tokens, then every step output back (the device runs the calls in the order they
+    were launched: the first wait is the prefill's, the second the decode's); records their tokens."""
     calls = {id(f.first[0]): f.first[0] for i in self._roster.instances for f in i.slots.values()
              if f.first is not None}
-    host_calls, host_outputs = jax.device_get((calls, [out for _, out in outputs]))
+    with self._phase("prefill"):
+      host_calls = jax.device_get(calls)
+    with self._phase("decode"):
+      host_outputs = jax.device_get([out for _, out in outputs])
     now = time.perf_counter()
     for inst in self._roster.instances:
       self._record_first_tokens(inst, host_calls, now, finished)
@@ -290,3 +298,7 @@ def _abandon(flight: InFlight) -> None:
   """A dropped row's tool call, if it waits on one, is not wanted any more."""
   if flight.waiting is not None:
     flight.waiting.cancel()
+
+
+def _no_phase(name: str) -> contextlib.AbstractContextManager:
+  return contextlib.nullcontext()

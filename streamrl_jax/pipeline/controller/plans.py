@@ -181,7 +181,9 @@ def summarise(config, ranker, step: int, plan: StepPlan) -> StepSummary:
       ranker.observe(plan.encoded, lengths)
       plan.observed = True
     figures["ranker_train_steps"] = ranker.counters["train_steps"]
+  told = [r.phase_s for r in reports if r.phase_s]  # each sampler's seconds by phase: added up
   return StepSummary(generation_s=max((r.generation_s for r in reports), default=0.0),
                      sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
                      sampler_processes=len({r.sampler_id for r in reports}),
-                     sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0), ranker=figures)
+                     sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0), ranker=figures,
+                     phase_s=tuple(float(x) for x in np.sum(told, axis=0)) if told else ())
