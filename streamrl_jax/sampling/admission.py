@@ -5,6 +5,7 @@ A request samples with the key fold_in(fold_in(root, group_id), sample_index), o
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -27,8 +28,9 @@ def _fold_keys(root, groups, indices):
 class Admitter:
   """Admits one sampler's requests (keys from `seed`); `turns` starts the episodes of multi-turn rows."""
 
-  def __init__(self, seed: int, turns: ToolTurns | None):
-    self._root, self._turns = jax.random.key(seed), turns
+  def __init__(self, seed: int, turns: ToolTurns | None, phase: Callable = lambda name: contextlib.nullcontext()):
+    """`phase(name)`: the calling thread's clock phase (`phase_clock`); prefill calls go to its `prefill`."""
+    self._root, self._turns, self._phase = jax.random.key(seed), turns, phase
     self._held: dict[int, InFlight] = {}  # request id -> progress of a queued request that resumes
 
   def hold(self, flight: InFlight) -> None:
@@ -70,9 +72,10 @@ class Admitter:
                version: int, now: float) -> None:
     """One prefill call of `part` into the slots `targets`; their first tokens are read at the next sync."""
     extra = {"resume": resume} if any(resume) else {}
-    prefix = inst.engine.prefill(inst.params, prompts, samplings=[r.params for r in part],
-                                 rngs=self._keys(part), version=version, **extra)
-    inst.state = inst.engine.insert(prefix, inst.state, targets)
+    with self._phase("prefill"):  # the dispatch (a launch that waits for its devices, a compile) is the prefill's
+      prefix = inst.engine.prefill(inst.params, prompts, samplings=[r.params for r in part],
+                                   rngs=self._keys(part), version=version, **extra)
+      inst.state = inst.engine.insert(prefix, inst.state, targets)
     firsts = (prefix.first_token, prefix.first_logprob, prefix.done)
     for row, (request, slot) in enumerate(zip(part, targets)):
       flight = self._held.pop(request.request_id, None)

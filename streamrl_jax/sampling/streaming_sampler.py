@@ -37,7 +37,8 @@ class StreamingSampler:
     and its observation is appended to the row by `extend` (loss mask 0) before the row goes on. While requests
     are queued, a paused row is parked off its slot (`park`: its cache kept aside on the device) so the slot
     decodes another request; it comes back into a free slot, before any queued request, once its tool returns.
-    `clock` (the calling thread's): the waits for prefill and for decode results go to its `prefill` and `decode`."""
+    `clock` (the calling thread's): prefill and decode calls, their dispatch and the wait for their results, go to
+    its `prefill` and `decode`."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
@@ -48,8 +49,8 @@ class StreamingSampler:
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
                          resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
-    self._admitter = Admitter(seed, self._turns)
     self._phase = clock.phase if clock is not None else _no_phase
+    self._admitter = Admitter(seed, self._turns, self._phase)
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -226,7 +227,8 @@ class StreamingSampler:
       return None
     steps = inst.engine.config.steps_per_sync
     window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
-    inst.state, out = inst.engine.generate(inst.params, inst.state, window)
+    with self._phase("decode"):  # the dispatch (a launch that waits for its devices, a compile) is the decode's
+      inst.state, out = inst.engine.generate(inst.params, inst.state, window)
     for flight in inst.slots.values():
       flight.cache_end += steps
     self.counters["decode_calls"] += 1
