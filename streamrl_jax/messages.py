@@ -17,6 +17,7 @@ import json
 import math
 import typing
 
+from streamrl_jax.phase_clock import OTHER, accounted_frac
 from streamrl_jax.types import Rollout
 
 
@@ -214,9 +215,9 @@ class StepSummary:
     `sampler_accounted_frac`, the share of them in a named phase."""
     seconds = {}
     if self.phase_s:
-      wall = sum(self.phase_s)
-      seconds = {f"sampler_s/{name}": s for name, s in zip((*SAMPLER_PHASES, "other"), self.phase_s)}
-      seconds["sampler_accounted_frac"] = 1.0 - self.phase_s[-1] / wall if wall > 0 else 1.0
+      by_phase = dict(zip((*SAMPLER_PHASES, OTHER), self.phase_s))
+      seconds = {**{f"sampler_s/{name}": s for name, s in by_phase.items()},
+                 "sampler_accounted_frac": accounted_frac(by_phase)}
     return dict(generation_s=self.generation_s, sampler_instances=self.sampler_instances,
                 sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb, **seconds, **self.ranker)
 

@@ -241,7 +241,7 @@ class TrainerWorker:
       else:
         start = time.perf_counter()
         with self.phase_clock.phase("wait_samples"):
-            shard = self._next_shard(get_shard, step)
+          shard = self._next_shard(get_shard, step)
         waited += time.perf_counter() - start
       shard = self._fresh_part(shard, step, controller)
       if shard is None:
@@ -314,21 +314,18 @@ class TrainerWorker:
     return sorted({int(g) for g in shard.group_ids[shard.first_versions < oldest]})
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
-    with self.phase_clock.phase("forward_backward"):
-      self._accumulate_shard(shard, step, clock)
-
-  def _accumulate_shard(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
-    stale = step - shard.first_versions
-    self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-    rewards, objective = shard.rewards, self.config.objective
-    if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
-      ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
-      rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
-                                                objective.kl_coef, objective.kl_estimator), np.float32)
-    advantages = compute_advantages(self.config.advantage, rewards, shard.group_ids)
-    self.state = self.batcher.add(self.state, shard.train_batch(advantages))
-    jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
+    with self.phase_clock.phase("forward_backward"):
+      stale = step - shard.first_versions
+      self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
+      rewards, objective = shard.rewards, self.config.objective
+      if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
+        ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
+        rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
+                                                  objective.kl_coef, objective.kl_estimator), np.float32)
+      advantages = compute_advantages(self.config.advantage, rewards, shard.group_ids)
+      self.state = self.batcher.add(self.state, shard.train_batch(advantages))
+      jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 

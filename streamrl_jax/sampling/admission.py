@@ -5,7 +5,6 @@ A request samples with the key fold_in(fold_in(root, group_id), sample_index), o
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -28,8 +27,8 @@ def _fold_keys(root, groups, indices):
 class Admitter:
   """Admits one sampler's requests (keys from `seed`); `turns` starts the episodes of multi-turn rows."""
 
-  def __init__(self, seed: int, turns: ToolTurns | None, phase: Callable = lambda name: contextlib.nullcontext()):
-    """`phase(name)`: the calling thread's clock phase (`phase_clock`); prefill calls go to its `prefill`."""
+  def __init__(self, seed: int, turns: ToolTurns | None, phase: Callable):
+    """`phase(name)`: the calling thread's `PhaseClock.phase`; prefill calls go to its `prefill`."""
     self._root, self._turns, self._phase = jax.random.key(seed), turns, phase
     self._held: dict[int, InFlight] = {}  # request id -> progress of a queued request that resumes
 

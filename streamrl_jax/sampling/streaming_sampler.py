@@ -10,7 +10,6 @@ finish order.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections.abc import Iterator, Sequence
 
@@ -37,8 +36,8 @@ class StreamingSampler:
     and its observation is appended to the row by `extend` (loss mask 0) before the row goes on. While requests
     are queued, a paused row is parked off its slot (`park`: its cache kept aside on the device) so the slot
     decodes another request; it comes back into a free slot, before any queued request, once its tool returns.
-    `clock` (the calling thread's): prefill and decode calls, their dispatch and the wait for their results, go to
-    its `prefill` and `decode`."""
+    `clock` (the calling thread's; default one of its own): prefill and decode calls, their dispatch and the wait
+    for their results, go to its `prefill` and `decode`."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
@@ -49,7 +48,7 @@ class StreamingSampler:
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
                          resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
-    self._phase = clock.phase if clock is not None else _no_phase
+    self._phase = (clock or PhaseClock(("prefill", "decode"))).phase
     self._admitter = Admitter(seed, self._turns, self._phase)
 
   # ---- requests -----------------------------------------------------------------------------
@@ -300,7 +299,3 @@ def _abandon(flight: InFlight) -> None:
   """A dropped row's tool call, if it waits on one, is not wanted any more."""
   if flight.waiting is not None:
     flight.waiting.cancel()
-
-
-def _no_phase(name: str) -> contextlib.AbstractContextManager:
-  return contextlib.nullcontext()
