@@ -17,6 +17,7 @@ GOALS = Path(__file__).resolve().parent / "goals.toml"
 GOAL = re.compile(r"^(>=|<=|==|<|>)\s*(\S+)$")
 ABOUT = ("issue", "workload", "quick", "process")  # what each benchmark says of the work its goals are about
 FIGURE_KEYS = {"goal", "quick", "what"}
+OPTIONAL_KEYS = {"backends"}  # where the goal is judged (jax backends: "cpu", "gpu", "tpu"); elsewhere reported
 VERDICTS = {True: "met", False: "not met", None: "report"}
 FULL_SIZE_ONLY = "full size only"  # a quick run's figure whose goal only the full size defines
 
@@ -26,6 +27,7 @@ class Figure:
   goal: str  # ">= 1.5", ..., or "report"
   quick: bool  # a quick run judges it too
   what: str  # what the number is
+  backends: tuple[str, ...] = ()  # the jax backends whose runs judge the goal (none named: every backend)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,15 +56,19 @@ def load_goals(path: Path = GOALS) -> dict[str, Benchmark]:
       raise ValueError(f"{where} has an unknown key {extra[0]!r}")
     figures = {}
     for name, spec in table["figures"].items():
-      if not isinstance(spec, dict) or set(spec) != FIGURE_KEYS:
-        raise ValueError(f"{where} {name}: expected {{ goal = ..., quick = true|false, what = ... }}, got {spec!r}")
+      if not isinstance(spec, dict) or not FIGURE_KEYS <= set(spec) <= FIGURE_KEYS | OPTIONAL_KEYS:
+        raise ValueError(f"{where} {name}: expected {{ goal = ..., quick = true|false, what = ... }} (and optionally "
+                         f"backends = [...]), got {spec!r}")
+      backends = spec.get("backends", [])
+      if not isinstance(backends, list) or not set(backends) <= {"cpu", "gpu", "tpu"}:
+        raise ValueError(f"{where} {name}: backends must be a list of 'cpu', 'gpu', 'tpu', got {backends!r}")
       goal = spec["goal"]
       if goal != "report" and not GOAL.match(goal):
         raise ValueError(f"{where} {name} = {goal!r}: expected 'report' or an op (>=, <=, ==, <, >) and a number, "
                          "true or false")
       if not isinstance(spec["quick"], bool):
         raise ValueError(f"{where} {name}: quick must be true or false, got {spec['quick']!r}")
-      figures[name] = Figure(goal, spec["quick"], spec["what"])
+      figures[name] = Figure(goal, spec["quick"], spec["what"], tuple(backends))
     if not figures:
       raise ValueError(f"{where} has no figures")
     out[bench] = Benchmark(**{k: str(table[k]) for k in ABOUT}, figures=figures)
@@ -92,10 +98,11 @@ def goal_met(value, goal: str) -> bool | None:
   return {">=": value >= want, "<=": value <= want, "==": value == want, "<": value < want, ">": value > want}[op]
 
 
-def rows_of(bench: str, result: dict | None, error: str | None, spec: Benchmark | None, quick: bool) -> list[dict]:
+def rows_of(bench: str, result: dict | None, error: str | None, spec: Benchmark | None, quick: bool,
+            backend: str = "cpu") -> list[dict]:
   """The rows of one benchmark's run: each figure's value and verdict ("met", "not met", "report", or in a quick run
   "full size only"), or one row saying why there are none. A figure the benchmark names in `quick_omits` (parts too
-  long for a quick run) is a row saying so."""
+  long for a quick run) is a row saying so. A figure whose goal names other `backends` than this run's is reported."""
   if result is None:
     return [dict(benchmark=bench, figure="(run)", value=error, goal="", verdict="not met")]
   rows = []
@@ -109,6 +116,8 @@ def rows_of(bench: str, result: dict | None, error: str | None, spec: Benchmark 
     except KeyError:
       value = "not reported"
     verdict = VERDICTS[goal_met(value, figure.goal)]
+    if figure.backends and backend not in figure.backends:
+      verdict = "report"
     if quick and not figure.quick and figure.goal != "report" and value != "not reported":
       verdict = FULL_SIZE_ONLY
     rows.append(dict(benchmark=bench, figure=name, value=value, goal=figure.goal, verdict=verdict))

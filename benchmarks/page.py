@@ -39,7 +39,13 @@ def counts(suite: dict) -> dict:
   return {"met": sum(r["verdict"] == "met" for r in rows), "not met": sum(r["verdict"] == "not met" for r in rows),
           "full size only": sum(r["verdict"] == "full size only" for r in rows),
           "reported": sum(r["verdict"] == "report" for r in rows),
-          "failed": sum(r["figure"] == "(run)" for r in rows)}
+          "failed": sum(r["figure"] == "(run)" and not _not_run(r) for r in rows),
+          "not run": sum(_not_run(r) for r in rows)}
+
+
+def _not_run(row: dict) -> bool:
+  """A benchmark the run's budget left no time for (`suite.py --budget-s`)."""
+  return row["figure"] == "(run)" and str(row["value"]).startswith("not run")
 
 
 def headline(suite: dict) -> str:
@@ -54,7 +60,8 @@ def headline(suite: dict) -> str:
 def summary(suite: dict) -> str:
   c = counts(suite)
   return (f"{c['met']} goals met, {c['not met']} not met, {c['full size only']} left to a full-size run, "
-          f"{c['reported']} figures reported without a goal; {c['failed']} benchmarks failed")
+          f"{c['reported']} figures reported without a goal; {c['failed']} benchmarks failed"
+          + (f", {c['not run']} not run (the run's time budget)" if c["not run"] else ""))
 
 
 def markdown(suite: dict) -> str:

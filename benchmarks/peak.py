@@ -16,11 +16,11 @@ import jax.numpy as jnp
 SIZE, REPEATS = 2048, 5
 
 
-def matmul_peak_flops(device=None, n: int = SIZE, repeats: int = REPEATS) -> float:
-  """float32 matmul FLOP/s on `device` (default: jax's first)."""
+def matmul_peak_flops(device=None, n: int = SIZE, repeats: int = REPEATS, dtype=jnp.float32) -> float:
+  """Matmul FLOP/s on `device` (default: jax's first) in `dtype` (float32: every MFU's denominator)."""
   device = device or jax.devices()[0]
-  a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), jnp.float32), device)
-  b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), jnp.float32), device)
+  a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
+  b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), dtype), device)
   matmul = jax.jit(lambda x, y: x @ y)
   matmul(a, b).block_until_ready()
   best = float("inf")

@@ -1,6 +1,6 @@
 """Every benchmark in its own process, each headline figure against its goal, in one table.
 
-  python -m benchmarks.suite [--quick] [--only NAME ...] [--out DIR]
+  python -m benchmarks.suite [--quick] [--only NAME ...] [--budget-s SECONDS] [--out DIR]
   python -m benchmarks.suite --page DIR/suite.json     the benchmark page (and README block) from one run's results
 
 Writes DIR/suite.json ({"backend", "device", "commit", "date", "quick", "wall_s", "seconds", "benchmarks": what
@@ -32,6 +32,7 @@ from benchmarks import page
 from benchmarks.goals import load_goals, rows_of
 
 ROOT = Path(__file__).resolve().parent.parent
+MIN_START_S = 20  # with --budget-s, a benchmark left less than this is not started
 HELPERS = ("suite", "sizing", "goals", "page", "peak", "process_memory")  # modules of benchmarks/ that are no benchmark
 
 
@@ -50,6 +51,7 @@ class Bench:
 # In the order they run: the quick and fundamental first.
 BENCHES = (
     Bench("model_forward", 600, 120),
+    Bench("roofline", 600, 180),
     Bench("simulator", 600, 120),
     Bench("sampler", 1200, 180),
     Bench("trainer", 1200, 180),
@@ -74,10 +76,11 @@ BENCHES = (
 )
 
 
-def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None, cache: Path | None = None
-              ) -> tuple[dict | None, str | None, float]:
+def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None, cache: Path | None = None,
+              limit_s: float | None = None) -> tuple[dict | None, str | None, float]:
   """(its JSON, None) or (None, why it has none), and its seconds; output to `log_path`, the whole process group
-  killed when it runs past its time. `script`: the file run (default benchmarks/NAME.py). `cache`: an XLA
+  killed when it runs past its time (or `limit_s`, when shorter). `script`: the file run (default
+  benchmarks/NAME.py). `cache`: an XLA
   compilation cache directory its processes share (a quick run's: the many processes and arms of one benchmark
   compile the same programs; figures are steady-state, never a compile)."""
   script = script or ROOT / "benchmarks" / f"{bench.name}.py"
@@ -85,7 +88,7 @@ def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = N
   env = dict(os.environ, STREAMRL_BENCH_QUICK="1" if quick else "0")
   if cache is not None and bench.shared_cache:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  timeout = bench.quick_timeout_s if quick else bench.timeout_s
+  timeout = min(bench.quick_timeout_s if quick else bench.timeout_s, limit_s or float("inf"))
   start = time.perf_counter()
   with log_path.open("w") as log:
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -131,7 +134,10 @@ def machine() -> dict:
 
 
 def commit() -> str:
-  """The commit this run measures (`-dirty` when the tree holds uncommitted changes)."""
+  """The commit this run measures (`-dirty` when the tree holds uncommitted changes); $STREAMRL_COMMIT where the
+  tree travelled without its .git (a lent device's copy of a committed tree)."""
+  if os.environ.get("STREAMRL_COMMIT"):
+    return os.environ["STREAMRL_COMMIT"]
   try:
     return subprocess.run(["git", "describe", "--always", "--dirty", "--abbrev=7"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout.strip()
@@ -139,8 +145,9 @@ def commit() -> str:
     return "unknown"
 
 
-def run_suite(benches, quick: bool, out: Path, log=print) -> dict:
-  """Runs `benches` one after another; returns (and writes) the suite's results."""
+def run_suite(benches, quick: bool, out: Path, log=print, budget_s: float | None = None) -> dict:
+  """Runs `benches` one after another; returns (and writes) the suite's results. With `budget_s` (a lent
+  accelerator's minutes) no benchmark runs past the budget, and one left less than MIN_START_S is a row saying so."""
   goals = load_goals()
   out.mkdir(parents=True, exist_ok=True)
   (out / "logs").mkdir(exist_ok=True)
@@ -150,7 +157,8 @@ def run_suite(benches, quick: bool, out: Path, log=print) -> dict:
   start = time.perf_counter()
   try:
     for bench in benches:
-      _run_one(bench, quick, out, cache, goals, suite, log)
+      left = None if budget_s is None else budget_s - (time.perf_counter() - start)
+      _run_one(bench, quick, out, cache, goals, suite, log, left)
       suite["wall_s"] = round(time.perf_counter() - start, 1)
       _write(out, suite)  # after each one: nothing lost to a stop
   finally:
@@ -164,15 +172,20 @@ def _write(out: Path, suite: dict) -> None:
   (out / "suite.md").write_text(page.markdown(suite))
 
 
-def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: dict, suite: dict, log) -> None:
-  """One benchmark: its rows added to `suite`, its line logged, the results written."""
-  log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
-  result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache)
+def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: dict, suite: dict, log,
+             left_s: float | None = None) -> None:
+  """One benchmark: its rows added to `suite`, its line logged, the results written. `left_s`: the run's budget left
+  (None: no budget)."""
+  if left_s is not None and left_s < MIN_START_S:
+    result, error, seconds = None, f"not run: the suite's --budget-s was spent ({left_s:.0f} s left)", 0.0
+  else:
+    log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
+    result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache, limit_s=left_s)
   suite["seconds"][bench.name] = round(seconds, 1)
   spec = goals.get(bench.name)
   if spec is not None:  # what this run's figures are measured on, as goals.toml said at its start
     suite["benchmarks"][bench.name] = dict(spec.about(), figures={k: f.what for k, f in spec.figures.items()})
-  rows = rows_of(bench.name, result, error, spec, quick)
+  rows = rows_of(bench.name, result, error, spec, quick, suite["backend"])
   suite["rows"] += rows
   said = error or ", ".join(f"{r['figure']}={page.show(r['value'])}" for r in rows)
   log(f"[suite] {bench.name}: {seconds:.0f} s; {said}")
@@ -183,6 +196,9 @@ def main(argv=None) -> int:
   parser.add_argument("--quick", action="store_true", help="each benchmark at its small sizes (minutes on a CPU)")
   parser.add_argument("--only", action="append", default=[], metavar="NAME",
                       help=f"run only this benchmark (repeatable): {', '.join(b.name for b in BENCHES)}")
+  parser.add_argument("--budget-s", type=float, metavar="SECONDS",
+                      help="the whole run's wall limit (a lent device's minutes): no benchmark runs past it, and those "
+                           "it leaves no time for are rows that say so")
   parser.add_argument("--out", default="runs/benchmarks", help="where suite.json, suite.md and logs/ go")
   parser.add_argument("--page", metavar="SUITE_JSON",
                       help="write the benchmark page (docs/benchmarks.md, or docs/accelerator.md for a GPU or TPU "
@@ -201,7 +217,8 @@ def main(argv=None) -> int:
   if unknown:
     parser.error(f"--only {unknown[0]}: no such benchmark; known: {', '.join(sorted(known))}")
   benches = [b for b in BENCHES if not args.only or b.name in args.only]
-  suite = run_suite(benches, args.quick, Path(args.out), log=lambda text: print(text, file=sys.stderr, flush=True))
+  suite = run_suite(benches, args.quick, Path(args.out), log=lambda text: print(text, file=sys.stderr, flush=True),
+                    budget_s=args.budget_s)
   print(json.dumps(dict(out=args.out, rows=len(suite["rows"]), **{k.replace(" ", "_"): v for k, v in
                                                                   page.counts(suite).items()},
                         wall_s=suite["wall_s"])))
