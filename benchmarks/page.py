@@ -36,7 +36,7 @@ def show(value) -> str:
 
 def counts(suite: dict) -> dict:
   rows = suite["rows"]
-  return {"met": sum(r["verdict"] == "met" for r in rows), "not met": sum(r["verdict"] == "not met" for r in rows),
+  return {"met": sum(r["verdict"] == "met" for r in rows), "not met": sum(r["verdict"] == "not met" and r["figure"] != "(run)" for r in rows),
           "full size only": sum(r["verdict"] == "full size only" for r in rows),
           "reported": sum(r["verdict"] == "report" for r in rows),
           "failed": sum(r["figure"] == "(run)" and not _not_run(r) for r in rows),
@@ -52,7 +52,8 @@ def headline(suite: dict) -> str:
   """The run: its command, machine, commit, date and wall time."""
   mode = ("small sizes: figures noisier, and a goal that only the full size defines is reported, not judged"
           if suite["quick"] else "full sizes")
-  return (f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}` ({mode}) on {suite['device']} (jax "
+  budget = f" --budget-s {suite['budget_s']:.0f}" if suite.get("budget_s") else ""
+  return (f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}{budget}` ({mode}) on {suite['device']} (jax "
           f"backend `{suite['backend']}`), commit `{suite['commit']}`, {suite['date']}, "
           f"{suite['wall_s'] / 60:.1f} min of wall time")
 

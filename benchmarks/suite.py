@@ -151,7 +151,8 @@ def run_suite(benches, quick: bool, out: Path, log=print, budget_s: float | None
   goals = load_goals()
   out.mkdir(parents=True, exist_ok=True)
   (out / "logs").mkdir(exist_ok=True)
-  suite = dict(**machine(), commit=commit(), date=datetime.date.today().isoformat(), quick=quick, wall_s=0.0,
+  suite = dict(**machine(), commit=commit(), date=datetime.date.today().isoformat(), quick=quick, budget_s=budget_s,
+               wall_s=0.0,
                seconds={}, benchmarks={}, rows=[])
   cache = Path(tempfile.mkdtemp(prefix="xla-cache-", dir=out)) if quick else None  # fresh: a cold start's figures
   start = time.perf_counter()

@@ -35,7 +35,9 @@ ABOUT = 'issue = "22"\nworkload = "w"\nquick = "q"\nprocess = "p"\n'
     ('[paged]\n' + ABOUT + '[paged.figures]\nx = ">= 1.5"\n', r"\[paged\] x: expected \{ goal"),
     ('[paged]\nissue = "22"\nquick = "q"\nprocess = "p"\n[paged.figures]\n', r"\[paged\] lacks 'workload'"),
     ('[paged]\n' + ABOUT + '[paged.figures]\nx = { goal = ">= 1", quick = "yes", what = "w" }\n',
-     "quick must be true or false")])
+     "quick must be true or false"),
+    ('[paged]\n' + ABOUT + '[paged.figures]\nx = { goal = ">= 1", quick = true, what = "w", backends = ["gpus"] }\n',
+     "backends must be a list of 'cpu', 'gpu', 'tpu'")])
 def test_a_goal_that_does_not_read_or_says_not_what_it_measures_is_refused_naming_it(tmp_path, text, error):
   bad = tmp_path / "goals.toml"
   bad.write_text(text)
@@ -73,6 +75,30 @@ def test_rows_follow_dotted_paths_name_what_is_missing_and_judge_a_quick_run_onl
                           verdict="full size only")]
   assert rows_of("paged", None, "timed out after 9 s", goals, quick=False) == [
       dict(benchmark="paged", figure="(run)", value="timed out after 9 s", goal="", verdict="not met")]
+
+
+def test_a_goal_for_accelerators_is_judged_there_and_reported_elsewhere():
+  goals = Benchmark("59", "w", "q", "p", {"decode_vs_roofline": Figure("<= 2", True, "what", ("gpu", "tpu"))})
+  verdicts = {backend: rows_of("roofline", {"decode_vs_roofline": 5.9}, None, goals, True, backend)[0]["verdict"]
+              for backend in ("cpu", "gpu", "tpu")}
+  assert verdicts == {"cpu": "report", "gpu": "not met", "tpu": "not met"}
+  assert rows_of("roofline", {"decode_vs_roofline": 1.5}, None, goals, False, "gpu")[0]["verdict"] == "met"
+  assert load_goals()["roofline"].figures["decode_vs_roofline"].backends == ("gpu", "tpu")
+
+
+def test_a_budget_cuts_a_benchmark_short_and_leaves_the_rest_as_rows_that_say_so(tmp_path, monkeypatch):
+  hanging = tmp_path / "hanging.py"
+  hanging.write_text("import time\ntime.sleep(600)\n")
+  result, error, _ = suite.run_bench(Bench("x", 600, 600), True, tmp_path / "x.log", hanging, limit_s=2)
+  assert result is None and error == "timed out after 2 s"  # the budget, not the benchmark's own 600 s
+  ran = []
+  monkeypatch.setattr(suite, "run_bench", lambda *a, **k: ran.append(a[0].name))
+  (tmp_path / "logs").mkdir()
+  entry = dict(backend="gpu", seconds={}, benchmarks={}, rows=[])
+  suite._run_one(Bench("paged", 600, 600), True, tmp_path, None, {}, entry, log=lambda _: None, left_s=5)
+  assert ran == [] and entry["seconds"] == {"paged": 0.0}
+  assert entry["rows"][0]["value"].startswith("not run: the suite's --budget-s was spent")
+  assert page.counts(entry) == {"met": 0, "not met": 0, "full size only": 0, "reported": 0, "failed": 0, "not run": 1}
 
 
 def test_a_benchmark_is_run_and_a_failing_or_hanging_one_is_a_row(tmp_path):
@@ -127,7 +153,7 @@ def test_the_page_and_the_readme_block_come_from_one_runs_results(tmp_path):
   assert "| paged | `paged_vs_contiguous` | 1.235 | >= 1.5 | **no** |" in text
   assert "| wire | `(run)` | timed out after 240 s |  | **no** |" in text and "commit `abc1234`" in text
   assert "2.1 min of wall time" in text and "- Workload: the workload." in text
-  assert "0 goals met, 2 not met" in text
+  assert "0 goals met, 1 not met" in text and "1 benchmarks failed" in text
   readme = tmp_path / "README.md"
   readme.write_text(f"# title\n\nbefore\n{page.BEGIN}\nold table\n{page.END}\nafter\n")
   page.rewrite_readme(suite_json, readme)
@@ -149,6 +175,16 @@ def test_the_committed_page_and_readme_block_are_one_runs():
   assert page.readme_block_in() == page.readme_block(suite_json)
   assert set(suite_json["seconds"]) == {r["benchmark"] for r in suite_json["rows"]} == {b.name for b in suite.BENCHES}
   assert not suite_json["commit"].endswith("-dirty")  # a run of committed code
+
+
+def test_the_committed_accelerator_page_is_one_runs():
+  """docs/accelerator.md is exactly what its run's results (a lent device's, perhaps cut by its budget) give."""
+  results_file = page.page_path("gpu").with_suffix(".json")
+  suite_json = json.loads(results_file.read_text())
+  assert suite_json["backend"] != "cpu"
+  assert page.page_path("gpu").read_text() == page.markdown(suite_json), "rewrite it: python -m benchmarks.suite --page"
+  assert set(suite_json["seconds"]) == {r["benchmark"] for r in suite_json["rows"]} <= {b.name for b in suite.BENCHES}
+  assert not suite_json["commit"].endswith("-dirty") and suite_json["commit"] != "unknown"
 
 
 def test_only_refuses_an_unknown_benchmark_and_a_page_refuses_a_partial_run(capsys, tmp_path):
