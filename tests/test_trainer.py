@@ -1,6 +1,7 @@
 """Streamed micro-batch accumulation equals the full batch; checkpoints round trip and resume exactly."""
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -84,26 +85,28 @@ def test_precompile_covers_every_bucket_and_changes_nothing(model_parts):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
-def run_steps(trainer, state, seeds):
+def run_steps(trainer, state, seeds, before_update=lambda: None):
   for seed in seeds:
     for part in split_rows(make_batch(10, seed), [3, 7]):
       state = trainer.accumulate(state, part)
+    before_update()
     state, _ = trainer.apply(state)
   return state
 
 
-@pytest.mark.parametrize("async_save", [False, True])
-def test_checkpoint_resume_is_bit_identical_and_restores_onto_another_mesh(model_parts, tmp_path, async_save):
-  """Synchronous saves write the state's own buffers, asynchronous ones a private copy: either way the donation
-  of the state to the next steps leaves the checkpoint as it was saved."""
+@pytest.mark.parametrize("mode", ["synchronous", "background", "asynchronous"])
+def test_checkpoint_resume_is_bit_identical_and_restores_onto_another_mesh(model_parts, tmp_path, mode):
+  """Synchronous and background saves write the state's own buffers (a background one while the next step
+  accumulates, which reads them without donating them; the update waits for it), asynchronous ones a private
+  copy: either way the checkpoint holds the state as it was saved."""
   graphdef, params = model_parts
   trainer = trainer_for(graphdef, warmup_steps=2, schedule="cosine", decay_steps=10)
-  checkpointer = Checkpointer(tmp_path, max_to_keep=2, async_save=async_save)
-  assert checkpointer.async_save is async_save
+  checkpointer = Checkpointer(tmp_path, max_to_keep=2, async_save=mode == "asynchronous",
+                              background=mode == "background")
   state = run_steps(trainer, trainer.init_state(params, seed=5), [10, 11])
   checkpointer.save(state, extra={"data_position": 20, "ranker": {"steps": 3}})
   saved_params = jax.tree.map(np.asarray, state.params)
-  straight = run_steps(trainer, state, [12, 13])  # donates `state`
+  straight = run_steps(trainer, state, [12, 13], before_update=checkpointer.wait)  # donates `state` at its update
   resumed, extra = checkpointer.restore(trainer.init_state(params))
   assert extra == {"data_position": 20, "ranker": {"steps": 3}} and int(resumed.step) == 2
   resumed = run_steps(trainer, resumed, [12, 13])
@@ -121,11 +124,48 @@ def test_checkpoint_resume_is_bit_identical_and_restores_onto_another_mesh(model
   checkpointer.close()
 
 
+def test_accumulation_leaves_the_saved_arrays_whole_and_the_update_donates_them(model_parts):
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef)
+  state = trainer.init_state(params)
+  kept = jax.tree.leaves((state.params, state.opt_state))
+  stepped = trainer.accumulate(state, make_batch(10, 1))
+  assert not any(leaf.is_deleted() for leaf in kept)  # what a background save reads is still there
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(state.grad_sum))  # the sums were donated
+  trainer.apply(stepped)
+  assert all(leaf.is_deleted() for leaf in jax.tree.leaves(stepped.params))
+
+
+def test_a_background_save_returns_at_once_commits_before_it_is_read_and_names_its_failure(model_parts, tmp_path):
+  graphdef, params = model_parts
+  state = trainer_for(graphdef).init_state(params)
+  checkpointer = Checkpointer(tmp_path, max_to_keep=2)
+  assert checkpointer.background and not checkpointer.async_save  # the CPU's default
+  release, writing = threading.Event(), threading.Event()
+  write = checkpointer._write
+
+  def held(step, items):
+    writing.set()
+    assert release.wait(60)
+    write(step, items)
+  checkpointer._write = held
+  checkpointer.save(state, step=1)  # returns while the write is held
+  assert writing.wait(60) and not (tmp_path / "1").exists()
+  release.set()
+  assert checkpointer.steps == [1]  # committed before it is listed
+  checkpointer._write = lambda step, items: (_ for _ in ()).throw(OSError("No space left on device"))
+  checkpointer.save(state, step=2)
+  with pytest.raises(OSError, match=r"the checkpoint of step 2 in .* was not saved: No space left on device"):
+    checkpointer.wait()
+  assert checkpointer.latest_step() == 1
+  checkpointer.close()
+
+
 def test_keeps_the_last_n_checkpoints(model_parts, tmp_path):
   graphdef, params = model_parts
   trainer = trainer_for(graphdef)
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
-  assert not checkpointer.async_save  # the CPU backend: synchronous by default
+  assert not checkpointer.async_save  # the CPU backend: orbax's synchronous save (on a thread of its own)
   state = trainer.init_state(params)
   for _ in range(3):
     state = dataclasses.replace(state, step=state.step + 1)

@@ -160,6 +160,9 @@ class TrainerWorker:
       with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
         self.state = self.batcher.flush(self.state)
         jax.block_until_ready(self.state.sums)
+      if self.checkpointer is not None:  # the last step's save (in the background) has read what the update donates
+        with self.phase_clock.phase("checkpoint"):
+          self.checkpointer.wait()
       with self.phase_clock.phase("optimizer"):
         self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update

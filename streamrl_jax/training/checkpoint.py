@@ -5,17 +5,21 @@ array into the shardings of a template state, so a checkpoint written on one mes
 Arrays are stored flat under their pytree key paths, so any pytree (nnx.State, optax states) round
 trips without orbax knowing its node types.
 
-Saves are synchronous where the state lives in host memory (the CPU backend) and asynchronous elsewhere. An
-asynchronous save copies the state to host memory before `save` returns (orbax's blocking part; the trainer
-then donates its buffers to the next step while the write runs): from an accelerator that copy costs host
-memory the device does not use; on a CPU it is a second copy of the state in the same memory. On SmolLM2's RL
-run (6 steps of the shipped config) asynchronous saves raised the process's peak from 6.7 to 10.4 GB and its
-resident floor from 5 to 7.5 GB (the writes' buffers fragment the heap); a synchronous save, written straight
-from the state's buffers, costs about 2.5 s of the trainer's ~35 s step.
+Three ways to save, by where the state lives:
+- an accelerator's state: orbax's asynchronous save, which copies it to host memory before `save` returns and
+  writes while the trainer donates its buffers to the next step;
+- a CPU's state, one process: written in the background, on a thread of this checkpointer's own, straight from
+  the state's buffers (no copy). The trainer's accumulation reads the parameters and optimizer state without
+  donating them; before its optimizer step donates them it calls `wait()`, which returns once the save has
+  committed (and raises its error, naming the step). A save thus runs beside the next step's forward and
+  backward passes instead of before them, at no memory cost. orbax's own asynchronous save on a CPU is a second
+  copy of the state in the same memory: on SmolLM2's RL run it raised the peak from 6.7 to 10.4 GB;
+- several processes: synchronous (orbax syncs them with a collective, which must not run beside the step's).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from pathlib import Path
 
@@ -34,40 +38,66 @@ SAVED_FIELDS = ("params", "opt_state", "step", "rng")
 class Checkpointer:
   """Keeps the last `max_to_keep` checkpoints of a TrainState under `directory`."""
 
-  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool | None = None):
-    """`async_save` None: asynchronous unless jax's default backend is the CPU (see the module's docstring)."""
+  def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool | None = None,
+               background: bool | None = None):
+    """`async_save` None: orbax's asynchronous save unless jax's default backend is the CPU; `background` None:
+    saved on this checkpointer's own thread where saves are not asynchronous and there is one process (see the
+    module's docstring)."""
     if max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
     self.directory = Path(directory).absolute()
     self.async_save = jax.default_backend() != "cpu" if async_save is None else bool(async_save)
+    self.background = (not self.async_save and jax.process_count() == 1) if background is None else bool(background)
+    if self.background and (self.async_save or jax.process_count() > 1):
+      raise ValueError("a background save needs orbax's synchronous save (async_save=False) and one process")
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._writer = concurrent.futures.ThreadPoolExecutor(1, "checkpoint") if self.background else None
+    self._in_flight: tuple[int, concurrent.futures.Future] | None = None  # (step, its background write)
 
   def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None) -> int:
-    """Saves `state` as checkpoint `step` (default: its optimizer step; an asynchronous save returns once its copy
-    is taken); `extra` is JSON metadata, `aux` any pytree of arrays saved beside it (the ranker's state), read
-    back by `restore_aux`."""
+    """Saves `state` as checkpoint `step` (default: its optimizer step); `extra` is JSON metadata, `aux` any
+    pytree of arrays saved beside it (the ranker's state), read back by `restore_aux`. An asynchronous save
+    returns once its copy is taken, a background one at once: the caller leaves `state`'s arrays undonated until
+    `wait()` returns."""
+    self.wait()  # one save at a time: the previous one commits first
     step = int(jax.device_get(state.step)) if step is None else step
     arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
     items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
     if aux is not None:
       items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
-    if jax.process_count() > 1:  # orbax syncs the processes with a collective over every device
+    if self._writer is not None:
+      self._in_flight = step, self._writer.submit(self._write, step, items)
+    elif jax.process_count() > 1:  # orbax syncs the processes with a collective over every device
       with launch.launcher(jax.devices()).launching():
-        self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        self._write(step, items)
     else:
-      self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+      self._write(step, items)
     return step
 
+  def _write(self, step: int, items: dict) -> None:
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
   def wait(self) -> None:
+    """Returns once every save has committed; a background save's error is raised here, naming its step."""
+    if self._in_flight is not None:
+      step, future = self._in_flight
+      self._in_flight = None
+      try:
+        future.result()
+      except Exception as err:
+        raise OSError(f"the checkpoint of step {step} in {self.directory} was not saved: {err}") from err
     self._manager.wait_until_finished()
 
   @property
   def steps(self) -> list[int]:
+    """Steps of the committed checkpoints (a save in flight committed first)."""
+    self.wait()
     return sorted(self._manager.all_steps())
 
   def latest_step(self) -> int | None:
+    self.wait()
     return self._manager.latest_step()
 
   def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
@@ -99,5 +129,9 @@ class Checkpointer:
     return _unflatten(template, {k: np.asarray(v) for k, v in dict(restored.aux).items()})
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      if self._writer is not None:
+        self._writer.shutdown()
+      self._manager.close()

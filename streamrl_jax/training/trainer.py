@@ -129,7 +129,10 @@ class Trainer:
     restored from a checkpoint) runs through the same executables: resumes are bit-identical."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    self._accumulate = self.launcher.jit(self._accumulate_impl, donate_argnums=(0,), out_shardings=shardings)
+    # Accumulation reads the parameters and optimizer state and donates only the sums it adds to: the arrays a
+    # checkpoint in flight reads stay whole until the optimizer step (`apply`, which donates the whole state).
+    self._accumulate = self.launcher.jit(self._accumulate_impl, donate_argnums=(1,),
+                                         out_shardings=(shardings.grad_sum, shardings.sums))
     self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated))
 
   def place(self, params):
@@ -245,7 +248,7 @@ class Trainer:
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it."""
     batch = self.prepare(self._lossless_batch(rows, length, packed))
-    compiled = self._accumulate.lower(state, batch, self.frozen).compile()
+    compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen).compile()
     analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
@@ -253,7 +256,8 @@ class Trainer:
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
-    return self._accumulate(state, self.prepare(batch), self.frozen)
+    grad_sum, sums = self._accumulate(state.params, (state.grad_sum, state.sums), self.prepare(batch), self.frozen)
+    return state.replace(grad_sum=grad_sum, sums=sums)
 
   def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """log pi_ref of each token under the frozen reference policy ([rows, length], column 0 is 0): what
@@ -309,7 +313,9 @@ class Trainer:
       per_token = per_token - cfg.entropy_coef * ent
     return per_token, logp, kl, ent
 
-  def _accumulate_impl(self, state: TrainState, batch, frozen):
+  def _accumulate_impl(self, params, totals, batch, frozen):
+    """(grad_sum, sums) with one micro-batch added; `totals` is the state's (grad_sum, sums)."""
+    grad_sum, sums = totals
     mask = batch["loss_mask"]
 
     def loss_fn(params):
@@ -317,7 +323,7 @@ class Trainer:
       numerator, denominator = aggregate(per_token, mask, self.objective, batch.get("segment_ids"))
       return numerator, (denominator, logp, kl, ent)
 
-    (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     mismatch = mismatch_max = jnp.zeros((), jnp.float32)
     if self.role == "policy":
       ratio = jnp.exp(logp - with_old_logprobs(batch, logp, self.objective.objective)["old_logprobs"])
@@ -328,9 +334,8 @@ class Trainer:
     m = mask.astype(jnp.float32)
     add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
                kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m), mismatch_kl=mismatch, mismatch_max=mismatch_max)
-    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), state.grad_sum, grads)
-    sums = {k: jnp.maximum(state.sums[k], add[k]) if k in MAXED else state.sums[k] + add[k] for k in state.sums}
-    return state.replace(grad_sum=grad_sum, sums=sums)
+    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+    return grad_sum, {k: jnp.maximum(sums[k], add[k]) if k in MAXED else sums[k] + add[k] for k in sums}
 
   def _apply_impl(self, state: TrainState):
     denominator = jnp.maximum(state.sums["denominator"], 1e-8)
