@@ -156,6 +156,26 @@ def test_a_run_stopped_or_killed_at_every_point_resumes_with_every_step_once(tmp
   assert scalar_steps(workdir / "tensorboard")["reward_mean"] == [1, 2, 3, 4, 5]
 
 
+@pytest.mark.slow
+def test_checkpoints_every_few_steps_keep_a_stop_and_a_kill_exact(tmp_path):
+  """With JobConfig.checkpoint_every=2 a Ctrl-C still saves the step it stops after; a kill resumes from the latest
+  checkpoint and trains the steps after it again, each logged once."""
+  config = write_config(tmp_path / "tiny.gin", steps=4, mode="async")
+  workdir, every = tmp_path / "run", ("--set", "JobConfig.checkpoint_every=2")
+  code, out = finish(train(workdir, "--config", config, *every, env={"STREAMRL_FAULT": "row@1=sigint"}), workdir,
+                     timeout=180)
+  assert code == 130 and "stopped; the checkpoint of step 1 is in" in out, out  # not due, saved for the stop
+  code, out = finish(train(workdir, "--config", config, *every, "--resume", env={"STREAMRL_FAULT": "row@3=sigkill"}),
+                     workdir, timeout=180)
+  assert code == -9, out
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [1, 2]  # 3 not due
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3]
+  code, out = finish(train(workdir, "--config", config, *every, "--resume"), workdir, timeout=180)
+  assert code == 0 and "resuming from the checkpoint of step 2" in out, out
+  assert [m["step"] for m in metrics(workdir)] == [1, 2, 3, 4]
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == [2, 4]  # the last
+
+
 def test_the_stall_watch_ends_a_silent_process_and_not_a_paused_or_progressing_one():
   now, said, ended = [0.0], [], []
   watch = StallWatch(30.0, said.append, lambda: now[0], end=ended.append)

@@ -41,6 +41,9 @@ class JobConfig:
   # also every this many RL steps, for the lead and each arm (a row's `heldout_accuracy`; it takes the evaluating
   # policy's own time); 0: before and after only
   eval_every: int = 0
+  # RL steps between checkpoints (the last step's, and a stopped run's, always saved); a killed run resumes from
+  # the latest and trains the steps after it again
+  checkpoint_every: int = 1
   hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
   num_layers: int = 2  # demo decoder (no `model`): decoder layers
   seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
@@ -61,6 +64,9 @@ class JobConfig:
       raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
     if self.eval_every < 0:
       raise ValueError(f"JobConfig.eval_every must be >= 0 (0: before and after RL only), got {self.eval_every}")
+    if self.checkpoint_every < 1:
+      raise ValueError(f"JobConfig.checkpoint_every must be >= 1 (RL steps between checkpoints), got "
+                       f"{self.checkpoint_every}")
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
 

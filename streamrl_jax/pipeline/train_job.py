@@ -131,7 +131,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   from streamrl_jax.training.checkpoint import Checkpointer
 
   workdir = preflight.check_workdir(workdir)
-  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2)
+  checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2, every=job.checkpoint_every)
   try:
     return _job(config, job, workdir, checkpointer, log, progress, resume, runner, role, stop, on_start)
   except (RunStopped, KeyboardInterrupt) as err:

@@ -199,8 +199,10 @@ class TrainerWorker:
       with self.phase_clock.phase("row"):
         on_step(row)
     self.faults.hit("row", step + 1)
-    if self.checkpointer is not None:  # after the step's metrics row: a resume never lacks a trained step's row
-      # numbered by RL step: a step whose groups dynamic sampling all filtered makes no optimizer step
+    last = step + 1 == self.config.steps or (self.stop is not None and self.stop.requested)
+    if self.checkpointer is not None and self.checkpointer.due(step + 1, last):
+      # after the step's metrics row: a resume never lacks a trained step's row; numbered by RL step (a step whose
+      # groups dynamic sampling all filtered makes no optimizer step)
       with self.phase_clock.phase("checkpoint"):
         self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.faults.hit("save", step + 1)

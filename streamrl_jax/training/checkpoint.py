@@ -33,18 +33,20 @@ from streamrl_jax.pytrees import unflatten_like as _unflatten
 from streamrl_jax.training.trainer import TrainState, _zero_sums
 
 SAVED_FIELDS = ("params", "opt_state", "step", "rng")
+WRITE_GB = 1  # orbax's bound on the bytes being written at once (its default, 96 GB, bounds nothing here)
 
 
 class Checkpointer:
   """Keeps the last `max_to_keep` checkpoints of a TrainState under `directory`."""
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool | None = None,
-               background: bool | None = None):
-    """`async_save` None: orbax's asynchronous save unless jax's default backend is the CPU; `background` None:
+               background: bool | None = None, every: int = 1):
+    """`every`: steps between the checkpoints a run saves (`due`). `async_save` None: orbax's asynchronous save unless jax's default backend is the CPU; `background` None:
     saved on this checkpointer's own thread where saves are not asynchronous and there is one process (see the
     module's docstring)."""
-    if max_to_keep < 1:
-      raise ValueError(f"max_to_keep must be >= 1, got {max_to_keep}")
+    if max_to_keep < 1 or every < 1:
+      raise ValueError(f"max_to_keep and every must be >= 1, got {max_to_keep} and {every}")
+    self.every = every
     self.directory = Path(directory).absolute()
     self.async_save = jax.default_backend() != "cpu" if async_save is None else bool(async_save)
     self.background = (not self.async_save and jax.process_count() == 1) if background is None else bool(background)
@@ -52,9 +54,16 @@ class Checkpointer:
       raise ValueError("a background save needs orbax's synchronous save (async_save=False) and one process")
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
                                            create=True)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    # At most WRITE_GB of the state in write buffers at once: a background save runs beside a step's activations.
+    handlers = dict(arrays=ocp.StandardCheckpointHandler(save_concurrent_gb=WRITE_GB),
+                    aux=ocp.StandardCheckpointHandler(save_concurrent_gb=WRITE_GB), extra=ocp.JsonCheckpointHandler())
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "checkpoint") if self.background else None
     self._in_flight: tuple[int, concurrent.futures.Future] | None = None  # (step, its background write)
+
+  def due(self, step: int, last: bool) -> bool:
+    """Whether a run saves checkpoint `step`: every `every` steps, and the `last` one it trains (final or stopped)."""
+    return last or step % self.every == 0
 
   def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None) -> int:
     """Saves `state` as checkpoint `step` (default: its optimizer step); `extra` is JSON metadata, `aux` any
