@@ -355,6 +355,28 @@ def test_a_batched_prefill_equals_prefills_one_at_a_time(setup):
       np.testing.assert_allclose(k_one[0, :, :len(prompt)], k_batch[i, :, :len(prompt)], atol=1e-5)
   with pytest.raises(ValueError, match="distinct slots"):
     engine.insert(batch, engine.init_decode_state(), [0, 0])
+
+
+def test_a_groups_prompt_is_prefilled_once_and_each_request_samples_its_own_first_token(setup, monkeypatch):
+  engine, params, _, _ = setup
+  placed = engine.place_params(params)
+  knobs = [SamplingParams(temperature=1.0, max_new_tokens=8)] * 4
+  rngs = np.asarray([[1, 2], [3, 4], [5, 6], [7, 8]], np.uint32)
+  prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]]
+  prefill, passes = engine._prefill, []
+  monkeypatch.setattr(engine, "_prefill", lambda p, tokens, lengths: passes.append(tokens.copy()) or prefill(
+      p, tokens, lengths))
+  shared = engine.prefill(placed, prompts, samplings=knobs, rngs=rngs)
+  assert len(passes) == 1 and passes[0].shape[0] == 2  # two distinct prompts: one pass over each
+  np.testing.assert_array_equal(passes[0][0, :len(PROMPTS[0])], PROMPTS[0])
+  one_at_a_time = [engine.prefill(placed, [p], samplings=knobs[:1], rngs=rngs[i:i + 1]) for i, p in enumerate(prompts)]
+  for i, (prompt, one) in enumerate(zip(prompts, one_at_a_time)):
+    assert int(one.first_token[0]) == int(shared.first_token[i]) and int(shared.true_length[i]) == len(prompt)
+    np.testing.assert_allclose(one.first_logprob[0], shared.first_logprob[i], atol=1e-5)
+    for k_one, k_shared in zip(one.keys, shared.keys):
+      np.testing.assert_allclose(k_one[0, :, :len(prompt)], k_shared[i, :, :len(prompt)], atol=1e-5)
+  resumed = engine.prefill(placed, prompts[:2], samplings=knobs[:2], rngs=rngs[:2], resume=[(5, 3), None])
+  assert passes[-1].shape[0] == 2 and int(resumed.first_token[0]) == 5  # a resumed request is never shared
   with pytest.raises(ValueError, match="must be a power of two"):
     EngineConfig(prefill_batch=6)
 
@@ -364,4 +386,5 @@ def test_compiles_stay_within_the_stated_bound(setup):
   engine, _, _, _ = setup
   rows, lengths = len(ENGINE.row_buckets), len(ENGINE.prefill_buckets)
   assert engine._prefill._cache_size() <= rows * lengths and engine._insert._cache_size() <= rows * lengths
+  assert engine._expand._cache_size() <= lengths * rows * (rows + 1) // 2
   assert engine._generate._cache_size() <= len(ENGINE.attention_windows)

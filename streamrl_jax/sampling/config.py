@@ -26,7 +26,7 @@ class EngineConfig:
   kv_layout: str = "contiguous"
   page_size: int = 16  # tokens per page (paged); divides every attention window
   kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
-  share_prompts: bool = True  # paged: requests of one prompt share its prefill and full pages
+  share_prompts: bool = True  # requests of one prompt in a prefill call share its prefill (paged: and its full pages)
   prefix_cache_rows: int = 8  # paged: prompts whose pages and last logits stay cached for later calls
 
   def __post_init__(self):

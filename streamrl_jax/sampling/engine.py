@@ -1,11 +1,14 @@
 """The decode engine: JetStream's engine shape (prefill / insert / generate) over a pytree decode state.
 
 Slots are sharded over the mesh's "data" axis and parameters by the model's logical rules. Every
-jitted function is built once here (the one jit boundary of an engine). Up to `prefill_batch` prompts are
+jitted function is built once here (the one jit boundary of an engine). Up to `prefill_batch` requests are
 prefilled (and inserted) per call, their count padded to a power of two and their length to a power-of-two
-bucket, so an engine compiles at most `2 * len(prefill_buckets) * len(row_buckets) + len(attention_windows)`
-programs, and `2 * len(resume_buckets) * len(row_buckets)` more once requests resume after their prompt's length
-(partial rollouts, caches recomputed for new weights).
+bucket; requests of one prompt (a GRPO group's) share one pass of the model over it (`share_prompts`), then each
+takes a copy of its keys and values and samples its own first token (`_expand`). With R = len(row_buckets) and
+L = len(prefill_buckets), an engine compiles at most `L * (2 * R + R * (R + 1) / 2) + len(attention_windows)`
+programs (the model over the distinct prompts and the insert: R x L each; the expansion: one per pair of distinct
+and requested row buckets, per length), and as many again over `resume_buckets` once requests resume after their
+prompt's length (partial rollouts, caches recomputed for new weights).
 """
 
 from __future__ import annotations
@@ -66,6 +69,22 @@ class Prefix:
   stop_ids: jax.Array  # [rows, max_stop_tokens]
 
 
+def shared_prompts(prompts: Sequence, resume: Sequence) -> tuple[list[int], np.ndarray]:
+  """(the first request of each distinct fresh prompt, and resumed request, in order; for each request the
+  position of its own in that list): a group's requests share one prefill of their prompt."""
+  firsts, seen, source = [], {}, np.zeros((len(prompts),), np.int32)
+  for i, (prompt, resumed) in enumerate(zip(prompts, resume)):
+    key = None if resumed else tuple(int(t) for t in prompt)
+    if key is None or key not in seen:
+      if key is not None:
+        seen[key] = len(firsts)
+      source[i] = len(firsts)
+      firsts.append(i)
+    else:
+      source[i] = seen[key]
+  return firsts, source
+
+
 class DecodeEngine(EngineBase):
   """An `Engine` for a `Transformer` on one mesh whose slots each hold a whole cache (the contiguous layout).
   Params are the model's `nnx.State`."""
@@ -76,7 +95,8 @@ class DecodeEngine(EngineBase):
     self._state_shardings = self._decode_state_shardings()
     replicated = NamedSharding(mesh, PartitionSpec())
     jit = self.launcher.jit
-    self._prefill = jit(self._prefill_impl, out_shardings=replicated)
+    self._prefill = jit(self._prefill_impl, out_shardings=replicated)  # the model over each distinct prompt
+    self._expand = jit(self._expand_impl, out_shardings=replicated)  # a row per request, its first token sampled
     self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
     self._generate = jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
                          out_shardings=(self._state_shardings, replicated))
@@ -154,23 +174,35 @@ class DecodeEngine(EngineBase):
     rows = arrays.rng.shape[0]
     bucket = max(self.config.resume_bucket_for(len(p)) if r else self.config.bucket_for(len(p))
                  for p, r in zip(prompts, resume))
-    tokens, lengths = np.zeros((rows, bucket), np.int32), np.ones((rows,), np.int32)
-    for i, prompt in enumerate(prompts):
-      tokens[i, :len(prompt)], lengths[i] = prompt, len(prompt)
-    return self._prefill(params, tokens, lengths, arrays)
+    firsts, source = shared_prompts(prompts, resume) if self.config.share_prompts else (range(len(prompts)), None)
+    distinct = self.config.row_bucket_for(len(firsts))
+    tokens, lengths = np.zeros((distinct, bucket), np.int32), np.ones((distinct,), np.int32)
+    for j, i in enumerate(firsts):
+      tokens[j, :len(prompts[i])], lengths[j] = prompts[i], len(prompts[i])
+    index = np.zeros((rows,), np.int32)  # padding requests read row 0 (they are dropped at insert)
+    index[:len(prompts)] = np.arange(len(prompts)) if source is None else source
+    return self._expand(self._prefill(params, tokens, lengths), index, arrays)
 
-  def _prefill_impl(self, params, tokens, true_length, arrays):
+  def _prefill_impl(self, params, tokens, true_length):
+    """(last logits [rows, vocab], the cache of each prompt) for `rows` distinct prompts."""
     model = nnx.merge(self.graphdef, params)
     rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
     logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
-    token, logprob, done = first_tokens(logits[:, 0], *arrays.knobs)
+    return logits[:, 0], cache.replace(index=true_length)
+
+  def _expand_impl(self, prefilled, index, arrays):
+    """The Prefix of every request: request i takes its prompt's row `index[i]`, and samples its own first token."""
+    last_logits, cache = prefilled
+    take = lambda x: x[index]  # noqa: E731
+    token, logprob, done = first_tokens(take(last_logits), *arrays.knobs)
     resumed = arrays.given >= 0
-    return Prefix(keys=cache.keys, values=cache.values, valid=cache.valid, true_length=true_length,
-                  first_token=jnp.where(resumed, arrays.given, token), first_logprob=jnp.where(resumed, 0.0, logprob),
-                  done=done & ~resumed, generated=arrays.generated, rng=arrays.rng, temperature=arrays.temperature,
-                  top_k=arrays.top_k, top_p=arrays.top_p, max_new=arrays.max_new, stop_ids=arrays.stop_ids)
+    return Prefix(keys=tuple(map(take, cache.keys)), values=tuple(map(take, cache.values)), valid=take(cache.valid),
+                  true_length=take(cache.index), first_token=jnp.where(resumed, arrays.given, token),
+                  first_logprob=jnp.where(resumed, 0.0, logprob), done=done & ~resumed, generated=arrays.generated,
+                  rng=arrays.rng, temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
+                  max_new=arrays.max_new, stop_ids=arrays.stop_ids)
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
