@@ -59,8 +59,8 @@ def bandwidth_bytes_per_s(device, nbytes: int = BANDWIDTH_BYTES, repeats: int = 
 def machine(device) -> dict:
   """The device's f32 and bf16 matmul peaks and its memory bandwidth."""
   n = 2048 if device.platform == "cpu" else 8192
-  return dict(f32_peak_flops=matmul_peak_flops(device), bf16_peak_flops=matmul_peak_flops(device, n, dtype=jnp.bfloat16),
-              bf16_peak_n=n, bandwidth_bytes_per_s=bandwidth_bytes_per_s(device))
+  return dict(f32_peak_flops=matmul_peak_flops(device), bandwidth_bytes_per_s=bandwidth_bytes_per_s(device),
+              bf16_peak_flops=matmul_peak_flops(device, n, dtype=jnp.bfloat16), bf16_peak_n=n)
 
 
 def decode_step_s(engine, params, calls: int) -> float:

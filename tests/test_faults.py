@@ -422,14 +422,15 @@ def test_the_launcher_decides_again_only_once_an_added_sampler_has_joined(tmp_pa
 
 @pytest.mark.slow
 def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
-  """Long random completions (128 tokens) of an untrained model against a tiny training step: generation
-  lags, so the launcher starts a second sampler process, which joins the run; nothing lost or doubled. The
-  launcher makes no further decision until the added process has joined, so a slow start is never read as
-  a sampler that does not help (and retired before it ever took a lease)."""
+  """Long random completions (192 tokens) of an untrained model against a tiny training step: generation
+  lags (by more than one more process would save: over twice the training), so the launcher starts a second
+  sampler process, which joins the run; nothing lost or doubled. The launcher makes no further decision until
+  the added process has joined, so a slow start is never read as a sampler that does not help (and retired
+  before it ever took a lease)."""
   config = tmp_path / "elastic.gin"
   steps = 60  # about 50 s of steps after the first: time for the added process to start and take leases
   config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode="async").replace(
-      "max_new_tokens = 8", "max_new_tokens = 128"))
+      "max_new_tokens = 8", "max_new_tokens = 192"))
   proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(tmp_path),
                            "--config", str(config), "--samplers", "1", "--max-samplers", "2"],
                           env=dict(os.environ, XLA_FLAGS=""), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -160,20 +160,19 @@ class TrainerWorker:
       with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
         self.state = self.batcher.flush(self.state)
         jax.block_until_ready(self.state.sums)
-      if self.checkpointer is not None:  # the last step's save (in the background) has read what the update donates
-        with self.phase_clock.phase("checkpoint"):
-          self.checkpointer.wait()
+      save_wait = self._await_checkpoint(clock)
       with self.phase_clock.phase("optimizer"):
         self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
-      train_metrics = {"update_skipped": 1.0}
+      save_wait, train_metrics = 0.0, {"update_skipped": 1.0}
       if not empty:
         _warn(f"step {step + 1}: dynamic sampling filtered every group (equal rewards in each) and nothing was left "
               "to backfill; the step is skipped, the weights unchanged")
     train_metrics["empty_step"] = float(bool(empty))
     self._progress(f"the update of step {step + 1}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
-    train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:])  # this step's accumulate + update
+    # this step's accumulate + update, not the wait for the last step's save
+    train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:]) - save_wait
     done = {k: v - before[k] for k, v in self.batcher.counters.items()}
     train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
                          train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
@@ -189,6 +188,16 @@ class TrainerWorker:
     end = clock()
     return self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary, weights,
                               controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9), train_s), end
+
+  def _await_checkpoint(self, clock) -> float:
+    """Waits until the last step's save (in the background) has read what the update is about to donate; its
+    seconds."""
+    if self.checkpointer is None:
+      return 0.0
+    start = clock()
+    with self.phase_clock.phase("checkpoint"):
+      self.checkpointer.wait()
+    return clock() - start
 
   def _finish_step(self, step: int, row: dict, controller: TrainerControl, on_step, aux, probe) -> dict:
     """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""

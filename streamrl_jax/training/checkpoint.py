@@ -41,9 +41,9 @@ class Checkpointer:
 
   def __init__(self, directory: str | os.PathLike, *, max_to_keep: int = 3, async_save: bool | None = None,
                background: bool | None = None, every: int = 1):
-    """`every`: steps between the checkpoints a run saves (`due`). `async_save` None: orbax's asynchronous save unless jax's default backend is the CPU; `background` None:
-    saved on this checkpointer's own thread where saves are not asynchronous and there is one process (see the
-    module's docstring)."""
+    """`every`: steps between the checkpoints a run saves (`due`). `async_save` None: orbax's asynchronous save
+    unless jax's default backend is the CPU; `background` None: saved on this checkpointer's own thread where saves
+    are not asynchronous and there is one process (see the module's docstring)."""
     if max_to_keep < 1 or every < 1:
       raise ValueError(f"max_to_keep and every must be >= 1, got {max_to_keep} and {every}")
     self.every = every
