@@ -18,12 +18,17 @@ def extract_number(text: str) -> float | None:
 
 
 def numeric_answer(prompt: str, completion: str, answer, tolerance: float = 1e-6, **fields) -> float:
-  """1.0 when the completion's final number equals the reference's (relative `tolerance`), else 0.0."""
+  """1.0 when the completion's final number equals the reference's, else 0.0: two integers exactly (999,999 is not
+  1,000,000), otherwise within a relative `tolerance`."""
   expected = extract_number(str(answer))
   if expected is None:
     raise ValueError(f"the reference answer {str(answer)[:60]!r} holds no number")
   got = extract_number(completion)
-  return float(got is not None and abs(got - expected) <= tolerance * max(1.0, abs(expected)))
+  if got is None:
+    return 0.0
+  if float(got).is_integer() and float(expected).is_integer():
+    return float(got == expected)
+  return float(abs(got - expected) <= tolerance * max(1.0, abs(expected)))
 
 
 def normalize_text(text: str) -> str:
