@@ -6,10 +6,16 @@ batching, samples leave as they finish), static batching on the same engine kern
 `generate` on torch CPU in static batches (every core's threads, one untimed batch first). Output lengths are fixed
 per request (most short, a tail about 10x longer) and only tokens up to each request's own end are counted. Every
 arm is timed REPEATS times, interleaved, its best kept; the engine and static batching each on both sync settings
-(`steps_per_sync` 1 and 4), their best kept, so neither is credited with the other's setting.
+(`steps_per_sync` 1 and 4), their best kept, so neither is credited with the other's setting. The engine's decode
+calls take the steps the sampler's policy picks (`adaptive_steps`); one more arm decodes 4 steps every call
+(`fixed_steps`): `adaptive_vs_fixed_steps`. The faster engine arm runs once more with every program waited for and
+timed on the device (`launch.device_clock`): `sampler_device_busy_frac` is those device seconds over that pass's
+wall time, a lower bound of the device's share of the sampler's time (the host's admission, read-back and
+bookkeeping the rest; the clock keeps them from overlapping the device).
 
 Prints one JSON object as its last line: engine_tokens_per_s, static_tokens_per_s, hf_tokens_per_s,
-engine_vs_static, engine_vs_hf, decode_mfu, kv_bytes_per_slot, ptl_ms_by_batch, and more. A quick run
+engine_vs_static, engine_vs_hf, adaptive_vs_fixed_steps, sampler_device_busy_frac, decode_mfu, kv_bytes_per_slot,
+ptl_ms_by_batch, and more. A quick run
 (`benchmarks/sizing.py`): 64 requests for every arm (HF included), each engine arm timed once after an untimed
 pass, and the latency curve at 1 and 32 slots.
 """
@@ -31,9 +37,11 @@ from model_forward import CONFIG  # noqa: E402
 from peak import Peak  # noqa: E402
 from sizing import size  # noqa: E402
 
+from streamrl_jax import launch  # noqa: E402
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 from streamrl_jax.models import Transformer, save_hf  # noqa: E402
 from streamrl_jax.sampling import DecodeEngine, EngineConfig, StreamingSampler, measure_ptl_curve  # noqa: E402
+from streamrl_jax.scheduling import adaptive_steps, fixed_steps  # noqa: E402
 from streamrl_jax.types import SamplingParams  # noqa: E402
 
 SLOTS, NUM_REQUESTS, MAX_PROMPT, MAX_NEW = 32, 128, 32, 256
@@ -52,9 +60,10 @@ def workload(seed: int = 0, requests: int = NUM_REQUESTS):
   return prompts, lengths.tolist()
 
 
-def run_engine(engine, params, prompts, lengths, *, static: bool) -> float:
-  """Seconds to generate every request; static admits a new batch only when the last one is done."""
-  sampler = StreamingSampler([engine], params)
+def run_engine(engine, params, prompts, lengths, *, static: bool, steps=adaptive_steps) -> float:
+  """Seconds to generate every request; static admits a new batch only when the last one is done; `steps`: the
+  sampler's decode-steps policy."""
+  sampler = StreamingSampler([engine], params, steps=steps)
   start = time.perf_counter()
   produced = 0
   batches = [range(i, min(i + SLOTS, len(prompts))) for i in range(0, len(prompts), SLOTS)] if static else [range(len(prompts))]
@@ -103,6 +112,22 @@ def ptl_curve(graphdef, params, mesh, batches=PTL_BATCHES) -> dict[str, float]:
   return {str(b): round(1e3 * s, 3) for b, s in curve.items()}
 
 
+def device_busy(engines, params, prompts, lengths, best) -> dict:
+  """The faster engine arm's workload once more with every program waited for and timed on the device
+  (`launch.device_clock`). The clock runs host and device one after the other, so its device seconds over that
+  pass's own wall time is a lower bound of how busy the device is in the arm's normal run (where the host's work
+  overlaps the device's): `sampler_device_busy_frac`. Over the arm's best normal wall time (another run: noisy,
+  may pass 1): `sampler_device_over_wall`."""
+  sync = 1 if best["engine_sync1"] <= best["engine_sync4"] else 4
+  with launch.device_clock() as clock:
+    clocked = run_engine(engines[sync], params, prompts, lengths, static=False)
+  device_s = clock.total_device_s
+  return {"sampler_device_busy_frac": round(device_s / clocked, 3),
+          "sampler_device_over_wall": round(device_s / best[f"engine_sync{sync}"], 3),
+          "sampler_dispatch_frac": round(sum(clock.dispatch_s.values()) / clocked, 3), "busy_arm_sync": sync,
+          "busy_arm_launches": sum(clock.launches.values())}
+
+
 def main() -> dict:
   prompts, lengths = workload(requests=REQUESTS)
   model = Transformer(CONFIG, rngs=nnx.Rngs(0))
@@ -122,16 +147,20 @@ def main() -> dict:
     save_hf(model, tmp)
     reference = hf_model(tmp)
   run_hf(reference, prompts[:SLOTS], [4] * SLOTS)  # warm-up, as the engine's compile pass
-  times = {"engine_sync1": [], "engine_sync4": [], "static_sync1": [], "static_sync4": [], "hf": []}
+  times = {"engine_sync1": [], "engine_sync4": [], "engine_sync4_fixed": [], "static_sync1": [], "static_sync4": [],
+           "hf": []}
   for _ in range(REPEATS):  # interleaved repeats; best kept
     for sync in (1, 4):
       times[f"engine_sync{sync}"].append(run_engine(engines[sync], params, prompts, lengths, static=False))
       times[f"static_sync{sync}"].append(run_engine(engines[sync], params, prompts, lengths, static=True))
+    times["engine_sync4_fixed"].append(run_engine(engines[4], params, prompts, lengths, static=False,
+                                                  steps=fixed_steps))
     times["hf"].append(run_hf(reference, prompts, lengths))
   peak.measure()
   tokens = sum(lengths)
   best = {k: min(v) for k, v in times.items()}
   engine_s, static_s = (min(best[f"{arm}_sync1"], best[f"{arm}_sync4"]) for arm in ("engine", "static"))
+  busy = device_busy(engines, params, prompts, lengths, best)
   hf_s = best["hf"]
   context = MAX_PROMPT / 2 + float(np.mean(lengths)) / 2
   return {
@@ -144,6 +173,8 @@ def main() -> dict:
       "hf_tokens_per_s": round(tokens / hf_s, 1),
       "engine_vs_static": round(static_s / engine_s, 3),
       "engine_vs_hf": round(hf_s / engine_s, 3),
+      "adaptive_vs_fixed_steps": round(best["engine_sync4_fixed"] / best["engine_sync4"], 3),
+      **busy,
       "peak_gflops": round(peak.flops / 1e9, 2),
       "decode_mfu": round(peak.mfu(CONFIG.flops_per_token(context) * tokens / engine_s), 4),
       "kv_bytes_per_slot": engines[1].memory["kv_bytes_per_slot"],

@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import threading
+import time
 from collections.abc import Iterator
 
 import jax
@@ -50,6 +52,43 @@ def tally() -> dict[tuple[tuple[int, ...], str, bool], int]:
   run's programs on shared devices went through (tests check that colocated mode's all do)."""
   with _registry:
     return dict(_tally)
+
+
+@dataclasses.dataclass
+class DeviceClock:
+  """Per program name: launches, seconds in the dispatch (the call until it returned) and seconds on the device
+  (from the dispatch's return until its outputs were ready: a lower bound where the runtime starts a program
+  before its dispatch returns)."""
+
+  launches: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  dispatch_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  device_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+
+  def add(self, name: str, dispatch_s: float, device_s: float) -> None:
+    self.launches[name] += 1
+    self.dispatch_s[name] += dispatch_s
+    self.device_s[name] += device_s
+
+  @property
+  def total_device_s(self) -> float:
+    return sum(self.device_s.values())
+
+
+_clock: DeviceClock | None = None
+
+
+@contextlib.contextmanager
+def device_clock() -> Iterator[DeviceClock]:
+  """While inside, every launched program is waited for and timed into the yielded `DeviceClock` (benchmarks:
+  the device time of some work). It serializes the host and the device, so time the work's wall apart from it."""
+  global _clock
+  if _clock is not None:
+    raise RuntimeError("a device clock is already running")
+  _clock = DeviceClock()
+  try:
+    yield _clock
+  finally:
+    _clock = None
 
 
 def _count(device_ids: tuple[int, ...], name: str, finish: bool) -> None:
@@ -87,10 +126,15 @@ class Launcher:
 
   def __call__(self, fn, *args, **kwargs):
     """`fn(*args, **kwargs)` launched through this launcher (with `finish`, waited for under it)."""
-    with self.launching(getattr(fn, "__name__", type(fn).__name__)):
+    name, clock = getattr(fn, "__name__", type(fn).__name__), _clock
+    with self.launching(name):
+      start = time.perf_counter()
       out = fn(*args, **kwargs)
-      if self.finish:
+      if self.finish or clock is not None:
+        dispatched = time.perf_counter()
         jax.block_until_ready(out)
+        if clock is not None:
+          clock.add(name, dispatched - start, time.perf_counter() - dispatched)
       return out
 
   def jit(self, fn, **jit_kwargs) -> Launched:

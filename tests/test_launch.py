@@ -111,3 +111,20 @@ def test_a_launcher_holds_each_device_once_in_order_and_only_its_own(monkeypatch
   assert got == ["launched"]
   with first.launching(), first.launching():  # re-entrant on its own thread
     pass
+
+
+def test_the_device_clock_times_each_launch_it_sees_and_only_while_on():
+  import jax.numpy as jnp
+
+  runner = launch.launcher(jax.devices()[:1])
+  square = runner.jit(lambda x: x @ x)
+  x = jnp.ones((64, 64))
+  square(x)  # compiled, and not timed: no clock is on
+  with launch.device_clock() as clock:
+    out = [square(x) for _ in range(3)]
+    with pytest.raises(RuntimeError, match="already running"), launch.device_clock():
+      pass
+  square(x)
+  assert dict(clock.launches) == {"<lambda>": 3} and float(out[0][0, 0]) == 64.0
+  assert clock.device_s["<lambda>"] > 0 and clock.dispatch_s["<lambda>"] > 0
+  assert clock.total_device_s == clock.device_s["<lambda>"]

@@ -7,8 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.scheduling import (elastic_decision, instance_latency, lpt_assign, lpt_order, ptl_at,
                                      random_dispatch, resource_split, skew_aware_dispatch)
+from streamrl_jax.scheduling.policies import adaptive_steps, fixed_steps
 
 CURVE = {1: 0.010, 4: 0.012, 16: 0.020}
 
@@ -112,3 +114,29 @@ def test_scheduling_policies_are_registered_with_their_admission_and_ranker_need
   assert not SCHEDULING_POLICIES.get("fifo").needs_ranker
   with pytest.raises(ValueError, match=r"SchedulingConfig.policy='lifo'; known: \['fifo', 'skew_aware'\]"):
     SchedulingConfig(policy="lifo")
+
+
+def test_decode_steps_by_hand():
+  options = EngineConfig(steps_per_sync=8).step_options
+  assert options == (1, 2, 4, 8) and EngineConfig(steps_per_sync=6).step_options == (1, 2, 4, 6)
+  assert adaptive_steps([30, 5], fresh=0, queued=0, options=options) == 8  # nothing waits: fewest round trips
+  assert adaptive_steps([30, 5], fresh=0, queued=3, options=options) == 4  # the 5-token row's slot frees after 4+1
+  assert adaptive_steps([30, 1], fresh=0, queued=1, options=options) == 1
+  assert adaptive_steps([30, 0], fresh=0, queued=1, options=options) == 1  # at least one step
+  assert adaptive_steps([30, 30], fresh=2, queued=0, options=options) == 1  # just admitted: first tokens out now
+  assert adaptive_steps([30, 30], fresh=1, queued=0, options=options) == 8
+  assert fixed_steps([30, 1], fresh=2, queued=5, options=options) == 8
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=16), st.integers(0, 16), st.integers(0, 20),
+       st.integers(1, 40))
+def test_decode_steps_is_an_option_and_never_runs_past_a_row_while_requests_wait(remaining, fresh, queued, most):
+  options = EngineConfig(steps_per_sync=most).step_options
+  fresh = min(fresh, len(remaining))
+  steps = adaptive_steps(remaining, fresh=fresh, queued=queued, options=options)
+  assert steps in options and options[-1] == most and list(options) == sorted(set(options))
+  if queued:
+    assert steps <= max(1, min(remaining))
+  if fresh < len(remaining) and not queued:
+    assert steps == most

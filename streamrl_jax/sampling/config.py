@@ -14,7 +14,7 @@ class EngineConfig:
   max_new_tokens: int = 64  # tokens generated per sample; a run sets it from PipelineConfig.max_new_tokens
   min_prefill_bucket: int = 16  # smallest prompt-length bucket; buckets double up to max_prompt_length
   prefill_batch: int = 8  # most prompts prefilled (and inserted) per call; a power of two
-  steps_per_sync: int = 1  # decode steps per host round trip
+  steps_per_sync: int = 1  # most decode steps per host round trip (the sampler's policy may take fewer)
   max_stop_tokens: int = 4  # most token ids that end a turn (eos ids, end of turn, the environment's stop)
   # bytes per device for the weights and KV cache (checked at build); 0: the device's limit (CPU: a RAM share)
   memory_budget_bytes: int = 0
@@ -69,6 +69,13 @@ class EngineConfig:
   def row_bucket_for(self, rows: int) -> int:
     """The row bucket a call of `rows` requests (1..prefill_batch) is padded to."""
     return next(r for r in self.row_buckets if r >= max(1, rows))
+
+  @property
+  def step_options(self) -> tuple[int, ...]:
+    """Steps a decode call may take (the sampler's decode-steps policy picks one): the powers of two below
+    `steps_per_sync`, and it."""
+    return tuple(1 << k for k in range(self.steps_per_sync.bit_length()) if 1 << k < self.steps_per_sync) + (
+        self.steps_per_sync,)
 
   @property
   def attention_windows(self) -> tuple[int, ...]:

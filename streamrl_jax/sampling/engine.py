@@ -5,10 +5,11 @@ jitted function is built once here (the one jit boundary of an engine). Up to `p
 prefilled (and inserted) per call, their count padded to a power of two and their length to a power-of-two
 bucket; requests of one prompt (a GRPO group's) share one pass of the model over it (`share_prompts`), then each
 takes a copy of its keys and values and samples its own first token (`_expand`). With R = len(row_buckets) and
-L = len(prefill_buckets), an engine compiles at most `L * (2 * R + R * (R + 1) / 2) + len(attention_windows)`
-programs (the model over the distinct prompts and the insert: R x L each; the expansion: one per pair of distinct
-and requested row buckets, per length), and as many again over `resume_buckets` once requests resume after their
-prompt's length (partial rollouts, caches recomputed for new weights).
+L = len(prefill_buckets), an engine compiles at most `L * (2 * R + R * (R + 1) / 2) + W * len(step_options)`
+programs, W = len(attention_windows) (the model over the distinct prompts and the insert: R x L each; the
+expansion: one per pair of distinct and requested row buckets, per length; a decode call per window and length),
+and as many again over `resume_buckets` once requests resume after their prompt's length (partial rollouts, caches
+recomputed for new weights).
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ class DecodeEngine(EngineBase):
     self._prefill = jit(self._prefill_impl, out_shardings=replicated)  # the model over each distinct prompt
     self._expand = jit(self._expand_impl, out_shardings=replicated)  # a row per request, its first token sampled
     self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=self._state_shardings)
-    self._generate = jit(self._generate_impl, static_argnums=(2,), donate_argnums=(1,),
+    self._generate = jit(self._generate_impl, static_argnums=(2, 3), donate_argnums=(1,),
                          out_shardings=(self._state_shardings, replicated))
     self._extend = jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
     self._move = jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,), out_shardings=self._state_shardings)
@@ -231,15 +232,17 @@ class DecodeEngine(EngineBase):
         top_p=put(state.top_p, prefix.top_p), max_new=put(state.max_new, prefix.max_new),
         stop_ids=put(state.stop_ids, prefix.stop_ids))
 
-  def generate(self, params, decode_state: DecodeState, window: int | None = None) -> tuple[DecodeState, StepOutput]:
-    """`steps_per_sync` decode steps for every slot (inactive slots compute but change nothing).
+  def generate(self, params, decode_state: DecodeState, window: int | None = None,
+               steps: int | None = None) -> tuple[DecodeState, StepOutput]:
+    """`steps` decode steps (one of `config.step_options`; default `steps_per_sync`) for every slot (inactive
+    slots compute but change nothing).
 
     `window`, one of `config.attention_windows`, must exceed every active slot's last write
-    (its cache index + steps_per_sync - 1); the default, the whole cache, always does.
+    (its cache index + steps - 1); the default, the whole cache, always does.
     """
-    return self._generate(params, decode_state, self._window(window))
+    return self._generate(params, decode_state, self._window(window), self._steps(steps))
 
-  def _generate_impl(self, params, state: DecodeState, window: int):
+  def _generate_impl(self, params, state: DecodeState, window: int, steps: int):
     model = nnx.merge(self.graphdef, params)
 
     def step(state: DecodeState, _):
@@ -249,7 +252,7 @@ class DecodeEngine(EngineBase):
       changes, out = sample_next(state, logits)
       return state.replace(cache=cache, **changes), out
 
-    return jax.lax.scan(step, state, None, length=self.config.steps_per_sync)
+    return jax.lax.scan(step, state, None, length=steps)
 
   # ---- multi-turn rows: extend a paused row, park it off its slot and back --------------------------
   def _extend_call(self, params, decode_state, targets, chunk, lengths):

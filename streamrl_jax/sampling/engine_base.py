@@ -193,6 +193,12 @@ class EngineBase:
       raise ValueError(f"window {window} is not one of {self.config.attention_windows}")
     return window
 
+  def _steps(self, steps: int | None) -> int:
+    steps = self.config.steps_per_sync if steps is None else steps
+    if steps not in self.config.step_options:
+      raise ValueError(f"a decode call of {steps} steps is not one of {self.config.step_options}")
+    return steps
+
   # ---- multi-turn rows ----------------------------------------------------------------------------
   def extend(self, params, decode_state, slots: Sequence[int], tokens: Sequence[Sequence[int]]):
     """Appends `tokens[i]` to the paused row in slot `slots[i]` (a row a stop token ended: the first of its

@@ -150,10 +150,10 @@ class PageBook:
       self.counters["preempted"] += 1
     return dataclasses.replace(state, decoding=tuple(slots)), preempted
 
-  def decoded(self, state: PagedState, busy: np.ndarray) -> PagedState:
-    """After a decode call: the `busy` slots grew by `steps_per_sync` tokens (an upper bound)."""
+  def decoded(self, state: PagedState, busy: np.ndarray, steps: int) -> PagedState:
+    """After a decode call of `steps` steps: the `busy` slots grew by `steps` tokens (an upper bound)."""
     grown = np.zeros((state.pages.length.shape[0],), np.int32)
-    grown[:len(busy)] = busy * self.config.steps_per_sync
+    grown[:len(busy)] = busy * steps
     return dataclasses.replace(state, pages=self._advance(state.pages, grown), decoding=None)
 
   def extend_room(self, state: PagedState, exact: dict[int, int], extra: dict[int, int]) -> tuple[PagedState, list]:

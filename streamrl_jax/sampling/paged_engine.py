@@ -88,7 +88,7 @@ class PagedDecodeEngine(EngineBase):
     self._shardings = self._state_shardings()
     jit = self.launcher.jit
     self._insert = jit(self._insert_impl, donate_argnums=(1,), out_shardings=(self._shardings, replicated))
-    self._generate = jit(self._generate_impl, static_argnums=(4,), donate_argnums=(1,),
+    self._generate = jit(self._generate_impl, static_argnums=(4, 5), donate_argnums=(1,),
                          out_shardings=(self._shardings, replicated))
     self._extend = jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._shardings, replicated))
     self._park = jit(_park_impl, donate_argnums=(1,), out_shardings=replicated)
@@ -228,12 +228,13 @@ class PagedDecodeEngine(EngineBase):
                         **{name: put(getattr(rows, name), value) for name, value in fields.items()})
     return rows, FirstTokens(first_token=token, first_logprob=jnp.where(resumed, 0.0, logprob), done=done)
 
-  def generate(self, params, state: PagedState, window: int | None = None) -> tuple[PagedState, StepOutput]:
-    """`steps_per_sync` decode steps for the rows the last `make_room` kept (without one: every row holding
-    pages), gathered into the smallest power-of-two batch that holds them (a row is its table and a few
-    scalars: no keys or values move), so a step costs the busy rows, not every slot. `window`, one of
-    `config.attention_windows`, must exceed every active row's last write."""
-    window = self._window(window)
+  def generate(self, params, state: PagedState, window: int | None = None,
+               steps: int | None = None) -> tuple[PagedState, StepOutput]:
+    """`steps` decode steps (one of `config.step_options`; default `steps_per_sync`) for the rows the last
+    `make_room` kept (without one: every row holding pages), gathered into the smallest power-of-two batch that
+    holds them (a row is its table and a few scalars: no keys or values move), so a step costs the busy rows, not
+    every slot. `window`, one of `config.attention_windows`, must exceed every active row's last write."""
+    window, steps = self._window(window), self._steps(steps)
     table = np.asarray(state.pages.table)[:self.config.num_slots]
     busy = table[:, 0] >= 0
     if state.decoding is not None:
@@ -241,10 +242,10 @@ class PagedDecodeEngine(EngineBase):
     idx = np.flatnonzero(busy)
     batch = 1 << max(0, len(idx) - 1).bit_length()
     idx = np.concatenate([idx, np.flatnonzero(~busy)[:batch - len(idx)]]).astype(np.int32)  # idle rows pad
-    rows, out = self._generate(params, state.rows, table[idx], idx, window)
-    return self.book.decoded(dataclasses.replace(state, rows=rows), busy), out
+    rows, out = self._generate(params, state.rows, table[idx], idx, window, steps)
+    return self.book.decoded(dataclasses.replace(state, rows=rows), busy, steps), out
 
-  def _generate_impl(self, params, rows: PagedRows, table, idx, window: int):
+  def _generate_impl(self, params, rows: PagedRows, table, idx, window: int, steps: int):
     model = nnx.merge(self.graphdef, params)
     table = table[:, :window // self.page_size]
     sub = rows.replace(**{name: getattr(rows, name)[idx] for name in ROW_FIELDS})
@@ -256,7 +257,7 @@ class PagedDecodeEngine(EngineBase):
       changes, out = sample_next(sub, logits)
       return sub.replace(pool=pool, length=sub.length + active, **changes), out
 
-    sub, out = jax.lax.scan(step, sub, None, length=self.config.steps_per_sync)
+    sub, out = jax.lax.scan(step, sub, None, length=steps)
     rows = rows.replace(pool=sub.pool, **{name: getattr(rows, name).at[idx].set(getattr(sub, name))
                                           for name in ROW_FIELDS})
     spread = lambda x: jnp.zeros(x.shape[:1] + (self.config.num_slots,), x.dtype).at[:, idx].set(x)  # noqa: E731

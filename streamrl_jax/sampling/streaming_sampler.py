@@ -17,12 +17,12 @@ import jax
 import numpy as np
 
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter
+from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter, StepsPolicy
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.sampling.in_flight import InFlight, check_resumable
 from streamrl_jax.sampling.instances import Instance, Roster
 from streamrl_jax.sampling.tool_turns import ToolTurns
-from streamrl_jax.scheduling.policies import fifo_order
+from streamrl_jax.scheduling.policies import adaptive_steps, fifo_order
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Rollout, Sample, SamplingParams
 
 
@@ -30,19 +30,21 @@ class StreamingSampler:
   """One request API over several `DecodeEngine` instances sharing one policy version."""
 
   def __init__(self, engines: Sequence[DecodeEngine], params, *, version: int = 0,
-               admission: AdmissionPolicy = fifo_order, seed: int = 0, tools=None, clock: PhaseClock | None = None):
+               admission: AdmissionPolicy = fifo_order, steps: StepsPolicy = adaptive_steps, seed: int = 0,
+               tools=None, clock: PhaseClock | None = None):
     """`tools` (an `envs.ToolRunner`): multi-turn episodes. A row whose turn ends with the environment's stop
     token pauses (its slot kept, the other rows decoding on), the environment's step runs on a host thread,
     and its observation is appended to the row by `extend` (loss mask 0) before the row goes on. While requests
     are queued, a paused row is parked off its slot (`park`: its cache kept aside on the device) so the slot
     decodes another request; it comes back into a free slot, before any queued request, once its tool returns.
+    `steps` picks each decode call's length from the rows' remaining tokens (`scheduling.policies`).
     `clock` (the calling thread's; default one of its own): prefill and decode calls, their dispatch and the wait
     for their results, go to its `prefill` and `decode`."""
     if not engines:
       raise ValueError("StreamingSampler needs at least one engine")
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
       raise ValueError("multi-turn tools need engines that extend rows in flight (`sampling.make_engine`'s)")
-    self.version, self.admission, self.tools = version, admission, tools
+    self.version, self.admission, self.steps, self.tools = version, admission, steps, tools
     self._roster = Roster(engines, params)
     self._next_id = 0
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
@@ -182,7 +184,7 @@ class StreamingSampler:
 
   # ---- the loop -----------------------------------------------------------------------------
   def step(self) -> list[Sample]:
-    """Admits, decodes `steps_per_sync` steps on every busy instance, returns finished samples."""
+    """Admits, decodes on every busy instance (the steps the policy picks), returns finished samples."""
     now, finished, outputs = time.perf_counter(), [], []
     for inst in self._roster.instances:
       if self._turns is not None:
@@ -220,14 +222,17 @@ class StreamingSampler:
       self._requeue(inst, preempted, "preempted")
 
   def _decode(self, inst: Instance):
-    """Dispatches one `generate` call of `steps_per_sync` steps (not read yet); None if no row decodes (while
+    """Dispatches one `generate` call of the steps the policy picks (not read yet); None if no row decodes (while
     every row waits on a tool, after a short wait for one)."""
     if (self._turns is not None and self._turns.wait_if_stalled(inst)) or not inst.slots:
       return None
-    steps = inst.engine.config.steps_per_sync
+    decoding = [f for f in inst.slots.values() if f.waiting is None]
+    steps = self.steps([f.request.params.max_new_tokens - len(f.tokens) - (f.first is not None and not f.resumed)
+                        for f in decoding], fresh=sum(f.first is not None for f in decoding),
+                       queued=len(inst.pending), options=inst.engine.config.step_options)
     window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
     with self._phase("decode"):  # the dispatch (a launch that waits for its devices, a compile) is the decode's
-      inst.state, out = inst.engine.generate(inst.params, inst.state, window)
+      inst.state, out = inst.engine.generate(inst.params, inst.state, window, steps)
     for flight in inst.slots.values():
       flight.cache_end += steps
     self.counters["decode_calls"] += 1

@@ -50,6 +50,31 @@ def longest_first_admission(pending: Sequence) -> list[int]:
                                                     -(pending[i].predicted_length or 0.0), i))
 
 
+def adaptive_steps(remaining: Sequence[int], *, fresh: int, queued: int, options: Sequence[int]) -> int:
+  """A decode-steps policy for `StreamingSampler`: the steps of an instance's next decode call, one of its
+  engine's `options` (ascending: `EngineConfig.step_options`, the last `steps_per_sync`), from its decoding rows'
+  `remaining` tokens (each row's max_new_tokens less its tokens so far: an upper bound, a stop token may end it
+  sooner), how many of them were just admitted (`fresh`: their first token not read yet) and how many requests
+  wait for a slot (`queued`).
+
+  - Every decoding row just admitted: one step, so their first tokens leave after one step (a lone request's time
+    to its first token is its prefill and one step).
+  - Requests waiting: the longest call that ends no later than the row nearest its limit, so its slot is free to
+    admit the next request when it can be (no slot decodes a finished row while a request waits).
+  - Otherwise the most: the fewest round trips."""
+  if not remaining or fresh >= len(remaining):
+    return options[0]
+  if queued:
+    nearest = max(1, min(remaining))
+    return max([k for k in options if k <= nearest] or options[:1])
+  return options[-1]
+
+
+def fixed_steps(remaining: Sequence[int], *, fresh: int, queued: int, options: Sequence[int]) -> int:
+  """A decode-steps policy that always decodes the most steps a call (`steps_per_sync`)."""
+  return options[-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class DispatchPlan:
   """Prompt indices per engine instance in admission order, and each instance's batch size."""
