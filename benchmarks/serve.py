@@ -9,6 +9,10 @@ survive the trip, and an agent program trained through it.
   the engine's samples of those requests.
 - `stream_first_token_ms`: p50 over STREAMS concurrent streamed chat requests of the time from sending to the
   first chunk with text.
+- `serve_ttft_vs_compute`: `streamrl serve --model MODEL` in its own process with its default flags, idle; one
+  streamed chat request at a time (TTFT_TRIALS of them after one untimed): the median time from sending to the
+  first chunk with text, over the median device time (`launch.device_clock`) of that request's prefill and first
+  decode call (one step: the policy's for a lone request) on the same engine configuration in this process.
 - `agent_accuracy_before` / `agent_accuracy_after`: the shipped agent example as the README trains it
   (`streamrl train --config examples/agent/agent.gin`, AGENT_STEPS steps): held-out accuracy of one greedy episode
   per prompt before and after RL (the demo decoder warmed up on 3-digit products that call a calculator).
@@ -22,10 +26,14 @@ import asyncio
 import collections
 import json
 import os
+import queue
+import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL = "smollm2-135m-instruct"
 REQUESTS, MAX_TOKENS, STREAMS = 64, 32, 16
 REPEATS = size(3, 1)
+TTFT_TRIALS, TTFT_TOKENS, START_TIMEOUT_S = size(8, 5), 8, 300
 AGENT_STEPS = 8
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
@@ -143,6 +152,92 @@ def serving_figures() -> dict:
               requests=REQUESTS, max_tokens=MAX_TOKENS, repeats=REPEATS)
 
 
+def start_serve() -> tuple[subprocess.Popen, str]:
+  """`streamrl serve --model MODEL` on a free port in its own process, its flags at their defaults; (process, base
+  URL) once it has said where it listens."""
+  proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "serve", "--model", MODEL, "--port", "0"],
+                          cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines: queue.Queue = queue.Queue()
+  threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] and None, daemon=True).start()
+  deadline, said = time.monotonic() + START_TIMEOUT_S, []
+  while time.monotonic() < deadline and proc.poll() is None:
+    try:
+      said.append(lines.get(timeout=1.0))
+    except queue.Empty:
+      continue
+    found = re.search(r"API at (\S+/v1)", said[-1])
+    if found:
+      return proc, found.group(1)
+  stop(proc)
+  raise RuntimeError(f"streamrl serve did not come up in {START_TIMEOUT_S} s:\n{''.join(said[-20:])}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+  """Ctrl-C, then a kill if it has not ended within 30 s."""
+  if proc.poll() is None:
+    proc.send_signal(signal.SIGINT)
+    try:
+      proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait(timeout=30)
+
+
+def lone_first_token_ms(base_url: str, chat) -> float:
+  """Milliseconds from sending one streamed chat request to its first chunk with text (the server otherwise idle)."""
+  import openai
+
+  client = openai.OpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=120)
+  start, first = time.perf_counter(), None
+  for chunk in client.chat.completions.create(model=MODEL, messages=chat, max_tokens=TTFT_TOKENS, temperature=0.8,
+                                              stream=True):
+    if first is None and chunk.choices and chunk.choices[0].delta.content:
+      first = (time.perf_counter() - start) * 1000
+  client.close()
+  if first is None:
+    raise RuntimeError("a streamed response carried no text")
+  return first
+
+
+def first_token_compute_ms(chats) -> tuple[list[float], list[float]]:
+  """(device ms, wall ms) of each chat's first sampler step in this process, on `streamrl serve`'s default engine:
+  its prefill and first decode call, every program timed by the device clock."""
+  from streamrl_jax import launch
+  from streamrl_jax.cli import build_parser
+  from streamrl_jax.commands.serve import engine_config
+  from streamrl_jax.serving.standalone import load_served_model
+  from streamrl_jax.types import SamplingParams
+
+  model, sampler = load_served_model(MODEL, engine_config(build_parser().parse_args(["serve", "--model", MODEL])),
+                                     name=MODEL, log=lambda *a: None)
+  device, wall = [], []
+  for chat in chats:
+    sampler.submit(model.tokenizer.apply_chat_template(chat), SamplingParams(
+        temperature=0.8, max_new_tokens=TTFT_TOKENS, stop_token_ids=model.tokenizer.stop_ids))
+    with launch.device_clock() as clock:
+      start = time.perf_counter()
+      sampler.step()
+      wall.append((time.perf_counter() - start) * 1000)
+    if "_generate_impl" not in clock.launches:
+      raise RuntimeError(f"the first step ran no decode call: {dict(clock.launches)}")
+    device.append(clock.total_device_s * 1000)
+    list(sampler.stream())
+  return device[1:], wall[1:]  # the first compiled
+
+
+def ttft_figures() -> dict:
+  chats = questions()[:TTFT_TRIALS + 1]
+  proc, base_url = start_serve()
+  try:
+    ttft = [lone_first_token_ms(base_url, chat) for chat in chats][1:]  # the first compiled
+  finally:
+    stop(proc)
+  device, wall = first_token_compute_ms(chats)
+  return dict(serve_ttft_vs_compute=statistics.median(ttft) / statistics.median(device),
+              serve_ttft_ms=statistics.median(ttft), first_token_device_ms=statistics.median(device),
+              first_token_inprocess_ms=statistics.median(wall), ttft_trials=len(ttft))
+
+
 def agent_figures() -> dict:
   """The README's agent training command, AGENT_STEPS steps, in its own process."""
   with tempfile.TemporaryDirectory() as workdir:
@@ -162,6 +257,7 @@ def agent_figures() -> dict:
 
 def main() -> None:
   out = serving_figures()
+  out.update(ttft_figures())
   if QUICK:  # the agent's run is a full run's (tests/test_shipped_configs.py runs its config every CI run)
     out["quick_omits"] = ["agent_accuracy_before", "agent_accuracy_after"]
   else:

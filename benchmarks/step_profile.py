@@ -36,10 +36,14 @@ MODES = ("async", "colocated")
 
 def run_mode(mode: str) -> dict:
   """One `streamrl train` of the workload in `mode`: its steady figures."""
+  with tempfile.TemporaryDirectory(prefix=f"step_profile_{mode}_") as tmp:  # a run's checkpoints: gigabytes
+    return _profile(mode, Path(tmp))
+
+
+def _profile(mode: str, workdir: Path) -> dict:
   from process_memory import run_measured
   from safetensors.numpy import load_file
 
-  workdir = Path(tempfile.mkdtemp(prefix=f"step_profile_{mode}_"))
   sets = [a for s in (*WORK, f"PipelineConfig.mode='{mode}'") for a in ("--set", s)]
   done = run_measured([sys.executable, "-m", "streamrl_jax.cli", "train", *MODEL, "--workdir", str(workdir), *sets],
                       cwd=ROOT, env=dict(os.environ, XLA_FLAGS=""))

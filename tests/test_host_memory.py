@@ -48,3 +48,25 @@ def test_free_heap_pages_go_back_to_the_system():
   assert done.returncode == 0, done.stderr
   out = json.loads(done.stdout)
   assert out["done"] and out["before"] - out["after"] > 100, out
+
+
+MAPPED_CODE = """
+import ctypes, json
+from streamrl_jax.host_memory import limit_fragmentation
+limit_fragmentation()
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+def mapped(size):  # glibc marks a chunk it mapped on its own (IS_MMAPPED, bit 1 of the size word before it)
+  block = libc.malloc(size)
+  return bool(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2)
+print(json.dumps({"decode_buffer": mapped(20 << 20), "embedding": mapped(113 << 20)}))
+"""
+
+
+def test_a_decode_steps_temporary_buffer_is_reused_from_the_heap_and_a_weight_array_is_mapped():
+  if not sys.platform.startswith("linux"):
+    return
+  clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+  done = subprocess.run([sys.executable, "-c", MAPPED_CODE], env=clean, capture_output=True, text=True, timeout=60)
+  assert done.returncode == 0, done.stderr
+  assert json.loads(done.stdout) == {"decode_buffer": False, "embedding": True}

@@ -23,6 +23,8 @@ def add_serve_parser(sub) -> None:
                      "(default 256)")
   serve.add_argument("--max-requests", type=int, default=256, help="requests accepted at once; more get 429 "
                      "(default 256)")
+  serve.add_argument("--steps-per-sync", type=int, default=4, help="most decode steps per host round trip "
+                     "(default 4; a request's first token still leaves after one)")
   serve.add_argument("--kv-layout", default="contiguous", choices=["contiguous", "paged"],
                      help="the KV cache's layout (default contiguous; paged on accelerators)")
   serve.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="weights' dtype")
@@ -33,10 +35,18 @@ def add_serve_parser(sub) -> None:
   serve.set_defaults(run=cmd_serve)
 
 
+def engine_config(args):
+  """The `EngineConfig` of a `streamrl serve` command line's flags."""
+  from streamrl_jax.sampling import EngineConfig
+
+  return EngineConfig(num_slots=args.slots, max_prompt_length=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
+                      min_prefill_bucket=min(64, args.max_prompt_tokens), kv_layout=args.kv_layout,
+                      steps_per_sync=args.steps_per_sync)
+
+
 def cmd_serve(args) -> int:
   import uvicorn
 
-  from streamrl_jax.sampling import EngineConfig
   from streamrl_jax.serving.app import Service
   from streamrl_jax.serving.bridge import RequestBridge
   from streamrl_jax.serving.config import ServeConfig
@@ -48,9 +58,7 @@ def cmd_serve(args) -> int:
   config = ServeConfig(host=args.host, port=args.port, api_key=args.api_key or os.environ.get(API_KEY_ENV, ""),
                        model_name=args.name or args.model, max_requests=args.max_requests, max_tokens=args.max_tokens)
   sock = bind(config.host, config.port)  # before the model loads: a port in use fails at once
-  engine = EngineConfig(num_slots=args.slots, max_prompt_length=args.max_prompt_tokens, max_new_tokens=args.max_tokens,
-                        min_prefill_bucket=min(64, args.max_prompt_tokens), kv_layout=args.kv_layout)
-  served, sampler = load_served_model(args.model, engine, dtype=args.dtype, seed=args.seed, name=config.model_name)
+  served, sampler = load_served_model(args.model, engine_config(args), dtype=args.dtype, seed=args.seed, name=config.model_name)
   bridge = RequestBridge(before_leases=True)
   service = Service(served, config, bridge)
   loop = GenerationLoop(sampler, bridge)
