@@ -55,19 +55,17 @@ def adaptive_steps(remaining: Sequence[int], *, fresh: int, queued: int, options
   engine's `options` (ascending: `EngineConfig.step_options`, the last `steps_per_sync`), from its decoding rows'
   `remaining` tokens (each row's max_new_tokens less its tokens so far: an upper bound, a stop token may end it
   sooner), how many of them were just admitted (`fresh`: their first token not read yet) and how many requests
-  wait for a slot (`queued`).
+  wait for a slot (`queued`, not used: a shorter call to free a slot sooner costs a round trip, which on an
+  accelerator is dearer than the steps it saves).
 
   - Every decoding row just admitted: one step, so their first tokens leave after one step (a lone request's time
     to its first token is its prefill and one step).
-  - Requests waiting: the longest call that ends no later than the row nearest its limit, so its slot is free to
-    admit the next request when it can be (no slot decodes a finished row while a request waits).
-  - Otherwise the most: the fewest round trips."""
+  - Otherwise the fewest steps that take every row to its limit, at most the most: no call longer than its rows
+    need, and no more calls than `steps_per_sync` makes."""
   if not remaining or fresh >= len(remaining):
     return options[0]
-  if queued:
-    nearest = max(1, min(remaining))
-    return max([k for k in options if k <= nearest] or options[:1])
-  return options[-1]
+  longest = max(1, max(remaining))
+  return next((k for k in options if k >= longest), options[-1])
 
 
 def fixed_steps(remaining: Sequence[int], *, fresh: int, queued: int, options: Sequence[int]) -> int:
