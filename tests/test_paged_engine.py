@@ -108,6 +108,20 @@ def test_rows_preempted_when_pages_run_out_resume_as_one_continuous_generation(m
   assert pool_is_empty(sampler)
 
 
+def test_a_row_near_the_end_of_its_cache_is_not_preempted_after_a_shorter_call(model_parts):
+  """A call of one step (the policy's, for rows just admitted) shifts where rows stand against `steps_per_sync`:
+  a full-length row then asks for room past its cache's end, which a pool of free pages must still give it."""
+  graphdef, params, mesh = model_parts
+  four = {"steps_per_sync": 4, "num_slots": 2}
+  full = [([9] * 16, 48), ([17, 2, 30], 48)]  # prompt + completion: the whole cache (64) and nearly
+  paged = make_engine(graphdef, MODEL, EngineConfig(**{**PAGED.__dict__, **four}), mesh)
+  samples, sampler = generate_all(paged, params, full)
+  assert sampler.counters["preempted"] == 0 and pool_is_empty(sampler)
+  contiguous = generate_all(make_engine(graphdef, MODEL, EngineConfig(**{**CONTIGUOUS.__dict__, **four}), mesh),
+                            params, full)[0]
+  assert_same_samples(samples, contiguous)
+
+
 def test_bad_paged_configs_are_refused_naming_the_key(model_parts):
   graphdef, _, mesh = model_parts
   with pytest.raises(ValueError, match=r"EngineConfig.page_size=12 does not divide the attention windows \[64\]"):

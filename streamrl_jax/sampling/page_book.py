@@ -115,7 +115,7 @@ class PageBook:
     and first tokens (`needs`). A run of one prompt's requests is not cut unless it starts the call."""
     chunk = self.config.steps_per_sync
     length, held = np.asarray(state.pages.length)[:self.slots], np.asarray(state.pages.pages_held())[:self.slots]
-    growth = int(np.maximum(pages_for(length + chunk, self.page_size) - held, 0)[held > 0].sum())
+    growth = int(np.maximum(pages_for(self._grown(length, chunk), self.page_size) - held, 0)[held > 0].sum())
     keys = self.keys(prompts, resumed, version)
     free = self.free_pages(state) + self.evictable_pages(state, keep=set(keys)) - growth
     for i, need in enumerate(self.needs(state, prompts, keys)):
@@ -134,7 +134,7 @@ class PageBook:
     Returns (state, the preempted slots); the slots kept are the ones the next `generate` decodes."""
     slots, preempted = sorted(progress), []
     while slots:
-      need = np.asarray(state.pages.length)[slots] + self.config.steps_per_sync
+      need = self._grown(np.asarray(state.pages.length)[slots], self.config.steps_per_sync)
       pages, ok = self._reserve_rows(state.pages, np.asarray(slots, np.int32), need.astype(np.int32), self.page_size)
       state = dataclasses.replace(state, pages=pages)
       if np.asarray(ok).all():
@@ -149,6 +149,11 @@ class PageBook:
                                   pages=self._release(state.pages, victim))
       self.counters["preempted"] += 1
     return dataclasses.replace(state, decoding=tuple(slots)), preempted
+
+  def _grown(self, length: np.ndarray, steps: int) -> np.ndarray:
+    """Rows' lengths after `steps` more tokens, at most the cache's length: a row ends there, so it never needs
+    more pages (a length is an upper bound, and calls shorter than `steps_per_sync` shift where rows stand)."""
+    return np.minimum(length + steps, self.config.cache_length)
 
   def decoded(self, state: PagedState, busy: np.ndarray, steps: int) -> PagedState:
     """After a decode call of `steps` steps: the `busy` slots grew by `steps` tokens (an upper bound)."""
