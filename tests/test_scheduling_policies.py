@@ -119,23 +119,21 @@ def test_scheduling_policies_are_registered_with_their_admission_and_ranker_need
 def test_decode_steps_by_hand():
   options = EngineConfig(steps_per_sync=8).step_options
   assert options == (1, 2, 4, 8) and EngineConfig(steps_per_sync=6).step_options == (1, 2, 4, 6)
-  assert adaptive_steps([30, 5], fresh=0, queued=0, options=options) == 8  # the fewest round trips
-  assert adaptive_steps([30, 5], fresh=0, queued=3, options=options) == 8  # a request waiting changes nothing
-  assert adaptive_steps([3, 2], fresh=0, queued=0, options=options) == 4  # every row ends within 4 steps
-  assert adaptive_steps([5, 0], fresh=0, queued=1, options=options) == 8
-  assert adaptive_steps([1, 0], fresh=0, queued=0, options=options) == 1
-  assert adaptive_steps([30, 30], fresh=2, queued=0, options=options) == 1  # just admitted: first tokens out now
-  assert adaptive_steps([30, 30], fresh=1, queued=0, options=options) == 8
-  assert fixed_steps([1, 1], fresh=2, queued=5, options=options) == 8
+  assert adaptive_steps([30, 5], fresh=0, options=options) == 8  # the fewest round trips
+  assert adaptive_steps([3, 2], fresh=0, options=options) == 4  # every row ends within 4 steps
+  assert adaptive_steps([5, 0], fresh=0, options=options) == 8
+  assert adaptive_steps([1, 0], fresh=0, options=options) == 1
+  assert adaptive_steps([30, 30], fresh=2, options=options) == 1  # just admitted: first tokens out now
+  assert adaptive_steps([30, 30], fresh=1, options=options) == 8
+  assert fixed_steps([1, 1], fresh=2, options=options) == 8
 
 
 @settings(max_examples=80, deadline=None)
-@given(st.lists(st.integers(0, 300), min_size=1, max_size=16), st.integers(0, 16), st.integers(0, 20),
-       st.integers(1, 40))
-def test_decode_steps_is_an_option_and_never_makes_more_calls_than_steps_per_sync(remaining, fresh, queued, most):
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=16), st.integers(0, 16), st.integers(1, 40))
+def test_decode_steps_is_an_option_and_never_makes_more_calls_than_steps_per_sync(remaining, fresh, most):
   options = EngineConfig(steps_per_sync=most).step_options
   fresh = min(fresh, len(remaining))
-  steps = adaptive_steps(remaining, fresh=fresh, queued=queued, options=options)
+  steps = adaptive_steps(remaining, fresh=fresh, options=options)
   assert steps in options and options[-1] == most and list(options) == sorted(set(options))
   if fresh < len(remaining):  # a call takes every row as far as steps_per_sync would, or to its end
     assert steps >= min(most, max(remaining)) and (steps == most or steps < 2 * max(1, max(remaining)))

@@ -16,7 +16,7 @@ from streamrl_jax.sampling.tool_turns import ToolTurns
 from streamrl_jax.types import Request
 
 AdmissionPolicy = Callable[[Sequence[Request]], Sequence[int]]  # e.g. `scheduling.policies.fifo_order`
-StepsPolicy = Callable[..., int]  # (remaining, *, fresh, queued, options) -> steps: `policies.adaptive_steps`
+StepsPolicy = Callable[..., int]  # (remaining, *, fresh, options) -> steps: `policies.adaptive_steps`
 
 
 @jax.jit

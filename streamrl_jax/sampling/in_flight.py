@@ -41,6 +41,11 @@ class InFlight:
     so_far = np.asarray(self.tokens[:-1], np.int32)
     return np.concatenate([self.request.prompt, so_far]), (self.tokens[-1], len(self.tokens))
 
+  @property
+  def remaining(self) -> int:
+    """Tokens it may still sample (its first, sampled but not read yet, counted as sampled)."""
+    return self.request.params.max_new_tokens - len(self.tokens) - (self.first is not None and not self.resumed)
+
   def add(self, token, logprob, version: int) -> None:
     """Records one token the model sampled."""
     self.tokens.append(int(token))

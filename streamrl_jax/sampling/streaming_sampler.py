@@ -227,9 +227,8 @@ class StreamingSampler:
     if (self._turns is not None and self._turns.wait_if_stalled(inst)) or not inst.slots:
       return None
     decoding = [f for f in inst.slots.values() if f.waiting is None]
-    steps = self.steps([f.request.params.max_new_tokens - len(f.tokens) - (f.first is not None and not f.resumed)
-                        for f in decoding], fresh=sum(f.first is not None for f in decoding),
-                       queued=len(inst.pending), options=inst.engine.config.step_options)
+    steps = self.steps([f.remaining for f in decoding], fresh=sum(f.first is not None for f in decoding),
+                       options=inst.engine.config.step_options)
     window = inst.engine.config.window_for(max(f.cache_end for f in inst.slots.values()) + steps)
     with self._phase("decode"):  # the dispatch (a launch that waits for its devices, a compile) is the decode's
       inst.state, out = inst.engine.generate(inst.params, inst.state, window, steps)

@@ -50,13 +50,13 @@ def longest_first_admission(pending: Sequence) -> list[int]:
                                                     -(pending[i].predicted_length or 0.0), i))
 
 
-def adaptive_steps(remaining: Sequence[int], *, fresh: int, queued: int, options: Sequence[int]) -> int:
+def adaptive_steps(remaining: Sequence[int], *, fresh: int, options: Sequence[int]) -> int:
   """A decode-steps policy for `StreamingSampler`: the steps of an instance's next decode call, one of its
   engine's `options` (ascending: `EngineConfig.step_options`, the last `steps_per_sync`), from its decoding rows'
   `remaining` tokens (each row's max_new_tokens less its tokens so far: an upper bound, a stop token may end it
-  sooner), how many of them were just admitted (`fresh`: their first token not read yet) and how many requests
-  wait for a slot (`queued`, not used: a shorter call to free a slot sooner costs a round trip, which on an
-  accelerator is dearer than the steps it saves).
+  sooner) and how many of them were just admitted (`fresh`: their first token not read yet). Requests waiting
+  for a slot do not shorten a call: freeing a slot sooner costs a round trip, which on an accelerator is dearer
+  than the steps it saves.
 
   - Every decoding row just admitted: one step, so their first tokens leave after one step (a lone request's time
     to its first token is its prefill and one step).
@@ -68,7 +68,7 @@ def adaptive_steps(remaining: Sequence[int], *, fresh: int, queued: int, options
   return next((k for k in options if k >= longest), options[-1])
 
 
-def fixed_steps(remaining: Sequence[int], *, fresh: int, queued: int, options: Sequence[int]) -> int:
+def fixed_steps(remaining: Sequence[int], *, fresh: int, options: Sequence[int]) -> int:
   """A decode-steps policy that always decodes the most steps a call (`steps_per_sync`)."""
   return options[-1]
 
