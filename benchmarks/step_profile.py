@@ -7,7 +7,8 @@ each trainer and sampler phase over those rows, `accounted_frac` (the trainer's 
 step, summed over the steady rows; the sampler's beside it), `whole_step_mfu` (the step's useful FLOPs,
 8 x parameters x trained tokens: 6 N to train each token, 2 N to generate it, over the steady step times the f32
 matmul peak measured in this process before and after the runs; N counted in the run's final model) and the run's
-peak resident memory (its processes summed). A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
+peak resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
+rule before one device (`colocated_two_devices_over_one`). A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
 warm-up) for 4 steps of 16 new tokens: its figures are not the goal's work. Prints one JSON object as its last line.
 """
 
@@ -32,21 +33,26 @@ WORK = ("PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8", f"Pi
         "PipelineConfig.temperature=1.0", "ObjectiveConfig.kl_coef=0.0", f"PipelineConfig.steps={STEPS}",
         "JobConfig.eval_prompts=1")
 MODES = ("async", "colocated")
+# Runs by name: (mode, CPU devices forced; None: streamrl's own choice). The baseline of the colocated choice (one
+# device, `meshes.cpu_device_count`) is its mesh over two devices, the rule before; the full run only.
+RUNS = {"async": ("async", None), "colocated": ("colocated", None),
+        **size({"colocated_two_devices": ("colocated", 2)}, {})}
 
 
-def run_mode(mode: str) -> dict:
-  """One `streamrl train` of the workload in `mode`: its steady figures."""
+def run_mode(mode: str, host_devices: int | None = None) -> dict:
+  """One `streamrl train` of the workload in `mode` (over `host_devices` CPU devices if given): its steady figures."""
   with tempfile.TemporaryDirectory(prefix=f"step_profile_{mode}_") as tmp:  # a run's checkpoints: gigabytes
-    return _profile(mode, Path(tmp))
+    return _profile(mode, Path(tmp), host_devices)
 
 
-def _profile(mode: str, workdir: Path) -> dict:
+def _profile(mode: str, workdir: Path, host_devices: int | None) -> dict:
   from process_memory import run_measured
   from safetensors.numpy import load_file
 
   sets = [a for s in (*WORK, f"PipelineConfig.mode='{mode}'") for a in ("--set", s)]
-  done = run_measured([sys.executable, "-m", "streamrl_jax.cli", "train", *MODEL, "--workdir", str(workdir), *sets],
-                      cwd=ROOT, env=dict(os.environ, XLA_FLAGS=""))
+  devices = [] if host_devices is None else ["--host-devices", str(host_devices)]
+  done = run_measured([sys.executable, "-m", "streamrl_jax.cli", *devices, "train", *MODEL, "--workdir", str(workdir),
+                       *sets], cwd=ROOT, env=dict(os.environ, XLA_FLAGS=""))
   if done["returncode"]:
     raise RuntimeError(f"{mode}: exit {done['returncode']}\n{done['output'][-3000:]}")
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
@@ -73,7 +79,7 @@ def main() -> None:
 
   peak = Peak()
   peak.measure()
-  modes = {mode: run_mode(mode) for mode in MODES}
+  modes = {name: run_mode(*run) for name, run in RUNS.items()}
   peak.measure()
   out = {"workload": f"{'the demo decoder' if QUICK else 'SmolLM2-135M'}, 4 prompts x 8 samples x {NEW_TOKENS} new "
                      f"tokens, temperature 1, no KL, {STEPS} steps; steady: rows {SKIP + 1}..{STEPS}", "quick": QUICK,
@@ -84,6 +90,8 @@ def main() -> None:
   out["accounted_frac"] = min(out[f"{m}_accounted_frac"] for m in MODES)
   out["whole_step_mfu"] = min(out[f"{m}_whole_step_mfu"] for m in MODES)
   out["colocated_over_async"] = round(out["colocated_step_s"] / out["async_step_s"], 3)
+  if "colocated_two_devices" in modes:
+    out["colocated_two_devices_over_one"] = round(out["colocated_two_devices_step_s"] / out["colocated_step_s"], 3)
   print(json.dumps(out))
 
 

@@ -48,7 +48,7 @@ def cmd_info(args) -> int:
   import jax
 
   from streamrl_jax import gin_config
-  from streamrl_jax.meshes import MeshConfig
+  from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, cpu_device_count
 
   gin_config.parse(gin_config.run_files(args.config), args.set)
   mesh_config = gin_config.build(MeshConfig)
@@ -56,6 +56,9 @@ def cmd_info(args) -> int:
   info = {"python": sys.version.split()[0], "versions": _versions(), "backend": jax.default_backend(),
           "process_count": jax.process_count(), "device_count": len(devices),
           "devices": sorted({d.device_kind for d in devices}), "mesh_config": mesh_config.__dict__}
+  if info["backend"] == "cpu":  # what `streamrl train` of this config forces, and each computation's threads
+    info["cpu_devices"] = {"train": cpu_device_count(mesh_config, _shared_mesh(), cpu_cores()),
+                           "threads_per_device": cpu_cores(), "rule": CPU_DEVICES_RULE}
   try:
     sampler, trainer = mesh_config.split(len(devices))
     info["sampler_mesh"], info["trainer_mesh"] = sampler.as_dict(), trainer.as_dict()
@@ -228,18 +231,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def default_host_devices(args=None) -> int:
-  """CPU devices for a one-program run: one per core this process may use (more only splits the same
-  cores into threads that contend), at least 2 so that sampler and trainer meshes both exist, and as many
-  as the config's MeshConfig asks for."""
-  wanted = 0
-  if getattr(args, "config", None) is not None:
+  """CPU devices for a one-program run (`meshes.cpu_device_count`): one for a colocated `train`, else one per core
+  this process may use, at least 2 so that sampler and trainer meshes both exist; as many as MeshConfig asks."""
+  from streamrl_jax.meshes import MeshConfig, cpu_device_count
+
+  mesh, shared = MeshConfig(), False
+  if hasattr(args, "config") and hasattr(args, "set"):  # no --config: the demo's
     from streamrl_jax import gin_config
-    from streamrl_jax.meshes import MeshConfig
 
     gin_config.parse(gin_config.run_files(args.config), args.set)
-    mesh = gin_config.build(MeshConfig)
-    wanted = mesh.sampler_devices + mesh.trainer_devices
-  return max(2, cpu_cores(), wanted)
+    mesh, shared = gin_config.build(MeshConfig), getattr(args, "command", None) == "train" and _shared_mesh()
+  return cpu_device_count(mesh, shared, cpu_cores())
+
+
+def _shared_mesh() -> bool:
+  """Whether the parsed config's mode time-shares one mesh (colocated); an unknown mode is refused later, by name."""
+  import gin
+
+  from streamrl_jax.modes import MODES, ModeSpec
+  from streamrl_jax.pipeline.config import PipelineConfig
+
+  mode = gin.get_bindings("PipelineConfig").get("mode", PipelineConfig.mode)
+  return mode in MODES and ModeSpec.of(mode, 0).shared_mesh
 
 
 def force_host_devices(count: int) -> None:

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from streamrl_jax import cli, gin_config
-from streamrl_jax.meshes import MeshConfig, MeshShape, build_meshes
+from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, MeshShape, build_meshes, cpu_device_count
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -68,6 +68,34 @@ def test_info_prints_the_split(capsys):
   assert info["device_count"] == 8
   assert info["sampler_mesh"] == {"data": 6, "fsdp": 1, "tensor": 1}
   assert info["trainer_mesh"] == {"data": 1, "fsdp": 2, "tensor": 1}
+
+
+@pytest.mark.parametrize("config, shared, cores, expected", [
+    (MeshConfig(), True, 2, 1), (MeshConfig(), True, 16, 1), (MeshConfig(trainer_devices=2), True, 2, 2),
+    (MeshConfig(), False, 1, 2), (MeshConfig(), False, 2, 2), (MeshConfig(), False, 6, 6),
+    (MeshConfig(sampler_devices=3, trainer_devices=5), False, 2, 8),
+])
+def test_a_colocated_run_gets_one_cpu_device_and_two_meshes_one_per_core(config, shared, cores, expected):
+  assert cpu_device_count(config, shared, cores) == expected
+
+
+@pytest.mark.parametrize("argv, shared", [
+    (["train", "--workdir", "w", "--set", "PipelineConfig.mode='colocated'"], True),
+    (["train", "--workdir", "w", "--set", "PipelineConfig.mode='async'"], False),
+    (["train", "--workdir", "w"], False),  # the demo's mode: async
+    (["info", "--set", "PipelineConfig.mode='colocated'"], False),  # only a run's own meshes are shared
+])
+def test_the_cli_forces_the_devices_its_command_and_mode_need(monkeypatch, argv, shared):
+  monkeypatch.setattr(cli, "cpu_cores", lambda: 3)
+  assert cli.default_host_devices(cli.build_parser().parse_args(argv)) == (1 if shared else 3)
+  gin_config.parse()
+
+
+def test_info_shows_the_cpu_devices_a_run_of_the_config_forces(capsys):
+  assert cli.main(["info", "--set", "PipelineConfig.mode='colocated'"]) == 0
+  info = json.loads(capsys.readouterr().out)
+  assert info["cpu_devices"] == {"train": 1, "threads_per_device": cli.cpu_cores(), "rule": CPU_DEVICES_RULE}
+  gin_config.parse()
 
 
 def test_info_reports_bad_binding(capsys):
