@@ -8,7 +8,8 @@ step, summed over the steady rows; the sampler's beside it), `whole_step_mfu` (t
 8 x parameters x trained tokens: 6 N to train each token, 2 N to generate it, over the steady step times the f32
 matmul peak measured in this process before and after the runs; N counted in the run's final model) and the run's
 peak resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
-rule before one device (`colocated_two_devices_over_one`). A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
+rule before one device (`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work
+(`trl_grpo.py`, with the `[bench]` extra): each mode's step and peak memory over TRL's. A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
 warm-up) for 4 steps of 16 new tokens: its figures are not the goal's work. Prints one JSON object as its last line.
 """
 
@@ -74,12 +75,29 @@ def _profile(mode: str, workdir: Path, host_devices: int | None) -> dict:
               peak_rss_mb=done["peak_rss_mb"], wall_s=done["seconds"])
 
 
+def run_trl() -> dict:
+  """TRL's GRPOTrainer on the same work (`trl_grpo.py`, the `[bench]` extra), as its own process: its step and peak
+  memory; without trl installed, why not."""
+  import importlib.util
+
+  from process_memory import run_measured
+
+  if importlib.util.find_spec("trl") is None:
+    return {"trl": "not measured: trl is not installed (pip install -e '.[bench]')"}
+  done = run_measured([sys.executable, str(ROOT / "benchmarks" / "trl_grpo.py"), "--steps", str(STEPS),
+                       "--new-tokens", str(NEW_TOKENS)], cwd=ROOT, env=dict(os.environ, XLA_FLAGS=""))
+  if done["returncode"]:
+    raise RuntimeError(f"trl: exit {done['returncode']}\n{done['output'][-3000:]}")
+  return {**json.loads(done["output"].strip().splitlines()[-1]), "trl_peak_rss_mb": done["peak_rss_mb"]}
+
+
 def main() -> None:
   from peak import Peak
 
   peak = Peak()
   peak.measure()
   modes = {name: run_mode(*run) for name, run in RUNS.items()}
+  trl = {} if QUICK else run_trl()  # a quick run's work is the demo decoder's: no baseline to hold it against
   peak.measure()
   out = {"workload": f"{'the demo decoder' if QUICK else 'SmolLM2-135M'}, 4 prompts x 8 samples x {NEW_TOKENS} new "
                      f"tokens, temperature 1, no KL, {STEPS} steps; steady: rows {SKIP + 1}..{STEPS}", "quick": QUICK,
@@ -90,6 +108,11 @@ def main() -> None:
   out["accounted_frac"] = min(out[f"{m}_accounted_frac"] for m in MODES)
   out["whole_step_mfu"] = min(out[f"{m}_whole_step_mfu"] for m in MODES)
   out["colocated_over_async"] = round(out["colocated_step_s"] / out["async_step_s"], 3)
+  out.update(trl)
+  if "trl_step_s" in trl:
+    for mode in MODES:
+      out[f"{mode}_over_trl"] = round(out[f"{mode}_step_s"] / trl["trl_step_s"], 3)
+      out[f"{mode}_peak_rss_over_trl"] = round(out[f"{mode}_peak_rss_mb"] / trl["trl_peak_rss_mb"], 3)
   if "colocated_two_devices" in modes:
     out["colocated_two_devices_over_one"] = round(out["colocated_two_devices_step_s"] / out["colocated_step_s"], 3)
   print(json.dumps(out))
