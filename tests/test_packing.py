@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
 from streamrl_jax.training.objectives import aggregate
-from streamrl_jax.training.packing import CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes, trim_step
+from streamrl_jax.training.packing import (CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes, trim_step,
+                                           trimmed_call)
 from tests.trainer_setup import CONFIG, make_batch, mean_gradient, trainer_for
 
 LENGTH = 24  # packed row length: every sample of make_batch(length=14) fits, two or three to a row
@@ -159,10 +160,22 @@ def test_packed_pieces_cover_the_chunk_in_few_shapes(shares, unit, length, spare
   shapes = set(packed_shapes(unit, max_rows * length, length))
   compiled = [(-(-len(p["tokens"]) // unit) * unit, p["tokens"].shape[1]) for p in pieces]  # as Trainer.prepare pads
   assert set(compiled) <= shapes  # what precompile_packed compiles covers every piece
-  # a quarter of the row at a time: few trimmed programs (a unit of rows; a full call to more than half the row)
-  assert len([s for s in shapes if s[1] < length]) <= 3 + 2
+  # few trimmed programs: a unit of rows in quarters of the row, a full call in sixteenths above half the row
+  assert len([s for s in shapes if s[1] < length]) <= 3 + 7
   kept = np.concatenate([p["tokens"][p["valid"]] for p in pieces])
   assert np.array_equal(np.sort(kept), np.sort(chunk["tokens"][valid]))  # nothing dropped
+
+
+@pytest.mark.parametrize("fills, length, width", [
+    ([79, 60, 50], 96, 80),  # SmolLM2's sums in rows of 96: to 80 columns (at quarters of the row it stayed 96)
+    ([40, 49], 96, 56), ([88, 20], 96, 88), ([48], 96, 96),  # half the row or less: never trimmed
+    ([2400, 2000], 4096, 2560), ([4000], 4096, 4096),  # sixteenths of a long row
+])
+def test_a_full_call_is_trimmed_to_its_longest_fill_in_sixteenths_of_the_row(fills, length, width):
+  valid = np.arange(length)[None] < np.asarray(fills)[:, None]
+  chunk = {"tokens": np.ones(valid.shape, np.int32), "valid": valid}
+  assert trimmed_call(chunk)["valid"].shape == (len(fills), width)
+  assert (len(fills), width) in packed_shapes(len(fills), len(fills) * length, length)  # precompile covers it
 
 
 class _RecordingTrainer:

@@ -8,6 +8,11 @@ import numpy as np
 
 TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
 TRIM_WIDTHS = 4  # ... and of a quarter of the row: few trimmed shapes (each a compiled program of its own)
+# A full call, which carries most of a step's tokens, is trimmed in sixteenths of the row (those above half: at most
+# 7 shapes). Samples a little longer than half the row take one row each: SmolLM2's sums (50-79 tokens in rows of
+# 96) padded 21-25% of a step's trainer tokens at quarters, 9-12% at 8 columns, and its forward and backward took
+# 7.6-8.0 s a step against 8.9-9.3 (colocated, 4 x 8 samples).
+FULL_TRIM_WIDTHS = 16
 # A trainer call's fixed cost (its gradient buffers and their sum into the state), in tokens of compute: measured
 # on SmolLM2 on this CPU, a call of one packed row of 96 takes about twice the time per row of a call of 8.
 CALL_COST_TOKENS = 96
@@ -61,10 +66,11 @@ def packed_pieces(chunk: dict, unit: int, max_rows: int = 0) -> list[dict]:
   return pieces
 
 
-def trim_step(length: int) -> int:
-  """The columns a last piece's width is a multiple of: a quarter of the row, rounded up to `TRIM_MULTIPLE`. On
-  XLA:CPU every compiled shape of a 30-layer model keeps about 100 MB of code, so trims stay few."""
-  return max(TRIM_MULTIPLE, -(-length // (TRIM_WIDTHS * TRIM_MULTIPLE)) * TRIM_MULTIPLE)
+def trim_step(length: int, widths: int = TRIM_WIDTHS) -> int:
+  """The columns a trimmed width is a multiple of: `1 / widths` of the row (a last piece's: a quarter; a full
+  call's: `FULL_TRIM_WIDTHS`), rounded up to `TRIM_MULTIPLE`. On XLA:CPU every compiled shape of a 30-layer model
+  keeps about 100 MB of code, so trims stay few."""
+  return max(TRIM_MULTIPLE, -(-length // (widths * TRIM_MULTIPLE)) * TRIM_MULTIPLE)
 
 
 def call_rows(unit: int, max_tokens: int, length: int) -> int:
@@ -83,19 +89,19 @@ def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, in
   while rows < full:
     shapes.append((rows, length))
     rows *= 2
-  widths = range(trim_step(length), length, trim_step(length))
-  shapes += [(full, length)] + [(full, width) for width in widths if 2 * width > length]
-  return shapes + [(unit, width) for width in widths if (unit, width) not in shapes]
+  full_step, step = trim_step(length, FULL_TRIM_WIDTHS), trim_step(length)
+  shapes += [(full, length)] + [(full, width) for width in range(full_step, length, full_step) if 2 * width > length]
+  return shapes + [(unit, width) for width in range(step, length, step) if (unit, width) not in shapes]
 
 
 def trimmed_call(chunk: dict) -> dict:
-  """A full call's rows cut to their longest fill, rounded up to `trim_step(length)` columns, when that leaves more
-  than half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
+  """A full call's rows cut to their longest fill, rounded up to `trim_step(length, FULL_TRIM_WIDTHS)` columns, when
+  that leaves more than half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
   shorter samples is computed without their padding). A full call holds the first row of a first-fit packing with
   more rows after it, which is more than half full: narrower trims cannot happen and are not compiled."""
   length = chunk["tokens"].shape[1]
   fill = int(np.count_nonzero(chunk["valid"], axis=1).max())
-  step = trim_step(length)
+  step = trim_step(length, FULL_TRIM_WIDTHS)
   width = -(-fill // step) * step
   return {k: v[:, :width] for k, v in chunk.items()} if 2 * width > length and width < length else chunk
 
