@@ -11,8 +11,9 @@ matmul peak measured in this process before and after the runs; N counted in the
 where the trainer has the machine to itself; async's, which shares the cores with its sampler, beside it) and the run's
 peak resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
 rule before one device (`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work
-(`trl_grpo.py`, with the `[bench]` extra): each mode's step and peak memory over TRL's. A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
-warm-up) for 4 steps of 16 new tokens: its figures are not the goal's work. Prints one JSON object as its last line.
+(`trl_grpo.py`, with the `[bench]` extra): each mode's step and peak memory over TRL's. A quick run
+(STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no warm-up) for 4 steps of 16 new tokens: its figures are not
+the goal's work. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@ its own modes, in the same sitting.
 
 SmolLM2-135M-Instruct (the same files streamrl loads), 4 prompts of the sums task (`What is 47 + 85? Reply with only
 the number.`, as a user message in the model's chat template) x 8 generations x 32 new tokens, temperature 1, no KL
-(beta 0), a constant learning rate of 3e-6, one optimizer step per 32 samples, float32 on the CPU, no checkpoints. The step is
-the median gap between step ends after the first two, as step_profile reads streamrl's rows. Needs the
+(beta 0), a constant learning rate of 3e-6, one optimizer step per 32 samples, float32 on the CPU, no checkpoints.
+The step is the median gap between step ends after the first two, as step_profile reads streamrl's rows. Needs the
 `[bench]` extra (trl, datasets, accelerate). Prints one JSON object as its last line.
 
   python benchmarks/trl_grpo.py [--steps 6] [--new-tokens 32]
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Run as a script, this folder comes first on the path, and its `multiprocess.py` would shadow the package datasets uses.
+# Run as a script, this folder comes first on the path: its `multiprocess.py` would shadow the package datasets uses.
 sys.path = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 PROMPTS, GENERATIONS, SKIP = 4, 8, 2
@@ -63,10 +63,11 @@ def main(argv=None) -> dict:
       ends.append(time.perf_counter())
 
   with tempfile.TemporaryDirectory(prefix="trl_grpo_") as out:
-    config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS, gradient_accumulation_steps=1,
-                        num_generations=GENERATIONS, max_completion_length=args.new_tokens, temperature=1.0, beta=0.0,
-                        learning_rate=3e-6, lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1, save_strategy="no", report_to=[],
-                        use_cpu=True, bf16=False, seed=0, shuffle_dataset=False)
+    config = GRPOConfig(output_dir=out, per_device_train_batch_size=PROMPTS * GENERATIONS,
+                        gradient_accumulation_steps=1, num_generations=GENERATIONS,
+                        max_completion_length=args.new_tokens, temperature=1.0, beta=0.0, learning_rate=3e-6,
+                        lr_scheduler_type="constant", max_steps=args.steps, logging_steps=1, save_strategy="no",
+                        report_to=[], use_cpu=True, bf16=False, seed=0, shuffle_dataset=False)
     trainer = GRPOTrainer(model=model_dir, reward_funcs=correct, args=config, train_dataset=data,
                           callbacks=[StepEnds()])
     start = time.perf_counter()

@@ -86,8 +86,8 @@ def cpu_device_count(config: MeshConfig, shared: bool, cores: int) -> int:
   process may use, and each device's programs compute on all of it: a 2048-square matmul on one of two devices runs
   at the two cores' rate, at one core's under `taskset -c 0`. So a colocated run (`shared`: one mesh) gets one
   device; over two, on a 2-core machine, its step took 1.35-1.50x as long (SmolLM2, `colocated_two_devices_over_one`
-  in benchmarks/step_profile.py), its trainer calls and optimizer slowed by collectives and halved matrices. Two meshes get one device per core,
-  at least 2 so both exist."""
+  in benchmarks/step_profile.py), its trainer calls and optimizer slowed by collectives and halved matrices. Two
+  meshes get one device per core, at least 2 so both exist."""
   wanted = config.sampler_devices + config.trainer_devices
   return max(wanted, 1) if shared else max(2, cores, wanted)
 

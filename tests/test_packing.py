@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
 from streamrl_jax.training.objectives import aggregate
-from streamrl_jax.training.packing import (CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes, trim_step,
-                                           trimmed_call)
+from streamrl_jax.training.packing import (CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes,
+                                           trim_step, trimmed_call)
 from tests.trainer_setup import CONFIG, make_batch, mean_gradient, trainer_for
 
 LENGTH = 24  # packed row length: every sample of make_batch(length=14) fits, two or three to a row

@@ -96,9 +96,10 @@ def packed_shapes(unit: int, max_tokens: int, length: int) -> list[tuple[int, in
 
 def trimmed_call(chunk: dict) -> dict:
   """A full call's rows cut to their longest fill, rounded up to `trim_step(length, FULL_TRIM_WIDTHS)` columns, when
-  that leaves more than half the row (rows whose samples all take more than half a row hold one each, so a call of the step's
-  shorter samples is computed without their padding). A full call holds the first row of a first-fit packing with
-  more rows after it, which is more than half full: narrower trims cannot happen and are not compiled."""
+  that leaves more than half the row (rows whose samples all take more than half a row hold one each, so a call of
+  the step's shorter samples is computed without their padding). A full call holds the first row of a first-fit
+  packing with more rows after it, which is more than half full: narrower trims cannot happen and are not
+  compiled."""
   length = chunk["tokens"].shape[1]
   fill = int(np.count_nonzero(chunk["valid"], axis=1).max())
   step = trim_step(length, FULL_TRIM_WIDTHS)
