@@ -51,6 +51,18 @@ def test_stream_ends_with_the_parameters_of_disaggregated(results):
   assert moved > 1e-5  # training changed the weights
 
 
+def test_a_donated_model_is_freed_once_the_trainer_holds_its_copy_and_trains_the_same(results):
+  model = Transformer(MODEL, rngs=nnx.Rngs(0))
+  donated = run_pipeline(dataclasses.replace(BASE, mode="colocated"), model, TOKENIZER, DigitTask(max_digits=3),
+                         donate_model=True)
+  assert all(x.is_deleted() for x in jax.tree.leaves(nnx.state(model)))  # no dead copy for the rest of the run
+  for x, y in zip(jax.tree.leaves(donated.params), jax.tree.leaves(results["colocated"].params)):
+    np.testing.assert_array_equal(x, y)
+  kept = Transformer(MODEL, rngs=nnx.Rngs(0))
+  run_pipeline(dataclasses.replace(BASE, mode="colocated", steps=1), kept, TOKENIZER, DigitTask(max_digits=3))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(nnx.state(kept)))  # not donated: the caller's
+
+
 def test_bad_pipeline_configs():
   with pytest.raises(ValueError, match="mode='pipelined'"):
     PipelineConfig(mode="pipelined")

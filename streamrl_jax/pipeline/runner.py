@@ -33,7 +33,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker, initial_weights_donated
 from streamrl_jax.rewards import RewardError
 from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
@@ -42,7 +42,7 @@ from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
                  on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
                  stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
-                 arm_outputs: dict | None = None, periodic_eval=None) -> RunResult:
+                 arm_outputs: dict | None = None, periodic_eval=None, donate_model: bool = False) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
   With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
@@ -53,6 +53,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
   arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`. `periodic_eval`
   (`metrics_log.PeriodicEval`): the held-out accuracy of the lead and each arm on the rows it is due.
+  `donate_model`: `model`'s arrays are the run's to free (`initial_weights_donated`); the caller keeps its graph.
   """
   if config.arms and config.arm_programs:
     raise ValueError("PipelineConfig.arm_programs: follower programs read from a trainer program's Flight server; "
@@ -72,6 +73,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
                              trainer.start_step, arm_outputs, resume, periodic_eval)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
+  if donate_model:
+    initial_weights_donated(config, initial, trainer)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 
   def teardown() -> None:

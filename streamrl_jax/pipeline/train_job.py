@@ -179,7 +179,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
        (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
     try:
       result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                      stop=stop, on_end=record.end if leader else None, **arm_kwargs(arms))
+                      stop=stop, on_end=record.end if leader else None, donate_model=True, **arm_kwargs(arms))
     except (RunStopped, KeyboardInterrupt):
       if leader:  # the pictures of the run so far
         write_pictures(workdir, config, before, record.segments)

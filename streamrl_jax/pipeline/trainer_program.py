@@ -24,7 +24,7 @@ from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.remote_arms import RemoteArms
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session, trained_params
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker, initial_weights_donated
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
@@ -38,7 +38,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
                    on_listening: Callable[[str], None] | None = None, devices=None, log=print,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
                    stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
-                   arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None) -> RunResult:
+                   arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None,
+                   donate_model: bool = False) -> RunResult:
   """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
   the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
   process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
@@ -49,7 +50,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   however they end. Follower arms
   (`config.arms`, `arm_outputs` as `runner.run_pipeline`'s) train in this program, on devices the trainer's mesh
   leaves while they last; with `config.arm_programs` they are programs of their own, served their streams by this
-  program's Flight server, and `run_id` names the run they must belong to."""
+  program's Flight server, and `run_id` names the run they must belong to. `donate_model`: as `run_pipeline`'s."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   if config.arms and jax.process_count() > 1:
@@ -62,6 +63,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                           stop=stop if is_leader() else None)
   ranker = make_ranker(config, local_mesh(mesh), checkpointer, resume)
+  if donate_model:
+    initial_weights_donated(config, nnx.state(model), trainer)
   if not is_leader():
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker)
