@@ -25,7 +25,7 @@ import signal
 import sys
 import time
 
-from streamrl_jax import distributed
+from streamrl_jax import stopping
 from streamrl_jax.host_memory import limit_fragmentation
 from streamrl_jax.resources import cpu_cores
 
@@ -186,8 +186,8 @@ def build_parser() -> argparse.ArgumentParser:
   _config_args(info)
   info.set_defaults(run=cmd_info)
   gen = sub.add_parser("generate", help="generate from prompts through the KV cache")
-  gen.add_argument("--model", help="a catalog name (smollm2-135m-instruct), a .gguf file or a Hugging Face "
-                   "directory (default: a tiny random demo model)")
+  gen.add_argument("--model", help="a catalog name (smollm2-135m-instruct), a .gguf file, a Hugging Face "
+                   "directory or a Hub id (org/name[@revision]) (default: a tiny random demo model)")
   gen.add_argument("--chat", action="store_true", help="put each prompt into the model's chat template")
   gen.add_argument("--system", default=None, help="with --chat: the system message (default: the template's)")
   gen.add_argument("--prompt", action="append", help="prompt text (repeatable)")
@@ -268,8 +268,21 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
-  limit_fragmentation()  # before the large arrays of a run exist (see host_memory)
-  args = build_parser().parse_args(argv)
+  stopping.early_interrupts()  # Ctrl-C at any moment, module loading included: one line and exit 130
+  command = "command"
+  try:
+    limit_fragmentation()  # before the large arrays of a run exist (see host_memory)
+    args = build_parser().parse_args(argv)
+    command = args.command
+    return _run(args)
+  except KeyboardInterrupt:
+    print(f"streamrl {command}: interrupted", file=sys.stderr, flush=True)
+    return 130
+
+
+def _run(args) -> int:
+  from streamrl_jax import distributed
+
   try:
     if args.host_devices is None:
       from streamrl_jax.commands.roles import ROLES, role_host_devices
@@ -282,6 +295,11 @@ def main(argv=None) -> int:
   except (ValueError, OSError, KeyError) as err:  # OSError: missing files, a model that could not be fetched
     print(f"streamrl {args.command}: error: {err}", file=sys.stderr)
     code = 2
+  except KeyboardInterrupt:
+    if distributed.joined():  # one line, then leave without waiting for the others (see leave_on_failure)
+      print(f"streamrl {args.command}: interrupted", file=sys.stderr)
+      distributed.leave_on_failure(130)
+    raise
   except BaseException:
     if distributed.joined():  # say why, then leave without waiting for the others (see leave_on_failure)
       import traceback

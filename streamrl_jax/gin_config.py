@@ -6,6 +6,7 @@ Only this module knows gin; the dataclasses stay plain. A gin file writes e.g.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import difflib
 import io
@@ -13,6 +14,7 @@ import logging
 import re
 import sys
 import tokenize
+import typing
 from pathlib import Path
 
 import gin
@@ -115,7 +117,10 @@ def parse(config_files=(), bindings=(), late_files=()) -> None:
   raised as `ConfigError` in one line naming the file or binding (and the line of it that gin could not read)."""
   missing = [str(f) for f in [*config_files, *late_files] if not Path(f).is_file()]
   if missing:
-    raise ConfigError(f"{'--arms' if missing[0] in map(str, late_files) else '--config'} {missing[0]}: no such file")
+    hint = difflib.get_close_matches(missing[0], _shipped_configs(), n=1, cutoff=0.5)
+    raise ConfigError(f"{'--arms' if missing[0] in map(str, late_files) else '--config'} {missing[0]}: no such file"
+                      + (f"; did you mean {hint[0]}?" if hint else ""))
+  bindings = [_quoted_bare_word(b) for b in bindings]
   check_keys([*config_files, *late_files], bindings)
   gin.clear_config()
   quiet = _MissingPathFilter()  # gin logs an error for each search path an `include` is not in, found or not
@@ -132,6 +137,37 @@ def parse(config_files=(), bindings=(), late_files=()) -> None:
   for path in late_files:
     _gin_parse(lambda: gin.parse_config_file(str(path)), str(path), Path(path).read_text())
   _gin_parse(gin.finalize, "the configuration", "")
+
+
+_BARE_WORD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*=\s*(\w[\w.:/+@-]*)\s*")
+
+
+def _quoted_bare_word(binding: str) -> str:
+  """`--set Class.key=word` as the shell leaves `--set Class.key='word'`: the string 'word' where the key is a `str`
+  field; elsewhere a `ConfigError` saying strings need quotes, with the `--set` that quotes it."""
+  match = _BARE_WORD.fullmatch(binding)
+  if match is None or _is_literal(match[3]) or match[1] not in _CLASSES:
+    return binding
+  name, field, word = match.groups()
+  hints = typing.get_type_hints(_CLASSES[name])
+  if field not in hints:
+    return binding  # an unknown key: check_keys names it
+  if hints[field] is str or str in typing.get_args(hints[field]):
+    return f"{name}.{field}={word!r}"
+  raise ConfigError(f"--set {binding!r}: {word} is not a value of {name}.{field} ({_type_name(hints[field])}); a "
+                    f"string needs quotes that the shell keeps: --set \"{name}.{field}='{word}'\"")
+
+
+def _is_literal(text: str) -> bool:
+  try:
+    ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return False
+  return True
+
+
+def _type_name(hint) -> str:
+  return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
 def _gin_parse(call, where: str, text: str) -> None:
@@ -175,11 +211,24 @@ def run_files(config_files) -> list[str]:
   """The gin files of a run: those given, else the CPU demo's (`configs/demo_cpu.gin`, the one place its
   values are written)."""
   if config_files:
-    return list(config_files)
+    return [_found(str(f)) for f in config_files]
   if not DEMO_CONFIG.is_file():
     raise FileNotFoundError(f"no --config given, and the CPU demo's demo_cpu.gin is in none of "
                             f"{[str(d) for d in CONFIG_DIRS]}; pass --config FILE")
   return [str(DEMO_CONFIG)]
+
+
+def _found(name: str) -> str:
+  """A config file as typed, else with `.gin` added, else in the shipped configs/ (`smollm2_cpu`); unfound, as
+  typed (`parse` refuses it, with the closest shipped file)."""
+  for candidate in (name, f"{name}.gin", *(str(d / f) for d in CONFIG_DIRS for f in (name, f"{name}.gin"))):
+    if Path(candidate).is_file():
+      return candidate
+  return name
+
+
+def _shipped_configs() -> list[str]:
+  return sorted({str(p.relative_to(d.parent)) for d in CONFIG_DIRS if d.is_dir() for p in d.rglob("*.gin")})
 
 
 def build_run() -> tuple[PipelineConfig, JobConfig]:

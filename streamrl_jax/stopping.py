@@ -18,6 +18,21 @@ import time
 from collections.abc import Callable, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_EARLY = threading.Event()  # a Ctrl-C that came before any StopRequest was installed (`early_interrupts`)
+
+
+def early_interrupts() -> None:
+  """Ctrl-C before a `StopRequest` is installed (while a command's modules load) raises KeyboardInterrupt, as
+  Python's own handler does, and is remembered: where Python cannot deliver it (inside a garbage-collector
+  callback it is printed and dropped) the next `installed()` raises it, before anything starts. Main thread only."""
+  if threading.current_thread() is threading.main_thread():
+    _EARLY.clear()
+    signal.signal(signal.SIGINT, _early_interrupt)
+
+
+def _early_interrupt(signum, frame) -> None:
+  _EARLY.set()
+  raise KeyboardInterrupt
 
 
 class RunStopped(Exception):
@@ -71,6 +86,8 @@ class StopRequest:
       return
     previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
     try:
+      if _EARLY.is_set():  # a Ctrl-C while modules loaded that Python dropped: stop before anything starts
+        raise KeyboardInterrupt
       yield self
     finally:
       for sig, handler in previous.items():

@@ -18,3 +18,28 @@ def word_checkpoint(hf_dirs, model_dir):
   tok.save(str(model_dir / "tokenizer.json"))
   (model_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "pad_token": "<pad>"}))
   return model_dir
+
+
+def hub_layout(cache, repo: str, snapshots: dict, refs: dict, kind: str = "model") -> None:
+  """A Hugging Face Hub cache under `cache` as huggingface_hub writes one: `snapshots` maps a commit (40 hex
+  digits) to a directory whose files (folders included) it holds as links into content-addressed blobs, `refs` a
+  branch or tag to a commit; `kind` "model" or "dataset"."""
+  import hashlib
+  import os
+  from pathlib import Path
+
+  folder = Path(cache) / f"{kind}s--{repo.replace('/', '--')}"
+  (folder / "blobs").mkdir(parents=True, exist_ok=True)
+  for commit, source in snapshots.items():
+    snapshot = folder / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    for file in sorted(p for p in Path(source).rglob("*") if p.is_file()):
+      data = file.read_bytes()
+      blob = folder / "blobs" / hashlib.sha256(data).hexdigest()
+      blob.write_bytes(data)
+      link = snapshot / file.relative_to(source)
+      link.parent.mkdir(parents=True, exist_ok=True)
+      os.symlink(os.path.relpath(blob, link.parent), link)
+  for ref, commit in refs.items():
+    (folder / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / ref).write_text(commit)

@@ -134,3 +134,48 @@ def test_without_a_config_a_run_reads_the_cpu_demo_file_alone():
   differing = {k for k in demo if demo[k] != defaults[k]}
   assert {"PipelineConfig.steps", "EngineConfig.num_slots", "OptimizerConfig.learning_rate"} <= differing
   gin_config.parse()
+
+
+def test_a_bare_word_is_a_string_where_the_key_takes_one_and_a_quoting_hint_elsewhere():
+  gin_config.parse(bindings=["PipelineConfig.mode=stream", "JobConfig.task=sums", "JobConfig.model=org/name@v1"])
+  config, job = gin_config.build_run()
+  assert (config.mode, job.task, job.model) == ("stream", "sums", "org/name@v1")
+  with pytest.raises(gin_config.ConfigError) as err:
+    gin_config.parse(bindings=["PipelineConfig.steps=many"])
+  assert str(err.value) == ("--set 'PipelineConfig.steps=many': many is not a value of PipelineConfig.steps (int); a "
+                            "string needs quotes that the shell keeps: --set \"PipelineConfig.steps='many'\"")
+  gin_config.parse(bindings=["PipelineConfig.staleness=1", "TrainerConfig.packing=False"])  # not words: untouched
+  assert gin_config.build_run()[0].trainer.packing is False
+  gin_config.parse()
+
+
+def test_a_config_named_without_its_gin_suffix_is_found_or_suggested(monkeypatch):
+  root = Path(__file__).resolve().parent.parent
+  monkeypatch.chdir(root)
+  assert gin_config.run_files(["configs/demo_cpu"]) == ["configs/demo_cpu.gin"]
+  assert gin_config.run_files(["smollm2_cpu"]) == [str(root / "configs" / "smollm2_cpu.gin")]
+  with pytest.raises(gin_config.ConfigError, match=r"--config configs/demo_cpux: no such file; did you mean "
+                                                   r"configs/demo_cpu.gin\?"):
+    gin_config.parse(gin_config.run_files(["configs/demo_cpux"]))
+
+
+def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(monkeypatch, capsys):
+  import signal
+
+  from streamrl_jax import stopping
+
+  def interrupted(args):
+    raise KeyboardInterrupt  # as Ctrl-C while a command's modules load
+  monkeypatch.setattr(cli, "default_host_devices", interrupted)
+  try:
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err == "streamrl info: interrupted\n"
+    stopping.early_interrupts()  # a Ctrl-C that Python dropped (in a gc callback) stops the run before it starts
+    with pytest.raises(KeyboardInterrupt):
+      signal.raise_signal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+      with stopping.StopRequest().installed():
+        pytest.fail("the run started after a Ctrl-C")
+  finally:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    stopping._EARLY.clear()

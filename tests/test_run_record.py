@@ -4,7 +4,7 @@ hand; and the pictures drawn from them."""
 import json
 
 from streamrl_jax.pipeline import run_record
-from streamrl_jax.pipeline.report import write_curves_png, write_timeline_png
+from streamrl_jax.pipeline.report import curves_figure, pyplot, write_curves_png, write_timeline_png
 
 
 def test_a_fresh_start_forgets_an_old_record_and_a_resume_appends_to_it(tmp_path):
@@ -62,6 +62,26 @@ def test_the_pictures_are_drawn_from_a_record_and_metrics(tmp_path):
   write_timeline_png(timeline, tmp_path / "timeline.png")
   for name in ("curves.png", "before.png", "timeline.png"):
     assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_curves_draw_what_their_labels_say_on_whole_steps():
+  def drawn(metrics):
+    fig = curves_figure(metrics, [(0, 0.2)])
+    top, _, bottom = fig.axes
+    fig.canvas.draw()
+    labels = ([line.get_label() for line in top.get_lines()], [line.get_label() for line in bottom.get_lines()])
+    ticks = [t for t in bottom.get_xticks() if bottom.get_xlim()[0] <= t <= bottom.get_xlim()[1]]
+    ylabel = bottom.get_ylabel()
+    pyplot().close(fig)
+    return labels, ticks, ylabel
+  two = [dict(step=s, reward_mean=0.5, loss=0.1, kl=0.0, **{"reward/sums": 0.5, "reward/format": 0.2}) for s in (1, 2)]
+  (top, bottom), ticks, ylabel = drawn(two)
+  assert top == ["reward mean per step", "format", "sums"] and bottom == ["policy loss"] and ylabel == "loss"
+  assert ticks and all(float(t).is_integer() for t in ticks)  # no quarter steps on a 2-step run
+  one_function = [dict(step=1, reward_mean=0.5, loss=0.1, kl=0.02, **{"reward/sums": 0.5})]
+  (top, bottom), _, ylabel = drawn(one_function)
+  assert top == ["reward mean per step"] and bottom == ["policy loss", "KL to the reference policy"]
+  assert ylabel == "loss / KL"
 
 
 def test_each_follower_arms_counters_add_up_over_the_segments_that_ended():

@@ -103,3 +103,20 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
 def test_file_task_config_errors(tmp_path, capsys):
   assert cli.main(["train", "--workdir", str(tmp_path), "--set", "JobConfig.task='file'"]) == 2
   assert "prompt_file" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_python_entry_trains_and_returns_the_summary(tmp_path, capsys):
+  import streamrl_jax
+
+  settings = ["PipelineConfig.steps=1", "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=2",
+              "JobConfig.warmup_steps=0", "JobConfig.eval_prompts=4", "JobConfig.hidden_size=32"]
+  try:
+    summary = streamrl_jax.train(DEMO_GIN, settings, tmp_path / "run")
+  finally:
+    gin_config.parse()
+  written = json.loads((tmp_path / "run" / "summary.json").read_text())
+  assert summary["steps"] == written["steps"] == 1 and summary["accuracy_after"] == written["accuracy_after"]
+  assert summary["counters"]["samples_trained"] == 4 * 2
+  err = capsys.readouterr().err
+  assert "train_acc=" in err and " acc=" not in err  # the bar's accuracy is the training samples'

@@ -10,8 +10,8 @@ API_KEY_ENV = "STREAMRL_API_KEY"
 def add_serve_parser(sub) -> None:
   serve = sub.add_parser("serve", help="an OpenAI-compatible server (/v1/models, /v1/completions, "
                          "/v1/chat/completions) in front of the continuous-batching engine")
-  serve.add_argument("--model", required=True, help="a catalog name (smollm2-135m-instruct), a .gguf file or a "
-                     "Hugging Face directory")
+  serve.add_argument("--model", required=True, help="a catalog name (smollm2-135m-instruct), a .gguf file, a "
+                     "Hugging Face directory or a Hub id (org/name[@revision])")
   serve.add_argument("--name", default="", help="the model id clients ask for (default: --model as given)")
   serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
   serve.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: a free one)")

@@ -7,7 +7,9 @@ the second stops at once. Either way the exit code is 130 and the last line says
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 
 
@@ -30,17 +32,36 @@ def cmd_train(args) -> int:
 
 
 def run_training(args, config, job, runner, prog: str) -> int:
-  """`train_job` with a progress bar (process 0 of the trainer only, from the first RL step on: a resumed run's
-  starts at the steps already trained), a clean Ctrl-C and the summary line."""
+  """`train_with_progress` with the run's first line, a stopped run's advice (exit 130) and the summary line."""
   import jax
-  from tqdm import tqdm
 
-  from streamrl_jax.pipeline.train_job import train_job
-  from streamrl_jax.stopping import RunStopped, StopRequest
+  from streamrl_jax.stopping import RunStopped
 
-  leader = jax.process_index() == 0
   print(f"{prog}: mode {config.mode}, {config.steps} steps x {config.samples_per_step} samples, "
         f"workdir {args.workdir}", flush=True)
+  resume = "auto" if getattr(args, "auto_resume", False) else args.resume
+  try:
+    summary = train_with_progress(config, job, args.workdir, runner, resume=resume,
+                                  role="trainer" if args.command == "trainer" else "train")
+  except RunStopped as stopped:
+    print(f"{prog}: {stopped_advice(stopped, args.workdir)}", file=sys.stderr, flush=True)
+    return 130
+  if jax.process_index() == 0:
+    print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
+  return 0
+
+
+def train_with_progress(config, job, workdir, runner, *, resume: bool | str = False, role: str = "train") -> dict:
+  """`train_job` with a progress bar (process 0 of the trainer only, from the first RL step on: a resumed run's
+  starts at the steps already trained; closed once the last step is trained, before the result lines) and Ctrl-C
+  or SIGTERM as a stop request (`RunStopped`, after the step in progress); returns the run's summary."""
+  import jax
+  from tqdm.auto import tqdm
+
+  from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.stopping import StopRequest
+
+  leader = jax.process_index() == 0
   bars = []
 
   def on_start(done: int) -> None:
@@ -52,26 +73,50 @@ def run_training(args, config, job, runner, prog: str) -> int:
     extra = {"instances": m["sampler_instances"]} if "sampler_instances" in m else {}
     if "ranker_recall_top20" in m:
       extra["ranker_r20"] = f"{m['ranker_recall_top20']:.2f}"
-    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", acc=f"{m['accuracy']:.2f}",
+    bar.set_postfix(reward=f"{m['reward_mean']:.3f}", train_acc=f"{m['accuracy']:.2f}",
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
+    if bar.n >= bar.total:  # the evaluation's and the summary's lines come after it, not under a redrawn bar
+      bar.close()
   stop = StopRequest(log=tqdm.write)
-  resume = "auto" if getattr(args, "auto_resume", False) else args.resume
   try:
     with stop.installed():
-      summary = train_job(config, job, args.workdir, log=tqdm.write, progress=progress, resume=resume,
-                          runner=runner, role="trainer" if args.command == "trainer" else "train", stop=stop,
-                          on_start=on_start)
-  except RunStopped as stopped:
-    for bar in bars:
-      bar.close()
-    print(f"{prog}: {stopped_advice(stopped, args.workdir)}", file=sys.stderr, flush=True)
-    return 130
+      return train_job(config, job, workdir, log=tqdm.write, progress=progress, resume=resume, runner=runner,
+                       role=role, stop=stop, on_start=on_start)
   finally:
     for bar in bars:
       bar.close()
-  if leader:
-    print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
-  return 0
+
+
+def train(config_files=(), settings=(), workdir="runs/train", *, resume: bool | str = False, arms=()) -> dict:
+  """`streamrl train` from Python (a notebook, a script): gin `config_files` (none: the CPU demo's), `settings` as
+  `--set` takes them ("PipelineConfig.steps=4"), follower `arms` files; returns the run's summary (summary.json's).
+  Where jax has not started yet, the CPU gets the devices `streamrl train` would give it; raises `RunStopped` when
+  Ctrl-C stops the run (its checkpoint kept: call again with `resume=True`)."""
+  from streamrl_jax import cli, gin_config
+  from streamrl_jax.pipeline.runner import run_pipeline
+
+  config_files, settings = [str(f) for f in _listed(config_files)], list(_listed(settings))
+  if not _jax_started():
+    cli.force_host_devices(cli.default_host_devices(argparse.Namespace(command="train", config=config_files,
+                                                                       set=settings)))
+  files = gin_config.run_files(config_files)
+  gin_config.parse(files, settings)
+  config, job = gin_config.build_run()
+  config = gin_config.with_arms(config, job, list(_listed(arms)), files, settings)
+  return train_with_progress(config, job, workdir, run_pipeline, resume=resume)
+
+
+def _listed(value) -> tuple:
+  return (value,) if isinstance(value, (str, os.PathLike)) else tuple(value)
+
+
+def _jax_started() -> bool:
+  """Whether jax's backends exist (then XLA_FLAGS is read already)."""
+  if "jax" not in sys.modules:
+    return False
+  from jax._src import xla_bridge
+
+  return xla_bridge.backends_are_initialized()
 
 
 def stopped_advice(stopped, workdir) -> str:

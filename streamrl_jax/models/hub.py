@@ -1,0 +1,144 @@
+"""Models by Hugging Face Hub id: `org/name` or `org/name@revision` (a branch, tag or commit); prompt files by
+`hf://datasets/org/name[@revision]/path` (`hub_dataset`).
+
+Only the files this decoder reads (config, tokenizer, generation config, safetensors and their index) are fetched,
+through huggingface_hub into its standard cache, the one transformers and vLLM share: `HF_HUB_CACHE`, else
+`HF_HOME/hub`, read when a model is resolved. `HF_HUB_OFFLINE=1` reads the cache alone and opens no connection;
+`HF_TOKEN` reaches gated and private models. config.json comes first, so a model of an architecture this decoder
+does not implement is refused before its weights are downloaded. Every process of a run resolves the same id
+through the same cache, so they read the same snapshot.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+DATASET_URL = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w.-]+))?/(?P<path>.+)")
+HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "*.safetensors", "model.safetensors.index.json")
+_TRUE = ("1", "ON", "YES", "TRUE")
+
+
+class HubError(OSError):
+  """A Hub model could not be had; the message names it and says what to do."""
+
+
+def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
+  """(repository, revision or None) when `spec` is written as a Hub id, else None."""
+  match = HUB_ID.fullmatch(spec)
+  return (match["repo"], match["revision"]) if match else None
+
+
+def hub_cache() -> Path:
+  """The Hub cache the environment names now: `HF_HUB_CACHE`, else `HF_HOME/hub`, else huggingface_hub's default."""
+  from huggingface_hub import constants
+
+  if os.environ.get("HF_HUB_CACHE"):
+    return Path(os.environ["HF_HUB_CACHE"]).expanduser()
+  if os.environ.get("HF_HOME"):
+    return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+  return Path(constants.HF_HUB_CACHE)
+
+
+def offline() -> bool:
+  """Whether `HF_HUB_OFFLINE` is set now (huggingface_hub reads it once, at import)."""
+  from huggingface_hub import constants
+
+  return os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE or bool(constants.HF_HUB_OFFLINE)
+
+
+def hub_model(spec: str, log=print) -> Path:
+  """The snapshot directory of the Hub model `spec` (`org/name[@revision]`), fetched into the cache if needed."""
+  from streamrl_jax.models.config import ModelConfig
+
+  repo, revision = parse_hub_id(spec)
+  cache, local = hub_cache(), offline()
+  try:
+    config = _download(repo, revision, cache, local, "config.json")
+    ModelConfig.from_hf(json.loads(Path(config).read_text()))  # an unsupported architecture: before the weights
+    if not local:
+      log(f"fetching {spec} from the Hugging Face Hub into {cache} (config, tokenizer and safetensors only) ...")
+    path = Path(_snapshot(repo, revision, cache, local))
+  except ValueError:  # the architecture's own message
+    raise
+  except Exception as err:
+    why = _why(err, repo, revision, cache, local)
+    if why is None:
+      raise
+    raise HubError(f"model {spec!r} {why}") from err
+  if not any(path.glob("*.safetensors")):
+    raise HubError(f"model {spec!r} has no safetensors weights in its Hub snapshot {path} (this decoder reads no "
+                   "PyTorch .bin files): pick a revision that has them, or convert it with transformers' "
+                   "save_pretrained(safe_serialization=True) and pass the directory")
+  return path
+
+
+def prompt_source(spec: str, log=print) -> str:
+  """A prompt file as `PromptFile` reads it: `spec` itself, or a Hub dataset's file fetched into the cache."""
+  return str(hub_dataset(spec, log)) if spec.startswith("hf://") else spec
+
+
+def hub_dataset(url: str, log=print) -> Path:
+  """The local copy of a Hub dataset's file or folder of Parquet shards, `hf://datasets/org/name[@revision]/path`
+  (a `.parquet` or `.jsonl` file, else a folder whose `*.parquet` shards are fetched), read from or fetched into the
+  Hub cache as models are."""
+  match = DATASET_URL.fullmatch(url)
+  if match is None:
+    raise ValueError(f"prompt file {url!r}: a Hub dataset is hf://datasets/org/name/path or "
+                     "hf://datasets/org/name@revision/path")
+  repo, revision, inside = match["repo"], match["revision"], match["path"].strip("/")
+  cache, local = hub_cache(), offline()
+  try:
+    if inside.endswith((".parquet", ".jsonl")):
+      return Path(_download(repo, revision, cache, local, inside, "dataset"))
+    if not local:
+      log(f"fetching the Parquet shards of {url} into {cache} ...")
+    folder = Path(_snapshot(repo, revision, cache, local, [f"{inside}/*.parquet"], "dataset")) / inside
+  except Exception as err:
+    why = _why(err, repo, revision, cache, local, "dataset")
+    if why is None:
+      raise
+    raise HubError(f"dataset {url!r} {why}") from err
+  if not any(folder.glob("*.parquet")):
+    raise HubError(f"dataset {url!r}: no *.parquet shards under {inside!r} in its Hub snapshot")
+  return folder
+
+
+def _download(repo, revision, cache, local, filename, repo_type: str = "model") -> str:
+  from huggingface_hub import hf_hub_download
+
+  return hf_hub_download(repo, filename, revision=revision, cache_dir=cache, local_files_only=local,
+                         repo_type=repo_type)
+
+
+def _snapshot(repo, revision, cache, local, patterns=MODEL_FILES, repo_type: str = "model") -> str:
+  from huggingface_hub import snapshot_download
+
+  return snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=local,
+                           allow_patterns=list(patterns), repo_type=repo_type)
+
+
+def _why(err: Exception, repo: str, revision: str | None, cache: Path, local: bool, kind: str = "model") -> str | None:
+  """What huggingface_hub's `err` means for the model and what to do, in one line (None: not the Hub's)."""
+  from huggingface_hub import errors
+
+  page = f"https://huggingface.co/{'datasets/' if kind == 'dataset' else ''}{repo}"
+  download = f"hf download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}"
+  if isinstance(err, errors.GatedRepoError):
+    return f"is gated on the Hugging Face Hub: accept its terms at {page}, then set HF_TOKEN (or `hf auth login`)"
+  if isinstance(err, errors.RepositoryNotFoundError):
+    return "is not on the Hugging Face Hub (check the id; a private model needs HF_TOKEN)"
+  if isinstance(err, errors.RevisionNotFoundError):
+    return f"has no revision {revision!r} on the Hub (a branch, tag or commit of {page})"
+  if local and isinstance(err, (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)):
+    return (f"is not in the Hugging Face cache {cache}{f' at revision {revision!r}' if revision else ''} and "
+            f"HF_HUB_OFFLINE is set: run once with the network (or `{download}`), or point HF_HUB_CACHE at "
+            "a cache that has it")
+  if isinstance(err, (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError)):
+    return (f"could not be fetched from the Hugging Face Hub ({type(err).__name__}: {str(err).splitlines()[0]}); "
+            f"check the network, or copy the model into {cache} and set HF_HUB_OFFLINE=1")
+  return None

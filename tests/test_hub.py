@@ -1,0 +1,156 @@
+"""Models by Hugging Face Hub id and prompt files by hf://datasets URL, read from a Hub-layout cache built here:
+offline with no connection opened, the parameters, prompt ids and rows of the same files as local ones, a revision
+pinned to its snapshot, mistakes refused in one line."""
+
+import json
+import shutil
+import socket
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl_jax import cli
+from streamrl_jax.models import load_hf, load_tokenizer
+from streamrl_jax.models.catalog import base_model_id, resolve_model
+from streamrl_jax.models.hub import HubError, hub_dataset, parse_hub_id
+from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.tasks.files import PromptFile
+from tests.checkpoints import hub_layout, word_checkpoint
+
+REPO, MAIN, V1 = "tiny-org/word-model", "a" * 40, "b" * 40
+PROMPT = "what is 3 plus 4 ?"
+
+
+@pytest.fixture
+def hub(hf_dirs, tmp_path, monkeypatch):
+  """(cache, main's files, v1's files): REPO's main is the tiny Qwen2 with a word tokenizer, its tag v1 (commit V1)
+  the tiny Llama with the same tokenizer; HF_HUB_OFFLINE=1 and no socket may connect."""
+  main = word_checkpoint(hf_dirs, tmp_path / "main")
+  v1 = tmp_path / "v1"
+  shutil.copytree(hf_dirs["llama"][0], v1)
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(main / name, v1 / name)
+  cache = tmp_path / "hub"
+  hub_layout(cache, REPO, {MAIN: main, V1: v1}, {"main": MAIN, "v1": V1})
+  monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+  def refused(*args, **kwargs):
+    raise AssertionError(f"a connection was opened under HF_HUB_OFFLINE=1: {args}")
+  monkeypatch.setattr(socket.socket, "connect", refused)
+  monkeypatch.setattr(socket, "getaddrinfo", refused)
+  return cache, main, v1
+
+
+def parameters(path) -> list:
+  return jax.tree.leaves(nnx.state(load_hf(path)))
+
+
+def assert_same_parameters(a, b) -> None:
+  for x, y in zip(parameters(a), parameters(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_hub_ids_are_told_from_paths_and_names():
+  assert parse_hub_id("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None)
+  assert parse_hub_id("org/name@v1.0") == ("org/name", "v1.0")
+  assert parse_hub_id("org/name@refs/pr/3") == ("org/name", "refs/pr/3")
+  for spec in ("smollm2-135m-instruct", "/abs/dir", "a/b/c", "org/", "./org/name", "org/na me"):
+    assert parse_hub_id(spec) is None, spec
+  assert base_model_id("org/name@v1.0") == "org/name" and base_model_id("org/name") == "org/name"
+
+
+def test_a_hub_id_reads_the_cache_offline_as_its_directory_and_transformers_read_it(hub, hf_dirs):
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+
+  cache, main, _ = hub
+  path = resolve_model(REPO)
+  assert path == cache / "models--tiny-org--word-model" / "snapshots" / MAIN
+  assert_same_parameters(path, main)
+  ids = load_tokenizer(path).encode_prompt(PROMPT)
+  assert ids == load_tokenizer(main).encode_prompt(PROMPT) == [3, 4, 10, 5, 11, 6]
+  theirs = AutoModelForCausalLM.from_pretrained(REPO, cache_dir=cache, local_files_only=True).state_dict()
+  for name, tensor in hf_dirs["qwen2"][1].state_dict().items():
+    np.testing.assert_array_equal(theirs[name].numpy(), tensor.numpy(), err_msg=name)
+  by_id = AutoTokenizer.from_pretrained(REPO, cache_dir=cache, local_files_only=True)(PROMPT)["input_ids"]
+  assert by_id == AutoTokenizer.from_pretrained(main)(PROMPT)["input_ids"]  # (ours against theirs: test_tokenizer)
+
+
+def test_a_revision_pins_its_snapshot(hub):
+  _, main, v1 = hub
+  for spec in (f"{REPO}@{V1}", f"{REPO}@v1"):
+    assert_same_parameters(resolve_model(spec), v1)
+  assert_same_parameters(resolve_model(f"{REPO}@main"), main)
+
+
+def test_what_cannot_be_had_is_refused_in_one_line_naming_the_model(hub, tmp_path):
+  cache, main, _ = hub
+  with pytest.raises(HubError, match=r"model 'tiny-org/absent' is not in the Hugging Face cache .* HF_HUB_OFFLINE"):
+    resolve_model("tiny-org/absent")
+  with pytest.raises(HubError, match=rf"'{REPO}@v9' is not in the Hugging Face cache .* at revision 'v9'"):
+    resolve_model(f"{REPO}@v9")
+  gpt2 = tmp_path / "gpt2"  # its weights would come after config.json: an unsupported model is refused first
+  gpt2.mkdir()
+  (gpt2 / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}))
+  no_weights = tmp_path / "no_weights"
+  shutil.copytree(main, no_weights, ignore=shutil.ignore_patterns("*.safetensors"))
+  hub_layout(cache, "tiny-org/gpt2", {MAIN: gpt2}, {"main": MAIN})
+  hub_layout(cache, "tiny-org/bin-only", {MAIN: no_weights}, {"main": MAIN})
+  with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
+    resolve_model("tiny-org/gpt2")
+  with pytest.raises(HubError, match=r"'tiny-org/bin-only' has no safetensors weights"):
+    resolve_model("tiny-org/bin-only")
+  with pytest.raises(ValueError, match=r"nor a Hugging Face Hub id \(org/name or org/name@revision\)"):
+    resolve_model("no such model")
+
+
+def test_generate_takes_a_hub_id_and_says_in_one_line_what_is_missing(hub, capsys):
+  assert cli.main(["generate", "--model", REPO, "--prompt", PROMPT, "--max-new-tokens", "2"]) == 0
+  assert PROMPT in capsys.readouterr().out
+  assert cli.main(["generate", "--model", "tiny-org/absent", "--prompt", PROMPT]) == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("streamrl generate: error: model 'tiny-org/absent' is not in the Hugging Face cache")
+  assert len(err.splitlines()) == 1 and "hf download tiny-org/absent" in err
+
+
+def write_parquet(path, rows: list[dict]) -> None:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+def drawn(task, n: int = 6) -> list:
+  rng = np.random.default_rng(7)
+  return [task.sample(rng) for _ in range(n)]
+
+
+def test_prompts_from_a_hub_dataset_are_the_rows_of_its_files(hub, tmp_path):
+  cache, main, _ = hub
+  rows = [{"question": f"what is {a} plus {b} ?", "answer": str(a + b)} for a in range(4) for b in range(3)]
+  files = tmp_path / "gsm"
+  write_parquet(files / "main" / "train-00000-of-00002.parquet", rows[:6])
+  write_parquet(files / "main" / "train-00001-of-00002.parquet", rows[6:])
+  write_parquet(files / "main" / "test-00000-of-00001.parquet", rows[:2])
+  older = tmp_path / "older"
+  write_parquet(older / "main" / "test-00000-of-00001.parquet", rows[-1:])
+  hub_layout(cache, "tiny-org/sums", {MAIN: files, V1: older}, {"main": MAIN}, kind="dataset")
+  shards = hub_dataset("hf://datasets/tiny-org/sums/main")  # a folder: its Parquet shards, in name order
+  assert [r["prompt"] for r in PromptFile(shards)] == [r["question"] for r in rows[:2] + rows]
+  test = hub_dataset("hf://datasets/tiny-org/sums/main/test-00000-of-00001.parquet")
+  assert [r["fields"]["answer"] for r in PromptFile(test)] == ["0", "1"]
+  pinned = hub_dataset(f"hf://datasets/tiny-org/sums@{V1}/main/test-00000-of-00001.parquet")
+  assert [r["prompt"] for r in PromptFile(pinned)] == [rows[-1]["question"]]
+  tokenizer = load_tokenizer(main)
+  by_url = JobConfig(model=str(main), task="file", prompt_file="hf://datasets/tiny-org/sums/main/"
+                                                               "train-00001-of-00002.parquet")
+  by_path = JobConfig(model=str(main), task="file", prompt_file=str(files / "main" / "train-00001-of-00002.parquet"))
+  assert drawn(by_url.make_task(tokenizer)) == drawn(by_path.make_task(tokenizer))
+  with pytest.raises(HubError, match=r"dataset 'hf://datasets/tiny-org/absent/x.parquet' is not in the Hugging "
+                                     r"Face cache .*hf download tiny-org/absent --repo-type dataset"):
+    hub_dataset("hf://datasets/tiny-org/absent/x.parquet")
+  with pytest.raises(ValueError, match=r"a Hub dataset is hf://datasets/org/name/path"):
+    hub_dataset("hf://datasets/no-path")
