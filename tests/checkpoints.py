@@ -43,3 +43,12 @@ def hub_layout(cache, repo: str, snapshots: dict, refs: dict, kind: str = "model
   for ref, commit in refs.items():
     (folder / "refs" / ref).parent.mkdir(parents=True, exist_ok=True)
     (folder / "refs" / ref).write_text(commit)
+
+
+def write_parquet(path, rows: list[dict]) -> None:
+  """`rows` as a Parquet file at `path` (its folders made)."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  path.parent.mkdir(parents=True, exist_ok=True)
+  pq.write_table(pa.Table.from_pylist(rows), path)

@@ -17,7 +17,7 @@ from streamrl_jax.models.catalog import base_model_id, resolve_model
 from streamrl_jax.models.hub import HubError, hub_dataset, parse_hub_id
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.tasks.files import PromptFile
-from tests.checkpoints import hub_layout, word_checkpoint
+from tests.checkpoints import hub_layout, word_checkpoint, write_parquet
 
 REPO, MAIN, V1 = "tiny-org/word-model", "a" * 40, "b" * 40
 PROMPT = "what is 3 plus 4 ?"
@@ -113,14 +113,6 @@ def test_generate_takes_a_hub_id_and_says_in_one_line_what_is_missing(hub, capsy
   err = capsys.readouterr().err.strip()
   assert err.startswith("streamrl generate: error: model 'tiny-org/absent' is not in the Hugging Face cache")
   assert len(err.splitlines()) == 1 and "hf download tiny-org/absent" in err
-
-
-def write_parquet(path, rows: list[dict]) -> None:
-  import pyarrow as pa
-  import pyarrow.parquet as pq
-
-  path.parent.mkdir(parents=True, exist_ok=True)
-  pq.write_table(pa.Table.from_pylist(rows), path)
 
 
 def drawn(task, n: int = 6) -> list:

@@ -31,6 +31,7 @@ class ShippedRun:
   smollm2: bool = False
   arms: tuple[str, ...] = ()
   demo_warmup: bool = False  # starts from the demo run's warm-up model (the same task and model: not done again)
+  gsm8k: bool = False  # reads openai/gsm8k from a Hub cache of GSM8K-shaped files, offline (CI has no Hub)
 
   @property
   def files(self) -> tuple[str, ...]:
@@ -52,6 +53,8 @@ RUNS = {
     "own_task": ShippedRun("examples/own_task/own_task.gin", "async",  # its 48 new tokens: shorter ones reach no number
                            ("PipelineConfig.prompts_per_step=8", "PipelineConfig.group_size=4", "JobConfig.eval_prompts=2",
                             "EngineConfig.num_slots=32"), 1, smollm2=True),
+    "gsm8k": ShippedRun("examples/gsm8k/gsm8k.gin", "async", SMOLLM2 + ("PipelineConfig.max_new_tokens=24",), 1,
+                        smollm2=True, gsm8k=True),
     "agent": ShippedRun("examples/agent/agent.gin", "stream", ("PipelineConfig.prompts_per_step=4",
                                                                 "JobConfig.eval_prompts=8"), 2),
 }
@@ -79,17 +82,34 @@ def _rows(workdir: Path) -> list[dict]:
   return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
 
 
+def gsm8k_cache(cache: Path) -> dict:
+  """A Hub cache holding openai/gsm8k's two Parquet files (GSM8K's layout and columns, problems made here); the
+  environment that reads it offline."""
+  from tests.checkpoints import hub_layout, write_parquet
+
+  rows = [{"question": f"Tom has {a} apples and buys {b} more. How many apples does Tom have now?",
+           "answer": f"Tom has {a} + {b} = <<{a}+{b}={a + b}>>{a + b} apples.\n#### {a + b}"}
+          for a in range(2, 12) for b in range(3, 7)]
+  files = cache.parent / "gsm8k_files"
+  write_parquet(files / "main" / "train-00000-of-00001.parquet", rows[8:])
+  write_parquet(files / "main" / "test-00000-of-00001.parquet", rows[:8])
+  hub_layout(cache, "openai/gsm8k", {"e" * 40: files}, {"main": "e" * 40}, kind="dataset")
+  return {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+
+
 def _train(run: ShippedRun, workdir: Path) -> str:
   """The run's `streamrl train` to its end; its output."""
   sets = [a for s in (*run.sets, f"PipelineConfig.steps={run.steps}") for a in ("--set", s)]
   arms = ["--arms", *run.arms] if run.arms else []
-  code, out = finish(train(workdir, "--config", str(ROOT / run.config), *sets, *arms, cwd=ROOT), workdir, timeout=900)
+  env = gsm8k_cache(workdir.parent / "hub") if run.gsm8k else None
+  code, out = finish(train(workdir, "--config", str(ROOT / run.config), *sets, *arms, env=env, cwd=ROOT), workdir,
+                     timeout=900)
   assert code == 0, f"{run.config}: streamrl train exited {code}\n{out[-3000:]}"
   return out
 
 
 # Longest first; the runs that start from the demo's warm-up model after the demo run.
-ORDER = ("demo", "smollm2", "own_task", "agent", "smollm2_lora", "arms", "skew", "stream")
+ORDER = ("demo", "smollm2", "own_task", "gsm8k", "agent", "smollm2_lora", "arms", "skew", "stream")
 CONCURRENT = 2  # runs at once: each keeps about 1.5 of this machine's 2 cores busy, and SmolLM2's two fit in memory
 
 
