@@ -120,3 +120,28 @@ def test_the_python_entry_trains_and_returns_the_summary(tmp_path, capsys):
   assert summary["counters"]["samples_trained"] == 4 * 2
   err = capsys.readouterr().err
   assert "train_acc=" in err and " acc=" not in err  # the bar's accuracy is the training samples'
+
+
+@pytest.mark.slow
+def test_report_to_wandb_sends_every_row_and_the_pictures(tmp_path, monkeypatch):
+  from tests.wandb_records import history
+
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  monkeypatch.setenv("WANDB_SILENT", "true")
+  args = ["train", "--config", DEMO_GIN, "--workdir", str(tmp_path), "--set", "PipelineConfig.steps=2",
+          "--set", "PipelineConfig.prompts_per_step=4", "--set", "PipelineConfig.group_size=2",
+          "--set", "JobConfig.warmup_steps=0", "--set", "JobConfig.eval_prompts=4", "--set", "JobConfig.hidden_size=32",
+          "--set", "JobConfig.report_to=('wandb',)"]
+  try:
+    assert cli.main(args) == 0
+  finally:
+    gin_config.parse()
+  assert not (tmp_path / "tensorboard").exists()  # only what report_to names
+  (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+  assert run_file.name == f"run-{(tmp_path / 'run_id').read_text().strip()}.wandb"  # the run's own id: resumable
+  logged = history(run_file)
+  rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["_step"] for r in logged[:2]] == [1, 2]
+  for sent, row in zip(logged, rows):
+    assert sent["reward_mean"] == row["reward_mean"] and sent["accuracy"] == row["accuracy"]
+  assert logged[-1]["curves/_type"] == logged[-1]["timeline/_type"] == "image-file"  # the pictures, at the last step

@@ -14,6 +14,9 @@ from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask
 TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_tool")
 
 
+REPORT_TO = ("tensorboard", "wandb")
+
+
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
@@ -49,8 +52,15 @@ class JobConfig:
   hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
   num_layers: int = 2  # demo decoder (no `model`): decoder layers
   seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
+  # where metrics rows go besides metrics.jsonl: 'tensorboard' (WORKDIR/tensorboard), 'wandb' (Weights & Biases,
+  # the [wandb] extra; its WANDB_* environment honoured)
+  report_to: tuple[str, ...] = ("tensorboard",)
 
   def __post_init__(self):
+    object.__setattr__(self, "report_to", (self.report_to,) if isinstance(self.report_to, str) else
+                       tuple(self.report_to))
+    if unknown := [r for r in self.report_to if r not in REPORT_TO]:
+      raise ValueError(f"JobConfig.report_to: {unknown[0]!r} is not a tracker; known: {list(REPORT_TO)}")
     if self.task not in TASKS:
       raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
     if self.task == "file" and not self.prompt_file:

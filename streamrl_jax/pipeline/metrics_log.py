@@ -1,5 +1,5 @@
-"""A run's metrics.jsonl: one JSON row per trained step, appended as steps end, read back whole; and its TensorBoard
-events, which hold the same rows, each step once."""
+"""A run's metrics.jsonl: one JSON row per trained step, appended as steps end, read back whole; its TensorBoard
+events, which hold the same rows, each step once; and its Weights & Biases run (`WandbRun`)."""
 
 from __future__ import annotations
 
@@ -74,3 +74,37 @@ def add_row(writer, row: dict, flush: bool = True) -> None:
       writer.add_scalar(key, value, row["step"], walltime=row.get("time"))
   if flush:
     writer.flush()
+
+
+class WandbRun:
+  """A run's Weights & Biases run (`JobConfig.report_to` with 'wandb'; the `[wandb]` extra): every metrics row's
+  numbers at its step, the run's settings as its config, and its pictures when the run ends. Its files are in
+  WORKDIR/wandb; its id is the run's (`run_record.run_id`), so a resumed run continues the same W&B run. wandb's
+  own environment decides the rest: WANDB_PROJECT (default "streamrl"), WANDB_ENTITY, WANDB_MODE=offline, the
+  API key."""
+
+  def __init__(self, workdir: Path, run_id: str, settings: dict):
+    try:
+      import wandb
+    except ImportError as err:
+      raise ImportError("JobConfig.report_to has 'wandb', which needs the wandb package: "
+                        "pip install 'streamrl-jax[wandb]'") from err
+    import os
+
+    self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "streamrl"), dir=str(workdir), id=run_id,
+                           name=Path(workdir).name, config=settings, resume="allow")
+
+  def add(self, row: dict) -> None:
+    self._run.log({k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}, step=row["step"])
+
+  def pictures(self, workdir: Path, step: int) -> None:
+    """The run's pictures (curves.png, timeline.png) as W&B images at `step`."""
+    import wandb
+
+    images = {p.stem: wandb.Image(str(p)) for p in (Path(workdir) / "curves.png", Path(workdir) / "timeline.png")
+              if p.exists()}
+    if images:
+      self._run.log(images, step=step)
+
+  def close(self, failed: bool = False) -> None:
+    self._run.finish(exit_code=1 if failed else 0)

@@ -24,8 +24,8 @@ from streamrl_jax.pipeline.arm_outputs import arm_outputs, describe_arm, finish_
 from streamrl_jax.pipeline.arms import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.metrics_log import (PeriodicEval, add_row, evaluations, open_metrics, read_metrics,
-                                              tensorboard_writer)
+from streamrl_jax.pipeline.metrics_log import (PeriodicEval, WandbRun, add_row, evaluations, open_metrics,
+                                              read_metrics, tensorboard_writer)
 from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
@@ -175,23 +175,28 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
     (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
   if on_start is not None:
     on_start(resumed_at or 0)
-  with (_step_outputs(workdir, resumed_at, progress, record) if leader else contextlib.nullcontext()) as on_step, \
-       (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
-    try:
-      result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                      stop=stop, on_end=record.end if leader else None, donate_model=True, **arm_kwargs(arms))
-    except (RunStopped, KeyboardInterrupt):
-      if leader:  # the pictures of the run so far
+  with _wandb_run(workdir, job, settings, leader) as wandb_run:
+    with (_step_outputs(workdir, resumed_at, progress, record, job.report_to, wandb_run) if leader
+          else contextlib.nullcontext()) as on_step, \
+         (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
+      try:
+        result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
+                        stop=stop, on_end=record.end if leader else None, donate_model=True, **arm_kwargs(arms))
+      except (RunStopped, KeyboardInterrupt):
+        if leader:  # the pictures of the run so far
+          write_pictures(workdir, config, before, record.segments)
+        raise
+    checkpointer.wait()
+    if stop is not None and stop.requested:  # asked during the last step: stop before the final evaluation
+      if leader:
         write_pictures(workdir, config, before, record.segments)
-      raise
-  checkpointer.wait()
-  if stop is not None and stop.requested:  # asked during the last step: stop before the final evaluation
-    if leader:
-      write_pictures(workdir, config, before, record.segments)
-    raise RunStopped(checkpointer.latest_step())
-  if not leader:
-    return {}
-  return _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments, log)
+      raise RunStopped(checkpointer.latest_step())
+    if not leader:
+      return {}
+    summary = _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments, log)
+    if wandb_run is not None:
+      wandb_run.pictures(workdir, summary["steps"])
+    return summary
 
 
 def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
@@ -301,22 +306,44 @@ def write_pictures(workdir: Path, config: PipelineConfig, before: float, segment
 
 
 @contextlib.contextmanager
-def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_record.RunRecord):
-  """An on_step callback that appends to metrics.jsonl and TensorBoard, keeps the run's record and updates the
-  progress bar. On a resume from the checkpoint after step `resumed_at`, metrics of later steps (written before a
-  crash, and about to be trained again) are dropped first, from metrics.jsonl and TensorBoard, so each step appears
-  once."""
+def _wandb_run(workdir: Path, job: JobConfig, settings: dict, leader: bool):
+  """The run's W&B run where `JobConfig.report_to` asks (process 0), else None; finished as failed when the job
+  raises."""
+  run = WandbRun(workdir, run_record.run_id(workdir), settings) if leader and "wandb" in job.report_to else None
+  try:
+    yield run
+  except BaseException:
+    if run is not None:
+      run.close(failed=True)
+      run = None
+    raise
+  finally:
+    if run is not None:
+      run.close()
+
+
+@contextlib.contextmanager
+def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_record.RunRecord,
+                  report_to: tuple[str, ...], wandb_run: WandbRun | None):
+  """An on_step callback that appends to metrics.jsonl, TensorBoard and W&B (as `report_to` says), keeps the run's
+  record and updates the progress bar. On a resume from the checkpoint after step `resumed_at`, metrics of later
+  steps (written before a crash, and about to be trained again) are dropped first, from metrics.jsonl and
+  TensorBoard, so each step appears once."""
   with open_metrics(workdir, resumed_at) as out:
-    writer = tensorboard_writer(workdir, read_metrics(workdir))
+    writer = tensorboard_writer(workdir, read_metrics(workdir)) if "tensorboard" in report_to else None
 
     def on_step(m):
       out.write(json.dumps(m) + "\n")
       out.flush()
-      add_row(writer, m)
+      if writer is not None:
+        add_row(writer, m)
+      if wandb_run is not None:
+        wandb_run.add(m)
       record.step(m["step"])
       if progress is not None:
         progress(m)
     try:
       yield on_step
     finally:
-      writer.close()
+      if writer is not None:
+        writer.close()
