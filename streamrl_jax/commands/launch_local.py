@@ -172,6 +172,7 @@ def cmd_launch_local(args) -> int:
                        f"--max-samplers {elastic.high}")
     if args.pin_cores:
       raise ValueError("--pin-cores splits the cores at start; it cannot be combined with --max-samplers")
+  args.set = pinned_model(args.config, args.set)
   arm_programs = _check_arms(args) if args.arms else ()
   if arm_programs and args.pin_cores:
     raise ValueError("--pin-cores splits the cores between the trainer and samplers; follower programs "
@@ -212,6 +213,21 @@ def _check_arms(args) -> tuple:
   gin_config.parse(files, args.set)
   config = gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
   return tuple(zip((arm.name for arm in config.arms), args.arms)) if config.arm_programs else ()
+
+
+def pinned_model(config_files, bindings) -> list[str]:
+  """`bindings` with `JobConfig.model` pinned to its commit where it is a Hub id (`hub.pinned`, fetched here once
+  into the cache the children share): the trainer and every sampler then read one snapshot, however the Hub's
+  branch moves while they start."""
+  from streamrl_jax import gin_config
+  from streamrl_jax.models.hub import parse_hub_id, pinned
+  from streamrl_jax.pipeline.job_config import JobConfig
+
+  gin_config.parse(gin_config.run_files(config_files), bindings)
+  model = gin_config.build(JobConfig).model
+  if not parse_hub_id(model) or Path(model).exists():
+    return list(bindings)
+  return [*bindings, f"JobConfig.model={pinned(model)!r}"]
 
 
 def _write_manifest(workdir: Path, children: list[Child]) -> None:

@@ -5,8 +5,8 @@ Only the files this decoder reads (config, tokenizer, generation config, safeten
 through huggingface_hub into its standard cache, the one transformers and vLLM share: `HF_HUB_CACHE`, else
 `HF_HOME/hub`, read when a model is resolved. `HF_HUB_OFFLINE=1` reads the cache alone and opens no connection;
 `HF_TOKEN` reaches gated and private models. config.json comes first, so a model of an architecture this decoder
-does not implement is refused before its weights are downloaded. Every process of a run resolves the same id
-through the same cache, so they read the same snapshot.
+does not implement is refused before its weights are downloaded. `streamrl launch local` pins a Hub id to its
+commit (`pinned`) before it starts the trainer and samplers, so all of them read one snapshot.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ DATASET_URL = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "special_tokens_map.json", "*.safetensors", "model.safetensors.index.json")
+COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE = ("1", "ON", "YES", "TRUE")
 
 
@@ -75,6 +76,15 @@ def hub_model(spec: str, log=print) -> Path:
                    "PyTorch .bin files): pick a revision that has them, or convert it with transformers' "
                    "save_pretrained(safe_serialization=True) and pass the directory")
   return path
+
+
+def pinned(spec: str, log=print) -> str:
+  """The Hub model `spec` as `org/name@<commit>`: its revision (default: main) resolved to the commit the cache or
+  the Hub has now, fetched if needed, so that processes started apart read one snapshot."""
+  repo, revision = parse_hub_id(spec)
+  if revision is not None and COMMIT.fullmatch(revision):
+    return spec
+  return f"{repo}@{hub_model(spec, log).name}"
 
 
 def prompt_source(spec: str, log=print) -> str:
