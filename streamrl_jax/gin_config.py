@@ -231,6 +231,18 @@ def _shipped_configs() -> list[str]:
   return sorted({str(p.relative_to(d.parent)) for d in CONFIG_DIRS if d.is_dir() for p in d.rglob("*.gin")})
 
 
+def pinned_hub_model(config_files, bindings) -> list[str]:
+  """`bindings` with `JobConfig.model` pinned to its commit where it is a Hub id (`hub.pinned`, fetched once into
+  the cache): processes started from them read one snapshot, however the Hub's branch moves while they start."""
+  from streamrl_jax.models.hub import parse_hub_id, pinned
+
+  parse(run_files(config_files), bindings)
+  model = build(JobConfig).model
+  if not parse_hub_id(model) or Path(model).exists():
+    return list(bindings)
+  return [*bindings, f"JobConfig.model={pinned(model)!r}"]
+
+
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),

@@ -86,7 +86,9 @@ def test_a_colocated_run_gets_one_cpu_device_and_two_meshes_one_per_core(config,
     (["info", "--set", "PipelineConfig.mode='colocated'"], False),  # only a run's own meshes are shared
 ])
 def test_the_cli_forces_the_devices_its_command_and_mode_need(monkeypatch, argv, shared):
-  monkeypatch.setattr(cli, "cpu_cores", lambda: 3)
+  from streamrl_jax.commands import host_devices
+
+  monkeypatch.setattr(host_devices, "cpu_cores", lambda: 3)
   assert cli.default_host_devices(cli.build_parser().parse_args(argv)) == (1 if shared else 3)
   gin_config.parse()
 

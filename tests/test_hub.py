@@ -150,13 +150,12 @@ def test_prompts_from_a_hub_dataset_are_the_rows_of_its_files(hub, tmp_path):
 
 def test_launch_local_pins_a_hub_id_to_its_commit_for_every_process(hub, tmp_path):
   from streamrl_jax import gin_config
-  from streamrl_jax.commands.launch_local import pinned_model
 
   config = tmp_path / "hub.gin"
   config.write_text(f"JobConfig.model = '{REPO}'\n")
   try:
-    assert pinned_model([str(config)], []) == [f"JobConfig.model='{REPO}@{MAIN}'"]
-    assert pinned_model([str(config)], [f"JobConfig.model='{REPO}@v1'"])[-1] == f"JobConfig.model='{REPO}@{V1}'"
-    assert pinned_model([], ["PipelineConfig.steps=2"]) == ["PipelineConfig.steps=2"]  # no Hub id: as given
+    assert gin_config.pinned_hub_model([str(config)], []) == [f"JobConfig.model='{REPO}@{MAIN}'"]
+    assert gin_config.pinned_hub_model([str(config)], [f"JobConfig.model='{REPO}@v1'"])[-1] == f"JobConfig.model='{REPO}@{V1}'"
+    assert gin_config.pinned_hub_model([], ["PipelineConfig.steps=2"]) == ["PipelineConfig.steps=2"]  # no Hub id: as given
   finally:
     gin_config.parse()

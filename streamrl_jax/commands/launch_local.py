@@ -1,17 +1,17 @@
 """`streamrl launch local`: one trainer and N sampler processes on this machine (and with `--arms` and
 `PipelineConfig.arm_programs`, a `streamrl follower` process per arm, restarted like a sampler when it dies).
 
-The trainer (one process, or several forming one `jax.distributed` cluster) keeps the terminal (its progress
-bar); samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs on its own CPU cores
-(`os.sched_setaffinity`, set before the child starts, so XLA sizes its threads to them). Children run in
-their own sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SIGTERM) asks the trainer to
-finish its step, checkpoint and stop while the samplers still serve it, then stops the samplers, and kills
-whatever has not exited after a grace period: no orphans. A second Ctrl-C stops the trainer at once.
-A sampler that dies is started again (up to `--sampler-restarts` times in all; the trainer leases its
-prompts to the others meanwhile), unless it exited with a configuration or reward function's error (code 2); a trainer that dies stops the run. With `--max-samplers M`, sampler
-processes are added or retired between steps by the elastic decision (`scheduling.elastic_decision`, on
-each step's generation and training seconds from `metrics.jsonl`), between `--min-samplers` and M; a
-retired sampler hands its leases back as it leaves.
+The trainer (one process, or several forming one `jax.distributed` cluster) keeps the terminal (its progress bar);
+samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs on its own CPU cores
+(`os.sched_setaffinity`, set before the child starts, so XLA sizes its threads to them). Children run in their own
+sessions and die with the launcher (`PR_SET_PDEATHSIG`); Ctrl-C (or SIGTERM) asks the trainer to finish its step,
+checkpoint and stop while the samplers still serve it, then stops the samplers, and kills whatever has not exited
+after a grace period: no orphans. A second Ctrl-C stops the trainer at once. A sampler that dies is started again (up
+to `--sampler-restarts` times in all; the trainer leases its prompts to the others meanwhile), unless it exited with
+a configuration or reward function's error (code 2); a trainer that dies stops the run. `--max-samplers M` adds or
+retires sampler processes between steps by the elastic decision (`scheduling.elastic_decision`, on each step's
+generation and training seconds from `metrics.jsonl`), between `--min-samplers` and M; a retired sampler hands its
+leases back as it leaves.
 """
 
 from __future__ import annotations
@@ -162,6 +162,7 @@ class ElasticSamplers:
 
 
 def cmd_launch_local(args) -> int:
+  from streamrl_jax.gin_config import pinned_hub_model
   if args.samplers < 1 or args.trainer_processes < 1:
     raise ValueError("--samplers and --trainer-processes must be >= 1")
   elastic = None
@@ -172,7 +173,7 @@ def cmd_launch_local(args) -> int:
                        f"--max-samplers {elastic.high}")
     if args.pin_cores:
       raise ValueError("--pin-cores splits the cores at start; it cannot be combined with --max-samplers")
-  args.set = pinned_model(args.config, args.set)
+  args.set = pinned_hub_model(args.config, args.set)  # a Hub model id pinned to its commit: one snapshot for all
   arm_programs = _check_arms(args) if args.arms else ()
   if arm_programs and args.pin_cores:
     raise ValueError("--pin-cores splits the cores between the trainer and samplers; follower programs "
@@ -213,21 +214,6 @@ def _check_arms(args) -> tuple:
   gin_config.parse(files, args.set)
   config = gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
   return tuple(zip((arm.name for arm in config.arms), args.arms)) if config.arm_programs else ()
-
-
-def pinned_model(config_files, bindings) -> list[str]:
-  """`bindings` with `JobConfig.model` pinned to its commit where it is a Hub id (`hub.pinned`, fetched here once
-  into the cache the children share): the trainer and every sampler then read one snapshot, however the Hub's
-  branch moves while they start."""
-  from streamrl_jax import gin_config
-  from streamrl_jax.models.hub import parse_hub_id, pinned
-  from streamrl_jax.pipeline.job_config import JobConfig
-
-  gin_config.parse(gin_config.run_files(config_files), bindings)
-  model = gin_config.build(JobConfig).model
-  if not parse_hub_id(model) or Path(model).exists():
-    return list(bindings)
-  return [*bindings, f"JobConfig.model={pinned(model)!r}"]
 
 
 def _write_manifest(workdir: Path, children: list[Child]) -> None:

@@ -92,13 +92,13 @@ def train(config_files=(), settings=(), workdir="runs/train", *, resume: bool | 
   `--set` takes them ("PipelineConfig.steps=4"), follower `arms` files; returns the run's summary (summary.json's).
   Where jax has not started yet, the CPU gets the devices `streamrl train` would give it; raises `RunStopped` when
   Ctrl-C stops the run (its checkpoint kept: call again with `resume=True`)."""
-  from streamrl_jax import cli, gin_config
+  from streamrl_jax import gin_config
+  from streamrl_jax.commands.host_devices import default_host_devices, force_host_devices
   from streamrl_jax.pipeline.runner import run_pipeline
 
   config_files, settings = [str(f) for f in _listed(config_files)], list(_listed(settings))
   if not _jax_started():
-    cli.force_host_devices(cli.default_host_devices(argparse.Namespace(command="train", config=config_files,
-                                                                       set=settings)))
+    force_host_devices(default_host_devices(argparse.Namespace(command="train", config=config_files, set=settings)))
   files = gin_config.run_files(config_files)
   gin_config.parse(files, settings)
   config, job = gin_config.build_run()

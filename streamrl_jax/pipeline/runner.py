@@ -32,8 +32,8 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
-from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, train_session
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker, initial_weights_donated
+from streamrl_jax.pipeline.trainer_session import RunResult, initial_weights_donated, make_ranker, train_session
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.rewards import RewardError
 from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync

@@ -23,8 +23,9 @@ from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
 from streamrl_jax.pipeline.remote_arms import RemoteArms
 from streamrl_jax.pipeline.trainer_control import FollowerControl
-from streamrl_jax.pipeline.trainer_session import RunResult, make_ranker, ranker_aux, train_session, trained_params
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker, initial_weights_donated
+from streamrl_jax.pipeline.trainer_session import (RunResult, initial_weights_donated, make_ranker, ranker_aux,
+                                                   train_session, trained_params)
+from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address

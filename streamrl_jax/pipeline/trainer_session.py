@@ -11,8 +11,10 @@ import time
 import warnings
 from collections.abc import Callable
 
+import jax
 from flax import nnx
 
+from streamrl_jax import launch
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.follower_arms import Followers
@@ -138,3 +140,13 @@ def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:
   with several, each step (the adapters' gather, the merge, its gather) is a collective."""
   adapters = to_host(trainer.state.params) if trainer.lora else None
   return to_host(trainer.policy_params()), adapters
+
+
+def initial_weights_donated(config: PipelineConfig, initial, trainer: TrainerWorker) -> None:
+  """Frees the caller's initial weights once the trainer holds its copy (`launch.delete`): a run would otherwise
+  keep a dead copy of the model to its end (on a CPU, SmolLM2's 0.5 GB of RAM). Kept where they stay in use:
+  LoRA's frozen base is the model's own arrays, and follower arms copy them when they start."""
+  if config.lora.enabled or config.arms:
+    return
+  jax.block_until_ready(trainer.state.params)
+  launch.delete(initial)

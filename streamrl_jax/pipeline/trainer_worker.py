@@ -31,7 +31,6 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from streamrl_jax import launch
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.models import lora
@@ -455,13 +454,3 @@ def _env_tokens(shard: SampleShard) -> int:
   pos = np.arange(shard.loss_mask.shape[1])[None]
   first = np.where(shard.loss_mask.any(axis=1), shard.loss_mask.argmax(axis=1), shard.loss_mask.shape[1])[:, None]
   return int(np.sum(shard.valid & ~shard.loss_mask & (pos >= first)))
-
-
-def initial_weights_donated(config, initial, trainer: TrainerWorker) -> None:
-  """Frees the caller's initial weights once the trainer holds its copy (`launch.delete`): a run would otherwise
-  keep a dead copy of the model to its end (on a CPU, SmolLM2's 0.5 GB of RAM). Kept where they stay in use:
-  LoRA's frozen base is the model's own arrays, and follower arms copy them when they start."""
-  if config.lora.enabled or config.arms:
-    return
-  jax.block_until_ready(trainer.state.params)
-  launch.delete(initial)
