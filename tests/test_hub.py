@@ -100,7 +100,9 @@ def test_what_cannot_be_had_is_refused_in_one_line_naming_the_model(hub, tmp_pat
   hub_layout(cache, "tiny-org/bin-only", {MAIN: no_weights}, {"main": MAIN})
   with pytest.raises(ValueError, match=r"unsupported architecture \['GPT2LMHeadModel'\]"):
     resolve_model("tiny-org/gpt2")
-  with pytest.raises(HubError, match=r"'tiny-org/bin-only' has no safetensors weights"):
+  with pytest.raises(HubError, match=r"'tiny-org/bin-only' has no safetensors weights in its cached snapshot .* "
+                                     r"HF_HUB_OFFLINE is set: fetch them with the network \(`hf download "
+                                     r"tiny-org/bin-only`\)"):
     resolve_model("tiny-org/bin-only")
   with pytest.raises(ValueError, match=r"nor a Hugging Face Hub id \(org/name or org/name@revision\)"):
     resolve_model("no such model")

@@ -71,6 +71,9 @@ def hub_model(spec: str, log=print) -> Path:
     if why is None:
       raise
     raise HubError(f"model {spec!r} {why}") from err
+  if not any(path.glob("*.safetensors")) and local:
+    raise HubError(f"model {spec!r} has no safetensors weights in its cached snapshot {path} and HF_HUB_OFFLINE is "
+                   f"set: fetch them with the network (`hf download {repo}`)")
   if not any(path.glob("*.safetensors")):
     raise HubError(f"model {spec!r} has no safetensors weights in its Hub snapshot {path} (this decoder reads no "
                    "PyTorch .bin files): pick a revision that has them, or convert it with transformers' "
@@ -150,5 +153,5 @@ def _why(err: Exception, repo: str, revision: str | None, cache: Path, local: bo
             "a cache that has it")
   if isinstance(err, (errors.LocalEntryNotFoundError, errors.HfHubHTTPError, OSError)):
     return (f"could not be fetched from the Hugging Face Hub ({type(err).__name__}: {str(err).splitlines()[0]}); "
-            f"check the network, or copy the model into {cache} and set HF_HUB_OFFLINE=1")
+            f"check the network, or copy the {kind} into {cache} and set HF_HUB_OFFLINE=1")
   return None
