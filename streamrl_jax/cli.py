@@ -25,7 +25,7 @@ import sys
 import time
 
 from streamrl_jax import stopping
-from streamrl_jax.commands.host_devices import _shared_mesh, default_host_devices, force_host_devices
+from streamrl_jax.commands.host_devices import shared_mesh, default_host_devices, force_host_devices
 from streamrl_jax.host_memory import limit_fragmentation
 from streamrl_jax.resources import cpu_cores
 
@@ -57,7 +57,7 @@ def cmd_info(args) -> int:
           "process_count": jax.process_count(), "device_count": len(devices),
           "devices": sorted({d.device_kind for d in devices}), "mesh_config": mesh_config.__dict__}
   if info["backend"] == "cpu":  # what `streamrl train` of this config forces, and each computation's threads
-    info["cpu_devices"] = {"train": cpu_device_count(mesh_config, _shared_mesh(), cpu_cores()),
+    info["cpu_devices"] = {"train": cpu_device_count(mesh_config, shared_mesh(), cpu_cores()),
                            "threads_per_device": cpu_cores(), "rule": CPU_DEVICES_RULE}
   try:
     sampler, trainer = mesh_config.split(len(devices))

@@ -18,11 +18,11 @@ def default_host_devices(args=None) -> int:
     from streamrl_jax import gin_config
 
     gin_config.parse(gin_config.run_files(args.config), args.set)
-    mesh, shared = gin_config.build(MeshConfig), getattr(args, "command", None) == "train" and _shared_mesh()
+    mesh, shared = gin_config.build(MeshConfig), getattr(args, "command", None) == "train" and shared_mesh()
   return cpu_device_count(mesh, shared, cpu_cores())
 
 
-def _shared_mesh() -> bool:
+def shared_mesh() -> bool:
   """Whether the parsed config's mode time-shares one mesh (colocated); an unknown mode is refused later, by name."""
   import gin
 
