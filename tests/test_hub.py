@@ -161,3 +161,32 @@ def test_launch_local_pins_a_hub_id_to_its_commit_for_every_process(hub, tmp_pat
     assert gin_config.pinned_hub_model([], ["PipelineConfig.steps=2"]) == ["PipelineConfig.steps=2"]  # no Hub id: as given
   finally:
     gin_config.parse()
+
+
+@pytest.mark.parametrize("error, said", [
+    ("GatedRepoError", r"model 'org/m@v9' is gated on the Hugging Face Hub: accept its terms at https://huggingface.co/"
+                       r"org/m, then set HF_TOKEN"),
+    ("RepositoryNotFoundError", r"model 'org/m@v9' is not on the Hugging Face Hub \(check the id; a private model "
+                                r"needs HF_TOKEN\)"),
+    ("RevisionNotFoundError", r"model 'org/m@v9' has no revision 'v9' on the Hub \(a branch, tag or commit of "
+                              r"https://huggingface.co/org/m\)"),
+    ("ConnectionError", r"model 'org/m@v9' could not be fetched from the Hugging Face Hub \(ConnectionError: no "
+                        r"route\); check the network"),
+])
+def test_what_the_hub_answers_online_is_one_line_naming_the_model(monkeypatch, tmp_path, error, said):
+  import httpx
+  from huggingface_hub import errors
+
+  from streamrl_jax.models import hub
+
+  def failing(*args, **kwargs):
+    if error == "ConnectionError":  # no network
+      raise ConnectionError("no route")
+    response = httpx.Response(404, request=httpx.Request("GET", "https://huggingface.co/org/m"))
+    raise getattr(errors, error)("refused", response=response)
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+  monkeypatch.setattr(hub, "offline", lambda: False)
+  monkeypatch.setattr(hub, "_download", failing)
+  with pytest.raises(HubError, match=said) as raised:
+    hub.hub_model("org/m@v9")
+  assert "\n" not in str(raised.value)
