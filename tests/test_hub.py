@@ -157,8 +157,10 @@ def test_launch_local_pins_a_hub_id_to_its_commit_for_every_process(hub, tmp_pat
   config.write_text(f"JobConfig.model = '{REPO}'\n")
   try:
     assert gin_config.pinned_hub_model([str(config)], []) == [f"JobConfig.model='{REPO}@{MAIN}'"]
-    assert gin_config.pinned_hub_model([str(config)], [f"JobConfig.model='{REPO}@v1'"])[-1] == f"JobConfig.model='{REPO}@{V1}'"
-    assert gin_config.pinned_hub_model([], ["PipelineConfig.steps=2"]) == ["PipelineConfig.steps=2"]  # no Hub id: as given
+    tagged = gin_config.pinned_hub_model([str(config)], [f"JobConfig.model='{REPO}@v1'"])
+    assert tagged[-1] == f"JobConfig.model='{REPO}@{V1}'"
+    no_hub_id = ["PipelineConfig.steps=2"]
+    assert gin_config.pinned_hub_model([], no_hub_id) == no_hub_id  # as given
   finally:
     gin_config.parse()
 
