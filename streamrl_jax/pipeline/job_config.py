@@ -1,6 +1,6 @@
 """What `streamrl train` runs around the pipeline (`JobConfig`): the task, the model (a catalog name, a GGUF, a
-Hugging Face directory or Hub id, or the tiny demo decoder), the supervised warm-up and the held-out evaluation; and the
-model and task it builds from them."""
+Hugging Face directory or Hub id, or the tiny demo decoder), the supervised warm-up and the held-out evaluation;
+and the model and task it builds from them."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf
 from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
 
 TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_tool")
-
-
-REPORT_TO = ("tensorboard", "wandb")
+REPORT_TO = ("tensorboard", "wandb")  # JobConfig.report_to's trackers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +95,9 @@ class JobConfig:
       if split == "eval" and self.eval_file:
         source = PromptFile(prompt_source(self.eval_file), self.prompt_key)
       else:
-        source = PromptFile(prompt_source(self.prompt_file), self.prompt_key, split=("heldout" if split == "eval" else "train")
-                            if self.eval_fraction else "all", heldout_fraction=self.eval_fraction)
+        held = ("heldout" if split == "eval" else "train") if self.eval_fraction else "all"
+        source = PromptFile(prompt_source(self.prompt_file), self.prompt_key, split=held,
+                            heldout_fraction=self.eval_fraction)
       task = FileTask(source, self.answer_key)
     elif self.task == "sums":
       task = SumsTask(self.sum_digits, self.sum_terms, "heldout" if split == "eval" else "train")
