@@ -49,13 +49,16 @@ def cmd_info(args) -> int:
 
   from streamrl_jax import gin_config
   from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, cpu_device_count
+  from streamrl_jax.pipeline.job_config import JobConfig
 
   gin_config.parse(gin_config.run_files(args.config), args.set)
-  mesh_config = gin_config.build(MeshConfig)
+  mesh_config, job = gin_config.build(MeshConfig), gin_config.build(JobConfig)
   devices = jax.devices()
   info = {"python": sys.version.split()[0], "versions": _versions(), "backend": jax.default_backend(),
           "process_count": jax.process_count(), "device_count": len(devices),
-          "devices": sorted({d.device_kind for d in devices}), "mesh_config": mesh_config.__dict__}
+          "devices": sorted({d.device_kind for d in devices}), "mesh_config": mesh_config.__dict__,
+          "compute_dtype": {"JobConfig.compute_dtype": job.compute_dtype, "activations_and_matmuls": job.dtype(),
+                            "weights_and_optimizer": "float32"}}
   if info["backend"] == "cpu":  # what `streamrl train` of this config forces, and each computation's threads
     info["cpu_devices"] = {"train": cpu_device_count(mesh_config, shared_mesh(), cpu_cores()),
                            "threads_per_device": cpu_cores(), "rule": CPU_DEVICES_RULE}

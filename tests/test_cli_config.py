@@ -100,6 +100,14 @@ def test_info_shows_the_cpu_devices_a_run_of_the_config_forces(capsys):
   gin_config.parse()
 
 
+@pytest.mark.parametrize("setting, computes_in", [("auto", "float32"), ("bfloat16", "bfloat16")])
+def test_info_names_the_dtype_this_backend_computes_in(capsys, setting, computes_in):
+  assert cli.main(["info", "--set", f"JobConfig.compute_dtype='{setting}'"]) == 0
+  assert json.loads(capsys.readouterr().out)["compute_dtype"] == {
+      "JobConfig.compute_dtype": setting, "activations_and_matmuls": computes_in, "weights_and_optimizer": "float32"}
+  gin_config.parse()
+
+
 def test_info_reports_bad_binding(capsys):
   assert cli.main(["info", "--set", "MeshConfig.nope=1"]) == 2
   assert "nope" in capsys.readouterr().err

@@ -9,6 +9,8 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.models.config import resolve_compute_dtype
+from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.models.precision import (SamplerPrecision, channel_axes, decode, encode, landing, to_wire,
                                            wire_bytes)
 from streamrl_jax.pytrees import flatten_with_names
@@ -147,3 +149,32 @@ def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
   assert "sampler_precision='bfloat16'" in advice and "'ppo_tis'" in advice
   with pytest.raises(ValueError, match="quantize_on='gpu'"):
     PipelineConfig(quantize_on="gpu")
+
+
+@pytest.mark.parametrize("choice, backend, expected", [
+    ("auto", "cpu", "float32"), ("auto", "gpu", "bfloat16"), ("auto", "cuda", "bfloat16"), ("auto", "tpu", "bfloat16"),
+    ("float32", "gpu", "float32"), ("bfloat16", "cpu", "bfloat16"),
+])
+def test_the_compute_dtype_is_bfloat16_on_accelerators_and_float32_on_a_cpu(choice, backend, expected):
+  assert resolve_compute_dtype(choice, backend) == expected
+
+
+def test_an_unknown_compute_dtype_is_refused_by_its_key():
+  with pytest.raises(ValueError, match=r"JobConfig.compute_dtype='float16'; known: \['auto', 'float32', 'bfloat16'\]"):
+    JobConfig(compute_dtype="float16")
+
+
+def test_a_bfloat16_job_keeps_float32_weights_and_float32_logits():
+  """bfloat16 activations and matmuls, float32 master weights, and the head accumulated in float32: its logits equal
+  float32 arithmetic on the bfloat16 operands (rounding them to bfloat16 would be off by ~1e-3 relative)."""
+  model, tokenizer, _ = JobConfig(compute_dtype="bfloat16", warmup_steps=0).load_model()
+  assert model.config.compute_dtype == jnp.bfloat16
+  assert {x.dtype for x in jax.tree.leaves(nnx.state(model, nnx.Param))} == {jnp.dtype(jnp.float32)}
+  hidden = jax.random.normal(jax.random.key(0), (3, 5, model.config.hidden_size), jnp.bfloat16)
+  logits = model.head_logits(hidden)
+  weights = np.asarray(model.head_weights().astype(jnp.bfloat16), np.float32)
+  expected = np.asarray(hidden, np.float32) @ weights
+  assert logits.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(logits), expected, rtol=1e-5, atol=1e-5)
+  tokens = jnp.asarray([tokenizer.encode("12+34=")])
+  assert model(tokens).dtype == jnp.float32

@@ -9,6 +9,23 @@ import jax.numpy as jnp
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16")  # a run's choice of activation and matmul dtype
+ACCELERATED_BACKENDS = ("gpu", "cuda", "rocm", "tpu")  # where 'auto' computes in bfloat16
+
+
+def resolve_compute_dtype(choice: str, backend: str | None = None) -> str:
+  """The activation and matmul dtype `choice` means on `backend` (default: this process's jax backend): 'auto' is
+  bfloat16 on an accelerator, whose matrix units run it several times faster than float32, and float32 on a CPU,
+  where bfloat16 matmuls are no faster. Weights (the optimizer's master copy) stay float32 either way."""
+  if choice not in COMPUTE_DTYPES:
+    raise ValueError(f"compute dtype {choice!r}; known: {list(COMPUTE_DTYPES)}")
+  if choice != "auto":
+    return choice
+  if backend is None:
+    import jax
+
+    backend = jax.default_backend()
+  return "bfloat16" if backend in ACCELERATED_BACKENDS else "float32"
 
 
 REMAT_POLICIES = ("none", "layer", "dots")

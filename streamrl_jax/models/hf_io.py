@@ -96,15 +96,17 @@ def read_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
   return ModelConfig.from_hf(json.loads(config_file.read_text()), **overrides)
 
 
-def load_hf(path: str | os.PathLike, dtype=jnp.float32, *, mesh=None, rules=None, **overrides) -> Transformer:
-  """Reads a Hugging Face Llama/Qwen2 directory into a `Transformer` with parameters in `dtype`.
+def load_hf(path: str | os.PathLike, dtype=jnp.float32, *, compute_dtype: str | None = None, mesh=None, rules=None,
+            **overrides) -> Transformer:
+  """Reads a Hugging Face Llama/Qwen2 directory into a `Transformer` with parameters in `dtype`, computing in
+  `compute_dtype` (default: `dtype`).
 
   With `mesh`, each tensor is placed straight into its sharding from the logical `rules`.
   `overrides` set other ModelConfig fields (e.g. `remat=True`).
   """
   path = Path(path)
   dtype_name = jnp.dtype(dtype).name
-  config = read_hf_config(path, dtype=dtype_name, param_dtype=dtype_name, **overrides)
+  config = read_hf_config(path, dtype=compute_dtype or dtype_name, param_dtype=dtype_name, **overrides)
   graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(config, rngs=nnx.Rngs(0))))
   files = _tensor_files(path)
   specs = tensor_layout(config)

@@ -139,8 +139,9 @@ class Transformer(nnx.Module):
     return self.final_norm(x), new_kv
 
   def head_logits(self, hidden):
-    """float32 logits [..., vocab] of final hidden states."""
-    return (hidden @ self.head_weights().astype(hidden.dtype)).astype(jnp.float32)
+    """float32 logits [..., vocab] of final hidden states (accumulated in float32 also when computing in bfloat16:
+    log-probabilities over a large vocabulary need the precision)."""
+    return jnp.matmul(hidden, self.head_weights().astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 class ValueModel(nnx.Module):

@@ -9,6 +9,7 @@ import dataclasses
 from flax import nnx
 
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config
+from streamrl_jax.models.config import COMPUTE_DTYPES, resolve_compute_dtype
 from streamrl_jax.tasks import ArithmeticTask, ChatTask, CountdownTask, FileTask, MultiplyTask, PromptFile, SumsTask
 
 TASKS = ("arithmetic", "countdown", "file", "sums", "multiply", "multiply_no_tool")
@@ -49,6 +50,9 @@ class JobConfig:
   checkpoint_every: int = 1
   hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
   num_layers: int = 2  # demo decoder (no `model`): decoder layers
+  # activations and matmuls of the trainer and the sampler: 'auto' (bfloat16 on a GPU or TPU, float32 on a CPU),
+  # 'float32' or 'bfloat16'; weights and optimizer state stay float32 ('streamrl info' names the choice)
+  compute_dtype: str = "auto"
   seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
   # where metrics rows go besides metrics.jsonl: 'tensorboard' (WORKDIR/tensorboard), 'wandb' (Weights & Biases,
   # the [wandb] extra; its WANDB_* environment honoured)
@@ -61,6 +65,8 @@ class JobConfig:
       raise ValueError(f"JobConfig.report_to: {unknown[0]!r} is not a tracker; known: {list(REPORT_TO)}")
     if self.task not in TASKS:
       raise ValueError(f"JobConfig.task={self.task!r}; known: {list(TASKS)}")
+    if self.compute_dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"JobConfig.compute_dtype={self.compute_dtype!r}; known: {list(COMPUTE_DTYPES)}")
     if self.task == "file" and not self.prompt_file:
       raise ValueError("JobConfig.task='file' needs JobConfig.prompt_file")
     if not 0.0 <= self.eval_fraction < 1.0:
@@ -116,7 +122,7 @@ class JobConfig:
     """(model, tokenizer, needs warm-up): the pretrained model, else the tiny demo decoder."""
     if self.model:
       path = self.model_path()
-      return load_hf(path), load_tokenizer(path), False
+      return load_hf(path, compute_dtype=self.dtype()), load_tokenizer(path), False
     tokenizer = CharTokenizer()
     return Transformer(self.model_config(tokenizer), rngs=nnx.Rngs(self.seed)), tokenizer, self.warmup_steps > 0
 
@@ -124,11 +130,15 @@ class JobConfig:
     """(ModelConfig, tokenizer) without the weights: what a sampler needs before the trainer's arrive."""
     if self.model:
       path = self.model_path()
-      return read_hf_config(path, dtype="float32", param_dtype="float32"), load_tokenizer(path)
+      return read_hf_config(path, dtype=self.dtype(), param_dtype="float32"), load_tokenizer(path)
     tokenizer = CharTokenizer()
     return self.model_config(tokenizer), tokenizer
 
   def model_config(self, tokenizer) -> ModelConfig:
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
                        intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
-                       num_kv_heads=2, eos_token_id=tokenizer.eos_id)
+                       num_kv_heads=2, eos_token_id=tokenizer.eos_id, dtype=self.dtype())
+
+  def dtype(self) -> str:
+    """The dtype this process computes in (`compute_dtype` resolved on its backend)."""
+    return resolve_compute_dtype(self.compute_dtype)

@@ -240,7 +240,7 @@ def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, lea
   model, tokenizer, warm_up = job.load_model()
   warm = workdir / "warmup_model"
   if warm_up and (warm / "config.json").exists():
-    model = load_hf(warm)
+    model = load_hf(warm, compute_dtype=job.dtype())
     log(f"loaded the warm-up model from {warm}")
   elif warm_up:
     model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
