@@ -173,7 +173,6 @@ def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.serve import add_serve_parser
   from streamrl_jax.commands.train import arms_arg, cmd_train
-  from streamrl_jax.sim.preset_names import PRESETS
 
   parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.split("\n")[0])
   parser.add_argument("--host-devices", type=int, default=None,
@@ -188,6 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
   info = sub.add_parser("info", help="devices, versions and the mesh split a config would use")
   _config_args(info)
   info.set_defaults(run=cmd_info)
+  _model_parsers(sub)
+  train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
+  _config_args(train)
+  train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
+  arms_arg(train)
+  train.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
+                     help="continue from the latest checkpoint in the workdir (an error when there is none); "
+                          "--resume=auto: continue if there is one, else start afresh")
+  train.set_defaults(run=cmd_train)
+  add_role_parsers(sub, _config_args)
+  add_launch_parser(sub, _config_args)
+  add_serve_parser(sub)
+  add_compare_parser(sub)
+  _simulate_parser(sub)
+  return parser
+
+
+def _model_parsers(sub) -> None:
+  """`generate`, `convert` and `merge`: the commands on a model alone."""
   gen = sub.add_parser("generate", help="generate from prompts through the KV cache")
   gen.add_argument("--model", help="a catalog name (smollm2-135m-instruct), a .gguf file, a Hugging Face "
                    "directory or a Hub id (org/name[@revision]) (default: a tiny random demo model)")
@@ -211,18 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
   merge.add_argument("adapter", help="the PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
   merge.add_argument("out", help="the directory to write")
   merge.set_defaults(run=cmd_merge)
-  train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
-  _config_args(train)
-  train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
-  arms_arg(train)
-  train.add_argument("--resume", nargs="?", const=True, default=False, choices=["auto"],
-                     help="continue from the latest checkpoint in the workdir (an error when there is none); "
-                          "--resume=auto: continue if there is one, else start afresh")
-  train.set_defaults(run=cmd_train)
-  add_role_parsers(sub, _config_args)
-  add_launch_parser(sub, _config_args)
-  add_serve_parser(sub)
-  add_compare_parser(sub)
+
+
+def _simulate_parser(sub) -> None:
+  from streamrl_jax.sim.preset_names import PRESETS
+
   sim = sub.add_parser("simulate", help="simulate the pipeline at cluster scale (results.json and plots)")
   sim.add_argument("--preset", default="paper-72b-20k", choices=PRESETS, metavar="NAME",
                    help=f"the cluster, model and lengths simulated: {', '.join(PRESETS)} (default paper-72b-20k)")
@@ -230,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
   sim.add_argument("--iterations", type=int, default=3, help="RL iterations simulated per mode (default 3)")
   sim.add_argument("--seed", type=int, default=0, help="seed of the simulated output lengths")
   sim.set_defaults(run=cmd_simulate)
-  return parser
 
 
 def _interrupt(signum, frame):

@@ -22,12 +22,42 @@ ROLES = ("trainer", "sampler", "follower")
 
 
 def add_role_parsers(sub, common) -> None:
+  """The `trainer`, `sampler` and `follower` commands, each with its own options and its TLS group."""
+  trainer, sampler = _trainer_parser(sub, common), _sampler_parser(sub, common)
+  follower = sub.add_parser("follower", help="a follower arm of a run as its own program: trains on the lead "
+                            "trainer's samples (PipelineConfig.arm_programs)")
+  common(follower)
+  follower.add_argument("--connect", required=True, help="HOST:PORT of the lead trainer's server")
+  follower.add_argument("--arm", required=True, metavar="FILE", help="the arm's gin file (its name is the file's)")
+  follower.add_argument("--workdir", required=True, help="the arm's outputs: the lead's WORKDIR/arms/NAME, so that "
+                        "`streamrl compare` finds them; run it again with the same workdir to resume the arm")
+  follower.set_defaults(run=cmd_follower)
+  _tls_group(follower)
+  for parser in (trainer, sampler):
+    parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
+                        "every weight version across, from the trainer's site, and passes it on inside")
+    _tls_group(parser)
+    dist = parser.add_argument_group("several processes in this role (jax.distributed)")
+    dist.add_argument("--coordinator", help="HOST:PORT of this role's process 0")
+    dist.add_argument("--num-processes", type=int, help="processes in this role (with --coordinator)")
+    dist.add_argument("--process-id", type=int, help="this process's index among them, from 0 (with --coordinator)")
+
+
+def _tls_group(parser) -> None:
+  tls = parser.add_argument_group("mutual TLS (all three, or none)")
+  tls.add_argument("--tls-cert", help="this side's PEM certificate")
+  tls.add_argument("--tls-key", help="this side's PEM private key")
+  tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
+
+
+def _trainer_parser(sub, common):
+  from streamrl_jax.commands.train import arms_arg
+
   trainer = sub.add_parser("trainer", help="the trainer of a run across processes: trains and serves its samplers")
   common(trainer)
   trainer.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
   trainer.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT to serve on (default loopback; port 0: "
                                                                 "any free one, printed and written to --address-file)")
-  from streamrl_jax.commands.train import arms_arg
   arms_arg(trainer)
   trainer.add_argument("--address-file", help="write the address served on to this file once listening")
   trainer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in the workdir")
@@ -35,6 +65,10 @@ def add_role_parsers(sub, common) -> None:
                        help="continue from the latest checkpoint if there is one, else start afresh (for restarts "
                             "by a cluster scheduler)")
   trainer.set_defaults(run=cmd_trainer)
+  return trainer
+
+
+def _sampler_parser(sub, common):
   sampler = sub.add_parser("sampler", help="a sampler of a run across processes: generates for a trainer")
   common(sampler)
   sampler.add_argument("--connect", required=True, help="HOST:PORT of the trainer's server")
@@ -52,29 +86,7 @@ def add_role_parsers(sub, common) -> None:
   sampler.add_argument("--relay-tls-name", help="with mutual TLS: the name relays' certificates carry, when it is not "
                        "the host dialled (one certificate for every sampler pod)")
   sampler.set_defaults(run=cmd_sampler)
-  follower = sub.add_parser("follower", help="a follower arm of a run as its own program: trains on the lead "
-                            "trainer's samples (PipelineConfig.arm_programs)")
-  common(follower)
-  follower.add_argument("--connect", required=True, help="HOST:PORT of the lead trainer's server")
-  follower.add_argument("--arm", required=True, metavar="FILE", help="the arm's gin file (its name is the file's)")
-  follower.add_argument("--workdir", required=True, help="the arm's outputs: the lead's WORKDIR/arms/NAME, so that "
-                        "`streamrl compare` finds them; run it again with the same workdir to resume the arm")
-  follower.set_defaults(run=cmd_follower)
-  tls = follower.add_argument_group("mutual TLS (all three, or none)")
-  tls.add_argument("--tls-cert", help="this side's PEM certificate")
-  tls.add_argument("--tls-key", help="this side's PEM private key")
-  tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
-  for parser in (trainer, sampler):
-    parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
-                        "every weight version across, from the trainer's site, and passes it on inside")
-    tls = parser.add_argument_group("mutual TLS (all three, or none)")
-    tls.add_argument("--tls-cert", help="this side's PEM certificate")
-    tls.add_argument("--tls-key", help="this side's PEM private key")
-    tls.add_argument("--tls-ca", help="PEM of the CA that signed the other side's certificate")
-    dist = parser.add_argument_group("several processes in this role (jax.distributed)")
-    dist.add_argument("--coordinator", help="HOST:PORT of this role's process 0")
-    dist.add_argument("--num-processes", type=int, help="processes in this role (with --coordinator)")
-    dist.add_argument("--process-id", type=int, help="this process's index among them, from 0 (with --coordinator)")
+  return sampler
 
 
 def role_host_devices(args) -> int:

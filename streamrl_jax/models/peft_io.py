@@ -68,6 +68,22 @@ def load_adapter(directory: str | Path, model_config: ModelConfig, base_name: st
   for path in (config_path, weights_path):
     if not path.is_file():
       raise ConfigError(f"{directory}: not a PEFT adapter directory ({path.name} is missing)")
+  rank, alpha = _adapter_meta(config_path, base_name)
+  arrays = _adapter_arrays(weights_path, model_config, rank)
+  targets = sorted({t for _, t in arrays}, key=list(TARGETS).index)
+  for layer in range(model_config.num_layers):
+    for target in targets:
+      if set(arrays.get((layer, target), ())) != {"A", "B"}:
+        raise ConfigError(f"{weights_path}: layer {layer}'s {TARGETS[target][1]} lacks its lora_A or lora_B "
+                          "(adapters on every layer only)")
+  if not arrays:
+    raise ConfigError(f"{weights_path}: no LoRA tensors")
+  config = LoraConfig(rank=rank, alpha=float(alpha), targets=tuple(targets), init_from=str(directory))
+  return config, {key: (ab["A"], ab["B"]) for key, ab in arrays.items()}
+
+
+def _adapter_meta(config_path: Path, base_name: str) -> tuple[int, float]:
+  """(rank, alpha) of an adapter_config.json that this project can load for the base `base_name`."""
   try:
     meta = json.loads(config_path.read_text())
   except json.JSONDecodeError as err:
@@ -85,10 +101,15 @@ def load_adapter(directory: str | Path, model_config: ModelConfig, base_name: st
   rank, alpha = meta.get("r"), meta.get("lora_alpha")
   if not isinstance(rank, int) or rank <= 0 or not isinstance(alpha, (int, float)):
     raise ConfigError(f"{config_path}: r = {rank!r}, lora_alpha = {alpha!r}: expected a positive int and a number")
-  tensors = load_file(str(weights_path))
+  return rank, alpha
+
+
+def _adapter_arrays(weights_path: Path, model_config: ModelConfig, rank: int) -> dict:
+  """{(layer, target): {"A": [d_in, rank], "B": [rank, d_out]}} of an adapter's safetensors, each name and shape
+  checked against this model."""
   by_name = {name: target for target, (_, name) in TARGETS.items()}
   arrays: dict = {}
-  for name, value in tensors.items():
+  for name, value in load_file(str(weights_path)).items():
     parts = name.split(".")
     ok = (name.startswith(PREFIX + ".") and len(parts) == 9 and parts[4].isdigit() and parts[6] in by_name
           and parts[7] in ("lora_A", "lora_B") and parts[8] == "weight")
@@ -103,16 +124,7 @@ def load_adapter(directory: str | Path, model_config: ModelConfig, base_name: st
       raise ConfigError(f"{weights_path}: tensor {name!r} has shape {tuple(value.shape)}, this model's is {wanted} "
                         "(an adapter for another base?)")
     arrays.setdefault((layer, target), {})[which] = np.asarray(value, np.float32).T
-  targets = sorted({t for _, t in arrays}, key=list(TARGETS).index)
-  for layer in range(model_config.num_layers):
-    for target in targets:
-      if set(arrays.get((layer, target), ())) != {"A", "B"}:
-        raise ConfigError(f"{weights_path}: layer {layer}'s {TARGETS[target][1]} lacks its lora_A or lora_B "
-                          "(adapters on every layer only)")
-  if not arrays:
-    raise ConfigError(f"{weights_path}: no LoRA tensors")
-  config = LoraConfig(rank=rank, alpha=float(alpha), targets=tuple(targets), init_from=str(directory))
-  return config, {key: (ab["A"], ab["B"]) for key, ab in arrays.items()}
+  return arrays
 
 
 def resolve(config: LoraConfig, model_config: ModelConfig, base_name: str = "", read: bool = True) -> LoraConfig:

@@ -146,10 +146,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
          runner, role: str, stop: StopRequest | None, on_start) -> dict:
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
-  auto = resume == "auto"
-  resume = preflight.check_resume(workdir, settings, resume, checkpointer.latest_step())
-  if auto:
-    log(f"--resume=auto: {'a checkpoint is there' if resume else 'no checkpoint yet, starting afresh'}")
+  resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step(), log)
   config, task, heldout, tokenizer = _preflight(config, job, role, log)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
@@ -166,11 +163,6 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
   in_process_arms = bool(config.arms) and not config.arm_programs
 
-  def arm_kwargs(arms) -> dict:
-    kwargs = {"periodic_eval": _periodic_eval(model, tokenizer, heldout, job)} if job.eval_every else {}
-    if config.arms and config.arm_programs:  # the follower programs must belong to this run
-      return dict(kwargs, run_id=run_record.run_id(workdir))
-    return dict(kwargs, arm_outputs=arms) if arms else kwargs
   if config.arms and leader:
     (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
   if on_start is not None:
@@ -181,7 +173,8 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
          (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
       try:
         result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                        stop=stop, on_end=record.end if leader else None, donate_model=True, **arm_kwargs(arms))
+                        stop=stop, on_end=record.end if leader else None, donate_model=True,
+                        **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
       except (RunStopped, KeyboardInterrupt):
         if leader:  # the pictures of the run so far
           write_pictures(workdir, config, before, record.segments)
@@ -197,6 +190,22 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
     if wandb_run is not None:
       wandb_run.pictures(workdir, summary["steps"])
     return summary
+
+
+def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdir: Path, arms) -> dict:
+  """The runner's arguments for periodic evaluation (`evaluated`: model, tokenizer, held-out task) and arms."""
+  kwargs = {"periodic_eval": _periodic_eval(*evaluated, job)} if job.eval_every else {}
+  if config.arms and config.arm_programs:  # the follower programs must belong to this run
+    return dict(kwargs, run_id=run_record.run_id(workdir))
+  return dict(kwargs, arm_outputs=arms) if arms else kwargs
+
+
+def _resolved_resume(workdir: Path, settings: dict, resume: bool | str, latest: int | None, log) -> bool:
+  """Whether this run resumes (`preflight.check_resume`); --resume=auto says which it chose."""
+  resolved = preflight.check_resume(workdir, settings, resume, latest)
+  if resume == "auto":
+    log(f"--resume=auto: {'a checkpoint is there' if resolved else 'no checkpoint yet, starting afresh'}")
+  return resolved
 
 
 def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:

@@ -115,15 +115,21 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
     if on_end is not None:
       on_end(timeline_of(trainer, controller, start_epoch), counters, {n: c for n, (_, c, _) in arms.items()})
   params, adapters = trained_params(trainer, to_host)
-  arm_results = {}
+  return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters,
+                   _arm_results(arms, to_host))
+
+
+def _arm_results(arms: dict, to_host: Callable) -> dict[str, RunResult]:
+  """Each follower arm's RunResult from what `finish` gave back: (metrics, counters, worker or None if it failed)."""
+  results = {}
   for name, (arm_metrics, arm_counters, worker) in arms.items():
     if worker is None:  # it failed: what it saved is in its checkpoints
-      arm_results[name] = RunResult(None, arm_metrics, arm_counters, {})
+      results[name] = RunResult(None, arm_metrics, arm_counters, {})
       continue
     arm_params, arm_adapters = trained_params(worker, to_host)
-    arm_results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
-                                  arm_adapters)
-  return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters, arm_results)
+    results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
+                              arm_adapters)
+  return results
 
 
 def _evaluating(on_step, periodic_eval: PeriodicEval, trainer: TrainerWorker, to_host: Callable):
