@@ -22,7 +22,7 @@ decoder hides the slow reward better (`--hidden 256 --layers 4`: the figure an e
 reported as the goal's, on work the goal does not name).
 
 Part `example` (about 15 min): `streamrl train --config examples/own_task/own_task.gin` (SmolLM2-135M-Instruct),
-as the README runs it: held-out greedy accuracy before and after (example_accuracy_before,
+as docs/own_task.md runs it: held-out greedy accuracy before and after (example_accuracy_before,
 example_accuracy_after) and each reward function's curve.
 
 Prints one JSON object as its last line. `--part throughput|example` runs one part.
@@ -145,7 +145,7 @@ def scoring_seconds(reward: RewardConfig, task) -> float:
 
 
 def example() -> dict:
-  """The README's command, `streamrl train --config examples/own_task/own_task.gin` (one process with one device a
+  """docs/own_task.md's command, `streamrl train --config examples/own_task/own_task.gin` (one process with one device a
   core, as a user runs it), as shipped."""
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as workdir:

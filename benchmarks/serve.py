@@ -13,7 +13,7 @@ survive the trip, and an agent program trained through it.
   streamed chat request at a time (TTFT_TRIALS of them after one untimed): the median time from sending to the
   first chunk with text, over the median device time (`launch.device_clock`) of that request's prefill and first
   decode call (one step: the policy's for a lone request) on the same engine configuration in this process.
-- `agent_accuracy_before` / `agent_accuracy_after`: the shipped agent example as the README trains it
+- `agent_accuracy_before` / `agent_accuracy_after`: the shipped agent example as docs/serving.md trains it
   (`streamrl train --config examples/agent/agent.gin`, AGENT_STEPS steps): held-out accuracy of one greedy episode
   per prompt before and after RL (the demo decoder warmed up on 3-digit products that call a calculator).
 
@@ -239,7 +239,7 @@ def ttft_figures() -> dict:
 
 
 def agent_figures() -> dict:
-  """The README's agent training command, AGENT_STEPS steps, in its own process."""
+  """docs/serving.md's agent training command, AGENT_STEPS steps, in its own process."""
   with tempfile.TemporaryDirectory() as workdir:
     start = time.perf_counter()
     run = subprocess.run([sys.executable, "-m", "streamrl_jax.cli", "train", "--config", "examples/agent/agent.gin",
