@@ -76,7 +76,7 @@ def run(name: str, config, job, warm: Path, root: Path) -> dict:
   shutil.copytree(warm, workdir / "warmup_model")
   log(f"arms: run {name!r}, {len(config.arms) + 1} arm(s), {config.steps} steps ...")
   start = time.perf_counter()
-  summary = train_job(config, job, workdir, log=log)
+  summary = train_job(config, job, workdir)
   rows = read_metrics(workdir)
   steady = [r["step_s"] for r in rows[2:]]
   arm_steps = len(rows) + sum(len(read_metrics(workdir / "arms" / a.name)) for a in config.arms)
@@ -96,7 +96,7 @@ def main() -> dict:
   model, tokenizer, _ = job.load_model()
   log("arms: supervised warm-up of the demo model ...")
   model = supervised_warmup(model, tokenizer, job.make_task(tokenizer), job,
-                            config.engine.max_prompt_length + config.max_new_tokens, log=log)
+                            config.engine.max_prompt_length + config.max_new_tokens)
   with tempfile.TemporaryDirectory() as tmp:
     warm = Path(tmp) / "warm"
     save_hf(model, warm)
@@ -117,4 +117,7 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+  from streamrl_jax import logs
+
+  logs.configure(role="arms")  # the run's progress lines on stderr; the JSON alone on stdout
   print(json.dumps(main()))

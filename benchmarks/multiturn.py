@@ -63,7 +63,7 @@ def configs():
 def train(config, job, workdir: Path) -> dict:
   from streamrl_jax.pipeline.train_job import train_job
   start = time.perf_counter()
-  summary = train_job(config, job, workdir, log=lambda text: print(text, file=sys.stderr, flush=True))
+  summary = train_job(config, job, workdir)
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return dict(accuracy_before=round(summary["accuracy_before"], 4), accuracy_after=round(summary["accuracy_after"], 4),
               reward_by_step=[round(m["reward_mean"], 3) for m in metrics], wall_s=round(time.perf_counter() - start, 1))
@@ -166,4 +166,7 @@ def throughput(model, tool_config, paged_config) -> dict:
 
 
 if __name__ == "__main__":
+  from streamrl_jax import logs
+
+  logs.configure(role="multiturn")  # the run's progress lines on stderr; the JSON alone on stdout
   print(json.dumps(main()))

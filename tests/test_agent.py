@@ -50,7 +50,7 @@ def _worker(config, **kwargs):
 
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
-  worker = SamplerWorker(config, graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh, log=lambda *a: None,
+  worker = SamplerWorker(config, graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh,
                          **kwargs)
   return worker, _Weights(params)
 

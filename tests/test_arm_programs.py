@@ -34,7 +34,7 @@ CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, arm_p
 
 def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
   settings = flat_settings(CONFIG, JOB)
-  arms = RemoteArms(CONFIG, "run-a", 0, settings, log=lambda *_: None)
+  arms = RemoteArms(CONFIG, "run-a", 0, settings)
   assert arms.join(ArmJoin("rloo", "", settings)).run_id == "run-a"
   with pytest.raises(BadMessage, match=r"arm 'x' is not an arm of this run \(its arms: \['rloo'\]\)"):
     arms.join(ArmJoin("x", "", settings))
@@ -64,7 +64,7 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
 
   def follow(**kwargs):
     return follower_program.follow_lead(CONFIG, JOB, "rloo", devices=jax.devices()[6:8], flight_config=FAST,
-                                        log=lambda *_: None, **kwargs)
+                                        **kwargs)
 
   def follower(address: str):
     try:
@@ -84,7 +84,7 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
   def sampler(address: str):
     try:
       run_sampler(CONFIG, JOB.model_config(TOKENIZER), TOKENIZER, task, connect=address, name="sampler-0",
-                  settings=settings, flight_config=FAST, devices=jax.devices()[:4], log=lambda *_: None)
+                  settings=settings, flight_config=FAST, devices=jax.devices()[:4])
     except BaseException as err:
       errors.append(err)
 
@@ -94,7 +94,7 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
 
   result = serve_training(CONFIG, Transformer(JOB.model_config(TOKENIZER), rngs=nnx.Rngs(0)), TOKENIZER, task,
                           settings=settings, run_id="run-a", flight_config=FAST, on_listening=listening,
-                          devices=jax.devices()[4:6], log=lambda *_: None)
+                          devices=jax.devices()[4:6])
   for thread in [t for t in threading.enumerate() if t.name in ("sampler-0", "arm-test")]:
     thread.join(timeout=120)
   assert not errors, errors

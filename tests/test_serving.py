@@ -206,7 +206,7 @@ def by_hand(model_dir):
   from streamrl_jax.serving.standalone import load_served_model
   from tests.serving_setup import ENGINE
 
-  return load_served_model(str(model_dir), ENGINE, log=lambda *a: None)
+  return load_served_model(str(model_dir), ENGINE)
 
 
 def test_a_cancel_frees_the_rows_of_a_request_mid_generation(by_hand):

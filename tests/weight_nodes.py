@@ -87,8 +87,7 @@ def sampler(args) -> None:
                                                            relay=relay.address if relay else "")).sampler_id
   template = {k: np.zeros_like(v) for k, v in params_of(args.mb, args.tensors, 0).items()}
   receiver = FlightWeightReceiver(connection, template, None, poll_s=1.0, sampler_id=sampler_id,
-                                  relay=relay.store if relay else None, streams=args.streams,
-                                  log=lambda text: print(text, file=sys.stderr, flush=True))
+                                  relay=relay.store if relay else None, streams=args.streams)
   say(registered=args.name, relay=relay.address if relay else "")
   done = threading.Event()
   threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()

@@ -184,8 +184,7 @@ def cmd_follower(args) -> int:
   name = config.arms[0].name
   try:
     summary = follow_lead(config, job, name, connect=args.connect, workdir=Path(args.workdir), tls=tls,
-                          flight_config=gin_config.build_flight(),
-                          log=lambda text: print(f"streamrl follower {name}: {text}", file=sys.stderr, flush=True))
+                          flight_config=gin_config.build_flight())
   except KeyboardInterrupt:
     print(f"streamrl follower {name}: stopped; run it again with --workdir {args.workdir} to resume from its last "
           "checkpoint", file=sys.stderr)
@@ -198,11 +197,10 @@ def cmd_follower(args) -> int:
 
 
 def cmd_sampler(args) -> int:
-  from streamrl_jax.pipeline.sampler_program import run_sampler
-
   import jax
 
   from streamrl_jax.pipeline import preflight
+  from streamrl_jax.pipeline.sampler_program import run_sampler
   from streamrl_jax.stopping import StopRequest
 
   config, job, flight_config, tls, settings = _start_role(args)
@@ -222,8 +220,7 @@ def cmd_sampler(args) -> int:
                           name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
                           site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
                           relay_tls_name=args.relay_tls_name, base_params=lora_base(config, job),
-                          serve=_serve_config(args.serve, args.serve_priority),
-                          log=lambda text: print(text, file=sys.stderr, flush=True))
+                          serve=_serve_config(args.serve, args.serve_priority))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
     return 130

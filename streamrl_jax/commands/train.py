@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+
+from streamrl_jax import logs
 
 
 def arms_arg(parser) -> None:
@@ -77,10 +80,10 @@ def train_with_progress(config, job, workdir, runner, *, resume: bool | str = Fa
                     samples_s=f"{m['samples_per_s']:.1f}", stale=f"{m['staleness_mean']:.2f}", **extra)
     if bar.n >= bar.total:  # the evaluation's and the summary's lines come after it, not under a redrawn bar
       bar.close()
-  stop = StopRequest(log=tqdm.write)
+  stop = StopRequest()
   try:
     with stop.installed():
-      return train_job(config, job, workdir, log=tqdm.write, progress=progress, resume=resume, runner=runner,
+      return train_job(config, job, workdir, progress=progress, resume=resume, runner=runner,
                        role=role, stop=stop, on_start=on_start)
   finally:
     for bar in bars:
@@ -96,6 +99,8 @@ def train(config_files=(), settings=(), workdir="runs/train", *, resume: bool | 
   from streamrl_jax.commands.host_devices import default_host_devices, force_host_devices
   from streamrl_jax.pipeline.runner import run_pipeline
 
+  if not logging.getLogger(logs.ROOT).handlers:  # the run's lines, as `streamrl train` shows them (unless set up)
+    logs.configure(around_bar=True)
   config_files, settings = [str(f) for f in _listed(config_files)], list(_listed(settings))
   if not _jax_started():
     force_host_devices(default_host_devices(argparse.Namespace(command="train", config=config_files, set=settings)))

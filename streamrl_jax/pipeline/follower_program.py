@@ -13,6 +13,7 @@ workdir trains every sample it had not saved, and none twice. Its outputs are th
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from pathlib import Path
@@ -37,6 +38,8 @@ from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.streaming.flight_client import FlightConnection, VersionGone, fetch_weights
 from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.streaming.sample_schema import WireLimits, batch_to_shard
+
+_log = logging.getLogger(__name__)
 
 READ_DEADLINE_S = 60.0  # one DoGet of the stream (the lead answers within its READ_WAIT_S)
 
@@ -110,7 +113,7 @@ class _StreamReader:
     return self.connection.action(ArmPoll(self.name, self.run_id, self.saved.get()), ArmState)
 
 
-def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None, log=print,
+def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None,
                 flight_config: FlightConfig = FlightConfig()) -> dict:
   """Runs follower arm `arm_name` of `config.arms` against the lead at `connect` until the lead's stream ends;
   returns the arm's summary (also WORKDIR/summary.json). `flight_config`: call deadlines and how long to keep
@@ -126,7 +129,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   workdir.mkdir(parents=True, exist_ok=True)
   id_file = workdir / RUN_ID_FILE
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
-                                retry_s=flight_config.connect_retry_s, log=log, peer="the lead trainer")
+                                retry_s=flight_config.connect_retry_s, peer="the lead trainer")
   joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
                                      flat_settings(config, job)), ArmJoined)
   id_file.write_text(joined.run_id)
@@ -137,9 +140,9 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   model, tokenizer, _ = job.load_model()
   graphdef, params = nnx.split(model)
   if resumed_at is None:
-    params = _lead_weights(connection, params, joined.start_step, log)
-  log(f"arm {arm.name!r}: joined run {joined.run_id}; " + (f"resuming after its step {resumed_at}" if resumed_at
-                                                           else f"starting at step {joined.start_step + 1}"))
+    params = _lead_weights(connection, params, joined.start_step)
+  start = f"resuming after its step {resumed_at}" if resumed_at else f"starting at step {joined.start_step + 1}"
+  _log.info(f"arm {arm.name!r}: joined run {joined.run_id}; {start}")
   checkpointer = _CommittingCheckpointer(base, saved)
   worker = TrainerWorker(arm_config, graphdef, params, role_mesh(config.mesh, "trainer", devices),
                          checkpointer=checkpointer, resume=resumed_at is not None, streamed=False)
@@ -167,7 +170,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
       except QueueClosed:
         if reader.error is not None:
           raise reader.error
-        log(f"arm {arm.name!r}: the lead's stream ended before step {config.steps}")
+        _log.warning(f"arm {arm.name!r}: the lead's stream ended before step {config.steps}")
     base.wait()
     saved.set(config.steps if completed else base.latest_step() or 0)  # every step trained and saved, or skipped
     reader.halt.set()
@@ -181,10 +184,10 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   before_file = workdir.parent.parent / "accuracy_before.json"  # the lead's, when this is its WORKDIR/arms/NAME
   before = json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
   return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, tokenizer,
-                    heldout, job, before, log, evaluate)
+                    heldout, job, before, evaluate)
 
 
-def _lead_weights(connection: FlightConnection, template, version: int, log):
+def _lead_weights(connection: FlightConnection, template, version: int):
   """The lead's weights of `version` (the run's first) as `template`'s tree (float32 on the wire: `to_wire`); the
   newest the lead holds when that one is gone (the follower joined late: it starts from the lead's policy then)."""
   newest = -1
@@ -194,6 +197,6 @@ def _lead_weights(connection: FlightConnection, template, version: int, log):
     _, flat, _ = fetch_weights(connection, version)
   except VersionGone:
     newest = connection.action(VersionQuery(version), VersionInfo).version
-    log(f"the lead no longer holds version {version}: starting from its version {newest}")
+    _log.warning(f"the lead no longer holds version {version}: starting from its version {newest}")
     _, flat, _ = fetch_weights(connection, newest)
   return unflatten_like({"values": template, "scales": {}}, flat, "the lead's weights")["values"]  # float32 wire

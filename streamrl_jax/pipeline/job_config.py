@@ -86,11 +86,11 @@ class JobConfig:
     if self.warmup_steps < 0 or self.eval_prompts < 1:
       raise ValueError("JobConfig.warmup_steps must be >= 0 and eval_prompts >= 1")
 
-  def model_path(self, log=print):
+  def model_path(self):
     """The pretrained model's Hugging Face directory (fetched and converted on first use)."""
     from streamrl_jax.models.catalog import resolve_model
 
-    return resolve_model(self.model, log=log)
+    return resolve_model(self.model)
 
   def make_task(self, tokenizer=None, split: str = "train"):
     """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.

@@ -11,6 +11,7 @@ except at the end of the run, for each live follower to acknowledge its stream (
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout
 from streamrl_jax.pipeline.arms import stream_settings
 from streamrl_jax.pipeline.follower_arms import feed_capacity
 from streamrl_jax.streaming import SampleShard
+
+_log = logging.getLogger(__name__)
 
 READ_WAIT_S = 5.0  # how long one DoGet of an arm's stream waits for a shard before it ends empty
 DROPPED_SHOWN = 4096  # the most recent dropped steps an ArmState carries
@@ -31,9 +34,9 @@ class RemoteArms:
   does; `join`, `poll` and `read` answer the Flight server; `finish` at the end."""
 
   def __init__(self, config, run_id: str, start_step: int, settings: dict,
-               log: Callable[[str], None] = print, clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic):
     self.run_id, self.start_step, self.steps = run_id, start_step, config.steps
-    self.settings, self.log, self.clock = stream_settings(settings), log, clock
+    self.settings, self.clock = stream_settings(settings), clock
     self.feeds = {arm.name: ArmFeed(feed_capacity(config), retain=True) for arm in config.arms}
     self.fanout = Fanout(self.feeds, config.arm_name)
     self._heard: dict[str, float] = {}  # arm -> when it last joined or polled
@@ -63,7 +66,7 @@ class RemoteArms:
       raise BadMessage(f"arm {quote(message.name)} runs another stream than the lead: {len(differing)} settings "
                        f"differ, first {quote(key)} = {quote(theirs.get(key))} (arm) vs {quote(self.settings.get(key))}"
                        " (lead); give both the same --config and --set")
-    self.log(f"arm {message.name!r} joined (run {self.run_id})")
+    _log.info(f"arm {message.name!r} joined (run {self.run_id})")
     return ArmJoined(self.run_id, self.start_step, self.steps)
 
   def poll(self, message: ArmPoll) -> ArmState:
@@ -86,7 +89,7 @@ class RemoteArms:
       said = False
       while not feed.wait_empty(1.0) and self._heard_within(name, GONE_S):
         if not said:
-          self.log(f"waiting for arm {name!r} to train what it holds ({feed.stats()['depth']} samples)")
+          _log.info(f"waiting for arm {name!r} to train what it holds ({feed.stats()['depth']} samples)")
           said = True
     return {}
 

@@ -5,6 +5,7 @@ in-process run's; only the transports differ.
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from streamrl_jax.meshes import role_mesh
@@ -19,10 +20,12 @@ from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import TLSFiles
 from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
 
+_log = logging.getLogger(__name__)
+
 
 def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
                 name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
-                stop: threading.Event | None = None, devices=None, log=print, site: str = "",
+                stop: threading.Event | None = None, devices=None, site: str = "",
                 relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None,
                 base_params=None, serve=None) -> dict:
   """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
@@ -40,7 +43,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
     parse_address(relay_listen, "--relay-listen")
   stop = stop or threading.Event()
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
-                                retry_s=flight_config.connect_retry_s, log=log)
+                                retry_s=flight_config.connect_retry_s)
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)
@@ -53,7 +56,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   else:
     weights = landing(abstract, config.precision, mesh)
   worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings,
-                         serve=serve, serve_tls=tls if serve is not None else None, log=log)
+                         serve=serve, serve_tls=tls if serve is not None else None)
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
@@ -61,21 +64,21 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
   try:
     if relay_listen:
       relay = RelayServer(*parse_address(relay_listen, "--relay-listen"), RelayStore(), tls=tls, advertise=relay_host)
-      log(f"{name}: serves the weights it holds to other samplers at {relay.address} (site {site!r})")
+      _log.info(f"{name}: serves the weights it holds to other samplers at {relay.address} (site {site!r})")
     while not stop.is_set():
       sampler_id = worker.register(control, site=site, relay=relay.address if relay else "")
       stats["sessions"] += 1
-      log(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
-          + (" (again)" if stats["sessions"] > 1 else ""))
+      _log.info(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
+                + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
-                                      streams=flight_config.weight_streams, log=log, relay_tls_name=relay_tls_name)
+                                      streams=flight_config.weight_streams, relay_tls_name=relay_tls_name)
       outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
-      log(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); its lease "
-          f"is dropped, registering again")
+      _log.warning(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); "
+                   "its lease is dropped, registering again")
   finally:
     worker.close()
     connection.close()  # calls still retrying give up at once

@@ -10,6 +10,7 @@ across processes), a sample transport (`put`) and a weight source (`latest` / `w
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 
@@ -30,6 +31,8 @@ from streamrl_jax.sampling import DecodeEngine, StreamingSampler, make_engine
 from streamrl_jax.scheduling import dispatch_requests, engine_slots
 from streamrl_jax.tasks.rows import Row, question, verifier
 from streamrl_jax.types import Rollout, Sample, SamplingParams
+
+_log = logging.getLogger(__name__)
 
 LEASE_POLL_S = 5.0
 SCORE_WAIT_S = 0.05  # nothing to decode, rewards still running: how long to wait for one before looking again
@@ -61,11 +64,10 @@ class SamplerWorker:
   """Leases in, shards and step reports out."""
 
   def __init__(self, config, graphdef, model_config, tokenizer, task, mesh, *, name: str = "sampler",
-               settings: dict | None = None, serve=None, serve_tls=None, log=print):
+               settings: dict | None = None, serve=None, serve_tls=None):
     """`serve` (a `ServeConfig`): also an OpenAI-compatible server on this sampler's engine (`serving`); with an
     agent program (`EnvConfig.agent`) one is started on a free local port anyway, for the agents."""
     self.config, self.spec, self.tokenizer, self.task = config, config.spec, tokenizer, task
-    self.log = log
     self.name, self.settings = name, dict(settings or {})
     self._graphdef, self._model_config = graphdef, model_config
     sched = config.scheduling
@@ -73,7 +75,7 @@ class SamplerWorker:
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
     self.scorer = RewardScorer(config.reward, builtin=verifier(task))
-    self.bridge, self.server = sampler_server(config, serve, tokenizer, serve_tls, log, name)
+    self.bridge, self.server = sampler_server(config, serve, tokenizer, serve_tls, name)
     self.agents = None
     self._agent_scores: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
     self.phase_clock = PhaseClock(SAMPLER_PHASES)  # the serving thread's seconds, by phase: each report carries them
@@ -295,8 +297,8 @@ class SamplerWorker:
                         "them in reward_errors)")
     failed = self.agents.counters["agent_failures"] + self.agents.counters["agent_timeouts"]
     if failed <= AGENT_FAILURES_SHOWN:
-      self.log(f"{self.name}: {message}; scored 0, counted in reward_errors"
-               + (" (later failures are only counted)" if failed == AGENT_FAILURES_SHOWN else ""))
+      _log.warning(f"{self.name}: {message}; scored 0, counted in reward_errors"
+                   + (" (later failures are only counted)" if failed == AGENT_FAILURES_SHOWN else ""))
     self._agent_scores.append((key, failure_score(failure, len(self.scorer.names))))
 
   def _start_episodes(self, lease: Lease, rows: list) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import jax
@@ -37,13 +38,15 @@ from streamrl_jax.tasks import draw, prompt_tokens, question, verifier
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.types import SamplingParams
 
+_log = logging.getLogger(__name__)
+
 __all__ = ["JobConfig", "evaluate", "greedy_completions", "read_metrics", "supervised_warmup", "train_job"]
 CONFIG_FILE = "config.gin"
 CONFIG_HEADER = ("The configuration this run ran with, every key with its type and help.\n"
                  "`streamrl train --config WORKDIR/config.gin --workdir NEW` runs it again.")
 
 
-def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=print):
+def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int):
   """Teacher-forced cross-entropy on (prompt, worked solution) pairs through the RL trainer with the
   `reinforce` objective and advantage 1: its loss is then the completion tokens' mean NLL."""
   graphdef, params = nnx.split(model)
@@ -56,7 +59,7 @@ def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int, log=pr
     batch = _teacher_batch(tokenizer, task, [task.sample(rng) for _ in range(job.warmup_batch)], width)
     state, metrics = trainer.apply(trainer.accumulate(state, batch))
     if step % 100 == 0 or step == job.warmup_steps - 1:
-      log(f"warm-up step {step + 1}/{job.warmup_steps}: nll {metrics['loss']:.3f}")
+      _log.info(f"warm-up step {step + 1}/{job.warmup_steps}: nll {metrics['loss']:.3f}")
   return nnx.merge(graphdef, jax.device_get(state.params))
 
 
@@ -115,7 +118,7 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   return [out[i] for i in sorted(out)]
 
 
-def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=print, progress=None,
+def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, progress=None,
               resume: bool | str = False, runner=run_pipeline, role: str = "train",
               stop: StopRequest | None = None, on_start=None) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
@@ -133,7 +136,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
   workdir = preflight.check_workdir(workdir)
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2, every=job.checkpoint_every)
   try:
-    return _job(config, job, workdir, checkpointer, log, progress, resume, runner, role, stop, on_start)
+    return _job(config, job, workdir, checkpointer, progress, resume, runner, role, stop, on_start)
   except (RunStopped, KeyboardInterrupt) as err:
     checkpointer.wait()  # the last save commits (a second Ctrl-C here stops at once)
     raise RunStopped(checkpointer.latest_step(),
@@ -142,24 +145,24 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, log=p
     checkpointer.close()
 
 
-def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, log, progress, resume: bool | str,
+def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, progress, resume: bool | str,
          runner, role: str, stop: StopRequest | None, on_start) -> dict:
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
-  resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step(), log)
-  config, task, heldout, tokenizer = _preflight(config, job, role, log)
+  resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step())
+  config, task, heldout, tokenizer = _preflight(config, job, role)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
     (workdir / CONFIG_FILE).write_text(render([config, job], DERIVED_KEYS, CONFIG_HEADER))
-  model, tokenizer = _warm_model(config, job, task, workdir, leader, log)
+  model, tokenizer = _warm_model(config, job, task, workdir, leader)
   before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
   resumed_at = checkpointer.latest_step() if resume else None
   if leader:
-    log(f"held-out accuracy before RL: {before:.3f}")
+    _log.info(f"held-out accuracy before RL: {before:.3f}")
     write_curves(workdir, config, before)
   if resume:
-    log(f"resuming from the checkpoint of step {resumed_at}")
+    _log.info(f"resuming from the checkpoint of step {resumed_at}")
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
   in_process_arms = bool(config.arms) and not config.arm_programs
 
@@ -186,7 +189,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, lo
       raise RunStopped(checkpointer.latest_step())
     if not leader:
       return {}
-    summary = _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments, log)
+    summary = _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments)
     if wandb_run is not None:
       wandb_run.pictures(workdir, summary["steps"])
     return summary
@@ -200,11 +203,11 @@ def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdi
   return dict(kwargs, arm_outputs=arms) if arms else kwargs
 
 
-def _resolved_resume(workdir: Path, settings: dict, resume: bool | str, latest: int | None, log) -> bool:
+def _resolved_resume(workdir: Path, settings: dict, resume: bool | str, latest: int | None) -> bool:
   """Whether this run resumes (`preflight.check_resume`); --resume=auto says which it chose."""
   resolved = preflight.check_resume(workdir, settings, resume, latest)
   if resume == "auto":
-    log(f"--resume=auto: {'a checkpoint is there' if resolved else 'no checkpoint yet, starting afresh'}")
+    _log.info(f"--resume=auto: {'a checkpoint is there' if resolved else 'no checkpoint yet, starting afresh'}")
   return resolved
 
 
@@ -217,7 +220,7 @@ def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
   return PeriodicEval(job.eval_every, accuracy)
 
 
-def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
+def _preflight(config: PipelineConfig, job: JobConfig, role: str):
   """Every check that needs no weights, before anything is built; returns (config, task, held-out task, tokenizer),
   the config with LoRA resolved (`preflight.check_lora`)."""
   preflight.check_devices(config, role, len(jax.devices()))
@@ -225,9 +228,9 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
     raise ValueError("JobConfig.eval_every: periodic evaluation runs in a trainer of one process; this one has "
                      f"{jax.process_count()}")
   if advice := preflight.precision_advice(config):
-    log(f"warning: {advice}")
+    _log.warning(advice)
   for advice in arm_advice(config):
-    log(f"warning: {advice}")
+    _log.warning(advice)
   if config.arms and config.arm_programs and role == "train":
     raise ValueError("PipelineConfig.arm_programs: follower programs read their streams from a trainer program's "
                      "Flight server; run `streamrl launch local --arms ...` (or `streamrl trainer` and "
@@ -244,16 +247,15 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str, log):
   return config, task, heldout, tokenizer
 
 
-def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, leader: bool, log):
+def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, leader: bool):
   """(model, tokenizer): the job's model, after its supervised warm-up (loaded from the workdir once done)."""
   model, tokenizer, warm_up = job.load_model()
   warm = workdir / "warmup_model"
   if warm_up and (warm / "config.json").exists():
     model = load_hf(warm, compute_dtype=job.dtype())
-    log(f"loaded the warm-up model from {warm}")
+    _log.info(f"loaded the warm-up model from {warm}")
   elif warm_up:
-    model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens,
-                              log)
+    model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens)
     if leader:
       save_hf(model, warm)
   return model, tokenizer
@@ -273,23 +275,23 @@ def _accuracy_before(model, tokenizer, heldout, config: PipelineConfig, job: Job
 
 
 def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, result, workdir: Path, before: float,
-            segments: list[dict], log) -> dict:
+            segments: list[dict]) -> dict:
   """The trained model evaluated and saved, the pictures drawn, the summary of the whole run written (every
   segment of a resumed run); returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
   after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
-  log(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
+  _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
     save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.lora, base_model_id(job.model))
-    log(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
-        f"{workdir / 'final_model'}")
+    _log.info(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
+              f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
   whole = run_record.arm_totals(segments)  # each arm's counters over the run's segments, not this one's alone
   result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
                                              for n, a in result.arms.items()})
-  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, log, evaluate)
+  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, evaluate)
   by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), **by_arm)

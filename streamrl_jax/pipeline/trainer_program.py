@@ -7,6 +7,7 @@ serves, the others follow it step by step.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 
@@ -32,11 +33,13 @@ from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
 from streamrl_jax.streaming.sample_schema import WireLimits
 
+_log = logging.getLogger(__name__)
+
 
 def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: str = "127.0.0.1:0",
                    tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
                    on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                   on_listening: Callable[[str], None] | None = None, devices=None, log=print,
+                   on_listening: Callable[[str], None] | None = None, devices=None,
                    on_event: Callable[[dict], None] | None = None, site: str = "",
                    stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
                    arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None,
@@ -70,18 +73,18 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
-                          on_event=on_event or (lambda e: log(describe_event(e))), site=site)
+                          on_event=on_event or (lambda e: _log.info(describe_event(e))), site=site)
   if config.arms and config.arm_programs:
-    followers = RemoteArms(config, run_id, trainer.start_step, settings or {}, log=log)
+    followers = RemoteArms(config, run_id, trainer.start_step, settings or {})
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
                                arm_outputs, resume, periodic_eval)
   queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config,
                                 followers if isinstance(followers, RemoteArms) else None)
-  log(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers connect to {server.address}")
+  _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
   if on_listening is not None:
     on_listening(server.address)
-  get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s, log)
+  get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s)
   if jax.process_count() > 1:
     get_shard = _broadcasting(get_shard)
 
@@ -154,7 +157,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult
   return RunResult(params, [], dict(trainer.counters), {}, adapters)
 
 
-def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float, log):
+def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float):
   """queue.get(timeout) that says when it has waited long for samplers, and gives up once none has been heard
   from for `ControllerConfig.sampler_timeout_s`."""
   waited, said = 0.0, False  # since the last shard
@@ -167,7 +170,7 @@ def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: 
       waited += timeout
       silent = controller.silent_s()
       if silent is None and waited >= 10 and not said:
-        log(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
+        _log.info(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
         said = True
       if (silent if silent is not None else waited) > sampler_timeout_s:
         raise RuntimeError(f"no sampler has been heard from for {sampler_timeout_s:.0f} s "

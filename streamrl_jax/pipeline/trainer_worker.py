@@ -22,6 +22,7 @@ checkpoint before it stays the one a resume starts from). Fault points (`faults.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +47,8 @@ from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+
+_log = logging.getLogger(__name__)
 
 SHARD_POLL_S = 1.0  # how often a trainer waiting for samples looks at a stop request
 # Where the training thread's seconds go: waiting for samples, forward and backward passes (advantages and the
@@ -129,7 +132,7 @@ class TrainerWorker:
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
     watch = None
     if self.config.step_timeout_s:
-      watch = StallWatch(self.config.step_timeout_s, lambda text: print(text, file=sys.stderr, flush=True),
+      watch = StallWatch(self.config.step_timeout_s, _log.error,
                          time.monotonic)
       self._progress = watch.progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():

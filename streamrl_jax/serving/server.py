@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 import threading
@@ -14,6 +15,8 @@ import uvicorn
 
 from streamrl_jax.serving.app import Service, make_app
 from streamrl_jax.serving.bridge import RequestBridge
+
+_log = logging.getLogger(__name__)
 
 START_TIMEOUT_S = 30.0
 
@@ -105,8 +108,8 @@ class GenerationLoop:
   """The thread that owns a standalone server's `StreamingSampler`: takes served requests in, decodes while any
   runs, sends their tokens out; idle, it waits for the next request."""
 
-  def __init__(self, sampler, bridge: RequestBridge, *, log=print):
-    self.sampler, self.bridge, self.log = sampler, bridge, log
+  def __init__(self, sampler, bridge: RequestBridge):
+    self.sampler, self.bridge = sampler, bridge
     self._stop = threading.Event()
     self._going = threading.Event()
     self._going.set()
@@ -126,7 +129,7 @@ class GenerationLoop:
           bridge.wait(0.5)
     except BaseException as err:  # noqa: BLE001 - the server answers 503 from here on, the error is logged
       self.error = err
-      self.log(f"the generation loop stopped: {type(err).__name__}: {err}")
+      _log.error(f"the generation loop stopped: {type(err).__name__}: {err}")
     finally:  # an error ends the server's service; a stop only this loop's (another may take the sampler on)
       message = "the server's generation loop has stopped"
       bridge.close(sampler, message) if self.error is not None else bridge.refuse_all(sampler, message)

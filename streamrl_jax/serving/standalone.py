@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from streamrl_jax.serving.app import ServedModel
 
+_log = logging.getLogger(__name__)
 
-def load_served_model(spec: str, engine_config, *, dtype: str = "float32", seed: int = 0, name: str = "", log=print):
+
+def load_served_model(spec: str, engine_config, *, dtype: str = "float32", seed: int = 0, name: str = ""):
   """(`ServedModel`, `StreamingSampler`) of `spec` (a catalog name, a .gguf file or a Hugging Face directory) on
   this process's first device, with its weights as version 0."""
   import jax
@@ -19,7 +22,7 @@ def load_served_model(spec: str, engine_config, *, dtype: str = "float32", seed:
   from streamrl_jax.models.catalog import resolve_model
   from streamrl_jax.sampling import StreamingSampler, make_engine
 
-  path = resolve_model(spec, log=log)
+  path = resolve_model(spec)
   model, tokenizer = load_hf(path, dtype=jnp.dtype(dtype)), load_tokenizer(path)
   if len(tokenizer.stop_ids) > engine_config.max_stop_tokens:
     engine_config = dataclasses.replace(engine_config, max_stop_tokens=len(tokenizer.stop_ids))
@@ -27,6 +30,6 @@ def load_served_model(spec: str, engine_config, *, dtype: str = "float32", seed:
   engine = make_engine(graphdef, model.config, engine_config, single_device_mesh(jax.devices()[0]))
   sampler = StreamingSampler([engine], params, version=0, seed=seed)
   served = ServedModel(name or spec, tokenizer, engine_config.max_prompt_length, engine_config.max_new_tokens)
-  log(f"serving {served.name}: {model.config.param_count():,} parameters, {engine_config.num_slots} slots, "
-      f"prompts up to {engine_config.max_prompt_length} tokens, completions up to {engine_config.max_new_tokens}")
+  _log.info(f"serving {served.name}: {model.config.param_count():,} parameters, {engine_config.num_slots} slots, "
+            f"prompts up to {engine_config.max_prompt_length} tokens, completions up to {engine_config.max_new_tokens}")
   return served, sampler

@@ -10,6 +10,7 @@ that fetches each new version in the background and places it onto the sampler's
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +32,8 @@ from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembl
 from streamrl_jax.streaming.weight_relay import RelayStore
 from streamrl_jax.streaming.weights import LatestWeights
 
+_log = logging.getLogger(__name__)
+
 
 RETRY_NOTICE_S = 20.0
 WEIGHTS_DEADLINE_S = 1800.0  # one weight stream's deadline: a version over a slow link takes minutes
@@ -49,12 +52,12 @@ class FlightConnection:
   that find the server unavailable are retried with backoff for up to `retry_s` seconds in all."""
 
   def __init__(self, address: str, *, tls: TLSFiles | None = None, timeout_s: float = 60.0, retry_s: float = 120.0,
-               log=None, peer: str = "the trainer", tls_name: str | None = None):
+               peer: str = "the trainer", tls_name: str | None = None):
     """`peer` names the other side in errors; `tls_name`: the name its certificate must carry (default: the
     host dialled), e.g. a relay dialled at a pod IP whose certificate names a service."""
     if ":" not in address:
       raise ValueError(f"--connect {address!r}: expected HOST:PORT")
-    self.address, self.timeout_s, self.retry_s, self.log, self.peer = address, timeout_s, retry_s, log, peer
+    self.address, self.timeout_s, self.retry_s, self.peer = address, timeout_s, retry_s, peer
     self.tls = tls is not None
     kwargs = {}
     if tls is not None:
@@ -85,10 +88,10 @@ class FlightConnection:
           raise TrainerUnreachable(f"{self.peer} at {self.address} did not take the call for {limit:.0f} s: "
                                    f"{_message(err)}{self._tls_hint(err)}") from None
         waited = time.monotonic() - start
-        if self.log is not None and waited - said >= RETRY_NOTICE_S:  # a warm-up or a restart: say so now and then
+        if waited - said >= RETRY_NOTICE_S:  # a warm-up or a restart: say so now and then
           said = waited
-          self.log(f"{self.peer} at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
-                   f"retrying for up to {limit:.0f} s in all")
+          _log.info(f"{self.peer} at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
+                    f"retrying for up to {limit:.0f} s in all")
       self.counters["retries"] += 1
       self._closed.wait(pause)
       pause = min(2 * pause, 2.0)
@@ -250,10 +253,10 @@ class FlightWeightReceiver:
 
   def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None,
                sampler_id: int = -1, relay: RelayStore | None = None, tls: TLSFiles | None = None, streams: int = 2,
-               log=None, relay_tls_name: str | None = None):
+               relay_tls_name: str | None = None):
     """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
-    self.sampler_id, self.relay, self.tls, self.streams, self.log = sampler_id, relay, tls, streams, log
+    self.sampler_id, self.relay, self.tls, self.streams = sampler_id, relay, tls, streams
     self.relay_tls_name = relay_tls_name
     self._sources: dict[str, FlightConnection] = {}
     self.last_fallback = ""
@@ -294,9 +297,8 @@ class FlightWeightReceiver:
       except Exception as err:  # noqa: BLE001 - whatever went wrong there, the trainer has the version
         self.stats["relay_fallbacks"] += 1
         self.last_fallback = f"{type(err).__name__}: {_message(err)[:300]}"
-        if self.log is not None:
-          self.log(f"weights of version {version} from relay {source} failed ({self.last_fallback}); "
-                   f"fetching them from the trainer (the samplers below this one go on from what it holds)")
+        _log.warning(f"weights of version {version} from relay {source} failed ({self.last_fallback}); "
+                     f"fetching them from the trainer (the samplers below this one go on from what it holds)")
     if got is None:
       try:
         got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay)
