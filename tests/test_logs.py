@@ -14,14 +14,14 @@ from streamrl_jax import cli, logs
 LOG = logging.getLogger("streamrl_jax.pipeline.example")
 
 
-def test_a_one_process_command_prints_bare_lines_and_says_warnings(capsys):
+def test_a_one_process_command_prints_bare_lines_and_warnings_on_stderr(capsys):
   logs.configure()
   LOG.info("held-out accuracy before RL: 0.406")
   LOG.warning("the sampler's precision is int8")
   LOG.debug("not shown at INFO")
   out = capsys.readouterr()
-  assert out.out == "held-out accuracy before RL: 0.406\nwarning: the sampler's precision is int8\n"
-  assert out.err == ""
+  assert out.out == "held-out accuracy before RL: 0.406\n"
+  assert out.err == "warning: the sampler's precision is int8\n"
 
 
 def test_a_role_program_starts_every_line_with_time_role_and_process(capsys):
@@ -38,7 +38,7 @@ def test_the_level_hides_what_is_less_severe_and_an_unknown_level_is_refused(cap
   logs.configure("WARNING")
   LOG.info("hidden")
   LOG.warning("shown")
-  assert capsys.readouterr().out == "warning: shown\n"
+  assert capsys.readouterr() == ("", "warning: shown\n")
   logs.configure()  # configuring again replaces the last handler: one line per record
   LOG.info("once")
   assert capsys.readouterr().out == "once\n"
