@@ -50,7 +50,7 @@ def configs():
   """(lead config, job, arms config): the demo's, in `stream` mode; the samplers on 2 devices, each trainer on 2."""
   from streamrl_jax import gin_config
   from streamrl_jax.meshes import MeshConfig
-  from streamrl_jax.pipeline.arms import ArmConfig
+  from streamrl_jax.arms.config import ArmConfig
 
   files = gin_config.run_files([])
   bindings = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"JobConfig.eval_prompts={EVAL}"]
@@ -68,7 +68,7 @@ def configs():
 def run(name: str, config, job, warm: Path, root: Path) -> dict:
   import shutil
 
-  from streamrl_jax.pipeline.metrics_log import read_metrics
+  from streamrl_jax.records.metrics_log import read_metrics
   from streamrl_jax.pipeline.train_job import train_job
 
   workdir = root / name

@@ -254,9 +254,9 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
 
 def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, bindings) -> PipelineConfig:
   """`config` (the lead) with a follower arm per file of `arm_files` (`--arms`), each parsed over the run's files
-  and bindings and named by its file's stem (`pipeline.arms.arms_from_configs` checks what they change). The
+  and bindings and named by its file's stem (`arms.config.arms_from_configs` checks what they change). The
   run's own bindings are parsed again at the end."""
-  from streamrl_jax.pipeline.arms import arms_from_configs
+  from streamrl_jax.arms.config import arms_from_configs
 
   if not arm_files:
     return config

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import streamrl_jax.pipeline.follower_program as follower_program
+import streamrl_jax.arms.program as follower_program
 from streamrl_jax.messages import ArmJoin, ArmPoll, BadMessage
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline.arms import ArmConfig
+from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.metrics_log import read_metrics
-from streamrl_jax.pipeline.remote_arms import RemoteArms
+from streamrl_jax.records.metrics_log import read_metrics
+from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.sampler_program import run_sampler
 from streamrl_jax.pipeline.trainer_program import serve_training
 from streamrl_jax.settings import flat_settings

@@ -13,8 +13,8 @@ from flax import nnx
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import run_pipeline
-from streamrl_jax.pipeline.arms import ArmConfig
-from streamrl_jax.pipeline.metrics_log import PeriodicEval
+from streamrl_jax.arms.config import ArmConfig
+from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.training import ObjectiveConfig
 from streamrl_jax.training.checkpoint import Checkpointer
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask

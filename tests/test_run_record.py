@@ -3,8 +3,8 @@ hand; and the pictures drawn from them."""
 
 import json
 
-from streamrl_jax.pipeline import run_record
-from streamrl_jax.pipeline.report import curves_figure, pyplot, write_curves_png, write_timeline_png
+from streamrl_jax.records import run_record
+from streamrl_jax.records.pictures import curves_figure, pyplot, write_curves_png, write_timeline_png
 
 
 def test_a_fresh_start_forgets_an_old_record_and_a_resume_appends_to_it(tmp_path):

@@ -14,7 +14,7 @@ def add_compare_parser(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-  from streamrl_jax.pipeline.comparison import read_arms, table, write_comparison_png
+  from streamrl_jax.records.comparison import read_arms, table, write_comparison_png
 
   arms = read_arms(Path(args.run_dir))
   out = Path(args.out) if args.out else Path(args.run_dir) / "compare.png"

@@ -173,7 +173,7 @@ def lora_base(config, job):
 
 def cmd_follower(args) -> int:
   from streamrl_jax import gin_config
-  from streamrl_jax.pipeline.follower_program import follow_lead
+  from streamrl_jax.arms.program import follow_lead
   from streamrl_jax.streaming.flight_server import TLSFiles
 
   files = gin_config.run_files(args.config)

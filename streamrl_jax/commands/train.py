@@ -17,7 +17,7 @@ from streamrl_jax import logs
 
 
 def arms_arg(parser) -> None:
-  """`--arms FILE ...`: follower arms (`pipeline.arms`)."""
+  """`--arms FILE ...`: follower arms (`arms/`)."""
   parser.add_argument("--arms", nargs="+", default=[], metavar="FILE",
                       help="follower arm gin files (e.g. configs/arms/*.gin): more trainers on this run's samples, "
                            "each with the advantage, objective and optimizer its file sets; the run's config leads")

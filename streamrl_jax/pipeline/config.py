@@ -9,7 +9,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
-from streamrl_jax.pipeline.arms import check_arm_names
+from streamrl_jax.arms.config import check_arm_names
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
@@ -64,7 +64,7 @@ class PipelineConfig:
   lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
   env: EnvConfig = EnvConfig()
   controller: ControllerConfig = ControllerConfig()
-  # follower arms: more trainers on this run's sample stream (`pipeline.arms`; `--arms FILES`, not gin)
+  # follower arms: more trainers on this run's sample stream (`arms/`; `--arms FILES`, not gin)
   arms: tuple = dataclasses.field(default=(), metadata={"bound_by": "--arms FILE.gin ..."})
   arm_name: str = "lead"  # with arms: this config's own trainer's name (its rows' `arm`)
   arm_max_lag: int = 2  # with arms: a follower this many steps behind the lead skips a step to catch up

@@ -30,7 +30,7 @@ from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
+from streamrl_jax.arms.followers import make_followers, spare_devices
 from streamrl_jax.pipeline.sampler_worker import SamplerWorker
 from streamrl_jax.pipeline.trainer_session import RunResult, initial_weights_donated, make_ranker, train_session
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker

@@ -20,14 +20,15 @@ from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import load_hf, lora, save_hf
 from streamrl_jax.models.catalog import base_model_id
 from streamrl_jax.models.peft_io import save_adapter
-from streamrl_jax.pipeline import preflight, run_record
-from streamrl_jax.pipeline.arm_outputs import arm_outputs, describe_arm, finish_arms
-from streamrl_jax.pipeline.arms import arm_advice
+from streamrl_jax.pipeline import preflight
+from streamrl_jax.records import run_record
+from streamrl_jax.arms.outputs import arm_outputs, describe_arm, finish_arms
+from streamrl_jax.arms.config import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.pipeline.metrics_log import (PeriodicEval, WandbRun, add_row, evaluations, open_metrics,
+from streamrl_jax.records.metrics_log import (PeriodicEval, WandbRun, add_row, evaluations, open_metrics,
                                               read_metrics, tensorboard_writer)
-from streamrl_jax.pipeline.report import write_chrome_trace, write_curves_png, write_timeline_png
+from streamrl_jax.records.pictures import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings

@@ -21,8 +21,8 @@ from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
-from streamrl_jax.pipeline.follower_arms import make_followers, spare_devices
-from streamrl_jax.pipeline.remote_arms import RemoteArms
+from streamrl_jax.arms.followers import make_followers, spare_devices
+from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_session import (RunResult, initial_weights_donated, make_ranker, ranker_aux,
                                                    train_session, trained_params)

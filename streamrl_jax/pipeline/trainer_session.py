@@ -17,9 +17,9 @@ from flax import nnx
 from streamrl_jax import launch
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.follower_arms import Followers
-from streamrl_jax.pipeline.metrics_log import PeriodicEval
-from streamrl_jax.pipeline.remote_arms import RemoteArms
+from streamrl_jax.arms.followers import Followers
+from streamrl_jax.records.metrics_log import PeriodicEval
+from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker

@@ -39,7 +39,7 @@ from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
 from streamrl_jax.phase_clock import PhaseClock, accounted_frac
-from streamrl_jax.pipeline.arm_feed import StepSkipped
+from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer_control import TrainerControl
 from streamrl_jax.pipeline.watchdog import StallWatch

@@ -12,13 +12,12 @@ from pathlib import Path
 from flax import nnx
 
 from streamrl_jax.models import save_hf
-from streamrl_jax.pipeline.arms import arm_pipeline
-from streamrl_jax.pipeline.metrics_log import evaluations, open_metrics, read_metrics
-from streamrl_jax.pipeline.report import write_curves_png
+from streamrl_jax.arms.config import arm_pipeline
+from streamrl_jax.records.metrics_log import evaluations, open_metrics, read_metrics
+from streamrl_jax.records.pictures import write_curves_png
+from streamrl_jax.records.run_record import ARMS_DIR
 
 _log = logging.getLogger(__name__)
-
-ARMS_DIR = "arms"
 
 
 def arm_dir(workdir: Path, name: str) -> Path:

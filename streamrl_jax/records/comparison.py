@@ -13,9 +13,9 @@ import json
 import math
 from pathlib import Path
 
-from streamrl_jax.pipeline.arm_outputs import ARMS_DIR
-from streamrl_jax.pipeline.metrics_log import evaluations, read_metrics
-from streamrl_jax.pipeline.report import pyplot
+from streamrl_jax.records.metrics_log import evaluations, read_metrics
+from streamrl_jax.records.pictures import pyplot
+from streamrl_jax.records.run_record import ARMS_DIR
 
 TAIL = 5  # steps averaged for the table's "last" figures
 

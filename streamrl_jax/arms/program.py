@@ -24,12 +24,12 @@ from flax import nnx
 
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery
 from streamrl_jax.meshes import role_mesh
-from streamrl_jax.pipeline.arm_feed import ArmFeed, FollowerSource
-from streamrl_jax.pipeline.arm_outputs import describe_arm, finish_arm
-from streamrl_jax.pipeline.arms import arm_pipeline
-from streamrl_jax.pipeline.follower_arms import NoPublisher, arm_row, feed_capacity
-from streamrl_jax.pipeline.metrics_log import PeriodicEval, open_metrics
-from streamrl_jax.pipeline.run_record import RUN_ID_FILE
+from streamrl_jax.arms.feed import ArmFeed, FollowerSource
+from streamrl_jax.arms.outputs import describe_arm, finish_arm
+from streamrl_jax.arms.config import arm_pipeline
+from streamrl_jax.arms.followers import NoPublisher, arm_row, feed_capacity
+from streamrl_jax.records.metrics_log import PeriodicEval, open_metrics
+from streamrl_jax.records.run_record import RUN_ID_FILE
 from streamrl_jax.pipeline.trainer_control import FollowerControl
 from streamrl_jax.pipeline.trainer_worker import TrainerWorker
 from streamrl_jax.pytrees import unflatten_like

@@ -16,6 +16,7 @@ from pathlib import Path
 
 RECORD_FILE = "run.json"
 RUN_ID_FILE = "run_id"
+ARMS_DIR = "arms"  # WORKDIR/arms/NAME: each follower arm's outputs
 
 
 def run_id(workdir: Path) -> str:

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, BadMessage, quote
-from streamrl_jax.pipeline.arm_feed import ArmFeed, Fanout
-from streamrl_jax.pipeline.arms import stream_settings
-from streamrl_jax.pipeline.follower_arms import feed_capacity
+from streamrl_jax.arms.feed import ArmFeed, Fanout
+from streamrl_jax.arms.config import stream_settings
+from streamrl_jax.arms.followers import feed_capacity
 from streamrl_jax.streaming import SampleShard
 
 _log = logging.getLogger(__name__)
