@@ -49,13 +49,15 @@ def configs():
   from streamrl_jax.pipeline.config import PipelineConfig
   from streamrl_jax.envs import EnvConfig
   from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.tasks.config import TaskConfig
   from streamrl_jax.sampling.engine import EngineConfig
   engine = EngineConfig(num_slots=32, max_prompt_length=16, max_new_tokens=32)
   base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32, engine=engine)
   tool = (PipelineConfig(env=EnvConfig(environment="calculator"), **base),
-          JobConfig(task="multiply", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=EVAL))
+          JobConfig(task=TaskConfig(name="multiply", multiply_digits=DIGITS), warmup_steps=WARMUP, eval_prompts=EVAL))
   plain = (PipelineConfig(**base),
-           JobConfig(task="multiply_no_tool", multiply_digits=DIGITS, warmup_steps=WARMUP, eval_prompts=EVAL))
+           JobConfig(task=TaskConfig(name="multiply_no_tool", multiply_digits=DIGITS), warmup_steps=WARMUP,
+                     eval_prompts=EVAL))
   paged = (dataclasses.replace(tool[0], engine=dataclasses.replace(engine, kv_layout="paged", page_size=16)), tool[1])
   return tool, plain, paged
 

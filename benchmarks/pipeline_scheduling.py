@@ -48,7 +48,7 @@ def main() -> dict:
   gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
   config, job = gin_config.build_run()
   config = dataclasses.replace(config, steps=STEPS, mode="stream")
-  job = dataclasses.replace(job, warmup_steps=WARMUP, max_digits=8)
+  job = dataclasses.replace(job, warmup_steps=WARMUP, task=dataclasses.replace(job.task, max_digits=8))
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens)

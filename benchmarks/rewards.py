@@ -110,7 +110,7 @@ def throughput(hidden: int | None = None, layers: int | None = None) -> dict:
       if name == "slow_inline" and rates[name]:
         continue  # one round shows the stall
       result = run_pipeline(dataclasses.replace(config, reward=reward), model, tokenizer,
-                            ConstantTask(max_digits=job.max_digits))
+                            ConstantTask(max_digits=job.task.max_digits))
       steady = result.metrics[1:]
       rates[name].append(config.samples_per_step * len(steady) / sum(m["generation_s"] for m in steady))
   rate = {name: float(np.median(v)) for name, v in rates.items()}

@@ -50,10 +50,9 @@ def cmd_info(args) -> int:
 
   from streamrl_jax import gin_config
   from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, cpu_device_count
-  from streamrl_jax.pipeline.job_config import JobConfig
 
   gin_config.parse(gin_config.run_files(args.config), args.set)
-  mesh_config, job = gin_config.build(MeshConfig), gin_config.build(JobConfig)
+  mesh_config, job = gin_config.build(MeshConfig), gin_config.build_job()
   devices = jax.devices()
   info = {"python": sys.version.split()[0], "versions": _versions(), "backend": jax.default_backend(),
           "process_count": jax.process_count(), "device_count": len(devices),

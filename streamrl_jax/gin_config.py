@@ -32,6 +32,7 @@ from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
+from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
@@ -48,8 +49,8 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, OptimizerConfig, ObjectiveConfig, RankerConfig, SchedulingConfig,
-                  RewardConfig, TrainerConfig, LoraConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig, FlightConfig,
-                  GKEConfig)
+                  RewardConfig, TrainerConfig, LoraConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig,
+                  TaskConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 _CLASSES = {cls.__name__: cls for cls in CONFIG_CLASSES}
@@ -64,6 +65,10 @@ MOVED_KEYS = {
     **{f"FlightConfig.{f}": f"ControllerConfig.{f}" for f in ("heartbeat_s", "lease_timeout_s", "sampler_timeout_s",
                                                              "finish_grace_s", "weight_fanout")},
     "JobConfig.model_dir": "JobConfig.model",
+    "JobConfig.task": "TaskConfig.name",
+    **{f"JobConfig.{f}": f"TaskConfig.{f}" for f in ("prompt_file", "prompt_key", "answer_key", "eval_file",
+                                                      "eval_fraction", "chat", "system_prompt", "max_digits",
+                                                      "sum_digits", "sum_terms", "multiply_digits")},
 }
 # Classes that are not bound, and where their values come from.
 NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConfig.model); the demo model's from "
@@ -237,7 +242,7 @@ def pinned_hub_model(config_files, bindings) -> list[str]:
   from streamrl_jax.models.hub import parse_hub_id, pinned
 
   parse(run_files(config_files), bindings)
-  model = build(JobConfig).model
+  model = build_job().model
   if not parse_hub_id(model) or Path(model).exists():
     return list(bindings)
   return [*bindings, f"JobConfig.model={pinned(model)!r}"]
@@ -249,7 +254,12 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
                objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
                reward=build(RewardConfig), trainer=build(TrainerConfig), lora=build(LoraConfig), env=build(EnvConfig),
                controller=build(ControllerConfig))
-  return build(PipelineConfig, **parts), build(JobConfig)
+  return build(PipelineConfig, **parts), build_job()
+
+
+def build_job() -> JobConfig:
+  """The job config with its task's, each from its own bindings."""
+  return build(JobConfig, task=build(TaskConfig))
 
 
 def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, bindings) -> PipelineConfig:

@@ -14,6 +14,7 @@ from tests.gguf_files import CHATML, byte_alphabet
 from streamrl_jax.models import chat as chat_module
 from streamrl_jax.models import load_tokenizer
 from streamrl_jax.models.chat import ChatFormat, ChatTemplateError, render_chat
+from streamrl_jax.tasks.config import TaskConfig
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>",
             "<|end_header_id|>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
@@ -249,7 +250,7 @@ def test_smollm2_template_and_tokenizer_match_transformers(smollm2):
 
 
 def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeypatch):
-  """A GGUF model whose tokenizer adds BOS, with and without `JobConfig.chat`: the prompt ids the controller, the
+  """A GGUF model whose tokenizer adds BOS, with and without `TaskConfig.chat`: the prompt ids the controller, the
   sampler and evaluation use are transformers' ids for the same question, and evaluation stops on every stop id."""
   import numpy as np
 
@@ -277,8 +278,8 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
 
   monkeypatch.setattr(train_job, "StreamingSampler", Recorder)
   for chat in (False, True):
-    job = train_job.JobConfig(task="file", prompt_file=str(rows), model=str(gguf), chat=chat,
-                              system_prompt="Be brief." if chat else "")
+    job = train_job.JobConfig(model=str(gguf), task=TaskConfig(name="file", prompt_file=str(rows), chat=chat,
+                                                               system_prompt="Be brief." if chat else ""))
     model, tokenizer, _ = job.load_model()
     theirs = _theirs(job.model_path())
     task = job.make_task(tokenizer)

@@ -51,7 +51,9 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
 
 @pytest.mark.parametrize("old, new", [("PipelineConfig.packing", "TrainerConfig.packing"),
                                       ("PipelineConfig.environment", "EnvConfig.environment"),
-                                      ("JobConfig.model_dir", "JobConfig.model")])
+                                      ("JobConfig.model_dir", "JobConfig.model"),
+                                      ("JobConfig.task", "TaskConfig.name"),
+                                      ("JobConfig.prompt_file", "TaskConfig.prompt_file")])
 def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
   gin_file = tmp_path / "old.gin"
   gin_file.write_text(f"PipelineConfig.steps = 2\n{old} = 1\n")
@@ -123,7 +125,7 @@ def test_generate_demo_runs(capsys):
 def test_every_shipped_gin_file_builds(path):
   gin_config.parse([path])
   config, job = gin_config.build_run()
-  assert config.steps >= 1 and job.task
+  assert config.steps >= 1 and job.task.name
   if path.name == "skew_cpu.gin":
     assert config.scheduling.policy == "skew_aware" and config.scheduling.instance_limit == 2
     assert config.scheduling.ranker.max_prompt_length == 32
@@ -147,9 +149,9 @@ def test_without_a_config_a_run_reads_the_cpu_demo_file_alone():
 
 
 def test_a_bare_word_is_a_string_where_the_key_takes_one_and_a_quoting_hint_elsewhere():
-  gin_config.parse(bindings=["PipelineConfig.mode=stream", "JobConfig.task=sums", "JobConfig.model=org/name@v1"])
+  gin_config.parse(bindings=["PipelineConfig.mode=stream", "TaskConfig.name=sums", "JobConfig.model=org/name@v1"])
   config, job = gin_config.build_run()
-  assert (config.mode, job.task, job.model) == ("stream", "sums", "org/name@v1")
+  assert (config.mode, job.task.name, job.model) == ("stream", "sums", "org/name@v1")
   with pytest.raises(gin_config.ConfigError) as err:
     gin_config.parse(bindings=["PipelineConfig.steps=many"])
   assert str(err.value) == ("--set 'PipelineConfig.steps=many': many is not a value of PipelineConfig.steps (int); a "

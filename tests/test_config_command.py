@@ -52,7 +52,7 @@ def test_every_key_has_help_in_its_dataclass():
 
 def test_the_listing_is_a_config_that_builds_the_same_run(tmp_path, capsys):
   sets = ["PipelineConfig.steps=3", "SchedulingConfig.ptl_curve=[[1, 0.5], [4, 1.0]]", "OptimizerConfig.b1=0",
-          "EngineConfig.short_attention_windows=(32, 64)", "JobConfig.system_prompt='say \"hi\"\\n'",
+          "EngineConfig.short_attention_windows=(32, 64)", "TaskConfig.system_prompt='say \"hi\"\\n'",
           "GKEConfig.image='img:1'", "GKEConfig.bucket='gs://my-bucket/runs'", "FlightConfig.weight_streams=2"]
   text = listing(capsys, *(a for s in sets for a in ("--set", s)))
   gin_config.parse(gin_config.run_files([]), sets)

@@ -16,6 +16,7 @@ from streamrl_jax.models import load_hf, load_tokenizer
 from streamrl_jax.models.catalog import base_model_id, resolve_model
 from streamrl_jax.models.hub import HubError, hub_dataset, parse_hub_id
 from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.tasks.files import PromptFile
 from tests.checkpoints import hub_layout, word_checkpoint, write_parquet
 
@@ -139,9 +140,10 @@ def test_prompts_from_a_hub_dataset_are_the_rows_of_its_files(hub, tmp_path):
   pinned = hub_dataset(f"hf://datasets/tiny-org/sums@{V1}/main/test-00000-of-00001.parquet")
   assert [r["prompt"] for r in PromptFile(pinned)] == [rows[-1]["question"]]
   tokenizer = load_tokenizer(main)
-  by_url = JobConfig(model=str(main), task="file", prompt_file="hf://datasets/tiny-org/sums/main/"
-                                                               "train-00001-of-00002.parquet")
-  by_path = JobConfig(model=str(main), task="file", prompt_file=str(files / "main" / "train-00001-of-00002.parquet"))
+  by_url = JobConfig(model=str(main), task=TaskConfig(name="file", prompt_file="hf://datasets/tiny-org/sums/main/"
+                                                                             "train-00001-of-00002.parquet"))
+  by_path = JobConfig(model=str(main), task=TaskConfig(name="file", prompt_file=str(files / "main" /
+                                                                                    "train-00001-of-00002.parquet")))
   assert drawn(by_url.make_task(tokenizer)) == drawn(by_path.make_task(tokenizer))
   with pytest.raises(HubError, match=r"dataset 'hf://datasets/tiny-org/absent/x.parquet' is not in the Hugging "
                                      r"Face cache .*hf download tiny-org/absent --repo-type dataset"):

@@ -244,7 +244,7 @@ def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
   from tests.test_faults import Programs, check_each_step_once
   steps = 3
   run = Programs(tmp_path, steps, mode="async")
-  sets = ["EnvConfig.environment='calculator'", "JobConfig.task='multiply'", "JobConfig.multiply_digits=1",
+  sets = ["EnvConfig.environment='calculator'", "TaskConfig.name='multiply'", "TaskConfig.multiply_digits=1",
           "JobConfig.warmup_steps=100", "PipelineConfig.max_new_tokens=16",
           "PipelineConfig.in_flight=True"]
   extra = [a for s in sets for a in ("--set", s)]

@@ -143,11 +143,12 @@ def test_chat_task_wraps_prompts_and_rewards_the_question():
 
 def test_job_config_refuses_real_tasks_without_a_model():
   from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.tasks.config import TaskConfig
 
-  for bad, key in ((dict(task="sums"), "needs a pretrained model"), (dict(chat=True), "JobConfig.chat needs")):
+  for bad, key in ((dict(name="sums"), "needs a pretrained model"), (dict(chat=True), "TaskConfig.chat needs")):
     with pytest.raises(ValueError, match=key):
-      JobConfig(**bad)
-  job = JobConfig(task="sums", model="smollm2-135m-instruct", chat=True)
+      JobConfig(task=TaskConfig(**bad))
+  job = JobConfig(model="smollm2-135m-instruct", task=TaskConfig(name="sums", chat=True))
   with pytest.raises(ValueError, match="has no chat template"):
     job.make_task(CharTokenizer())
-  assert JobConfig(task="sums", model="x").make_task(split="eval").split == "heldout"
+  assert JobConfig(model="x", task=TaskConfig(name="sums")).make_task(split="eval").split == "heldout"

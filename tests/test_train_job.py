@@ -88,8 +88,8 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
   prompts.write_text("\n".join(json.dumps({"question": f"what is {a} plus {b} ?", "answer": f"#### {a + b}"})
                                for a in range(3) for b in range(3)))
   workdir = tmp_path / "run"
-  args = ["train", "--workdir", str(workdir), "--set", "JobConfig.task='file'",
-          "--set", f"JobConfig.prompt_file='{prompts}'", "--set", f"JobConfig.model='{model_dir}'",
+  args = ["train", "--workdir", str(workdir), "--set", "TaskConfig.name='file'",
+          "--set", f"TaskConfig.prompt_file='{prompts}'", "--set", f"JobConfig.model='{model_dir}'",
           "--set", "JobConfig.eval_prompts=4", "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=2",
           "--set", "PipelineConfig.group_size=2", "--set", "PipelineConfig.max_new_tokens=8",
           "--set", "EngineConfig.num_slots=4", "--set", "EngineConfig.max_prompt_length=16",
@@ -101,7 +101,7 @@ def test_train_on_a_prompt_file_with_a_hugging_face_checkpoint(hf_dirs, tmp_path
 
 
 def test_file_task_config_errors(tmp_path, capsys):
-  assert cli.main(["train", "--workdir", str(tmp_path), "--set", "JobConfig.task='file'"]) == 2
+  assert cli.main(["train", "--workdir", str(tmp_path), "--set", "TaskConfig.name='file'"]) == 2
   assert "prompt_file" in capsys.readouterr().err
 
 

@@ -211,7 +211,7 @@ def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
   files = getattr(task, "task", task)  # a file task, or one in a chat template
   if not reward.functions and isinstance(files, FileTask) and (missing := files.missing_answer()) is not None:
     raise ValueError(f"{missing}: no {files.answer_key!r} column, which the built-in numeric verifier reads "
-                     "(set JobConfig.answer_key, or name your reward functions in RewardConfig.functions)")
+                     "(set TaskConfig.answer_key, or name your reward functions in RewardConfig.functions)")
 
 
 

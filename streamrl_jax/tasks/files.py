@@ -124,7 +124,7 @@ class FileTask:
   def reward(self, prompt: str, completion: str, **fields) -> float:
     if self.answer_key not in fields:
       raise ValueError(f"the row has no {self.answer_key!r} column, which the built-in numeric verifier reads "
-                       "(JobConfig.answer_key; or name your own RewardConfig.functions)")
+                       "(TaskConfig.answer_key; or name your own RewardConfig.functions)")
     return numeric_answer(prompt, completion, fields[self.answer_key])
 
   def missing_answer(self) -> str | None:
