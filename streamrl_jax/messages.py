@@ -2,7 +2,7 @@
 
 Samples travel as `SampleShard` (Arrow across processes) and weights as `WeightUpdate` (Arrow chunks
 across processes); everything else is one of the control records below: the samplers' (`Register` to `Ack`)
-and the trainer's (`Published` on, the calls of `pipeline.trainer_control.TrainerControl`), and a follower arm
+and the trainer's (`Published` on, the calls of `pipeline.trainer.control.TrainerControl`), and a follower arm
 program's (`ArmJoin` to `ArmState`, answered by `pipeline.remote_arms`). On the wire a record is JSON
 `{"@type": name, ...fields}`; decoding checks the type name, the field names and each field's type, and
 raises `BadMessage` naming the first problem. No pickle. What a peer sends is bounded: the message's size,
@@ -171,7 +171,7 @@ class Ack:
   rejoin: bool = False  # the sender is not (any more) a sampler of this run: register again
 
 
-# ---- the trainer's messages to the controller (`pipeline.trainer_control.TrainerControl`) ----------------
+# ---- the trainer's messages to the controller (`pipeline.trainer.control.TrainerControl`) ----------------
 @dataclasses.dataclass(frozen=True)
 class Published:
   """The trainer has published weights of `version`: steps up to version + max_lag may open."""

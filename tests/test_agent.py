@@ -17,7 +17,7 @@ from streamrl_jax.envs import EnvConfig
 from streamrl_jax.messages import Published
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+from streamrl_jax.pipeline.sampler.worker import SamplerWorker
 from tests.agent_programs import OBSERVATION
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 from tests.serving_setup import leaks

@@ -20,8 +20,8 @@ from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
-from streamrl_jax.pipeline.sampler_program import run_sampler
-from streamrl_jax.pipeline.trainer_program import serve_training
+from streamrl_jax.pipeline.sampler.program import run_sampler
+from streamrl_jax.pipeline.trainer.program import serve_training
 from streamrl_jax.settings import flat_settings
 from tests.pipeline_setup import BASE, TOKENIZER, DigitTask
 from tests.test_remote_pipeline import FAST, FAST_CONTROL

@@ -15,7 +15,7 @@ from streamrl_jax.pipeline.controller.plans import StepPlans
 from streamrl_jax.pipeline.controller.roster import Member, Roster, check_registration
 from streamrl_jax.pipeline.controller.timeline import Timeline
 from streamrl_jax.pipeline.controller.weight_trees import WeightTrees
-from streamrl_jax.pipeline.trainer_control import FollowerControl, TrainerControl
+from streamrl_jax.pipeline.trainer.control import FollowerControl, TrainerControl
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
 

@@ -25,7 +25,7 @@ from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.controller.config import ControllerConfig
-from streamrl_jax.pipeline.trainer_worker import _refusal
+from streamrl_jax.pipeline.trainer.worker import _refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
 from tests.processes import TINY, alive

@@ -12,7 +12,7 @@ from streamrl_jax.messages import Ack, Backfill, Backfilled, Regenerate
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
-from streamrl_jax.pipeline.trainer_worker import _equal_reward_groups, _refusal
+from streamrl_jax.pipeline.trainer.worker import _equal_reward_groups, _refusal
 from streamrl_jax.tasks import ArithmeticTask
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 from tests.wire_samples import group_shard
@@ -160,7 +160,7 @@ class _Recorder:
 
 def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
-  from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+  from streamrl_jax.pipeline.trainer.worker import TrainerWorker
   config = dataclasses.replace(BASE, mode="async")  # step 2 takes tokens of version 1 or newer
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
@@ -213,7 +213,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   """Every completion empty (every episode failed): the step leaves the weights and optimizer as they were, says
   so in a warning line and its metrics row, and the next step trains as usual."""
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
-  from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+  from streamrl_jax.pipeline.trainer.worker import TrainerWorker
   config = dataclasses.replace(BASE, mode=mode)
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
@@ -272,7 +272,7 @@ class _Sink:
 
 @pytest.fixture(scope="module")
 def worker_parts():
-  from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+  from streamrl_jax.pipeline.sampler.worker import SamplerWorker
   config = dataclasses.replace(BASE, steps=1)
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)

@@ -17,7 +17,7 @@ from streamrl_jax.envs.calculator import format_value
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.groups import samples_to_shard
+from streamrl_jax.pipeline.sampler.groups import samples_to_shard
 from streamrl_jax.rewards import Score
 from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling import EngineConfig, make_engine

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from streamrl_jax.messages import SAMPLER_PHASES, BadMessage, StepReport, StepSummary, decode_message, encode_message
 from streamrl_jax.phase_clock import PhaseClock, accounted_frac
-from streamrl_jax.pipeline.trainer_worker import TRAINER_PHASES
+from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES
 
 
 class FakeTime:

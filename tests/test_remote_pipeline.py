@@ -14,8 +14,8 @@ from flax import nnx
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline.sampler_program import run_sampler
-from streamrl_jax.pipeline.trainer_program import serve_training
+from streamrl_jax.pipeline.sampler.program import run_sampler
+from streamrl_jax.pipeline.trainer.program import serve_training
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask

@@ -350,7 +350,7 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
 
 
 def test_the_trainer_refuses_shards_scored_by_another_reward_config():
-  from streamrl_jax.pipeline.trainer_worker import _refusal
+  from streamrl_jax.pipeline.trainer.worker import _refusal
   from tests.pipeline_setup import BASE
   from tests.wire_samples import group_shard
 

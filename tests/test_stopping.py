@@ -13,7 +13,7 @@ import pytest
 
 from streamrl_jax.faults import Fault, FaultPoints, parse_faults
 from streamrl_jax.pipeline.watchdog import STALL_EXIT_CODE, StallWatch
-from streamrl_jax.pipeline.trainer_worker import SHARD_POLL_S, TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import SHARD_POLL_S, TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from tests.processes import finish, metrics, train, write_config
 from tests.tensorboard_events import scalar_steps

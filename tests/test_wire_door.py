@@ -16,7 +16,7 @@ from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published,
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.pipeline.trainer_worker import TRAINER_PHASES, TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES, TrainerWorker
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.arms.config import arm_pipeline
 from streamrl_jax.records.metrics_log import PeriodicEval
-from streamrl_jax.pipeline.trainer_control import FollowerControl
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer.control import FollowerControl
+from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.streaming import QueueClosed
 
 _log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from streamrl_jax.arms.config import arm_pipeline
 from streamrl_jax.arms.followers import NoPublisher, arm_row, feed_capacity
 from streamrl_jax.records.metrics_log import PeriodicEval, open_metrics
 from streamrl_jax.records.run_record import RUN_ID_FILE
-from streamrl_jax.pipeline.trainer_control import FollowerControl
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer.control import FollowerControl
+from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.pytrees import unflatten_like
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.streaming import QueueClosed

@@ -132,7 +132,7 @@ def _start_role(args):
 def cmd_trainer(args) -> int:
   from streamrl_jax.commands.train import run_training
   from streamrl_jax.pipeline.events import describe_event
-  from streamrl_jax.pipeline.trainer_program import serve_training
+  from streamrl_jax.pipeline.trainer.program import serve_training
 
   config, job, flight_config, tls, settings = _start_role(args)
   check_lora_base(config, job)
@@ -200,7 +200,7 @@ def cmd_sampler(args) -> int:
   import jax
 
   from streamrl_jax.pipeline import preflight
-  from streamrl_jax.pipeline.sampler_program import run_sampler
+  from streamrl_jax.pipeline.sampler.program import run_sampler
   from streamrl_jax.stopping import StopRequest
 
   config, job, flight_config, tls, settings = _start_role(args)

@@ -5,7 +5,7 @@
 """
 
 from streamrl_jax.pipeline.config import MODES, PipelineConfig
-from streamrl_jax.pipeline.groups import GroupCollector, samples_to_shard
+from streamrl_jax.pipeline.sampler.groups import GroupCollector, samples_to_shard
 
 __all__ = ["GroupCollector", "MODES", "PipelineConfig", "RunResult", "run_pipeline", "samples_to_shard"]
 

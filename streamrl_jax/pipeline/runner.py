@@ -1,8 +1,8 @@
 """The four run modes in one process: a sampler worker on a thread, the trainer worker on the caller's, and
 the controller between them, joined by the in-process transports (a bounded `SampleQueue` for samples, a
 `WeightSync` for weights). Across processes the same workers run in `streamrl trainer` and `streamrl
-sampler` over Arrow Flight (`pipeline.trainer_program`, `pipeline.sampler_program`); the trainer's side of
-both is `pipeline.trainer_session`.
+sampler` over Arrow Flight (`pipeline.trainer.program`, `pipeline.sampler.program`); the trainer's side of
+both is `pipeline.trainer.session`.
 
   colocated      one mesh; generation of step j needs version j; training waits for the whole batch
   disaggregated  two meshes; as colocated, across meshes, with a weight sync per step
@@ -31,9 +31,9 @@ from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.arms.followers import make_followers, spare_devices
-from streamrl_jax.pipeline.sampler_worker import SamplerWorker
-from streamrl_jax.pipeline.trainer_session import RunResult, initial_weights_donated, make_ranker, train_session
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.sampler.worker import SamplerWorker
+from streamrl_jax.pipeline.trainer.session import RunResult, initial_weights_donated, make_ranker, train_session
+from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.rewards import RewardError
 from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync

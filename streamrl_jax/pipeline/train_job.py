@@ -125,7 +125,7 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, progr
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
   and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
-  `run_pipeline` (one program) or the trainer's side of separate programs (`trainer_program.serve_training`).
+  `run_pipeline` (one program) or the trainer's side of separate programs (`trainer.program.serve_training`).
   In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
   `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built. `stop`: a stop
   request the RL steps honour at a step boundary. However the job stops early (that request, KeyboardInterrupt),

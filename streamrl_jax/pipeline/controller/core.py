@@ -1,7 +1,7 @@
 """The controller: one lock, and each message routed to the parts that own the state (`roster`, `leases`,
 `plans`, `weight_trees`, `timeline`). Samplers and the trainer reach it only through the typed messages of
 `streamrl_jax.messages` (directly in one process, samplers' over Arrow Flight DoAction across processes); it
-answers the trainer's as a `pipeline.trainer_control.TrainerControl`.
+answers the trainer's as a `pipeline.trainer.control.TrainerControl`.
 
 Faults: a sampler that leaves, or is silent for `ControllerConfig.lease_timeout_s` (checked by `start_watchdog`), loses its
 leases, which go back to the front of their steps for the others. A lost sampler's samples that arrive late

@@ -23,7 +23,7 @@ from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseRequest, Leave, R
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.agent_rollouts import (AgentRollouts, episode_sample, failure_score, sampler_server,
                                                   scored_text)
-from streamrl_jax.pipeline.groups import GroupCollector
+from streamrl_jax.pipeline.sampler.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.rewards.scorer import RewardError

@@ -1,6 +1,6 @@
 """The trainer program (`streamrl trainer`): the trainer worker and the controller behind the trainer's Arrow
 Flight server, samplers in other processes. The trainer's side is the in-process run's
-(`trainer_session.train_session`); only the transports differ. A trainer of several processes: process 0
+(`trainer.session.train_session`); only the transports differ. A trainer of several processes: process 0
 serves, the others follow it step by step.
 """
 
@@ -23,10 +23,10 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.arms.followers import make_followers, spare_devices
 from streamrl_jax.arms.remote import RemoteArms
-from streamrl_jax.pipeline.trainer_control import FollowerControl
-from streamrl_jax.pipeline.trainer_session import (RunResult, initial_weights_donated, make_ranker, ranker_aux,
+from streamrl_jax.pipeline.trainer.control import FollowerControl
+from streamrl_jax.pipeline.trainer.session import (RunResult, initial_weights_donated, make_ranker, ranker_aux,
                                                    train_session, trained_params)
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address

@@ -1,5 +1,5 @@
 """The trainer's side of a run, shared by the in-process run (`runner.run_pipeline`) and the trainer program
-(`trainer_program.serve_training`): the output-length ranker, the trainer worker's steps, the teardown in
+(`trainer.program.serve_training`): the output-length ranker, the trainer worker's steps, the teardown in
 order, the merged counters and the `RunResult`. The two differ only in where shards come from, where
 weights go and what they stop at the end.
 """
@@ -20,7 +20,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.arms.followers import Followers
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.arms.remote import RemoteArms
-from streamrl_jax.pipeline.trainer_worker import TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker
 from streamrl_jax.streaming import SampleQueue

@@ -13,7 +13,7 @@ from streamrl_jax.messages import Heartbeat
 from streamrl_jax.models import abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.sampler_worker import SamplerWorker
+from streamrl_jax.pipeline.sampler.worker import SamplerWorker
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
                                                   FlightWeightReceiver)
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address

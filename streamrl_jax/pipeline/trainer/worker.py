@@ -2,7 +2,7 @@
 
 It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
 run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
-the samplers' step summaries, the instance target), asked by typed messages (`trainer_control.TrainerControl`).
+the samplers' step summaries, the instance target), asked by typed messages (`trainer.control.TrainerControl`).
 Samples are keyed by (step, group, sample index): one that was trained already is dropped and counted, never
 trained twice (a shard's groups are taken apart, so a shard holding a trained group beside new ones trains the
 new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not
@@ -41,7 +41,7 @@ from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQu
 from streamrl_jax.phase_clock import PhaseClock, accounted_frac
 from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
-from streamrl_jax.pipeline.trainer_control import TrainerControl
+from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
