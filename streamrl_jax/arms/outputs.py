@@ -5,8 +5,10 @@ curves.png and summary.json. The lead's are the run's own, in WORKDIR. `streamrl
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from flax import nnx
@@ -69,9 +71,24 @@ def _appender(out):
   return on_step
 
 
-def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, before: float, evaluate) -> dict:
-  """Each follower's trained policy evaluated (by `evaluate`, the lead's evaluation) on the held-out prompts and
-  saved; its curves and summary.json written. Returns {arm name: summary}."""
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+  """The lead's held-out evaluation, as an arm's end applies it: `evaluate(model, tokenizer, task, config, prompts,
+  seed, record)` (the job's greedy accuracy) on `prompts` prompts of the held-out `task`, drawn with `seed`."""
+
+  tokenizer: object
+  task: object
+  prompts: int
+  seed: int
+  evaluate: Callable
+
+  def accuracy(self, model, config, record: Path) -> float:
+    return self.evaluate(model, self.tokenizer, self.task, config, self.prompts, self.seed, record)
+
+
+def finish_arms(result, model, config, workdir: Path, before: float, held_out: HeldOut) -> dict:
+  """Each follower's trained policy evaluated on the held-out prompts and saved; its curves and summary.json
+  written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
   arms, summaries = {arm.name: arm for arm in config.arms}, {}
   for name, arm in result.arms.items():
@@ -80,17 +97,15 @@ def finish_arms(result, model, tokenizer, heldout, config, job, workdir: Path, b
                    f"{arm_dir(workdir, name) / 'checkpoints'}")
       continue
     summaries[name] = finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]),
-                                 nnx.merge(graphdef, arm.params), arm.counters, tokenizer, heldout, job, before,
-                                 evaluate)
+                                 nnx.merge(graphdef, arm.params), arm.counters, before, held_out)
   return summaries
 
 
-def finish_arm(directory: Path, config, trained, counters: dict, tokenizer, heldout, job, before: float | None,
-               evaluate) -> dict:
+def finish_arm(directory: Path, config, trained, counters: dict, before: float | None, held_out: HeldOut) -> dict:
   """One follower's end: its trained model evaluated and saved to DIRECTORY/final_model, its curves drawn and its
   summary.json written (`before`: the held-out accuracy of the policy every arm started from, None if unknown)."""
   name = config.arm_name
-  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, directory / "eval_after.jsonl")
+  after = held_out.accuracy(trained, config, directory / "eval_after.jsonl")
   change = f" ({after - before:+.3f})" if before is not None else ""
   _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
             f"{counters.get('arm_steps_skipped', 0)} steps skipped")

@@ -25,7 +25,7 @@ from flax import nnx
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.arms.feed import ArmFeed, FollowerSource
-from streamrl_jax.arms.outputs import describe_arm, finish_arm
+from streamrl_jax.arms.outputs import HeldOut, describe_arm, finish_arm
 from streamrl_jax.arms.config import arm_pipeline
 from streamrl_jax.arms.followers import NoPublisher, arm_row, feed_capacity
 from streamrl_jax.records.metrics_log import PeriodicEval, open_metrics
@@ -183,8 +183,8 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   counters = dict(worker.counters, **source.counters)
   before_file = workdir.parent.parent / "accuracy_before.json"  # the lead's, when this is its WORKDIR/arms/NAME
   before = json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
-  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, tokenizer,
-                    heldout, job, before, evaluate)
+  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, before,
+                    HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, evaluate))
 
 
 def _lead_weights(connection: FlightConnection, template, version: int):

@@ -61,7 +61,7 @@ def train_with_progress(config, job, workdir, runner, *, resume: bool | str = Fa
   import jax
   from tqdm.auto import tqdm
 
-  from streamrl_jax.pipeline.train_job import train_job
+  from streamrl_jax.pipeline.train_job import JobControl, train_job
   from streamrl_jax.stopping import StopRequest
 
   leader = jax.process_index() == 0
@@ -83,8 +83,8 @@ def train_with_progress(config, job, workdir, runner, *, resume: bool | str = Fa
   stop = StopRequest()
   try:
     with stop.installed():
-      return train_job(config, job, workdir, progress=progress, resume=resume, runner=runner,
-                       role=role, stop=stop, on_start=on_start)
+      return train_job(config, job, workdir, resume=resume,
+                       control=JobControl(runner, role, stop, on_start=on_start, progress=progress))
   finally:
     for bar in bars:
       bar.close()

@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -22,7 +23,7 @@ from streamrl_jax.models.catalog import base_model_id
 from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.records import run_record
-from streamrl_jax.arms.outputs import arm_outputs, describe_arm, finish_arms
+from streamrl_jax.arms.outputs import HeldOut, arm_outputs, describe_arm, finish_arms
 from streamrl_jax.arms.config import arm_advice
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -119,25 +120,35 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   return [out[i] for i in sorted(out)]
 
 
-def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, progress=None,
-              resume: bool | str = False, runner=run_pipeline, role: str = "train",
-              stop: StopRequest | None = None, on_start=None) -> dict:
+@dataclasses.dataclass(frozen=True)
+class JobControl:
+  """How the caller runs and watches a job. `runner` runs the RL steps: `run_pipeline` (one program) or the
+  trainer's side of separate programs (`trainer.program.serve_training`); `role` ("train" or "trainer") says which
+  meshes `preflight` checks before anything is built; `stop`: a stop request the RL steps honour at a step
+  boundary; `on_start(done)` is called as the RL steps begin, with the steps already trained (a resumed run's),
+  `progress(metrics)` after each."""
+
+  runner: Callable = run_pipeline
+  role: str = "train"
+  stop: StopRequest | None = None
+  on_start: Callable[[int], None] | None = None
+  progress: Callable[[dict], None] | None = None
+
+
+def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, resume: bool | str = False,
+              control: JobControl = JobControl()) -> dict:
   """Warm-up (cached), evaluation, the RL run with a checkpoint per step, evaluation, outputs.
   `resume` continues from the latest checkpoint in `workdir/checkpoints`; "auto" does when there is one
-  and starts afresh when not (a restart by a cluster scheduler). `runner` runs the RL steps:
-  `run_pipeline` (one program) or the trainer's side of separate programs (`trainer.program.serve_training`).
-  In a trainer of several processes every process runs this; only process 0 evaluates and writes files.
-  `role` ("train" or "trainer") says which meshes `preflight` checks before anything is built. `stop`: a stop
-  request the RL steps honour at a step boundary. However the job stops early (that request, KeyboardInterrupt),
-  it raises `RunStopped` naming the checkpoint on disk once the last save has committed. `on_start(done)` is
-  called as the RL steps begin, with the steps already trained (a resumed run's), `progress(metrics)` after each.
+  and starts afresh when not (a restart by a cluster scheduler). In a trainer of several processes every process
+  runs this; only process 0 evaluates and writes files. However the job stops early (`control.stop`,
+  KeyboardInterrupt), it raises `RunStopped` naming the checkpoint on disk once the last save has committed.
   A resumed run's outputs cover the whole run (`run_record`)."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
   workdir = preflight.check_workdir(workdir)
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2, every=job.checkpoint_every)
   try:
-    return _job(config, job, workdir, checkpointer, progress, resume, runner, role, stop, on_start)
+    return _job(config, job, workdir, checkpointer, resume, control)
   except (RunStopped, KeyboardInterrupt) as err:
     checkpointer.wait()  # the last save commits (a second Ctrl-C here stops at once)
     raise RunStopped(checkpointer.latest_step(),
@@ -146,12 +157,12 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, progr
     checkpointer.close()
 
 
-def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, progress, resume: bool | str,
-         runner, role: str, stop: StopRequest | None, on_start) -> dict:
+def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, resume: bool | str,
+         control: JobControl) -> dict:
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
   resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step())
-  config, task, heldout, tokenizer = _preflight(config, job, role)
+  config, task, heldout, tokenizer = _preflight(config, job, control.role)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:
     preflight.write_settings(workdir, settings)
@@ -169,28 +180,30 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, pr
 
   if config.arms and leader:
     (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
-  if on_start is not None:
-    on_start(resumed_at or 0)
+  if control.on_start is not None:
+    control.on_start(resumed_at or 0)
   with _wandb_run(workdir, job, settings, leader) as wandb_run:
-    with (_step_outputs(workdir, resumed_at, progress, record, job.report_to, wandb_run) if leader
+    with (_step_outputs(workdir, resumed_at, control.progress, record, job.report_to, wandb_run) if leader
           else contextlib.nullcontext()) as on_step, \
          (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
       try:
-        result = runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer, resume=resume,
-                        stop=stop, on_end=record.end if leader else None, donate_model=True,
-                        **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
+        result = control.runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer,
+                                resume=resume, stop=control.stop, on_end=record.end if leader else None,
+                                donate_model=True,
+                                **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
       except (RunStopped, KeyboardInterrupt):
         if leader:  # the pictures of the run so far
           write_pictures(workdir, config, before, record.segments)
         raise
     checkpointer.wait()
-    if stop is not None and stop.requested:  # asked during the last step: stop before the final evaluation
+    if control.stop is not None and control.stop.requested:  # asked during the last step: stop before evaluating
       if leader:
         write_pictures(workdir, config, before, record.segments)
       raise RunStopped(checkpointer.latest_step())
     if not leader:
       return {}
-    summary = _finish(config, job, model, tokenizer, heldout, result, workdir, before, record.segments)
+    held_out = HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, evaluate)
+    summary = _finish(config, job, model, held_out, result, workdir, before, record.segments)
     if wandb_run is not None:
       wandb_run.pictures(workdir, summary["steps"])
     return summary
@@ -275,13 +288,13 @@ def _accuracy_before(model, tokenizer, heldout, config: PipelineConfig, job: Job
   return before
 
 
-def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, result, workdir: Path, before: float,
+def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, result, workdir: Path, before: float,
             segments: list[dict]) -> dict:
   """The trained model evaluated and saved, the pictures drawn, the summary of the whole run written (every
   segment of a resumed run); returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
-  after = evaluate(trained, tokenizer, heldout, config, job.eval_prompts, job.seed, workdir / "eval_after.jsonl")
+  after = held_out.accuracy(trained, config, workdir / "eval_after.jsonl")
   _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
@@ -292,7 +305,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, tokenizer, heldout, r
   whole = run_record.arm_totals(segments)  # each arm's counters over the run's segments, not this one's alone
   result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
                                              for n, a in result.arms.items()})
-  arms = finish_arms(result, model, tokenizer, heldout, config, job, workdir, before, evaluate)
+  arms = finish_arms(result, model, config, workdir, before, held_out)
   by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), **by_arm)
