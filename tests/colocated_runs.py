@@ -21,6 +21,7 @@ from streamrl_jax.meshes import pipeline_meshes  # noqa: E402
 from streamrl_jax.models import Transformer, state_shardings  # noqa: E402
 from streamrl_jax.pipeline import run_pipeline  # noqa: E402
 from streamrl_jax.training.checkpoint import Checkpointer  # noqa: E402
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask  # noqa: E402
 
 
@@ -30,7 +31,7 @@ def main(workdir: Path, runs: int, steps: int) -> None:
     checkpointer = Checkpointer(workdir / f"run{run}", max_to_keep=1)
     try:
       result = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(run)), TOKENIZER, DigitTask(max_digits=3),
-                            checkpointer=checkpointer)
+                            hooks=RunHooks(checkpointer))
     finally:
       checkpointer.close()
     launches = [[list(ids), name, finish, n] for (ids, name, finish), n in sorted(launch.tally().items())]

@@ -21,8 +21,9 @@ from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.sampler.program import run_sampler
-from streamrl_jax.pipeline.trainer.program import serve_training
+from streamrl_jax.pipeline.trainer.program import TrainerEndpoint, serve_training
 from streamrl_jax.settings import flat_settings
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, TOKENIZER, DigitTask
 from tests.test_remote_pipeline import FAST, FAST_CONTROL
 
@@ -93,8 +94,8 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
       threading.Thread(target=target, args=(address,), daemon=True, name=name).start()
 
   result = serve_training(CONFIG, Transformer(JOB.model_config(TOKENIZER), rngs=nnx.Rngs(0)), TOKENIZER, task,
-                          settings=settings, run_id="run-a", flight_config=FAST, on_listening=listening,
-                          devices=jax.devices()[4:6])
+                          settings=settings, endpoint=TrainerEndpoint(flight_config=FAST, on_listening=listening),
+                          hooks=RunHooks(run_id="run-a"), devices=jax.devices()[4:6])
   for thread in [t for t in threading.enumerate() if t.name in ("sampler-0", "arm-test")]:
     thread.join(timeout=120)
   assert not errors, errors

@@ -17,6 +17,7 @@ from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.training import ObjectiveConfig
 from streamrl_jax.training.checkpoint import Checkpointer
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 
 WAIT_S = 300.0  # a held follower is released by the lead's last row long before this; never reached when all is well
@@ -68,7 +69,7 @@ def first_run(tmp_path_factory):
   outputs = Outputs(root, ["same", "rloo", "broken"], fail_at={"broken": 2})
   lead = Checkpointer(root / "lead", max_to_keep=2)
   result = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
-                        checkpointer=lead, arm_outputs=outputs.sinks(), periodic_eval=PeriodicEval(2, weight_sum))
+                        hooks=RunHooks(lead, arm_outputs=outputs.sinks(), periodic_eval=PeriodicEval(2, weight_sum)))
   return root, config, outputs, lead, result
 
 
@@ -119,8 +120,8 @@ def test_a_resumed_run_restarts_each_follower_from_its_checkpoint_and_a_held_one
   outputs = Outputs(root, ["broken", "held"], hold={"held"})
   assert outputs.checkpointers["broken"].latest_step() == 1
   result = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
-                        checkpointer=lead, resume=True, arm_outputs=outputs.sinks(),
-                        on_step=outputs.lead_row(config.steps))
+                        hooks=RunHooks(lead, resume=True, arm_outputs=outputs.sinks(),
+                                       on_step=outputs.lead_row(config.steps)))
   assert [m["step"] for m in result.metrics] == [4, 5]
   assert outputs.held_ok == {"held": True}
   broken = result.arms["broken"].counters

@@ -14,6 +14,7 @@ from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
 from streamrl_jax.pipeline.trainer.worker import _equal_reward_groups, _refusal
 from streamrl_jax.tasks import ArithmeticTask
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 from tests.wire_samples import group_shard
 
@@ -30,7 +31,7 @@ class FirstDigitTask(ArithmeticTask):
 def run_first_digit(mode: str, checkpointer=None, resume=False, **overrides):
   config = dataclasses.replace(BASE, mode=mode, **overrides)
   return run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, FirstDigitTask(max_digits=3),
-                      checkpointer=checkpointer, resume=resume)
+                      hooks=RunHooks(checkpointer, resume))
 
 
 def overlapping(intervals) -> int:

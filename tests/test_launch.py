@@ -18,6 +18,7 @@ from streamrl_jax import launch
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import run_pipeline
 from streamrl_jax.training.checkpoint import Checkpointer
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 
 
@@ -50,7 +51,7 @@ def test_two_mesh_modes_train_a_model_sharded_over_two_trainer_devices(tmp_path,
   checkpointer = Checkpointer(tmp_path, max_to_keep=1)
   try:
     result = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
-                          devices=jax.devices()[:4], checkpointer=checkpointer)
+                          devices=jax.devices()[:4], hooks=RunHooks(checkpointer))
   finally:
     checkpointer.close()
   assert [m["step"] for m in result.metrics] == list(range(1, 7)) and checkpointer.latest_step() == 6

@@ -10,6 +10,7 @@ from flax import nnx
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 
 
@@ -54,7 +55,7 @@ def test_stream_ends_with_the_parameters_of_disaggregated(results):
 def test_a_donated_model_is_freed_once_the_trainer_holds_its_copy_and_trains_the_same(results):
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   donated = run_pipeline(dataclasses.replace(BASE, mode="colocated"), model, TOKENIZER, DigitTask(max_digits=3),
-                         donate_model=True)
+                         hooks=RunHooks(donate_model=True))
   assert all(x.is_deleted() for x in jax.tree.leaves(nnx.state(model)))  # no dead copy for the rest of the run
   for x, y in zip(jax.tree.leaves(donated.params), jax.tree.leaves(results["colocated"].params)):
     np.testing.assert_array_equal(x, y)
@@ -78,16 +79,16 @@ def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   first = dataclasses.replace(BASE, mode="stream", steps=2)  # stopped after step 2 of 3
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
-  run_pipeline(first, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=checkpointer)
+  run_pipeline(first, model, TOKENIZER, DigitTask(max_digits=3), hooks=RunHooks(checkpointer))
   assert checkpointer.steps == [1, 2]
   resumed = run_pipeline(dataclasses.replace(BASE, mode="stream"), model, TOKENIZER, DigitTask(max_digits=3),
-                         checkpointer=checkpointer, resume=True)
+                         hooks=RunHooks(checkpointer, resume=True))
   assert resumed.counters["prompts_submitted"] == 4 and [m["step"] for m in resumed.metrics] == [3]
   for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(results["stream"].params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
-    run_pipeline(BASE, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=Checkpointer(tmp_path / "empty"),
-                 resume=True)
+    run_pipeline(BASE, model, TOKENIZER, DigitTask(max_digits=3),
+                 hooks=RunHooks(Checkpointer(tmp_path / "empty"), resume=True))
 
 
 def test_skew_aware_scheduling_with_instances_changing_mid_run(results, tmp_path, monkeypatch):
@@ -102,7 +103,7 @@ def test_skew_aware_scheduling_with_instances_changing_mid_run(results, tmp_path
   checkpointer = Checkpointer(tmp_path, max_to_keep=3)
   config = dataclasses.replace(BASE, mode="stream", scheduling=scheduling)
   first = run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, DigitTask(max_digits=3),
-                       checkpointer=checkpointer)
+                       hooks=RunHooks(checkpointer))
   assert [m["sampler_instances"] for m in first.metrics] == [1, 2, 1]
   assert first.counters["samples_trained"] == 3 * 16 and first.counters["prompts_submitted"] == 3 * 4
   for m in first.metrics:
@@ -111,7 +112,7 @@ def test_skew_aware_scheduling_with_instances_changing_mid_run(results, tmp_path
   for x, y in zip(jax.tree.leaves(first.params), jax.tree.leaves(results["stream"].params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
   resumed = run_pipeline(dataclasses.replace(config, steps=4), Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER,
-                         DigitTask(max_digits=3), checkpointer=checkpointer, resume=True)
+                         DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True))
   assert [m["step"] for m in resumed.metrics] == [4]
   from streamrl_jax.scheduling import OnlineRanker
   saved = checkpointer.restore_aux({"ranker": OnlineRanker(scheduling.ranker).state_arrays()})

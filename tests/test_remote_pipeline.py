@@ -15,7 +15,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.sampler.program import run_sampler
-from streamrl_jax.pipeline.trainer.program import serve_training
+from streamrl_jax.pipeline.trainer.program import TrainerEndpoint, serve_training
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
@@ -43,7 +43,8 @@ def run_remote(mode: str, samplers: int = 1, **overrides):
       threading.Thread(target=sampler, args=(k, address), daemon=True, name=f"sampler-{k}").start()
 
   result = serve_training(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, task, settings=settings,
-                          flight_config=FAST, on_listening=listening, devices=jax.devices()[4:])
+                          endpoint=TrainerEndpoint(flight_config=FAST, on_listening=listening),
+                          devices=jax.devices()[4:])
   for thread in [t for t in threading.enumerate() if t.name.startswith("sampler-")]:
     thread.join(timeout=60)
   assert not errors, errors

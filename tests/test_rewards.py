@@ -9,6 +9,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.rewards import (RewardConfig, RewardError, RewardFunctionError, RewardScorer, check_signature,
                                   checked_value, exact_match, load_function, make_regex_reward, math_equivalence,
                                   numeric_answer, regex_format)
@@ -326,13 +327,13 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   with pytest.raises(RewardError, match=r"'digits' raised ArithmeticError: a bug in the user's reward on prompt "
                                         r"'\d+\+\d+=', step 1, group \d+, sample \d"):
-    run_pipeline(config, model, TOKENIZER, DigitTask(max_digits=3), checkpointer=checkpointer)
+    run_pipeline(config, model, TOKENIZER, DigitTask(max_digits=3), hooks=RunHooks(checkpointer))
   checkpointer.wait()
   assert checkpointer.latest_step() == 1
   (tmp_path / "trigger").unlink()
   got.clear()
   resumed = run_pipeline(dataclasses.replace(config, reward=dataclasses.replace(reward, workers=1)), model, TOKENIZER,
-                         DigitTask(max_digits=3), checkpointer=checkpointer, resume=True)
+                         DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True))
   assert [m["step"] for m in resumed.metrics] == [2, 3] and resumed.counters["prompts_submitted"] == 8
   assert resumed.counters["samples_trained"] == 2 * 16
   digits, short = load_function(f"{module}:digits"), load_function(f"{module}:short")

@@ -132,7 +132,7 @@ def _start_role(args):
 def cmd_trainer(args) -> int:
   from streamrl_jax.commands.train import run_training
   from streamrl_jax.pipeline.events import describe_event
-  from streamrl_jax.pipeline.trainer.program import serve_training
+  from streamrl_jax.pipeline.trainer.program import TrainerEndpoint, serve_training
 
   config, job, flight_config, tls, settings = _start_role(args)
   check_lora_base(config, job)
@@ -147,8 +147,8 @@ def cmd_trainer(args) -> int:
     print(f"streamrl trainer: listening on {address}", flush=True)
     if args.address_file:
       Path(args.address_file).write_text(address)
-  runner = functools.partial(serve_training, listen=args.listen, tls=tls, settings=settings,
-                             flight_config=flight_config, on_listening=listening, on_event=on_event, site=args.site)
+  endpoint = TrainerEndpoint(args.listen, tls, flight_config, args.site, on_listening=listening, on_event=on_event)
+  runner = functools.partial(serve_training, endpoint=endpoint, settings=settings)
   return run_training(args, config, job, runner, "streamrl trainer")
 
 

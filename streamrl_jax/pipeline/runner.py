@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -30,30 +29,25 @@ from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.arms.followers import make_followers, spare_devices
 from streamrl_jax.pipeline.sampler.worker import SamplerWorker
-from streamrl_jax.pipeline.trainer.session import RunResult, initial_weights_donated, make_ranker, train_session
+from streamrl_jax.pipeline.trainer.session import (RunResult, SamplersSide, initial_weights_donated, make_ranker,
+                                                   train_session)
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.rewards import RewardError
-from streamrl_jax.stopping import StopRequest
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
 
 
 def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None, params=None,
-                 on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                 stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
-                 arm_outputs: dict | None = None, periodic_eval=None, donate_model: bool = False) -> RunResult:
+                 hooks: RunHooks = RunHooks()) -> RunResult:
   """Runs RL steps up to `config.steps`; returns the trained parameters, per-step metrics, counters, timeline.
 
-  With a `Checkpointer`, the trainer state is saved after every step (asynchronously); `resume=True`
-  restores the latest one and continues with the next step. Samples generated for a step that was not
-  trained yet (in flight at a stop) are generated again on resume: no prompt is skipped or trained twice.
-  `stop`: a stop request the trainer honours at a step boundary (`RunStopped`). `on_end` gets the
-  timeline, the counters and each follower arm's counters when the steps end, however they end. With `config.arms`, the follower arms train on the lead's
-  stream, each on devices neither mesh uses while they last (else on the trainer's mesh); `arm_outputs` maps an
-  arm's name to its (checkpointer, on_step); its `RunResult` is in the result's `arms`. `periodic_eval`
-  (`metrics_log.PeriodicEval`): the held-out accuracy of the lead and each arm on the rows it is due.
-  `donate_model`: `model`'s arrays are the run's to free (`initial_weights_donated`); the caller keeps its graph.
+  `hooks` (`RunHooks`): checkpoints and resume, the stop request, where rows and the end go, arms' outputs,
+  periodic evaluation. Samples generated for a step that was not trained yet (in flight at a stop) are generated
+  again on resume: no prompt is skipped or trained twice. With `config.arms`, the follower arms train on the lead's
+  stream, each on devices neither mesh uses while they last (else on the trainer's mesh); each arm's `RunResult`
+  is in the result's `arms`.
   """
   if config.arms and config.arm_programs:
     raise ValueError("PipelineConfig.arm_programs: follower programs read from a trainer program's Flight server; "
@@ -63,17 +57,18 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
-  trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=checkpointer, resume=resume, stop=stop)
-  ranker = make_ranker(config, sampler_mesh, checkpointer, resume)
+  trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
+                          stop=hooks.stop)
+  ranker = make_ranker(config, sampler_mesh, hooks.checkpointer, hooks.resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.queue_capacity)
   lora_base = dict(base=params, lora_scale=config.lora.scale) if config.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
-                             trainer.start_step, arm_outputs, resume, periodic_eval)
+                             trainer.start_step, hooks.arm_outputs, hooks.resume, hooks.periodic_eval)
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
-  if donate_model:
+  if hooks.donate_model:
     initial_weights_donated(config, initial, trainer)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 
@@ -82,9 +77,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
     controller.finish()
     queue.close()
     thread.join()
-  result = train_session(trainer, controller, get_shard, sync, queue, ranker=ranker, checkpointer=checkpointer,
-                         start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p),
-                         on_step=on_step, on_end=on_end, followers=followers, periodic_eval=periodic_eval)
+  side = SamplersSide(get_shard, start=thread.start, teardown=teardown, to_host=lambda p: jax.tree.map(np.asarray, p))
+  result = train_session(trainer, controller, sync, queue, side, hooks, ranker=ranker, followers=followers)
   if errors:
     raise RuntimeError("the sampler thread failed") from errors[0]
   return result

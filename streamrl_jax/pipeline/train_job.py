@@ -30,6 +30,7 @@ from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.records.metrics_log import (PeriodicEval, WandbRun, add_row, evaluations, open_metrics,
                                               read_metrics, tensorboard_writer)
 from streamrl_jax.records.pictures import write_chrome_trace, write_curves_png, write_timeline_png
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.settings import flat_settings
@@ -187,10 +188,9 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
           else contextlib.nullcontext()) as on_step, \
          (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
       try:
-        result = control.runner(config, model, tokenizer, task, on_step=on_step, checkpointer=checkpointer,
-                                resume=resume, stop=control.stop, on_end=record.end if leader else None,
-                                donate_model=True,
-                                **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
+        hooks = RunHooks(checkpointer, resume, control.stop, on_step, record.end if leader else None,
+                         donate_model=True, **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
+        result = control.runner(config, model, tokenizer, task, hooks=hooks)
       except (RunStopped, KeyboardInterrupt):
         if leader:  # the pictures of the run so far
           write_pictures(workdir, config, before, record.segments)
@@ -210,7 +210,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
 
 
 def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdir: Path, arms) -> dict:
-  """The runner's arguments for periodic evaluation (`evaluated`: model, tokenizer, held-out task) and arms."""
+  """The run's hooks for periodic evaluation (`evaluated`: model, tokenizer, held-out task) and arms."""
   kwargs = {"periodic_eval": _periodic_eval(*evaluated, job)} if job.eval_every else {}
   if config.arms and config.arm_programs:  # the follower programs must belong to this run
     return dict(kwargs, run_id=run_record.run_id(workdir))

@@ -7,6 +7,7 @@ serves, the others follow it step by step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -24,10 +25,11 @@ from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.arms.followers import make_followers, spare_devices
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer.control import FollowerControl
-from streamrl_jax.pipeline.trainer.session import (RunResult, initial_weights_donated, make_ranker, ranker_aux,
-                                                   train_session, trained_params)
+from streamrl_jax.pipeline.run_hooks import RunHooks
+from streamrl_jax.pipeline.trainer.session import (RunResult, SamplersSide, initial_weights_donated, make_ranker,
+                                                   ranker_aux, train_session, trained_params)
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
-from streamrl_jax.stopping import RunStopped, StopRequest
+from streamrl_jax.stopping import RunStopped
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
@@ -36,25 +38,31 @@ from streamrl_jax.streaming.sample_schema import WireLimits
 _log = logging.getLogger(__name__)
 
 
-def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: str = "127.0.0.1:0",
-                   tls: TLSFiles | None = None, settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
-                   on_step: Callable[[dict], None] | None = None, checkpointer=None, resume: bool = False,
-                   on_listening: Callable[[str], None] | None = None, devices=None,
-                   on_event: Callable[[dict], None] | None = None, site: str = "",
-                   stop: StopRequest | None = None, on_end: Callable[[dict, dict, dict], None] | None = None,
-                   arm_outputs: dict | None = None, run_id: str = "", periodic_eval=None,
-                   donate_model: bool = False) -> RunResult:
-  """The trainer program's run: serves samplers over Flight until `config.steps` are trained. `devices`:
-  the trainer's (default: all of this program's, across its processes). In a trainer of several processes,
-  process 0 serves and the others follow it step by step (`distributed.broadcast_shard`). `on_event` gets
-  the controller's events (samplers joining, leaving, lost, weight trees); by default they are logged. `site`:
-  the trainer's datacenter label (samplers of other sites get one copy of each version across). `stop`: a stop
-  request process 0 honours at a step boundary (`RunStopped`); the other processes follow its decision.
-  `on_end` (process 0) gets the timeline, the counters and each follower arm's counters when the steps end,
-  however they end. Follower arms
-  (`config.arms`, `arm_outputs` as `runner.run_pipeline`'s) train in this program, on devices the trainer's mesh
-  leaves while they last; with `config.arm_programs` they are programs of their own, served their streams by this
-  program's Flight server, and `run_id` names the run they must belong to. `donate_model`: as `run_pipeline`'s."""
+@dataclasses.dataclass(frozen=True)
+class TrainerEndpoint:
+  """Where and how the trainer program serves: `listen` (HOST:PORT; port 0 picks one, told to `on_listening`), mutual
+  TLS, Flight's limits, the trainer's datacenter label `site` (samplers of other sites get one copy of each version
+  across), and `on_event` for the controller's events (samplers joining, leaving, lost, weight trees; by default
+  they are logged)."""
+
+  listen: str = "127.0.0.1:0"
+  tls: TLSFiles | None = None
+  flight_config: FlightConfig = FlightConfig()
+  site: str = ""
+  on_listening: Callable[[str], None] | None = None
+  on_event: Callable[[dict], None] | None = None
+
+
+def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: TrainerEndpoint = TrainerEndpoint(),
+                   settings: dict | None = None, devices=None, hooks: RunHooks = RunHooks()) -> RunResult:
+  """The trainer program's run: serves samplers over Flight at `endpoint` until `config.steps` are trained.
+  `devices`: the trainer's (default: all of this program's, across its processes). In a trainer of several
+  processes, process 0 serves and the others follow it step by step (`distributed.broadcast_shard`); process 0
+  honours `hooks.stop` at a step boundary (`RunStopped`) and the others follow its decision, and only process 0
+  gets `hooks.on_end`. Follower arms (`config.arms`, `hooks.arm_outputs` as `runner.run_pipeline`'s) train in this
+  program, on devices the trainer's mesh leaves while they last; with `config.arm_programs` they are programs of
+  their own, served their streams by this program's Flight server, and `hooks.run_id` names the run they must
+  belong to."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
   if config.arms and jax.process_count() > 1:
@@ -64,26 +72,27 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
   mesh = role_mesh(config.mesh, "trainer", devices)
-  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
+  stop = hooks.stop
+  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
                           stop=stop if is_leader() else None)
-  ranker = make_ranker(config, local_mesh(mesh), checkpointer, resume)
-  if donate_model:
+  ranker = make_ranker(config, local_mesh(mesh), hooks.checkpointer, hooks.resume)
+  if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
   if not is_leader():
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
-                          on_event=on_event or (lambda e: _log.info(describe_event(e))), site=site)
+                          on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))), site=endpoint.site)
   if config.arms and config.arm_programs:
-    followers = RemoteArms(config, run_id, trainer.start_step, settings or {})
+    followers = RemoteArms(config, hooks.run_id, trainer.start_step, settings or {})
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
-                               arm_outputs, resume, periodic_eval)
-  queue, store, server = _serve(config, controller, model.config.vocab_size, listen, tls, flight_config,
+                               hooks.arm_outputs, hooks.resume, hooks.periodic_eval)
+  queue, store, server = _serve(config, controller, model.config.vocab_size, endpoint,
                                 followers if isinstance(followers, RemoteArms) else None)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
-  if on_listening is not None:
-    on_listening(server.address)
+  if endpoint.on_listening is not None:
+    endpoint.on_listening(server.address)
   get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s)
   if jax.process_count() > 1:
     get_shard = _broadcasting(get_shard)
@@ -94,25 +103,24 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, listen: st
     controller.close()
     server.shutdown()
   try:
-    return train_session(trainer, controller, get_shard, store, queue, ranker=ranker, checkpointer=checkpointer,
-                         start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host, on_step=on_step,
-                         on_end=on_end, followers=followers, periodic_eval=periodic_eval,
-                         extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+    side = SamplersSide(get_shard, start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host,
+                        extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+    return train_session(trainer, controller, store, queue, side, hooks, ranker=ranker, followers=followers)
   except RunStopped:
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop
       broadcast_shard(None)
     raise
 
 
-def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, listen: str, tls: TLSFiles | None,
-           flight_config: FlightConfig, arms: RemoteArms | None):
-  """The trainer's door: (sample queue, weight store, the Flight server listening on `listen`, serving `arms`' streams
-  too)."""
+def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endpoint: TrainerEndpoint,
+           arms: RemoteArms | None):
+  """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving `arms'`
+  streams too)."""
   queue = SampleQueue(config.queue_capacity)
   store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
-  server = TrainerFlightServer(*parse_address(listen, "--listen"), controller=controller, samples=queue, weights=store,
-                               limits=WireLimits.of_run(config, vocab_size), tls=tls,
-                               chunk_bytes=flight_config.weight_chunk_mb << 20, arms=arms)
+  server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
+                               weights=store, limits=WireLimits.of_run(config, vocab_size), tls=endpoint.tls,
+                               chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20, arms=arms)
   return queue, store, server
 
 

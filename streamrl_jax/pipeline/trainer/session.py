@@ -20,6 +20,7 @@ from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.arms.followers import Followers
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.arms.remote import RemoteArms
+from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker
@@ -70,28 +71,38 @@ def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
   return probe
 
 
-def train_session(trainer: TrainerWorker, controller: Controller, get_shard, weights, queue: SampleQueue, *,
-                  ranker: OnlineRanker | None, checkpointer, start: Callable[[], None],
-                  teardown: Callable[[], None], to_host: Callable, on_step: Callable[[dict], None] | None = None,
-                  on_end: Callable[[dict, dict, dict], None] | None = None, extra_counters: Callable[[], dict] = dict,
-                  followers: Followers | RemoteArms | None = None, periodic_eval: PeriodicEval | None = None
-                  ) -> RunResult:
-  """Runs the caller's `start` (the samplers' side) and trains every step with shards from `get_shard`,
-  publishing to `weights`; then, also on failure, runs the caller's `teardown` (stop the samplers' side),
-  waits for the last weight publish, the ranker and the last checkpoint. Counters merge the controller's, the
-  trainer's, the queue's and `extra_counters()`; the parameters come back through `to_host`. `on_end(timeline,
-  counters, arm_counters)` gets them (and each follower arm's counters by name) once the steps end, also when they
-  stop or fail. `followers`: follower arms fed every shard the
-  lead takes (`Followers` in this program, `RemoteArms` served to follower programs); once the lead is done they
-  train what they hold (a stop or failure: only their step in progress). `periodic_eval` (one process only): the
-  lead's held-out accuracy on the rows it is due."""
+@dataclasses.dataclass(frozen=True)
+class SamplersSide:
+  """How a trainer session reaches its samplers, where the in-process run and the trainer program differ:
+  `get_shard(timeout)` takes the next shard, `start()` starts the samplers' side and `teardown()` stops it,
+  `to_host(params)` brings parameters to the host, `extra_counters()` adds the transport's counters."""
+
+  get_shard: Callable
+  start: Callable[[], None]
+  teardown: Callable[[], None]
+  to_host: Callable
+  extra_counters: Callable[[], dict] = dict
+
+
+def train_session(trainer: TrainerWorker, controller: Controller, weights, queue: SampleQueue, side: SamplersSide,
+                  hooks: RunHooks, *, ranker: OnlineRanker | None,
+                  followers: Followers | RemoteArms | None = None) -> RunResult:
+  """Starts the samplers' side and trains every step with its shards, publishing to `weights`; then, also on
+  failure, tears the samplers' side down, waits for the last weight publish, the ranker and the last checkpoint
+  (`hooks.checkpointer`). Counters merge the controller's, the trainer's, the queue's and the side's extra ones.
+  `hooks.on_end(timeline, counters, arm_counters)` gets them (and each follower arm's counters by name) once the
+  steps end, also when they stop or fail. `followers`: follower arms fed every shard the lead takes (`Followers`
+  in this program, `RemoteArms` served to follower programs); once the lead is done they train what they hold (a
+  stop or failure: only their step in progress). `hooks.periodic_eval` (one process only): the lead's held-out
+  accuracy on the rows it is due."""
   start_epoch = time.time()
-  if periodic_eval is not None:
-    on_step = _evaluating(on_step, periodic_eval, trainer, to_host)
+  get_shard, on_step, to_host = side.get_shard, hooks.on_step, side.to_host
+  if hooks.periodic_eval is not None:
+    on_step = _evaluating(on_step, hooks.periodic_eval, trainer, to_host)
   if followers is not None:
     get_shard, on_step = followers.fanout.tap(get_shard), followers.fanout.lead_rows(on_step)
     followers.start()
-  start()
+  side.start()
   if ranker is not None:
     ranker.start()
   completed, arms = False, {}
@@ -104,16 +115,16 @@ def train_session(trainer: TrainerWorker, controller: Controller, get_shard, wei
       if followers is not None:  # before the samplers' side stops: follower programs read through its server
         arms = followers.finish(discard=not completed)
     finally:
-      teardown()
+      side.teardown()
     weights.wait()
     if ranker is not None:
       ranker.stop()
-    if checkpointer is not None:
-      checkpointer.wait()
+    if hooks.checkpointer is not None:
+      hooks.checkpointer.wait()
     counters = dict(controller.counters, **trainer.counters, **{f"queue_{k}": v for k, v in queue.stats().items()},
-                    **extra_counters())
-    if on_end is not None:
-      on_end(timeline_of(trainer, controller, start_epoch), counters, {n: c for n, (_, c, _) in arms.items()})
+                    **side.extra_counters())
+    if hooks.on_end is not None:
+      hooks.on_end(timeline_of(trainer, controller, start_epoch), counters, {n: c for n, (_, c, _) in arms.items()})
   params, adapters = trained_params(trainer, to_host)
   return RunResult(params, metrics, counters, timeline_of(trainer, controller, start_epoch), adapters,
                    _arm_results(arms, to_host))
