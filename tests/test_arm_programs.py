@@ -20,7 +20,7 @@ from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
-from streamrl_jax.pipeline.sampler.program import run_sampler
+from streamrl_jax.pipeline.sampler.program import SamplerEndpoint, run_sampler
 from streamrl_jax.pipeline.trainer.program import TrainerEndpoint, serve_training
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.pipeline.run_hooks import RunHooks
@@ -84,8 +84,9 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
 
   def sampler(address: str):
     try:
-      run_sampler(CONFIG, JOB.model_config(TOKENIZER), TOKENIZER, task, connect=address, name="sampler-0",
-                  settings=settings, flight_config=FAST, devices=jax.devices()[:4])
+      run_sampler(CONFIG, JOB.model_config(TOKENIZER), TOKENIZER, task,
+                  endpoint=SamplerEndpoint(address, "sampler-0", flight_config=FAST, settings=settings),
+                  devices=jax.devices()[:4])
     except BaseException as err:
       errors.append(err)
 

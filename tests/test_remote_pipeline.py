@@ -14,7 +14,7 @@ from flax import nnx
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline.sampler.program import run_sampler
+from streamrl_jax.pipeline.sampler.program import SamplerEndpoint, run_sampler
 from streamrl_jax.pipeline.trainer.program import TrainerEndpoint, serve_training
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
@@ -33,8 +33,8 @@ def run_remote(mode: str, samplers: int = 1, **overrides):
   def sampler(k: int, address: str):
     try:
       devices = np.array_split(np.asarray(jax.devices()[:4]), samplers)[k].tolist()
-      stats[k] = run_sampler(config, MODEL, TOKENIZER, task, connect=address, name=f"sampler-{k}", settings=settings,
-                             flight_config=FAST, devices=devices)
+      endpoint = SamplerEndpoint(address, f"sampler-{k}", flight_config=FAST, settings=settings)
+      stats[k] = run_sampler(config, MODEL, TOKENIZER, task, endpoint=endpoint, devices=devices)
     except BaseException as err:
       errors.append(err)
 

@@ -200,7 +200,7 @@ def cmd_sampler(args) -> int:
   import jax
 
   from streamrl_jax.pipeline import preflight
-  from streamrl_jax.pipeline.sampler.program import run_sampler
+  from streamrl_jax.pipeline.sampler.program import SamplerEndpoint, run_sampler
   from streamrl_jax.stopping import StopRequest
 
   config, job, flight_config, tls, settings = _start_role(args)
@@ -216,11 +216,10 @@ def cmd_sampler(args) -> int:
   stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:
     with stop.installed(), stop.deferred("handing its leases back"):
-      stats = run_sampler(config, model_config, tokenizer, task, connect=args.connect, tls=tls,
-                          name=args.name, settings=settings, flight_config=flight_config, stop=stop.event,
-                          site=args.site, relay_listen=args.relay_listen, relay_host=args.relay_host,
-                          relay_tls_name=args.relay_tls_name, base_params=lora_base(config, job),
-                          serve=_serve_config(args.serve, args.serve_priority))
+      endpoint = SamplerEndpoint(args.connect, args.name, tls, flight_config, settings, args.site, args.relay_listen,
+                                 args.relay_host, args.relay_tls_name, _serve_config(args.serve, args.serve_priority))
+      stats = run_sampler(config, model_config, tokenizer, task, endpoint=endpoint, stop=stop.event,
+                          base_params=lora_base(config, job))
   except KeyboardInterrupt:
     print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
     return 130

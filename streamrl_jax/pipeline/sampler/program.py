@@ -5,6 +5,7 @@ in-process run's; only the transports differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -23,48 +24,56 @@ from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
 _log = logging.getLogger(__name__)
 
 
-def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connect: str, tls: TLSFiles | None = None,
-                name: str = "sampler", settings: dict | None = None, flight_config: FlightConfig = FlightConfig(),
-                stop: threading.Event | None = None, devices=None, site: str = "",
-                relay_listen: str | None = None, relay_host: str | None = None, relay_tls_name: str | None = None,
-                base_params=None, serve=None) -> dict:
-  """The sampler program's run: takes leases from the trainer at `connect` until it says the run is over.
-  When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease
-  in hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this
-  program's). `site`: its datacenter's label. With `relay_listen` (HOST:PORT), it serves the weight versions
-  it receives to the samplers below it in each version's broadcast tree, at `relay_host` (default: the listen
-  host) and the bound port; `relay_tls_name` is the name relays' certificates carry when it is not the address
-  dialled (one certificate for every pod). `base_params` (LoRA, `config.lora`): the base each version's adapters
-  merge into, as the trainer's. `serve` (a `ServeConfig`): an OpenAI-compatible server on this sampler's engine too,
-  answering with the newest weights that landed (mutual TLS with `tls`, as Flight's). Returns the sampler's
-  transport statistics."""
+@dataclasses.dataclass(frozen=True)
+class SamplerEndpoint:
+  """How a sampler program reaches its trainer and what it offers beside sampling. `connect`: the trainer's
+  HOST:PORT; `name`: how the trainer's logs and timeline call it; `settings`: the run's, checked by the trainer at
+  registration; `site`: its datacenter's label. With `relay_listen` (HOST:PORT), it serves the weight versions it
+  receives to the samplers below it in each version's broadcast tree, at `relay_host` (default: the listen host)
+  and the bound port; `relay_tls_name` is the name relays' certificates carry when it is not the address dialled
+  (one certificate for every pod). `serve` (a `ServeConfig`): an OpenAI-compatible server on this sampler's engine
+  too, answering with the newest weights that landed (mutual TLS with `tls`, as Flight's)."""
+
+  connect: str
+  name: str = "sampler"
+  tls: TLSFiles | None = None
+  flight_config: FlightConfig = FlightConfig()
+  settings: dict | None = None
+  site: str = ""
+  relay_listen: str | None = None
+  relay_host: str | None = None
+  relay_tls_name: str | None = None
+  serve: object = None
+
+
+def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoint: SamplerEndpoint,
+                stop: threading.Event | None = None, devices=None, base_params=None) -> dict:
+  """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is
+  over. When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease in
+  hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this program's).
+  `base_params` (LoRA, `config.lora`): the base each version's adapters merge into, as the trainer's. Returns the
+  sampler's transport statistics."""
+  e = endpoint
+  connect, name, tls, flight_config, site = e.connect, e.name, e.tls, e.flight_config, e.site
   parse_address(connect, "--connect")
-  if relay_listen:
-    parse_address(relay_listen, "--relay-listen")
+  if e.relay_listen:
+    parse_address(e.relay_listen, "--relay-listen")
   stop = stop or threading.Event()
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
                                 retry_s=flight_config.connect_retry_s)
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)
-  if config.lora.enabled:  # a version is the adapters; the sampler merges them into its base
-    if base_params is None:
-      raise ValueError("LoraConfig.rank > 0: run_sampler needs base_params (the base the adapters merge into)")
-    weights = landing(lora.adapter_shapes(graphdef, abstract, config.lora), config.precision, mesh,
-                      base=base_params, lora_scale=config.lora.scale)
-    base_params = None  # the landing holds the base on the mesh; the host copy goes
-  else:
-    weights = landing(abstract, config.precision, mesh)
-  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=settings,
-                         serve=serve, serve_tls=tls if serve is not None else None)
+  weights = _landing(config, graphdef, abstract, mesh, base_params)
+  base_params = None  # a LoRA landing holds the base on the mesh; the host copy goes
+  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=e.settings,
+                         serve=e.serve, serve_tls=tls if e.serve is not None else None)
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
   relay = None
   try:
-    if relay_listen:
-      relay = RelayServer(*parse_address(relay_listen, "--relay-listen"), RelayStore(), tls=tls, advertise=relay_host)
-      _log.info(f"{name}: serves the weights it holds to other samplers at {relay.address} (site {site!r})")
+    relay = _relay(e)
     while not stop.is_set():
       sampler_id = worker.register(control, site=site, relay=relay.address if relay else "")
       stats["sessions"] += 1
@@ -73,7 +82,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
       sender.sampler_id = sampler_id
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
-                                      streams=flight_config.weight_streams, relay_tls_name=relay_tls_name)
+                                      streams=flight_config.weight_streams, relay_tls_name=e.relay_tls_name)
       outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
@@ -86,6 +95,29 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, connec
     if relay is not None:
       relay.shutdown()
   return dict(sender.stats, **stats, **connection.counters, **(relay.counters if relay else {}))
+
+
+def _relay(endpoint: SamplerEndpoint) -> RelayServer | None:
+  """The relay serving the weight versions this sampler holds to the samplers below it (None without
+  `relay_listen`)."""
+  if not endpoint.relay_listen:
+    return None
+  relay = RelayServer(*parse_address(endpoint.relay_listen, "--relay-listen"), RelayStore(), tls=endpoint.tls,
+                      advertise=endpoint.relay_host)
+  _log.info(f"{endpoint.name}: serves the weights it holds to other samplers at {relay.address} "
+            f"(site {endpoint.site!r})")
+  return relay
+
+
+def _landing(config: PipelineConfig, graphdef, abstract, mesh, base_params):
+  """Where each weight version lands on the sampler's mesh (`models.precision.landing`); with LoRA a version is the
+  adapters, merged into `base_params` placed on the mesh once."""
+  if not config.lora.enabled:
+    return landing(abstract, config.precision, mesh)
+  if base_params is None:
+    raise ValueError("LoraConfig.rank > 0: run_sampler needs base_params (the base the adapters merge into)")
+  return landing(lora.adapter_shapes(graphdef, abstract, config.lora), config.precision, mesh, base=base_params,
+                 lora_scale=config.lora.scale)
 
 
 def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, period: float,
