@@ -76,9 +76,11 @@ class FaultPoints:
       time.sleep(3600)
     if fault.action in ("pause", "hold"):
       seen = self._stop.signals if self._stop is not None else 0
-      if self._mark_file:
-        with open(self._mark_file, "w") as out:
+      if self._mark_file:  # whole or absent: a watcher that sees the file reads the point
+        part = f"{self._mark_file}.{os.getpid()}.part"
+        with open(part, "w") as out:
           out.write(f"{fault.point}@{fault.step}")
+        os.replace(part, self._mark_file)
       deadline = time.monotonic() + PAUSE_LIMIT_S
       waiting = ((lambda: os.path.exists(self._mark_file)) if fault.action == "hold"
                  else (lambda: self._stop is None or self._stop.signals == seen))
