@@ -56,13 +56,13 @@ def configs():
   bindings = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"JobConfig.eval_prompts={EVAL}"]
   gin_config.parse(files, bindings)
   config, job = gin_config.build_run()
-  rloo = gin_config.with_arms(config, job, [ROOT / "configs" / "arms" / "rloo.gin"], files, bindings).arms
+  rloo = gin_config.with_arms(config, job, [ROOT / "configs" / "arms" / "rloo.gin"], files, bindings).arms.followers
   config = dataclasses.replace(config, mesh=MeshConfig(sampler_devices=2, trainer_devices=2))
   if WARMUP is not None:
     job = dataclasses.replace(job, warmup_steps=WARMUP)
-  grpo = ArmConfig("grpo", advantage=config.advantage, optimizer=config.optimizer, seed=config.seed,
-                   objective=dataclasses.replace(config.objective, objective="ppo_tis"))
-  return config, job, dataclasses.replace(config, arms=(grpo, *rloo))
+  grpo = ArmConfig("grpo", advantage=config.advantage, optimizer=config.trainer.optimizer, seed=config.seed,
+                   objective=dataclasses.replace(config.trainer.objective, objective="ppo_tis"))
+  return config, job, dataclasses.replace(config, arms=dataclasses.replace(config.arms, followers=(grpo, *rloo)))
 
 
 def run(name: str, config, job, warm: Path, root: Path) -> dict:
@@ -74,18 +74,18 @@ def run(name: str, config, job, warm: Path, root: Path) -> dict:
   workdir = root / name
   workdir.mkdir()
   shutil.copytree(warm, workdir / "warmup_model")
-  log(f"arms: run {name!r}, {len(config.arms) + 1} arm(s), {config.steps} steps ...")
+  log(f"arms: run {name!r}, {len(config.arms.followers) + 1} arm(s), {config.steps} steps ...")
   start = time.perf_counter()
   summary = train_job(config, job, workdir)
   rows = read_metrics(workdir)
   steady = [r["step_s"] for r in rows[2:]]
-  arm_steps = len(rows) + sum(len(read_metrics(workdir / "arms" / a.name)) for a in config.arms)
+  arm_steps = len(rows) + sum(len(read_metrics(workdir / "arms" / a.name)) for a in config.arms.followers)
   return dict(seconds=round(time.perf_counter() - start, 1), lead_step_s=round(statistics.median(steady), 3),
               samples_generated=summary["counters"]["samples_generated"], arm_steps=arm_steps,
               accuracy_before=summary["accuracy_before"], accuracy_after=summary["accuracy_after"],
               arms=summary.get("arms", {}),
               skipped={a.name: read_metrics(workdir / "arms" / a.name)[-1].get("arm_steps_skipped", 0)
-                       for a in config.arms})
+                       for a in config.arms.followers})
 
 
 def main() -> dict:
@@ -96,7 +96,7 @@ def main() -> dict:
   model, tokenizer, _ = job.load_model()
   log("arms: supervised warm-up of the demo model ...")
   model = supervised_warmup(model, tokenizer, job.make_task(tokenizer), job,
-                            config.engine.max_prompt_length + config.max_new_tokens)
+                            config.sampler.engine.max_prompt_length + config.max_new_tokens)
   with tempfile.TemporaryDirectory() as tmp:
     warm = Path(tmp) / "warm"
     save_hf(model, warm)

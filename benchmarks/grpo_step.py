@@ -38,6 +38,7 @@ from flax import nnx  # noqa: E402
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline  # noqa: E402
 from streamrl_jax.sampling import EngineConfig  # noqa: E402
+from streamrl_jax.sampling import SamplerConfig  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig  # noqa: E402
 from streamrl_jax.meshes import MeshShape, mesh_from_devices  # noqa: E402
 
@@ -92,8 +93,9 @@ def config_for(mode: str, packing: bool) -> PipelineConfig:
   engine = EngineConfig(num_slots=64, max_prompt_length=PROMPT, max_new_tokens=NEW, min_prefill_bucket=8,
                         steps_per_sync=8)
   return PipelineConfig(mode=mode, steps=STEPS, prompts_per_step=8, group_size=8, max_new_tokens=NEW,
-                        staleness=1, trainer=TrainerConfig(packing=packing, precompile=True), engine=engine,
-                        optimizer=OptimizerConfig(learning_rate=1e-5), objective=ObjectiveConfig())
+                        staleness=1, sampler=SamplerConfig(engine=engine),
+                        trainer=TrainerConfig(packing=packing, precompile=True,
+                                              optimizer=OptimizerConfig(learning_rate=1e-5), objective=ObjectiveConfig()))
 
 
 def train_flops(lengths) -> float:

@@ -45,13 +45,13 @@ DEMO = ("MeshConfig.sampler_devices=0", "MeshConfig.trainer_devices=0", "Trainer
 # sampler_arms: leases; requests per lease (None: all 128); output lengths divided by (quick: the tail 50-64 tokens)
 SAMPLER_LEASES, SAMPLER_REQUESTS, SAMPLER_LENGTH_DIV = size(5, 2), size(None, 48), size(1, 4)
 ARMS = {  # in flight first: what a first arm might still pay counts against it
-    "in_flight": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True"),
+    "in_flight": ("PipelineConfig.mode='async'", "SamplerConfig.in_flight=True"),
     "between": ("PipelineConfig.mode='async'",),
-    "in_flight_recompute": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True",
-                            "PipelineConfig.in_flight_cache='recompute'"),
+    "in_flight_recompute": ("PipelineConfig.mode='async'", "SamplerConfig.in_flight=True",
+                            "SamplerConfig.in_flight_cache='recompute'"),
     "stream": ("PipelineConfig.mode='stream'",),
-    "dynamic_sampling": ("PipelineConfig.mode='async'", "PipelineConfig.in_flight=True",
-                         "PipelineConfig.dynamic_sampling=True"),
+    "dynamic_sampling": ("PipelineConfig.mode='async'", "SamplerConfig.in_flight=True",
+                         "ControllerConfig.dynamic_sampling=True"),
 }
 if QUICK:  # recompute left out (recompute_vs_keep has no goal), stream too (its accuracy gap is a full run's)
   del ARMS["in_flight_recompute"], ARMS["stream"]

@@ -51,14 +51,16 @@ def configs():
   from streamrl_jax.pipeline.job_config import JobConfig
   from streamrl_jax.tasks.config import TaskConfig
   from streamrl_jax.sampling.engine import EngineConfig
+  from streamrl_jax.sampling.config import SamplerConfig
   engine = EngineConfig(num_slots=32, max_prompt_length=16, max_new_tokens=32)
-  base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32, engine=engine)
-  tool = (PipelineConfig(env=EnvConfig(environment="calculator"), **base),
+  base = dict(mode="stream", steps=STEPS, prompts_per_step=16, group_size=8, max_new_tokens=32)
+  tool = (PipelineConfig(**base, sampler=SamplerConfig(engine=engine, env=EnvConfig(environment="calculator"))),
           JobConfig(task=TaskConfig(name="multiply", multiply_digits=DIGITS), warmup_steps=WARMUP, eval_prompts=EVAL))
-  plain = (PipelineConfig(**base),
+  plain = (PipelineConfig(**base, sampler=SamplerConfig(engine=engine)),
            JobConfig(task=TaskConfig(name="multiply_no_tool", multiply_digits=DIGITS), warmup_steps=WARMUP,
                      eval_prompts=EVAL))
-  paged = (dataclasses.replace(tool[0], engine=dataclasses.replace(engine, kv_layout="paged", page_size=16)), tool[1])
+  paged_engine = dataclasses.replace(engine, kv_layout="paged", page_size=16)
+  paged = (dataclasses.replace(tool[0], sampler=dataclasses.replace(tool[0].sampler, engine=paged_engine)), tool[1])
   return tool, plain, paged
 
 
@@ -79,8 +81,8 @@ def sampling_rate(engine, params, config, delay_s: float, seed: int, prompts: in
   from streamrl_jax.tasks import MultiplyTask
   from streamrl_jax.types import SamplingParams
   tokenizer = CharTokenizer()
-  tools = ToolRunner(make_environment("calculator", max_turns=config.env.max_turns), tokenizer, delay_s=delay_s,
-                     threads=config.env.tool_threads)
+  tools = ToolRunner(make_environment("calculator", max_turns=config.sampler.env.max_turns), tokenizer, delay_s=delay_s,
+                     threads=config.sampler.env.tool_threads)
   sampler = StreamingSampler([engine], params, tools=tools, seed=seed)
   rng = np.random.default_rng(seed)
   knobs = SamplingParams(temperature=1.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids,
@@ -137,9 +139,10 @@ def throughput(model, tool_config, paged_config) -> dict:
   from streamrl_jax.meshes import single_device_mesh
   from streamrl_jax.sampling import make_engine
   graphdef, params = nnx.split(model)
-  engines = {layout: make_engine(graphdef, model.config, config.engine, single_device_mesh())
+  engines = {layout: make_engine(graphdef, model.config, config.sampler.engine, single_device_mesh())
              for layout, config in (("contiguous", tool_config), ("paged", paged_config))}
-  few_threads = dataclasses.replace(tool_config, env=dataclasses.replace(tool_config.env, tool_threads=8))
+  few = dataclasses.replace(tool_config.sampler.env, tool_threads=8)
+  few_threads = dataclasses.replace(tool_config, sampler=dataclasses.replace(tool_config.sampler, env=few))
   one_step = tool_config.prompts_per_step * tool_config.group_size
   arms = (("instant", "contiguous", 0.0, tool_config, PROMPTS), ("slow", "contiguous", 0.05, tool_config, PROMPTS),
           ("slow_8_threads", "contiguous", 0.05, few_threads, PROMPTS),

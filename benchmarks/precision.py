@@ -155,7 +155,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
 def rl_arm(workdir: Path, warm: Path, precision: str, objective: str) -> dict:
   workdir.mkdir(parents=True)
   shutil.copytree(warm, workdir / "warmup_model")
-  sets = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"PipelineConfig.sampler_precision='{precision}'",
+  sets = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"SamplerConfig.precision='{precision}'",
           f"ObjectiveConfig.objective='{objective}'", f"JobConfig.eval_prompts={EVAL}"]
   command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--workdir", str(workdir)]
   for binding in sets:
@@ -184,8 +184,8 @@ def main() -> dict:
   model, tokenizer, _ = job.load_model()
   task = job.make_task(tokenizer)
   print("precision: supervised warm-up of the demo model ...", file=sys.stderr, flush=True)
-  model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens)
-  measured = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, config.max_new_tokens)
+  model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  measured = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.sampler.engine, config.max_new_tokens)
   out.update({k: v for k, v in measured.items() if not k.endswith("_bytes_ratio")})  # transfer()'s are SmolLM2's
   with tempfile.TemporaryDirectory() as tmp:
     warm = Path(tmp) / "warmup_model"

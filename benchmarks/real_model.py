@@ -241,7 +241,7 @@ def part_precision() -> dict:
   gin_config.parse([str(CONFIG)])
   config, job = gin_config.build_run()
   model, tokenizer, _ = job.load_model()
-  out = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.engine, 16, prompts=size(64, 16))
+  out = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.sampler.engine, 16, prompts=size(64, 16))
   return {f"smollm2_{k}": v for k, v in out.items()}
 
 

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import gin
 
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_listing import render
 from streamrl_jax.config_types import ConfigError, checked
+from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig
 from streamrl_jax.meshes import MeshConfig
@@ -29,7 +31,7 @@ from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
-from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.tasks.config import TaskConfig
@@ -48,28 +50,15 @@ def example_dir(name: str) -> Path:
                           f"{Path(sys.prefix) / 'share' / 'streamrl_jax' / 'examples'}")
 
 
-CONFIG_CLASSES = (MeshConfig, EngineConfig, OptimizerConfig, ObjectiveConfig, RankerConfig, SchedulingConfig,
-                  RewardConfig, TrainerConfig, LoraConfig, EnvConfig, ControllerConfig, PipelineConfig, JobConfig,
-                  TaskConfig, FlightConfig, GKEConfig)
+CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
+                  LoraConfig, TrainerConfig, RankerConfig, SchedulingConfig, ControllerConfig, ArmsConfig,
+                  PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 _CLASSES = {cls.__name__: cls for cls in CONFIG_CLASSES}
 KNOWN_KEYS = tuple(f"{cls.__name__}.{f.name}" for cls in CONFIG_CLASSES for f in dataclasses.fields(cls)
                    if not dataclasses.is_dataclass(f.default) and "bound_by" not in f.metadata)
 
-# Keys that moved to the config of the part that uses them: an old file or `--set` is refused naming the new key.
-MOVED_KEYS = {
-    **{f"PipelineConfig.{f}": f"TrainerConfig.{f}" for f in ("chunk_rows", "packing", "pack_length", "chunk_tokens",
-                                                               "precompile")},
-    **{f"PipelineConfig.{f}": f"EnvConfig.{f}" for f in ("environment", "max_turns", "tool_threads", "tool_delay_s")},
-    **{f"FlightConfig.{f}": f"ControllerConfig.{f}" for f in ("heartbeat_s", "lease_timeout_s", "sampler_timeout_s",
-                                                             "finish_grace_s", "weight_fanout")},
-    "JobConfig.model_dir": "JobConfig.model",
-    "JobConfig.task": "TaskConfig.name",
-    **{f"JobConfig.{f}": f"TaskConfig.{f}" for f in ("prompt_file", "prompt_key", "answer_key", "eval_file",
-                                                      "eval_fraction", "chat", "system_prompt", "max_digits",
-                                                      "sum_digits", "sum_terms", "multiply_digits")},
-}
 # Classes that are not bound, and where their values come from.
 NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConfig.model); the demo model's from "
                             "JobConfig.hidden_size and JobConfig.num_layers",
@@ -250,10 +239,12 @@ def pinned_hub_model(config_files, bindings) -> list[str]:
 
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
-  parts = dict(mesh=build(MeshConfig), engine=build(EngineConfig), optimizer=build(OptimizerConfig),
-               objective=build(ObjectiveConfig), scheduling=build(SchedulingConfig, ranker=build(RankerConfig)),
-               reward=build(RewardConfig), trainer=build(TrainerConfig), lora=build(LoraConfig), env=build(EnvConfig),
-               controller=build(ControllerConfig))
+  sampler = build(SamplerConfig, engine=build(EngineConfig), reward=build(RewardConfig), env=build(EnvConfig))
+  trainer = build(TrainerConfig, optimizer=build(OptimizerConfig), objective=build(ObjectiveConfig),
+                  lora=build(LoraConfig))
+  parts = dict(mesh=build(MeshConfig), sampler=sampler, trainer=trainer,
+               scheduling=build(SchedulingConfig, ranker=build(RankerConfig)), controller=build(ControllerConfig),
+               arms=build(ArmsConfig))
   return build(PipelineConfig, **parts), build_job()
 
 
@@ -277,7 +268,8 @@ def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, b
       parsed.append((Path(path).stem, *build_run()))
   finally:
     parse(config_files, bindings)
-  return dataclasses.replace(config, arms=arms_from_configs(config, job, parsed, JobConfig.model_spec))
+  followers = arms_from_configs(config, job, parsed, JobConfig.model_spec)
+  return dataclasses.replace(config, arms=dataclasses.replace(config.arms, followers=followers))
 
 
 def build_flight() -> FlightConfig:

@@ -6,6 +6,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.tasks import ArithmeticTask
 
 
@@ -26,8 +27,9 @@ class DigitTask(ArithmeticTask):
 
 
 BASE = PipelineConfig(steps=3, prompts_per_step=4, group_size=4, max_new_tokens=12, seed=1,
-                      engine=EngineConfig(num_slots=8, max_prompt_length=16, max_new_tokens=12, min_prefill_bucket=16),
-                      mesh=MeshConfig(sampler_devices=4, trainer_devices=4))
+                      mesh=MeshConfig(sampler_devices=4, trainer_devices=4),
+                      sampler=SamplerConfig(engine=EngineConfig(num_slots=8, max_prompt_length=16, max_new_tokens=12,
+                                                                min_prefill_bucket=16)))
 
 
 def run(mode: str, **overrides):

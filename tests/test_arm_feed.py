@@ -8,6 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource, StepSkipped
 from streamrl_jax.arms.config import ArmConfig, arm_advice, arms_from_configs, check_arm_names
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
@@ -165,20 +166,20 @@ def test_arm_names_and_settings_are_checked():
   with pytest.raises(ValueError, match="two arms are named 'a'"):
     check_arm_names("lead", [ArmConfig("a"), ArmConfig("a")])
   with pytest.raises(ValueError, match="two arms are named 'lead'"):
-    PipelineConfig(mode="stream", arms=(ArmConfig("lead"),))
+    PipelineConfig(mode="stream", arms=ArmsConfig(followers=(ArmConfig("lead"),)))
   with pytest.raises(ValueError, match="arm name 'a b'"):
     ArmConfig("a b")
   with pytest.raises(ValueError, match="colocated"):
-    PipelineConfig(mode="colocated", arms=(ArmConfig("x"),))
-  config = PipelineConfig(arms=(ArmConfig("pg", objective=ObjectiveConfig(objective="reinforce")),
-                                ArmConfig("ok", objective=ObjectiveConfig(objective="aipo"))))
+    PipelineConfig(mode="colocated", arms=ArmsConfig(followers=(ArmConfig("x"),)))
+  config = PipelineConfig(arms=ArmsConfig(followers=(ArmConfig("pg", objective=ObjectiveConfig(objective="reinforce")),
+                                ArmConfig("ok", objective=ObjectiveConfig(objective="aipo")))))
   advice = arm_advice(config)
   assert len(advice) == 1 and advice[0].startswith("arm 'pg': ObjectiveConfig.objective='reinforce' ignores")
 
 
 def test_arm_files_may_change_only_their_trainer():
   lead, job = PipelineConfig(), JobConfig()
-  rloo = dataclasses.replace(lead, advantage="rloo", optimizer=OptimizerConfig(learning_rate=1e-3))
+  rloo = dataclasses.replace(lead, advantage="rloo", trainer=dataclasses.replace(lead.trainer, optimizer=OptimizerConfig(learning_rate=1e-3)))
   (arm,) = arms_from_configs(lead, job, [("rloo", rloo, job)])
   assert (arm.name, arm.advantage, arm.optimizer.learning_rate) == ("rloo", "rloo", 1e-3)
   with pytest.raises(ConfigError, match=r"arm 'x': PipelineConfig.group_size=8 differs from the lead's \(4\)"):

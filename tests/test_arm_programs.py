@@ -1,4 +1,4 @@
-"""A follower arm as its own program (`PipelineConfig.arm_programs`): the lead trainer serves its stream over Arrow
+"""A follower arm as its own program (`ArmsConfig.programs`): the lead trainer serves its stream over Arrow
 Flight (threads of this process on loopback, each role on its own devices). A follower of another run is refused;
 one that dies restarts from its checkpoint and trains every sample it had not saved, none twice; the lead waits
 for it only at the end."""
@@ -17,6 +17,7 @@ from streamrl_jax.messages import ArmJoin, ArmPoll, BadMessage
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.arms.config import ArmConfig
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
@@ -28,9 +29,8 @@ from tests.pipeline_setup import BASE, TOKENIZER, DigitTask
 from tests.test_remote_pipeline import FAST, FAST_CONTROL
 
 JOB = JobConfig(hidden_size=32, num_layers=2, warmup_steps=0, eval_prompts=4)
-CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, arm_programs=True,
-                             mesh=MeshConfig(sampler_devices=4, trainer_devices=2),
-                             arms=(ArmConfig("rloo", advantage="rloo"),))
+CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, mesh=MeshConfig(sampler_devices=4, trainer_devices=2),
+                             arms=ArmsConfig(programs=True, followers=(ArmConfig("rloo", advantage="rloo"),)))
 
 
 def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
@@ -48,7 +48,7 @@ def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
   own = dict(settings, **{"PipelineConfig.advantage": "'rloo'", "OptimizerConfig.learning_rate": "0.5"})
   assert arms.join(ArmJoin("rloo", "run-a", own)).steps == CONFIG.steps  # an arm's own keys may differ
   with pytest.raises(ValueError, match="arm_programs: .* sampler_precision='float32' and no LoRA"):
-    dataclasses.replace(CONFIG, sampler_precision="int8")
+    dataclasses.replace(CONFIG, sampler=dataclasses.replace(CONFIG.sampler, precision="int8"))
 
 
 def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_once(tmp_path, monkeypatch):
@@ -122,7 +122,7 @@ def test_launch_local_starts_a_follower_program_per_arm_in_the_leads_workdir(tmp
   arm = tmp_path / "rloo.gin"
   arm.write_text("PipelineConfig.advantage = 'rloo'\nObjectiveConfig.objective = 'ppo_tis'\n")
   args = build_parser().parse_args(["launch", "local", "--workdir", str(tmp_path / "run"), "--arms", str(arm),
-                                    "--set", "PipelineConfig.mode='stream'", "--set", "PipelineConfig.arm_programs=True"])
+                                    "--set", "PipelineConfig.mode='stream'", "--set", "ArmsConfig.programs=True"])
   programs = _check_arms(args)
   assert programs == (("rloo", str(arm)),)
   children = plan_children(args, None, programs)

@@ -14,6 +14,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import run_pipeline
 from streamrl_jax.arms.config import ArmConfig
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.training import ObjectiveConfig
 from streamrl_jax.training.checkpoint import Checkpointer
@@ -24,14 +25,14 @@ WAIT_S = 300.0  # a held follower is released by the lead's last row long before
 
 
 def arms_config(steps: int, arm_max_lag: int, *arms):
-  return dataclasses.replace(BASE, mode="stream", steps=steps, arm_max_lag=arm_max_lag, arms=arms,
-                             objective=ObjectiveConfig(objective="ppo"),
-                             mesh=MeshConfig(sampler_devices=4, trainer_devices=2))
+  return dataclasses.replace(BASE, mode="stream", steps=steps, mesh=MeshConfig(sampler_devices=4, trainer_devices=2),
+                             arms=ArmsConfig(followers=arms, max_lag=arm_max_lag),
+                             trainer=dataclasses.replace(BASE.trainer, objective=ObjectiveConfig(objective="ppo")))
 
 
 def same_as_lead(name: str) -> ArmConfig:
   return ArmConfig(name, advantage=BASE.advantage, objective=ObjectiveConfig(objective="ppo"),
-                   optimizer=BASE.optimizer, seed=BASE.seed)
+                   optimizer=BASE.trainer.optimizer, seed=BASE.seed)
 
 
 class Outputs:

@@ -53,7 +53,12 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
                                       ("PipelineConfig.environment", "EnvConfig.environment"),
                                       ("JobConfig.model_dir", "JobConfig.model"),
                                       ("JobConfig.task", "TaskConfig.name"),
-                                      ("JobConfig.prompt_file", "TaskConfig.prompt_file")])
+                                      ("JobConfig.prompt_file", "TaskConfig.prompt_file"),
+                                      ("PipelineConfig.sampler_precision", "SamplerConfig.precision"),
+                                      ("PipelineConfig.in_flight", "SamplerConfig.in_flight"),
+                                      ("PipelineConfig.stop_grace_s", "TrainerConfig.stop_grace_s"),
+                                      ("PipelineConfig.dynamic_sampling", "ControllerConfig.dynamic_sampling"),
+                                      ("PipelineConfig.arm_programs", "ArmsConfig.programs")])
 def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
   gin_file = tmp_path / "old.gin"
   gin_file.write_text(f"PipelineConfig.steps = 2\n{old} = 1\n")

@@ -63,14 +63,14 @@ def test_the_listing_is_a_config_that_builds_the_same_run(tmp_path, capsys):
   again = (*gin_config.build_run(), gin_config.build_flight(), gin_config.build_gke())
   gin_config.parse()
   assert again == expected
-  assert again[0].scheduling.ptl_curve == ((1, 0.5), (4, 1.0)) and again[0].optimizer.b1 == 0.0
+  assert again[0].scheduling.ptl_curve == ((1, 0.5), (4, 1.0)) and again[0].trainer.optimizer.b1 == 0.0
   assert flat_settings(*again) == flat_settings(*expected)
 
 
 MISTAKES = [
     (["--set", "PipelineConfig.steps='two'"], "PipelineConfig.steps = 'two': expected int, got str"),
     (["--set", "PipelineConfig.steps=2.5"], "PipelineConfig.steps = 2.5: expected int, got float"),
-    (["--set", "PipelineConfig.in_flight=1"], "PipelineConfig.in_flight = 1: expected bool, got int"),
+    (["--set", "SamplerConfig.in_flight=1"], "SamplerConfig.in_flight = 1: expected bool, got int"),
     (["--set", "EngineConfig.short_attention_windows=(16, 'x')"],
      "EngineConfig.short_attention_windows = (16, 'x'): expected tuple[int, ...], got tuple"),
     (["--set", "SchedulingConfig.ptl_curve=((1, 2, 3),)"], "expected tuple[tuple[int, float], ...]"),
@@ -81,7 +81,7 @@ MISTAKES = [
     (["--set", "PipelineConfig.num_slots=2"], "did you mean EngineConfig.num_slots?"),
     (["--set", "PipelineConfg.steps=2"], "unknown config class 'PipelineConfg'; did you mean PipelineConfig?"),
     (["--set", "ModelConfig.num_layers=3"], "ModelConfig is not a config to bind; a model's shape comes from"),
-    (["--set", "PipelineConfig.engine=None"], "PipelineConfig.engine is built from the EngineConfig.* keys"),
+    (["--set", "PipelineConfig.sampler=None"], "PipelineConfig.sampler is built from the SamplerConfig.* keys"),
     (["--set", "PipelineConfig.mode='pipelined'"], "PipelineConfig.mode='pipelined'; known:"),
 ]
 
@@ -172,7 +172,7 @@ def keys_named(text: str) -> set[str]:
 def test_every_key_the_docs_name_is_a_key_streamrl_config_lists(capsys):
   listed = {f"{m.group(2)}.{m.group(3)}" for m in map(LINE.match, listing(capsys).splitlines()) if m}
   listed |= {f"{cls.__name__}.{f.name}" for cls in gin_config.CONFIG_CLASSES for f in dataclasses.fields(cls)
-             if "bound_by" in f.metadata}  # fields set otherwise than by gin (PipelineConfig.arms: --arms)
+             if "bound_by" in f.metadata}  # fields set otherwise than by gin (ArmsConfig.followers: --arms)
   files = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "colab").glob("*.ipynb"),
            *(p for folder in ("configs", "examples", "launchers") for p in (ROOT / folder).rglob("*")
              if p.suffix in (".gin", ".md"))]

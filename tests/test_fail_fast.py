@@ -141,17 +141,25 @@ def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
     preflight.check_resume(tmp_path, {**settings, "JobConfig.hidden_size": "32"}, "auto", 4)
 
 
+def test_a_workdir_written_before_keys_moved_resumes_under_their_new_names(tmp_path):
+  preflight.write_settings(tmp_path, {"PipelineConfig.sampler_precision": "'int8'", "PipelineConfig.in_flight": "True"})
+  now = {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"}
+  assert preflight.check_resume(tmp_path, now, "auto", 4) is True
+  with pytest.raises(ValueError, match="SamplerConfig.in_flight: True -> False"):
+    preflight.check_resume(tmp_path, {**now, "SamplerConfig.in_flight": "False"}, "auto", 4)
+
+
 def test_the_host_memory_estimate_adds_up_by_hand():
   """The parts of a run's host memory, worked by hand for a small model, and the refusal when they do not fit."""
-  gin_config.parse([], ["PipelineConfig.sampler_precision='bfloat16'", "EngineConfig.num_slots=4"])
+  gin_config.parse([], ["SamplerConfig.precision='bfloat16'", "EngineConfig.num_slots=4"])
   config, job = gin_config.build_run()
   gin_config.parse()
   model_config, _ = job.model_spec()
-  n, c, e = model_config.param_count(), model_config, config.engine
+  n, c, e = model_config.param_count(), model_config, config.sampler.engine
   parts = preflight.host_memory_parts(config, model_config, "train")
   assert parts["trainer state"] == 16 * n  # float32 parameters, summed gradient and two Adam moments
   assert parts["sampler weights"] == 2 * n  # bfloat16
-  int8 = dataclasses.replace(config, sampler_precision="int8")
+  int8 = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, precision="int8"))
   assert preflight.host_memory_parts(int8, model_config, "sampler")["sampler weights"] == 4 * n  # computed in float32
   assert parts["sampler KV cache"] == config.scheduling.instance_limit * 4 * (
       2 * c.num_layers * e.cache_length * c.num_kv_heads * c.head_dim * 4)  # keys and values, float32

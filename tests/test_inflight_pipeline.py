@@ -11,6 +11,8 @@ from flax import nnx
 from streamrl_jax.messages import Ack, Backfill, Backfilled, Regenerate
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.pipeline.controller.config import ControllerConfig
+from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
 from streamrl_jax.pipeline.trainer.worker import _equal_reward_groups, _refusal
 from streamrl_jax.tasks import ArithmeticTask
@@ -68,11 +70,11 @@ def test_between_samples_never_overlaps_leases():
 def test_in_flight_is_refused_where_no_update_can_be_taken_in_flight():
   for mode in ("colocated", "disaggregated", "stream"):
     with pytest.raises(ValueError, match="in_flight needs mode='async'"):
-      PipelineConfig(mode=mode, in_flight=True)
+      PipelineConfig(mode=mode, sampler=SamplerConfig(in_flight=True))
   with pytest.raises(ValueError, match="in_flight_cache='drop'"):
-    PipelineConfig(in_flight_cache="drop")
+    PipelineConfig(sampler=SamplerConfig(in_flight_cache="drop"))
   with pytest.raises(ValueError, match="backfill_limit must be >= 0"):
-    PipelineConfig(backfill_limit=-1)
+    PipelineConfig(controller=ControllerConfig(backfill_limit=-1))
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +100,7 @@ def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynami
 
 
 def filtered_config() -> PipelineConfig:
-  return dataclasses.replace(BASE, dynamic_sampling=True, backfill_limit=3)
+  return dataclasses.replace(BASE, controller=dataclasses.replace(BASE.controller, dynamic_sampling=True, backfill_limit=3))
 
 
 def test_dynamic_sampling_resumes_exactly_and_filters_alike_in_colocated_mode(tmp_path):

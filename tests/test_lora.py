@@ -206,7 +206,7 @@ def test_pipeline_trains_adapters_and_syncs_them_alone():
   config = LoraConfig(rank=4, alpha=8.0, seed=1)
   full = run("async", steps=1, sampler_precision="int8")
   result = run("async", steps=2, sampler_precision="int8", lora=config, objective=ObjectiveConfig(kl_coef=0.05),
-               optimizer=dataclasses.replace(PIPELINE.optimizer, learning_rate=1e-2))
+               optimizer=dataclasses.replace(PIPELINE.trainer.optimizer, learning_rate=1e-2))
   initial = nnx.split(Transformer(PIPELINE_MODEL, rngs=nnx.Rngs(0)))[1]
   assert result.adapters is not None and len(result.metrics) == 2
   adapter_bytes = lora.adapter_bytes(result.adapters)
@@ -259,8 +259,8 @@ def test_lora_across_processes_refuses_a_warmed_demo_base():
   from streamrl_jax.pipeline.job_config import JobConfig
 
   with pytest.raises(ConfigError, match="set JobConfig.warmup_steps = 0"):
-    check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=10))
-  check_lora_base(dataclasses.replace(PIPELINE, lora=ALL), JobConfig(warmup_steps=0))
+    check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)), JobConfig(warmup_steps=10))
+  check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)), JobConfig(warmup_steps=0))
 
 
 def test_streamrl_merge_refuses_a_dora_adapter_in_one_line(hf_dirs, tmp_path, capsys):
@@ -287,9 +287,9 @@ def test_the_shipped_lora_config_is_the_smollm2_run_with_adapters():
   config, job = gin_config.build_run()
   gin_config.parse([str(configs / "smollm2_cpu.gin")])
   full, full_job = gin_config.build_run()
-  assert (config.lora.rank, config.lora.targets) == (16, ALL.targets) and job == full_job
-  assert config.optimizer.learning_rate == pytest.approx(full.optimizer.learning_rate * 100 / 3)
-  assert dataclasses.replace(config, lora=full.lora, optimizer=full.optimizer) == full
+  assert (config.trainer.lora.rank, config.trainer.lora.targets) == (16, ALL.targets) and job == full_job
+  assert config.trainer.optimizer.learning_rate == pytest.approx(full.trainer.optimizer.learning_rate * 100 / 3)
+  assert dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, lora=full.trainer.lora, optimizer=full.trainer.optimizer)) == full
 
 
 def test_an_include_found_nowhere_is_one_line(tmp_path, caplog):

@@ -21,6 +21,7 @@ from streamrl_jax.pipeline.sampler.groups import samples_to_shard
 from streamrl_jax.rewards import Score
 from streamrl_jax.sampling.streaming_sampler import StreamingSampler
 from streamrl_jax.sampling import EngineConfig, make_engine
+from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.tasks import MultiplyTask, multiply_reward
 from streamrl_jax.types import SamplingParams
 from tests.tool_rows import (MODEL, TOKENIZER, FixedTools, HeldTools, engine_and_params,  # noqa: F401
@@ -202,12 +203,11 @@ def test_changing_tool_tokens_leaves_the_gradient_unchanged(tiny_trainer):
 def test_the_run_config_refuses_what_multi_turn_cannot_do():
   with pytest.raises(ValueError, match="unknown environment 'abacus'"):
     EnvConfig(environment="abacus")
-  PipelineConfig(env=EnvConfig(environment="calculator"),
-                 engine=EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48,
-                                     max_new_tokens=48))  # multi-turn runs on pages too
+  engine = EngineConfig(kv_layout="paged", page_size=16, max_prompt_length=48, max_new_tokens=48)
+  PipelineConfig(sampler=SamplerConfig(env=EnvConfig(environment="calculator"), engine=engine))  # on pages too
   with pytest.raises(ValueError, match="tool_threads must be >= 1"):
     EnvConfig(environment="calculator", tool_threads=0)
-  assert dataclasses.replace(PipelineConfig(), env=EnvConfig(environment="calculator")).env.max_turns == 2
+  assert PipelineConfig(sampler=SamplerConfig(env=EnvConfig(environment="calculator"))).sampler.env.max_turns == 2
 
 
 def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same(engine_and_params):
@@ -246,7 +246,7 @@ def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
   run = Programs(tmp_path, steps, mode="async")
   sets = ["EnvConfig.environment='calculator'", "TaskConfig.name='multiply'", "TaskConfig.multiply_digits=1",
           "JobConfig.warmup_steps=100", "PipelineConfig.max_new_tokens=16",
-          "PipelineConfig.in_flight=True"]
+          "SamplerConfig.in_flight=True"]
   extra = [a for s in sets for a in ("--set", s)]
   try:
     run.start("trainer", "trainer", *extra)

@@ -10,6 +10,7 @@ from flax import nnx
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.sampling import EngineConfig
+from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 
@@ -70,8 +71,8 @@ def test_bad_pipeline_configs():
   with pytest.raises(ValueError, match="group_size >= 2"):
     PipelineConfig(group_size=1)
   with pytest.raises(ValueError, match="EngineConfig.max_new_tokens=32 differs from PipelineConfig.max_new_tokens=48"):
-    PipelineConfig(max_new_tokens=48, engine=EngineConfig(max_new_tokens=32))
-  assert PipelineConfig(max_new_tokens=24).engine.max_new_tokens == 24  # derived once, from the run's
+    PipelineConfig(max_new_tokens=48, sampler=SamplerConfig(engine=EngineConfig(max_new_tokens=32)))
+  assert PipelineConfig(max_new_tokens=24).sampler.engine.max_new_tokens == 24  # derived once, from the run's
 
 
 def test_resume_after_a_stop_continues_the_data_stream_exactly(results, tmp_path):
@@ -123,7 +124,7 @@ def test_the_paged_engine_runs_the_pipeline_to_the_contiguous_engines_weights(re
   """stream-mode GRPO (on-policy: no timing in what is sampled) with the sampler on the paged engine: every
   prompt trained once, and the same samples (the same keys, the same logits up to float noise) give the
   contiguous run's parameters."""
-  engine = dataclasses.replace(BASE.engine, kv_layout="paged", page_size=4)
+  engine = dataclasses.replace(BASE.sampler.engine, kv_layout="paged", page_size=4)
   paged = run("stream", engine=engine)
   assert paged.counters["samples_generated"] == paged.counters["samples_trained"] == 3 * 16
   for x, y in zip(jax.tree.leaves(paged.params), jax.tree.leaves(results["stream"].params)):

@@ -16,6 +16,8 @@ from streamrl_jax.models.precision import (SamplerPrecision, channel_axes, decod
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming import WeightSync
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
+from streamrl_jax.sampling import SamplerConfig
+from streamrl_jax.training import TrainerConfig
 from streamrl_jax.training.logprobs import token_logprobs
 from streamrl_jax.training.trainer import logprob_mismatch
 
@@ -143,12 +145,14 @@ def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
   from streamrl_jax.pipeline import PipelineConfig
   from streamrl_jax.pipeline.preflight import precision_advice
   from streamrl_jax.training import ObjectiveConfig as Objective
-  assert precision_advice(PipelineConfig(sampler_precision="int8", objective=Objective("ppo_tis"))) is None
-  assert precision_advice(PipelineConfig(objective=Objective("ppo_recomputed"))) is None  # float32: nothing to correct
-  advice = precision_advice(PipelineConfig(sampler_precision="bfloat16", objective=Objective("ppo_recomputed")))
-  assert "sampler_precision='bfloat16'" in advice and "'ppo_tis'" in advice
+  def config(precision, objective):
+    return PipelineConfig(sampler=SamplerConfig(precision=precision), trainer=TrainerConfig(objective=Objective(objective)))
+  assert precision_advice(config("int8", "ppo_tis")) is None
+  assert precision_advice(config("float32", "ppo_recomputed")) is None  # float32: nothing to correct
+  advice = precision_advice(config("bfloat16", "ppo_recomputed"))
+  assert "SamplerConfig.precision='bfloat16'" in advice and "'ppo_tis'" in advice
   with pytest.raises(ValueError, match="quantize_on='gpu'"):
-    PipelineConfig(quantize_on="gpu")
+    PipelineConfig(sampler=SamplerConfig(quantize_on="gpu"))
 
 
 @pytest.mark.parametrize("choice, backend, expected", [

@@ -96,8 +96,8 @@ def test_in_flight_with_dynamic_sampling_across_processes(tmp_path):
   ends, no group with equal rewards is trained (the untrained tiny model earns 0 everywhere: every group is
   filtered, the backfill bound is reached and the steps make no update)."""
   config = write_config(tmp_path / "tiny.gin", steps=3, mode="async")
-  code, out = finish(launch(tmp_path, "--config", config, "--set", "PipelineConfig.in_flight=True",
-                            "--set", "PipelineConfig.dynamic_sampling=True", "--set", "PipelineConfig.backfill_limit=2"),
+  code, out = finish(launch(tmp_path, "--config", config, "--set", "SamplerConfig.in_flight=True",
+                            "--set", "ControllerConfig.dynamic_sampling=True", "--set", "ControllerConfig.backfill_limit=2"),
                      tmp_path)
   assert code == 0, out
   steps = metrics(tmp_path)

@@ -273,7 +273,7 @@ def test_gin_binds_reward_config(module_file):
   gin_config.parse(bindings=[f"RewardConfig.functions = ['{module_file}:unit', 'streamrl_jax.rewards:exact_match']",
                              "RewardConfig.weights = [1, 0.5]", "RewardConfig.workers = 4"])
   config, _ = gin_config.build_run()
-  assert config.reward == RewardConfig(functions=(f"{module_file}:unit", "streamrl_jax.rewards:exact_match"),
+  assert config.sampler.reward == RewardConfig(functions=(f"{module_file}:unit", "streamrl_jax.rewards:exact_match"),
                                        weights=(1.0, 0.5), workers=4)
 
 
@@ -322,7 +322,7 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
 
   monkeypatch.setattr(runner_module, "SampleQueue", RecordingQueue)
   reward = RewardConfig(functions=(f"{module}:digits", f"{module}:short"), weights=(1.0, 0.5), workers=0)
-  config = dataclasses.replace(BASE, mode="stream", reward=reward)
+  config = dataclasses.replace(BASE, mode="stream", sampler=dataclasses.replace(BASE.sampler, reward=reward))
   checkpointer = Checkpointer(tmp_path / "checkpoints", max_to_keep=2)
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   with pytest.raises(RewardError, match=r"'digits' raised ArithmeticError: a bug in the user's reward on prompt "
@@ -332,7 +332,7 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
   assert checkpointer.latest_step() == 1
   (tmp_path / "trigger").unlink()
   got.clear()
-  resumed = run_pipeline(dataclasses.replace(config, reward=dataclasses.replace(reward, workers=1)), model, TOKENIZER,
+  resumed = run_pipeline(dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, reward=dataclasses.replace(reward, workers=1))), model, TOKENIZER,
                          DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True))
   assert [m["step"] for m in resumed.metrics] == [2, 3] and resumed.counters["prompts_submitted"] == 8
   assert resumed.counters["samples_trained"] == 2 * 16
@@ -356,6 +356,6 @@ def test_the_trainer_refuses_shards_scored_by_another_reward_config():
   from tests.wire_samples import group_shard
 
   shard = group_shard([5, 6], step=0, group=1, functions=2)
-  two = dataclasses.replace(BASE, reward=RewardConfig(functions=("m:a", "m:b")))
+  two = dataclasses.replace(BASE, sampler=dataclasses.replace(BASE.sampler, reward=RewardConfig(functions=("m:a", "m:b"))))
   assert _refusal(shard, 0, two) is None
   assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in _refusal(shard, 0, BASE)

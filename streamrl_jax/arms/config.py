@@ -1,4 +1,4 @@
-"""Algorithm arms: several trainers on one sample stream (`PipelineConfig.arms`).
+"""Algorithm arms: several trainers on one sample stream (`ArmsConfig`, a run's `ArmsConfig.followers`).
 
 The run's own config is the lead arm: the samplers generate with its weights. Each follower arm trains a copy of
 the same initial policy on every sample the lead receives, with its own advantage estimator, objective and
@@ -40,11 +40,30 @@ class ArmConfig:
     ADVANTAGES.get(self.advantage)
 
 
+@dataclasses.dataclass(frozen=True)
+class ArmsConfig:
+  """A run's arms: its own trainer's name and the follower arms beside it, and how the followers run."""
+
+  # follower arms: more trainers on this run's sample stream (`--arms FILES`, not gin)
+  followers: tuple[ArmConfig, ...] = dataclasses.field(default=(), metadata={"bound_by": "--arms FILE.gin ..."})
+  lead_name: str = "lead"  # with followers: this config's own trainer's name (its rows' `arm`)
+  max_lag: int = 2  # a follower this many steps behind the lead skips a step to catch up
+  # each follower is a program of its own (`streamrl follower`, reading its stream from the trainer's Flight
+  # server); False: threads of the lead's program
+  programs: bool = False
+
+  def __post_init__(self):
+    if self.max_lag < 0:
+      raise ValueError(f"ArmsConfig.max_lag must be >= 0, got {self.max_lag}")
+    if self.followers:
+      check_arm_names(self.lead_name, self.followers)
+
+
 def check_arm_names(lead: str, arms) -> None:
   """Refuses two arms of one name (the lead's included) and a name that is not a directory name."""
   seen = {lead}
   if not _NAME.match(lead):
-    raise ConfigError(f"PipelineConfig.arm_name={lead!r}: letters, digits, '_', '.', '-'")
+    raise ConfigError(f"ArmsConfig.lead_name={lead!r}: letters, digits, '_', '.', '-'")
   for arm in arms:
     if arm.name in seen:
       raise ConfigError(f"two arms are named {arm.name!r}: each arm's outputs go to its own WORKDIR/arms/NAME")
@@ -59,8 +78,9 @@ def stream_settings(settings: dict) -> dict:
 def arm_pipeline(config, arm: ArmConfig):
   """The lead's `PipelineConfig` as a follower runs it: the arm's advantage, objective, optimizer and seed; no
   arms of its own; no stall limit (a follower waits on the lead, whose own watch stops the run)."""
-  return dataclasses.replace(config, advantage=arm.advantage, objective=arm.objective, optimizer=arm.optimizer,
-                             seed=arm.seed, arms=(), arm_name=arm.name, step_timeout_s=0.0)
+  trainer = dataclasses.replace(config.trainer, objective=arm.objective, optimizer=arm.optimizer, step_timeout_s=0.0)
+  return dataclasses.replace(config, advantage=arm.advantage, seed=arm.seed, trainer=trainer,
+                             arms=dataclasses.replace(config.arms, followers=(), lead_name=arm.name))
 
 
 def arm_advice(config) -> list[str]:
@@ -68,7 +88,7 @@ def arm_advice(config) -> list[str]:
   the lead's policy, and the mismatch then goes uncorrected every step."""
   return [f"arm {arm.name!r}: ObjectiveConfig.objective={arm.objective.objective!r} ignores the sampler's "
           f"probabilities, but a follower trains on the lead's samples (off-policy): 'ppo_tis', 'decoupled_ppo' or "
-          f"'aipo' correct for it" for arm in config.arms if arm.objective.objective in UNCORRECTED]
+          f"'aipo' correct for it" for arm in config.arms.followers if arm.objective.objective in UNCORRECTED]
 
 
 def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], model_specs=None) -> tuple:
@@ -86,9 +106,9 @@ def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], 
         raise ConfigError(f"arm {name!r}: {key}={settings[key]} differs from the lead's ({lead_settings.get(key)}); "
                           f"arms share one stream and may only change "
                           f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in ARM_KEYS)}")
-    arms.append(ArmConfig(name=name, advantage=config.advantage, objective=config.objective,
-                          optimizer=config.optimizer, seed=config.seed))
-  check_arm_names(lead.arm_name, arms)
+    arms.append(ArmConfig(name=name, advantage=config.advantage, objective=config.trainer.objective,
+                          optimizer=config.trainer.optimizer, seed=config.seed))
+  check_arm_names(lead.arms.lead_name, arms)
   return tuple(arms)
 
 

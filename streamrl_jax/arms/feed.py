@@ -199,7 +199,7 @@ class FollowerSource:
     elif step in dropped:
       why = "the follower's feed was full"
     elif lead_done - step > self.max_lag:
-      why = f"{lead_done - step} steps behind the lead (PipelineConfig.arm_max_lag={self.max_lag})"
+      why = f"{lead_done - step} steps behind the lead (ArmsConfig.max_lag={self.max_lag})"
     if why is not None:
       self.mark_skipped(step)
     return why

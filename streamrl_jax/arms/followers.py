@@ -1,4 +1,4 @@
-"""The follower arms of a run (`PipelineConfig.arms`): a trainer worker each, on its own thread and mesh, fed by
+"""The follower arms of a run (`ArmsConfig.followers`): a trainer worker each, on its own thread and mesh, fed by
 the lead's fan-out (`arm_feed`). A follower answers the controller's questions itself (`FollowerControl`: it
 leases nothing, regenerates nothing; its backfill counts follow the controller's rule on the same groups), and
 publishes nowhere. It never holds the lead up: the lead only offers shards to its feed. A follower that fails is
@@ -51,7 +51,7 @@ def feed_capacity(config) -> int:
   """Samples a follower's feed holds: its lag bound's steps, the lead's staleness window's, and one step of
   slack, each with its backfill."""
   per_step = (config.prompts_per_step + config.backfill_per_step) * config.group_size
-  return (config.arm_max_lag + config.spec.max_lag + 2) * per_step
+  return (config.arms.max_lag + config.spec.max_lag + 2) * per_step
 
 
 class _Arm:
@@ -59,12 +59,12 @@ class _Arm:
 
   def __init__(self, config, graphdef, params, mesh, checkpointer, resume: bool, first_step: int,
                on_step: Callable[[dict], None] | None, periodic_eval: PeriodicEval | None = None):
-    self.config, self.name = config, config.arm_name
+    self.config, self.name = config, config.arms.lead_name
     resume = resume and checkpointer is not None and checkpointer.latest_step() is not None
     self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                                 streamed=False)
     self.feed = ArmFeed(feed_capacity(config))
-    self.source = FollowerSource(self.feed, config.arm_max_lag, first_step)
+    self.source = FollowerSource(self.feed, config.arms.max_lag, first_step)
     self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, periodic_eval
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
@@ -112,8 +112,8 @@ class Followers:
                periodic_eval: PeriodicEval | None = None):
     checkpointers, sinks = checkpointers or {}, sinks or {}
     self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
-                      first_step, sinks.get(arm.name), periodic_eval) for arm, mesh in zip(config.arms, meshes)]
-    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arm_name)
+                      first_step, sinks.get(arm.name), periodic_eval) for arm, mesh in zip(config.arms.followers, meshes)]
+    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arms.lead_name)
 
   def start(self) -> None:
     for arm in self.arms:
@@ -151,10 +151,10 @@ def make_followers(config, graphdef, params, trainer_mesh, spare: list, first_st
                    resume: bool, periodic_eval: PeriodicEval | None = None) -> Followers | None:
   """The run's `Followers` (None without arms): meshes by `follower_meshes`, each arm's (checkpointer, on_step)
   from `outputs`, each arm's held-out accuracy by `periodic_eval` on its due rows."""
-  if not config.arms:
+  if not config.arms.followers:
     return None
   outputs = outputs or {}
-  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms)),
+  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms.followers)),
                    first_step=first_step, resume=resume,
                    checkpointers={name: out[0] for name, out in outputs.items()},
                    sinks={name: out[1] for name, out in outputs.items()}, periodic_eval=periodic_eval)

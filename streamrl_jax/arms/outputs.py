@@ -28,8 +28,8 @@ def arm_dir(workdir: Path, name: str) -> Path:
 
 def describe_arm(config) -> dict:
   """What an arm trains with, as arm.json and the comparison's table show it."""
-  return dict(arm=config.arm_name, advantage=config.advantage, objective=config.objective.objective,
-              learning_rate=config.optimizer.learning_rate, aggregation=config.objective.aggregation,
+  return dict(arm=config.arms.lead_name, advantage=config.advantage, objective=config.trainer.objective.objective,
+              learning_rate=config.trainer.optimizer.learning_rate, aggregation=config.trainer.objective.aggregation,
               seed=config.seed)
 
 
@@ -42,7 +42,7 @@ def arm_outputs(workdir: Path, config, resume: bool):
 
   outputs, files = {}, []
   try:
-    for arm in config.arms:
+    for arm in config.arms.followers:
       directory = arm_dir(workdir, arm.name)
       directory.mkdir(parents=True, exist_ok=True)
       checkpointer = Checkpointer(directory / "checkpoints", max_to_keep=2)
@@ -90,7 +90,7 @@ def finish_arms(result, model, config, workdir: Path, before: float, held_out: H
   """Each follower's trained policy evaluated on the held-out prompts and saved; its curves and summary.json
   written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
-  arms, summaries = {arm.name: arm for arm in config.arms}, {}
+  arms, summaries = {arm.name: arm for arm in config.arms.followers}, {}
   for name, arm in result.arms.items():
     if arm.params is None:
       _log.warning(f"arm {name!r} failed during the run: not evaluated; `--resume` continues it from "
@@ -104,7 +104,7 @@ def finish_arms(result, model, config, workdir: Path, before: float, held_out: H
 def finish_arm(directory: Path, config, trained, counters: dict, before: float | None, held_out: HeldOut) -> dict:
   """One follower's end: its trained model evaluated and saved to DIRECTORY/final_model, its curves drawn and its
   summary.json written (`before`: the held-out accuracy of the policy every arm started from, None if unknown)."""
-  name = config.arm_name
+  name = config.arms.lead_name
   after = held_out.accuracy(trained, config, directory / "eval_after.jsonl")
   change = f" ({after - before:+.3f})" if before is not None else ""
   _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
@@ -112,7 +112,7 @@ def finish_arm(directory: Path, config, trained, counters: dict, before: float |
   save_hf(trained, directory / "final_model")
   rows = read_metrics(directory)
   write_curves_png(rows, evaluations(rows, before, after, config.steps), directory / "curves.png",
-                   title=f"arm {name}: {config.advantage}, {config.objective.objective}")
+                   title=f"arm {name}: {config.advantage}, {config.trainer.objective.objective}")
   summary = dict(describe_arm(config), accuracy_before=before, accuracy_after=after, steps=len(rows),
                  counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})
   (directory / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -115,15 +115,15 @@ class _StreamReader:
 
 def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None,
                 flight_config: FlightConfig = FlightConfig()) -> dict:
-  """Runs follower arm `arm_name` of `config.arms` against the lead at `connect` until the lead's stream ends;
+  """Runs follower arm `arm_name` of `config.arms.followers` against the lead at `connect` until the lead's stream ends;
   returns the arm's summary (also WORKDIR/summary.json). `flight_config`: call deadlines and how long to keep
   trying to reach the lead (its warm-up, a restart)."""
   from streamrl_jax.pipeline.train_job import evaluate
   from streamrl_jax.training.checkpoint import Checkpointer
 
-  arm = next((a for a in config.arms if a.name == arm_name), None)
+  arm = next((a for a in config.arms.followers if a.name == arm_name), None)
   if arm is None:
-    raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms]})")
+    raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms.followers]})")
   arm_config = arm_pipeline(config, arm)
   workdir = Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
@@ -149,7 +149,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   feed = ArmFeed(feed_capacity(config))
   reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
                          WireLimits.of_run(config, model.config.vocab_size))
-  source = FollowerSource(feed, config.arm_max_lag, first_step=joined.start_step)
+  source = FollowerSource(feed, config.arms.max_lag, first_step=joined.start_step)
   heldout = job.make_task(tokenizer, "eval")
   periodic = PeriodicEval(job.eval_every, lambda p, c: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, c,
                                                                 job.eval_prompts, job.seed)) if job.eval_every else None

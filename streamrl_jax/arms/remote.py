@@ -1,4 +1,4 @@
-"""Follower arms as programs of their own (`PipelineConfig.arm_programs`, `streamrl follower`): the lead's side.
+"""Follower arms as programs of their own (`ArmsConfig.programs`, `streamrl follower`): the lead's side.
 
 Each declared arm has a retained `ArmFeed` on the lead, filled by the same fan-out as in-process followers. The
 trainer's Flight server serves it: a follower joins (`ArmJoin`: its run id and settings checked), reads its stream
@@ -37,8 +37,8 @@ class RemoteArms:
                clock: Callable[[], float] = time.monotonic):
     self.run_id, self.start_step, self.steps = run_id, start_step, config.steps
     self.settings, self.clock = stream_settings(settings), clock
-    self.feeds = {arm.name: ArmFeed(feed_capacity(config), retain=True) for arm in config.arms}
-    self.fanout = Fanout(self.feeds, config.arm_name)
+    self.feeds = {arm.name: ArmFeed(feed_capacity(config), retain=True) for arm in config.arms.followers}
+    self.fanout = Fanout(self.feeds, config.arms.lead_name)
     self._heard: dict[str, float] = {}  # arm -> when it last joined or polled
     self._lock = threading.Lock()
 

@@ -1,5 +1,5 @@
 """`streamrl launch local`: one trainer and N sampler processes on this machine (and with `--arms` and
-`PipelineConfig.arm_programs`, a `streamrl follower` process per arm, restarted like a sampler when it dies).
+`ArmsConfig.programs`, a `streamrl follower` process per arm, restarted like a sampler when it dies).
 
 The trainer (one process, or several forming one `jax.distributed` cluster) keeps the terminal (its progress bar);
 samplers write to `WORKDIR/logs/`. With `--pin-cores` every process runs on its own CPU cores
@@ -177,7 +177,7 @@ def cmd_launch_local(args) -> int:
   arm_programs = _check_arms(args) if args.arms else ()
   if arm_programs and args.pin_cores:
     raise ValueError("--pin-cores splits the cores between the trainer and samplers; follower programs "
-                     "(PipelineConfig.arm_programs) would share them: drop one")
+                     "(ArmsConfig.programs) would share them: drop one")
   cores = None
   if args.pin_cores:
     cores = assign_cores(sorted(os.sched_getaffinity(0)), args.trainer_processes, args.samplers)
@@ -213,7 +213,7 @@ def _check_arms(args) -> tuple:
   files = gin_config.run_files(args.config)
   gin_config.parse(files, args.set)
   config = gin_config.with_arms(*gin_config.build_run(), args.arms, files, args.set)
-  return tuple(zip((arm.name for arm in config.arms), args.arms)) if config.arm_programs else ()
+  return tuple(zip((arm.name for arm in config.arms.followers), args.arms)) if config.arms.programs else ()
 
 
 def _write_manifest(workdir: Path, children: list[Child]) -> None:
@@ -375,12 +375,12 @@ def _wait_exit(children: list[Child], seconds: float) -> None:
 
 
 def trainer_stop_wait_s(workdir: Path) -> float:
-  """How long a stopping trainer may take: its `PipelineConfig.stop_grace_s` (from the settings it wrote in
+  """How long a stopping trainer may take: its `TrainerConfig.stop_grace_s` (from the settings it wrote in
   WORKDIR/settings.json; none yet: it is not in a step, it stops at once) and STOP_SAVE_MARGIN_S for its
   checkpoint and teardown."""
   try:
     settings = json.loads((workdir / "settings.json").read_text())
-    grace = float(settings.get("PipelineConfig.stop_grace_s", "0"))
+    grace = float(settings.get("TrainerConfig.stop_grace_s", "0"))
   except (OSError, ValueError):
     grace = 0.0
   return grace + STOP_SAVE_MARGIN_S

@@ -25,7 +25,7 @@ def add_role_parsers(sub, common) -> None:
   """The `trainer`, `sampler` and `follower` commands, each with its own options and its TLS group."""
   trainer, sampler = _trainer_parser(sub, common), _sampler_parser(sub, common)
   follower = sub.add_parser("follower", help="a follower arm of a run as its own program: trains on the lead "
-                            "trainer's samples (PipelineConfig.arm_programs)")
+                            "trainer's samples (ArmsConfig.programs)")
   common(follower)
   follower.add_argument("--connect", required=True, help="HOST:PORT of the lead trainer's server")
   follower.add_argument("--arm", required=True, metavar="FILE", help="the arm's gin file (its name is the file's)")
@@ -155,7 +155,7 @@ def cmd_trainer(args) -> int:
 def check_lora_base(config, job) -> None:
   """With LoRA across processes every sampler loads the base itself (the trainer sends adapters only): a base the
   trainer changes before RL (the demo model's warm-up) is refused, in the trainer and in each sampler."""
-  if config.lora.enabled and not job.model and job.warmup_steps > 0:
+  if config.trainer.lora.enabled and not job.model and job.warmup_steps > 0:
     raise ConfigError("LoraConfig.rank > 0 across processes: samplers load the base themselves, and the demo "
                       "model's warm-up changes it on the trainer only; set JobConfig.warmup_steps = 0 or name a "
                       "pretrained JobConfig.model")
@@ -163,7 +163,7 @@ def check_lora_base(config, job) -> None:
 
 def lora_base(config, job):
   """With LoRA, the base a sampler merges each version's adapters into, loaded as the trainer loads it."""
-  if not config.lora.enabled:
+  if not config.trainer.lora.enabled:
     return None
   from flax import nnx
 
@@ -181,7 +181,7 @@ def cmd_follower(args) -> int:
   config, job = gin_config.build_run()
   config = gin_config.with_arms(config, job, [args.arm], files, args.set)
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
-  name = config.arms[0].name
+  name = config.arms.followers[0].name
   try:
     summary = follow_lead(config, job, name, connect=args.connect, workdir=Path(args.workdir), tls=tls,
                           flight_config=gin_config.build_flight())
@@ -209,9 +209,9 @@ def cmd_sampler(args) -> int:
   preflight.check_devices(config, "sampler", len(jax.devices()))
   if jax.devices()[0].platform == "cpu":
     preflight.check_host_memory(config, model_config, "sampler", preflight.available_host_bytes())
-  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_prompts(task, tokenizer, config.sampler.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
-  preflight.check_rewards(config.reward, task, job.seed)
+  preflight.check_rewards(config.sampler.reward, task, job.seed)
   config = preflight.check_lora(config, model_config, job.model, read_adapter=False)  # adapters come over Flight
   stop = StopRequest()  # the first Ctrl-C / SIGTERM: leave cleanly (leases handed back); the second: now
   try:

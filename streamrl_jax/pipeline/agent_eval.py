@@ -26,13 +26,13 @@ def agent_completions(model, tokenizer, task, config, prompts: int, seed: int) -
   import secrets
 
   graphdef, params = nnx.split(model)
-  sampler = StreamingSampler([make_engine(graphdef, model.config, config.engine, single_device_mesh())], params)
+  sampler = StreamingSampler([make_engine(graphdef, model.config, config.sampler.engine, single_device_mesh())], params)
   bridge = RequestBridge()
-  served = ServedModel(POLICY_MODEL, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
+  served = ServedModel(POLICY_MODEL, tokenizer, config.sampler.engine.max_prompt_length, config.max_new_tokens)
   server = serving_for(ServeConfig(port=0, api_key=secrets.token_hex(16), max_requests=4096, temperature=0.0),
                        served, bridge)
   loop = GenerationLoop(sampler, bridge)
-  agents = AgentRollouts(config.env, server, config.max_new_tokens)
+  agents = AgentRollouts(config.sampler.env, server, config.max_new_tokens)
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]
   results = {}
@@ -47,7 +47,7 @@ def agent_completions(model, tokenizer, task, config, prompts: int, seed: int) -
     server.stop()
     loop.stop()
   out = []
-  with RewardScorer(config.reward, builtin=verifier(task)) as scorer:
+  with RewardScorer(config.sampler.reward, builtin=verifier(task)) as scorer:
     for i, (prompt, row) in enumerate(items):
       text, env_reward, failure = scored_text(results[i])
       if failure:

@@ -43,11 +43,11 @@ class EpisodeResult:
 def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, name: str = "sampler"):
   """(bridge, server) of a sampler worker that serves clients (`serve`) or runs an agent program; (None, None)
   otherwise. An agent's sampler answers to `POLICY_MODEL`, the name agents ask for."""
-  if serve is None and not config.env.agent:
+  if serve is None and not config.sampler.env.agent:
     return None, None
   bridge = RequestBridge(before_leases=serve is None or serve.priority == "before_leases")
-  served_name = POLICY_MODEL if config.env.agent or not serve.model_name else serve.model_name
-  served = ServedModel(served_name, tokenizer, config.engine.max_prompt_length, config.max_new_tokens)
+  served_name = POLICY_MODEL if config.sampler.env.agent or not serve.model_name else serve.model_name
+  served = ServedModel(served_name, tokenizer, config.sampler.engine.max_prompt_length, config.max_new_tokens)
   server = serving_for(serve, served, bridge, tls)
   _log.info(f"{name}: OpenAI-compatible API at {server.base_url} (model {served_name!r})")
   return bridge, server

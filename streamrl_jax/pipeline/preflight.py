@@ -17,12 +17,13 @@ import numpy as np
 from streamrl_jax.meshes import role_mesh_shape
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
+from streamrl_jax.settings import renamed
 from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 from streamrl_jax.training.objectives import UNCORRECTED
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
-CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "PipelineConfig.stop_grace_s", "PipelineConfig.step_timeout_s",
+CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "TrainerConfig.stop_grace_s", "TrainerConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.eval_every", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
                         "RewardConfig.on_error", "TrainerConfig.")
@@ -54,7 +55,7 @@ def check_resume(workdir: Path, settings: dict[str, str], resume: bool | str, la
                      f"afresh in another --workdir (or delete {checkpoints} yourself)")
   saved_file = workdir / SETTINGS_FILE
   if resume and saved_file.exists():
-    saved = json.loads(saved_file.read_text())
+    saved = renamed(json.loads(saved_file.read_text()))
     changed = sorted(k for k in saved.keys() | settings.keys()
                      if saved.get(k) != settings.get(k) and not k.startswith(CHANGEABLE_ON_RESUME))
     if changed:
@@ -107,15 +108,15 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
   """The ids that end a turn (the model's eos ids, its template's end of turn, the environment's stop) fit
   `EngineConfig.max_stop_tokens`."""
   stops = set(tokenizer.stop_ids)
-  if config.env.environment:
+  if config.sampler.env.environment:
     from streamrl_jax.envs.catalog import make_environment
     from streamrl_jax.envs.tools import stop_token_ids
 
-    stops |= set(stop_token_ids(tokenizer, make_environment(config.env.environment, max_turns=config.env.max_turns).stop))
-  if len(stops) > config.engine.max_stop_tokens:
+    stops |= set(stop_token_ids(tokenizer, make_environment(config.sampler.env.environment, max_turns=config.sampler.env.max_turns).stop))
+  if len(stops) > config.sampler.engine.max_stop_tokens:
     raise ValueError(f"a turn ends on any of {len(stops)} tokens {sorted(stops)} (the model's eos ids, its end of "
                      f"turn, the environment's stop), more than EngineConfig.max_stop_tokens="
-                     f"{config.engine.max_stop_tokens}: set it to {len(stops)}")
+                     f"{config.sampler.engine.max_stop_tokens}: set it to {len(stops)}")
 
 
 def check_activation_budget(config: PipelineConfig, model_config) -> None:
@@ -125,7 +126,7 @@ def check_activation_budget(config: PipelineConfig, model_config) -> None:
     from streamrl_jax.training.packing import chunk_tokens_for
 
     chunk_tokens_for(model_config, config.packed_length, config.packed_length,
-                     config.trainer.activation_budget_mb << 20, config.trainer, reference=config.objective.kl_coef > 0)
+                     config.trainer.activation_budget_mb << 20, config.trainer, reference=config.trainer.objective.kl_coef > 0)
 
 
 RUNTIME_BYTES = 1 << 30  # a JAX process's own resident memory (libraries, compiled programs, host buffers)
@@ -146,9 +147,9 @@ def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[s
   params = model_config.param_count()
   weight = np.dtype(model_config.weight_dtype).itemsize
   parts = {"runtime": RUNTIME_BYTES}
-  lora_params = lora.adapter_param_count(config.lora, model_config) if config.lora.rank else 0
+  lora_params = lora.adapter_param_count(config.trainer.lora, model_config) if config.trainer.lora.rank else 0
   if role in ("train", "trainer"):
-    reference = config.objective.kl_coef > 0
+    reference = config.trainer.objective.kl_coef > 0
     if lora_params:  # the frozen base (the reference too), and the adapters' values, gradient and two moments
       parts["trainer state"] = params * weight + lora_params * 16
     else:
@@ -157,9 +158,9 @@ def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[s
                              auto_budget(model_config, config.packed_length, config.trainer, "cpu", reference))
   if role in ("train", "sampler"):
     instances = config.scheduling.instance_limit
-    parts["sampler weights"] = params * (PRECISION_BYTES[config.sampler_precision] + (4 if lora_params else 0))
-    parts["sampler KV cache"] = instances * kv_cache_bytes(model_config, config.engine.num_slots,
-                                                           config.engine.cache_length)
+    parts["sampler weights"] = params * (PRECISION_BYTES[config.sampler.precision] + (4 if lora_params else 0))
+    parts["sampler KV cache"] = instances * kv_cache_bytes(model_config, config.sampler.engine.num_slots,
+                                                           config.sampler.engine.cache_length)
   return parts
 
 
@@ -185,7 +186,7 @@ def check_host_memory(config: PipelineConfig, model_config, role: str, available
     raise ValueError(f"this run needs about {gib(need)} of memory ({said}; {model_config.param_count():,} "
                      f"parameters) but the machine has {gib(available)} available: use a smaller model, or lower "
                      "TrainerConfig.activation_budget_mb, EngineConfig.num_slots or "
-                     "PipelineConfig.sampler_precision='bfloat16'")
+                     "SamplerConfig.precision='bfloat16'")
 
 
 def check_lora(config: PipelineConfig, model_config, base_name: str, read_adapter: bool = True) -> PipelineConfig:
@@ -195,11 +196,11 @@ def check_lora(config: PipelineConfig, model_config, base_name: str, read_adapte
   from streamrl_jax.models import lora
   from streamrl_jax.models.peft_io import resolve
 
-  if not config.lora.enabled:
+  if not config.trainer.lora.enabled:
     return config
-  resolved = resolve(config.lora, model_config, base_name, read=read_adapter or not config.lora.rank)
+  resolved = resolve(config.trainer.lora, model_config, base_name, read=read_adapter or not config.trainer.lora.rank)
   lora.check(resolved, model_config)
-  return dataclasses.replace(config, lora=resolved)
+  return dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, lora=resolved))
 
 
 def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
@@ -219,8 +220,8 @@ def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
 def precision_advice(config: PipelineConfig) -> str | None:
   """A warning for a sampler that computes in lower precision than the trainer under an objective that ignores
   the sampler's log-probabilities (the mismatch then biases every step); None when nothing to say."""
-  if config.sampler_precision == "float32" or config.objective.objective not in UNCORRECTED:
+  if config.sampler.precision == "float32" or config.trainer.objective.objective not in UNCORRECTED:
     return None
-  return (f"PipelineConfig.sampler_precision={config.sampler_precision!r} with ObjectiveConfig.objective="
-          f"{config.objective.objective!r}: the sampler-vs-trainer mismatch goes uncorrected; 'ppo_tis' (the "
+  return (f"SamplerConfig.precision={config.sampler.precision!r} with ObjectiveConfig.objective="
+          f"{config.trainer.objective.objective!r}: the sampler-vs-trainer mismatch goes uncorrected; 'ppo_tis' (the "
           "documented choice for low-precision samplers), 'decoupled_ppo' or 'aipo' weight each token by it")

@@ -45,15 +45,16 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
 
   `hooks` (`RunHooks`): checkpoints and resume, the stop request, where rows and the end go, arms' outputs,
   periodic evaluation. Samples generated for a step that was not trained yet (in flight at a stop) are generated
-  again on resume: no prompt is skipped or trained twice. With `config.arms`, the follower arms train on the lead's
+  again on resume: no prompt is skipped or trained twice. With `config.arms.followers`, the follower arms train on the lead's
   stream, each on devices neither mesh uses while they last (else on the trainer's mesh); each arm's `RunResult`
   is in the result's `arms`.
   """
-  if config.arms and config.arm_programs:
-    raise ValueError("PipelineConfig.arm_programs: follower programs read from a trainer program's Flight server; "
+  if config.arms.followers and config.arms.programs:
+    raise ValueError("ArmsConfig.programs: follower programs read from a trainer program's Flight server; "
                      "run `streamrl launch local --arms ...` (or `streamrl trainer` and `streamrl follower`)")
-  if config.lora.init_from and not config.lora.rank:  # the adapter's rank, alpha and targets
-    config = dataclasses.replace(config, lora=resolve(config.lora, model.config))
+  if config.trainer.lora.init_from and not config.trainer.lora.rank:  # the adapter's rank, alpha and targets
+    trainer = dataclasses.replace(config.trainer, lora=resolve(config.trainer.lora, model.config))
+    config = dataclasses.replace(config, trainer=trainer)
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
@@ -61,8 +62,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
                           stop=hooks.stop)
   ranker = make_ranker(config, sampler_mesh, hooks.checkpointer, hooks.resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
-  queue = SampleQueue(config.queue_capacity)
-  lora_base = dict(base=params, lora_scale=config.lora.scale) if config.lora.enabled else {}  # LoRA: adapters sync
+  queue = SampleQueue(config.trainer.queue_capacity)
+  lora_base = dict(base=params, lora_scale=config.trainer.lora.scale) if config.trainer.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),

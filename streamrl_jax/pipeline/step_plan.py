@@ -78,7 +78,7 @@ def cut_prompts(config, step: int, predicted: Sequence[float], history, parts: i
   parts = max(1, min(parts, config.prompts_per_step))
   if not predicted or parts == 1 or not config.scheduling.scheduling_policy.needs_ranker:
     return np.array_split(np.arange(config.prompts_per_step), parts)
-  slots_in_prompts = max(1, config.engine.num_slots // config.group_size)
+  slots_in_prompts = max(1, config.sampler.engine.num_slots // config.group_size)
   dispatch = dispatch_requests(config.scheduling, predicted, history, list(range(parts)), slots_in_prompts,
                                seed=config.seed * 100_003 + step)
   return [np.asarray(sorted(a)) for a in dispatch.plan.assignment if len(a)]

@@ -82,7 +82,7 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
              record: Path | None = None) -> float:
   """Greedy accuracy on held-out prompts (their own seed, never used for training); with `record`, every
   (prompt, completion, reward) is written there as JSON lines."""
-  if config.env.agent:  # each prompt one episode of the agent program, the policy served greedily
+  if config.sampler.env.agent:  # each prompt one episode of the agent program, the policy served greedily
     from streamrl_jax.pipeline.agent_eval import agent_completions
     rows = agent_completions(model, tokenizer, task, config, prompts, seed)
   else:
@@ -97,15 +97,15 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   by the run's rewards (`PipelineConfig.reward`)."""
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
-  engine = make_engine(graphdef, model.config, config.engine, mesh)
-  tools = make_tools(config.env, tokenizer)
+  engine = make_engine(graphdef, model.config, config.sampler.engine, mesh)
+  tools = make_tools(config.sampler.env, tokenizer)
   sampler = StreamingSampler([engine], params, tools=tools)
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids)
   ids = {sampler.submit(prompt_tokens(task, tokenizer, p), knobs)[0]: (p, row) for p, row in items}
   out = {}
-  with RewardScorer(config.reward, builtin=verifier(task)) as scorer:
+  with RewardScorer(config.sampler.reward, builtin=verifier(task)) as scorer:
     for sample in sampler.stream():
       (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
       scorer.submit(sample.request_id, question(task, prompt), text, row.fields,
@@ -177,9 +177,9 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
   if resume:
     _log.info(f"resuming from the checkpoint of step {resumed_at}")
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
-  in_process_arms = bool(config.arms) and not config.arm_programs
+  in_process_arms = bool(config.arms.followers) and not config.arms.programs
 
-  if config.arms and leader:
+  if config.arms.followers and leader:
     (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
   if control.on_start is not None:
     control.on_start(resumed_at or 0)
@@ -212,7 +212,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
 def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdir: Path, arms) -> dict:
   """The run's hooks for periodic evaluation (`evaluated`: model, tokenizer, held-out task) and arms."""
   kwargs = {"periodic_eval": _periodic_eval(*evaluated, job)} if job.eval_every else {}
-  if config.arms and config.arm_programs:  # the follower programs must belong to this run
+  if config.arms.followers and config.arms.programs:  # the follower programs must belong to this run
     return dict(kwargs, run_id=run_record.run_id(workdir))
   return dict(kwargs, arm_outputs=arms) if arms else kwargs
 
@@ -245,8 +245,8 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str):
     _log.warning(advice)
   for advice in arm_advice(config):
     _log.warning(advice)
-  if config.arms and config.arm_programs and role == "train":
-    raise ValueError("PipelineConfig.arm_programs: follower programs read their streams from a trainer program's "
+  if config.arms.followers and config.arms.programs and role == "train":
+    raise ValueError("ArmsConfig.programs: follower programs read their streams from a trainer program's "
                      "Flight server; run `streamrl launch local --arms ...` (or `streamrl trainer` and "
                      "`streamrl follower`), or leave arm_programs off to train the arms in this program")
   model_config, tokenizer = job.model_spec()
@@ -255,9 +255,9 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str):
   config = preflight.check_lora(config, model_config, job.model)
   if jax.devices()[0].platform == "cpu":  # the host holds everything: say now if it cannot
     preflight.check_host_memory(config, model_config, role, preflight.available_host_bytes())
-  preflight.check_prompts(task, tokenizer, config.engine.max_prompt_length, job.seed)
+  preflight.check_prompts(task, tokenizer, config.sampler.engine.max_prompt_length, job.seed)
   preflight.check_stops(config, tokenizer)
-  preflight.check_rewards(config.reward, task, job.seed)
+  preflight.check_rewards(config.sampler.reward, task, job.seed)
   return config, task, heldout, tokenizer
 
 
@@ -269,7 +269,7 @@ def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, lea
     model = load_hf(warm, compute_dtype=job.dtype())
     _log.info(f"loaded the warm-up model from {warm}")
   elif warm_up:
-    model = supervised_warmup(model, tokenizer, task, job, config.engine.max_prompt_length + config.max_new_tokens)
+    model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
     if leader:
       save_hf(model, warm)
   return model, tokenizer
@@ -298,7 +298,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
-    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.lora, base_model_id(job.model))
+    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.trainer.lora, base_model_id(job.model))
     _log.info(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
               f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)
@@ -306,7 +306,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
                                              for n, a in result.arms.items()})
   arms = finish_arms(result, model, config, workdir, before, held_out)
-  by_arm = {"arm": config.arm_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
+  by_arm = {"arm": config.arms.lead_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), **by_arm)
   (workdir / "summary.json").write_text(json.dumps(summary, indent=2))

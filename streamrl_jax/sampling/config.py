@@ -1,8 +1,14 @@
-"""The sampler's engine configuration: slots, lengths, KV layout, and the buckets every engine compiles for."""
+"""The sampler side's configuration: its engine (slots, lengths, KV layout, the buckets every engine compiles for)
+and what a run's sampler adds around it (weight precision, in-flight updates, rewards, environments)."""
 
 from __future__ import annotations
 
 import dataclasses
+
+from streamrl_jax.envs.config import EnvConfig
+from streamrl_jax.rewards.config import RewardConfig
+
+IN_FLIGHT_CACHE = ("keep", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +130,29 @@ class EngineConfig:
 
 
 KV_LAYOUTS = ("contiguous", "paged")
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  """A run's sampler side: its engine, the precision of the weights it samples with, how it takes an update while
+  rows run, and the rewards and environments its samples meet."""
+
+  precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
+  quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
+  # async: a sampler takes its next lease while the last one's rows still run, applying each new version
+  # between decode calls; every token records the version that sampled it
+  in_flight: bool = False
+  in_flight_cache: str = "keep"  # in_flight: rows running at an update "keep" their KV cache, or "recompute" it
+  engine: EngineConfig = EngineConfig()
+  reward: RewardConfig = RewardConfig()
+  env: EnvConfig = EnvConfig()  # multi-turn: the environment or agent program the samples play
+
+  def __post_init__(self):
+    from streamrl_jax.models.precision import PRECISIONS, QUANTIZE_ON
+
+    if self.precision not in PRECISIONS:
+      raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {list(PRECISIONS)}")
+    if self.quantize_on not in QUANTIZE_ON:
+      raise ValueError(f"SamplerConfig.quantize_on={self.quantize_on!r}; known: {list(QUANTIZE_ON)}")
+    if self.in_flight_cache not in IN_FLIGHT_CACHE:
+      raise ValueError(f"SamplerConfig.in_flight_cache={self.in_flight_cache!r}; known: {list(IN_FLIGHT_CACHE)}")

@@ -56,7 +56,7 @@ class WireLimits:
   @classmethod
   def of_run(cls, config, vocab_size: int) -> WireLimits:
     """A pipeline run's limits: its longest prompt and completion, a step's samples."""
-    return cls(vocab_size, config.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step)
+    return cls(vocab_size, config.sampler.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step)
 
 
 @dataclasses.dataclass(frozen=True)

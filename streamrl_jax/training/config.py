@@ -1,42 +1,14 @@
-"""The training part's configuration: the trainer's batching and memory (`TrainerConfig`) and the optimizer
-(`OptimizerConfig`); the policy loss's (`ObjectiveConfig`) stays beside the objectives' registry it names."""
+"""The training part's configuration: the optimizer (`OptimizerConfig`) and the trainer side of a run
+(`TrainerConfig`: batching and memory, its queue and stop limits, and its optimizer, policy loss and adapters); the
+policy loss's own (`ObjectiveConfig`) stays beside the objectives' registry it names."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from streamrl_jax.models.config import REMAT_POLICIES
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainerConfig:
-  """The trainer's batching and memory: how samples become trainer calls, and what each call may hold.
-
-  With `packing`, samples are packed end to end into rows (segment ids), so compute follows tokens; without it,
-  each call is a micro-batch of `chunk_rows` padded rows."""
-
-  # vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0: full [tokens, vocab] logits
-  logprob_chunk: int = 8192
-  remat: str = "none"  # the trainer's rematerialisation: "none", "layer" or "dots" (see ModelConfig.remat)
-  # MiB for one trainer call's gradient and activations (tokens per call are cut to fit); 0: 40% of
-  # device memory, on CPU the gradient plus 1 GiB or one packed row (`packing.auto_budget`)
-  activation_budget_mb: int = 0
-  packing: bool = True  # pack samples end to end into rows of pack_length; False: chunk_rows padded rows per call
-  pack_length: int = 0  # tokens per packed row; 0: the longest sample (prompt + new tokens) rounded up to 8
-  # tokens per packed trainer call, padding included, within the budget; 0: a step (stream mode: a quarter)
-  chunk_tokens: int = 0
-  chunk_rows: int = 8  # without packing: samples per trainer call (micro-batch)
-  precompile: bool = False  # compile every trainer call's shape before the first step (no stalls later)
-
-  def __post_init__(self):
-    if self.remat not in REMAT_POLICIES:
-      raise ValueError(f"TrainerConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
-    for name in ("logprob_chunk", "activation_budget_mb", "pack_length", "chunk_tokens"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
-    if self.chunk_rows < 1:
-      raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
-
+from streamrl_jax.models.lora import LoraConfig
+from streamrl_jax.training.objectives import ObjectiveConfig
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -61,3 +33,50 @@ class OptimizerConfig:
       raise ValueError(f"unknown schedule {self.schedule!r}; known: {list(SCHEDULES)}")
     if self.learning_rate <= 0 or self.warmup_steps < 0 or self.decay_steps < 1 or self.max_grad_norm < 0:
       raise ValueError(f"OptimizerConfig out of range: {self}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerConfig:
+  """A run's trainer side: how samples become trainer calls and what each call may hold, how many samples wait
+  for it, when it gives up, and what it optimizes (optimizer, policy loss, adapters).
+
+  With `packing`, samples are packed end to end into rows (segment ids), so compute follows tokens; without it,
+  each call is a micro-batch of `chunk_rows` padded rows."""
+
+  # vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0: full [tokens, vocab] logits
+  logprob_chunk: int = 8192
+  remat: str = "none"  # the trainer's rematerialisation: "none", "layer" or "dots" (see ModelConfig.remat)
+  # MiB for one trainer call's gradient and activations (tokens per call are cut to fit); 0: 40% of
+  # device memory, on CPU the gradient plus 1 GiB or one packed row (`packing.auto_budget`)
+  activation_budget_mb: int = 0
+  packing: bool = True  # pack samples end to end into rows of pack_length; False: chunk_rows padded rows per call
+  pack_length: int = 0  # tokens per packed row; 0: the longest sample (prompt + new tokens) rounded up to 8
+  # tokens per packed trainer call, padding included, within the budget; 0: a step (stream mode: a quarter)
+  chunk_tokens: int = 0
+  chunk_rows: int = 8  # without packing: samples per trainer call (micro-batch)
+  precompile: bool = False  # compile every trainer call's shape before the first step (no stalls later)
+  queue_capacity: int = 256  # samples in the host queue before the sampler blocks
+  # after a stop request (first Ctrl-C / SIGTERM) the step in progress finishes and checkpoints, unless it is
+  # still waiting for samples this many seconds later: then it is abandoned (resume: the checkpoint before)
+  stop_grace_s: float = 120.0
+  # seconds without progress (no shard, update, publication or checkpoint) after which the trainer exits
+  # with code 124 and a one-line reason instead of hanging; 0: no limit
+  step_timeout_s: float = 1800.0
+  optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
+  objective: ObjectiveConfig = ObjectiveConfig()
+  lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
+
+  def __post_init__(self):
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"TrainerConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    for name in ("logprob_chunk", "activation_budget_mb", "pack_length", "chunk_tokens"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
+    if self.chunk_rows < 1:
+      raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
+    if self.queue_capacity < 1:
+      raise ValueError(f"TrainerConfig.queue_capacity must be >= 1, got {self.queue_capacity}")
+    if not self.stop_grace_s > 0:
+      raise ValueError(f"TrainerConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
+    if self.step_timeout_s < 0:
+      raise ValueError(f"TrainerConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")

@@ -51,7 +51,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is
   over. When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease in
   hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this program's).
-  `base_params` (LoRA, `config.lora`): the base each version's adapters merge into, as the trainer's. Returns the
+  `base_params` (LoRA, `config.trainer.lora`): the base each version's adapters merge into, as the trainer's. Returns the
   sampler's transport statistics."""
   e = endpoint
   connect, name, tls, flight_config, site = e.connect, e.name, e.tls, e.flight_config, e.site
@@ -112,12 +112,12 @@ def _relay(endpoint: SamplerEndpoint) -> RelayServer | None:
 def _landing(config: PipelineConfig, graphdef, abstract, mesh, base_params):
   """Where each weight version lands on the sampler's mesh (`models.precision.landing`); with LoRA a version is the
   adapters, merged into `base_params` placed on the mesh once."""
-  if not config.lora.enabled:
+  if not config.trainer.lora.enabled:
     return landing(abstract, config.precision, mesh)
   if base_params is None:
     raise ValueError("LoraConfig.rank > 0: run_sampler needs base_params (the base the adapters merge into)")
-  return landing(lora.adapter_shapes(graphdef, abstract, config.lora), config.precision, mesh, base=base_params,
-                 lora_scale=config.lora.scale)
+  return landing(lora.adapter_shapes(graphdef, abstract, config.trainer.lora), config.precision, mesh, base=base_params,
+                 lora_scale=config.trainer.lora.scale)
 
 
 def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, period: float,

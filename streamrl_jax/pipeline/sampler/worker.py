@@ -74,7 +74,7 @@ class SamplerWorker:
     self.instance_meshes = instance_meshes(mesh, sched.instance_limit)
     self._engines: dict[tuple[int, int], DecodeEngine] = {}
     self.admission = sched.scheduling_policy.admission
-    self.scorer = RewardScorer(config.reward, builtin=verifier(task))
+    self.scorer = RewardScorer(config.sampler.reward, builtin=verifier(task))
     self.bridge, self.server = sampler_server(config, serve, tokenizer, serve_tls, name)
     self.agents = None
     self._agent_scores: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
@@ -83,9 +83,9 @@ class SamplerWorker:
 
   def engine_for(self, mesh_index: int, slots: int | None = None) -> DecodeEngine:
     """The engine of instance mesh `mesh_index` compiled for `slots` (default: EngineConfig.num_slots)."""
-    slots = slots or self.config.engine.num_slots
+    slots = slots or self.config.sampler.engine.num_slots
     if (mesh_index, slots) not in self._engines:
-      engine_config = dataclasses.replace(self.config.engine, num_slots=slots)
+      engine_config = dataclasses.replace(self.config.sampler.engine, num_slots=slots)
       self._engines[(mesh_index, slots)] = make_engine(self._graphdef, self._model_config, engine_config,
                                                        self.instance_meshes[mesh_index])
     return self._engines[(mesh_index, slots)]
@@ -158,7 +158,7 @@ class SamplerWorker:
         self.agents = None
     try:
       served = self.bridge.request_ids if self.bridge is not None else frozenset()
-      partials = _partials(self.sampler, runs, bool(self.config.env.agent), served) if outcome == "stopped" else ()
+      partials = _partials(self.sampler, runs, bool(self.config.sampler.env.agent), served) if outcome == "stopped" else ()
       control.leave(Leave(self.sampler_id, partials=partials))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
       pass
@@ -200,7 +200,7 @@ class SamplerWorker:
     request admitted (asked at most every LEASE_REPOLL_S while rows run)."""
     if not runs:
       return True
-    return (self.config.in_flight and len(runs) == 1 and self.sampler.num_pending == 0
+    return (self.config.sampler.in_flight and len(runs) == 1 and self.sampler.num_pending == 0
             and time.perf_counter() - polled >= LEASE_REPOLL_S)
 
   def reset(self) -> None:
@@ -232,13 +232,13 @@ class SamplerWorker:
     if self.sampler is None:
       engines = [self.engine_for(k) for k in range(self.target_instances)]
       self.sampler = StreamingSampler(engines, update.params, version=update.version, admission=self.admission,
-                                      seed=self.config.seed, tools=make_tools(self.config.env, self.tokenizer),
+                                      seed=self.config.seed, tools=make_tools(self.config.sampler.env, self.tokenizer),
                                       clock=self.phase_clock)
       self.mesh_of = {i: i for i in range(len(engines))}
       if self.bridge is not None:
         self.bridge.version = update.version
     elif update.version > self.sampler.version:
-      self.sampler.update_params(update.params, update.version, recompute=self.config.in_flight_cache == "recompute")
+      self.sampler.update_params(update.params, update.version, recompute=self.config.sampler.in_flight_cache == "recompute")
 
   def _apply_elastic(self) -> None:
     """Adds or retires engine instances (between decode steps) until the target count takes requests; a retired
@@ -255,7 +255,7 @@ class SamplerWorker:
   def _start(self, lease: Lease, wait_s: float, samples) -> _LeaseRun:
     """Submits a lease's requests (group_size per prompt; samples begun elsewhere resume after their tokens,
     finished ones are scored as they are) and returns what tracks it until it is reported."""
-    collector = GroupCollector(self.config.group_size, self.config.engine.max_prompt_length + self.config.max_new_tokens)
+    collector = GroupCollector(self.config.group_size, self.config.sampler.engine.max_prompt_length + self.config.max_new_tokens)
     rows = [Row.from_json(r) for r in lease.rows] if lease.rows else [Row()] * len(lease.prompts)
     for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
       collector.expect(group_id, prompt, lease.step, row)
@@ -266,7 +266,7 @@ class SamplerWorker:
     if len(lease.prompt_ids) != len(lease.prompts):
       raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_ids)} prompts' token ids for "
                        f"{len(lease.prompts)} prompts: a controller of another streamrl_jax version?")
-    if self.config.env.agent:
+    if self.config.sampler.env.agent:
       self._start_episodes(lease, rows)
     else:
       self._submit(lease, lease.prompt_ids)
@@ -291,8 +291,8 @@ class SamplerWorker:
       self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
 
   def _agent_failed(self, key: tuple, failure: str, where: str) -> None:
-    message = f"agent {self.config.env.agent!r} {failure} on {where}"
-    if self.config.env.agent_on_error == "stop":
+    message = f"agent {self.config.sampler.env.agent!r} {failure} on {where}"
+    if self.config.sampler.env.agent_on_error == "stop":
       raise RewardError(f"{message} (EnvConfig.agent_on_error='stop'; 'zero' scores such episodes 0 and counts "
                         "them in reward_errors)")
     failed = self.agents.counters["agent_failures"] + self.agents.counters["agent_timeouts"]
@@ -304,7 +304,7 @@ class SamplerWorker:
   def _start_episodes(self, lease: Lease, rows: list) -> None:
     """Starts `group_size` episodes of the agent program per leased prompt."""
     if self.agents is None:
-      self.agents = AgentRollouts(self.config.env, self.server, self.config.max_new_tokens)
+      self.agents = AgentRollouts(self.config.sampler.env, self.server, self.config.max_new_tokens)
     for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
       self.agents.start((lease.lease_id, group_id), {"prompt": question(self.task, prompt), **row.fields},
                         self.config.group_size)
@@ -346,7 +346,7 @@ class SamplerWorker:
       with self.phase_clock.phase("weight_receive"):
         latest = weights.latest()
         if latest is not None and latest.version > sampler.version:
-          sampler.update_params(latest.params, latest.version, recompute=self.config.in_flight_cache == "recompute")
+          sampler.update_params(latest.params, latest.version, recompute=self.config.sampler.in_flight_cache == "recompute")
     bridge = self.bridge
     if bridge is not None:
       bridge.pump(sampler)
@@ -380,10 +380,10 @@ class SamplerWorker:
     predicted = np.asarray(lease.predicted_lengths, float) if lease.predicted_lengths else None
     per_request = np.repeat(predicted if predicted is not None else np.zeros(len(encoded)), group)
     dispatch = dispatch_requests(config.scheduling, per_request.tolist(), lease.length_quantiles, sampler.instance_ids,
-                                 config.engine.num_slots, seed=config.seed * 100_003 + lease.step)
+                                 config.sampler.engine.num_slots, seed=config.seed * 100_003 + lease.step)
     if config.scheduling.resize_engines and not sampler.has_work():  # idle between leases (not in flight)
       for instance_id, batch in dispatch.slot_limits.items():
-        slots = engine_slots(batch, config.engine.num_slots)
+        slots = engine_slots(batch, config.sampler.engine.num_slots)
         sampler.replace_engine(instance_id, self.engine_for(self.mesh_of[instance_id], slots))
     sampler.set_slot_limits(dispatch.slot_limits)
     single = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,

@@ -59,13 +59,13 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   `devices`: the trainer's (default: all of this program's, across its processes). In a trainer of several
   processes, process 0 serves and the others follow it step by step (`distributed.broadcast_shard`); process 0
   honours `hooks.stop` at a step boundary (`RunStopped`) and the others follow its decision, and only process 0
-  gets `hooks.on_end`. Follower arms (`config.arms`, `hooks.arm_outputs` as `runner.run_pipeline`'s) train in this
-  program, on devices the trainer's mesh leaves while they last; with `config.arm_programs` they are programs of
+  gets `hooks.on_end`. Follower arms (`config.arms.followers`, `hooks.arm_outputs` as `runner.run_pipeline`'s) train in this
+  program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs of
   their own, served their streams by this program's Flight server, and `hooks.run_id` names the run they must
   belong to."""
   if config.spec.shared_mesh:
     raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
-  if config.arms and jax.process_count() > 1:
+  if config.arms.followers and jax.process_count() > 1:
     raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
                      f"{jax.process_count()}")
   graphdef, params = nnx.split(model)
@@ -83,7 +83,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
       return _follow(config, trainer, ranker)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
                           on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))), site=endpoint.site)
-  if config.arms and config.arm_programs:
+  if config.arms.followers and config.arms.programs:
     followers = RemoteArms(config, hooks.run_id, trainer.start_step, settings or {})
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
@@ -116,7 +116,7 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
            arms: RemoteArms | None):
   """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving `arms'`
   streams too)."""
-  queue = SampleQueue(config.queue_capacity)
+  queue = SampleQueue(config.trainer.queue_capacity)
   store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
                                weights=store, limits=WireLimits.of_run(config, vocab_size), tls=endpoint.tls,

@@ -163,7 +163,7 @@ def initial_weights_donated(config: PipelineConfig, initial, trainer: TrainerWor
   """Frees the caller's initial weights once the trainer holds its copy (`launch.delete`): a run would otherwise
   keep a dead copy of the model to its end (on a CPU, SmolLM2's 0.5 GB of RAM). Kept where they stay in use:
   LoRA's frozen base is the model's own arrays, and follower arms copy them when they start."""
-  if config.lora.enabled or config.arms:
+  if config.trainer.lora.enabled or config.arms.followers:
     return
   jax.block_until_ready(trainer.state.params)
   launch.delete(initial)

@@ -15,7 +15,7 @@ either; the controller adds prompts to the step in its place, up to the backfill
 
 A stop request (`stopping.StopRequest`: the first Ctrl-C or SIGTERM) is honoured at a step boundary: the step
 in progress finishes through its metrics row and its committed checkpoint, then `run` raises `RunStopped`. A
-step still waiting for samples `PipelineConfig.stop_grace_s` after the request is abandoned instead (the
+step still waiting for samples `TrainerConfig.stop_grace_s` after the request is abandoned instead (the
 checkpoint before it stays the one a resume starts from). Fault points (`faults.py`) mark the boundary's parts.
 """
 
@@ -70,15 +70,15 @@ class TrainerWorker:
     # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference. With LoRA the state
     # holds the adapters alone; the base is frozen on the mesh, and it is the reference.
     plain_graphdef, plain_params = graphdef, params
-    self.lora, base = (config.lora if config.lora.enabled else None), None
+    self.lora, base = (config.trainer.lora if config.trainer.lora.enabled else None), None
     if self.lora:
       arrays = None
       if self.lora.init_from and not resume:  # (a resume restores the adapters from its checkpoint)
         loaded, arrays = load_adapter(self.lora.init_from, nnx.merge(graphdef, params).config)
         check_matches(self.lora, loaded)
       graphdef, params, base = lora.adapt(graphdef, params, self.lora, arrays)
-    reference = params if config.objective.kl_coef > 0 and not self.lora else None
-    self.trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
+    reference = params if config.trainer.objective.kl_coef > 0 and not self.lora else None
+    self.trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, temperature=config.temperature,
                            ref_params=reference, config=config.trainer, base_params=base)
     self.state = self.trainer.init_state(params, seed=config.seed)
     self.start_step = 0
@@ -122,7 +122,7 @@ class TrainerWorker:
     (memory, queue depth). A follower arm's `skip(step)` says why it does not train a step (None: it does), and its
     `get_shard` may raise `StepSkipped` for the step in progress: the step is then left, untrained."""
     if self.config.trainer.precompile:
-      width = self.config.engine.max_prompt_length + self.config.max_new_tokens
+      width = self.config.sampler.engine.max_prompt_length + self.config.max_new_tokens
       if self.batcher.pack_length:
         self.state = self.trainer.precompile_packed(self.state, self.batcher.chunk_tokens, self.batcher.pack_length)
       else:
@@ -131,8 +131,8 @@ class TrainerWorker:
     controller.published(Published(self.start_step))
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
     watch = None
-    if self.config.step_timeout_s:
-      watch = StallWatch(self.config.step_timeout_s, _log.error,
+    if self.config.trainer.step_timeout_s:
+      watch = StallWatch(self.config.trainer.step_timeout_s, _log.error,
                          time.monotonic)
       self._progress = watch.progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
@@ -242,7 +242,7 @@ class TrainerWorker:
         self._progress(f"a shard of step {step + 1} arrived")
         return shard
       except TimeoutError:
-        if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
+        if self.stop is not None and self.stop.overdue(self.config.trainer.stop_grace_s):
           raise self._stopped(abandoned_step=step + 1) from None
 
   def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
@@ -266,7 +266,7 @@ class TrainerWorker:
       self._trained.update(shard.keys())
       needed -= shard.num_samples
       _record(received, shard)
-      if self.config.dynamic_sampling:
+      if self.config.controller.dynamic_sampling:
         shard, granted = self._filter_flat(shard, step, controller, received)
         needed += granted * self.config.group_size
         if not shard.num_samples:
@@ -335,7 +335,7 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      rewards, objective = shard.rewards, self.config.objective
+      rewards, objective = shard.rewards, self.config.trainer.objective
       if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
         ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
         rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
@@ -354,7 +354,7 @@ class TrainerWorker:
     seconds = [v for _, v in sorted(weights.seconds.items())]
     flat = sum(len(_equal_reward_groups(s)) for s in shards)
     parts = np.concatenate(received["parts"]).mean(axis=0)
-    by_function = {f"reward/{name}": float(v) for name, v in zip(self.config.reward.names, parts)}
+    by_function = {f"reward/{name}": float(v) for name, v in zip(self.config.sampler.reward.names, parts)}
     return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), **by_function,
                 reward_errors=received["errors"], reward_timeouts=received["timeouts"],
                 accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
@@ -377,7 +377,7 @@ def _packing(config, graphdef, params, mesh) -> dict:
   wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
                                    else step_tokens)
   model_config = nnx.merge(graphdef, params).config
-  reference, platform = config.objective.kl_coef > 0, mesh.devices.flat[0].platform
+  reference, platform = config.trainer.objective.kl_coef > 0, mesh.devices.flat[0].platform
   budget = config.trainer.activation_budget_mb << 20
   if not budget:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
@@ -405,10 +405,10 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
     return f"a shard of step {shard_step}; the run has {config.steps} steps"
   if len(set(shard.keys())) != shard.num_samples:
     return f"a shard of step {shard_step} holds a sample twice"
-  functions = len(config.reward.names)
+  functions = len(config.sampler.reward.names)
   if shard.reward_parts.shape[1] != functions:
     return (f"a shard of step {shard_step} holds {shard.reward_parts.shape[1]} reward values a sample; this run's "
-            f"RewardConfig has {functions} ({', '.join(config.reward.names)})")
+            f"RewardConfig has {functions} ({', '.join(config.sampler.reward.names)})")
   planned, extra = step_group_ids(config, shard_step)
   ours = np.isin(shard.group_ids, np.asarray(planned)) | np.isin(shard.group_ids, np.asarray(extra))
   bad = ~ours | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size)
