@@ -70,7 +70,8 @@ def train(config, job, workdir: Path) -> dict:
   summary = train_job(config, job, workdir)
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return dict(accuracy_before=round(summary["accuracy_before"], 4), accuracy_after=round(summary["accuracy_after"], 4),
-              reward_by_step=[round(m["reward_mean"], 3) for m in metrics], wall_s=round(time.perf_counter() - start, 1))
+              reward_by_step=[round(m["reward_mean"], 3) for m in metrics], wall_s=round(time.perf_counter() - start,
+                                                                                         1))
 
 
 def sampling_rate(engine, params, config, delay_s: float, seed: int, prompts: int = PROMPTS) -> tuple[float, dict]:

@@ -51,7 +51,8 @@ def main() -> dict:
   job = dataclasses.replace(job, warmup_steps=WARMUP)
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
-  model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  model = supervised_warmup(model, tokenizer, task, job,
+                            config.sampler.engine.max_prompt_length + config.max_new_tokens)
   out = {k: {} for k in ("samples_per_s", "trainer_idle_frac", "sampler_idle_frac", "weight_sync_s")}
   for mode in MODES:
     result = run_pipeline(dataclasses.replace(config, mode=mode), model, tokenizer, task)

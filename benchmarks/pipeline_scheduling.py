@@ -51,7 +51,8 @@ def main() -> dict:
   job = dataclasses.replace(job, warmup_steps=WARMUP, task=dataclasses.replace(job.task, max_digits=8))
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
-  model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  model = supervised_warmup(model, tokenizer, task, job,
+                            config.sampler.engine.max_prompt_length + config.max_new_tokens)
   generation, recall = {}, []
   for name, scheduling in VARIANTS.items():
     result = run_pipeline(dataclasses.replace(config, scheduling=scheduling), model, tokenizer, task)

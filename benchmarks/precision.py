@@ -82,13 +82,15 @@ def transfer() -> dict:
   _, params = nnx.split(Transformer(SMOLLM2_SHAPE, rngs=nnx.Rngs(0)))
   mesh = single_device_mesh(jax.devices()[0])
   arms = {"float32": SamplerPrecision(), "bfloat16": SamplerPrecision("bfloat16"),
-          "int8_on_trainer": SamplerPrecision("int8", "trainer"), "int8_on_sampler": SamplerPrecision("int8", "sampler")}
+          "int8_on_trainer": SamplerPrecision("int8", "trainer"), "int8_on_sampler": SamplerPrecision("int8",
+                                                                                                      "sampler")}
   stores = {name: HostWeightStore(precision=p) for name, p in arms.items()}
   servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
              for name, store in stores.items()}
   seconds, nbytes = {name: [] for name in arms}, {}
   try:
-    connections = {name: FlightConnection(server.address, timeout_s=120, retry_s=30) for name, server in servers.items()}
+    connections = {name: FlightConnection(server.address, timeout_s=120, retry_s=30) for name,
+                   server in servers.items()}
     for version in range(VERSIONS):
       for name, precision in arms.items():
         seconds_taken, nbytes[name] = timed_update(stores[name], connections[name], landing(params, precision, mesh),
@@ -184,7 +186,8 @@ def main() -> dict:
   model, tokenizer, _ = job.load_model()
   task = job.make_task(tokenizer)
   print("precision: supervised warm-up of the demo model ...", file=sys.stderr, flush=True)
-  model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  model = supervised_warmup(model, tokenizer, task, job,
+                            config.sampler.engine.max_prompt_length + config.max_new_tokens)
   measured = mismatch(model, tokenizer, job.make_task(tokenizer, "eval"), config.sampler.engine, config.max_new_tokens)
   out.update({k: v for k, v in measured.items() if not k.endswith("_bytes_ratio")})  # transfer()'s are SmolLM2's
   with tempfile.TemporaryDirectory() as tmp:

@@ -109,7 +109,8 @@ def throughput(hidden: int | None = None, layers: int | None = None) -> dict:
       reward = variants[name]
       if name == "slow_inline" and rates[name]:
         continue  # one round shows the stall
-      result = run_pipeline(dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, reward=reward)), model, tokenizer,
+      result = run_pipeline(dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, reward=reward)),
+                            model, tokenizer,
                             ConstantTask(max_digits=job.task.max_digits))
       steady = result.metrics[1:]
       rates[name].append(config.samples_per_step * len(steady) / sum(m["generation_s"] for m in steady))

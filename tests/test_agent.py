@@ -70,8 +70,8 @@ def _run_one_step(config, also=None, **kwargs):
 
 
 def _agent_config(agent: str, timeout: float = 60.0):
-  return dataclasses.replace(BASE, steps=1, sampler=dataclasses.replace(BASE.sampler, env=EnvConfig(agent=f"{AGENTS}:{agent}", agent_workers=GROUPS,
-                                                          agent_timeout_s=timeout)))  # a worker per group
+  env = EnvConfig(agent=f"{AGENTS}:{agent}", agent_workers=GROUPS, agent_timeout_s=timeout)  # a worker per group
+  return dataclasses.replace(BASE, steps=1, sampler=dataclasses.replace(BASE.sampler, env=env))
 
 
 def test_an_episode_becomes_one_sample_trained_only_on_the_tokens_the_policy_sampled(tmp_path, monkeypatch):

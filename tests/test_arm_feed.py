@@ -179,7 +179,8 @@ def test_arm_names_and_settings_are_checked():
 
 def test_arm_files_may_change_only_their_trainer():
   lead, job = PipelineConfig(), JobConfig()
-  rloo = dataclasses.replace(lead, advantage="rloo", trainer=dataclasses.replace(lead.trainer, optimizer=OptimizerConfig(learning_rate=1e-3)))
+  rloo = dataclasses.replace(lead, advantage="rloo", trainer=dataclasses.replace(lead.trainer,
+                                                                                 optimizer=OptimizerConfig(learning_rate=1e-3)))
   (arm,) = arms_from_configs(lead, job, [("rloo", rloo, job)])
   assert (arm.name, arm.advantage, arm.optimizer.learning_rate) == ("rloo", "rloo", 1e-3)
   with pytest.raises(ConfigError, match=r"arm 'x': PipelineConfig.group_size=8 differs from the lead's \(4\)"):

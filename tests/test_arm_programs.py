@@ -29,7 +29,8 @@ from tests.pipeline_setup import BASE, TOKENIZER, DigitTask
 from tests.test_remote_pipeline import FAST, FAST_CONTROL
 
 JOB = JobConfig(hidden_size=32, num_layers=2, warmup_steps=0, eval_prompts=4)
-CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, mesh=MeshConfig(sampler_devices=4, trainer_devices=2),
+CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, mesh=MeshConfig(sampler_devices=4,
+                                                                                           trainer_devices=2),
                              arms=ArmsConfig(programs=True, followers=(ArmConfig("rloo", advantage="rloo"),)))
 
 

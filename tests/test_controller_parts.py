@@ -20,7 +20,8 @@ from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
-FILTERED = dataclasses.replace(CONFIG, controller=dataclasses.replace(CONFIG.controller, dynamic_sampling=True, backfill_limit=3))  # backfill ids of step 0: 4, 5, 6
+FILTERED = dataclasses.replace(CONFIG, controller=dataclasses.replace(CONFIG.controller, dynamic_sampling=True,
+                                                                      backfill_limit=3))  # backfill ids of step 0: 4, 5, 6
 
 
 class Clock:

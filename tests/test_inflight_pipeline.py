@@ -100,7 +100,8 @@ def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynami
 
 
 def filtered_config() -> PipelineConfig:
-  return dataclasses.replace(BASE, controller=dataclasses.replace(BASE.controller, dynamic_sampling=True, backfill_limit=3))
+  return dataclasses.replace(BASE, controller=dataclasses.replace(BASE.controller, dynamic_sampling=True,
+                                                                  backfill_limit=3))
 
 
 def test_dynamic_sampling_resumes_exactly_and_filters_alike_in_colocated_mode(tmp_path):

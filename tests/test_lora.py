@@ -259,8 +259,10 @@ def test_lora_across_processes_refuses_a_warmed_demo_base():
   from streamrl_jax.pipeline.job_config import JobConfig
 
   with pytest.raises(ConfigError, match="set JobConfig.warmup_steps = 0"):
-    check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)), JobConfig(warmup_steps=10))
-  check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)), JobConfig(warmup_steps=0))
+    check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)),
+                    JobConfig(warmup_steps=10))
+  check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)),
+                  JobConfig(warmup_steps=0))
 
 
 def test_streamrl_merge_refuses_a_dora_adapter_in_one_line(hf_dirs, tmp_path, capsys):
@@ -289,7 +291,8 @@ def test_the_shipped_lora_config_is_the_smollm2_run_with_adapters():
   full, full_job = gin_config.build_run()
   assert (config.trainer.lora.rank, config.trainer.lora.targets) == (16, ALL.targets) and job == full_job
   assert config.trainer.optimizer.learning_rate == pytest.approx(full.trainer.optimizer.learning_rate * 100 / 3)
-  assert dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, lora=full.trainer.lora, optimizer=full.trainer.optimizer)) == full
+  assert dataclasses.replace(config, trainer=dataclasses.replace(config.trainer, lora=full.trainer.lora,
+                                                                 optimizer=full.trainer.optimizer)) == full
 
 
 def test_an_include_found_nowhere_is_one_line(tmp_path, caplog):

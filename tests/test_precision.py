@@ -146,7 +146,8 @@ def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
   from streamrl_jax.pipeline.preflight import precision_advice
   from streamrl_jax.training import ObjectiveConfig as Objective
   def config(precision, objective):
-    return PipelineConfig(sampler=SamplerConfig(precision=precision), trainer=TrainerConfig(objective=Objective(objective)))
+    return PipelineConfig(sampler=SamplerConfig(precision=precision),
+                          trainer=TrainerConfig(objective=Objective(objective)))
   assert precision_advice(config("int8", "ppo_tis")) is None
   assert precision_advice(config("float32", "ppo_recomputed")) is None  # float32: nothing to correct
   advice = precision_advice(config("bfloat16", "ppo_recomputed"))

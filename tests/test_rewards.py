@@ -332,7 +332,8 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
   assert checkpointer.latest_step() == 1
   (tmp_path / "trigger").unlink()
   got.clear()
-  resumed = run_pipeline(dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, reward=dataclasses.replace(reward, workers=1))), model, TOKENIZER,
+  in_thread = dataclasses.replace(config.sampler, reward=dataclasses.replace(reward, workers=1))
+  resumed = run_pipeline(dataclasses.replace(config, sampler=in_thread), model, TOKENIZER,
                          DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True))
   assert [m["step"] for m in resumed.metrics] == [2, 3] and resumed.counters["prompts_submitted"] == 8
   assert resumed.counters["samples_trained"] == 2 * 16
@@ -356,6 +357,7 @@ def test_the_trainer_refuses_shards_scored_by_another_reward_config():
   from tests.wire_samples import group_shard
 
   shard = group_shard([5, 6], step=0, group=1, functions=2)
-  two = dataclasses.replace(BASE, sampler=dataclasses.replace(BASE.sampler, reward=RewardConfig(functions=("m:a", "m:b"))))
+  two_functions = RewardConfig(functions=("m:a", "m:b"))
+  two = dataclasses.replace(BASE, sampler=dataclasses.replace(BASE.sampler, reward=two_functions))
   assert _refusal(shard, 0, two) is None
   assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in _refusal(shard, 0, BASE)

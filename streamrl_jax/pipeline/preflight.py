@@ -112,7 +112,8 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
     from streamrl_jax.envs.catalog import make_environment
     from streamrl_jax.envs.tools import stop_token_ids
 
-    stops |= set(stop_token_ids(tokenizer, make_environment(config.sampler.env.environment, max_turns=config.sampler.env.max_turns).stop))
+    stops |= set(stop_token_ids(tokenizer, make_environment(config.sampler.env.environment,
+                                                            max_turns=config.sampler.env.max_turns).stop))
   if len(stops) > config.sampler.engine.max_stop_tokens:
     raise ValueError(f"a turn ends on any of {len(stops)} tokens {sorted(stops)} (the model's eos ids, its end of "
                      f"turn, the environment's stop), more than EngineConfig.max_stop_tokens="

@@ -63,7 +63,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   ranker = make_ranker(config, sampler_mesh, hooks.checkpointer, hooks.resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.trainer.queue_capacity)
-  lora_base = dict(base=params, lora_scale=config.trainer.lora.scale) if config.trainer.lora.enabled else {}  # LoRA: adapters sync
+  lora_base = dict(base=params,
+                   lora_scale=config.trainer.lora.scale) if config.trainer.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),

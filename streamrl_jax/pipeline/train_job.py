@@ -269,7 +269,8 @@ def _warm_model(config: PipelineConfig, job: JobConfig, task, workdir: Path, lea
     model = load_hf(warm, compute_dtype=job.dtype())
     _log.info(f"loaded the warm-up model from {warm}")
   elif warm_up:
-    model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+    model = supervised_warmup(model, tokenizer, task, job,
+                              config.sampler.engine.max_prompt_length + config.max_new_tokens)
     if leader:
       save_hf(model, warm)
   return model, tokenizer
@@ -298,7 +299,8 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
-    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.trainer.lora, base_model_id(job.model))
+    save_adapter(workdir / "final_adapter", lora.adapter_arrays(result.adapters), config.trainer.lora,
+                 base_model_id(job.model))
     _log.info(f"saved the adapter to {workdir / 'final_adapter'} (PEFT format) and the merged model to "
               f"{workdir / 'final_model'}")
   write_pictures(workdir, config, before, segments, after)

@@ -222,7 +222,8 @@ def _check_rows(rows: dict) -> None:
             ("sample_indices", rows["sample_indices"] < 0, "sample_index must be >= 0"),
             ("first_versions", rows["first_versions"] < 0, "first_version must be >= 0"),
             ("last_versions", rows["last_versions"] < rows["first_versions"], "last_version must be >= first_version"),
-            ("rewards", ~(np.abs(rows["rewards"]) <= MAX_ABS_REWARD), f"reward must be finite, |reward| <= {MAX_ABS_REWARD:g}"),
+            ("rewards", ~(np.abs(rows["rewards"]) <= MAX_ABS_REWARD),
+             f"reward must be finite, |reward| <= {MAX_ABS_REWARD:g}"),
             ("reward_errors", rows["reward_errors"] < 0, "reward_errors must be >= 0"),
             ("reward_timeouts", rows["reward_timeouts"] < 0, "reward_timeouts must be >= 0")]
   for _, bad, message in checks:
