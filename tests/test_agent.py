@@ -114,7 +114,7 @@ def test_an_agent_that_fails_costs_a_zero_reward_never_a_sample(agent, column, t
 
 
 def test_an_agent_that_is_not_an_async_function_is_refused_in_one_line():
-  from streamrl_jax.envs.agent import load_agent
+  from streamrl_jax.agents.program import load_agent
 
   with pytest.raises(ValueError, match="must be an `async def run"):
     load_agent(f"{AGENTS}:not_async")

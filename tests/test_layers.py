@@ -11,8 +11,8 @@ FLOORS = (
     ("types", "messages", "pytrees", "registry", "settings", "meshes", "modes", "resources", "stopping", "faults", "launch",
      "host_memory", "config_types", "config_listing", "phase_clock", "logs"),  # plain records and helpers
     ("models", "tasks", "envs", "rewards"),  # the decoder, tokenizers, prompt datasets, environments, reward functions
-    ("training", "streaming", "scheduling", "sampling", "serving", "sim", "distributed", "gke",
-     "records"),  # the parts, and what a run leaves in its workdir
+    ("training", "streaming", "scheduling", "sampling", "serving", "agents", "sim", "distributed", "gke",
+     "records"),  # the parts (agent programs beside the server they speak to), and what a run leaves in its workdir
     ("pipeline", "arms"),  # workers, controller, sessions, programs, the training job; algorithm arms
     ("gin_config",),  # the config layer binds every part's config
     ("commands", "cli"),  # the `streamrl` command

@@ -83,7 +83,7 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
   """Greedy accuracy on held-out prompts (their own seed, never used for training); with `record`, every
   (prompt, completion, reward) is written there as JSON lines."""
   if config.sampler.env.agent:  # each prompt one episode of the agent program, the policy served greedily
-    from streamrl_jax.pipeline.agent_eval import agent_completions
+    from streamrl_jax.agents.evaluation import agent_completions
     rows = agent_completions(model, tokenizer, task, config, prompts, seed)
   else:
     rows = greedy_completions(model, tokenizer, task, config, prompts, seed)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamrl_jax.envs.agent import EPISODE_HEADER
+from streamrl_jax.agents.program import EPISODE_HEADER
 from streamrl_jax.serving.protocol import ApiError
 from streamrl_jax.serving.text_stream import ChoiceText
 

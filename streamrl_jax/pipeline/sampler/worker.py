@@ -21,7 +21,7 @@ from streamrl_jax.meshes import instance_meshes
 from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseRequest, Leave, Register, RejoinRequired,
                                    StepReport, WeightUpdate)
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.pipeline.agent_rollouts import (AgentRollouts, episode_sample, failure_score, sampler_server,
+from streamrl_jax.agents.rollouts import (AgentRollouts, episode_sample, failure_score, sampler_server,
                                                   scored_text)
 from streamrl_jax.pipeline.sampler.groups import GroupCollector
 from streamrl_jax.resources import resident_mb

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from streamrl_jax.envs.agent import POLICY_MODEL
+from streamrl_jax.agents.program import POLICY_MODEL
 from streamrl_jax.meshes import single_device_mesh
-from streamrl_jax.pipeline.agent_rollouts import AgentRollouts, scored_text, serving_for
+from streamrl_jax.agents.rollouts import AgentRollouts, scored_text, serving_for
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.serving.app import ServedModel

@@ -16,7 +16,7 @@ import secrets
 
 import numpy as np
 
-from streamrl_jax.envs.agent import FAILED, POLICY_MODEL, TIMED_OUT, run_group
+from streamrl_jax.agents.program import FAILED, POLICY_MODEL, TIMED_OUT, run_group
 from streamrl_jax.rewards.scorer import Score, worker_pool
 from streamrl_jax.serving.app import ServedModel, Service
 from streamrl_jax.serving.bridge import RequestBridge
@@ -72,7 +72,7 @@ class AgentRollouts:
   """The episodes of the leases in hand. `start` a group, `finished()` the episodes that ended."""
 
   def __init__(self, env_config, server: ServerThread, budget: int):
-    from streamrl_jax.envs.agent import load_agent
+    from streamrl_jax.agents.program import load_agent
 
     load_agent(env_config.agent)  # refuses a missing or wrong function here, in one line
     self.config, self.server, self.budget = env_config, server, budget
