@@ -48,7 +48,7 @@ def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
     arms.join(ArmJoin("rloo", "run-a", other))
   own = dict(settings, **{"PipelineConfig.advantage": "'rloo'", "OptimizerConfig.learning_rate": "0.5"})
   assert arms.join(ArmJoin("rloo", "run-a", own)).steps == CONFIG.steps  # an arm's own keys may differ
-  with pytest.raises(ValueError, match="arm_programs: .* sampler_precision='float32' and no LoRA"):
+  with pytest.raises(ValueError, match="ArmsConfig.programs: .* SamplerConfig.precision='float32' and no LoRA"):
     dataclasses.replace(CONFIG, sampler=dataclasses.replace(CONFIG.sampler, precision="int8"))
 
 

@@ -30,6 +30,11 @@ class FirstDigitTask(ArithmeticTask):
     return float(completion[:1].isdigit())
 
 
+def backfilling(on: bool):
+  """The controller's config with dynamic sampling `on`, adding up to 3 prompts to a step."""
+  return dataclasses.replace(BASE.controller, dynamic_sampling=on, backfill_limit=3)
+
+
 def run_first_digit(mode: str, checkpointer=None, resume=False, **overrides):
   config = dataclasses.replace(BASE, mode=mode, **overrides)
   return run_pipeline(config, Transformer(MODEL, rngs=nnx.Rngs(0)), TOKENIZER, FirstDigitTask(max_digits=3),
@@ -44,7 +49,7 @@ def overlapping(intervals) -> int:
 
 @pytest.fixture(scope="module")
 def in_flight():
-  return {cache: run("async", in_flight=True, in_flight_cache=cache) for cache in ("keep", "recompute")}
+  return {cache: run("async", sampler=dataclasses.replace(BASE.sampler, in_flight=True, in_flight_cache=cache)) for cache in ("keep", "recompute")}
 
 
 @pytest.mark.parametrize("cache", ["keep", "recompute"])
@@ -79,7 +84,7 @@ def test_in_flight_is_refused_where_no_update_can_be_taken_in_flight():
 
 @pytest.fixture(scope="module")
 def dynamic():
-  return {on: run_first_digit("async", dynamic_sampling=on, backfill_limit=3) for on in (False, True)}
+  return {on: run_first_digit("async", controller=backfilling(on)) for on in (False, True)}
 
 
 def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynamic):
@@ -100,20 +105,19 @@ def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynami
 
 
 def filtered_config() -> PipelineConfig:
-  return dataclasses.replace(BASE, controller=dataclasses.replace(BASE.controller, dynamic_sampling=True,
-                                                                  backfill_limit=3))
+  return dataclasses.replace(BASE, controller=backfilling(True))
 
 
 def test_dynamic_sampling_resumes_exactly_and_filters_alike_in_colocated_mode(tmp_path):
   from streamrl_jax.training.checkpoint import Checkpointer
-  whole = run_first_digit("stream", dynamic_sampling=True, backfill_limit=3)
-  colocated = run_first_digit("colocated", dynamic_sampling=True, backfill_limit=3)  # on-policy: the same groups
+  whole = run_first_digit("stream", controller=backfilling(True))
+  colocated = run_first_digit("colocated", controller=backfilling(True))  # on-policy: the same groups
   counts = lambda result: [(m["groups_filtered"], m["groups_backfilled"], m["equal_reward_groups_trained"])  # noqa: E731
                            for m in result.metrics]
   assert counts(colocated) == counts(whole) and sum(f for f, _, _ in counts(whole)) > 0
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
-  run_first_digit("stream", checkpointer=checkpointer, dynamic_sampling=True, backfill_limit=3, steps=2)
-  resumed = run_first_digit("stream", checkpointer=checkpointer, resume=True, dynamic_sampling=True, backfill_limit=3)
+  run_first_digit("stream", checkpointer=checkpointer, controller=backfilling(True), steps=2)
+  resumed = run_first_digit("stream", checkpointer=checkpointer, resume=True, controller=backfilling(True))
   assert [m["step"] for m in resumed.metrics] == [3]
   last, again = whole.metrics[-1], resumed.metrics[0]
   for key in ("groups_filtered", "groups_backfilled", "prompts_leased", "reward_mean"):

@@ -1,5 +1,6 @@
 """KL to a frozen reference policy: the penalty and its gradient against numpy, exact under streaming, the
 'in the reward' variant, and every run mode training with it."""
+import dataclasses
 
 import jax
 import numpy as np
@@ -51,7 +52,7 @@ def test_kl_penalty_equals_numpy_and_streamed_gradients_stay_exact(estimator):
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "stream", "async"])
 def test_every_mode_trains_with_a_kl_penalty(mode):
-  result = run(mode, objective=ObjectiveConfig(kl_coef=0.04), steps=2)
+  result = run(mode, trainer=dataclasses.replace(BASE.trainer, objective=ObjectiveConfig(kl_coef=0.04)), steps=2)
   kl = [m["kl_mean"] for m in result.metrics]
   assert kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
   assert kl[-1] > 0 and result.counters["samples_trained"] == BASE.samples_per_step * 2
@@ -67,7 +68,7 @@ def divergence_from_start(params) -> float:
                               - numpy_logprobs(graphdef, start, tokens, valid))[:, 1:]))
 
 
-SHARP = dict(steps=6, optimizer=OptimizerConfig(learning_rate=3e-3))
+SHARP = dict(steps=6, trainer=dataclasses.replace(BASE.trainer, optimizer=OptimizerConfig(learning_rate=3e-3)))
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,8 @@ def free_run():
 @pytest.mark.parametrize("in_reward", [False, True])
 def test_a_large_kl_coefficient_keeps_the_policy_closer_to_the_reference(in_reward, free_run):
   free, sharp = free_run, SHARP
-  held = run("disaggregated", objective=ObjectiveConfig(kl_coef=20.0, kl_in_reward=in_reward), **sharp)
+  kl = ObjectiveConfig(kl_coef=20.0, kl_in_reward=in_reward)
+  held = run("disaggregated", **{**sharp, "trainer": dataclasses.replace(sharp["trainer"], objective=kl)})
   assert len(held.metrics) == sharp["steps"] and held.metrics[-1]["kl_mean"] > 0
   # In the loss the penalty's gradient pulls every token back; in the reward it only reweights the sampled
   # completions (16 a step), a weaker and noisier pull: measured 0.86 of the free run's divergence.

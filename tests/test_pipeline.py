@@ -125,7 +125,7 @@ def test_the_paged_engine_runs_the_pipeline_to_the_contiguous_engines_weights(re
   prompt trained once, and the same samples (the same keys, the same logits up to float noise) give the
   contiguous run's parameters."""
   engine = dataclasses.replace(BASE.sampler.engine, kv_layout="paged", page_size=4)
-  paged = run("stream", engine=engine)
+  paged = run("stream", sampler=dataclasses.replace(BASE.sampler, engine=engine))
   assert paged.counters["samples_generated"] == paged.counters["samples_trained"] == 3 * 16
   for x, y in zip(jax.tree.leaves(paged.params), jax.tree.leaves(results["stream"].params)):
     np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
@@ -135,7 +135,7 @@ def test_an_int8_sampler_is_measured_against_the_float32_trainer(results):
   """On-policy (stream) with the sampler's weights int8 (quantized on its own side, float32 moves): every
   prompt trained once, and the step's sampler-vs-trainer mismatch is well above the float32 run's, which is
   float noise only (the same weights and tokens on both sides)."""
-  int8 = run("stream", sampler_precision="int8", quantize_on="sampler")
+  int8 = run("stream", sampler=dataclasses.replace(BASE.sampler, precision="int8", quantize_on="sampler"))
   assert int8.counters["samples_generated"] == int8.counters["samples_trained"] == 3 * 16
   same = [m["logprob_mismatch_kl"] for m in results["stream"].metrics]
   low = [m["logprob_mismatch_kl"] for m in int8.metrics]
