@@ -83,10 +83,11 @@ def simulated_seconds(mb: float, sampler_sites: tuple, broadcast: str) -> float:
   config = preset("cross-datacenter")
   gbs = LINK_MBIT / 8 / 1000
   chunk = min(DEFAULT_CHUNK_BYTES, mb * 2**20 / TENSORS)  # a chunk is at most a tensor
+  sync = dataclasses.replace(config.sync, bytes_per_param=4.0, bandwidth_gbs=gbs, sampler_link_gbs=gbs,
+                             inter_site_gbs=gbs / 10, sampler_sites=sampler_sites, broadcast=broadcast,
+                             chunk_mb=chunk / 2**20)
   config = dataclasses.replace(config, model=dataclasses.replace(config.model, params_b=mb * 2**20 / 4 / 1e9),
-                               weight_bytes_per_param=4.0, sync_bandwidth_gbs=gbs, sampler_link_gbs=gbs,
-                               inter_site_gbs=gbs / 10, sampler_sites=sampler_sites, broadcast=broadcast,
-                               weight_chunk_mb=chunk / 2**20)
+                               sync=sync)
   return sync_seconds(config)
 
 

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from streamrl_jax.sim.pipeline import SimBatchConfig
 from streamrl_jax.sim.presets import ablation_ladder, preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,14 +24,14 @@ ITERATIONS = size(1000, 100)
 
 def main() -> dict:
   config = preset("paper-7b-5k", total_devices=1024, sampler_devices=512, tensor_parallel=1, iterations=ITERATIONS,
-                  mode="async", dispatch="skew_aware", global_batch=1024)
+                  mode="async", dispatch="skew_aware", batch=SimBatchConfig(global_batch=1024))
   start = time.perf_counter()
   from streamrl_jax.sim.pipeline import simulate
   result = simulate(config)
   seconds = time.perf_counter() - start
   ladder = ablation_ladder(preset("paper-72b-20k"))["normalized_throughput"]
   return {"seconds": round(seconds, 2), "seconds_per_1000_iterations": round(seconds * 1000 / config.iterations, 2),
-          "iterations": config.iterations, "samples": config.global_batch,
+          "iterations": config.iterations, "samples": config.batch.global_batch,
           "devices": config.total_devices, "samples_per_s_simulated": round(result["samples_per_s"], 2),
           "paper_72b_20k_normalized_throughput": ladder}
 

@@ -24,7 +24,7 @@ from streamrl_jax.config_listing import render
 from streamrl_jax.config_types import ConfigError, checked
 from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.envs.config import EnvConfig
-from streamrl_jax.gke.launch_config import GKEConfig
+from streamrl_jax.gke.launch_config import GKEConfig, GKEPortsConfig, GKESamplersConfig, GKETrainerConfig
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
@@ -52,7 +52,8 @@ def example_dir(name: str) -> Path:
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
                   LoraConfig, TrainerConfig, RankerConfig, SchedulingConfig, ControllerConfig, ArmsConfig,
-                  PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKEConfig)
+                  PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
+                  GKEPortsConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
 _CLASSES = {cls.__name__: cls for cls in CONFIG_CLASSES}
@@ -277,9 +278,12 @@ def build_flight() -> FlightConfig:
   return build(FlightConfig)
 
 
+GKE_PARTS = {"trainer": GKETrainerConfig, "samplers": GKESamplersConfig, "ports": GKEPortsConfig}
+
+
 def build_gke() -> GKEConfig:
-  """Where a run goes on GKE (`GKEConfig` bindings; `streamrl launch gke`)."""
-  return build(GKEConfig)
+  """Where a run goes on GKE (`GKEConfig` bindings and its parts'; `streamrl launch gke`)."""
+  return build(GKEConfig, **{name: build(cls) for name, cls in GKE_PARTS.items()})
 
 
 def resolved_text(header: str = "") -> str:
@@ -289,7 +293,14 @@ def resolved_text(header: str = "") -> str:
   try:
     configs.append(build_gke())
   except ValueError as err:  # a GKE launch needs more (its image, its bucket): the listing says what
-    defaults = {f.name: f.default for f in dataclasses.fields(GKEConfig)}
-    bound = {name: checked(GKEConfig, name, value) for name, value in gin.get_bindings("GKEConfig").items()}
-    configs.append((GKEConfig, {**defaults, **bound}, f"`streamrl launch gke` would refuse these: {err}"))
+    note = f"`streamrl launch gke` would refuse these: {err}"
+    configs += [_unbuilt(GKEConfig, note), *(_unbuilt(cls, "") for cls in GKE_PARTS.values())]
   return render(configs, DERIVED_KEYS, header)
+
+
+def _unbuilt(cls, note: str) -> tuple[type, dict, str]:
+  """(class, its plain fields' defaults under its bindings, note) of a config that does not build (or whose
+  holder does not)."""
+  defaults = {f.name: f.default for f in dataclasses.fields(cls) if not dataclasses.is_dataclass(f.default)}
+  bound = {name: checked(cls, name, value) for name, value in gin.get_bindings(cls.__name__).items()}
+  return cls, {**defaults, **bound}, note

@@ -25,6 +25,10 @@ MOVED_KEYS = {
     **{f"JobConfig.{f}": f"TaskConfig.{f}" for f in ("prompt_file", "prompt_key", "answer_key", "eval_file",
                                                       "eval_fraction", "chat", "system_prompt", "max_digits",
                                                       "sum_digits", "sum_terms", "multiply_digits")},
+    **{f"GKEConfig.trainer_{f}": f"GKETrainerConfig.{f}" for f in ("topology", "hosts", "max_restarts")},
+    **{f"GKEConfig.sampler_{f}": f"GKESamplersConfig.{f}" for f in ("topology", "replicas", "max_restarts",
+                                                                     "pod_retries")},
+    **{f"GKEConfig.{f}": f"GKEPortsConfig.{f}" for f in ("flight_port", "coordinator_port", "relay_port")},
 }
 
 

@@ -58,7 +58,8 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
                                       ("PipelineConfig.in_flight", "SamplerConfig.in_flight"),
                                       ("PipelineConfig.stop_grace_s", "TrainerConfig.stop_grace_s"),
                                       ("PipelineConfig.dynamic_sampling", "ControllerConfig.dynamic_sampling"),
-                                      ("PipelineConfig.arm_programs", "ArmsConfig.programs")])
+                                      ("PipelineConfig.arm_programs", "ArmsConfig.programs"),
+                                      ("GKEConfig.sampler_replicas", "GKESamplersConfig.replicas")])
 def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
   gin_file = tmp_path / "old.gin"
   gin_file.write_text(f"PipelineConfig.steps = 2\n{old} = 1\n")

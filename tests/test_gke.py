@@ -19,7 +19,7 @@ import yaml
 
 from streamrl_jax import cli, distributed, gin_config
 from streamrl_jax.settings import flat_settings
-from streamrl_jax.gke import GKEConfig, render, trainer_address
+from streamrl_jax.gke import GKEConfig, GKEPortsConfig, GKESamplersConfig, GKETrainerConfig, render, trainer_address
 from streamrl_jax.commands.launch_local import free_port
 from tests import jobset_api
 from tests.processes import TINY, alive, final_weights
@@ -27,12 +27,18 @@ from tests.tls_certs import write_test_certificates
 
 BASE = dict(image="us-docker.pkg.dev/proj/repo/streamrl:1", bucket="gs://my-bucket/runs")
 PLATFORM_CASES = {  # platform: (launch settings, trainer hosts, per host, sampler accelerators)
-    "tpu-v5e": (dict(trainer_topology="2x4", trainer_hosts=2, sampler_topology="2x2", sampler_replicas=2), 2, 4, 4),
-    "tpu-v5p": (dict(trainer_topology="2x2x2", sampler_topology="2x2x1", sampler_replicas=3), 2, 4, 4),
-    "tpu-v6e": (dict(trainer_topology="4x4", sampler_topology="2x4", sampler_replicas=1), 4, 4, 8),
-    "gpu-a3": (dict(trainer_hosts=2, sampler_replicas=1), 2, 8, 8),
+    "tpu-v5e": (dict(trainer=dict(topology="2x4", hosts=2), samplers=dict(topology="2x2", replicas=2)), 2, 4, 4),
+    "tpu-v5p": (dict(trainer=dict(topology="2x2x2"), samplers=dict(topology="2x2x1", replicas=3)), 2, 4, 4),
+    "tpu-v6e": (dict(trainer=dict(topology="4x4"), samplers=dict(topology="2x4", replicas=1)), 4, 4, 8),
+    "gpu-a3": (dict(trainer=dict(hosts=2), samplers=dict(replicas=1)), 2, 8, 8),
 }
 RUN_GIN = "PipelineConfig.mode = 'stream'\nPipelineConfig.steps = 3\n"
+PARTS = {"trainer": GKETrainerConfig, "samplers": GKESamplersConfig, "ports": GKEPortsConfig}
+
+
+def gke_config(**settings) -> GKEConfig:
+  """A GKEConfig of `settings`, each of its parts (trainer, samplers, ports) given as a dict of that part's fields."""
+  return GKEConfig(**{k: PARTS[k](**v) if k in PARTS else v for k, v in settings.items()})
 
 
 def pod_spec(jobset: dict) -> dict:
@@ -42,7 +48,7 @@ def pod_spec(jobset: dict) -> dict:
 @pytest.mark.parametrize("platform", sorted(PLATFORM_CASES))
 def test_every_platform_renders_valid_jobsets(platform):
   settings, hosts, per_host, sampler_each = PLATFORM_CASES[platform]
-  gke = GKEConfig(name="rl", platform=platform, **BASE, **settings)
+  gke = gke_config(name="rl", platform=platform, **BASE, **settings)
   manifests = render(gke, RUN_GIN)
   assert sorted(manifests) == ["configmap.yaml", "samplers.yaml", "trainer.yaml"]
   for name, manifest in manifests.items():
@@ -62,8 +68,8 @@ def test_every_platform_renders_valid_jobsets(platform):
       assert selector == {"cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
     else:
       assert selector["cloud.google.com/gke-tpu-accelerator"] == gke.spec.accelerator
-      assert selector["cloud.google.com/gke-tpu-topology"] in (gke.trainer_topology, gke.sampler_topology)
-  assert samplers["spec"]["replicatedJobs"][0]["replicas"] == gke.sampler_replicas
+      assert selector["cloud.google.com/gke-tpu-topology"] in (gke.trainer.topology, gke.samplers.topology)
+  assert samplers["spec"]["replicatedJobs"][0]["replicas"] == gke.samplers.replicas
   assert samplers["spec"]["replicatedJobs"][0]["template"]["spec"]["parallelism"] == 1
 
   # The sampler connects where process 0 of the trainer serves, and the trainer's processes find their
@@ -72,9 +78,9 @@ def test_every_platform_renders_valid_jobsets(platform):
   cluster = distributed.detect(env=env)
   assert cluster.num_processes == hosts and cluster.process_id == 0
   host = trainer_address(gke).rpartition(":")[0]
-  assert cluster.coordinator == f"{host}:{gke.coordinator_port}"
+  assert cluster.coordinator == f"{host}:{gke.ports.coordinator_port}"
   sampler_args = pod_spec(samplers)["containers"][0]["args"]
-  assert sampler_args[sampler_args.index("--connect") + 1] == f"{host}:{gke.flight_port}"
+  assert sampler_args[sampler_args.index("--connect") + 1] == f"{host}:{gke.ports.flight_port}"
   assert host == f"{trainer['metadata']['name']}-trainer-0-0.{trainer['metadata']['name']}"
   assert distributed.detect(env=PodEnv(samplers, 0, 0).env()) is None  # a sampler is one process
 
@@ -110,7 +116,7 @@ def test_a_misspelled_or_misplaced_field_fails_validation():
 
 
 def test_samplers_of_a_site_relay_weights_at_their_pod_ip():
-  gke = GKEConfig(name="rl", **BASE, site="dc2", relay_port=8480)
+  gke = gke_config(name="rl", **BASE, site="dc2", ports=dict(relay_port=8480))
   manifests = render(gke, RUN_GIN)
   for manifest in manifests.values():
     jobset_api.validate(yaml.safe_load(yaml.safe_dump(manifest)))
@@ -133,18 +139,18 @@ def test_samplers_of_a_site_relay_weights_at_their_pod_ip():
     (dict(bucket="my-bucket"), "GKEConfig.bucket"),
     (dict(platform="tpu-v4"), "GKEConfig.platform"),
     (dict(name="RL_run"), "GKEConfig.name"),
-    (dict(trainer_topology="2x4x1"), "GKEConfig.trainer_topology '2x4x1': tpu-v5e topologies have 2 dimensions"),
-    (dict(trainer_topology="3x3"), "power of two"),
-    (dict(trainer_topology="2x4", trainer_hosts=3), "not 3"),
-    (dict(sampler_topology="4x4"), "sampler_topology '4x4' spans 4 hosts"),
+    (dict(trainer=dict(topology="2x4x1")), "GKETrainerConfig.topology '2x4x1': tpu-v5e topologies have 2 dimensions"),
+    (dict(trainer=dict(topology="3x3")), "power of two"),
+    (dict(trainer=dict(topology="2x4", hosts=3)), "not 3"),
+    (dict(samplers=dict(topology="4x4")), "GKESamplersConfig.topology '4x4' spans 4 hosts"),
     (dict(platform="gpu-a3", accelerators_per_host=3), "not 3"),
-    (dict(flight_port=8476), "must differ"),
-    (dict(relay_port=70000), "GKEConfig.relay_port 70000 is not a port"),
+    (dict(ports=dict(flight_port=8476)), "must differ"),
+    (dict(ports=dict(relay_port=70000)), "GKEPortsConfig.relay_port 70000 is not a port"),
     (dict(site="DC_1"), "GKEConfig.site 'DC_1'"),
 ])
 def test_launch_config_mistakes_name_the_key(settings, message):
   with pytest.raises(ValueError, match=re.escape(message)):
-    GKEConfig(**{"name": "rl", **BASE, **settings})
+    gke_config(**{"name": "rl", **BASE, **settings})
 
 
 def run_cli(args, capsys):
@@ -272,8 +278,9 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   if prefix is None:
     pytest.skip("no mount namespace here (unshare) to give the pods their host names")
   run_gin = TINY.format(steps=2, trainer_devices=2, mode="stream")
-  gke = GKEConfig(name="rl", platform="tpu-v5e", trainer_topology="2x4", trainer_hosts=2, sampler_topology="2x2",
-                  sampler_replicas=2, flight_port=free_port(), coordinator_port=free_port(), **BASE)
+  gke = gke_config(name="rl", platform="tpu-v5e", trainer=dict(topology="2x4", hosts=2),
+                   samplers=dict(topology="2x2", replicas=2),
+                   ports=dict(flight_port=free_port(), coordinator_port=free_port()), **BASE)
   manifests = render(gke, run_gin)
   trainer, samplers = manifests["trainer.yaml"], manifests["samplers.yaml"]
   # The certificate names the trainer's host exactly: gRPC refuses a wildcard over a one-label domain.

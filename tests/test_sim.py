@@ -8,7 +8,7 @@ import pytest
 
 from streamrl_jax import cli
 from streamrl_jax.sim.instance import simulate_instance
-from streamrl_jax.sim.pipeline import SimConfig, simulate
+from streamrl_jax.sim.pipeline import SimBatchConfig, SimConfig, SimSyncConfig, SimTrainerConfig, simulate
 from streamrl_jax.sim.presets import expected_generation_s, preset
 from streamrl_jax.sim.profiles import H800, QWEN25, Hardware, LengthDistribution, memory_max_batch
 
@@ -28,13 +28,15 @@ def test_one_instance_with_fixed_lengths_has_the_exact_makespan():
 
 def small(**overrides) -> SimConfig:
   fields = dict(model=QWEN25["7b"], lengths=LengthDistribution(median=500, sigma=0.8, max_len=4000),
-                total_devices=16, sampler_devices=8, tensor_parallel=1, global_batch=256, iterations=3)
+                total_devices=16, sampler_devices=8, tensor_parallel=1, batch=SimBatchConfig(global_batch=256),
+                iterations=3)
   fields.update(overrides)
   return SimConfig(**fields)
 
 
 def test_infinitely_fast_trainer_makes_async_run_at_generation_speed():
-  config = small(mode="async", train_mfu=1e12, optimizer_step_s=0.0, sync_latency_s=0.0, sync_bandwidth_gbs=1e12)
+  config = small(mode="async", trainer=SimTrainerConfig(mfu=1e12, optimizer_step_s=0.0),
+                 sync=SimSyncConfig(latency_s=0.0, bandwidth_gbs=1e12))
   result = simulate(config)
   np.testing.assert_allclose(result["iteration_s"], result["generation_s"], rtol=1e-6)
 
@@ -64,7 +66,7 @@ def test_inconsistent_inputs_are_refused():
   with pytest.raises(ValueError, match="not even one sequence"):
     memory_max_batch(QWEN25["72b"], H800, 1, 4000)
   with pytest.raises(ValueError, match="sync bandwidth"):
-    small(sync_bandwidth_gbs=-1.0)
+    small(sync=SimSyncConfig(bandwidth_gbs=-1.0))
   with pytest.raises(ValueError, match="sampler_devices=16 must leave devices"):
     small(sampler_devices=16)
   with pytest.raises(ValueError, match="unknown mode"):
@@ -73,6 +75,14 @@ def test_inconsistent_inputs_are_refused():
     Hardware("X", 0.0, 80, 3, 1)
   with pytest.raises(ValueError, match="unknown preset"):
     preset("paper-1t")
+
+
+def test_a_field_that_moved_into_a_part_is_refused_naming_its_new_place():
+  with pytest.raises(ValueError, match=r"SimConfig.train_mfu moved: set SimTrainerConfig.mfu instead"):
+    preset("local-cpu", train_mfu=0.3)
+  with pytest.raises(ValueError, match=r"SimConfig.global_batch moved: set SimBatchConfig.global_batch instead"):
+    preset("paper-7b-5k", global_batch=64)
+  assert preset("paper-7b-5k", batch=SimBatchConfig(global_batch=64)).batch.global_batch == 64
 
 
 def test_simulate_command_writes_results_and_plots(tmp_path, capsys):
@@ -96,7 +106,8 @@ def test_empirical_length_lists_are_used():
 @pytest.mark.parametrize("train_mfu, direction", [(50.0, 1), (0.001, -1)])
 def test_elastic_policy_follows_the_bottleneck(train_mfu, direction):
   from streamrl_jax.sim.pipeline import simulate_elastic
-  config = small(mode="disaggregated", train_mfu=train_mfu, iterations=4, length_drift=0.1)
+  config = small(mode="disaggregated", trainer=SimTrainerConfig(mfu=train_mfu), iterations=4,
+                 batch=SimBatchConfig(global_batch=256, length_drift=0.1))
   devices = simulate_elastic(config)["sampler_devices_by_iteration"]
   steps = np.diff(devices)
   assert set(steps.tolist()) <= {-1, 0, 1} and 1 <= min(devices) and max(devices) <= 15
@@ -105,5 +116,5 @@ def test_elastic_policy_follows_the_bottleneck(train_mfu, direction):
 
 def test_local_cpu_preset_uses_the_measured_curve():
   config = preset("local-cpu")
-  assert dict(config.ptl_curve)[32] == pytest.approx(17.8e-3) and config.max_batch == 32
+  assert dict(config.sampler.ptl_curve)[32] == pytest.approx(17.8e-3) and config.sampler.max_batch == 32
   assert simulate(config)["samples_per_s"] > 0

@@ -57,13 +57,13 @@ def cmd_launch_gke(args) -> int:
   trainer, sampler = gke.trainer_shape, gke.sampler_shape
   summary = {"name": gke.name, "namespace": gke.namespace, "platform": gke.platform, "mode": config.mode,
              "trainer": {"hosts": trainer.hosts, "accelerators": trainer.accelerators, "topology": trainer.topology},
-             "samplers": {"replicas": gke.sampler_replicas, "accelerators_each": sampler.accelerators,
+             "samplers": {"replicas": gke.samplers.replicas, "accelerators_each": sampler.accelerators,
                           "topology": sampler.topology},
              "trainer_address": trainer_address(gke), "workdir": gke.workdir_url, "tls_secret": gke.tls_secret_name,
              "files": [str(out / n) for n in APPLY_ORDER]}
   (out / "launch.json").write_text(json.dumps(summary, indent=2))
   print(f"streamrl launch gke: wrote {', '.join(APPLY_ORDER)} to {out}: trainer {trainer.hosts} host(s) x "
-        f"{trainer.per_host} {gke.platform}, {gke.sampler_replicas} sampler(s) x {sampler.per_host}; "
+        f"{trainer.per_host} {gke.platform}, {gke.samplers.replicas} sampler(s) x {sampler.per_host}; "
         f"workdir {gke.workdir_url}")
   if gke.tls_secret_name is None:
     print("streamrl launch gke: warning: GKEConfig.tls_secret='none': samples and weights cross the cluster "

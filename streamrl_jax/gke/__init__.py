@@ -5,8 +5,10 @@ TPU v5e and an A3 launch. The rendering is pure (`render`), so tests check it fi
 containers' commands locally.
 """
 
-from streamrl_jax.gke.launch_config import GKEConfig
+from streamrl_jax.gke.launch_config import (GKEConfig, GKEPortsConfig, GKESamplersConfig,
+                                            GKETrainerConfig)
 from streamrl_jax.gke.manifests import render, trainer_address
 from streamrl_jax.gke.platforms import PLATFORMS, Platform, RoleShape
 
-__all__ = ["GKEConfig", "PLATFORMS", "Platform", "RoleShape", "render", "trainer_address"]
+__all__ = ["GKEConfig", "GKEPortsConfig", "GKESamplersConfig", "GKETrainerConfig", "PLATFORMS", "Platform",
+           "RoleShape", "render", "trainer_address"]

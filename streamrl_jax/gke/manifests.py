@@ -30,7 +30,7 @@ JOBSET_LABELS = {  # what JobSet and Kubernetes put on each pod, passed to the p
 
 def trainer_address(gke: GKEConfig) -> str:
   """HOST:PORT of the trainer's Flight server: pod 0 of the trainer JobSet, by its stable DNS name."""
-  return f"{gke.name}-trainer-trainer-0-0.{gke.name}-trainer:{gke.flight_port}"
+  return f"{gke.name}-trainer-trainer-0-0.{gke.name}-trainer:{gke.ports.flight_port}"
 
 
 def render(gke: GKEConfig, run_config: str) -> dict[str, dict]:
@@ -43,17 +43,18 @@ def render(gke: GKEConfig, run_config: str) -> dict[str, dict]:
 def _trainer(gke: GKEConfig) -> dict:
   shape = gke.trainer_shape
   args = ["trainer", "--config", f"{CONFIG_DIR}/{RUN_GIN}", "--workdir", gke.workdir,
-          "--listen", f"0.0.0.0:{gke.flight_port}", "--auto-resume", *_tls_args(gke), *_site_args(gke)]
-  env = [_env("STREAMRL_NUM_PROCESSES", str(shape.hosts)), _env("STREAMRL_COORDINATOR_PORT", str(gke.coordinator_port)),
+          "--listen", f"0.0.0.0:{gke.ports.flight_port}", "--auto-resume", *_tls_args(gke), *_site_args(gke)]
+  env = [_env("STREAMRL_NUM_PROCESSES", str(shape.hosts)),
+         _env("STREAMRL_COORDINATOR_PORT", str(gke.ports.coordinator_port)),
          *(_field_env(name, path) for name, path in JOBSET_LABELS.items())]
-  ports = [{"name": "flight", "containerPort": gke.flight_port},
-           {"name": "coordinator", "containerPort": gke.coordinator_port}]
+  ports = [{"name": "flight", "containerPort": gke.ports.flight_port},
+           {"name": "coordinator", "containerPort": gke.ports.coordinator_port}]
   pod = _pod(gke, "trainer", shape, args, env, ports)
   job = _job(shape.hosts, backoff_limit=0, pod=pod)
   spec = {"replicatedJobs": [{"name": "trainer", "replicas": 1, "template": job}],
           "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
           "successPolicy": {"operator": "All", "targetReplicatedJobs": ["trainer"]},
-          "failurePolicy": {"maxRestarts": gke.trainer_max_restarts}}
+          "failurePolicy": {"maxRestarts": gke.trainer.max_restarts}}
   metadata = _metadata(gke, f"{gke.name}-trainer", "trainer")
   if gke.spec.kind == "tpu":  # the slice's hosts come from one node pool, used by this Job alone
     metadata["annotations"] = {"alpha.jobset.sigs.k8s.io/exclusive-topology": "cloud.google.com/gke-nodepool"}
@@ -65,17 +66,17 @@ def _samplers(gke: GKEConfig) -> dict:
   args = ["sampler", "--config", f"{CONFIG_DIR}/{RUN_GIN}", "--connect", trainer_address(gke), "--name", "$(POD_NAME)",
           *_tls_args(gke), *_site_args(gke)]
   env, ports = [_field_env("POD_NAME", "metadata.name")], []
-  if gke.relay_port:  # serves the versions it holds to the samplers below it, dialled at the pod's IP
-    args += ["--relay-listen", f"0.0.0.0:{gke.relay_port}", "--relay-host", "$(POD_IP)"]
+  if gke.ports.relay_port:  # serves the versions it holds to the samplers below it, dialled at the pod's IP
+    args += ["--relay-listen", f"0.0.0.0:{gke.ports.relay_port}", "--relay-host", "$(POD_IP)"]
     if gke.tls_secret_name:  # every pod has the secret's one certificate, which names the trainer's host
       args += ["--relay-tls-name", trainer_address(gke).rpartition(":")[0]]
     env.append(_field_env("POD_IP", "status.podIP"))
-    ports.append({"name": "relay", "containerPort": gke.relay_port})
+    ports.append({"name": "relay", "containerPort": gke.ports.relay_port})
   pod = _pod(gke, "sampler", shape, args, env, ports, read_only=True)
-  job = _job(1, backoff_limit=gke.sampler_pod_retries, pod=pod)
-  spec = {"replicatedJobs": [{"name": "sampler", "replicas": gke.sampler_replicas, "template": job}],
+  job = _job(1, backoff_limit=gke.samplers.pod_retries, pod=pod)
+  spec = {"replicatedJobs": [{"name": "sampler", "replicas": gke.samplers.replicas, "template": job}],
           "successPolicy": {"operator": "All", "targetReplicatedJobs": ["sampler"]},
-          "failurePolicy": {"maxRestarts": gke.sampler_max_restarts}}
+          "failurePolicy": {"maxRestarts": gke.samplers.max_restarts}}
   return {"apiVersion": API_VERSION, "kind": "JobSet", "metadata": _metadata(gke, f"{gke.name}-samplers", "sampler"),
           "spec": spec}
 

@@ -84,9 +84,9 @@ def role_shape(platform: Platform, key: str, topology: str, hosts: int, per_host
     raise ValueError(f"GKEConfig.accelerators_per_host: {platform.name} hosts hold {sorted(platform.per_host)} chips, "
                      f"not {per_host}")
   if chips % per_host or (per_host > 4 and chips != per_host):
-    raise ValueError(f"GKEConfig.{key} {topology!r} ({chips} chips) does not split into hosts of {per_host} chips")
+    raise ValueError(f"{key} {topology!r} ({chips} chips) does not split into hosts of {per_host} chips")
   if hosts and hosts != chips // per_host:
-    raise ValueError(f"GKEConfig.{key} {topology!r} has {chips} chips: {chips // per_host} hosts of {per_host}, "
+    raise ValueError(f"{key} {topology!r} has {chips} chips: {chips // per_host} hosts of {per_host}, "
                      f"not {hosts}")
   return RoleShape(topology, chips // per_host, per_host)
 
@@ -95,15 +95,15 @@ def _topology_chips(platform: Platform, key: str, topology: str) -> int:
   dims = platform.topology_dims
   if not re.fullmatch(r"\d+(x\d+)*", topology or "") or topology.count("x") != dims - 1:
     example = "2x4" if dims == 2 else "2x2x2"
-    raise ValueError(f"GKEConfig.{key} {topology!r}: {platform.name} topologies have {dims} dimensions, e.g. "
+    raise ValueError(f"{key} {topology!r}: {platform.name} topologies have {dims} dimensions, e.g. "
                      f"{example!r}")
   sizes = [int(d) for d in topology.split("x")]
   if any(s < 1 or s & (s - 1) for s in sizes):
-    raise ValueError(f"GKEConfig.{key} {topology!r}: every dimension must be a power of two")
+    raise ValueError(f"{key} {topology!r}: every dimension must be a power of two")
   if dims == 2 and (sizes[0] > sizes[1] or sizes[1] > 2 * sizes[0]):
-    raise ValueError(f"GKEConfig.{key} {topology!r}: {platform.name} slices are AxB with A <= B <= 2A "
+    raise ValueError(f"{key} {topology!r}: {platform.name} slices are AxB with A <= B <= 2A "
                      "(1x1, 2x2, 2x4, 4x4, 4x8, 8x8, 8x16, 16x16)")
   chips = math.prod(sizes)
   if dims == 3 and chips % 4:
-    raise ValueError(f"GKEConfig.{key} {topology!r}: {platform.name} slices hold a multiple of 4 chips")
+    raise ValueError(f"{key} {topology!r}: {platform.name} slices hold a multiple of 4 chips")
   return chips

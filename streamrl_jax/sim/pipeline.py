@@ -19,60 +19,108 @@ from streamrl_jax.sim.profiles import (H800, Hardware, LengthDistribution, Model
                                        scaled_ptl_curve)
 
 DISPATCH = ("random", "skew_aware", "oracle")
+# SimConfig fields that moved into its parts (old name: part.field): `moved_field` names the new place.
+MOVED_FIELDS = {
+    **{f: f"batch.{f}" for f in ("global_batch", "prompt_len", "micro_batch", "length_drift")},
+    **{f: f"sampler.{f}" for f in ("ptl_curve", "max_batch", "ranker_recall", "alpha")},
+    "sampler_hardware": "sampler.hardware", "trainer_hardware": "trainer.hardware", "train_mfu": "trainer.mfu",
+    "train_flops_per_token_per_param": "trainer.flops_per_token_per_param",
+    **{f: f"trainer.{f}" for f in ("optimizer_step_s", "colocated_switch_s")},
+    "sync_bandwidth_gbs": "sync.bandwidth_gbs", "sync_latency_s": "sync.latency_s",
+    **{f: f"sync.{f}" for f in ("sampler_link_gbs", "sampler_sites", "inter_site_gbs", "broadcast")},
+    **{f"weight_{f}": f"sync.{f}" for f in ("fanout", "bytes_per_param", "chunk_mb")},
+}
 
 
 @dataclasses.dataclass(frozen=True)
-class SimConfig:
-  model: ModelSpec
-  lengths: LengthDistribution
-  mode: str = "stream"
-  dispatch: str = "random"
-  total_devices: int = 64
-  sampler_devices: int = 32  # ignored by colocated, which time-shares all devices
-  sampler_hardware: Hardware = H800
-  trainer_hardware: Hardware = H800
-  tensor_parallel: int = 4  # devices per engine instance
-  global_batch: int = 1024
-  prompt_len: int = 512
-  iterations: int = 3
-  staleness: int = 1  # async only
+class SimBatchConfig:
+  """The batch of one iteration: its size, its prompts, its micro-batches, how its output lengths drift."""
+
+  global_batch: int = 1024  # samples per RL iteration
+  prompt_len: int = 512  # tokens of every prompt
   micro_batch: int = 64  # samples per streamed micro-batch
-  train_flops_per_token_per_param: float = 16.0  # PPO: actor and critic fwd+bwd (12), ref and old fwd (4)
-  train_mfu: float = 0.5  # calibrated: with it the 32B/64-GPU balanced split lands on the paper's 40/24
-  optimizer_step_s: float = 2.0
-  sync_bandwidth_gbs: float = 50.0  # the trainer's link for weights (GB/s)
-  sync_latency_s: float = 0.05  # per version, before its first byte moves
+  length_drift: float = 0.0  # per-iteration relative growth of output lengths
+
+  def __post_init__(self):
+    if self.global_batch < 1 or self.micro_batch < 1:
+      raise ValueError("global_batch and micro_batch must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimSamplerConfig:
+  """The samplers' device and cost model: decode latency by batch, batch limit, the ranker's dispatch."""
+
+  hardware: Hardware = H800  # each sampler device
+  ptl_curve: tuple[tuple[int, float], ...] = ()  # measured (batch, seconds) points; default: scaled from 7B/H800
+  max_batch: int = 0  # 0: what fits in memory
+  ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
+  alpha: float = 0.2  # skew_aware: the share of predicted-longest samples that form the long tail
+
+
+@dataclasses.dataclass(frozen=True)
+class SimTrainerConfig:
+  """The trainer's device and cost model: FLOPs per token, MFU, the optimizer step, colocated switches."""
+
+  hardware: Hardware = H800  # each trainer device
+  flops_per_token_per_param: float = 16.0  # PPO: actor and critic fwd+bwd (12), ref and old fwd (4)
+  mfu: float = 0.5  # calibrated: with it the 32B/64-GPU balanced split lands on the paper's 40/24
+  optimizer_step_s: float = 2.0  # seconds of one optimizer step, after the last micro-batch
+  colocated_switch_s: float = 10.0  # colocated: offload/reload and reshard between stages, per switch
+
+
+@dataclasses.dataclass(frozen=True)
+class SimSyncConfig:
+  """How a weight version reaches the samplers: the links, their latency, the sites, the broadcast."""
+
+  bandwidth_gbs: float = 50.0  # the trainer's link for weights (GB/s)
+  latency_s: float = 0.05  # per version, before its first byte moves
   sampler_link_gbs: float = 0.0  # each sampler's link (0: as the trainer's)
   sampler_sites: tuple[int, ...] = ()  # samplers per site, the trainer's first (default: one per engine, all there)
   inter_site_gbs: float = 0.0  # the link between sites, shared by the copies crossing it (needed with sites)
   broadcast: str = "tree"  # how versions reach the samplers: "tree" (relays, scheduling.broadcast) or "star"
-  weight_fanout: int = 1
-  weight_bytes_per_param: float = 2.0  # bf16 on the wire
-  weight_chunk_mb: float = 32.0
-  colocated_switch_s: float = 10.0  # colocated: offload/reload and reshard between stages, per switch
-  ranker_recall: float = 0.85  # skew_aware: recall of the true top-20% longest
-  alpha: float = 0.2
-  length_drift: float = 0.0  # per-iteration relative growth of output lengths
-  ptl_curve: tuple[tuple[int, float], ...] = ()  # measured (batch, seconds) points; default: scaled from 7B/H800
-  max_batch: int = 0  # 0: what fits in memory
-  seed: int = 0
+  fanout: int = 1  # children per node of the broadcast tree on the trainer's site
+  bytes_per_param: float = 2.0  # bf16 on the wire
+  chunk_mb: float = 32.0  # the pipelined chunk of a version
+
+  def __post_init__(self):
+    if self.bandwidth_gbs <= 0 or self.latency_s < 0 or self.sampler_link_gbs < 0:
+      raise ValueError("sync bandwidth must be > 0 and latency >= 0")
+    if self.broadcast not in ("tree", "star"):
+      raise ValueError(f"SimSyncConfig.broadcast must be 'tree' or 'star', got {self.broadcast!r}")
+    if len(self.sampler_sites) > 1 and self.inter_site_gbs <= 0:
+      raise ValueError(f"SimSyncConfig.sampler_sites={self.sampler_sites} spans sites: give inter_site_gbs > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """A simulated run: model, lengths, mode, dispatch, device split, and the batch's, samplers', trainer's and
+  weight sync's parts."""
+
+  model: ModelSpec  # the model's size and shape
+  lengths: LengthDistribution  # the output lengths sampled
+  mode: str = "stream"  # a run mode of `streamrl_jax.modes`
+  dispatch: str = "random"  # random, skew_aware or oracle (the true lengths)
+  total_devices: int = 64  # sampler and trainer devices together
+  sampler_devices: int = 32  # ignored by colocated, which time-shares all devices
+  tensor_parallel: int = 4  # devices per engine instance
+  iterations: int = 3  # RL iterations simulated
+  staleness: int = 1  # async only
+  seed: int = 0  # seed of the lengths and the dispatch
+  batch: SimBatchConfig = SimBatchConfig()  # the batch: size, prompt length, micro-batch, length drift
+  sampler: SimSamplerConfig = SimSamplerConfig()  # the samplers' device, PTL curve, batch limit, ranker
+  trainer: SimTrainerConfig = SimTrainerConfig()  # the trainer's device and cost model
+  sync: SimSyncConfig = SimSyncConfig()  # the weight sync: links, latency, sites, broadcast
 
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"unknown mode {self.mode!r}; known: {list(MODES)}")
     if self.dispatch not in DISPATCH:
       raise ValueError(f"unknown dispatch {self.dispatch!r}; known: {list(DISPATCH)}")
-    if self.sync_bandwidth_gbs <= 0 or self.sync_latency_s < 0 or self.sampler_link_gbs < 0:
-      raise ValueError("sync bandwidth must be > 0 and latency >= 0")
-    if self.broadcast not in ("tree", "star"):
-      raise ValueError(f"SimConfig.broadcast must be 'tree' or 'star', got {self.broadcast!r}")
-    if len(self.sampler_sites) > 1 and self.inter_site_gbs <= 0:
-      raise ValueError(f"SimConfig.sampler_sites={self.sampler_sites} spans sites: give inter_site_gbs > 0")
     if not self.spec.shared_mesh and not 0 < self.sampler_devices < self.total_devices:
       raise ValueError(f"sampler_devices={self.sampler_devices} must leave devices for the trainer "
                        f"(total {self.total_devices})")
-    if self.global_batch < 1 or self.iterations < 1 or self.micro_batch < 1 or self.staleness < 0:
-      raise ValueError("global_batch, iterations and micro_batch must be >= 1, staleness >= 0")
+    if self.iterations < 1 or self.staleness < 0:
+      raise ValueError("iterations must be >= 1, staleness >= 0")
 
   @property
   def spec(self) -> ModeSpec:
@@ -86,6 +134,15 @@ class SimConfig:
   @property
   def training_devices(self) -> int:
     return self.total_devices if self.spec.shared_mesh else self.total_devices - self.sampler_devices
+
+
+def moved_field(fields) -> None:
+  """Raises, naming the new place, for the first of `fields` (SimConfig keyword names) that moved into a part."""
+  for name in fields:
+    if name in MOVED_FIELDS:
+      part, field = MOVED_FIELDS[name].split(".")
+      cls = type(getattr(SimConfig, part)).__name__
+      raise ValueError(f"SimConfig.{name} moved: set {cls}.{field} instead (SimConfig.{part} = {cls}(...))")
 
 
 def noisy_predictions(true_lengths: np.ndarray, recall: float, rng: np.random.Generator) -> np.ndarray:
@@ -112,15 +169,16 @@ def noisy_predictions(true_lengths: np.ndarray, recall: float, rng: np.random.Ge
 def generation(config: SimConfig, lengths: np.ndarray, rng: np.random.Generator, devices: int):
   """Finish time of every sample (seconds after generation starts) and the per-instance plan."""
   instances = max(1, devices // config.tensor_parallel)
-  hw, tp = config.sampler_hardware, config.tensor_parallel
-  curve = dict(config.ptl_curve) or scaled_ptl_curve(config.model, hw, tp)
-  max_batch = config.max_batch or memory_max_batch(config.model, hw, tp, config.prompt_len + float(np.mean(lengths)))
-  prefill = 2 * config.model.params_b * 1e9 * config.prompt_len / (tp * hw.bf16_tflops * 1e12 * 0.5)
+  sampler, prompt_len = config.sampler, config.batch.prompt_len
+  hw, tp = sampler.hardware, config.tensor_parallel
+  curve = dict(sampler.ptl_curve) or scaled_ptl_curve(config.model, hw, tp)
+  max_batch = sampler.max_batch or memory_max_batch(config.model, hw, tp, prompt_len + float(np.mean(lengths)))
+  prefill = 2 * config.model.params_b * 1e9 * prompt_len / (tp * hw.bf16_tflops * 1e12 * 0.5)
   if config.dispatch == "random":
     plan = random_dispatch(len(lengths), instances, max_batch, seed=int(rng.integers(1 << 31)))
   else:
-    predicted = lengths if config.dispatch == "oracle" else noisy_predictions(lengths, config.ranker_recall, rng)
-    plan = skew_aware_dispatch(list(map(float, predicted)), instances, max_batch, curve, alpha=config.alpha)
+    predicted = lengths if config.dispatch == "oracle" else noisy_predictions(lengths, sampler.ranker_recall, rng)
+    plan = skew_aware_dispatch(list(map(float, predicted)), instances, max_batch, curve, alpha=sampler.alpha)
   finish = np.zeros(len(lengths))
   for order, batch in zip(plan.assignment, plan.batch_sizes):
     if order:
@@ -129,21 +187,23 @@ def generation(config: SimConfig, lengths: np.ndarray, rng: np.random.Generator,
 
 
 def train_seconds(config: SimConfig, tokens: float, devices: int) -> float:
-  flops = config.train_flops_per_token_per_param * config.model.params_b * 1e9 * tokens
-  return flops / (devices * config.trainer_hardware.bf16_tflops * 1e12 * config.train_mfu)
+  trainer = config.trainer
+  flops = trainer.flops_per_token_per_param * config.model.params_b * 1e9 * tokens
+  return flops / (devices * trainer.hardware.bf16_tflops * 1e12 * trainer.mfu)
 
 
 def sync_seconds(config: SimConfig) -> float:
   """Seconds until every sampler holds a new version: the broadcast tree (or star) of `scheduling.broadcast`
   over the samplers' sites and the links' speeds."""
-  sites = config.sampler_sites or (max(1, config.generation_devices // config.tensor_parallel),)
+  sync = config.sync
+  sites = sync.sampler_sites or (max(1, config.generation_devices // config.tensor_parallel),)
   site_of = [str(site) for site, count in enumerate(sites) for _ in range(count)]
-  members = [TreeMember(i, site, config.broadcast == "tree") for i, site in enumerate(site_of)]
-  parents = broadcast_tree(members, "0", config.weight_fanout)
-  return config.sync_latency_s + broadcast_seconds(
-      parents, dict(enumerate(site_of)), model_bytes=config.model.params_b * 1e9 * config.weight_bytes_per_param,
-      trainer_bps=config.sync_bandwidth_gbs * 1e9, sampler_bps=(config.sampler_link_gbs or config.sync_bandwidth_gbs) * 1e9,
-      inter_site_bps=config.inter_site_gbs * 1e9 or None, trainer_site="0", chunk_bytes=config.weight_chunk_mb * 2**20)
+  members = [TreeMember(i, site, sync.broadcast == "tree") for i, site in enumerate(site_of)]
+  parents = broadcast_tree(members, "0", sync.fanout)
+  return sync.latency_s + broadcast_seconds(
+      parents, dict(enumerate(site_of)), model_bytes=config.model.params_b * 1e9 * sync.bytes_per_param,
+      trainer_bps=sync.bandwidth_gbs * 1e9, sampler_bps=(sync.sampler_link_gbs or sync.bandwidth_gbs) * 1e9,
+      inter_site_bps=sync.inter_site_gbs * 1e9 or None, trainer_site="0", chunk_bytes=sync.chunk_mb * 2**20)
 
 
 def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarray, start_after: float,
@@ -152,14 +212,15 @@ def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarra
   in (dynamic-batch pipelining), else the whole batch starts after the last sample."""
   order = np.argsort(arrivals, kind="stable")
   free, busy = start_after, []
-  chunk = config.micro_batch if stream else len(order)
+  chunk = config.batch.micro_batch if stream else len(order)
   for i in range(0, len(order), chunk):
     part = order[i:i + chunk]
     begin = max(free, float(arrivals[part].max()))
     free = begin + train_seconds(config, float(tokens[part].sum()), devices)
     busy.append((begin, free))
-  busy.append((free, free + config.optimizer_step_s))
-  return free + config.optimizer_step_s, busy
+  step = config.trainer.optimizer_step_s
+  busy.append((free, free + step))
+  return free + step, busy
 
 
 def simulate(config: SimConfig) -> dict:
@@ -168,18 +229,18 @@ def simulate(config: SimConfig) -> dict:
   gen_free = train_free = 0.0
   ready = {0: 0.0}  # policy version -> time its weights are on the sampler
   gen_times, iteration_ends, timeline = [], [], None
-  spec = config.spec
+  spec, batch, switch_s = config.spec, config.batch, config.trainer.colocated_switch_s
   for i in range(config.iterations):
-    lengths = config.lengths.sample(rng, config.global_batch, scale=(1 + config.length_drift) ** i)
+    lengths = config.lengths.sample(rng, batch.global_batch, scale=(1 + batch.length_drift) ** i)
     finish, plan = generation(config, lengths, rng, config.generation_devices)
     start = max(gen_free, ready[max(0, i - spec.max_lag)])  # the version gate
     arrivals = start + finish
     gen_end = float(arrivals.max())
-    tokens = lengths + config.prompt_len
+    tokens = lengths + batch.prompt_len
     if spec.shared_mesh:  # training waits for the whole batch and the switch of the mesh to training
-      end, busy = streamed_training(config, arrivals, tokens, gen_end + config.colocated_switch_s,
-                                    config.training_devices, stream=False)
-      end += config.colocated_switch_s
+      end, busy = streamed_training(config, arrivals, tokens, gen_end + switch_s, config.training_devices,
+                                    stream=False)
+      end += switch_s
       ready[i + 1] = end
     else:
       end, busy = streamed_training(config, arrivals, tokens, train_free, config.training_devices,
@@ -192,7 +253,7 @@ def simulate(config: SimConfig) -> dict:
     if timeline is None:
       timeline = _timeline(plan, arrivals, start, busy, ready[1], config)
   total = iteration_ends[-1]
-  return {"samples_per_s": config.global_batch * config.iterations / total, "total_s": total,
+  return {"samples_per_s": batch.global_batch * config.iterations / total, "total_s": total,
           "iteration_s": float(np.mean(np.diff([0.0] + iteration_ends))), "generation_s": float(np.mean(gen_times)),
           "timeline": timeline}
 
@@ -212,11 +273,12 @@ def simulate_elastic(config: SimConfig, *, hysteresis: float = 0.05) -> dict:
   rng = np.random.default_rng(config.seed)
   sampler, unit = config.sampler_devices, config.tensor_parallel
   history = []
+  batch = config.batch
   for i in range(config.iterations):
-    lengths = config.lengths.sample(rng, config.global_batch, scale=(1 + config.length_drift) ** i)
+    lengths = config.lengths.sample(rng, batch.global_batch, scale=(1 + batch.length_drift) ** i)
     gen = {s: float(generation(config, lengths, np.random.default_rng(i), s)[0].max())
            for s in (sampler - unit, sampler, sampler + unit) if unit <= s <= config.total_devices - unit}
-    train = train_seconds(config, float((lengths + config.prompt_len).sum()), config.total_devices - sampler)
+    train = train_seconds(config, float((lengths + batch.prompt_len).sum()), config.total_devices - sampler)
     history.append({"iteration": i, "sampler_devices": sampler, "t_gen": gen[sampler], "t_train": train})
     saved = gen[sampler] - gen.get(sampler + unit, gen[sampler])
     lost = gen.get(sampler - unit, float("inf")) - gen[sampler]

@@ -31,10 +31,10 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
       "generation_s_normalized_to_random": {d: round(t / generation["random"], 4) for d, t in generation.items()},
       "balanced_split": {"sampler_devices": sampler, "trainer_devices": trainer,
                          "total_devices": config.total_devices},
-      "config": {k: (v if isinstance(v, (int, float, str)) else str(v))
-                 for k, v in dataclasses.asdict(config).items()},
+      "config": _settings(config),
   }
-  drifting = dataclasses.replace(config, mode="disaggregated", dispatch="random", length_drift=0.15,
+  drifting = dataclasses.replace(config, mode="disaggregated", dispatch="random",
+                                 batch=dataclasses.replace(config.batch, length_drift=0.15),
                                  iterations=max(6, config.iterations), sampler_devices=sampler)
   results["elastic"] = simulate_elastic(drifting)
   (out / "results.json").write_text(json.dumps(results, indent=2))
@@ -42,13 +42,21 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
   return results
 
 
+def _settings(config) -> dict:
+  """The config for results.json: numbers and strings as they are, its parts (batch, sampler, trainer, sync) as
+  objects of their own, anything else as its text."""
+  plain = lambda v: v if isinstance(v, (int, float, str)) else str(v)  # noqa: E731
+  return {k: {f: plain(x) for f, x in v.items()} if k in ("batch", "sampler", "trainer", "sync") else plain(v)
+          for k, v in dataclasses.asdict(config).items()}
+
+
 def _cost_per_hour(config, mode: str, ladder: dict) -> float:
   """Relative cost per hour of the devices a mode holds (H20 = 1.00, H800 = 2.85)."""
   if ModeSpec.of(mode, config.staleness).shared_mesh:
-    return config.total_devices * config.trainer_hardware.cost_per_hour
+    return config.total_devices * config.trainer.hardware.cost_per_hour
   sampler = ladder["sampler_devices"]
-  return (sampler * config.sampler_hardware.cost_per_hour
-          + (config.total_devices - sampler) * config.trainer_hardware.cost_per_hour)
+  return (sampler * config.sampler.hardware.cost_per_hour
+          + (config.total_devices - sampler) * config.trainer.hardware.cost_per_hour)
 
 
 def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: dict) -> None:
