@@ -76,7 +76,7 @@ def part_sync() -> dict:
   from streamrl_jax.models import Transformer, lora
   from streamrl_jax.models.precision import SamplerPrecision, landing
   from streamrl_jax.streaming.flight_client import FlightConnection
-  from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+  from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
   from precision import SMOLLM2_SHAPE, timed_update
 
   config = lora.LoraConfig(rank=RANK, alpha=ALPHA)
@@ -87,7 +87,8 @@ def part_sync() -> dict:
   arms = {"full": (params, landing(params, SamplerPrecision(), mesh)),
           "lora": (adapters, landing(adapters, precision, mesh, base=params, lora_scale=config.scale))}
   stores = {name: HostWeightStore(precision=SamplerPrecision()) for name in arms}
-  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
+  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store,
+                                       limits=ServerLimits(1))
              for name, store in stores.items()}
   seconds, nbytes = {name: [] for name in arms}, {}
   try:

@@ -16,7 +16,7 @@ from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.sampler.worker import SamplerWorker
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
-                                                  FlightWeightReceiver)
+                                                  FlightWeightReceiver, RelayLinks)
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import TLSFiles
 from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
@@ -81,8 +81,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
                 + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
-                                      sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
-                                      streams=flight_config.weight_streams, relay_tls_name=e.relay_tls_name)
+                                      sampler_id=sampler_id, streams=flight_config.weight_streams,
+                                      relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name))
       outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
