@@ -12,7 +12,8 @@ from streamrl_jax.messages import Ack, Backfill, Backfilled, Regenerate
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
-from streamrl_jax.pipeline.trainer.worker import _equal_reward_groups, _refusal
+from streamrl_jax.pipeline.trainer.step_row import equal_reward_groups as _equal_reward_groups
+from streamrl_jax.pipeline.trainer.worker import _refusal
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
