@@ -122,7 +122,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.models import load_hf, lora
   from streamrl_jax.models.catalog import fetch
-  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
   from real_model import step_batch
 
@@ -138,7 +138,7 @@ def train_arm(arm: str) -> dict:
     graphdef, params, base = lora.adapt(graphdef, params, lora.LoraConfig(rank=RANK, alpha=ALPHA))
   trainer_config = TrainerConfig(logprob_chunk=8192)
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
-                    temperature=0.8, config=trainer_config, base_params=base)
+                    scoring=Scoring(0.8, base_params=base), config=trainer_config)
   prompts, group, prompt_len, new = TRAIN_PROMPTS, 8, 47, 48
   length, samples = -(-(prompt_len + new) // 8) * 8, prompts * group
   chunk_tokens = chunk_tokens_for(config, length, samples * length, auto_budget(config, length, trainer_config),

@@ -11,7 +11,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
-from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs, vocab_chunk
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
 
@@ -77,8 +77,8 @@ def _trainer(config, chunk, remat="none", kl=0.0):
   model = Transformer(config, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   trainer = Trainer(graphdef, OptimizerConfig(), ObjectiveConfig(objective="ppo", kl_coef=kl), single_device_mesh(),
-                    ref_params=params if kl else None, config=TrainerConfig(logprob_chunk=chunk, remat=remat),
-                    temperature=0.8)
+                    scoring=Scoring(0.8, ref_params=params if kl else None),
+                    config=TrainerConfig(logprob_chunk=chunk, remat=remat))
   return trainer, trainer.init_state(params)
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.training import MicroBatcher, Scoring, Trainer, compute_advantages, kl_penalized_rewards
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 
@@ -28,8 +28,8 @@ def make_trainer(config, graphdef, params, mesh, resume: bool) -> tuple[Trainer,
       check_matches(adapters, loaded)
     graphdef, params, base = lora.adapt(graphdef, params, adapters, arrays)
   reference = params if config.objective.kl_coef > 0 and not adapters else None
-  trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, temperature=config.temperature,
-                    ref_params=reference, config=config.trainer, base_params=base)
+  trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, config=config.trainer,
+                    scoring=Scoring(config.temperature, reference, base))
   return trainer, params
 
 
