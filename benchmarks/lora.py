@@ -76,7 +76,7 @@ def part_sync() -> dict:
   from streamrl_jax.models import Transformer, lora
   from streamrl_jax.models.precision import SamplerPrecision, landing
   from streamrl_jax.streaming.flight_client import FlightConnection
-  from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+  from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
   from precision import SMOLLM2_SHAPE, timed_update
 
   config = lora.LoraConfig(rank=RANK, alpha=ALPHA)
@@ -87,7 +87,8 @@ def part_sync() -> dict:
   arms = {"full": (params, landing(params, SamplerPrecision(), mesh)),
           "lora": (adapters, landing(adapters, precision, mesh, base=params, lora_scale=config.scale))}
   stores = {name: HostWeightStore(precision=SamplerPrecision()) for name in arms}
-  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
+  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store,
+                                       limits=ServerLimits(1))
              for name, store in stores.items()}
   seconds, nbytes = {name: [] for name in arms}, {}
   try:
@@ -121,7 +122,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.models import load_hf, lora
   from streamrl_jax.models.catalog import fetch
-  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
   from real_model import step_batch
 
@@ -137,7 +138,7 @@ def train_arm(arm: str) -> dict:
     graphdef, params, base = lora.adapt(graphdef, params, lora.LoraConfig(rank=RANK, alpha=ALPHA))
   trainer_config = TrainerConfig(logprob_chunk=8192)
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
-                    temperature=0.8, config=trainer_config, base_params=base)
+                    scoring=Scoring(0.8, base_params=base), config=trainer_config)
   prompts, group, prompt_len, new = TRAIN_PROMPTS, 8, 47, 48
   length, samples = -(-(prompt_len + new) // 8) * 8, prompts * group
   chunk_tokens = chunk_tokens_for(config, length, samples * length, auto_budget(config, length, trainer_config),

@@ -86,14 +86,14 @@ def serve_weights(ready, stop) -> None:
   """A weights-only trainer server holding one published version of ~WEIGHT_PARAMS float32 parameters."""
   import jax.numpy as jnp
 
-  from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+  from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
   rng = np.random.default_rng(0)
   per = WEIGHT_PARAMS // 24 // 1024 * 1024
   params = {f"layer_{i:02d}": jnp.asarray(rng.standard_normal(per, np.float32).reshape(-1, 1024)) for i in range(24)}
   store = HostWeightStore()
   store.publish(params, 1)
   store.wait()
-  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
+  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=ServerLimits(1))
   ready.put(server.address)
   stop.wait()
   server.shutdown()

@@ -47,7 +47,7 @@ from streamrl_jax.pipeline.train_job import supervised_warmup
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
-from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
 from streamrl_jax.training.trainer import token_logprobs
 from streamrl_jax.types import SamplingParams
 
@@ -85,7 +85,8 @@ def transfer() -> dict:
           "int8_on_trainer": SamplerPrecision("int8", "trainer"), "int8_on_sampler": SamplerPrecision("int8",
                                                                                                       "sampler")}
   stores = {name: HostWeightStore(precision=p) for name, p in arms.items()}
-  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1)
+  servers = {name: TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store,
+                                       limits=ServerLimits(1))
              for name, store in stores.items()}
   seconds, nbytes = {name: [] for name in arms}, {}
   try:

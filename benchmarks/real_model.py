@@ -369,7 +369,7 @@ def memory_variant(name: str) -> dict:
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.models import ModelConfig, Transformer, load_hf
   from streamrl_jax.models.catalog import fetch
-  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
   model_name, settings, (prompts, group), prompt_len, new, steps = MEMORY_VARIANTS[name]
@@ -382,7 +382,7 @@ def memory_variant(name: str) -> dict:
   mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
   trainer_config = TrainerConfig(**settings)
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
-                    temperature=0.8, config=trainer_config)
+                    scoring=Scoring(0.8), config=trainer_config)
   length = -(-(prompt_len + new) // 8) * 8
   samples = prompts * group
   budget = auto_budget(config, length, trainer_config)  # the CPU's default, as the pipeline's trainer takes it

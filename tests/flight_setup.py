@@ -3,10 +3,10 @@
 from streamrl_jax.messages import LeaseRequest, Published, Register
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
-from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_client import FlightConnection, FlightSampleSender
-from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
 from streamrl_jax.tasks import ArithmeticTask
 from tests.wire_samples import VOCAB
 
@@ -18,10 +18,11 @@ SETTINGS = {"PipelineConfig.mode": "'stream'"}
 
 
 def make_server(capacity=8, tls=None, precision=None, **kwargs):
-  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, settings=SETTINGS)
+  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
+                          terms=JoinTerms(SETTINGS))
   queue, store = SampleQueue(capacity), HostWeightStore(precision=precision)
-  server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store, limits=VOCAB,
-                               tls=tls, **kwargs)
+  server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store,
+                               limits=ServerLimits(VOCAB, **kwargs), tls=tls)
   return server, controller, queue, store
 
 

@@ -17,7 +17,7 @@ from streamrl_jax.envs import EnvConfig
 from streamrl_jax.messages import Published
 from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.controller import Controller
-from streamrl_jax.pipeline.sampler.worker import SamplerWorker
+from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
 from tests.agent_programs import OBSERVATION
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 from tests.serving_setup import leaks
@@ -51,7 +51,7 @@ def _worker(config, **kwargs):
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
   worker = SamplerWorker(config, graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh,
-                         **kwargs)
+                         role=SamplerRole(**kwargs))
   return worker, _Weights(params)
 
 

@@ -17,12 +17,12 @@ from hypothesis import strategies as st
 
 from streamrl_jax.messages import BadMessage, Register, VersionInfo, VersionQuery
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_seconds, broadcast_tree, children_of, draw_tree
 from streamrl_jax.streaming.flight_config import FlightConfig
-from streamrl_jax.streaming.flight_client import FlightConnection, FlightWeightReceiver, fetch_weights
-from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+from streamrl_jax.streaming.flight_client import FlightConnection, FlightWeightReceiver, RelayLinks, fetch_weights
+from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
 from streamrl_jax.streaming.queue import SampleQueue
 from streamrl_jax.streaming.weight_chunks import manifest_of, part_indices
 from streamrl_jax.streaming.weight_relay import RelayRefused, RelayServer, RelayStore
@@ -108,8 +108,8 @@ def trainer_server():
   for version in (1, 2):
     store.publish(_params(version), version)
   store.wait()
-  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store, limits=1,
-                               chunk_bytes=4096)
+  server = TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store,
+                               limits=ServerLimits(1, chunk_bytes=4096))
   yield server
   server.shutdown()
 
@@ -221,7 +221,7 @@ def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer
   parent, held = _partial_relay(2, chunks=3)
   middle = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10, stall_s=30))
   template = {k: np.zeros_like(v) for k, v in _params(0).items()}
-  a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relay=middle.store)
+  a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relays=RelayLinks(middle.store))
   try:
     got = {}
     child = threading.Thread(target=lambda: got.update(c=fetch_weights(FlightConnection(middle.address), 2,
@@ -266,7 +266,7 @@ def test_a_relay_store_keeps_chunks_in_order_and_skips_what_it_holds():
 
 def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
   events = []
-  controller = Controller(PipelineConfig(), None, None, start_step=0, site="a", on_event=events.append)
+  controller = Controller(PipelineConfig(), None, None, start_step=0, terms=JoinTerms(site="a"), on_event=events.append)
   ids = [controller.register(Register(name, {}, site=site, relay=relay)).sampler_id
          for name, site, relay in [("s0", "a", "10.0.0.1:5"), ("s1", "a", "10.0.0.2:5"), ("s2", "b", ""),
                                    ("s3", "b", "10.0.0.4:5")]]
@@ -282,9 +282,9 @@ def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
 
 
 def test_version_info_names_the_parent_relay_over_flight(trainer_server):
-  controller = Controller(PipelineConfig(), None, None, start_step=0, site="a")
+  controller = Controller(PipelineConfig(), None, None, start_step=0, terms=JoinTerms(site="a"))
   server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=SampleQueue(1),
-                               weights=trainer_server.weights, limits=1)
+                               weights=trainer_server.weights, limits=ServerLimits(1))
   try:
     connection = FlightConnection(server.address)
     first = controller.register(Register("s0", {}, site="a", relay="127.0.0.1:7")).sampler_id
@@ -385,7 +385,8 @@ def test_a_relay_speaks_mutual_tls_and_a_stranger_falls_back_to_the_trainer(tmp_
     other = write_test_certificates(tmp_path / "other")  # signed by another CA: refused at the handshake
     stranger = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
                                                                               _params(0).items()}, None,
-                                    tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]), str(certs["ca"])))
+                                    relays=RelayLinks(tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]),
+                                                                   str(certs["ca"]))))
     try:
       assert stranger.fetch(1, relay.address).version == 1 and stranger.stats["relay_fallbacks"] == 1
     finally:

@@ -142,7 +142,7 @@ def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
 
 
 def test_a_workdir_written_before_keys_moved_resumes_under_their_new_names(tmp_path):
-  preflight.write_settings(tmp_path, {"PipelineConfig.sampler_precision": "'int8'", "PipelineConfig.in_flight": "True"})
+  preflight.write_settings(tmp_path, {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"})
   now = {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"}
   assert preflight.check_resume(tmp_path, now, "auto", 4) is True
   with pytest.raises(ValueError, match="SamplerConfig.in_flight: True -> False"):

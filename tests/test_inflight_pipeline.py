@@ -14,7 +14,8 @@ from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
-from streamrl_jax.pipeline.trainer.worker import _equal_reward_groups, _refusal
+from streamrl_jax.pipeline.trainer.step_row import equal_reward_groups as _equal_reward_groups
+from streamrl_jax.pipeline.trainer.worker import _refusal
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
@@ -49,7 +50,8 @@ def overlapping(intervals) -> int:
 
 @pytest.fixture(scope="module")
 def in_flight():
-  return {cache: run("async", sampler=dataclasses.replace(BASE.sampler, in_flight=True, in_flight_cache=cache)) for cache in ("keep", "recompute")}
+  return {cache: run("async", sampler=dataclasses.replace(BASE.sampler, in_flight=True,
+                                                          in_flight_cache=cache)) for cache in ("keep", "recompute")}
 
 
 @pytest.mark.parametrize("cache", ["keep", "recompute"])

@@ -9,7 +9,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import Transformer
-from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer
 from tests.pipeline_setup import BASE, MODEL, run
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows
 
@@ -28,7 +28,7 @@ def test_kl_penalty_equals_numpy_and_streamed_gradients_stay_exact(estimator):
   _, ref = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(1)))  # a reference that differs from the policy
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
   objective = ObjectiveConfig(objective="reinforce", aggregation="token_mean", kl_coef=0.5, kl_estimator=estimator)
-  trainer = Trainer(graphdef, OptimizerConfig(), objective, mesh, ref_params=ref)
+  trainer = Trainer(graphdef, OptimizerConfig(), objective, mesh, scoring=Scoring(ref_params=ref))
   batch = make_batch(13, seed=2)
   full = trainer.accumulate(trainer.init_state(params), batch)
 

@@ -16,22 +16,6 @@ PACKAGE = Path(__file__).resolve().parent.parent / "streamrl_jax"
 LIMITS = {"class_lines": 250, "function_lines": 50, "parameters": 8, "config_fields": 15}
 MIRRORS = ("ModelConfig",)  # configs whose fields are another format's (a checkpoint's config.json): not limited
 OVER = {  # (kind, "module path:qualified name"): its size today
-    ("function_lines", "arms/program.py:follow_lead"): 72,
-    ("function_lines", "pipeline/sampler/worker.py:SamplerWorker.serve"): 62,
-    ("function_lines", "pipeline/trainer/program.py:serve_training"): 57,
-    ("parameters", "arms/followers.py:Followers.__init__"): 9,
-    ("parameters", "arms/followers.py:_Arm.__init__"): 9,
-    ("parameters", "arms/followers.py:make_followers"): 9,
-    ("parameters", "pipeline/controller/core.py:Controller.__init__"): 9,
-    ("parameters", "pipeline/sampler/worker.py:SamplerWorker.__init__"): 10,
-    ("parameters", "pipeline/trainer/worker.py:TrainerWorker._step_metrics"): 10,
-    ("parameters", "streaming/flight_client.py:FlightWeightReceiver.__init__"): 10,
-    ("parameters", "streaming/flight_server.py:TrainerFlightServer.__init__"): 10,
-    ("parameters", "training/trainer.py:Trainer.__init__"): 12,
-    ("class_lines", "pipeline/sampler/worker.py:SamplerWorker"): 338,
-    ("class_lines", "pipeline/trainer/worker.py:TrainerWorker"): 308,
-    ("class_lines", "sampling/streaming_sampler.py:StreamingSampler"): 271,
-    ("class_lines", "training/trainer.py:Trainer"): 272,
 }
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
-from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs, vocab_chunk
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
 
@@ -77,8 +77,8 @@ def _trainer(config, chunk, remat="none", kl=0.0):
   model = Transformer(config, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(model)
   trainer = Trainer(graphdef, OptimizerConfig(), ObjectiveConfig(objective="ppo", kl_coef=kl), single_device_mesh(),
-                    ref_params=params if kl else None, config=TrainerConfig(logprob_chunk=chunk, remat=remat),
-                    temperature=0.8)
+                    scoring=Scoring(0.8, ref_params=params if kl else None),
+                    config=TrainerConfig(logprob_chunk=chunk, remat=remat))
   return trainer, trainer.init_state(params)
 
 
@@ -120,5 +120,6 @@ def test_a_budget_that_cannot_hold_one_row_names_the_smallest_that_can():
   per_token = (row - gradient) // 64
   assert chunk_tokens_for(TINY, 64, 10_000, 1 << 30, TrainerConfig()) == 10_000 // 64 * 64
   assert chunk_tokens_for(TINY, 64, 10_000, gradient + 3 * 64 * per_token, TrainerConfig()) == 3 * 64
-  with pytest.raises(ValueError, match=f"holds 63 tokens after the .* smallest budget that works is {-(-row // 2**20)}"):
+  with pytest.raises(ValueError,
+                     match=f"holds 63 tokens after the .* smallest budget that works is {-(-row // 2**20)}"):
     chunk_tokens_for(TINY, 64, 10_000, gradient + 63 * per_token, TrainerConfig())

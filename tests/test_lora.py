@@ -142,10 +142,10 @@ def test_config_refusals_are_one_line():
 
 
 def lora_trainer(graphdef, base, objective):
-  from streamrl_jax.training import OptimizerConfig, Trainer
+  from streamrl_jax.training import OptimizerConfig, Scoring, Trainer
 
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
-  return Trainer(graphdef, OptimizerConfig(learning_rate=1e-2), objective, mesh, base_params=base)
+  return Trainer(graphdef, OptimizerConfig(learning_rate=1e-2), objective, mesh, scoring=Scoring(base_params=base))
 
 
 def _dense_loss(plain_graphdef, base, adapters, batch):

@@ -42,17 +42,17 @@ def say(**fields) -> None:
 
 def trainer(args) -> None:
   from streamrl_jax.pipeline.config import PipelineConfig
-  from streamrl_jax.pipeline.controller import Controller
+  from streamrl_jax.pipeline.controller import Controller, JoinTerms
   from streamrl_jax.pipeline.controller.config import ControllerConfig
   from streamrl_jax.streaming.flight_config import parse_address
-  from streamrl_jax.streaming.flight_server import HostWeightStore, TrainerFlightServer
+  from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
   from streamrl_jax.streaming.queue import SampleQueue
   events = []
   config = PipelineConfig(controller=ControllerConfig(weight_fanout=args.fanout))
-  controller = Controller(config, None, None, start_step=0, site=args.site, on_event=events.append)
+  controller = Controller(config, None, None, start_step=0, terms=JoinTerms(site=args.site), on_event=events.append)
   store = HostWeightStore(keep=2)
   server = TrainerFlightServer(*parse_address(args.listen, "--listen"), controller=controller, samples=SampleQueue(1),
-                               weights=store, limits=1)
+                               weights=store, limits=ServerLimits(1))
   say(listening=server.address)
   for line in sys.stdin:
     command = line.split()
@@ -76,7 +76,7 @@ def trainer(args) -> None:
 def sampler(args) -> None:
   import numpy as np
   from streamrl_jax.messages import Register
-  from streamrl_jax.streaming.flight_client import FlightConnection, FlightControl, FlightWeightReceiver
+  from streamrl_jax.streaming.flight_client import FlightConnection, FlightControl, FlightWeightReceiver, RelayLinks
   from streamrl_jax.streaming.flight_config import parse_address
   from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
   relay = None
@@ -87,7 +87,7 @@ def sampler(args) -> None:
                                                            relay=relay.address if relay else "")).sampler_id
   template = {k: np.zeros_like(v) for k, v in params_of(args.mb, args.tensors, 0).items()}
   receiver = FlightWeightReceiver(connection, template, None, poll_s=1.0, sampler_id=sampler_id,
-                                  relay=relay.store if relay else None, streams=args.streams)
+                                  relays=RelayLinks(relay.store if relay else None), streams=args.streams)
   say(registered=args.name, relay=relay.address if relay else "")
   done = threading.Event()
   threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()

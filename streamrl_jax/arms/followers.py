@@ -7,10 +7,10 @@ logged and closed; the lead and the other arms go on, and a resumed run restarts
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -54,18 +54,30 @@ def feed_capacity(config) -> int:
   return (config.arms.max_lag + config.spec.max_lag + 2) * per_step
 
 
+@dataclasses.dataclass(frozen=True)
+class ArmsStart:
+  """Where the follower arms begin: the run's `first_step`; with `resume`, each from its own checkpoint where it has
+  one; each arm's (checkpointer, on_step) by name (`outputs`); the held-out accuracy of each on its due rows
+  (`periodic_eval`)."""
+
+  first_step: int
+  resume: bool = False
+  outputs: dict | None = None
+  periodic_eval: PeriodicEval | None = None
+
+
 class _Arm:
   """One follower: its worker, feed, source and thread, and how it ended."""
 
-  def __init__(self, config, graphdef, params, mesh, checkpointer, resume: bool, first_step: int,
-               on_step: Callable[[dict], None] | None, periodic_eval: PeriodicEval | None = None):
+  def __init__(self, config, graphdef, params, mesh, start: ArmsStart):
     self.config, self.name = config, config.arms.lead_name
-    resume = resume and checkpointer is not None and checkpointer.latest_step() is not None
+    checkpointer, on_step = (start.outputs or {}).get(self.name, (None, None))
+    resume = start.resume and checkpointer is not None and checkpointer.latest_step() is not None
     self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                                 streamed=False)
     self.feed = ArmFeed(feed_capacity(config))
-    self.source = FollowerSource(self.feed, config.arms.max_lag, first_step)
-    self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, periodic_eval
+    self.source = FollowerSource(self.feed, config.arms.max_lag, start.first_step)
+    self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, start.periodic_eval
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
   def _row(self, row: dict) -> None:
@@ -107,12 +119,9 @@ class _Arm:
 class Followers:
   """The follower arms: `start` their threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
 
-  def __init__(self, config, graphdef, params, meshes: list, *, first_step: int, checkpointers: dict | None = None,
-               resume: bool = False, sinks: dict | None = None,
-               periodic_eval: PeriodicEval | None = None):
-    checkpointers, sinks = checkpointers or {}, sinks or {}
-    self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, checkpointers.get(arm.name), resume,
-                      first_step, sinks.get(arm.name), periodic_eval) for arm, mesh in zip(config.arms.followers, meshes)]
+  def __init__(self, config, graphdef, params, meshes: list, start: ArmsStart):
+    self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, start)
+                 for arm, mesh in zip(config.arms.followers, meshes)]
     self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arms.lead_name)
 
   def start(self) -> None:
@@ -147,14 +156,8 @@ def spare_devices(devices, *meshes) -> list:
   return [d for d in (jax.devices() if devices is None else devices) if d.id not in used]
 
 
-def make_followers(config, graphdef, params, trainer_mesh, spare: list, first_step: int, outputs: dict | None,
-                   resume: bool, periodic_eval: PeriodicEval | None = None) -> Followers | None:
-  """The run's `Followers` (None without arms): meshes by `follower_meshes`, each arm's (checkpointer, on_step)
-  from `outputs`, each arm's held-out accuracy by `periodic_eval` on its due rows."""
+def make_followers(config, graphdef, params, trainer_mesh, spare: list, start: ArmsStart) -> Followers | None:
+  """The run's `Followers` (None without arms), on meshes by `follower_meshes`, starting at `start`."""
   if not config.arms.followers:
     return None
-  outputs = outputs or {}
-  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms.followers)),
-                   first_step=first_step, resume=resume,
-                   checkpointers={name: out[0] for name, out in outputs.items()},
-                   sinks={name: out[1] for name, out in outputs.items()}, periodic_eval=periodic_eval)
+  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms.followers)), start)

@@ -124,16 +124,11 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   arm = next((a for a in config.arms.followers if a.name == arm_name), None)
   if arm is None:
     raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms.followers]})")
-  arm_config = arm_pipeline(config, arm)
-  workdir = Path(workdir)
+  arm_config, workdir = arm_pipeline(config, arm), Path(workdir)
   workdir.mkdir(parents=True, exist_ok=True)
-  id_file = workdir / RUN_ID_FILE
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
                                 retry_s=flight_config.connect_retry_s, peer="the lead trainer")
-  joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
-                                     flat_settings(config, job)), ArmJoined)
-  id_file.write_text(joined.run_id)
-  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm_config), indent=1))
+  joined = _join(connection, config, job, arm_config, workdir)
   base = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   resumed_at = base.latest_step()
   saved = _Saved(resumed_at or 0)
@@ -143,9 +138,9 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
     params = _lead_weights(connection, params, joined.start_step)
   start = f"resuming after its step {resumed_at}" if resumed_at else f"starting at step {joined.start_step + 1}"
   _log.info(f"arm {arm.name!r}: joined run {joined.run_id}; {start}")
-  checkpointer = _CommittingCheckpointer(base, saved)
   worker = TrainerWorker(arm_config, graphdef, params, role_mesh(config.mesh, "trainer", devices),
-                         checkpointer=checkpointer, resume=resumed_at is not None, streamed=False)
+                         checkpointer=_CommittingCheckpointer(base, saved), resume=resumed_at is not None,
+                         streamed=False)
   feed = ArmFeed(feed_capacity(config))
   reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
                          WireLimits.of_run(config, model.config.vocab_size))
@@ -154,23 +149,8 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   periodic = PeriodicEval(job.eval_every, lambda p, c: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, c,
                                                                 job.eval_prompts, job.seed)) if job.eval_every else None
   reader.thread.start()
-  start, completed = time.monotonic(), False
   try:
-    with open_metrics(workdir, resumed_at) as out:
-      def on_step(row: dict) -> None:
-        arm_row(row, arm.name, source)
-        if periodic is not None:
-          periodic.add(row, lambda: jax.device_get(worker.policy_params()), arm_config)
-        out.write(json.dumps(row) + "\n")
-        out.flush()
-      try:
-        worker.run(FollowerControl(arm_config), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
-                   on_step=on_step, skip=source.skip)
-        completed = True
-      except QueueClosed:
-        if reader.error is not None:
-          raise reader.error
-        _log.warning(f"arm {arm.name!r}: the lead's stream ended before step {config.steps}")
+    completed = _train(worker, arm_config, source, reader, open_metrics(workdir, resumed_at), periodic)
     base.wait()
     saved.set(config.steps if completed else base.latest_step() or 0)  # every step trained and saved, or skipped
     reader.halt.set()
@@ -180,11 +160,48 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
     connection.close()
     base.wait()
     base.close()
-  counters = dict(worker.counters, **source.counters)
-  before_file = workdir.parent.parent / "accuracy_before.json"  # the lead's, when this is its WORKDIR/arms/NAME
-  before = json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
-  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()), counters, before,
+  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()),
+                    dict(worker.counters, **source.counters), _accuracy_before(workdir),
                     HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, evaluate))
+
+
+def _join(connection: FlightConnection, config, job, arm_config, workdir: Path) -> ArmJoined:
+  """Joins the lead's run (its id kept in WORKDIR, its settings checked by the lead) and describes the arm there."""
+  id_file = workdir / RUN_ID_FILE
+  joined = connection.action(ArmJoin(arm_config.arms.lead_name, id_file.read_text().strip() if id_file.exists() else "",
+                                     flat_settings(config, job)), ArmJoined)
+  id_file.write_text(joined.run_id)
+  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm_config), indent=1))
+  return joined
+
+
+def _train(worker: TrainerWorker, arm_config, source: FollowerSource, reader: _StreamReader, metrics,
+           periodic: PeriodicEval | None) -> bool:
+  """Trains the arm's steps as the lead's stream brings them, each row into `metrics` (an open metrics file);
+  whether every step was trained (False: the lead's stream ended first)."""
+  start, name = time.monotonic(), arm_config.arms.lead_name
+  with metrics as out:
+    def on_step(row: dict) -> None:
+      arm_row(row, name, source)
+      if periodic is not None:
+        periodic.add(row, lambda: jax.device_get(worker.policy_params()), arm_config)
+      out.write(json.dumps(row) + "\n")
+      out.flush()
+    try:
+      worker.run(FollowerControl(arm_config), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
+                 on_step=on_step, skip=source.skip)
+      return True
+    except QueueClosed:
+      if reader.error is not None:
+        raise reader.error
+      _log.warning(f"arm {name!r}: the lead's stream ended before step {arm_config.steps}")
+  return False
+
+
+def _accuracy_before(workdir: Path):
+  """The lead's held-out accuracy before training, when `workdir` is its WORKDIR/arms/NAME (else None)."""
+  before_file = workdir.parent.parent / "accuracy_before.json"
+  return json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
 
 
 def _lead_weights(connection: FlightConnection, template, version: int):

@@ -30,7 +30,7 @@ from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.run_hooks import RunHooks
-from streamrl_jax.arms.followers import make_followers, spare_devices
+from streamrl_jax.arms.followers import ArmsStart, make_followers, spare_devices
 from streamrl_jax.pipeline.sampler.worker import SamplerWorker
 from streamrl_jax.pipeline.trainer.session import (RunResult, SamplersSide, initial_weights_donated, make_ranker,
                                                    train_session)
@@ -68,7 +68,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
-                             trainer.start_step, hooks.arm_outputs, hooks.resume, hooks.periodic_eval)
+                             ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
   if hooks.donate_model:
     initial_weights_donated(config, initial, trainer)

@@ -47,6 +47,40 @@ class Instance:
     self.state = self.engine.release(self.state, slot)
     return flight
 
+  def cancel(self, ids: set) -> int:
+    """Drops the requests of `ids` wherever they are here: queued, on a slot (its memory given back) or parked on a
+    tool (a tool call they wait on is not wanted any more); returns how many were dropped."""
+    kept = [r for r in self.pending if r.request_id not in ids]
+    dropped = len(self.pending) - len(kept)
+    self.pending = kept
+    for slot in [s for s, f in self.slots.items() if f.request.request_id in ids]:
+      _abandon(self.free(slot))
+      dropped += 1
+    for request_id in [r for r in self.parked if r in ids]:
+      flight, place = self.parked.pop(request_id)
+      self.state, self.parking = self.engine.drop_parked(self.state, self.parking, place)
+      _abandon(flight)
+      dropped += 1
+    return dropped
+
+  def release_decoding(self) -> list[int]:
+    """Gives back the memory of every decoding row with tokens (not one waiting on a tool): their cache is to be
+    computed again; returns their slots, the rows still on them."""
+    slots = [s for s, f in self.slots.items() if f.tokens and f.waiting is None]
+    for slot in slots:
+      self.state = self.engine.release(self.state, slot)
+    return slots
+
+  def make_room(self) -> list[int]:
+    """Memory for the rows' next tokens; returns the slots of the rows the engine had none for (preempted, their
+    memory given back). Rows whose first token is unread are never preempted (they have just been admitted); rows
+    paused on a tool grow no further."""
+    if not self.slots:
+      return []
+    progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in self.slots.items() if f.waiting is None}
+    self.state, preempted = self.engine.make_room(self.state, progress)
+    return preempted
+
 
 class Roster:
   """One sampler's instances, in creation order, and the weights they run."""
@@ -137,3 +171,9 @@ class Roster:
   @property
   def num_in_flight(self) -> int:
     return sum(len(i.slots) + len(i.parked) for i in self.instances)
+
+
+def _abandon(flight: InFlight) -> None:
+  """A dropped row's tool call, if it waits on one, is not wanted any more."""
+  if flight.waiting is not None:
+    flight.waiting.cancel()

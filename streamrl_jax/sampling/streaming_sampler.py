@@ -101,10 +101,7 @@ class StreamingSampler:
     self.version = version
     if recompute:
       for inst in self._roster.instances:
-        slots = [s for s, f in inst.slots.items() if f.tokens and f.waiting is None]
-        for slot in slots:
-          inst.state = inst.engine.release(inst.state, slot)
-        self._requeue(inst, slots, "recomputed")
+        self._requeue(inst, inst.release_decoding(), "recomputed")
 
   def in_flight_progress(self) -> list[tuple[Request, Rollout]]:
     """Every queued or running request with its tokens so far (a partial rollout to hand over when the
@@ -118,19 +115,8 @@ class StreamingSampler:
   def cancel(self, request_ids) -> int:
     """Drops requests wherever they are: queued, on a slot (its memory given back), parked on a tool or held to
     resume. Unknown ids (finished already) are ignored; returns how many were dropped."""
-    ids, dropped = set(request_ids), 0
-    for inst in self._roster.instances:
-      kept = [r for r in inst.pending if r.request_id not in ids]
-      dropped += len(inst.pending) - len(kept)
-      inst.pending = kept
-      for slot in [s for s, f in inst.slots.items() if f.request.request_id in ids]:
-        _abandon(inst.free(slot))
-        dropped += 1
-      for request_id in [r for r in inst.parked if r in ids]:
-        flight, place = inst.parked.pop(request_id)
-        inst.state, inst.parking = inst.engine.drop_parked(inst.state, inst.parking, place)
-        _abandon(flight)
-        dropped += 1
+    ids = set(request_ids)
+    dropped = sum(inst.cancel(ids) for inst in self._roster.instances)
     self._admitter.drop(ids)
     self.counters["cancelled"] += dropped
     return dropped
@@ -190,7 +176,7 @@ class StreamingSampler:
       if self._turns is not None:
         self._tool_turns(inst, finished)
       self._admitter.admit(inst, self.admission, self.version, now)
-      self._make_room(inst)
+      self._requeue(inst, inst.make_room(), "preempted")  # the engine preempts rows it has no memory for
       out = self._decode(inst)
       if out is not None:
         outputs.append((inst, out))
@@ -211,15 +197,6 @@ class StreamingSampler:
     for flight in self._roster.requeue(inst, slots):
       self._admitter.hold(flight)
     self.counters[counter] += len(slots)
-
-  def _make_room(self, inst: Instance) -> None:
-    """Memory for the rows' next tokens; the engine preempts rows it has none for. Rows whose first token is
-    unread are never preempted (they have just been admitted); rows paused on a tool grow no further."""
-    if inst.slots:
-      progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in inst.slots.items()
-                  if f.waiting is None}
-      inst.state, preempted = inst.engine.make_room(inst.state, progress)
-      self._requeue(inst, preempted, "preempted")
 
   def _decode(self, inst: Instance):
     """Dispatches one `generate` call of the steps the policy picks (not read yet); None if no row decodes (while
@@ -297,9 +274,3 @@ class StreamingSampler:
     """Yields every sample as it finishes until no request is queued or in flight."""
     while self.has_work():
       yield from self.step()
-
-
-def _abandon(flight: InFlight) -> None:
-  """A dropped row's tool call, if it waits on one, is not wanted any more."""
-  if flight.waiting is not None:
-    flight.waiting.cancel()

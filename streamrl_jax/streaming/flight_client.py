@@ -9,6 +9,7 @@ that fetches each new version in the background and places it onto the sampler's
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -244,6 +245,16 @@ def fetch_weights(connection: FlightConnection, version: int, expected: dict | N
   return version, flat, sum(r[2] for r in results)
 
 
+@dataclasses.dataclass(frozen=True)
+class RelayLinks:
+  """A weight receiver's relays: the `store` it fills for the samplers below it (None: it serves none), and the TLS
+  files and certificate name (`tls_name`, when not the address dialled) for reaching the relays above it."""
+
+  store: RelayStore | None = None
+  tls: TLSFiles | None = None
+  tls_name: str | None = None
+
+
 class FlightWeightReceiver:
   """A `WeightSource` across processes: a background thread waits for each newer version (a long poll),
   fetches its chunks by DoGet from where the trainer says (its parent relay in the version's broadcast tree,
@@ -252,12 +263,11 @@ class FlightWeightReceiver:
   served on to this sampler's children as it comes. `latest()` never touches the network."""
 
   def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None,
-               sampler_id: int = -1, relay: RelayStore | None = None, tls: TLSFiles | None = None, streams: int = 2,
-               relay_tls_name: str | None = None):
+               sampler_id: int = -1, relays: RelayLinks = RelayLinks(), streams: int = 2):
     """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
-    self.sampler_id, self.relay, self.tls, self.streams = sampler_id, relay, tls, streams
-    self.relay_tls_name = relay_tls_name
+    self.sampler_id, self.relay, self.tls, self.streams = sampler_id, relays.store, relays.tls, streams
+    self.relay_tls_name = relays.tls_name
     self._sources: dict[str, FlightConnection] = {}
     self.last_fallback = ""
     self.held_at: dict[int, float] = {}  # version -> time.time() it landed

@@ -152,18 +152,27 @@ class HostWeightStore:
     self.latest_version()
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+  """What the trainer's server takes and sends: a sample batch within `wire` (the run's `WireLimits`, or a vocabulary
+  size alone), a DoPut waiting up to `put_wait_s` for room in a full queue, weights in chunks of `chunk_bytes`."""
+
+  wire: WireLimits | int
+  put_wait_s: float = 1.0
+  chunk_bytes: int = DEFAULT_CHUNK_BYTES
+
+
 class TrainerFlightServer(flight.FlightServerBase):
   """Serves samples, weights and control for one run; listening from construction, `shutdown()` to stop."""
 
   def __init__(self, host: str, port: int, *, controller, samples: SampleQueue, weights: HostWeightStore,
-               limits: WireLimits | int, tls: TLSFiles | None = None, put_wait_s: float = 1.0,
-               chunk_bytes: int = DEFAULT_CHUNK_BYTES, arms=None):
+               limits: ServerLimits, tls: TLSFiles | None = None, arms=None):
     scheme = "grpc+tls" if tls else "grpc+tcp"
     super().__init__(f"{scheme}://{host}:{port}", **server_tls_options(tls))
     self.address = f"{host}:{self.port}"
     self.controller, self.samples, self.weights = controller, samples, weights
-    self.limits = limits  # batch_to_shard's: the run's, or a vocabulary size alone
-    self.put_wait_s, self.chunk_bytes = put_wait_s, chunk_bytes
+    self.limits = limits.wire  # batch_to_shard's: the run's, or a vocabulary size alone
+    self.put_wait_s, self.chunk_bytes = limits.put_wait_s, limits.chunk_bytes
     self._seq_locks: dict[int, threading.Lock] = {}
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()

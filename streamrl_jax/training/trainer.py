@@ -9,6 +9,7 @@ Micro-batches are padded to (rows, length) buckets, so compiles stay few.
 
 from __future__ import annotations
 
+import dataclasses
 
 import flax.struct
 import jax
@@ -72,6 +73,28 @@ def logprob_mismatch(logp, sampler_logprobs, mask):
   return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
 
 
+def _check(scoring: Scoring, role: str, objective: ObjectiveConfig) -> None:
+  """Refuses a trainer that cannot train: a temperature <= 0, an unknown role, a KL penalty with no reference."""
+  if scoring.temperature <= 0:
+    raise ValueError(f"the trainer's temperature must be > 0 (greedy samples have no log-probability to "
+                     f"train on), got {scoring.temperature}")
+  if role not in BATCH_KEYS:
+    raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
+  if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and scoring.ref_params is None \
+     and scoring.base_params is None:
+    raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
+
+
+def _lossless_batch(keys: tuple, rows: int, length: int, packed: bool) -> dict:
+  """A micro-batch of `keys` of this shape that carries no loss (accumulating it compiles and changes nothing)."""
+  batch = {k: np.zeros((rows, length), np.float32) for k in keys if k != "tokens"}
+  batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
+               loss_mask=np.zeros((rows, length), bool))
+  if packed:
+    batch["segment_ids"] = np.zeros((rows, length), np.int32)
+  return batch
+
+
 def _bucket(n: int, minimum: int) -> int:
   size = minimum
   while size < n:
@@ -79,43 +102,53 @@ def _bucket(n: int, minimum: int) -> int:
   return size
 
 
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+  """How the policy's tokens are scored. `temperature` is the sampler's: the policy's (and the reference's) logits
+  are divided by it before log-probabilities, so tokens are scored under the distribution they were sampled from
+  (on-policy, the ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature).
+  `ref_params`: the frozen reference policy of a KL penalty. `base_params`: LoRA (`models.lora`): the frozen base,
+  placed once and never differentiated or copied; the state's params are then the adapters alone (what `graphdef`
+  splits off with `lora.split`), and the reference policy of a KL penalty is the base itself (the adapters zeroed),
+  so `ref_params` is not needed."""
+
+  temperature: float = 1.0
+  ref_params: object = None
+  base_params: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+  """How micro-batches are laid out: the logical sharding `rules`, and the power-of-two (rows, length) buckets they
+  pad to, from (`min_rows`, `min_length`)."""
+
+  rules: object = None
+  min_rows: int = 8
+  min_length: int = 16
+
+
 class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
-               rules=None, ref_params=None, min_rows: int = 8, min_length: int = 16, role: str = "policy",
-               temperature: float = 1.0, config: TrainerConfig = TrainerConfig(), base_params=None):
+               scoring: Scoring = Scoring(), buckets: Buckets = Buckets(), role: str = "policy",
+               config: TrainerConfig = TrainerConfig()):
     """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
-    Micro-batches pad to power-of-two (rows, length) buckets from (`min_rows`, `min_length`); packed ones
-    (with `segment_ids`, see `packing.pack_rows`) keep their length and pad rows to a multiple of the mesh's
-    batch shards (`MicroBatcher` sends full calls of one row count and the step's rest in few pieces: see
-    `packing.packed_shapes`).
-    `temperature` is the sampler's: the policy's (and the reference's) logits are divided by it before
-    log-probabilities, so tokens are scored under the distribution they were sampled from (on-policy, the
-    ratio to the sampler's log-probabilities is then 1 up to float noise, whatever the temperature).
-    `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`).
-    `base_params`: LoRA (`models.lora`): the frozen base, placed once and never differentiated or copied; the
-    state's params are then the adapters alone (what `graphdef` splits off with `lora.split`), and the reference
-    policy of a KL penalty is the base itself (the adapters zeroed), so `ref_params` is not needed."""
-    self.config = config
-    if temperature <= 0:
-      raise ValueError(f"the trainer's temperature must be > 0 (greedy samples have no log-probability to "
-                       f"train on), got {temperature}")
-    self.temperature = float(temperature)
-    if role not in BATCH_KEYS:
-      raise ValueError(f"unknown trainer role {role!r}; known: {sorted(BATCH_KEYS)}")
-    self.role = role
-    if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and ref_params is None \
-       and base_params is None:
-      raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
+    Micro-batches pad to `buckets`; packed ones (with `segment_ids`, see `packing.pack_rows`) keep their length and
+    pad rows to a multiple of the mesh's batch shards (`MicroBatcher` sends full calls of one row count and the
+    step's rest in few pieces: see `packing.packed_shapes`).
+    `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`)."""
+    _check(scoring, role, objective)
+    self.config, self.temperature, self.role = config, float(scoring.temperature), role
     self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
-        graphdef, optimizer, objective, mesh, rules)
+        graphdef, optimizer, objective, mesh, buckets.rules)
     self.tx = make_optimizer(optimizer)
-    self.min_rows, self.min_length = min_rows, min_length
+    self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
     # Packed rows split evenly over the batch axes: their count is a multiple of these.
     self.packed_row_quantum = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.launcher = launch.launcher(mesh)  # every program of this trainer goes through it (see launch.py)
+    ref_params, base_params = scoring.ref_params, scoring.base_params
     self.ref_params = None if ref_params is None else launch.copy(self.place(ref_params))
     self.base_params = None if base_params is None else self.place(base_params)  # LoRA's frozen base
     self._adapter_shapes = None  # LoRA: the adapters' shapes (the reference zeroes them), known at init_state
@@ -224,30 +257,21 @@ class Trainer:
     rows_buckets = sorted({_bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
       for length in self.length_buckets(max_length):
-        state = self.accumulate(state, self._lossless_batch(rows, length, packed=False))
+        state = self.accumulate(state, _lossless_batch(BATCH_KEYS[self.role], rows, length, packed=False))
     return state
 
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
     """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` tokens: every shape
     `MicroBatcher` can send (`packing.packed_shapes`: full calls whole or trimmed, pieces, a trimmed last unit)."""
     for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
-      state = self.accumulate(state, self._lossless_batch(rows, width, packed=True))
+      state = self.accumulate(state, _lossless_batch(BATCH_KEYS[self.role], rows, width, packed=True))
     return state
-
-  def _lossless_batch(self, rows: int, length: int, packed: bool) -> dict:
-    """A micro-batch of this shape that carries no loss (accumulating it compiles and changes nothing)."""
-    batch = {k: np.zeros((rows, length), np.float32) for k in BATCH_KEYS[self.role] if k != "tokens"}
-    batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
-                 loss_mask=np.zeros((rows, length), bool))
-    if packed:
-      batch["segment_ids"] = np.zeros((rows, length), np.int32)
-    return batch
 
   def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it."""
-    batch = self.prepare(self._lossless_batch(rows, length, packed))
+    batch = self.prepare(_lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
     compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen).compile()
     analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
@@ -301,8 +325,8 @@ class Trainer:
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
     logp, ent = self._token_logprobs(model, batch)
-    batch = with_old_logprobs(batch, logp, cfg.objective)
-    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
+    batch = with_old_logprobs(batch, logp, cfg.trainer.objective)
+    per_token = OBJECTIVES.get(cfg.trainer.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if frozen["ref"] is not None or (frozen["base"] is not None and cfg.kl_coef > 0):
       ref_logp, _ = self._token_logprobs(self._reference_model(frozen), batch)

@@ -11,6 +11,7 @@ again; so is a sampler the controller never knew (one of a trainer that restarte
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -32,22 +33,30 @@ from streamrl_jax.types import Rollout
 MAX_LEASE_WAIT_S = 30.0
 
 
+@dataclasses.dataclass(frozen=True)
+class JoinTerms:
+  """What samplers join: the run's `settings`, which each must register with, and the trainer's datacenter label
+  `site` (samplers of other sites get one copy of each version across)."""
+
+  settings: dict | None = None
+  site: str = ""
+
+
 class Controller:
   """Routes the control messages to its parts under one lock; thread-safe."""
 
-  def __init__(self, config, task, tokenizer, *, start_step: int, settings: dict | None = None, ranker=None,
-               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic,
-               site: str = ""):
+  def __init__(self, config, task, tokenizer, *, start_step: int, terms: JoinTerms = JoinTerms(), ranker=None,
+               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
     """`config.controller` (a `ControllerConfig`) holds the heartbeat, the lease timeout, how long a step's
     summary is waited for (`sampler_timeout_s`) and the weight tree's fan-out."""
-    self.config, self.settings, self.start_step = config, dict(settings or {}), start_step
+    self.config, self.settings, self.start_step = config, dict(terms.settings or {}), start_step
     control = config.controller
     self.heartbeat_s, self.summary_timeout_s = control.heartbeat_s, control.sampler_timeout_s
     self.timeline = Timeline(on_event)
     self.roster = Roster(config.scheduling, self.timeline, lease_timeout_s=control.lease_timeout_s, clock=clock)
     self.leases = Leases(self.timeline)
     self.plans = StepPlans(config, task, tokenizer, self.timeline, start_step=start_step, ranker=ranker)
-    self.trees = WeightTrees(self.timeline, site=site, fanout=control.weight_fanout)
+    self.trees = WeightTrees(self.timeline, site=terms.site, fanout=control.weight_fanout)
     self._cond, self._clock = threading.Condition(), clock  # the clock: when samplers were last heard from
     self._watchdog: Watchdog | None = None
     self.counters, self.events, self.busy = self.timeline.counters, self.timeline.events, self.timeline.busy

@@ -14,9 +14,9 @@ from streamrl_jax.messages import Heartbeat
 from streamrl_jax.models import abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.sampler.worker import SamplerWorker
+from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
-                                                  FlightWeightReceiver)
+                                                  FlightWeightReceiver, RelayLinks)
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import TLSFiles
 from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
@@ -66,8 +66,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   graphdef, abstract = abstract_model(model_config)
   weights = _landing(config, graphdef, abstract, mesh, base_params)
   base_params = None  # a LoRA landing holds the base on the mesh; the host copy goes
-  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh, name=name, settings=e.settings,
-                         serve=e.serve, serve_tls=tls if e.serve is not None else None)
+  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh,
+                         role=SamplerRole(name, e.settings, e.serve, tls if e.serve is not None else None))
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
@@ -81,8 +81,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
                 + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
-                                      sampler_id=sampler_id, relay=relay.store if relay else None, tls=tls,
-                                      streams=flight_config.weight_streams, relay_tls_name=e.relay_tls_name)
+                                      sampler_id=sampler_id, streams=flight_config.weight_streams,
+                                      relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name))
       outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break

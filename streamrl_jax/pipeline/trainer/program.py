@@ -20,9 +20,9 @@ from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
 from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.controller import Controller
+from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
-from streamrl_jax.arms.followers import make_followers, spare_devices
+from streamrl_jax.arms.followers import ArmsStart, make_followers, spare_devices
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer.control import FollowerControl
 from streamrl_jax.pipeline.run_hooks import RunHooks
@@ -32,7 +32,7 @@ from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.stopping import RunStopped
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
-from streamrl_jax.streaming.flight_server import HostWeightStore, TLSFiles, TrainerFlightServer
+from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TLSFiles, TrainerFlightServer
 from streamrl_jax.streaming.sample_schema import WireLimits
 
 _log = logging.getLogger(__name__)
@@ -63,11 +63,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs of
   their own, served their streams by this program's Flight server, and `hooks.run_id` names the run they must
   belong to."""
-  if config.spec.shared_mesh:
-    raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
-  if config.arms.followers and jax.process_count() > 1:
-    raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
-                     f"{jax.process_count()}")
+  _check(config)
   graphdef, params = nnx.split(model)
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
@@ -81,13 +77,14 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   if not is_leader():
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker)
-  controller = Controller(config, task, tokenizer, start_step=trainer.start_step, settings=settings, ranker=ranker,
-                          on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))), site=endpoint.site)
+  controller = Controller(config, task, tokenizer, start_step=trainer.start_step,
+                          terms=JoinTerms(settings, endpoint.site), ranker=ranker,
+                          on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))))
   if config.arms.followers and config.arms.programs:
     followers = RemoteArms(config, hooks.run_id, trainer.start_step, settings or {})
   else:
-    followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh), trainer.start_step,
-                               hooks.arm_outputs, hooks.resume, hooks.periodic_eval)
+    followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh),
+                               ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   queue, store, server = _serve(config, controller, model.config.vocab_size, endpoint,
                                 followers if isinstance(followers, RemoteArms) else None)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
@@ -96,20 +93,34 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s)
   if jax.process_count() > 1:
     get_shard = _broadcasting(get_shard)
-
-  def teardown() -> None:
-    controller.finish()
-    controller.wait_samplers_left(config.controller.finish_grace_s)
-    controller.close()
-    server.shutdown()
   try:
-    side = SamplersSide(get_shard, start=controller.start_watchdog, teardown=teardown, to_host=gather_to_host,
+    side = SamplersSide(get_shard, start=controller.start_watchdog, teardown=_teardown(config, controller, server),
+                        to_host=gather_to_host,
                         extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
     return train_session(trainer, controller, store, queue, side, hooks, ranker=ranker, followers=followers)
   except RunStopped:
     if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop
       broadcast_shard(None)
     raise
+
+
+def _check(config: PipelineConfig) -> None:
+  """Refuses what the trainer program does not run: a colocated mode, follower arms beside several processes."""
+  if config.spec.shared_mesh:
+    raise ValueError("PipelineConfig.mode='colocated' time-shares one mesh in one program: run `streamrl train`")
+  if config.arms.followers and jax.process_count() > 1:
+    raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
+                     f"{jax.process_count()}")
+
+
+def _teardown(config: PipelineConfig, controller: Controller, server) -> Callable[[], None]:
+  """The end of serving: the run finished, the samplers given `finish_grace_s` to leave, the server shut down."""
+  def teardown() -> None:
+    controller.finish()
+    controller.wait_samplers_left(config.controller.finish_grace_s)
+    controller.close()
+    server.shutdown()
+  return teardown
 
 
 def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endpoint: TrainerEndpoint,
@@ -119,8 +130,9 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
   queue = SampleQueue(config.trainer.queue_capacity)
   store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
-                               weights=store, limits=WireLimits.of_run(config, vocab_size), tls=endpoint.tls,
-                               chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20, arms=arms)
+                               weights=store, tls=endpoint.tls, arms=arms,
+                               limits=ServerLimits(WireLimits.of_run(config, vocab_size),
+                                                   chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20))
   return queue, store, server
 
 

@@ -29,24 +29,23 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from flax import nnx
 from tqdm import tqdm
 
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
-from streamrl_jax.models import lora
-from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.models.precision import wire_bytes, wire_template
-from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepSummary, StepTrained
-from streamrl_jax.phase_clock import PhaseClock, accounted_frac
+from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepTrained
+from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer.control import TrainerControl
+from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_advantages
+from streamrl_jax.pipeline.trainer.step_row import (StepTimes, batch_metrics, equal_reward_groups, phase_row,
+                                                    record_arrival, step_row)
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import MicroBatcher, Trainer, compute_advantages, kl_penalized_rewards
-from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+from streamrl_jax.training import MicroBatcher
 
 _log = logging.getLogger(__name__)
 
@@ -67,36 +66,14 @@ class TrainerWorker:
     # so that a step it skips midway leaves nothing behind
     self.streamed = self.spec.streamed if streamed is None else streamed
     self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
-    # With a KL penalty, the initial policy stays frozen on the trainer mesh as the reference. With LoRA the state
-    # holds the adapters alone; the base is frozen on the mesh, and it is the reference.
-    plain_graphdef, plain_params = graphdef, params
-    self.lora, base = (config.trainer.lora if config.trainer.lora.enabled else None), None
-    if self.lora:
-      arrays = None
-      if self.lora.init_from and not resume:  # (a resume restores the adapters from its checkpoint)
-        loaded, arrays = load_adapter(self.lora.init_from, nnx.merge(graphdef, params).config)
-        check_matches(self.lora, loaded)
-      graphdef, params, base = lora.adapt(graphdef, params, self.lora, arrays)
-    reference = params if config.trainer.objective.kl_coef > 0 and not self.lora else None
-    self.trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, temperature=config.temperature,
-                           ref_params=reference, config=config.trainer, base_params=base)
-    self.state = self.trainer.init_state(params, seed=config.seed)
-    self.start_step = 0
-    if resume:
-      if checkpointer is None or checkpointer.latest_step() is None:
-        raise FileNotFoundError("resume asked for, but there is no checkpoint to resume from")
-      self.state, extra = checkpointer.restore(self.state)
-      self.start_step = int(extra["next_step"])
+    self.lora = config.trainer.lora if config.trainer.lora.enabled else None
+    self.trainer, trained = make_trainer(config, graphdef, params, mesh, resume)
+    self.state = self.trainer.init_state(trained, seed=config.seed)
+    self.state, self.start_step = _restored(self.state, checkpointer) if resume else (self.state, 0)
     self.checkpointer = checkpointer
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.trainer.chunk_rows,
-                                **(_packing(config, plain_graphdef, plain_params, mesh) if config.trainer.packing else {}))
-    # samples_trained counts what went into gradients, unique_samples_trained the distinct (step, group,
-    # sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing was lost
-    # or trained twice.
-    self.counters = dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0,
-                         trainer_wait_s=0.0, duplicate_samples=0, refused_samples=0, groups_filtered=0,
-                         groups_backfilled=0, groups_regenerated=0, empty_steps=0,
-                         weight_version_bytes=wire_bytes(wire_template(self.state.params, config.precision.on_trainer.precision)))
+                                **(packing(config, graphdef, params, mesh) if config.trainer.packing else {}))
+    self.counters = _counters(config, self.state.params)
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
@@ -108,10 +85,7 @@ class TrainerWorker:
 
   def policy_params(self):
     """The policy's parameters as a plain model's: the state's, or with LoRA the base with the adapters merged."""
-    if not self.lora:
-      return self.state.params
-    return self.trainer.launcher.jit(lora.merge, static_argnums=2)(self.trainer.base_params, self.state.params,
-                                                                    self.lora.scale)
+    return merged_policy(self.trainer, self.state.params, self.lora)
 
   def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
           clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
@@ -122,18 +96,13 @@ class TrainerWorker:
     (memory, queue depth). A follower arm's `skip(step)` says why it does not train a step (None: it does), and its
     `get_shard` may raise `StepSkipped` for the step in progress: the step is then left, untrained."""
     if self.config.trainer.precompile:
-      width = self.config.sampler.engine.max_prompt_length + self.config.max_new_tokens
-      if self.batcher.pack_length:
-        self.state = self.trainer.precompile_packed(self.state, self.batcher.chunk_tokens, self.batcher.pack_length)
-      else:
-        self.state = self.trainer.precompile(self.state, self.config.trainer.chunk_rows, width)
+      self.state = precompile(self.trainer, self.batcher, self.state, self.config)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
     watch = None
     if self.config.trainer.step_timeout_s:
-      watch = StallWatch(self.config.trainer.step_timeout_s, _log.error,
-                         time.monotonic)
+      watch = StallWatch(self.config.trainer.step_timeout_s, _log.error, time.monotonic)
       self._progress = watch.progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
@@ -176,9 +145,7 @@ class TrainerWorker:
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
     # this step's accumulate + update, not the wait for the last step's save
     train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:]) - save_wait
-    done = {k: v - before[k] for k, v in self.batcher.counters.items()}
-    train_metrics.update(train_calls=done["calls"], train_tokens=done["real_tokens"],
-                         train_padding_frac=1.0 - done["real_tokens"] / max(done["computed_tokens"], 1))
+    train_metrics.update(batch_metrics(before, self.batcher.counters))
     summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
     with self.phase_clock.phase("weight_send"):
@@ -189,12 +156,12 @@ class TrainerWorker:
     self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
     self.counters["trainer_wait_s"] += waited
     end = clock()
-    return self._step_metrics(step, shards, received, train_metrics, waited, end - last_end, summary, weights,
-                              controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9), train_s), end
+    sampler_idle = controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9)
+    times = StepTimes(waited, end - last_end, train_s, sampler_idle, weights.seconds)
+    return step_row(self.config, step, shards, received, train_metrics, times, summary), end
 
   def _await_checkpoint(self, clock) -> float:
-    """Waits until the last step's save (in the background) has read what the update is about to donate; its
-    seconds."""
+    """Waits until the last step's save (in the background) has read what the update will donate; its seconds."""
     if self.checkpointer is None:
       return 0.0
     start = clock()
@@ -206,7 +173,7 @@ class TrainerWorker:
     """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""
     if probe is not None:
       row.update(probe())
-    row.update(_phase_row(self.phase_clock.take()))
+    row.update(phase_row(self.phase_clock.take()))
     if on_step is not None:
       with self.phase_clock.phase("row"):
         on_step(row)
@@ -265,7 +232,7 @@ class TrainerWorker:
         continue
       self._trained.update(shard.keys())
       needed -= shard.num_samples
-      _record(received, shard)
+      record_arrival(received, shard)
       if self.config.controller.dynamic_sampling:
         shard, granted = self._filter_flat(shard, step, controller, received)
         needed += granted * self.config.group_size
@@ -310,7 +277,7 @@ class TrainerWorker:
   def _filter_flat(self, shard: SampleShard, step: int, controller: TrainerControl, received: dict):
     """Dynamic sampling: groups of equal rewards are not trained, and as many prompts are asked for again as the
     backfill bound grants; returns (the shard without them, prompts granted)."""
-    flat = _equal_reward_groups(shard)
+    flat = equal_reward_groups(shard)
     if not flat:
       return shard, 0
     granted = controller.backfill(Backfill(step, tuple(flat))).count
@@ -335,63 +302,28 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      rewards, objective = shard.rewards, self.config.trainer.objective
-      if objective.kl_coef > 0 and objective.kl_in_reward:  # r - coef * sum_t KL(sampler || reference)
-        ref = self.trainer.reference_logprobs(shard.tokens, shard.valid)
-        rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
-                                                  objective.kl_coef, objective.kl_estimator), np.float32)
-      advantages = compute_advantages(self.config.advantage, rewards, shard.group_ids)
-      self.state = self.batcher.add(self.state, shard.train_batch(advantages))
+      self.state = self.batcher.add(self.state, shard.train_batch(shard_advantages(self.trainer, self.config, shard)))
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
-  def _step_metrics(self, step: int, shards, received: dict, train: dict, waited: float, wall: float,
-                    summary: StepSummary, weights, sampler_idle: float, train_s: float) -> dict:
-    rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
-    stale = np.concatenate([s.token_staleness(step) for s in shards] + [np.zeros(0, np.int64)])
-    stale = stale if stale.size else np.zeros(1)  # (a step with no token to train)
-    seconds = [v for _, v in sorted(weights.seconds.items())]
-    flat = sum(len(_equal_reward_groups(s)) for s in shards)
-    parts = np.concatenate(received["parts"]).mean(axis=0)
-    by_function = {f"reward/{name}": float(v) for name, v in zip(self.config.sampler.reward.names, parts)}
-    return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), **by_function,
-                reward_errors=received["errors"], reward_timeouts=received["timeouts"],
-                accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
-                staleness_mean=float(np.mean(stale)), staleness_max=int(np.max(stale)),  # per trained token
-                groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
-                prompts_leased=self.config.prompts_per_step + received["backfilled"], equal_reward_groups_trained=flat,
-                env_tokens=sum(_env_tokens(s) for s in shards),
-                trainer_idle_frac=min(1.0, waited / max(wall, 1e-9)),
-                sampler_idle_frac=min(1.0, sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-                step_s=wall, train_s=train_s, kl_mean=train.get("kl", 0.0), **summary.metrics(), **train)
+
+def _restored(state, checkpointer) -> tuple:
+  """(the state of `checkpointer`'s latest checkpoint, the step it goes on with)."""
+  if checkpointer is None or checkpointer.latest_step() is None:
+    raise FileNotFoundError("resume asked for, but there is no checkpoint to resume from")
+  state, extra = checkpointer.restore(state)
+  return state, int(extra["next_step"])
 
 
-def _packing(config, graphdef, params, mesh) -> dict:
-  """MicroBatcher settings for packed rows: the row length, and the tokens (padding included) per call (a whole
-  step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
-  trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
-  activations."""
-  length = config.packed_length
-  step_tokens = config.samples_per_step * length
-  wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
-                                   else step_tokens)
-  model_config = nnx.merge(graphdef, params).config
-  reference, platform = config.trainer.objective.kl_coef > 0, mesh.devices.flat[0].platform
-  budget = config.trainer.activation_budget_mb << 20
-  if not budget:
-    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
-    limit = (local[0].memory_stats() or {}).get("bytes_limit", 0) * mesh.devices.size
-    budget = auto_budget(model_config, length, config.trainer, platform, reference, limit)
-  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
-                                                                platform, reference))
-
-
-def _phase_row(seconds: dict[str, float]) -> dict:
-  """A row's `trainer_s/<phase>` seconds (the training thread's since the previous row: this step's checkpoint is in
-  the next row), `step_wall_s` (their sum) and `trainer_accounted_frac` (the share in a named phase)."""
-  return {**{f"trainer_s/{name}": s for name, s in seconds.items()}, "step_wall_s": sum(seconds.values()),
-          "trainer_accounted_frac": accounted_frac(seconds)}
+def _counters(config, params) -> dict:
+  """The worker's counters at its start. samples_trained counts what went into gradients, unique_samples_trained the
+  distinct (step, group, sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing
+  was lost or trained twice."""
+  version_bytes = wire_bytes(wire_template(params, config.precision.on_trainer.precision))
+  return dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0, trainer_wait_s=0.0,
+              duplicate_samples=0, refused_samples=0, groups_filtered=0, groups_backfilled=0, groups_regenerated=0,
+              empty_steps=0, weight_version_bytes=version_bytes)
 
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:
@@ -436,24 +368,3 @@ def _warn(text: str) -> None:
   """A warning line on stderr, above a progress bar if one is drawn; once for a trainer of several processes."""
   if jax.process_index() == 0:
     tqdm.write(f"warning: {text}", file=sys.stderr)
-
-
-def _record(received: dict, shard: SampleShard) -> None:
-  """Every arrived group's rewards and reward calls, trained or not (the step's reward metrics)."""
-  received["rewards"].append(shard.rewards)
-  received["parts"].append(shard.reward_parts)
-  received["errors"] += int(shard.reward_errors.sum())
-  received["timeouts"] += int(shard.reward_timeouts.sum())
-
-
-def _equal_reward_groups(shard: SampleShard) -> list[int]:
-  """Groups of `shard` whose rewards are all equal: no advantage, nothing to learn (DAPO's dynamic sampling)."""
-  return sorted(int(g) for g in np.unique(shard.group_ids)
-                if np.ptp(shard.rewards[shard.group_ids == g]) == 0)
-
-
-def _env_tokens(shard: SampleShard) -> int:
-  """Tokens an environment wrote into the completions (masked, after a row's first trained token)."""
-  pos = np.arange(shard.loss_mask.shape[1])[None]
-  first = np.where(shard.loss_mask.any(axis=1), shard.loss_mask.argmax(axis=1), shard.loss_mask.shape[1])[:, None]
-  return int(np.sum(shard.valid & ~shard.loss_mask & (pos >= first)))

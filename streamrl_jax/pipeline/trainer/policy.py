@@ -1,0 +1,80 @@
+"""The trainer worker's policy: its `Trainer` (with LoRA, the adapters over a frozen base; with a KL penalty, the
+frozen reference), the settings of packed micro-batches, the compiles done before the first step, and a shard's
+advantages."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from streamrl_jax.models import lora
+from streamrl_jax.models.peft_io import check_matches, load_adapter
+from streamrl_jax.streaming import SampleShard
+from streamrl_jax.training import MicroBatcher, Scoring, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+
+
+def make_trainer(config, graphdef, params, mesh, resume: bool) -> tuple[Trainer, object]:
+  """(the `Trainer` on `mesh`, the parameters it trains). With a KL penalty, the initial policy stays frozen on the
+  trainer mesh as the reference. With LoRA the state holds the adapters alone (loaded from `LoraConfig.init_from`
+  unless `resume`: a resume restores them from its checkpoint); the base is frozen on the mesh, and it is the
+  reference."""
+  adapters, base = (config.trainer.lora if config.trainer.lora.enabled else None), None
+  if adapters:
+    arrays = None
+    if adapters.init_from and not resume:
+      loaded, arrays = load_adapter(adapters.init_from, nnx.merge(graphdef, params).config)
+      check_matches(adapters, loaded)
+    graphdef, params, base = lora.adapt(graphdef, params, adapters, arrays)
+  reference = params if config.trainer.objective.kl_coef > 0 and not adapters else None
+  trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, config=config.trainer,
+                    scoring=Scoring(config.temperature, reference, base))
+  return trainer, params
+
+
+def merged_policy(trainer: Trainer, params, adapters):
+  """The policy's parameters as a plain model's: `params`, or with LoRA (`adapters`: its config) the base with the
+  adapters merged."""
+  if not adapters:
+    return params
+  return trainer.launcher.jit(lora.merge, static_argnums=2)(trainer.base_params, params, adapters.scale)
+
+
+def precompile(trainer: Trainer, batcher: MicroBatcher, state, config):
+  """`state` after compiling every micro-batch shape the run's steps can send (`TrainerConfig.precompile`)."""
+  width = config.sampler.engine.max_prompt_length + config.max_new_tokens
+  if batcher.pack_length:
+    return trainer.precompile_packed(state, batcher.chunk_tokens, batcher.pack_length)
+  return trainer.precompile(state, config.trainer.chunk_rows, width)
+
+
+def shard_advantages(trainer: Trainer, config, shard: SampleShard) -> np.ndarray:
+  """The advantages of `shard`'s samples; with a KL penalty in the reward, of r - coef * sum_t KL(sampler ||
+  reference)."""
+  rewards, objective = shard.rewards, config.trainer.objective
+  if objective.kl_coef > 0 and objective.kl_in_reward:
+    ref = trainer.reference_logprobs(shard.tokens, shard.valid)
+    rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
+                                              objective.kl_coef, objective.kl_estimator), np.float32)
+  return compute_advantages(config.advantage, rewards, shard.group_ids)
+
+
+def packing(config, graphdef, params, mesh) -> dict:
+  """MicroBatcher settings for packed rows: the row length, and the tokens (padding included) per call (a whole
+  step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
+  trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
+  activations."""
+  length = config.packed_length
+  step_tokens = config.samples_per_step * length
+  wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
+                                   else step_tokens)
+  model_config = nnx.merge(graphdef, params).config
+  reference, platform = config.trainer.objective.kl_coef > 0, mesh.devices.flat[0].platform
+  budget = config.trainer.activation_budget_mb << 20
+  if not budget:
+    local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
+    limit = (local[0].memory_stats() or {}).get("bytes_limit", 0) * mesh.devices.size
+    budget = auto_budget(model_config, length, config.trainer, platform, reference, limit)
+  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
+                                                                platform, reference))
