@@ -54,11 +54,11 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
                                       ("JobConfig.model_dir", "JobConfig.model"),
                                       ("JobConfig.task", "TaskConfig.name"),
                                       ("JobConfig.prompt_file", "TaskConfig.prompt_file"),
-                                      ("SamplerConfig.precision", "SamplerConfig.precision"),
-                                      ("SamplerConfig.in_flight", "SamplerConfig.in_flight"),
-                                      ("TrainerConfig.stop_grace_s", "TrainerConfig.stop_grace_s"),
-                                      ("ControllerConfig.dynamic_sampling", "ControllerConfig.dynamic_sampling"),
-                                      ("ArmsConfig.programs", "ArmsConfig.programs"),
+                                      ("PipelineConfig.sampler_precision", "SamplerConfig.precision"),
+                                      ("PipelineConfig.in_flight", "SamplerConfig.in_flight"),
+                                      ("PipelineConfig.stop_grace_s", "TrainerConfig.stop_grace_s"),
+                                      ("PipelineConfig.dynamic_sampling", "ControllerConfig.dynamic_sampling"),
+                                      ("PipelineConfig.arm_programs", "ArmsConfig.programs"),
                                       ("GKEConfig.sampler_replicas", "GKESamplersConfig.replicas")])
 def test_a_key_that_moved_is_refused_naming_its_new_place(tmp_path, capsys, old, new):
   gin_file = tmp_path / "old.gin"

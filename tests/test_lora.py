@@ -204,9 +204,11 @@ def test_pipeline_trains_adapters_and_syncs_them_alone():
   from streamrl_jax.training import ObjectiveConfig
 
   config = LoraConfig(rank=4, alpha=8.0, seed=1)
-  full = run("async", steps=1, sampler_precision="int8")
-  result = run("async", steps=2, sampler_precision="int8", lora=config, objective=ObjectiveConfig(kl_coef=0.05),
-               optimizer=dataclasses.replace(PIPELINE.trainer.optimizer, learning_rate=1e-2))
+  int8 = dataclasses.replace(PIPELINE.sampler, precision="int8")
+  full = run("async", steps=1, sampler=int8)
+  trainer = dataclasses.replace(PIPELINE.trainer, lora=config, objective=ObjectiveConfig(kl_coef=0.05),
+                                optimizer=dataclasses.replace(PIPELINE.trainer.optimizer, learning_rate=1e-2))
+  result = run("async", steps=2, sampler=int8, trainer=trainer)
   initial = nnx.split(Transformer(PIPELINE_MODEL, rngs=nnx.Rngs(0)))[1]
   assert result.adapters is not None and len(result.metrics) == 2
   adapter_bytes = lora.adapter_bytes(result.adapters)

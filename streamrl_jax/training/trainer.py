@@ -325,8 +325,8 @@ class Trainer:
       loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
       return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
     logp, ent = self._token_logprobs(model, batch)
-    batch = with_old_logprobs(batch, logp, cfg.trainer.objective)
-    per_token = OBJECTIVES.get(cfg.trainer.objective)(logp, batch, cfg)
+    batch = with_old_logprobs(batch, logp, cfg.objective)
+    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
     kl = jnp.zeros_like(logp)
     if frozen["ref"] is not None or (frozen["base"] is not None and cfg.kl_coef > 0):
       ref_logp, _ = self._token_logprobs(self._reference_model(frozen), batch)
