@@ -144,7 +144,7 @@ def trainer_batch(rng, lengths) -> dict:
   valid = pos < np.asarray(lengths)[:, None]
   return dict(tokens=rng.integers(3, 64, (len(lengths), width)).astype(np.int32), valid=valid,
               loss_mask=valid & (pos >= PROMPT), advantages=rng.normal(size=len(lengths)).astype(np.float32),
-              sampler_logprobs=np.full((len(lengths), width), -4.0, np.float32))
+              logprobs=np.full((len(lengths), width), -4.0, np.float32))
 
 
 def trainer_runs(params_host, graphdef, device) -> dict:

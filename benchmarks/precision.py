@@ -145,7 +145,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
     ids, valid, mu, mask = (np.zeros((len(samples), width), d) for d in (np.int32, bool, np.float32, bool))
     for row, s in enumerate(samples):
       p, c = len(s.prompt_tokens), s.num_tokens
-      ids[row, :p + c] = list(s.prompt_tokens) + list(s.completion_tokens)
+      ids[row, :p + c] = list(s.prompt_tokens) + list(s.tokens)
       valid[row, :p + c], mask[row, p:p + c], mu[row, p:p + c] = True, True, s.logprobs
     pi = np.asarray(forward(params, jnp.asarray(ids), jnp.asarray(valid)))
     d = (pi - mu)[mask]

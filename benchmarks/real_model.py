@@ -353,7 +353,7 @@ def step_batch(rng, vocab: int, samples: int, length: int, prompt_len: int, new:
   return lengths, dict(tokens=rng.integers(3, vocab, (samples, length)).astype(np.int32), valid=valid,
                        loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
                        advantages=rng.normal(size=samples).astype(np.float32),
-                       sampler_logprobs=np.full((samples, length), -2.0, np.float32))
+                       logprobs=np.full((samples, length), -2.0, np.float32))
 
 
 def memory_variant(name: str) -> dict:

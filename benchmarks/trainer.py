@@ -44,7 +44,7 @@ def global_batch(seed: int = 0) -> dict:
   valid = pos < (PROMPT + completion)[:, None]
   return dict(tokens=rng.integers(0, CONFIG.vocab_size, (ROWS, LENGTH)).astype(np.int32), valid=valid,
               loss_mask=valid & (pos >= PROMPT), advantages=rng.normal(size=ROWS).astype(np.float32),
-              sampler_logprobs=np.full((ROWS, LENGTH), -8.3, np.float32))
+              logprobs=np.full((ROWS, LENGTH), -8.3, np.float32))
 
 
 def run_fused(trainer, state, batch):

@@ -77,7 +77,7 @@ def _groups(step: int, group_ids, rng: np.random.Generator, lengths=None) -> Sam
   width = int(lengths.max())
   valid = np.arange(width)[None] < lengths[:, None]
   return SampleShard(tokens=rng.integers(0, 20, (n, width)) * valid, valid=valid,
-                     loss_mask=valid & (np.arange(width)[None] >= 2), sampler_logprobs=-rng.random((n, width)) * valid,
+                     loss_mask=valid & (np.arange(width)[None] >= 2), logprobs=-rng.random((n, width)) * valid,
                      rewards=rng.random(n), group_ids=[g for g, _ in rows],
                      sample_indices=[i for _, i in rows], steps=np.full(n, step), first_versions=np.zeros(n),
                      last_versions=np.zeros(n))
@@ -103,9 +103,9 @@ def _mutations(vocab: int):
   """name -> (draw, batch, step) -> batch: each breaks one rule of the schema or of the leases."""
   special = st.sampled_from([math.nan, math.inf, -math.inf, -1e30, 1e30, 5.0])
   return {
-      "logprob": lambda d, b, s: _set_value(b, "sampler_logprobs", d, d(special)),
+      "logprob": lambda d, b, s: _set_value(b, "logprobs", d, d(special)),
       "reward": lambda d, b, s: _set_value(b, "reward", d, d(st.sampled_from([math.nan, math.inf, -1e30]))),
-      "inner_null": lambda d, b, s: _set_value(b, d(st.sampled_from(["tokens", "loss_mask", "sampler_logprobs"])), d,
+      "inner_null": lambda d, b, s: _set_value(b, d(st.sampled_from(["tokens", "loss_mask", "logprobs"])), d,
                                                None),
       "null": lambda d, b, s: _set_value(b, d(st.sampled_from(["step", "group_id", "sample_index", "reward", "tokens"])),
                                          d, None),

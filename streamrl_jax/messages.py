@@ -85,7 +85,7 @@ class Lease:
   instances: int
   partials: tuple[Rollout, ...] = ()  # samples of these groups begun elsewhere (partial rollouts)
   rows: tuple[str, ...] = ()  # one per prompt: its dataset row (`tasks.Row` as JSON) for the rewards; empty: none
-  prompt_ids: tuple[tuple[int, ...], ...] = ()  # one per prompt: its token ids, encoded once by the controller
+  prompt_tokens: tuple[tuple[int, ...], ...] = ()  # one per prompt: its token ids, encoded once by the controller
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,7 +266,7 @@ LIMITS = {
     "StepReport.phase_s": (0.0, 1e9), "StepSummary.phase_s": (0.0, 1e12),
     "Registered.heartbeat_s": (0.0, 1e6), "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
     "Rollout.versions": (0, 1 << 62), "Rollout.sample_index": (0, 1 << 20), "Rollout.group_id": (0, 1 << 62),
-    "Lease.prompt_ids": (0, (1 << 31) - 1),
+    "Lease.prompt_tokens": (0, (1 << 31) - 1),
     "Published.version": (-1, 1 << 62), "StepTrained.step": (0, 1 << 62), "StepTrained.train_s": (0.0, 1e7),
     "StepSummary.generation_s": (0.0, 1e7), "StepSummary.sampler_instances": (0, 1 << 40),
     "StepSummary.sampler_processes": (0, 1 << 40), "StepSummary.sampler_rss_mb": (0.0, 1e9),

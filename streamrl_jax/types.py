@@ -65,7 +65,7 @@ class Request:
   """One sequence to generate. `group_id` ties the samples of one prompt together."""
 
   request_id: int
-  prompt: np.ndarray  # int32 [prompt_len]
+  prompt_tokens: np.ndarray  # int32 [prompt_len]
   params: SamplingParams
   group_id: int = 0
   sample_index: int = 0
@@ -81,9 +81,9 @@ class Sample:
   group_id: int
   sample_index: int
   prompt_tokens: np.ndarray  # int32 [prompt_len]
-  completion_tokens: np.ndarray  # int32 [n]
+  tokens: np.ndarray  # int32 [n]: the completion's token ids
   logprobs: np.ndarray  # float32 [n], under the sampling distribution used for each token
-  token_versions: np.ndarray  # int32 [n]: the policy version that sampled each token
+  versions: np.ndarray  # int32 [n]: the policy version that sampled each token
   finish_reason: str
   first_version: int  # the oldest policy version among its tokens' (the first token's, unless handed over)
   last_version: int  # ... and the newest
@@ -96,13 +96,13 @@ class Sample:
 
   @property
   def num_tokens(self) -> int:
-    return len(self.completion_tokens)
+    return len(self.tokens)
 
   def rollout(self) -> Rollout:
     """This sample as a finished `Rollout` (to hand over with its group)."""
     mask = () if self.loss_mask is None else tuple(bool(m) for m in self.loss_mask)
-    return Rollout(self.group_id, self.sample_index, tuple(self.completion_tokens.tolist()),
-                   tuple(self.logprobs.tolist()), tuple(self.token_versions.tolist()), mask, finished=True)
+    return Rollout(self.group_id, self.sample_index, tuple(self.tokens.tolist()),
+                   tuple(self.logprobs.tolist()), tuple(self.versions.tolist()), mask, finished=True)
 
   @classmethod
   def of_rollout(cls, rollout: Rollout, prompt_tokens, stop_ids) -> Sample:
@@ -110,7 +110,7 @@ class Sample:
     reason = FINISH_STOP if rollout.tokens[-1] in stop_ids else FINISH_LENGTH
     return cls(request_id=-1, group_id=rollout.group_id, sample_index=rollout.sample_index,
                prompt_tokens=np.asarray(prompt_tokens, np.int32),
-               completion_tokens=np.asarray(rollout.tokens, np.int32),
-               logprobs=np.asarray(rollout.logprobs, np.float32), token_versions=np.asarray(rollout.versions, np.int32),
+               tokens=np.asarray(rollout.tokens, np.int32),
+               logprobs=np.asarray(rollout.logprobs, np.float32), versions=np.asarray(rollout.versions, np.int32),
                finish_reason=reason, first_version=min(rollout.versions), last_version=max(rollout.versions),
                loss_mask=np.asarray(rollout.loss_mask, bool) if rollout.loss_mask else None)

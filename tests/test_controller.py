@@ -53,5 +53,5 @@ def test_leases_carry_their_prompts_token_ids_encoded_once_by_the_controller():
   from streamrl_jax.tasks.rows import prompt_tokens
   task, tokenizer = ArithmeticTask(max_digits=2), CharTokenizer()
   for lease in leases_of_step_0("skew_aware"):  # cut by the ranker: the ids travel with their own prompts
-    assert len(lease.prompt_ids) == len(lease.prompts) == len(lease.group_ids)
-    assert [list(ids) for ids in lease.prompt_ids] == [prompt_tokens(task, tokenizer, p) for p in lease.prompts]
+    assert len(lease.prompt_tokens) == len(lease.prompts) == len(lease.group_ids)
+    assert [list(ids) for ids in lease.prompt_tokens] == [prompt_tokens(task, tokenizer, p) for p in lease.prompts]

@@ -103,22 +103,22 @@ def test_an_episode_trains_on_the_sampled_ids_even_where_the_text_retokenizes_di
   episodes.open("e1", budget=64)
   chat = [{"role": "user", "content": "say it"}]
   first = episodes.begin("e1", bpe.render_chat(chat), bpe.encode, 1)
-  assert first.prompt.tolist() == bpe.apply_chat_template(chat) and first.added == ()
+  assert first.prompt_tokens.tolist() == bpe.apply_chat_template(chat) and first.added == ()
   episodes.record(first, _reply(bpe, sampled))
   chat += [{"role": "assistant", "content": " the"}, {"role": "user", "content": "again"}]
   second = episodes.begin("e1", bpe.render_chat(chat), bpe.encode, 1)
   expected_prompt = bpe.apply_chat_template(chat[:1]) + sampled + [bpe.eos_id]
-  assert second.prompt.tolist()[:len(expected_prompt)] == expected_prompt
-  assert vocab["Ġthe"] not in second.prompt.tolist()
+  assert second.prompt_tokens.tolist()[:len(expected_prompt)] == expected_prompt
+  assert vocab["Ġthe"] not in second.prompt_tokens.tolist()
   # what follows the sampled stop token: the template's newline, the user's turn and the next assistant header
   assert bpe.token_text(second.added[0]) == "\n" and bpe.decode(list(second.added)).endswith("assistant\n")
   episodes.record(second, _reply(bpe, [vocab["a"]], stop=False))
   transcript = episodes.close("e1")
-  assert transcript.prompt_ids == bpe.apply_chat_template(chat[:1])
-  assert transcript.ids == sampled + [bpe.eos_id] + list(second.added) + [vocab["a"]]
-  assert transcript.mask == [True] * 5 + [False] * len(second.added) + [True]
+  assert transcript.prompt_tokens == bpe.apply_chat_template(chat[:1])
+  assert transcript.tokens == sampled + [bpe.eos_id] + list(second.added) + [vocab["a"]]
+  assert transcript.loss_mask == [True] * 5 + [False] * len(second.added) + [True]
   assert transcript.logprobs == [-0.5] * 5 + [0.0] * len(second.added) + [-0.5]
-  assert transcript.versions == [3] * len(transcript.ids) and transcript.turns == 2
+  assert transcript.versions == [3] * len(transcript.tokens) and transcript.turns == 2
 
 
 def test_an_episode_refuses_a_conversation_that_does_not_continue_it_and_a_spent_budget(bpe):

@@ -52,7 +52,7 @@ def groups(step: int, group_ids, completion: int = 5) -> SampleShard:
   rows = [(g, i) for g in group_ids for i in range(CONFIG.group_size)]
   n, width = len(rows), completion + 1
   return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
-                     loss_mask=np.arange(width)[None].repeat(n, 0) > 0, sampler_logprobs=np.zeros((n, width), np.float32),
+                     loss_mask=np.arange(width)[None].repeat(n, 0) > 0, logprobs=np.zeros((n, width), np.float32),
                      rewards=np.zeros(n, np.float32), group_ids=[g for g, _ in rows],
                      first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
                      sample_indices=[i for _, i in rows], steps=np.full(n, step))
@@ -167,7 +167,7 @@ def test_a_late_watchdog_tick_blames_this_process_not_the_samplers():
 def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
   n = len(group_ids)
   return SampleShard(tokens=np.ones((n, width), np.int32), valid=np.ones((n, width), bool),
-                     loss_mask=np.ones((n, width), bool), sampler_logprobs=np.zeros((n, width), np.float32),
+                     loss_mask=np.ones((n, width), bool), logprobs=np.zeros((n, width), np.float32),
                      rewards=np.zeros(n, np.float32), group_ids=np.array(group_ids),
                      first_versions=np.zeros(n, np.int64), last_versions=np.zeros(n, np.int64),
                      sample_indices=np.array(sample_indices), steps=np.full(n, step))

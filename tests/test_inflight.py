@@ -36,10 +36,10 @@ def setup(hf_dirs, request):
 
 def token_logprobs(graphdef, params, sample) -> np.ndarray:
   """log pi(token) of each completion token under `params`, from one full forward."""
-  full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
+  full = np.concatenate([sample.prompt_tokens, sample.tokens])
   logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(jnp.asarray(full[None, :-1]))[0])
   n = len(sample.prompt_tokens)
-  return np.asarray(logp[n - 1:])[np.arange(sample.num_tokens), sample.completion_tokens]
+  return np.asarray(logp[n - 1:])[np.arange(sample.num_tokens), sample.tokens]
 
 
 def run_with_update(engine, params, new_params, *, recompute: bool, sampling=SAMPLED, before: int = 6):
@@ -59,7 +59,7 @@ def test_a_row_crossing_an_update_records_each_tokens_version_and_its_own_weight
   sampler, samples = run_with_update(engine, params, new, recompute=True)
   assert sampler.counters["recomputed"] == len(PROMPTS)
   for sample in samples:
-    versions = sample.token_versions
+    versions = sample.versions
     cut = int(np.argmax(versions == 1))
     assert cut == 7  # the prefill's token and 6 decode steps came from version 0
     np.testing.assert_array_equal(versions, [0] * cut + [1] * (sample.num_tokens - cut))
@@ -77,8 +77,8 @@ def test_kept_cache_continues_without_prefill_and_differs_from_recompute_after_t
   _, recomputed = run_with_update(engine, params, new, recompute=True, sampling=GREEDY)
   assert kept_sampler.counters["recomputed"] == 0
   for a, b in zip(kept, recomputed):
-    np.testing.assert_array_equal(a.token_versions, b.token_versions)
-    np.testing.assert_array_equal(a.completion_tokens[:7], b.completion_tokens[:7])
+    np.testing.assert_array_equal(a.versions, b.versions)
+    np.testing.assert_array_equal(a.tokens[:7], b.tokens[:7])
     np.testing.assert_allclose(a.logprobs[:7], token_logprobs(graphdef, params, a)[:7], atol=2e-5)
     # the first token after the update attends over the old cache: not the new weights' own forward
     assert abs(a.logprobs[7] - token_logprobs(graphdef, new, a)[7]) > 1e-4
@@ -102,11 +102,11 @@ def test_a_partial_rollout_resumed_elsewhere_equals_one_never_interrupted(setup,
   assert [len(p.tokens) for _, p in handed] == [13, 13]
   second = StreamingSampler([engine], params, seed=9)  # another sampler: no state shared but the weights
   for request, progress in handed:
-    second.submit(request.prompt, request.params, group_id=request.group_id, progress=progress)
+    second.submit(request.prompt_tokens, request.params, group_id=request.group_id, progress=progress)
   assert second.counters["resumed_partial"] == 2
   resumed = {s.group_id: s for s in second.stream()}
   for g in whole:
-    np.testing.assert_array_equal(resumed[g].completion_tokens, whole[g].completion_tokens)
+    np.testing.assert_array_equal(resumed[g].tokens, whole[g].tokens)
     np.testing.assert_allclose(resumed[g].logprobs, whole[g].logprobs, atol=2e-5)
 
 
@@ -135,13 +135,13 @@ def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probabi
   pi = token_logprobs(graphdef, new, sample)[None]  # the trainer's policy, version 1
   advantages = np.full_like(mu, 0.7)
   cfg = ObjectiveConfig(tis_cap=1.5, behaviour_cap=1.5, aipo_rho=1.5)
-  batch = dict(sampler_logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages))
+  batch = dict(logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages))
   ratio = np.exp(pi - mu)
   surrogate = -np.minimum(advantages, np.clip(1.0, 0.8, 1.2) * advantages)  # pi / pi_old = 1
   expected = {"ppo_tis": np.minimum(ratio, 1.5) * surrogate,
               "decoupled_ppo": np.where(ratio <= 1.5, ratio, 0.0) * surrogate,
               "aipo": -np.minimum(ratio, 1.5) * advantages * pi}
-  cut = int(np.argmax(sample.token_versions == 1))
+  cut = int(np.argmax(sample.versions == 1))
   np.testing.assert_allclose(ratio[0, cut:], 1.0, atol=1e-4)  # the new version's tokens: on-policy
   assert np.abs(ratio[0, :cut] - 1.0).max() > 1e-3  # the old version's: corrected
   for name, want in expected.items():

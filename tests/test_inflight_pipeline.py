@@ -178,7 +178,7 @@ def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   def group(g, oldest):
     shard = group_shard([9, 10, 11, 12], step=2, group=g)
     versions = np.where(shard.loss_mask, np.where(np.arange(shard.tokens.shape[1])[None] > 2, 2, oldest), 0)
-    return dataclasses.replace(shard, tokens=shard.tokens % MODEL.vocab_size, token_versions=versions,
+    return dataclasses.replace(shard, tokens=shard.tokens % MODEL.vocab_size, versions=versions,
                                first_versions=np.full(4, oldest), last_versions=np.full(4, 2))
 
   arriving = [group(8, 0), group(9, 1), group(10, 1), group(8, 1), group(11, 2)]
@@ -232,7 +232,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
     shard = group_shard([9, 10, 11, 12], step=step, group=g)
     mask = np.zeros_like(shard.loss_mask) if empty else shard.loss_mask
     return dataclasses.replace(shard, tokens=shard.tokens % MODEL.vocab_size, loss_mask=mask,
-                               token_versions=np.where(mask, step, 0), first_versions=np.full(4, step),
+                               versions=np.where(mask, step, 0), first_versions=np.full(4, step),
                                last_versions=np.full(4, step))
   before = jax.device_get(worker.state.params)
   control, weights = _StepControl(), _Publisher()
@@ -319,9 +319,9 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
   rest = _Sink(controller, second, 3)
   second.serve(controller, rest, second.weights, rest.stop)
   assert 0 < second.sampler.counters["resumed_partial"] <= handed
-  got = {k: (s.tokens[r], s.sampler_logprobs[r]) for s in early.shards + rest.shards
+  got = {k: (s.tokens[r], s.logprobs[r]) for s in early.shards + rest.shards
          for r, k in enumerate(s.keys())}
-  want = {k: (s.tokens[r], s.sampler_logprobs[r]) for s in whole.shards for r, k in enumerate(s.keys())}
+  want = {k: (s.tokens[r], s.logprobs[r]) for s in whole.shards for r, k in enumerate(s.keys())}
   assert sorted(got) == sorted(want) and len(want) == 16  # every sample once
   for key in want:  # the same tokens and log-probabilities as a generation never interrupted
     np.testing.assert_array_equal(got[key][0], want[key][0])

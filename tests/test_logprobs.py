@@ -91,7 +91,7 @@ def test_the_trainer_gives_one_gradient_with_and_without_chunks(tied):
   rng = np.random.default_rng(0)
   batch = dict(tokens=rng.integers(0, 100, (8, 16)).astype(np.int32), valid=np.ones((8, 16), bool),
                loss_mask=np.arange(16)[None].repeat(8, 0) >= 4, advantages=rng.normal(size=8).astype(np.float32),
-               sampler_logprobs=-rng.random((8, 16)).astype(np.float32))
+               logprobs=-rng.random((8, 16)).astype(np.float32))
   sums = []
   for chunk in (0, 32):  # the tied head read as embeddings [vocab, hidden], the untied one as [hidden, vocab]
     trainer, state = _trainer(dataclasses.replace(TINY, tie_embeddings=tied), chunk, kl=0.1)

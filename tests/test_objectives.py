@@ -20,7 +20,7 @@ LOGP = RNG.normal(-2, 0.5, (B, T)).astype(np.float32)
 SAMPLER = (LOGP + RNG.normal(0, 0.4, (B, T))).astype(np.float32)
 OLD = (LOGP + RNG.normal(0, 0.3, (B, T))).astype(np.float32)
 ADV = np.repeat(RNG.normal(0, 1, (B, 1)), T, 1).astype(np.float32)
-BATCH = dict(advantages=jnp.asarray(ADV), sampler_logprobs=jnp.asarray(SAMPLER), old_logprobs=jnp.asarray(OLD))
+BATCH = dict(advantages=jnp.asarray(ADV), logprobs=jnp.asarray(SAMPLER), old_logprobs=jnp.asarray(OLD))
 
 
 def np_aggregate(per_token, mask, mode, constant=10.0):
@@ -68,7 +68,7 @@ def test_ppo_clip_boundaries_stop_the_gradient(advantage):
   cfg = ObjectiveConfig(clip_low=0.2, clip_high=0.28)
   ratios = np.array([0.7, 0.85, 1.0, 1.2, 1.35], np.float32)
   logp = jnp.log(jnp.asarray(ratios))
-  batch = dict(advantages=jnp.full(5, advantage), sampler_logprobs=jnp.zeros(5))
+  batch = dict(advantages=jnp.full(5, advantage), logprobs=jnp.zeros(5))
   grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get("ppo")(lp, batch, cfg).sum())(logp))
   # A > 0: the ceiling 1.28 binds (ratio 1.35 has no gradient); A < 0: the floor 0.8 binds (ratio 0.7).
   zero = ratios > 1.28 if advantage > 0 else ratios < 0.8
@@ -81,7 +81,7 @@ def test_ppo_clip_boundaries_stop_the_gradient(advantage):
 def test_aipo_gradient_survives_truncation():
   cfg = ObjectiveConfig(objective="aipo", aipo_rho=2.0)
   ratios = np.array([0.5, 1.5, 3.0, 8.0], np.float32)  # the last two are truncated at rho = 2
-  batch = dict(advantages=jnp.ones(4), sampler_logprobs=jnp.zeros(4))
+  batch = dict(advantages=jnp.ones(4), logprobs=jnp.zeros(4))
   grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get("aipo")(lp, batch, cfg).sum())(jnp.log(jnp.asarray(ratios))))
   np.testing.assert_allclose(grad, -np.minimum(ratios, 2.0), rtol=1e-6)
   # The mistake of clamping the ratio inside the differentiated term zeroes those gradients:

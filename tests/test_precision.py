@@ -132,7 +132,7 @@ def test_the_trainer_reports_no_mismatch_for_its_own_logprobs_and_some_for_other
   for name, mu in (("own", own), ("shifted", np.roll(own, 1, axis=1)), ("int8", quantized)):
     state = trainer.init_state(params)
     batch = dict(tokens=tokens, valid=valid, loss_mask=loss_mask, advantages=rng.normal(size=(8,)).astype(np.float32),
-                 sampler_logprobs=np.where(loss_mask, mu, 0.0).astype(np.float32))
+                 logprobs=np.where(loss_mask, mu, 0.0).astype(np.float32))
     _, metrics[name] = trainer.apply(trainer.accumulate(state, batch))
   assert metrics["own"]["logprob_mismatch_kl"] < 1e-7 and metrics["own"]["logprob_mismatch_max"] < 1e-4
   assert metrics["shifted"]["logprob_mismatch_kl"] > 1e-3

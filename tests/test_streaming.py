@@ -18,7 +18,7 @@ def shard(n: int, length: int = 6, version: int = 0) -> SampleShard:
   rng = np.random.default_rng(n)
   valid = np.arange(length)[None] < rng.integers(3, length + 1, n)[:, None]
   return SampleShard(tokens=rng.integers(0, 50, (n, length)), valid=valid, loss_mask=valid & (np.arange(length) >= 2),
-                     sampler_logprobs=rng.normal(size=(n, length)), rewards=rng.random(n), 
+                     logprobs=rng.normal(size=(n, length)), rewards=rng.random(n), 
                      group_ids=np.arange(n) // 2, sample_indices=np.arange(n) % 2, steps=np.zeros(n, int),
                      first_versions=np.full(n, version), last_versions=np.full(n, version))
 

@@ -51,7 +51,7 @@ def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_p
   default = mean_gradient(trainer.accumulate(trainer.init_state(params), batch))
   given = mean_gradient(trainer.accumulate(trainer.init_state(params), dict(batch, old_logprobs=own)))
   sampler = mean_gradient(trainer.accumulate(trainer.init_state(params),
-                                             dict(batch, old_logprobs=batch["sampler_logprobs"])))
+                                             dict(batch, old_logprobs=batch["logprobs"])))
   for a, b, c in zip(jax.tree.leaves(default), jax.tree.leaves(given), jax.tree.leaves(sampler)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
   assert max(float(np.abs(a - c).max()) for a, c in zip(jax.tree.leaves(default), jax.tree.leaves(sampler))) > 1e-4

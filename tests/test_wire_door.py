@@ -52,17 +52,17 @@ def put_raw(connection, batch: pa.RecordBatch) -> dict:
 @pytest.mark.parametrize("value", [float("nan"), -float("inf"), float("inf"), -1e30, 5.0])
 def test_1_nonfinite_or_impossible_logprobs_are_refused(value):
   shard = group_shard([4, 5])
-  logprobs = shard.sampler_logprobs.copy()
+  logprobs = shard.logprobs.copy()
   logprobs[1, 3] = value
-  with pytest.raises(BadSampleBatch, match=r"row 1: sampler_logprobs must be finite and in \[-1000, 0\]"):
-    batch_to_shard(batch_of(dataclasses.replace(shard, sampler_logprobs=logprobs)), LIMITS)
+  with pytest.raises(BadSampleBatch, match=r"row 1: logprobs must be finite and in \[-1000, 0\]"):
+    batch_to_shard(batch_of(dataclasses.replace(shard, logprobs=logprobs)), LIMITS)
   rewards = shard.rewards.copy()
   rewards[0] = 1e30
   with pytest.raises(BadSampleBatch, match=r"row 0: reward must be finite, \|reward\| <= 1e\+06"):
     batch_to_shard(batch_of(dataclasses.replace(shard, rewards=rewards)), LIMITS)
 
 
-@pytest.mark.parametrize("column", ["tokens", "loss_mask", "sampler_logprobs"])
+@pytest.mark.parametrize("column", ["tokens", "loss_mask", "logprobs"])
 def test_2_a_null_inside_a_list_is_refused(column):
   good = batch_of(group_shard([5, 6]))
   values = good.column(column).to_pylist()

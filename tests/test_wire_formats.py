@@ -26,7 +26,7 @@ def test_sample_batch_round_trip(lengths):
   back, envelope = batch_to_shard(shard_to_batch(shard, SampleEnvelope(4, 9)), VOCAB)
   assert envelope == SampleEnvelope(4, 9)
   width = max(lengths)
-  for field in ("tokens", "valid", "loss_mask", "sampler_logprobs", "token_versions"):
+  for field in ("tokens", "valid", "loss_mask", "logprobs", "versions"):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field)[:, :width])
   for field in ("rewards", "group_ids", "sample_indices", "steps", "first_versions", "last_versions", "reward_parts",
                 "reward_errors", "reward_timeouts"):
@@ -45,26 +45,26 @@ def _bad_batches():
       "lacks column 'reward'": pa.record_batch(
           [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
           schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
-      "not 'streamrl.samples/4'": good.replace_schema_metadata({}),
-      # a sampler of the version before (prompt_id still a column): refused by its version, not a column
-      "of schema 'streamrl.samples/3', this trainer reads 'streamrl.samples/4'": good.replace_schema_metadata(
-          {"schema": "streamrl.samples/3"}),
+      "not 'streamrl.samples/5'": good.replace_schema_metadata({}),
+      # a sampler of the version before (its columns sampler_logprobs, token_versions): refused by its version
+      "of schema 'streamrl.samples/4', this trainer reads 'streamrl.samples/5'": good.replace_schema_metadata(
+          {"schema": "streamrl.samples/4"}),
       "row 1: reward_parts must hold one value per reward function": _replace_column(
           good, "reward_parts", pa.array([[1.0], [1.0, 0.0]], pa.list_(pa.float32()))),
       "row 0: reward_parts must be finite": _replace_column(
           good, "reward_parts", pa.array([[float("inf")], [1.0]], pa.list_(pa.float32()))),
       "reward_errors must be >= 0": _replace_column(good, "reward_errors", pa.array([0, -1], pa.int32())),
       r"\[0, 50\)": _replace_column(good, "tokens", pa.array([t[:-1] + [VOCAB] for t in tokens], pa.list_(pa.int32()))),
-      "'sampler_logprobs' has 4 entries": _replace_column(
-          good, "sampler_logprobs", pa.array([[0.0] * 4, [0.0] * 6], pa.list_(pa.float32()))),
+      "'logprobs' has 4 entries": _replace_column(
+          good, "logprobs", pa.array([[0.0] * 4, [0.0] * 6], pa.list_(pa.float32()))),
       "one value for the whole batch": _replace_column(good, "seq", pa.array([1, 2], pa.int64())),
       "reward must be finite": _replace_column(good, "reward", pa.array([0.5, float("nan")], pa.float32())),
       "last_version must be >= first_version": _replace_column(good, "last_version", pa.array([1, 3], pa.int64())),
       "nulls": _replace_column(good, "step", pa.array([3, None], pa.int64())),
-      "row 1: token_versions must be >= 0": _replace_column(
-          good, "token_versions", pa.array([[0, 0, 2, 3, 3], [0, 0, 2, -1, 3, 3]], pa.list_(pa.int64()))),
-      "row 0: the newest of token_versions must be last_version": _replace_column(
-          good, "token_versions", pa.array([[0, 0, 2, 2, 2], [0, 0, 2, 3, 3, 3]], pa.list_(pa.int64()))),
+      "row 1: versions must be >= 0": _replace_column(
+          good, "versions", pa.array([[0, 0, 2, 3, 3], [0, 0, 2, -1, 3, 3]], pa.list_(pa.int64()))),
+      "row 0: the newest of versions must be last_version": _replace_column(
+          good, "versions", pa.array([[0, 0, 2, 2, 2], [0, 0, 2, 3, 3, 3]], pa.list_(pa.int64()))),
       "loss_mask\\[0\\] must be false": _replace_column(
           good, "loss_mask", pa.array([[True] * 5, [False] * 6], pa.list_(pa.bool_()))),
   }
@@ -78,8 +78,8 @@ def test_malformed_sample_batches_are_refused_by_name(problem):
 
 def test_sample_schema_is_fixed():
   assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "sample_index", "tokens",
-                                 "loss_mask", "sampler_logprobs", "reward", "first_version", "last_version",
-                                 "token_versions", "reward_parts", "reward_errors", "reward_timeouts"]
+                                 "loss_mask", "logprobs", "reward", "first_version", "last_version",
+                                 "versions", "reward_parts", "reward_errors", "reward_timeouts"]
   with pytest.raises(ValueError, match="prefix"):
     bad = group_shard([4])
     shard_to_batch(dataclasses.replace(bad, valid=bad.valid[:, ::-1], loss_mask=bad.valid[:, ::-1] & False),

@@ -21,7 +21,7 @@ def make_batch(rows: int, seed: int, length: int = 14):
   valid = pos < (prompt + completion)[:, None]
   return dict(tokens=rng.integers(0, 48, (rows, length)).astype(np.int32), valid=valid,
               loss_mask=valid & (pos >= prompt[:, None]), advantages=rng.normal(size=rows).astype(np.float32),
-              sampler_logprobs=rng.normal(-3.9, 0.2, (rows, length)).astype(np.float32),
+              logprobs=rng.normal(-3.9, 0.2, (rows, length)).astype(np.float32),
               old_logprobs=rng.normal(-3.9, 0.2, (rows, length)).astype(np.float32))
 
 

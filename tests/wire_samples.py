@@ -18,11 +18,11 @@ def group_shard(lengths, prompt_len=2, step=3, seed=0, group=7, functions=1) -> 
   versions = np.where(loss_mask, np.where(np.arange(width)[None] > prompt_len, 3, 2), 0)  # an update after token 1
   parts = rng.random((n, functions)).astype(np.float32)
   return SampleShard(tokens=rng.integers(0, VOCAB, (n, width)) * valid, valid=valid, loss_mask=loss_mask,
-                     sampler_logprobs=-rng.random((n, width)) * valid, rewards=parts @ (0.5 ** np.arange(functions, dtype=np.float32)),
+                     logprobs=-rng.random((n, width)) * valid, rewards=parts @ (0.5 ** np.arange(functions, dtype=np.float32)),
                      reward_parts=parts, reward_errors=rng.integers(0, 2, n), reward_timeouts=rng.integers(0, 2, n),
                      group_ids=np.full(n, group), sample_indices=np.arange(n),
                      steps=np.full(n, step), first_versions=np.full(n, 2),
-                     last_versions=np.where(loss_mask.sum(1) > 1, 3, 2), token_versions=versions)
+                     last_versions=np.where(loss_mask.sum(1) > 1, 3, 2), versions=versions)
 
 
 def _replace_column(batch: pa.RecordBatch, name: str, values) -> pa.RecordBatch:

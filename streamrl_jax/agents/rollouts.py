@@ -149,17 +149,17 @@ def scored_text(result: EpisodeResult) -> tuple[str | None, float, str]:
   return (result.transcript.reply if result.transcript is not None else ""), float(value), ""
 
 
-def episode_sample(result: EpisodeResult, group_id: int, prompt_ids, stop_id: int, version: int) -> Sample:
+def episode_sample(result: EpisodeResult, group_id: int, prompt_tokens, stop_id: int, version: int) -> Sample:
   """The sample of one episode: its first prompt, then every later token (replies trained, the rest masked). An
   episode with no turn is its row's prompt and one masked stop token (it trains nothing; its reward is 0)."""
   t = result.transcript
   if t is None or t.turns == 0:
-    prompt, ids, logprobs, versions, mask, reason = list(prompt_ids), [stop_id], [0.0], [version], [False], FINISH_STOP
+    prompt, ids, logprobs, versions, mask, reason = list(prompt_tokens), [stop_id], [0.0], [version], [False], FINISH_STOP
   else:
-    prompt, ids, logprobs, versions, mask, reason = t.prompt_ids, t.ids, t.logprobs, t.versions, t.mask, t.finish_reason
+    prompt, ids, logprobs, versions, mask, reason = t.prompt_tokens, t.tokens, t.logprobs, t.versions, t.loss_mask, t.finish_reason
   return Sample(request_id=-1, group_id=group_id, sample_index=result.index,
-                prompt_tokens=np.asarray(prompt, np.int32), completion_tokens=np.asarray(ids, np.int32),
-                logprobs=np.asarray(logprobs, np.float32), token_versions=np.asarray(versions, np.int32),
+                prompt_tokens=np.asarray(prompt, np.int32), tokens=np.asarray(ids, np.int32),
+                logprobs=np.asarray(logprobs, np.float32), versions=np.asarray(versions, np.int32),
                 finish_reason=reason or FINISH_STOP, first_version=min(versions), last_version=max(versions),
                 loss_mask=np.asarray(mask, bool))
 

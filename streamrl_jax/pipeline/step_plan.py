@@ -92,7 +92,7 @@ def step_leases(config, step: int, plan: StepPlan, cuts: Sequence[np.ndarray], p
   return [Lease(lease_id=-1, step=step, group_ids=tuple(first + int(i) for i in idx),
                 prompts=tuple(plan.prompts[i] for i in idx), predicted_lengths=tuple(predicted[i] for i in idx)
                 if predicted else (), length_quantiles=tuple(quantiles), min_version=gate, instances=instances,
-                rows=tuple(plan.rows[i] for i in idx), prompt_ids=tuple(tuple(plan.encoded[i]) for i in idx))
+                rows=tuple(plan.rows[i] for i in idx), prompt_tokens=tuple(tuple(plan.encoded[i]) for i in idx))
           for idx in cuts]
 
 

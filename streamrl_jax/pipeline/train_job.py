@@ -75,7 +75,7 @@ def _teacher_batch(tokenizer, task, pairs, width: int) -> dict:
   prompt_len = np.array([len(prompt_tokens(task, tokenizer, p)) for p, _ in pairs])[:, None]
   loss_mask = valid & (np.arange(width)[None] >= prompt_len)
   return dict(tokens=tokens, valid=valid, loss_mask=loss_mask, advantages=np.ones(len(pairs), np.float32),
-              sampler_logprobs=np.zeros((len(pairs), width), np.float32))
+              logprobs=np.zeros((len(pairs), width), np.float32))
 
 
 def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int,
@@ -107,7 +107,7 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   out = {}
   with RewardScorer(config.sampler.reward, builtin=verifier(task)) as scorer:
     for sample in sampler.stream():
-      (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.completion_tokens)
+      (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.tokens)
       scorer.submit(sample.request_id, question(task, prompt), text, row.fields,
                     f"{row.where or 'prompt ' + repr(prompt[:40])} (evaluation)")
       out[sample.request_id] = (prompt, text, sample.env_reward)

@@ -90,7 +90,7 @@ class Admitter:
   def _prompt_of(self, request: Request) -> tuple[np.ndarray, tuple[int, int] | None]:
     """(tokens to prefill, resume): a held request's `InFlight.prefill_input`; a fresh one's prompt and None."""
     flight = self._held.get(request.request_id)
-    return (request.prompt, None) if flight is None else flight.prefill_input()
+    return (request.prompt_tokens, None) if flight is None else flight.prefill_input()
 
   def _keys(self, requests: Sequence[Request]) -> np.ndarray:
     """Key data [n, 2] of each request: fold_in(fold_in(root, group_id), sample_index)."""

@@ -22,7 +22,7 @@ class InFlight:
   first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
   cache_end: int = 0  # upper bound of the slot's next cache write index
   resumed: bool = False  # admitted again after a preemption: its first token is one it had already
-  mask: list = dataclasses.field(default_factory=list)  # per token: the model's (True) or an environment's
+  loss_mask: list = dataclasses.field(default_factory=list)  # per token: the model's (True) or an environment's
   env_state: object = None  # multi-turn: the environment's state of this episode
   turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
   waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
@@ -33,13 +33,13 @@ class InFlight:
     """A partial rollout handed over: it goes on after its tokens so far, which keep their log-probabilities,
     versions and loss mask."""
     return cls(request, now, list(progress.tokens), list(progress.logprobs), list(progress.versions),
-               mask=list(progress.loss_mask) or [True] * len(progress.tokens))
+               loss_mask=list(progress.loss_mask) or [True] * len(progress.tokens))
 
   def prefill_input(self) -> tuple[np.ndarray, tuple[int, int]]:
     """(tokens to prefill, resume) to admit it again: its prompt and tokens so far but its last, which is the
     next input (resume = (that token, tokens generated))."""
     so_far = np.asarray(self.tokens[:-1], np.int32)
-    return np.concatenate([self.request.prompt, so_far]), (self.tokens[-1], len(self.tokens))
+    return np.concatenate([self.request.prompt_tokens, so_far]), (self.tokens[-1], len(self.tokens))
 
   @property
   def remaining(self) -> int:
@@ -51,20 +51,20 @@ class InFlight:
     self.tokens.append(int(token))
     self.logprobs.append(float(logprob))
     self.versions.append(version)
-    self.mask.append(True)
+    self.loss_mask.append(True)
 
   def observe(self, tokens, version: int) -> None:
     """Records an environment's tokens (loss mask 0); the model's next turn starts after them."""
     self.tokens.extend(tokens)
     self.logprobs.extend([0.0] * len(tokens))
     self.versions.extend([version] * len(tokens))
-    self.mask.extend([False] * len(tokens))
+    self.loss_mask.extend([False] * len(tokens))
     self.turn_start = len(self.tokens)
 
   def rollout(self) -> Rollout:
     """Its tokens so far as a `Rollout`; an episode with an environment's tokens gives none (its environment's
     state stays here, so it starts again elsewhere)."""
-    request, keep = self.request, all(self.mask) and self.waiting is None
+    request, keep = self.request, all(self.loss_mask) and self.waiting is None
     return Rollout(request.group_id, request.sample_index, tuple(self.tokens) if keep else (),
                    tuple(self.logprobs) if keep else (), tuple(self.versions) if keep else ())
 
@@ -73,11 +73,11 @@ class InFlight:
     request = self.request
     return Sample(
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
-        prompt_tokens=request.prompt, completion_tokens=np.asarray(self.tokens, np.int32),
-        logprobs=np.asarray(self.logprobs, np.float32), token_versions=np.asarray(self.versions, np.int32),
+        prompt_tokens=request.prompt_tokens, tokens=np.asarray(self.tokens, np.int32),
+        logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
         finish_reason=reason, first_version=min(self.versions), last_version=max(self.versions), instance=instance,
         submit_time=request.submit_time, admit_time=self.admit_time, finish_time=now,
-        loss_mask=None if all(self.mask) else np.asarray(self.mask, bool), env_reward=self.env_reward)
+        loss_mask=None if all(self.loss_mask) else np.asarray(self.loss_mask, bool), env_reward=self.env_reward)
 
 
 def check_resumable(progress: Rollout, params: SamplingParams) -> None:

@@ -31,7 +31,7 @@ class ToolTurns:
     """Starts the episode of an admitted row that has none (fresh, or handed over before any tool call)."""
     if flight.env_state is None:
       request = flight.request
-      flight.env_state = self.tools.start(request.prompt, request.group_id * 1_000_003 + request.sample_index)
+      flight.env_state = self.tools.start(request.prompt_tokens, request.group_id * 1_000_003 + request.sample_index)
 
   def call(self, flight: InFlight, token: int) -> bool:
     """Pauses a row that stopped on a tool's stop token, with room left, on the tool's call; False if not."""

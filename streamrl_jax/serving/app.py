@@ -156,8 +156,8 @@ class _Run:
       elif isinstance(event, Finished):
         sample = event.sample
         reason = "length" if sample.finish_reason == "length" else "stop"
-        choice.finish(reason, sample.completion_tokens.tolist(), sample.logprobs.tolist(),
-                      sample.token_versions.tolist())
+        choice.finish(reason, sample.tokens.tolist(), sample.logprobs.tolist(),
+                      sample.versions.tolist())
       yield event.choice
 
   def close(self) -> None:
@@ -225,7 +225,7 @@ async def _complete(service: Service, request: Request, *, chat: bool):
   tag = request.headers.get(EPISODE_HEADER, "")
   turn = service.episodes.begin(tag, rendered, lambda text: service.encode(call, text), call.n) if tag else None
   try:
-    prompt = turn.prompt if turn is not None else np.asarray(service.encode(call, rendered), np.int32)
+    prompt = turn.prompt_tokens if turn is not None else np.asarray(service.encode(call, rendered), np.int32)
     forced = service.config.temperature
     params = SamplingParams(temperature=forced if forced >= 0 else call.temperature, top_k=call.top_k, top_p=call.top_p,
                             max_new_tokens=service.max_tokens(call, prompt, turn),

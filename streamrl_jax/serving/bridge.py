@@ -25,7 +25,7 @@ class Generate:
   choices reproducible; None: the sampler numbers them. `sink(event)` is called from the sampler's thread."""
 
   key: int
-  prompt: np.ndarray
+  prompt_tokens: np.ndarray
   params: SamplingParams
   group_id: int | None
   sink: Callable[[object], None]
@@ -181,7 +181,7 @@ class RequestBridge:
 
   def _submit(self, sampler, request: Generate) -> None:
     try:
-      ids = sampler.submit(request.prompt, request.params, group_id=request.group_id, first=self.before_leases)
+      ids = sampler.submit(request.prompt_tokens, request.params, group_id=request.group_id, first=self.before_leases)
     except ValueError as err:
       self.counters["served_refused"] += 1
       _send(request, Refused(400, str(err)))

@@ -25,11 +25,11 @@ class Transcript:
 
   tag: str
   budget: int  # the most tokens after the first prompt
-  prompt_ids: list[int] = dataclasses.field(default_factory=list)
-  ids: list[int] = dataclasses.field(default_factory=list)
+  prompt_tokens: list[int] = dataclasses.field(default_factory=list)
+  tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   versions: list[int] = dataclasses.field(default_factory=list)
-  mask: list[bool] = dataclasses.field(default_factory=list)
+  loss_mask: list[bool] = dataclasses.field(default_factory=list)
   text: str = ""
   reply: str = ""  # the text of the last reply
   stop_text: str = ""  # what ended the last reply, as sampled: a stop token's text or a stop string ("": length)
@@ -40,12 +40,12 @@ class Transcript:
 
 @dataclasses.dataclass(frozen=True)
 class Turn:
-  """A turn being generated: the ids added before it (mask 0) and the whole prompt it is generated from."""
+  """A turn being generated: the ids added before it (loss mask False) and the whole prompt it is generated from."""
 
   tag: str
   rendered: str
   added: tuple[int, ...]
-  prompt: np.ndarray
+  prompt_tokens: np.ndarray
   room: int  # tokens it may generate within the episode's budget
 
 
@@ -93,8 +93,8 @@ class Episodes:
       same = next((i for i, (a, b) in enumerate(zip(rest, t.stop_text)) if a != b), min(len(rest), len(t.stop_text)))
       rest = rest[same:]  # as far as it repeats what ended the reply, the sampled tokens stand for it
       added = tuple(self._encode(rest)) if rest else ()
-      prompt = t.prompt_ids + t.ids + list(added)
-    room = t.budget - len(t.ids) - len(added)
+      prompt = t.prompt_tokens + t.tokens + list(added)
+    room = t.budget - len(t.tokens) - len(added)
     if room < 1:
       raise ApiError(400, f"episode {tag!r} has used its {t.budget} tokens; end the episode",
                      param="max_tokens", code="episode_budget")
@@ -107,12 +107,12 @@ class Episodes:
     if t is None:
       return  # closed while the turn ran: the sampler has its transcript already
     if t.turns == 0:
-      t.prompt_ids = [int(i) for i in turn.prompt]
+      t.prompt_tokens = [int(i) for i in turn.prompt_tokens]
     version = choice.versions[0] if choice.versions else (t.versions[-1] if t.versions else 0)
-    t.ids += list(turn.added) + choice.tokens
+    t.tokens += list(turn.added) + choice.tokens
     t.logprobs += [0.0] * len(turn.added) + choice.logprobs
     t.versions += [version] * len(turn.added) + choice.versions
-    t.mask += [False] * len(turn.added) + [True] * len(choice.tokens)
+    t.loss_mask += [False] * len(turn.added) + [True] * len(choice.tokens)
     t.text, t.reply = turn.rendered + choice.text, choice.text
     if choice.stopped_on_token:
       t.stop_text = self._token_text(choice.tokens[-1])

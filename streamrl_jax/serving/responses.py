@@ -20,13 +20,13 @@ class Reply:
   id: str
   model: str
   created: int
-  prompt_ids: Sequence[int]
+  prompt_tokens: Sequence[int]
   token_text: Callable[[int], str]
 
   @classmethod
-  def of(cls, call: Call, key: int, model: str, prompt_ids, token_text) -> Reply:
+  def of(cls, call: Call, key: int, model: str, prompt_tokens, token_text) -> Reply:
     prefix = "chatcmpl" if call.chat else "cmpl"
-    return cls(call, f"{prefix}-{key:x}", model, int(time.time()), [int(i) for i in prompt_ids], token_text)
+    return cls(call, f"{prefix}-{key:x}", model, int(time.time()), [int(i) for i in prompt_tokens], token_text)
 
   @property
   def object(self) -> str:
@@ -47,8 +47,8 @@ class Reply:
 
   def usage(self, choices: Sequence[ChoiceText]) -> dict:
     completion = sum(len(c.tokens) for c in choices)
-    return {"prompt_tokens": len(self.prompt_ids), "completion_tokens": completion,
-            "total_tokens": len(self.prompt_ids) + completion}
+    return {"prompt_tokens": len(self.prompt_tokens), "completion_tokens": completion,
+            "total_tokens": len(self.prompt_tokens) + completion}
 
   def whole(self, choices: Sequence[ChoiceText]) -> dict:
     """The complete (not streamed) response."""
@@ -65,7 +65,7 @@ class Reply:
     body = {"id": self.id, "object": self.object, "created": self.created, "model": self.model, "choices": out,
             "usage": self.usage(choices), "weight_version": weight_version(choices)}
     if self.call.return_token_ids:
-      body["prompt_token_ids"] = list(self.prompt_ids)
+      body["prompt_token_ids"] = list(self.prompt_tokens)
     return body
 
   def chunk(self, index: int, text: str | None, tokens: Sequence[int], logprobs: Sequence[float],
@@ -85,7 +85,7 @@ class Reply:
     if versions:
       body["weight_version"] = max(versions)
     if first and self.call.return_token_ids:
-      body["prompt_token_ids"] = list(self.prompt_ids)
+      body["prompt_token_ids"] = list(self.prompt_tokens)
     return body
 
   def usage_chunk(self, choices: Sequence[ChoiceText]) -> dict:

@@ -19,19 +19,20 @@ import pyarrow as pa
 
 from streamrl_jax.streaming.shard import SampleShard
 
-# /2: token_versions; /3: each reward function's value, failed calls; /4: no prompt_id (it was the group id)
-SCHEMA_NAME = "streamrl.samples/4"
+# /2: per-token versions; /3: each reward function's value, failed calls; /4: no prompt_id (it was the group id);
+# /5: a sample's own names (logprobs, versions; were sampler_logprobs, token_versions)
+SCHEMA_NAME = "streamrl.samples/5"
 SAMPLE_SCHEMA = pa.schema([
     ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
     ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.bool_())), ("sampler_logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
-    ("first_version", pa.int64()), ("last_version", pa.int64()), ("token_versions", pa.list_(pa.int64())),
+    ("loss_mask", pa.list_(pa.bool_())), ("logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
+    ("first_version", pa.int64()), ("last_version", pa.int64()), ("versions", pa.list_(pa.int64())),
     ("reward_parts", pa.list_(pa.float32())), ("reward_errors", pa.int32()), ("reward_timeouts", pa.int32()),
 ], metadata={"schema": SCHEMA_NAME})
 ROWS = {"step": "steps", "group_id": "group_ids", "sample_index": "sample_indices",
         "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions",
         "reward_errors": "reward_errors", "reward_timeouts": "reward_timeouts"}
-LISTS = ("tokens", "loss_mask", "sampler_logprobs", "token_versions")
+LISTS = ("tokens", "loss_mask", "logprobs", "versions")
 
 
 # What a sampler can produce: a sampled token's log-probability is <= 0 and, in float32, above about -104
@@ -104,7 +105,7 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
   if padded["loss_mask"][:, 0].any():
     raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
                          f"token has no prediction)")
-  _check_token_versions(padded["token_versions"], padded["loss_mask"], rows)
+  _check_versions(padded["versions"], padded["loss_mask"], rows)
   return SampleShard(valid=valid, **padded, **rows), envelope
 
 
@@ -145,11 +146,11 @@ def _check_lists(lists: dict, limits: WireLimits) -> np.ndarray:
   if lengths.max() > limits.max_tokens:
     raise BadSampleBatch(f"row {int(np.argmax(lengths))}: {int(lengths.max())} tokens; this run's samples hold at most "
                          f"{limits.max_tokens} (prompt and completion)")
-  logprobs = lists["sampler_logprobs"][1]
+  logprobs = lists["logprobs"][1]
   bad = ~np.isfinite(logprobs) | (logprobs < LOGPROB_RANGE[0]) | (logprobs > LOGPROB_RANGE[1])
   if bad.any():
-    row = int(np.searchsorted(lists["sampler_logprobs"][0], np.flatnonzero(bad)[0], "right")) - 1
-    raise BadSampleBatch(f"row {row}: sampler_logprobs must be finite and in [{LOGPROB_RANGE[0]:g}, 0], got "
+    row = int(np.searchsorted(lists["logprobs"][0], np.flatnonzero(bad)[0], "right")) - 1
+    raise BadSampleBatch(f"row {row}: logprobs must be finite and in [{LOGPROB_RANGE[0]:g}, 0], got "
                          f"{logprobs[np.flatnonzero(bad)[0]]!r}")
   return lengths
 
@@ -203,15 +204,15 @@ def _list_column(batch: pa.RecordBatch, name: str) -> tuple[np.ndarray, np.ndarr
   return offsets - offsets[0], values
 
 
-def _check_token_versions(versions: np.ndarray, loss_mask: np.ndarray, rows: dict) -> None:
+def _check_versions(versions: np.ndarray, loss_mask: np.ndarray, rows: dict) -> None:
   """Every trained token's version is one of its sample's: >= 0, its oldest first_version, its newest last_version."""
   big = np.iinfo(np.int64)
   oldest = np.where(loss_mask, versions, big.max).min(axis=1)
   newest = np.where(loss_mask, versions, big.min).max(axis=1)
   has = loss_mask.any(axis=1)
-  for bad, message in ((has & (oldest < 0), "token_versions must be >= 0"),
-                       (has & (oldest != rows["first_versions"]), "the oldest of token_versions must be first_version"),
-                       (has & (newest != rows["last_versions"]), "the newest of token_versions must be last_version")):
+  for bad, message in ((has & (oldest < 0), "versions must be >= 0"),
+                       (has & (oldest != rows["first_versions"]), "the oldest of versions must be first_version"),
+                       (has & (newest != rows["last_versions"]), "the newest of versions must be last_version")):
     if bad.any():
       raise BadSampleBatch(f"row {int(np.argmax(bad))}: {message}")
 

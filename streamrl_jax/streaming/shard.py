@@ -13,8 +13,8 @@ ROW_FIELDS = {"rewards": np.float32, "group_ids": np.int64, "sample_indices": np
               "steps": np.int64, "first_versions": np.int64, "last_versions": np.int64, "reward_errors": np.int32,
               "reward_timeouts": np.int32}
 PART_FIELDS = {"reward_parts": np.float32}  # [n, reward functions]
-TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "sampler_logprobs": np.float32,
-                "token_versions": np.int64}
+TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "logprobs": np.float32,
+                "versions": np.int64}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +22,8 @@ class SampleShard:
   """n finished samples, right-padded to a common length L.
 
   tokens [n, L] hold prompt then completion; `valid` marks real tokens, `loss_mask` completion tokens;
-  sampler_logprobs [n, L] is the sampler's log-probability of each completion token (0 elsewhere), and
-  token_versions [n, L] the policy version that sampled it (0 elsewhere; when not given, every completion
+  logprobs [n, L] is the sampler's log-probability of each completion token (0 elsewhere), and
+  versions [n, L] the policy version that sampled it (0 elsewhere; when not given, every completion
   token is taken to be of its sample's first version). first_versions and last_versions are the oldest and
   newest of a sample's token versions. A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
   group, and its place in the group. reward_parts [n, k] holds each reward function's value (`rewards` is their
@@ -33,14 +33,14 @@ class SampleShard:
   tokens: np.ndarray
   valid: np.ndarray
   loss_mask: np.ndarray
-  sampler_logprobs: np.ndarray
+  logprobs: np.ndarray
   rewards: np.ndarray
   group_ids: np.ndarray
   sample_indices: np.ndarray
   steps: np.ndarray
   first_versions: np.ndarray
   last_versions: np.ndarray
-  token_versions: np.ndarray | None = None
+  versions: np.ndarray | None = None
   reward_parts: np.ndarray | None = None  # default: the reward alone, one column
   reward_errors: np.ndarray | None = None  # default: none
   reward_timeouts: np.ndarray | None = None
@@ -56,11 +56,11 @@ class SampleShard:
     if parts.ndim != 2 or len(parts) != n:
       raise ValueError(f"SampleShard.reward_parts has shape {parts.shape}, expected ({n}, functions)")
     object.__setattr__(self, "reward_parts", parts)
-    if self.token_versions is None:
+    if self.versions is None:
       if not np.array_equal(self.first_versions, self.last_versions):
-        raise ValueError("SampleShard.token_versions must be given when a sample's tokens are of several versions")
+        raise ValueError("SampleShard.versions must be given when a sample's tokens are of several versions")
       first = np.asarray(self.first_versions, np.int64).reshape(-1, 1)
-      object.__setattr__(self, "token_versions", np.where(np.asarray(self.loss_mask, bool), first, 0))
+      object.__setattr__(self, "versions", np.where(np.asarray(self.loss_mask, bool), first, 0))
     for name, dtype in {**TOKEN_FIELDS, **ROW_FIELDS}.items():
       value = np.asarray(getattr(self, name), dtype)
       expected = (n, length) if name in TOKEN_FIELDS else (n,)
@@ -85,7 +85,7 @@ class SampleShard:
 
   def token_staleness(self, step: int) -> np.ndarray:
     """step - version of every completion token, flat: how many updates behind each trained token is."""
-    return step - self.token_versions[self.loss_mask]
+    return step - self.versions[self.loss_mask]
 
   @classmethod
   def concat(cls, shards: list[SampleShard]) -> SampleShard:
@@ -106,6 +106,6 @@ class SampleShard:
 
   def train_batch(self, advantages: np.ndarray) -> dict:
     """The micro-batch dict the trainer takes, with one advantage per sample."""
-    return dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, sampler_logprobs=self.sampler_logprobs,
+    return dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, logprobs=self.logprobs,
                 advantages=np.asarray(advantages, np.float32))
 

@@ -72,7 +72,7 @@ def with_old_logprobs(batch: dict, logp, objective: str) -> dict:
   if "old_logprobs" in batch:
     return batch
   own = getattr(OBJECTIVES.get(objective), "uses_old_logprobs", False)
-  return {**batch, "old_logprobs": sg(logp) if own else batch["sampler_logprobs"]}
+  return {**batch, "old_logprobs": sg(logp) if own else batch["logprobs"]}
 
 
 def _clipped_surrogate(logp, reference_logp, advantages, cfg: ObjectiveConfig):
@@ -84,7 +84,7 @@ def _clipped_surrogate(logp, reference_logp, advantages, cfg: ObjectiveConfig):
 @OBJECTIVES.register("ppo")
 def ppo(logp, batch, cfg: ObjectiveConfig):
   """Clipped surrogate with ratio pi / pi_old, pi_old the behaviour (sampler) log-probabilities."""
-  return _clipped_surrogate(logp, batch["sampler_logprobs"], batch["advantages"], cfg)
+  return _clipped_surrogate(logp, batch["logprobs"], batch["advantages"], cfg)
 
 
 @OBJECTIVES.register("ppo_tis")
@@ -92,7 +92,7 @@ def ppo(logp, batch, cfg: ObjectiveConfig):
 def ppo_tis(logp, batch, cfg: ObjectiveConfig):
   """PPO against the trainer's recomputed old log-probabilities, times the truncated importance
   weight min(pi_old / mu, tis_cap) of the sampler's policy mu (no gradient through the weight)."""
-  weight = sg(jnp.minimum(jnp.exp(batch["old_logprobs"] - batch["sampler_logprobs"]), cfg.tis_cap))
+  weight = sg(jnp.minimum(jnp.exp(batch["old_logprobs"] - batch["logprobs"]), cfg.tis_cap))
   return weight * _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
 
 
@@ -111,7 +111,7 @@ def decoupled_ppo(logp, batch, cfg: ObjectiveConfig):
   """Decoupled PPO: clip around the proximal policy (the trainer's policy before the step, given as
   old_logprobs), weighted by the behaviour ratio pi_prox / mu; tokens whose behaviour ratio exceeds
   behaviour_cap are left out of the loss (truncation by masking)."""
-  behaviour = sg(jnp.exp(batch["old_logprobs"] - batch["sampler_logprobs"]))
+  behaviour = sg(jnp.exp(batch["old_logprobs"] - batch["logprobs"]))
   weight = jnp.where(behaviour <= cfg.behaviour_cap, behaviour, 0.0)
   return weight * _clipped_surrogate(logp, batch["old_logprobs"], batch["advantages"], cfg)
 
@@ -120,7 +120,7 @@ def decoupled_ppo(logp, batch, cfg: ObjectiveConfig):
 def aipo(logp, batch, cfg: ObjectiveConfig):
   """LlamaRL's AIPO: -stop_gradient(min(pi / mu, rho)) * A * log pi. The truncated ratio only
   weights the gradient; it is never clamped inside the differentiated term."""
-  weight = sg(jnp.minimum(jnp.exp(logp - batch["sampler_logprobs"]), cfg.aipo_rho))
+  weight = sg(jnp.minimum(jnp.exp(logp - batch["logprobs"]), cfg.aipo_rho))
   return -weight * batch["advantages"] * logp
 
 

@@ -27,7 +27,7 @@ from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggre
                                               with_old_logprobs)
 from streamrl_jax.training.packing import packed_shapes
 
-BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "sampler_logprobs"),
+BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
               "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
 
 
@@ -65,11 +65,11 @@ def _zero_sums():
   return {k: jnp.zeros((), jnp.float32) for k in SUMS}
 
 
-def logprob_mismatch(logp, sampler_logprobs, mask):
+def logprob_mismatch(logp, logprobs, mask):
   """(sum, max) over the masked tokens of the sampler-vs-trainer gap: KL(mu || pi) per token by the k3
   estimator on the sampled tokens (pi/mu - 1 - log(pi/mu), >= 0, zero only where they agree), and the
   largest |log pi - log mu|."""
-  delta = jnp.where(mask, logp - sampler_logprobs, 0.0)
+  delta = jnp.where(mask, logp - logprobs, 0.0)
   return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
 
 
@@ -352,7 +352,7 @@ class Trainer:
     if self.role == "policy":
       ratio = jnp.exp(logp - with_old_logprobs(batch, logp, self.objective.objective)["old_logprobs"])
       clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
-      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["sampler_logprobs"], mask)
+      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["logprobs"], mask)
     else:  # logp holds the values: count tokens whose value update is clipped
       clipped = jnp.abs(logp - batch["old_values"]) > self.objective.value_clip
     m = mask.astype(jnp.float32)

@@ -84,7 +84,7 @@ class StepPlans:
     begun = tuple(p for p in partials if p.group_id in set(groups))
     plan.unleased.insert(0, dataclasses.replace(lease, group_ids=groups, prompts=pick(lease.prompts),
                                                 predicted_lengths=pick(lease.predicted_lengths), partials=begun,
-                                                rows=pick(lease.rows), prompt_ids=pick(lease.prompt_ids)))
+                                                rows=pick(lease.rows), prompt_tokens=pick(lease.prompt_tokens)))
     self._timeline.count(partial_samples_handed_back=len(begun))
     return groups
 
@@ -133,7 +133,7 @@ class StepPlans:
                                prompts=tuple(p for p, _ in drawn), predicted_lengths=(), length_quantiles=(),
                                min_version=self._min_version(step), instances=instances,
                                rows=tuple(r for _, r in drawn),
-                               prompt_ids=tuple(tuple(prompt_tokens(self.task, self.tokenizer, p)) for p, _ in drawn)))
+                               prompt_tokens=tuple(tuple(prompt_tokens(self.task, self.tokenizer, p)) for p, _ in drawn)))
     plan.leases += 1
     plan.summary = None
 

@@ -40,8 +40,8 @@ class LeaseEpisodes:
       run = runs.get(lease_id)
       if run is None:
         continue  # its lease was dropped
-      prompt_ids = run.lease.prompt_ids[run.index_of[group_id]]
-      sample = episode_sample(result, group_id, prompt_ids, stop_id, version)
+      prompt_tokens = run.lease.prompt_tokens[run.index_of[group_id]]
+      sample = episode_sample(result, group_id, prompt_tokens, stop_id, version)
       text, env_reward, failure = scored_text(result)
       yield run, dataclasses.replace(sample, env_reward=env_reward), text, failure
 

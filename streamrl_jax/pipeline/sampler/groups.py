@@ -22,19 +22,19 @@ def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, ste
   logprobs = np.zeros((n, width), np.float32)
   versions = np.zeros((n, width), np.int64)
   for row, s in enumerate(samples):
-    p, c = len(s.prompt_tokens), len(s.completion_tokens)
+    p, c = len(s.prompt_tokens), len(s.tokens)
     if p + c > width:
       raise ValueError(f"sample {s.request_id}: {p + c} tokens exceed the shard width {width}")
-    tokens[row, :p], tokens[row, p:p + c] = s.prompt_tokens, s.completion_tokens
+    tokens[row, :p], tokens[row, p:p + c] = s.prompt_tokens, s.tokens
     valid[row, :p + c] = True
     loss_mask[row, p:p + c] = True if s.loss_mask is None else s.loss_mask  # an environment's tokens: False
     logprobs[row, p:p + c] = s.logprobs
-    versions[row, p:p + c] = s.token_versions
-  return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, sampler_logprobs=logprobs,
+    versions[row, p:p + c] = s.versions
+  return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, logprobs=logprobs,
                      rewards=np.asarray([c.total + s.env_reward for c, s in zip(scores, samples)], np.float32),
                      group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
                      steps=[step] * n, first_versions=[s.first_version for s in samples],
-                     last_versions=[s.last_version for s in samples], token_versions=versions,
+                     last_versions=[s.last_version for s in samples], versions=versions,
                      reward_parts=np.asarray([c.parts for c in scores], np.float32).reshape(n, -1),
                      reward_errors=[c.errors for c in scores], reward_timeouts=[c.timeouts for c in scores])
 

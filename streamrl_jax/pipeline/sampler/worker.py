@@ -246,16 +246,16 @@ class SamplerWorker:
     self.engines.apply_elastic(self.sampler)
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
                     np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
-    if len(lease.prompt_ids) != len(lease.prompts):
-      raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_ids)} prompts' token ids for "
+    if len(lease.prompt_tokens) != len(lease.prompts):
+      raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_tokens)} prompts' token ids for "
                        f"{len(lease.prompts)} prompts: a controller of another streamrl_jax version?")
     if self.config.sampler.env.agent:
       self.episodes.start(lease, rows, self.server)
     else:
-      submit_lease(self.config, self.sampler, self.engines, lease, lease.prompt_ids, self.tokenizer.stop_ids)
+      submit_lease(self.config, self.sampler, self.engines, lease, lease.prompt_tokens, self.tokenizer.stop_ids)
     for rollout in (p for p in lease.partials if p.finished):
       i = run.index_of[rollout.group_id]
-      self._collect(run, Sample.of_rollout(rollout, lease.prompt_ids[i], self.tokenizer.stop_ids), samples)
+      self._collect(run, Sample.of_rollout(rollout, lease.prompt_tokens[i], self.tokenizer.stop_ids), samples)
     return run
 
   def _collect(self, run: _LeaseRun, sample: Sample, samples, text: str | None = None, failure: str = "") -> None:
@@ -270,7 +270,7 @@ class SamplerWorker:
       self.episodes.failed(key, failure, where, len(self.scorer.names))
       return
     with self.phase_clock.phase("reward"):
-      text = self.tokenizer.decode(sample.completion_tokens) if text is None else text
+      text = self.tokenizer.decode(sample.tokens) if text is None else text
       self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
 
   def _send_scored(self, runs: dict, samples) -> None:

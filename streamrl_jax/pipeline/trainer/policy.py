@@ -55,7 +55,7 @@ def shard_advantages(trainer: Trainer, config, shard: SampleShard) -> np.ndarray
   rewards, objective = shard.rewards, config.trainer.objective
   if objective.kl_coef > 0 and objective.kl_in_reward:
     ref = trainer.reference_logprobs(shard.tokens, shard.valid)
-    rewards = np.asarray(kl_penalized_rewards(rewards, shard.sampler_logprobs, ref, shard.loss_mask,
+    rewards = np.asarray(kl_penalized_rewards(rewards, shard.logprobs, ref, shard.loss_mask,
                                               objective.kl_coef, objective.kl_estimator), np.float32)
   return compute_advantages(config.advantage, rewards, shard.group_ids)
 
