@@ -82,7 +82,7 @@ class Instance:
     return preempted
 
 
-class Roster:
+class InstanceSet:
   """One sampler's instances, in creation order, and the weights they run."""
 
   def __init__(self, engines: Sequence[DecodeEngine], params):

@@ -1,6 +1,6 @@
 """Continuous batching over one or several engine instances; each finished sample leaves at once.
 
-`StreamingSampler` is the request API over its parts: the instances (`instances.Roster`), admission into free
+`StreamingSampler` is the request API over its parts: the instances (`instances.InstanceSet`), admission into free
 slots (`admission.Admitter`), multi-turn rows (`tool_turns.ToolTurns`) and each request's progress
 (`in_flight.InFlight`). `step()` admits queued requests, makes room for the rows to grow (the engine preempts what
 does not fit), runs one `generate` call per busy instance (dispatched to all instances before any result is read,
@@ -20,7 +20,7 @@ from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter, StepsPolicy
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.sampling.in_flight import InFlight, check_resumable
-from streamrl_jax.sampling.instances import Instance, Roster
+from streamrl_jax.sampling.instances import Instance, InstanceSet
 from streamrl_jax.sampling.tool_turns import ToolTurns
 from streamrl_jax.scheduling.policies import adaptive_steps, fifo_order
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Rollout, Sample, SamplingParams
@@ -45,7 +45,7 @@ class StreamingSampler:
     if tools is not None and not all(hasattr(e, "extend") for e in engines):
       raise ValueError("multi-turn tools need engines that extend rows in flight (`sampling.make_engine`'s)")
     self.version, self.admission, self.steps, self.tools = version, admission, steps, tools
-    self._roster = Roster(engines, params)
+    self._set = InstanceSet(engines, params)
     self._next_id = 0
     self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
                          resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
@@ -71,7 +71,7 @@ class StreamingSampler:
     resuming = progress is not None and bool(progress.tokens)
     if resuming:
       check_resumable(progress, params)
-    target = self._roster.get(instance) if instance is not None else self._roster.least_loaded()
+    target = self._set.get(instance) if instance is not None else self._set.least_loaded()
     try:
       target.engine.check_request(len(prompt), params.max_new_tokens)
     except ValueError as err:
@@ -97,18 +97,18 @@ class StreamingSampler:
     """Swaps the weights between decode steps; in-flight requests continue with the new version. Their KV
     cache, written by the old weights, is kept; with `recompute` each is prefilled again (prompt + tokens so
     far) by the new weights at its next admission. Tokens keep the version that sampled them."""
-    self._roster.place_params(params)
+    self._set.place_params(params)
     self.version = version
     if recompute:
-      for inst in self._roster.instances:
+      for inst in self._set.instances:
         self._requeue(inst, inst.release_decoding(), "recomputed")
 
   def in_flight_progress(self) -> list[tuple[Request, Rollout]]:
     """Every queued or running request with its tokens so far (a partial rollout to hand over when the
     sampler stops), in submission order."""
     held = self._admitter.held()
-    flights = {**self._roster.rows(), **held}
-    requests = self._roster.queued() + [f.request for f in flights.values() if f.request.request_id not in held]
+    flights = {**self._set.rows(), **held}
+    requests = self._set.queued() + [f.request for f in flights.values() if f.request.request_id not in held]
     return [(r, flights[r.request_id].rollout() if r.request_id in flights else
              Rollout(r.group_id, r.sample_index, (), (), ())) for r in sorted(requests, key=lambda r: r.request_id)]
 
@@ -116,7 +116,7 @@ class StreamingSampler:
     """Drops requests wherever they are: queued, on a slot (its memory given back), parked on a tool or held to
     resume. Unknown ids (finished already) are ignored; returns how many were dropped."""
     ids = set(request_ids)
-    dropped = sum(inst.cancel(ids) for inst in self._roster.instances)
+    dropped = sum(inst.cancel(ids) for inst in self._set.instances)
     self._admitter.drop(ids)
     self.counters["cancelled"] += dropped
     return dropped
@@ -124,7 +124,7 @@ class StreamingSampler:
   def progress(self, seen: dict[int, int]) -> dict[int, tuple[list[int], list[float], list[int]]]:
     """Request id -> (tokens, log-probabilities, versions) sampled after the first `seen[id]`, copied, of each
     request in `seen` that has new ones (on a slot, parked or held to resume; a queued fresh one has none yet)."""
-    flights = {**self._admitter.held(), **self._roster.rows()}
+    flights = {**self._admitter.held(), **self._set.rows()}
     return {i: (f.tokens[n:], f.logprobs[n:], f.versions[n:]) for i, n in seen.items()
             if (f := flights.get(i)) is not None and len(f.tokens) > n}
 
@@ -132,38 +132,38 @@ class StreamingSampler:
   @property
   def _instances(self) -> list[Instance]:
     """The roster's instances, retiring ones too (tests read their decode states)."""
-    return self._roster.instances
+    return self._set.instances
 
   @property
   def instance_ids(self) -> list[int]:
     """Ids of the instances that take new requests, in creation order."""
-    return [i.index for i in self._roster.accepting]
+    return [i.index for i in self._set.accepting]
 
   def set_slot_limits(self, limits: dict[int, int]) -> None:
     """Caps how many slots of each instance (by id) may be busy; a cap below the busy count lets the
     busy ones finish. 0 lifts the cap."""
-    self._roster.set_slot_limits(limits)
+    self._set.set_slot_limits(limits)
 
   def add_instance(self, engine: DecodeEngine) -> int:
     """Starts another engine instance (a sampler replica) with the current weights; returns its id."""
-    return self._roster.add(engine)
+    return self._set.add(engine)
 
   def replace_engine(self, instance_id: int, engine: DecodeEngine) -> None:
     """Runs an idle instance on another engine (e.g. the same mesh compiled for another slot count)."""
-    self._roster.replace_engine(instance_id, engine)
+    self._set.replace_engine(instance_id, engine)
 
   def retire_instance(self, instance_id: int) -> DecodeEngine:
     """Stops an instance taking requests: its queued requests move to the others (least loaded first),
     its in-flight requests finish where they are, then it is dropped. Returns its engine."""
-    return self._roster.retire(instance_id)
+    return self._set.retire(instance_id)
 
   @property
   def num_pending(self) -> int:
-    return len(self._roster.queued())
+    return len(self._set.queued())
 
   @property
   def num_in_flight(self) -> int:
-    return self._roster.num_in_flight
+    return self._set.num_in_flight
 
   def has_work(self) -> bool:
     return self.num_pending + self.num_in_flight > 0
@@ -172,7 +172,7 @@ class StreamingSampler:
   def step(self) -> list[Sample]:
     """Admits, decodes on every busy instance (the steps the policy picks), returns finished samples."""
     now, finished, outputs = time.perf_counter(), [], []
-    for inst in self._roster.instances:
+    for inst in self._set.instances:
       if self._turns is not None:
         self._tool_turns(inst, finished)
       self._admitter.admit(inst, self.admission, self.version, now)
@@ -181,7 +181,7 @@ class StreamingSampler:
       if out is not None:
         outputs.append((inst, out))
     self._read_back(outputs, finished)
-    self._roster.drop_idle_retired()
+    self._set.drop_idle_retired()
     return finished
 
   def _tool_turns(self, inst: Instance, finished: list) -> None:
@@ -194,7 +194,7 @@ class StreamingSampler:
   def _requeue(self, inst: Instance, slots: list[int], counter: str) -> None:
     """Requests taken off their slots (preempted, or to recompute their cache) go back to the front of a
     queue with their progress; `counters[counter]` counts them."""
-    for flight in self._roster.requeue(inst, slots):
+    for flight in self._set.requeue(inst, slots):
       self._admitter.hold(flight)
     self.counters[counter] += len(slots)
 
@@ -217,14 +217,14 @@ class StreamingSampler:
   def _read_back(self, outputs: list, finished: list) -> None:
     """Reads the new rows' first tokens, then every step output back (the device runs the calls in the order they
     were launched: the first wait is the prefill's, the second the decode's); records their tokens."""
-    calls = {id(f.first[0]): f.first[0] for i in self._roster.instances for f in i.slots.values()
+    calls = {id(f.first[0]): f.first[0] for i in self._set.instances for f in i.slots.values()
              if f.first is not None}
     with self._phase("prefill"):
       host_calls = jax.device_get(calls)
     with self._phase("decode"):
       host_outputs = jax.device_get([out for _, out in outputs])
     now = time.perf_counter()
-    for inst in self._roster.instances:
+    for inst in self._set.instances:
       self._record_first_tokens(inst, host_calls, now, finished)
     for (inst, _), out in zip(outputs, host_outputs):
       self._record_steps(inst, out, now, finished)
