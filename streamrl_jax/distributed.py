@@ -1,8 +1,9 @@
 """Several processes inside one role: `jax.distributed` for that role only, and what its processes share.
 
 A role (the trainer, or one engine instance) may span processes (hosts): they form one JAX cluster and one
-mesh, and run the same program in lockstep. Its process 0 talks to the other roles; the others follow:
-process 0 broadcasts each sample shard it receives, and the weights it publishes are all-gathered.
+mesh, and run the same program in lockstep. Its process 0 holds the control (the controller, the plans); a trainer's
+every process takes the samples it trains at its own door (`pipeline.trainer.intake`), and the weights process 0
+publishes are all-gathered.
 
 Where the cluster comes from, first found wins: the flags `--coordinator --num-processes --process-id`;
 `STREAMRL_COORDINATOR`, `STREAMRL_NUM_PROCESSES`, `STREAMRL_PROCESS_ID`; a JobSet pod (`JOBSET_NAME`,
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import sys
 from collections.abc import Mapping
 
@@ -79,6 +81,22 @@ def initialize(config: DistributedConfig | None) -> None:
   _STARTED.append(config)
 
 
+def advertised_host(listen_host: str, env: Mapping[str, str] = os.environ) -> str:
+  """The host other processes dial for a server of this process listening on `listen_host`: that host, or for a
+  wildcard address this pod's stable DNS name in a JobSet (as `detect` names process 0's), else this machine's name."""
+  if listen_host not in ("0.0.0.0", "::", ""):
+    return listen_host
+  if "JOBSET_NAME" in env and "JOB_COMPLETION_INDEX" in env and "REPLICATED_JOB_NAME" in env:
+    jobset = env["JOBSET_NAME"]
+    return f"{jobset}-{env['REPLICATED_JOB_NAME']}-{env.get('JOB_INDEX', '0')}-{env['JOB_COMPLETION_INDEX']}.{jobset}"
+  return socket.gethostname()
+
+
+def coordinator_host() -> str:
+  """The host of this role's process 0 (its `jax.distributed` coordinator); "" for a single process."""
+  return _STARTED[0].coordinator.rpartition(":")[0] if _STARTED else ""
+
+
 def joined() -> bool:
   """Whether this process is one of several in a jax.distributed cluster."""
   return bool(_STARTED)
@@ -100,25 +118,19 @@ def is_leader() -> bool:
   return jax.process_index() == 0
 
 
-def broadcast_shard(shard):
-  """Process 0 passes its shard (or None: stop); every process returns that shard (or None). Collective."""
+def gather_text(text: str, limit: int = 255) -> list[str]:
+  """Every process's `text` (an address, at most `limit` bytes of UTF-8), by process. Collective."""
   import jax
   from jax.experimental import multihost_utils
 
-  from streamrl_jax.streaming.shard import ROW_FIELDS, TOKEN_FIELDS, SampleShard
-
-  leader = jax.process_index() == 0
+  raw = text.encode()
+  if len(raw) > limit:
+    raise ValueError(f"{text[:80]!r}: more than {limit} bytes")
+  mine = np.zeros(limit + 1, np.uint8)
+  mine[0], mine[1:len(raw) + 1] = len(raw), np.frombuffer(raw, np.uint8)
   every = launch.launcher(jax.devices())  # multihost_utils' collectives run over every device
-  head = np.asarray(shard.tokens.shape if leader and shard is not None else (0, 0), np.int64)
-  head = np.asarray(every(multihost_utils.broadcast_one_to_all, head, is_source=leader))
-  if head[0] == 0:
-    return None
-  fields = {**TOKEN_FIELDS, **ROW_FIELDS}
-  local = {k: (np.asarray(getattr(shard, k)) if leader else np.zeros(head if k in TOKEN_FIELDS else head[:1], dtype))
-           for k, dtype in fields.items()}
-  wire = {k: v.astype(np.int32) if v.dtype in (np.bool_, np.int64) else v for k, v in local.items()}  # as jax holds them
-  got = every(multihost_utils.broadcast_one_to_all, wire, is_source=leader)
-  return SampleShard(**{k: np.asarray(got[k]).astype(fields[k]) for k in fields})
+  got = np.asarray(every(multihost_utils.process_allgather, mine)).reshape(-1, limit + 1)
+  return [bytes(row[1:1 + int(row[0])]).decode() for row in got]
 
 
 def gather_to_host(tree):

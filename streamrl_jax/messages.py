@@ -60,6 +60,7 @@ class Registered:
   start_step: int
   steps: int
   heartbeat_s: float
+  data_endpoints: tuple[str, ...] = ()  # HOST:PORT of each trainer process's sample door, by process (empty: one)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +172,26 @@ class Ack:
   rejoin: bool = False  # the sender is not (any more) a sampler of this run: register again
 
 
+@dataclasses.dataclass(frozen=True)
+class Delivery:
+  """A trainer process's sample door asks process 0's controller whether to take a batch of whole groups of
+  `step` from `sampler_id` (the samples stay where they arrived; only this crosses): `lengths` holds each group's
+  mean completion tokens."""
+
+  sampler_id: int
+  step: int
+  group_ids: tuple[int, ...]
+  lengths: tuple[float, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeliveryStatus:
+  """'accept', 'late', 'trained' or 'rejoin' (`Controller.on_shard`), or 'refused' with the reason."""
+
+  status: str
+  reason: str = ""
+
+
 # ---- the trainer's messages to the controller (`pipeline.trainer.control.TrainerControl`) ----------------
 @dataclasses.dataclass(frozen=True)
 class Published:
@@ -264,7 +285,9 @@ LIMITS = {
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
     "StepReport.phase_s": (0.0, 1e9), "StepSummary.phase_s": (0.0, 1e12),
-    "Registered.heartbeat_s": (0.0, 1e6), "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
+    "Registered.heartbeat_s": (0.0, 1e6), "Registered.data_endpoints": 256,
+    "Delivery.group_ids": (0, 1 << 62), "Delivery.lengths": (0.0, 1e9), "DeliveryStatus.status": 16,
+    "DeliveryStatus.reason": 600, "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
     "Rollout.versions": (0, 1 << 62), "Rollout.sample_index": (0, 1 << 20), "Rollout.group_id": (0, 1 << 62),
     "Lease.prompt_tokens": (0, (1 << 31) - 1),
     "Published.version": (-1, 1 << 62), "StepTrained.step": (0, 1 << 62), "StepTrained.train_s": (0.0, 1e7),
@@ -324,7 +347,8 @@ def quote(value, limit: int = QUOTE_CHARS) -> str:
 
 MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Rollout, Lease, LeaseReply, StepReport,
                                           Heartbeat, HeartbeatReply, VersionQuery, VersionInfo, Leave, Ack, Published,
-                                          StepTrained, StepSummaryRequest, StepSummary, Regenerate, Backfill,
+                                          Delivery, DeliveryStatus, StepTrained, StepSummaryRequest, StepSummary,
+                                          Regenerate, Backfill,
                                           Backfilled, SamplerWaitQuery, SamplerWait, ArmJoin, ArmJoined, ArmPoll,
                                           ArmState)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}

@@ -272,8 +272,9 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   """The TPU v5e manifests of a run with a trainer of 2 hosts and 2 engine instances: each pod's command,
   with its environment and volumes, runs as a local process on the CPU (JAX_PLATFORMS is the one thing
   changed), host names resolve to 127.0.0.1 through a private /etc/hosts; the run completes as on the
-  cluster. Its two trainer processes form one 2-device mesh and train what a single-process run trains
-  (stream is on-policy and samples depend on (seed, group, index) only)."""
+  cluster. Its two trainer processes form one 2-device mesh, each taking its own groups' samples at its own
+  door, and train what a single-process run trains (stream is on-policy and samples depend on (seed, group,
+  index) only)."""
   prefix = hosts_namespace()
   if prefix is None:
     pytest.skip("no mount namespace here (unshare) to give the pods their host names")
@@ -314,7 +315,11 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert [r["step"] for r in rows] == [1, 2]
   counters = json.loads((workdir / "summary.json").read_text())["counters"]
-  assert counters["samples_trained"] == counters["flight_accepted_samples"] == 16 and counters["registered"] == 2
+  assert counters["samples_trained"] == counters["intake_samples"] == 16 and counters["registered"] == 2
+  # each trainer process took its own groups' samples at its own door (half the groups each); process 0 the rows'
+  # descriptions of the others, never their tokens
+  assert counters["flight_accepted_samples"] == counters["intake_local_samples"] == 8
+  assert counters["intake_door_kib/1"] > 0 and counters["refused_samples"] == 0
   assert counters["duplicate_samples"] == 0 and counters["prompts_submitted"] == 8
   leader = logs[pods[0].hostname()]
   assert "trainer mesh {'data': 1, 'fsdp': 2, 'tensor': 1} over 2 process(es)" in leader

@@ -66,6 +66,12 @@ the step whatever the run's length, so a resumed run that runs longer keys its s
   return range(first, extra), range(extra, extra + config.backfill_per_step)
 
 
+def group_owner(group_id: int, processes: int) -> int:
+  """The trainer process whose data shard trains group `group_id` (groups dealt round the processes, so a step's
+  groups split evenly): samplers send the group there, and only that process's door takes it."""
+  return int(group_id) % max(processes, 1)
+
+
 def min_version(start_step: int, step: int, max_lag: int) -> int:
   """The version gate: the oldest weights a step's generation may start with."""
   return max(start_step, step - max_lag)

@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from streamrl_jax import launch
-from streamrl_jax.messages import (QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, Heartbeat, LeaseRequest, Leave,
-                                   Register, StepReport, VersionInfo, VersionQuery, decode_message, encode_message)
+from streamrl_jax.messages import (QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, VersionInfo, VersionQuery,
+                                   decode_message, encode_message)
 from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue
@@ -155,11 +155,13 @@ class HostWeightStore:
 @dataclasses.dataclass(frozen=True)
 class ServerLimits:
   """What the trainer's server takes and sends: a sample batch within `wire` (the run's `WireLimits`, or a vocabulary
-  size alone), a DoPut waiting up to `put_wait_s` for room in a full queue, weights in chunks of `chunk_bytes`."""
+  size alone), a DoPut waiting up to `put_wait_s` for room in a full queue, weights in chunks of `chunk_bytes`; of a
+  trainer of several processes, the groups `owner` names (`step_plan.group_owner`)."""
 
   wire: WireLimits | int
   put_wait_s: float = 1.0
   chunk_bytes: int = DEFAULT_CHUNK_BYTES
+  owner: tuple[int, int] = (0, 1)  # (this trainer process, the trainer's processes): whose groups it takes
 
 
 class TrainerFlightServer(flight.FlightServerBase):
@@ -176,13 +178,13 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._seq_locks: dict[int, threading.Lock] = {}
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()
-    self.counters = dict(accepted_batches=0, accepted_samples=0, duplicate_batches=0, bad_batches=0,
+    self.counters = dict(accepted_batches=0, accepted_samples=0, accepted_bytes=0, duplicate_batches=0, bad_batches=0,
                          full_refusals=0, rejoin_refusals=0, late_batches=0, trained_batches=0, weight_streams=0,
                          weight_bytes=0, bad_tickets=0, actions=0, bad_actions=0)
     self._handlers = {VersionQuery: self._version_info}
-    if controller is not None:  # None: a server of weights alone
-      self._handlers.update({Register: controller.register, LeaseRequest: controller.lease,
-                             StepReport: controller.report, Heartbeat: controller.heartbeat, Leave: controller.leave})
+    if controller is not None:  # None: a server of weights alone; a door of another process: of samples alone
+      self._handlers.update(controller.handlers())
+    self.owner = limits.owner  # (this trainer process, processes): a process takes the groups it owns alone
     self.arms = arms  # follower programs' streams (`pipeline.remote_arms.RemoteArms`), or None
     if arms is not None:
       self._handlers.update({ArmJoin: arms.join, ArmPoll: arms.poll})
@@ -198,7 +200,10 @@ class TrainerFlightServer(flight.FlightServerBase):
     try:
       for chunk in reader:
         shard, envelope = batch_to_shard(chunk.data, self.limits)
-        writer.write(pa.py_buffer(json.dumps(self._accept(shard, envelope)).encode()))
+        reply = self._accept(shard, envelope)
+        if reply["status"] == "accepted":
+          self._count("accepted_bytes", chunk.data.nbytes)
+        writer.write(pa.py_buffer(json.dumps(reply).encode()))
     except flight.FlightError:  # the queue's backpressure, the run's end: as raised
       raise
     except (BadSampleBatch, BadShard, pa.ArrowException) as err:  # Arrow: a stream unlike the schema it announced
@@ -215,6 +220,11 @@ class TrainerFlightServer(flight.FlightServerBase):
       if envelope.seq <= self._last_seq.get(envelope.sampler_id, -1):
         self._count("duplicate_batches")
         return {"seq": envelope.seq, "status": "duplicate"}
+      process, processes = self.owner
+      foreign = shard.group_ids[shard.group_ids % processes != process]
+      if foreign.size:
+        raise BadShard(f"group {int(foreign[0])} belongs to trainer process {int(foreign[0]) % processes}; this is "
+                       f"process {process} of {processes}: send each group where the trainer's data_endpoints say")
       if shard.num_samples > self.samples.capacity:
         raise BadShard(f"{shard.num_samples} samples in one batch exceed the trainer's queue "
                        f"({self.samples.capacity} samples)")

@@ -15,6 +15,12 @@ ROW_FIELDS = {"rewards": np.float32, "group_ids": np.int64, "sample_indices": np
 PART_FIELDS = {"reward_parts": np.float32}  # [n, reward functions]
 TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "logprobs": np.float32,
                 "versions": np.int64}
+# Held beside a shard, never on the wire: the trainer process that holds each sample's tokens, and what the metrics
+# and the step's decisions read of them (`token_stats`), so that a process that holds a sample's row but not its tokens
+# (a trainer of several processes) decides as the one that does.
+LOCAL_FIELDS = {"owners": np.int32, "token_stats": np.int64}
+STATS = ("trained", "version_sum", "version_min", "env")  # token_stats' columns, one row per sample
+NO_VERSION = np.iinfo(np.int64).max  # version_min of a sample with no trained token
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +50,8 @@ class SampleShard:
   reward_parts: np.ndarray | None = None  # default: the reward alone, one column
   reward_errors: np.ndarray | None = None  # default: none
   reward_timeouts: np.ndarray | None = None
+  owners: np.ndarray | None = None  # [n] the trainer process holding each sample's tokens; default: 0
+  token_stats: np.ndarray | None = None  # [n, len(STATS)]; default: counted from the tokens
 
   def __post_init__(self):
     n, length = np.shape(self.tokens)
@@ -69,6 +77,13 @@ class SampleShard:
       object.__setattr__(self, name, value)
     if np.any(self.loss_mask & ~self.valid):
       raise ValueError("SampleShard.loss_mask marks tokens that are not valid")
+    owners = np.zeros(n, np.int32) if self.owners is None else np.asarray(self.owners, np.int32)
+    stats = _token_stats(self) if self.token_stats is None else np.asarray(self.token_stats, np.int64)
+    if owners.shape != (n,) or stats.shape != (n, len(STATS)):
+      raise ValueError(f"SampleShard.owners {owners.shape} and token_stats {stats.shape}: expected ({n},) and "
+                       f"({n}, {len(STATS)})")
+    object.__setattr__(self, "owners", owners)
+    object.__setattr__(self, "token_stats", stats)
 
   @property
   def num_samples(self) -> int:
@@ -77,35 +92,61 @@ class SampleShard:
   @property
   def trained_tokens(self) -> int:
     """Completion tokens that carry a loss (0: nothing of this shard is trained)."""
-    return int(np.count_nonzero(self.loss_mask))
+    return int(self.token_stats[:, 0].sum())
 
   @property
   def min_version(self) -> int:
     return int(self.first_versions.min()) if len(self.first_versions) else 0
 
-  def token_staleness(self, step: int) -> np.ndarray:
-    """step - version of every completion token, flat: how many updates behind each trained token is."""
-    return step - self.versions[self.loss_mask]
+  def staleness_sum_max(self, step: int) -> tuple[int, int, int]:
+    """(trained tokens, the sum and the most of step - version over them): how many updates behind they are."""
+    trained, version_sum, version_min = (self.token_stats[:, i] for i in range(3))
+    some = trained > 0
+    most = int(step - version_min[some].min()) if some.any() else 0
+    return int(trained.sum()), int(step * trained.sum() - version_sum.sum()), most
+
+  @property
+  def env_tokens(self) -> int:
+    """Tokens an environment wrote into the completions (masked, after a row's first trained token)."""
+    return int(self.token_stats[:, 3].sum())
 
   @classmethod
   def concat(cls, shards: list[SampleShard]) -> SampleShard:
     width = max(s.tokens.shape[1] for s in shards)
     pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
     fields = {k: np.concatenate([pad(getattr(s, k)) for s in shards]) for k in TOKEN_FIELDS}
-    fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in {**ROW_FIELDS, **PART_FIELDS}})
+    fields.update({k: np.concatenate([getattr(s, k) for s in shards])
+                   for k in {**ROW_FIELDS, **PART_FIELDS, **LOCAL_FIELDS}})
     return cls(**fields)
 
   def take(self, rows) -> SampleShard:
     """The samples at `rows` (indices), in that order."""
     rows = np.asarray(rows, np.int64)
-    return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS}})
+    return SampleShard(**{k: getattr(self, k)[rows]
+                          for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS, **LOCAL_FIELDS}})
 
   def keys(self) -> list[tuple[int, int, int]]:
     """(step, group id, sample index) of every sample: what identifies it whoever generated it."""
     return list(zip(self.steps.tolist(), self.group_ids.tolist(), self.sample_indices.tolist()))
 
-  def train_batch(self, advantages: np.ndarray) -> dict:
-    """The micro-batch dict the trainer takes, with one advantage per sample."""
-    return dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, logprobs=self.logprobs,
-                advantages=np.asarray(advantages, np.float32))
+  def train_batch(self, advantages: np.ndarray, owned: bool = False) -> dict:
+    """The micro-batch dict the trainer takes, with one advantage per sample; `owned`: with each token's `owners`
+    (the process that holds it, for a trainer of several processes)."""
+    batch = dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, logprobs=self.logprobs,
+                 advantages=np.asarray(advantages, np.float32))
+    if owned:
+      batch["owners"] = np.repeat(self.owners[:, None], self.tokens.shape[1], axis=1)
+    return batch
+
+
+def _token_stats(shard: SampleShard) -> np.ndarray:
+  """`STATS` of each sample of `shard`, counted from its tokens."""
+  mask = shard.loss_mask
+  trained = mask.sum(axis=1)
+  version_sum = np.where(mask, shard.versions, 0).sum(axis=1)
+  version_min = np.where(mask, shard.versions, NO_VERSION).min(axis=1, initial=NO_VERSION)
+  pos = np.arange(mask.shape[1])[None]
+  first = np.where(mask.any(axis=1), mask.argmax(axis=1), mask.shape[1])[:, None]
+  env = np.sum(shard.valid & ~mask & (pos >= first), axis=1)
+  return np.stack([trained, version_sum, version_min, env], axis=1).astype(np.int64)
 

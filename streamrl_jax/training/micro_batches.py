@@ -62,7 +62,7 @@ class MicroBatcher:
       self._pending = [_pad_columns(b, width) for b in self._pending]
       batch = _pad_columns(batch, width)
     if self.pack_length:
-      pack_plan(batch["valid"], self.pack_length)  # refuses a sample that cannot be packed before it is kept
+      pack_plan(batch["valid"], self.pack_length, _owners(batch))  # refuses an unpackable sample before keeping it
     self.rows_seen += len(batch["tokens"])
     if self.pack_length:  # a sample without tokens carries no loss and takes no row
       batch = {k: v[batch["valid"].any(axis=1)] for k, v in batch.items()}
@@ -70,7 +70,7 @@ class MicroBatcher:
     if self.pack_length:
       while self.pending_rows > self.call_rows:
         merged = self._merged()
-        plan = pack_plan(merged["valid"], self.pack_length)
+        plan = pack_plan(merged["valid"], self.pack_length, _owners(merged))
         if len(plan) <= self.call_rows:
           break
         state = self._run(state, trimmed_call(self._take_packed(merged, plan[:self.call_rows])), cut=False)
@@ -84,7 +84,7 @@ class MicroBatcher:
     if self._pending:
       if self.pack_length:
         merged = self._merged()
-        plan = pack_plan(merged["valid"], self.pack_length)
+        plan = pack_plan(merged["valid"], self.pack_length, _owners(merged))
         chunk = self._take_packed(merged, plan)
         return self._run(state, chunk) if plan else state  # samples without tokens carry no loss
       state = self._run(state, self._take(self.pending_rows))
@@ -127,6 +127,11 @@ class MicroBatcher:
       raise ValueError("finish() with no rows since the last optimizer step")
     self.rows_seen = 0
     return self.trainer.apply(self.flush(state))
+
+
+def _owners(batch: dict):
+  """Each sample's trainer process (a trainer of several processes), or None."""
+  return batch["owners"][:, 0] if "owners" in batch else None
 
 
 def _pad_columns(batch: dict, width: int) -> dict:

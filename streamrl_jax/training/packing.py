@@ -176,11 +176,13 @@ def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, 
   return min(wanted, fits) // length * length
 
 
-def pack_plan(valid, length: int) -> list[list[tuple[int, int, int]]]:
+def pack_plan(valid, length: int, owners=None) -> list[list[tuple[int, int, int]]]:
   """Where each sample goes when packed into rows of `length` tokens, first-fit by decreasing length: one list per
   packed row of (source row, start, count) spans, in their order along the row. `valid` [rows, width] marks each
-  sample's tokens (contiguous). Rows that come first hold the longest samples; a sample is never split."""
+  sample's tokens (contiguous). Rows that come first hold the longest samples; a sample is never split. With
+  `owners` [rows] (the trainer process holding each sample), a packed row holds one owner's samples alone."""
   valid = np.asarray(valid, bool)
+  owner = np.zeros(len(valid), np.int64) if owners is None else np.asarray(owners, np.int64)
   spans = []
   for row, mask in enumerate(valid):
     where = np.flatnonzero(mask)
@@ -194,11 +196,14 @@ def pack_plan(valid, length: int) -> list[list[tuple[int, int, int]]]:
     spans.append((row, start, count))
   spans.sort(key=lambda span: -span[2])
   fill: list[int] = []
+  row_owner: list[int] = []
   rows: list[list[tuple[int, int, int]]] = []
   for span in spans:
-    target = next((i for i, used in enumerate(fill) if used + span[2] <= length), len(fill))
+    who = owner[span[0]]
+    target = next((i for i, used in enumerate(fill) if used + span[2] <= length and row_owner[i] == who), len(fill))
     if target == len(fill):
       fill.append(0)
+      row_owner.append(who)
       rows.append([])
     rows[target].append(span)
     fill[target] += span[2]

@@ -25,6 +25,7 @@ from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
                                               with_old_logprobs)
+from streamrl_jax.training.owned_rows import owned_layout, put_owned
 from streamrl_jax.training.packing import packed_shapes
 
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
@@ -216,7 +217,8 @@ class Trainer:
 
   # ---- host side: validation, padding, placement ----------------------------------------------
   def prepare(self, batch: dict) -> dict:
-    """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss."""
+    """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss. A batch with
+    `owners` (a trainer of several processes: each row's holder) is laid out by them (`owned_rows`)."""
     keys = BATCH_KEYS[self.role]
     missing = [k for k in keys if k not in batch]
     if missing:
@@ -225,11 +227,10 @@ class Trainer:
     if np.asarray(batch["loss_mask"])[:, 0].any():
       raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
     packed = "segment_ids" in batch
-    if packed:
-      shape = (-(-rows // self.packed_row_quantum) * self.packed_row_quantum, length)
-    else:
-      shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
-    out = {}
+    rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
+                else (lambda n: _bucket(n, self.min_rows)))
+    shape = (rows_for(rows), length if packed else _bucket(length, self.min_length))
+    values = {}
     extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
         ("segment_ids",) if packed else ())
     for key in keys + extra:
@@ -238,13 +239,18 @@ class Trainer:
         value = np.repeat(value[:, None], length, axis=1)
       if value.shape != (rows, length):
         raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
-      padded = np.zeros(shape, value.dtype)
-      padded[:rows, :length] = value
-      out[key] = padded
+      values[key] = value
+    sharding_for = lambda shape: NamedSharding(  # noqa: E731
+        self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+    if "owners" in batch:
+      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], rows_for, sharding_for)
+    else:
+      out = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
     self.compiled_shapes.add(shape)
     self.last_shape = shape
-    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-    return launch.put(out, sharding)
+    if "owners" in batch:
+      return put_owned(out, sharding_for(shape))
+    return launch.put(out, sharding_for(shape))
 
   def length_buckets(self, max_length: int) -> list[int]:
     """The padded lengths a micro-batch of up to `max_length` tokens can take."""

@@ -16,7 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, BadShard, Heartbeat, HeartbeatReply,
+from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, BadShard, Delivery, DeliveryStatus,
+                                   Heartbeat, HeartbeatReply,
                                    LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register,
                                    Registered, SamplerWait, SamplerWaitQuery, StepReport, StepSummary,
                                    StepSummaryRequest, StepTrained, quote)
@@ -40,6 +41,7 @@ class JoinTerms:
 
   settings: dict | None = None
   site: str = ""
+  data_endpoints: tuple[str, ...] = ()  # each trainer process's sample door, by process (empty: this server's alone)
 
 
 class Controller:
@@ -50,6 +52,7 @@ class Controller:
     """`config.controller` (a `ControllerConfig`) holds the heartbeat, the lease timeout, how long a step's
     summary is waited for (`sampler_timeout_s`) and the weight tree's fan-out."""
     self.config, self.settings, self.start_step = config, dict(terms.settings or {}), start_step
+    self.data_endpoints = tuple(terms.data_endpoints)
     control = config.controller
     self.heartbeat_s, self.summary_timeout_s = control.heartbeat_s, control.sampler_timeout_s
     self.timeline = Timeline(on_event)
@@ -61,6 +64,11 @@ class Controller:
     self._watchdog: Watchdog | None = None
     self.counters, self.events, self.busy = self.timeline.counters, self.timeline.events, self.timeline.busy
 
+  def handlers(self) -> dict:
+    """The control messages the trainer's Flight server hands to this controller, by type."""
+    return {Register: self.register, LeaseRequest: self.lease, StepReport: self.report, Heartbeat: self.heartbeat,
+            Leave: self.leave, Delivery: self.deliver}
+
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
     check_registration(self.settings, message)
@@ -70,7 +78,7 @@ class Controller:
                           next_step=self.plans.next_step, site=message.site, relay=message.relay)
       self._cond.notify_all()
     return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.config.steps,
-                      heartbeat_s=self.heartbeat_s)
+                      heartbeat_s=self.heartbeat_s, data_endpoints=self.data_endpoints)
 
   def lease(self, message: LeaseRequest) -> LeaseReply:
     """The next lease of an open step, waiting up to `wait_s` for one to open; finished once the run is over."""
@@ -127,6 +135,19 @@ class Controller:
     the trainer drops copies it has), 'trained' (its step is trained already: not taken) or 'rejoin' (unknown
     here: refused, register again). `BadShard` for a shard that breaks the rules (`door`)."""
     step, lengths = shard_groups(shard, self.config.group_size)
+    return self._delivered(sampler_id, step, lengths)
+
+  def deliver(self, message: Delivery) -> DeliveryStatus:
+    """`on_shard` for a batch that arrived at another trainer process's door: its groups' ids and lengths alone."""
+    if len(message.group_ids) != len(message.lengths):
+      raise BadMessage(f"Delivery: {len(message.group_ids)} groups and {len(message.lengths)} lengths")
+    try:
+      return DeliveryStatus(self._delivered(message.sampler_id, message.step,
+                                            dict(zip(message.group_ids, message.lengths))))
+    except BadShard as err:
+      return DeliveryStatus("refused", str(err)[:500])
+
+  def _delivered(self, sampler_id: int, step: int, lengths: dict[int, float]) -> str:
     with self._cond:
       if sampler_id not in self.roster and not self.roster.is_lost(sampler_id):
         self.timeline.count(rejoin_requests=1)

@@ -15,6 +15,7 @@ from streamrl_jax.models import abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
+from streamrl_jax.pipeline.sampler.routing import RoutedSender
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
                                                   FlightWeightReceiver, RelayLinks)
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
@@ -71,7 +72,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   sender = FlightSampleSender(connection, -1)
   stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
                weights_relay_fallbacks=0)
-  relay = None
+  relay, others = None, {}
   try:
     relay = _relay(e)
     while not stop.is_set():
@@ -80,10 +81,18 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
       _log.info(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
                 + (" (again)" if stats["sessions"] > 1 else ""))
       sender.sampler_id = sampler_id
+      routed = RoutedSender(sender, worker.data_endpoints, lambda address: FlightConnection(
+          address, tls=tls, timeout_s=flight_config.call_timeout_s, retry_s=flight_config.connect_retry_s,
+          peer="a trainer process's sample door", tls_name=connect.rpartition(":")[0] if tls else None))
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, streams=flight_config.weight_streams,
                                       relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name))
-      outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
+      try:
+        outcome = _session(worker, control, routed, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
+      finally:
+        routed.close()
+        for key, value in routed.stats.items():  # the other doors' sends, added to the trainer server's
+          others[key] = others.get(key, 0) + value - sender.stats.get(key, 0)
       if outcome != "rejoin":
         break
       _log.warning(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); "
@@ -94,7 +103,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
     connection.client.close()
     if relay is not None:
       relay.shutdown()
-  return dict(sender.stats, **stats, **connection.counters, **(relay.counters if relay else {}))
+  sent = {k: v + others.pop(k, 0) for k, v in sender.stats.items()}
+  return dict(sent, **others, **stats, **connection.counters, **(relay.counters if relay else {}))
 
 
 def _relay(endpoint: SamplerEndpoint) -> RelayServer | None:

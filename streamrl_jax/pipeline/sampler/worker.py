@@ -94,8 +94,8 @@ class SamplerWorker:
   # ---- the loop ------------------------------------------------------------------------------
   def register(self, control, *, site: str = "", relay: str = "") -> int:
     """Joins the run (from datacenter `site`, serving weights at `relay` when given); returns this sampler's id."""
-    self.sampler_id = control.register(Register(name=self.name, settings=self.settings, site=site,
-                                                 relay=relay)).sampler_id
+    registered = control.register(Register(name=self.name, settings=self.settings, site=site, relay=relay))
+    self.sampler_id, self.data_endpoints = registered.sampler_id, registered.data_endpoints
     return self.sampler_id
 
   def run(self, control, samples, weights, stop: threading.Event) -> None:
@@ -216,6 +216,7 @@ class SamplerWorker:
     """No requests, weights or id (kept: the compiled engines): the state of a fresh start or a rejoin."""
     self.sampler: StreamingSampler | None = None
     self.sampler_id: int | None = None
+    self.data_endpoints: tuple[str, ...] = ()  # the trainer processes' sample doors (Registered)
     self.engines.reset()
     self.scorer.close()  # nothing of the leases dropped is scored
     self.episodes.close()  # the episodes of the leases dropped are not wanted

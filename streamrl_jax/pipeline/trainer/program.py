@@ -16,7 +16,7 @@ import jax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from streamrl_jax.distributed import broadcast_shard, gather_to_host, is_leader
+from streamrl_jax.distributed import gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
 from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
@@ -25,6 +25,8 @@ from streamrl_jax.pipeline.events import describe_event
 from streamrl_jax.arms.followers import ArmsStart, make_followers, spare_devices
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer.control import FollowerControl
+from streamrl_jax.pipeline.trainer.doors import SampleDoors
+from streamrl_jax.pipeline.trainer.intake import IntakeStopped, ProcessIntake
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.pipeline.trainer.session import (RunResult, SamplersSide, initial_weights_donated, make_ranker,
                                                    ranker_aux, train_session, trained_params)
@@ -57,7 +59,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
                    settings: dict | None = None, devices=None, hooks: RunHooks = RunHooks()) -> RunResult:
   """The trainer program's run: serves samplers over Flight at `endpoint` until `config.steps` are trained.
   `devices`: the trainer's (default: all of this program's, across its processes). In a trainer of several
-  processes, process 0 serves and the others follow it step by step (`distributed.broadcast_shard`); process 0
+  processes, process 0 holds the control, every process takes its own groups' samples at its own door
+  (`trainer.doors`), and all train each step on the same view of what arrived (`trainer.intake`); process 0
   honours `hooks.stop` at a step boundary (`RunStopped`) and the others follow its decision, and only process 0
   gets `hooks.on_end`. Follower arms (`config.arms.followers`, `hooks.arm_outputs` as `runner.run_pipeline`'s) train in this
   program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs of
@@ -74,11 +77,12 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   ranker = make_ranker(config, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
+  doors = SampleDoors.open(config, model.config.vocab_size, endpoint)  # other processes' sample doors, before
   if not is_leader():
     with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
-      return _follow(config, trainer, ranker)
+      return _follow(config, trainer, ranker, doors)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step,
-                          terms=JoinTerms(settings, endpoint.site), ranker=ranker,
+                          terms=JoinTerms(settings, endpoint.site, doors.endpoints), ranker=ranker,
                           on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))))
   if config.arms.followers and config.arms.programs:
     followers = RemoteArms(config, hooks.run_id, trainer.start_step, settings or {})
@@ -87,20 +91,23 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   queue, store, server = _serve(config, controller, model.config.vocab_size, endpoint,
                                 followers if isinstance(followers, RemoteArms) else None)
+  doors.connect(server.address)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
   if endpoint.on_listening is not None:
     endpoint.on_listening(server.address)
-  get_shard = _waiting_get(queue, controller, config.controller.sampler_timeout_s)
-  if jax.process_count() > 1:
-    get_shard = _broadcasting(get_shard)
+  intake = doors.intake(queue, lambda: server.counters["accepted_bytes"])
+  get_shard = _waiting_get(intake or queue, controller, config.controller.sampler_timeout_s)
+  if intake is not None:
+    get_shard = _stopping_others(get_shard, intake)
   try:
-    side = SamplersSide(get_shard, start=controller.start_watchdog, teardown=_teardown(config, controller, server),
-                        to_host=gather_to_host,
-                        extra_counters=lambda: {f"flight_{k}": v for k, v in server.counters.items()})
+    side = SamplersSide(get_shard, start=controller.start_watchdog,
+                        teardown=_teardown(config, controller, server, doors), to_host=gather_to_host,
+                        extra_counters=lambda: {**{f"flight_{k}": v for k, v in server.counters.items()},
+                                                **(intake.counters if intake else {})})
     return train_session(trainer, controller, store, queue, side, hooks, ranker=ranker, followers=followers)
   except RunStopped:
-    if jax.process_count() > 1:  # the others wait for the next step's first shard: tell them to stop
-      broadcast_shard(None)
+    if intake is not None:  # the others wait for the next step's shards: tell them to stop
+      intake.stop()
     raise
 
 
@@ -111,15 +118,20 @@ def _check(config: PipelineConfig) -> None:
   if config.arms.followers and jax.process_count() > 1:
     raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
                      f"{jax.process_count()}")
+  objective = config.trainer.objective
+  if objective.kl_coef > 0 and objective.kl_in_reward and jax.process_count() > 1:
+    raise ValueError("ObjectiveConfig.kl_in_reward: a trainer of several processes takes the KL penalty in the loss "
+                     "(set ObjectiveConfig.kl_in_reward = False), since each process holds its own samples' tokens")
 
 
-def _teardown(config: PipelineConfig, controller: Controller, server) -> Callable[[], None]:
-  """The end of serving: the run finished, the samplers given `finish_grace_s` to leave, the server shut down."""
+def _teardown(config: PipelineConfig, controller: Controller, server, doors: SampleDoors) -> Callable[[], None]:
+  """The end of serving: the run finished, the samplers given `finish_grace_s` to leave, the servers shut down."""
   def teardown() -> None:
     controller.finish()
     controller.wait_samplers_left(config.controller.finish_grace_s)
     controller.close()
     server.shutdown()
+    doors.close()
   return teardown
 
 
@@ -132,21 +144,21 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
                                weights=store, tls=endpoint.tls, arms=arms,
                                limits=ServerLimits(WireLimits.of_run(config, vocab_size),
-                                                   chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20))
+                                                   chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20,
+                                                   owner=(0, jax.process_count())))
   return queue, store, server
 
 
-def _broadcasting(get_shard):
-  """get_shard on process 0 that hands each shard to the trainer's other processes (None tells them to stop)."""
+def _stopping_others(get_shard, intake: ProcessIntake):
+  """get_shard on process 0 that, when it fails (no sampler heard from, a stop), tells the other processes to stop."""
   def get(timeout: float):
     try:
-      shard = get_shard(timeout)
-    except TimeoutError:  # nothing yet: the others keep waiting
+      return get_shard(timeout)
+    except TimeoutError:  # nothing yet: the others keep polling
       raise
     except BaseException:
-      broadcast_shard(None)
+      intake.stop()
       raise
-    return broadcast_shard(shard)
   return get
 
 
@@ -164,17 +176,25 @@ class _FollowerWeights:
     pass
 
 
-def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker) -> RunResult:
-  def get(timeout: float):  # waits as long as process 0 does
-    shard = broadcast_shard(None)
-    if shard is None:
-      raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None)
-    return shard
-  trainer.run(FollowerControl(config), get, _FollowerWeights(config), clock=time.monotonic, aux=ranker_aux(ranker))
+def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: SampleDoors) -> RunResult:
+  """A trainer process other than 0: its own sample door, process 0's decisions (the same worker, the same view)."""
+  doors.connect(None)
+  intake = doors.intake(None, lambda: doors.server.counters["accepted_bytes"])
+
+  def get(timeout: float):  # polls as long as process 0 does
+    try:
+      return intake.get(timeout)
+    except IntakeStopped:
+      raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None) from None
+  try:
+    trainer.run(FollowerControl(config), get, _FollowerWeights(config), clock=time.monotonic, aux=ranker_aux(ranker))
+  finally:
+    doors.close()
   if trainer.checkpointer is not None:
     trainer.checkpointer.wait()
   params, adapters = trained_params(trainer, gather_to_host)  # the leader's collectives, in its order
-  return RunResult(params, [], dict(trainer.counters), {}, adapters)
+  return RunResult(params, [], dict(trainer.counters, **{f"flight_{k}": v for k, v in doors.server.counters.items()},
+                                    **intake.counters), {}, adapters)
 
 
 def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float):

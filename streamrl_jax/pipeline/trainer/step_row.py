@@ -31,8 +31,9 @@ def step_row(config, step: int, shards: list, received: dict, train: dict, times
   """Step `step`'s metrics row: `shards` trained, `received` (every group that arrived, trained or filtered: see
   `record_arrival`), the update's metrics `train`, its `times` and the samplers' `summary`."""
   rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
-  stale = np.concatenate([s.token_staleness(step) for s in shards] + [np.zeros(0, np.int64)])
-  stale = stale if stale.size else np.zeros(1)  # (a step with no token to train)
+  counts = [s.staleness_sum_max(step) for s in shards]
+  tokens, stale_sum = sum(c[0] for c in counts), sum(c[1] for c in counts)
+  stale_max = max((c[2] for c in counts if c[0]), default=0)  # (a step with no token to train: 0)
   seconds = [v for _, v in sorted(times.weight_seconds.items())]
   flat = sum(len(equal_reward_groups(s)) for s in shards)
   parts = np.concatenate(received["parts"]).mean(axis=0)
@@ -41,10 +42,10 @@ def step_row(config, step: int, shards: list, received: dict, train: dict, times
   return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), **by_function,
               reward_errors=received["errors"], reward_timeouts=received["timeouts"],
               accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
-              staleness_mean=float(np.mean(stale)), staleness_max=int(np.max(stale)),  # per trained token
+              staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token
               groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
               prompts_leased=config.prompts_per_step + received["backfilled"], equal_reward_groups_trained=flat,
-              env_tokens=sum(env_tokens(s) for s in shards),
+              env_tokens=sum(s.env_tokens for s in shards),
               trainer_idle_frac=min(1.0, times.waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, times.sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
               step_s=wall, train_s=times.train_s, kl_mean=train.get("kl", 0.0), **summary.metrics(), **train)
@@ -77,9 +78,3 @@ def equal_reward_groups(shard: SampleShard) -> list[int]:
   return sorted(int(g) for g in np.unique(shard.group_ids)
                 if np.ptp(shard.rewards[shard.group_ids == g]) == 0)
 
-
-def env_tokens(shard: SampleShard) -> int:
-  """Tokens an environment wrote into the completions (masked, after a row's first trained token)."""
-  pos = np.arange(shard.loss_mask.shape[1])[None]
-  first = np.where(shard.loss_mask.any(axis=1), shard.loss_mask.argmax(axis=1), shard.loss_mask.shape[1])[:, None]
-  return int(np.sum(shard.valid & ~shard.loss_mask & (pos >= first)))

@@ -302,7 +302,8 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      self.state = self.batcher.add(self.state, shard.train_batch(shard_advantages(self.trainer, self.config, shard)))
+      batch = shard.train_batch(shard_advantages(self.trainer, self.config, shard), owned=jax.process_count() > 1)
+      self.state = self.batcher.add(self.state, batch)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
