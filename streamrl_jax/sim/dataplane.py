@@ -85,15 +85,17 @@ def leader_seconds(plane: SimDataPlaneConfig, samples: float, tokens: float, wei
   return max((moved["samples_in"] + moved["control"]) / nic, (moved["weights_out"] + moved["control"]) / nic, decode)
 
 
-def received_times(plane: SimDataPlaneConfig, arrivals: np.ndarray, tokens: np.ndarray, devices: int) -> np.ndarray:
+def received_times(plane: SimDataPlaneConfig, arrivals: np.ndarray, tokens: np.ndarray, devices: int,
+                   free_from: float = 0.0) -> np.ndarray:
   """When each sample is in and checked on the process that trains it: one queue, first come first served, at the
-  slower of process 0's NIC and its decode (central), or P such queues in parallel (per process)."""
+  slower of process 0's NIC and its decode (central), or P such queues in parallel (per process); the queue is busy
+  until `free_from` with earlier samples."""
   share, order = leader_share(plane, devices), np.argsort(arrivals, kind="stable")
   per_token = max(plane.wire_bytes_per_token / (plane.nic_gbs * 1e9), 1 / plane.decode_tokens_per_s)
   cost = share * (tokens[order] * per_token + plane.wire_bytes_per_sample / (plane.nic_gbs * 1e9))
   done = np.cumsum(cost)  # a FIFO server: done_i = max(arrival_i, done_{i-1}) + cost_i
   out = np.empty(len(order))
-  out[order] = done + np.maximum.accumulate(arrivals[order] - (done - cost))
+  out[order] = done + np.maximum(free_from, np.maximum.accumulate(arrivals[order] - (done - cost)))
   return out
 
 

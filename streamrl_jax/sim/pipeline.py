@@ -218,12 +218,10 @@ def weight_bytes(config: SimConfig) -> float:
 def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarray, start_after: float,
                       devices: int, stream: bool) -> tuple[float, list[tuple[float, float]]]:
   """Trainer end time and busy intervals; with `stream`, each micro-batch starts once its samples are in
-  (dynamic-batch pipelining), else the whole batch starts after the last sample. Disaggregated, samples are in once
-  the trainer's door has taken them, a micro-batch pays its broadcast (central) and the iteration ends with the
-  gradient reduction and the version's way to the hosts (`sim.dataplane`)."""
+  (dynamic-batch pipelining), else the whole batch starts after the last sample. Disaggregated, `arrivals` are when
+  the trainer's door has taken each sample (`sim.dataplane.received_times`), a micro-batch pays its broadcast
+  (central) and the iteration ends with the gradient reduction and the version's way to the hosts."""
   plane, door = config.data_plane, not config.spec.shared_mesh
-  if door:
-    arrivals = received_times(plane, arrivals, tokens, devices)
   order = np.argsort(arrivals, kind="stable")
   free, busy = start_after, []
   chunk = config.batch.micro_batch if stream else len(order)
@@ -248,6 +246,7 @@ def simulate(config: SimConfig) -> dict:
   ready = {0: 0.0}  # policy version -> time its weights are on the sampler
   gen_times, iteration_ends, timeline = [], [], None
   spec, batch, switch_s = config.spec, config.batch, config.trainer.colocated_switch_s
+  door_free = 0.0  # the trainer's door (process 0's, centrally) is busy until then
   for i in range(config.iterations):
     lengths = config.lengths.sample(rng, batch.global_batch, scale=(1 + batch.length_drift) ** i)
     finish, plan = generation(config, lengths, rng, config.generation_devices)
@@ -261,7 +260,9 @@ def simulate(config: SimConfig) -> dict:
       end += switch_s
       ready[i + 1] = end
     else:
-      end, busy = streamed_training(config, arrivals, tokens, train_free, config.training_devices,
+      received = received_times(config.data_plane, arrivals, tokens, config.training_devices, door_free)
+      door_free = float(received.max())
+      end, busy = streamed_training(config, received, tokens, train_free, config.training_devices,
                                     stream=spec.streamed)
       ready[i + 1] = end + sync_seconds(config)
     gen_free = gen_end
