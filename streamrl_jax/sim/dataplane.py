@@ -34,7 +34,7 @@ class SimDataPlaneConfig:
   devices_per_host: int = 8  # trainer devices per host; one trainer process a host
   nic_gbs: float = 25.0  # each host's front-end NIC for Flight (samples in, weights out), GB/s each way: 200 Gb/s
   fabric_gbs: float = 50.0  # each device's link for collectives across hosts, GB/s: 400 Gb/s InfiniBand a GPU
-  host_copy_gbs: float = 25.0  # each device's link to its host (PCIe 5 x16 at about half its peak), GB/s
+  host_copy_gbs: float = 25.0  # each device's link to its host, GB/s: PCIe 5 x16 at about 40% of its peak
   hop_latency_s: float = 1e-5  # per step of a ring collective across hosts
   decode_tokens_per_s: float = 2e7  # sample tokens one process decodes and checks a second (batch_to_shard, here)
   wire_bytes_per_token: float = 16.125  # Arrow, streamrl.samples/5: int32 token, f32 logprob, i64 version, 1-bit mask
