@@ -153,12 +153,12 @@ def cmd_merge(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-  from streamrl_jax.sim.report import run_report, summary_lines
+  from streamrl_jax.sim.report import run_report, summary_lines, written
 
   results = run_report(args.preset, args.out, iterations=args.iterations, seed=args.seed)
   for line in summary_lines(results):
     print(line)
-  print(f"wrote {args.out}/results.json, throughput_by_mode.png, gantt.png, generation_normalized.png")
+  print(f"wrote {args.out}/" + ", ".join(written(args.preset)))
   return 0
 
 
@@ -241,7 +241,8 @@ def _simulate_parser(sub) -> None:
   sim.add_argument("--preset", default="paper-72b-20k", choices=PRESETS, metavar="NAME",
                    help=f"the cluster, model and lengths simulated: {', '.join(PRESETS)} (default paper-72b-20k)")
   sim.add_argument("--out", required=True, help="output directory")
-  sim.add_argument("--iterations", type=int, default=3, help="RL iterations simulated per mode (default 3)")
+  sim.add_argument("--iterations", type=int, default=3, help="RL iterations simulated per mode (default 3; "
+                   "distflow-scaling is analytic and takes none)")
   sim.add_argument("--seed", type=int, default=0, help="seed of the simulated output lengths")
   sim.set_defaults(run=cmd_simulate)
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from streamrl_jax import cli
+from streamrl_jax.sim.dataplane import SimDataPlaneConfig
 from streamrl_jax.sim.instance import simulate_instance
 from streamrl_jax.sim.pipeline import SimBatchConfig, SimConfig, SimSyncConfig, SimTrainerConfig, simulate
 from streamrl_jax.sim.presets import expected_generation_s, preset
@@ -36,7 +37,9 @@ def small(**overrides) -> SimConfig:
 
 def test_infinitely_fast_trainer_makes_async_run_at_generation_speed():
   config = small(mode="async", trainer=SimTrainerConfig(mfu=1e12, optimizer_step_s=0.0),
-                 sync=SimSyncConfig(latency_s=0.0, bandwidth_gbs=1e12))
+                 sync=SimSyncConfig(latency_s=0.0, bandwidth_gbs=1e12),
+                 data_plane=SimDataPlaneConfig(nic_gbs=1e12, fabric_gbs=1e12, host_copy_gbs=1e12,
+                                               decode_tokens_per_s=1e18))
   result = simulate(config)
   np.testing.assert_allclose(result["iteration_s"], result["generation_s"], rtol=1e-6)
 

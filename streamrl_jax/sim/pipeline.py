@@ -14,6 +14,8 @@ import numpy as np
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.scheduling import ptl_at, random_dispatch, skew_aware_dispatch
 from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_seconds, broadcast_tree
+from streamrl_jax.sim.dataplane import (SimDataPlaneConfig, gather_seconds, gradient_seconds, publish_links,
+                                        received_times, shard_broadcast_seconds)
 from streamrl_jax.sim.instance import simulate_instance
 from streamrl_jax.sim.profiles import (H800, Hardware, LengthDistribution, ModelSpec, memory_max_batch,
                                        scaled_ptl_curve)
@@ -93,8 +95,8 @@ class SimSyncConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SimConfig:
-  """A simulated run: model, lengths, mode, dispatch, device split, and the batch's, samplers', trainer's and
-  weight sync's parts."""
+  """A simulated run: model, lengths, mode, dispatch, device split, and the batch's, samplers', trainer's, weight
+  sync's and data plane's parts."""
 
   model: ModelSpec  # the model's size and shape
   lengths: LengthDistribution  # the output lengths sampled
@@ -110,6 +112,7 @@ class SimConfig:
   sampler: SimSamplerConfig = SimSamplerConfig()  # the samplers' device, PTL curve, batch limit, ranker
   trainer: SimTrainerConfig = SimTrainerConfig()  # the trainer's device and cost model
   sync: SimSyncConfig = SimSyncConfig()  # the weight sync: links, latency, sites, broadcast
+  data_plane: SimDataPlaneConfig = SimDataPlaneConfig()  # the trainer's hosts and links, central or per process
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -194,31 +197,44 @@ def train_seconds(config: SimConfig, tokens: float, devices: int) -> float:
 
 def sync_seconds(config: SimConfig) -> float:
   """Seconds until every sampler holds a new version: the broadcast tree (or star) of `scheduling.broadcast`
-  over the samplers' sites and the links' speeds."""
+  over the samplers' sites and the links' speeds; per process, every trainer process's link sends its share."""
   sync = config.sync
   sites = sync.sampler_sites or (max(1, config.generation_devices // config.tensor_parallel),)
   site_of = [str(site) for site, count in enumerate(sites) for _ in range(count)]
   members = [TreeMember(i, site, sync.broadcast == "tree") for i, site in enumerate(site_of)]
   parents = broadcast_tree(members, "0", sync.fanout)
+  links = 1 if config.spec.shared_mesh else publish_links(config.data_plane, config.training_devices)
   return sync.latency_s + broadcast_seconds(
-      parents, dict(enumerate(site_of)), model_bytes=config.model.params_b * 1e9 * sync.bytes_per_param,
-      trainer_bps=sync.bandwidth_gbs * 1e9, sampler_bps=(sync.sampler_link_gbs or sync.bandwidth_gbs) * 1e9,
-      inter_site_bps=sync.inter_site_gbs * 1e9 or None, trainer_site="0", chunk_bytes=sync.chunk_mb * 2**20)
+      parents, dict(enumerate(site_of)), model_bytes=weight_bytes(config), trainer_bps=links * sync.bandwidth_gbs * 1e9,
+      sampler_bps=(sync.sampler_link_gbs or sync.bandwidth_gbs) * 1e9, inter_site_bps=sync.inter_site_gbs * 1e9 or None,
+      trainer_site="0", chunk_bytes=sync.chunk_mb * 2**20)
+
+
+def weight_bytes(config: SimConfig) -> float:
+  """One version on the wire."""
+  return config.model.params_b * 1e9 * config.sync.bytes_per_param
 
 
 def streamed_training(config: SimConfig, arrivals: np.ndarray, tokens: np.ndarray, start_after: float,
                       devices: int, stream: bool) -> tuple[float, list[tuple[float, float]]]:
-  """Trainer end time and busy intervals; with `stream`, each micro-batch starts once its samples are
-  in (dynamic-batch pipelining), else the whole batch starts after the last sample."""
+  """Trainer end time and busy intervals; with `stream`, each micro-batch starts once its samples are in
+  (dynamic-batch pipelining), else the whole batch starts after the last sample. Disaggregated, `arrivals` are when
+  the trainer's door has taken each sample (`sim.dataplane.received_times`), a micro-batch pays its broadcast
+  (central) and the iteration ends with the gradient reduction and the version's way to the hosts."""
+  plane, door = config.data_plane, not config.spec.shared_mesh
   order = np.argsort(arrivals, kind="stable")
   free, busy = start_after, []
   chunk = config.batch.micro_batch if stream else len(order)
   for i in range(0, len(order), chunk):
     part = order[i:i + chunk]
     begin = max(free, float(arrivals[part].max()))
-    free = begin + train_seconds(config, float(tokens[part].sum()), devices)
+    broadcast = shard_broadcast_seconds(plane, len(part) * float(tokens[part].max()), 1, devices) if door else 0.0
+    free = begin + train_seconds(config, float(tokens[part].sum()), devices) + broadcast
     busy.append((begin, free))
   step = config.trainer.optimizer_step_s
+  if door:
+    step += (gradient_seconds(plane, config.model.params_b * 1e9, devices)
+             + gather_seconds(plane, weight_bytes(config), devices))
   busy.append((free, free + step))
   return free + step, busy
 
@@ -230,6 +246,7 @@ def simulate(config: SimConfig) -> dict:
   ready = {0: 0.0}  # policy version -> time its weights are on the sampler
   gen_times, iteration_ends, timeline = [], [], None
   spec, batch, switch_s = config.spec, config.batch, config.trainer.colocated_switch_s
+  door_free = 0.0  # the trainer's door (process 0's, centrally) is busy until then
   for i in range(config.iterations):
     lengths = config.lengths.sample(rng, batch.global_batch, scale=(1 + batch.length_drift) ** i)
     finish, plan = generation(config, lengths, rng, config.generation_devices)
@@ -243,7 +260,9 @@ def simulate(config: SimConfig) -> dict:
       end += switch_s
       ready[i + 1] = end
     else:
-      end, busy = streamed_training(config, arrivals, tokens, train_free, config.training_devices,
+      received = received_times(config.data_plane, arrivals, tokens, config.training_devices, door_free)
+      door_free = float(received.max())
+      end, busy = streamed_training(config, received, tokens, train_free, config.training_devices,
                                     stream=spec.streamed)
       ready[i + 1] = end + sync_seconds(config)
     gen_free = gen_end

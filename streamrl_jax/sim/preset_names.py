@@ -6,4 +6,6 @@ PAPER = {
     "paper-32b-10k": ("32b", 10000, 64, 4),
     "paper-72b-20k": ("72b", 20000, 128, 8),
 }
-PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "cross-datacenter", "local-cpu"]
+SCALING = "distflow-scaling"  # the trainer's data plane, central against per process, 8 to 1,024 trainer devices
+SCALING_MODELS = {"7b": "paper-7b-5k", "72b": "paper-72b-20k"}  # its models, by the paper preset each grows from
+PRESETS = sorted(PAPER) + ["paper-32b-h20-sampler", "cross-datacenter", "local-cpu", SCALING]

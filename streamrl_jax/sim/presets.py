@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 
 from streamrl_jax.scheduling import resource_split
-from streamrl_jax.sim.preset_names import PAPER, PRESETS
+from streamrl_jax.sim.preset_names import PAPER, PRESETS, SCALING, SCALING_MODELS
 from streamrl_jax.sim.pipeline import (SimBatchConfig, SimConfig, SimSamplerConfig, SimSyncConfig, SimTrainerConfig,
                                        generation, moved_field, simulate, train_seconds)
 from streamrl_jax.sim.profiles import H20, QWEN25, Hardware, LengthDistribution, ModelSpec
@@ -24,6 +24,8 @@ CROSS_DATACENTER = SimSyncConfig(bandwidth_gbs=25.0, sampler_link_gbs=25.0, inte
 def preset(name: str, **overrides) -> SimConfig:
   """The named scenario, `overrides` (SimConfig fields, a part given whole) replacing its fields."""
   moved_field(overrides)
+  if name == SCALING:
+    return scaling_preset("7b", **overrides)
   if name == "local-cpu":
     fields = dict(model=LOCAL_MODEL, lengths=LengthDistribution(median=24, sigma=0.9, max_len=256),
                   total_devices=8, sampler_devices=4, tensor_parallel=1, iterations=3,
@@ -49,6 +51,15 @@ def preset(name: str, **overrides) -> SimConfig:
                 tensor_parallel=tp, batch=SimBatchConfig(global_batch=1024), iterations=3)
   fields.update(overrides)
   return SimConfig(**fields)
+
+
+def scaling_preset(model: str = "7b", **overrides) -> SimConfig:
+  """`distflow-scaling`'s base for `model` ("7b" or "72b"): its paper preset, async and skew-aware, versions published
+  over 25 GB/s links (a host's NIC, as the data plane's), today's central data plane unless overridden."""
+  if model not in SCALING_MODELS:
+    raise ValueError(f"unknown scaling model {model!r}; known: {list(SCALING_MODELS)}")
+  config = preset(SCALING_MODELS[model], mode="async", dispatch="skew_aware", sync=SimSyncConfig(bandwidth_gbs=25.0))
+  return dataclasses.replace(config, **overrides)
 
 
 def expected_generation_s(config: SimConfig, devices: int, samples: int = 2) -> float:

@@ -8,11 +8,24 @@ from pathlib import Path
 
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.sim.pipeline import simulate, simulate_elastic
-from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset
+from streamrl_jax.sim.preset_names import SCALING, SCALING_MODELS
+from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset, scaling_preset
+from streamrl_jax.sim.scaling import scaling_results
+
+PLOTS = ("throughput_by_mode.png", "gantt.png", "generation_normalized.png")
+SCALING_PLOTS = ("scaling.png",)
+
+
+def written(name: str) -> tuple[str, ...]:
+  """The files `run_report(name, ...)` writes."""
+  return ("results.json", *(SCALING_PLOTS if name == SCALING else PLOTS))
 
 
 def run_report(name: str, out: str | Path, **overrides) -> dict:
-  """Ablation ladder, every mode, generation time by dispatch policy, and the balanced split."""
+  """Ablation ladder, every mode, generation time by dispatch policy, and the balanced split; for `distflow-scaling`,
+  the data plane's sweep (`scaling_report`)."""
+  if name == SCALING:
+    return scaling_report(out, seed=overrides.get("seed", 0))
   config = preset(name, **overrides)
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
@@ -42,11 +55,47 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
   return results
 
 
+def scaling_report(out: str | Path, seed: int = 0) -> dict:
+  """`distflow-scaling`: per-device throughput of both data-plane designs, 8 to 1,024 trainer devices, for each of
+  its models; writes results.json and scaling.png."""
+  out = Path(out)
+  out.mkdir(parents=True, exist_ok=True)
+  results = {"preset": SCALING, **scaling_results({m: scaling_preset(m) for m in SCALING_MODELS}, seed)}
+  (out / "results.json").write_text(json.dumps(results, indent=2))
+  _scaling_plot(out, results)
+  return results
+
+
+def _scaling_plot(out: Path, results: dict) -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for (key, model), color in zip(results["models"].items(), ("#59c", "#c73")):
+    for design, style in (("per_process", "-o"), ("central", "--s")):
+      ax.plot(results["devices"], model[design]["normalized"], style, color=color, label=f"{key}, {design}")
+      ax.plot(results["devices"][-1:] + model["beyond"]["devices"], model[design]["normalized"][-1:]
+              + model["beyond"][design], style[:-1], color=color, alpha=0.4)
+  ax.axvline(results["devices"][-1], color="#888", lw=0.8)
+  ax.text(results["devices"][-1] * 1.2, 0.05, "beyond: version loop left out", fontsize=8, color="#666")
+  ax.set_ylim(0, 1.05)
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("trainer devices")
+  ax.set_ylabel("samples/s per device / at 8 devices")
+  ax.set_title(f"{results['preset']}: weak scaling of the trainer's data plane")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(out / "scaling.png", dpi=120)
+  plt.close(fig)
+
+
 def _settings(config) -> dict:
   """The config for results.json: numbers and strings as they are, its parts (batch, sampler, trainer, sync) as
   objects of their own, anything else as its text."""
   plain = lambda v: v if isinstance(v, (int, float, str)) else str(v)  # noqa: E731
-  return {k: {f: plain(x) for f, x in v.items()} if k in ("batch", "sampler", "trainer", "sync") else plain(v)
+  parts = ("batch", "sampler", "trainer", "sync", "data_plane")
+  return {k: {f: plain(x) for f, x in v.items()} if k in parts else plain(v)
           for k, v in dataclasses.asdict(config).items()}
 
 
@@ -104,6 +153,8 @@ def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: d
 
 
 def summary_lines(results: dict) -> list[str]:
+  if results["preset"] == SCALING:
+    return _scaling_lines(results)
   split = results["balanced_split"]
   return [f"preset {results['preset']}",
           "normalized throughput: " + ", ".join(f"{k} {v:.2f}" for k, v in results["normalized_throughput"].items()),
@@ -112,3 +163,16 @@ def summary_lines(results: dict) -> list[str]:
           f"balanced split: {split['sampler_devices']} sampler / {split['trainer_devices']} trainer devices "
           f"of {split['total_devices']}"]
 
+
+
+def _scaling_lines(results: dict) -> list[str]:
+  last = results["devices"][-1]
+  def figures(design):
+    by_model = results[f"{design}_scaling_{last}_by_model"]
+    return f"{results[f'{design}_scaling_{last}']:.3f} (" + ", ".join(f"{k} {v:.3f}" for k, v in by_model.items()) + ")"
+  saturation = results["central_saturation_devices_by_model"]
+  return [f"preset {results['preset']}",
+          f"samples/s per trainer device at {last} devices over at {results['devices'][0]}: "
+          f"per_process {figures('per_process')}, central {figures('central')}",
+          "central: process 0 bounds the iteration from " + ", ".join(
+              f"{v} devices ({k})" if v else f"beyond the search ({k})" for k, v in saturation.items())]
