@@ -2,7 +2,7 @@
 racing the clock.
 
 `STREAMRL_FAULT="POINT@STEP=ACTION[,POINT@STEP=ACTION...]"`: when the trainer (its process 0, which decides
-stops) passes POINT while finishing step
+stops, or the process `STREAMRL_FAULT_PROCESS` names in a trainer of several) passes POINT while finishing step
 STEP (counted from 1, as metrics rows are), it does ACTION. Points, in the order a step passes them:
 
   publish  the step's new weights are being published (the copy is in flight)
@@ -27,7 +27,7 @@ import time
 
 from streamrl_jax.stopping import StopRequest
 
-ENV, FILE_ENV = "STREAMRL_FAULT", "STREAMRL_FAULT_FILE"
+ENV, FILE_ENV, PROCESS_ENV = "STREAMRL_FAULT", "STREAMRL_FAULT_FILE", "STREAMRL_FAULT_PROCESS"
 POINTS = ("publish", "row", "save")
 ACTIONS = ("sigint", "sigterm", "sigkill", "pause", "hold", "hang")
 PAUSE_LIMIT_S = 300.0
@@ -65,6 +65,16 @@ class FaultPoints:
   @classmethod
   def from_env(cls, stop: StopRequest | None = None) -> FaultPoints:
     return cls(parse_faults(os.environ.get(ENV, "")), stop, os.environ.get(FILE_ENV, ""))
+
+  @classmethod
+  def of_trainer_process(cls, process: int, stop: StopRequest | None) -> FaultPoints:
+    """The faults of trainer process `process` (with `stop`: the one that decides stops): those of the environment
+    when `STREAMRL_FAULT_PROCESS` names it (default 0, the deciding one), none otherwise."""
+    chosen = os.environ.get(PROCESS_ENV, "0")
+    if not chosen.isdigit():
+      raise ValueError(f"{PROCESS_ENV}={chosen!r}: expected a trainer process index")
+    deciding = stop is not None or process != 0
+    return cls.from_env(stop) if deciding and int(chosen) == process else cls()
 
   def hit(self, point: str, step: int) -> None:
     for fault in self.faults:

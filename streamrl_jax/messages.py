@@ -183,6 +183,10 @@ class Delivery:
   group_ids: tuple[int, ...]
   lengths: tuple[float, ...]
 
+  def __post_init__(self):
+    if len(self.group_ids) != len(self.lengths):
+      raise ValueError(f"{len(self.group_ids)} groups and {len(self.lengths)} lengths")
+
 
 @dataclasses.dataclass(frozen=True)
 class DeliveryStatus:

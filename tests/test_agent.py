@@ -36,7 +36,7 @@ class _Sink:
     self.also = also
 
   def put(self, shard):
-    assert self.controller.on_shard(self.worker.sampler_id, shard) == "accept"
+    assert self.controller.door.on_shard(self.worker.sampler_id, shard) == "accept"
     self.shards.append(shard)
     self.check()
 

@@ -81,11 +81,11 @@ def test_a_silent_sampler_loses_its_lease_to_another_and_is_told_to_register_aga
   assert (again.step, again.group_ids, again.prompts) == (0, lease_a.group_ids, lease_a.prompts)
   assert again.lease_id != lease_a.lease_id
   # a comes back: what it delivers is still taken (the trainer keeps the first copy), but it must rejoin
-  assert controller.on_shard(a, groups(0, [lease_a.group_ids[0]])) == "late"
+  assert controller.door.on_shard(a, groups(0, [lease_a.group_ids[0]])) == "late"
   assert controller.heartbeat(Heartbeat(a)).rejoin and controller.lease(LeaseRequest(a, 0.0)).rejoin
   assert controller.report(report(a, lease_a)).rejoin
-  assert controller.on_shard(b, groups(0, again.group_ids)) == "accept"
-  assert controller.on_shard(12345, groups(0, again.group_ids)) == "rejoin"  # never registered here
+  assert controller.door.on_shard(b, groups(0, again.group_ids)) == "accept"
+  assert controller.door.on_shard(12345, groups(0, again.group_ids)) == "rejoin"  # never registered here
   for lease in (lease_b, again):
     assert not controller.report(report(b, lease)).rejoin
   assert controller.take_step_summary(StepSummaryRequest(0, timeout_s=1)).generation_s == 1.0
@@ -103,8 +103,8 @@ def test_a_lease_handed_back_is_cut_to_the_groups_still_missing():
   controller.published(Published(0))
   lease_a, lease_b, lease_c = (controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b, c))
   assert (lease_a.group_ids, lease_b.group_ids, lease_c.group_ids) == ((0, 1), (2,), (3,))
-  assert controller.on_shard(a, groups(0, [0], completion=7)) == "accept"  # a delivers group 0 of its two, then dies
-  assert controller.on_shard(b, groups(0, [2], completion=9)) == "accept"  # b delivers its only group, dies before reporting
+  assert controller.door.on_shard(a, groups(0, [0], completion=7)) == "accept"  # a delivers group 0 of its two, then dies
+  assert controller.door.on_shard(b, groups(0, [2], completion=9)) == "accept"  # b delivers its only group, dies before reporting
   clock.now += 4.0
   controller.heartbeat(Heartbeat(c))
   clock.now += 2.0
@@ -476,3 +476,25 @@ def test_a_long_poll_waiting_in_the_controller_does_not_keep_a_silent_sampler_al
   assert controller.expire_silent() == ["a"]
   waiting.join(timeout=30)  # the run over (its sampler lost), the request is answered
   assert not waiting.is_alive()
+
+
+@pytest.mark.slow
+def test_a_trainer_process_killed_and_the_run_resumed_trains_each_sample_once(tmp_path):
+  """A trainer of two processes, each taking its own groups' samples at its own door: process 1 is killed (SIGKILL)
+  right after step 3's metrics row, before that step's checkpoint; the launcher stops the run, and a resume trains
+  steps 3 to 5 again, each sample once, each process taking half of them."""
+  from tests.processes import finish, launch, metrics, write_config
+
+  config = write_config(tmp_path / "two.gin", steps=5, trainer_devices=2, mode="stream")
+  killed = {"STREAMRL_FAULT": "row@3=sigkill", "STREAMRL_FAULT_PROCESS": "1"}
+  code, out = finish(launch(tmp_path, "--trainer-processes", "2", "--config", config, env=killed), tmp_path)
+  assert code != 0 and "trainer-1 exited with code -9" in out, out[-3000:]
+  assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3]
+  code, out = finish(launch(tmp_path, "--trainer-processes", "2", "--config", config, "--resume"), tmp_path)
+  assert code == 0, out[-3000:]
+  assert [m["step"] for m in metrics(tmp_path)] == [1, 2, 3, 4, 5]
+  counters = json.loads((tmp_path / "summary.json").read_text())["counters"]
+  resumed = 3 * 8  # steps 3..5 of 4 prompts x 2 samples, from the checkpoint of step 2
+  assert counters["samples_trained"] == counters["unique_samples_trained"] == counters["samples_planned"] == resumed
+  assert counters["duplicate_samples"] == counters["refused_samples"] == 0
+  assert counters["flight_accepted_samples"] == counters["intake_local_samples"] == resumed // 2

@@ -274,7 +274,7 @@ class _Sink:
     self.shards, self.stop = [], threading.Event()
 
   def put(self, shard):
-    assert self.controller.on_shard(self.worker.sampler_id, shard) == "accept"
+    assert self.controller.door.on_shard(self.worker.sampler_id, shard) == "accept"
     self.shards.append(shard)
     if self.stop is not None and len(self.shards) >= self.stop_after:
       self.stop.set()

@@ -95,21 +95,21 @@ def two_samplers():
 def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
   controller, a, b = two_samplers()
   with pytest.raises(BadShard, match="group 2 of step 0 was never leased to sampler 'a'"):
-    controller.on_shard(a, whole(0, [2]))  # b's
+    controller.door.on_shard(a, whole(0, [2]))  # b's
   with pytest.raises(BadShard, match="group 9 of step 2 was never leased to sampler 'a'"):
-    controller.on_shard(a, whole(2, [9]))  # a future step nobody was leased
+    controller.door.on_shard(a, whole(2, [9]))  # a future step nobody was leased
   with pytest.raises(BadShard, match=r"group 0 of step 0 carries sample indices \[0\]; a shard carries whole groups"):
-    controller.on_shard(a, group_shard([4], step=0, group=0))
+    controller.door.on_shard(a, group_shard([4], step=0, group=0))
   twice = dataclasses.replace(whole(0, [0]), sample_indices=np.array([1, 1]))
   with pytest.raises(BadShard, match=r"sample indices \[1, 1\]"):
-    controller.on_shard(a, twice)
+    controller.door.on_shard(a, twice)
   mixed = dataclasses.replace(whole(0, [0]), steps=np.array([0, 1]))
   with pytest.raises(BadShard, match=r"mixes steps \[0, 1\]"):
-    controller.on_shard(a, mixed)
-  assert controller.on_shard(a, whole(0, [0, 1])) == "accept"
-  assert controller.on_shard(12345, whole(0, [0])) == "rejoin"
+    controller.door.on_shard(a, mixed)
+  assert controller.door.on_shard(a, whole(0, [0, 1])) == "accept"
+  assert controller.door.on_shard(12345, whole(0, [0])) == "rejoin"
   controller.published(Published(1))  # step 0 is trained: a copy arriving now is not taken
-  assert controller.on_shard(b, whole(0, [2])) == "trained"
+  assert controller.door.on_shard(b, whole(0, [2])) == "trained"
 
 
 def take_step(shards, step=1):

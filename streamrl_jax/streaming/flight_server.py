@@ -173,6 +173,7 @@ class TrainerFlightServer(flight.FlightServerBase):
     super().__init__(f"{scheme}://{host}:{port}", **server_tls_options(tls))
     self.address = f"{host}:{self.port}"
     self.controller, self.samples, self.weights = controller, samples, weights
+    self.door = controller.door if controller is not None else None  # judges each sample batch
     self.limits = limits.wire  # batch_to_shard's: the run's, or a vocabulary size alone
     self.put_wait_s, self.chunk_bytes = limits.put_wait_s, limits.chunk_bytes
     self._seq_locks: dict[int, threading.Lock] = {}
@@ -209,8 +210,8 @@ class TrainerFlightServer(flight.FlightServerBase):
     except (BadSampleBatch, BadShard, pa.ArrowException) as err:  # Arrow: a stream unlike the schema it announced
       self._count("bad_batches")
       reason = f"refused sample batch: {_bounded(err)}"
-      if self.controller is not None:
-        self.controller.shard_refused(reason)
+      if self.door is not None:
+        self.door.shard_refused(reason)
       raise flight.FlightServerError(reason) from None
 
   def _accept(self, shard, envelope) -> dict:
@@ -228,8 +229,8 @@ class TrainerFlightServer(flight.FlightServerBase):
       if shard.num_samples > self.samples.capacity:
         raise BadShard(f"{shard.num_samples} samples in one batch exceed the trainer's queue "
                        f"({self.samples.capacity} samples)")
-      if self.controller is not None:
-        status = self.controller.on_shard(envelope.sampler_id, shard)
+      if self.door is not None:
+        status = self.door.on_shard(envelope.sampler_id, shard)
         if status == "rejoin":  # a sampler of another run (the trainer restarted): not ours to train
           self._count("rejoin_refusals")
           return {"seq": envelope.seq, "status": "rejoin"}

@@ -33,11 +33,10 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, int], processes: int
 
 
 def owned_layout(values: dict, owners: np.ndarray, length: int, rows_for: Callable[[int], int],
-                 sharding_for: Callable[[tuple[int, int]], NamedSharding]) -> tuple[dict, tuple[int, int]]:
-  """`values` ([rows, <= length] arrays of one call, row i held by process `owners[i]`) placed in a global batch of
-  (rows_for(n), length) rows, each on its owner's devices; returns (the global arrays, their shape). `rows_for(n)`:
-  the bucketed row count of at least n rows."""
-  processes = jax.process_count()
+                 sharding_for: Callable[[tuple[int, int]], NamedSharding], processes: int) -> tuple[dict, tuple]:
+  """`values` ([rows, <= length] arrays of one call, row i held by process `owners[i]` of `processes`) placed in a
+  global batch of (rows_for(n), length) rows, each on its owner's devices; returns (the global arrays, their shape).
+  `rows_for(n)`: the bucketed row count of at least n rows."""
   keep = np.asarray(values["valid"]).any(axis=1)
   counts = np.bincount(owners[keep], minlength=processes)
   rows = rows_for(max(int(counts.max(initial=0)), 1) * processes)

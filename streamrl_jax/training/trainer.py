@@ -96,6 +96,26 @@ def _lossless_batch(keys: tuple, rows: int, length: int, packed: bool) -> dict:
   return batch
 
 
+def _checked(batch: dict, keys: tuple, extra: tuple, role: str) -> dict:
+  """The micro-batch's arrays of `keys` and `extra`, each [rows, length] (a per-sample advantage spread over its
+  tokens); a missing key, a shape unlike the tokens' or a loss on the first token is refused by name."""
+  missing = [k for k in keys if k not in batch]
+  if missing:
+    raise KeyError(f"micro-batch lacks {missing}; a {role} micro-batch needs {list(keys)}")
+  rows, length = np.asarray(batch["tokens"]).shape
+  if np.asarray(batch["loss_mask"])[:, 0].any():
+    raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
+  values = {}
+  for key in keys + extra:
+    value = np.asarray(batch[key])
+    if key == "advantages" and value.ndim == 1:
+      value = np.repeat(value[:, None], length, axis=1)
+    if value.shape != (rows, length):
+      raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
+    values[key] = value
+  return values
+
+
 def _bucket(n: int, minimum: int) -> int:
   size = minimum
   while size < n:
@@ -220,37 +240,26 @@ class Trainer:
     """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss. A batch with
     `owners` (a trainer of several processes: each row's holder) is laid out by them (`owned_rows`)."""
     keys = BATCH_KEYS[self.role]
-    missing = [k for k in keys if k not in batch]
-    if missing:
-      raise KeyError(f"micro-batch lacks {missing}; a {self.role} micro-batch needs {list(keys)}")
     rows, length = np.asarray(batch["tokens"]).shape
-    if np.asarray(batch["loss_mask"])[:, 0].any():
-      raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
     packed = "segment_ids" in batch
+    extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
+        ("segment_ids",) if packed else ())
+    values = _checked(batch, keys, extra, self.role)
     rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
                 else (lambda n: _bucket(n, self.min_rows)))
     shape = (rows_for(rows), length if packed else _bucket(length, self.min_length))
-    values = {}
-    extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
-        ("segment_ids",) if packed else ())
-    for key in keys + extra:
-      value = np.asarray(batch[key])
-      if key == "advantages" and value.ndim == 1:
-        value = np.repeat(value[:, None], length, axis=1)
-      if value.shape != (rows, length):
-        raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
-      values[key] = value
     sharding_for = lambda shape: NamedSharding(  # noqa: E731
         self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
     if "owners" in batch:
-      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], rows_for, sharding_for)
+      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], rows_for, sharding_for,
+                                jax.process_count())
+      placed = put_owned(out, sharding_for(shape))
     else:
-      out = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
+      placed = launch.put({k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()},
+                          sharding_for(shape))
     self.compiled_shapes.add(shape)
     self.last_shape = shape
-    if "owners" in batch:
-      return put_owned(out, sharding_for(shape))
-    return launch.put(out, sharding_for(shape))
+    return placed
 
   def length_buckets(self, max_length: int) -> list[int]:
     """The padded lengths a micro-batch of up to `max_length` tokens can take."""

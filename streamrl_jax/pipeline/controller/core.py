@@ -16,12 +16,11 @@ import threading
 import time
 from collections.abc import Callable
 
-from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, BadShard, Delivery, DeliveryStatus,
-                                   Heartbeat, HeartbeatReply,
-                                   LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register,
-                                   Registered, SamplerWait, SamplerWaitQuery, StepReport, StepSummary,
-                                   StepSummaryRequest, StepTrained, quote)
-from streamrl_jax.pipeline.controller.door import shard_groups
+from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, Delivery, Heartbeat, HeartbeatReply,
+                                   LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register, Registered,
+                                   SamplerWait, SamplerWaitQuery, StepReport, StepSummary, StepSummaryRequest,
+                                   StepTrained)
+from streamrl_jax.pipeline.controller.door import Door
 from streamrl_jax.pipeline.controller.leases import Leases
 from streamrl_jax.pipeline.controller.plans import StepPlans
 from streamrl_jax.pipeline.controller.roster import Roster, check_registration
@@ -61,13 +60,15 @@ class Controller:
     self.plans = StepPlans(config, task, tokenizer, self.timeline, start_step=start_step, ranker=ranker)
     self.trees = WeightTrees(self.timeline, site=terms.site, fanout=control.weight_fanout)
     self._cond, self._clock = threading.Condition(), clock  # the clock: when samplers were last heard from
+    self.door = Door(config.group_size, self.roster, self.leases, self.plans, self.timeline, self._cond)
     self._watchdog: Watchdog | None = None
     self.counters, self.events, self.busy = self.timeline.counters, self.timeline.events, self.timeline.busy
 
   def handlers(self) -> dict:
-    """The control messages the trainer's Flight server hands to this controller, by type."""
+    """The control messages the trainer's Flight server hands to this controller, by type (its `door` judges the
+    sample batches)."""
     return {Register: self.register, LeaseRequest: self.lease, StepReport: self.report, Heartbeat: self.heartbeat,
-            Leave: self.leave, Delivery: self.deliver}
+            Leave: self.leave, Delivery: self.door.deliver}
 
   # ---- sampler-facing messages ---------------------------------------------------------------
   def register(self, message: Register) -> Registered:
@@ -129,51 +130,6 @@ class Controller:
                           sampler_wait_s=message.wait_s)
       self._cond.notify_all()
     return Ack()
-
-  def on_shard(self, sampler_id: int, shard) -> str:
-    """Whether to take a `SampleShard` from `sampler_id`: 'accept' (a live sampler), 'late' (a lost one: taken,
-    the trainer drops copies it has), 'trained' (its step is trained already: not taken) or 'rejoin' (unknown
-    here: refused, register again). `BadShard` for a shard that breaks the rules (`door`)."""
-    step, lengths = shard_groups(shard, self.config.group_size)
-    return self._delivered(sampler_id, step, lengths)
-
-  def deliver(self, message: Delivery) -> DeliveryStatus:
-    """`on_shard` for a batch that arrived at another trainer process's door: its groups' ids and lengths alone."""
-    if len(message.group_ids) != len(message.lengths):
-      raise BadMessage(f"Delivery: {len(message.group_ids)} groups and {len(message.lengths)} lengths")
-    try:
-      return DeliveryStatus(self._delivered(message.sampler_id, message.step,
-                                            dict(zip(message.group_ids, message.lengths))))
-    except BadShard as err:
-      return DeliveryStatus("refused", str(err)[:500])
-
-  def _delivered(self, sampler_id: int, step: int, lengths: dict[int, float]) -> str:
-    with self._cond:
-      if sampler_id not in self.roster and not self.roster.is_lost(sampler_id):
-        self.timeline.count(rejoin_requests=1)
-        return "rejoin"
-      if step < self.plans.version:  # published version v: steps below v are trained
-        self.timeline.count(trained_refusals=1)
-        return "trained"
-      foreign = self.leases.foreign(sampler_id, step, lengths)
-      if foreign:
-        raise BadShard(f"group {foreign[0]} of step {step} was never leased to sampler "
-                       f"{quote(self.roster.name_of(sampler_id))}")
-      self.plans.delivered(step, lengths)
-      if self.roster.is_lost(sampler_id):
-        self.timeline.count(late_samples=len(lengths) * self.config.group_size)
-        return "late"
-      self.roster.heard(sampler_id)
-      for when, lost_sampler in self.leases.first_deliveries(step, lengths):  # what a loss handed back
-        self.timeline.event("re_leased_delivered", sampler=self.roster.name_of(sampler_id), step=step,
-                            lost_sampler=lost_sampler, since_lost_s=round(time.time() - when, 3))
-      return "accept"
-
-  def shard_refused(self, reason: str) -> None:
-    """The door refused a sample batch (malformed, or outside the sender's leases): an event, a count."""
-    with self._cond:
-      self.timeline.count(refused_batches=1)
-      self.timeline.event("shard_refused", reason=reason[:300])
 
   def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
     with self._cond:

@@ -6,6 +6,7 @@ in-process run's; only the transports differ.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import threading
 
@@ -16,7 +17,7 @@ from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
 from streamrl_jax.pipeline.sampler.routing import RoutedSender
-from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
+from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl,
                                                   FlightWeightReceiver, RelayLinks)
 from streamrl_jax.streaming.flight_config import FlightConfig, parse_address
 from streamrl_jax.streaming.flight_server import TLSFiles
@@ -47,6 +48,10 @@ class SamplerEndpoint:
   serve: object = None
 
 
+SESSION_STATS = ("sessions", "weights_fetches", "weights_bytes", "weights_fetch_s", "weights_relay_fetches",
+                 "weights_relay_fallbacks")
+
+
 def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoint: SamplerEndpoint,
                 stop: threading.Event | None = None, devices=None, base_params=None) -> dict:
   """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is
@@ -54,14 +59,14 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this program's).
   `base_params` (LoRA, `config.trainer.lora`): the base each version's adapters merge into, as the trainer's. Returns the
   sampler's transport statistics."""
-  e = endpoint
+  e, stop = endpoint, stop or threading.Event()
   connect, name, tls, flight_config, site = e.connect, e.name, e.tls, e.flight_config, e.site
   parse_address(connect, "--connect")
   if e.relay_listen:
     parse_address(e.relay_listen, "--relay-listen")
-  stop = stop or threading.Event()
-  connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
-                                retry_s=flight_config.connect_retry_s)
+  dial = functools.partial(FlightConnection, tls=tls, timeout_s=flight_config.call_timeout_s,
+                           retry_s=flight_config.connect_retry_s)
+  connection = dial(connect)
   control = FlightControl(connection)
   mesh = role_mesh(config.mesh, "sampler", devices)
   graphdef, abstract = abstract_model(model_config)
@@ -69,10 +74,10 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   base_params = None  # a LoRA landing holds the base on the mesh; the host copy goes
   worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh,
                          role=SamplerRole(name, e.settings, e.serve, tls if e.serve is not None else None))
-  sender = FlightSampleSender(connection, -1)
-  stats = dict(sessions=0, weights_fetches=0, weights_bytes=0, weights_fetch_s=0.0, weights_relay_fetches=0,
-               weights_relay_fallbacks=0)
-  relay, others = None, {}
+  sender = RoutedSender(connection, functools.partial(dial, peer="a trainer process's sample door",
+                                                      tls_name=connect.rpartition(":")[0] if tls else None))
+  stats = dict.fromkeys(SESSION_STATS, 0)
+  relay = None
   try:
     relay = _relay(e)
     while not stop.is_set():
@@ -80,31 +85,23 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
       stats["sessions"] += 1
       _log.info(f"{name}: registered with the trainer at {connect} as sampler {sampler_id:x}"
                 + (" (again)" if stats["sessions"] > 1 else ""))
-      sender.sampler_id = sampler_id
-      routed = RoutedSender(sender, worker.data_endpoints, lambda address: FlightConnection(
-          address, tls=tls, timeout_s=flight_config.call_timeout_s, retry_s=flight_config.connect_retry_s,
-          peer="a trainer process's sample door", tls_name=connect.rpartition(":")[0] if tls else None))
+      sender.start(sampler_id, worker.data_endpoints)
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, streams=flight_config.weight_streams,
                                       relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name))
-      try:
-        outcome = _session(worker, control, routed, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
-      finally:
-        routed.close()
-        for key, value in routed.stats.items():  # the other doors' sends, added to the trainer server's
-          others[key] = others.get(key, 0) + value - sender.stats.get(key, 0)
+      outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break
       _log.warning(f"{name}: the trainer no longer knows sampler {sampler_id:x} (declared lost, or restarted); "
                    "its lease is dropped, registering again")
   finally:
     worker.close()
+    sender.close()
     connection.close()  # calls still retrying give up at once
     connection.client.close()
     if relay is not None:
       relay.shutdown()
-  sent = {k: v + others.pop(k, 0) for k, v in sender.stats.items()}
-  return dict(sent, **others, **stats, **connection.counters, **(relay.counters if relay else {}))
+  return dict(sender.stats, **stats, **connection.counters, **(relay.counters if relay else {}))
 
 
 def _relay(endpoint: SamplerEndpoint) -> RelayServer | None:

@@ -2,12 +2,13 @@
 (`step_plan.group_owner`) at its own Flight door, and keeps their tokens.
 
 What the processes share is the rows' description, never their tokens: at each poll every process says which
-samples arrived at its door (key, rewards, versions, token counts: `ROW_BYTES` and 8 per reward function a sample
-before compression, about a fifth of that after, against 17 bytes per token for the tokens), by one small all-gather, so that every process holds the
-same view of each shard and the trainer worker takes the same decisions everywhere (which samples to train, when
-a step is whole, what a metrics row says). A shard of that view holds the tokens of its owner's rows alone; the
-trainer lays each call's rows on their owners' devices (`training.owned_rows`). Process 0 adds a stop flag to
-its part of the all-gather (`stop`): the others leave at the same poll.
+samples arrived at its door (keys, rewards, versions, token counts: `ROW_BYTES` and 4 per reward function a sample
+before compression, about a fifth of that after, against about 17 bytes per token for the tokens), by one small
+all-gather, so that every process holds the same view of each shard and the trainer worker takes the same decisions
+everywhere (which samples to train, when a step is whole, what a metrics row says). A shard of that view holds the
+tokens of its owner's rows alone; the trainer lays each call's rows on their owners' devices
+(`training.owned_rows`). Process 0 adds a stop flag to its part of the all-gather (`stop`): the others leave at
+the same poll.
 
 The door of a process other than 0 (`FlightDoor`) asks process 0's controller about each batch with a `Delivery`
 (its groups' ids and lengths) before acknowledging it, so the lease rules and the plans stay in one place.
@@ -31,7 +32,7 @@ from streamrl_jax.streaming.shard import STATS
 
 POLL_S = 0.1  # how long a process waits at its own door before the processes compare what arrived
 INTS = ("group_ids", "sample_indices", "steps", "first_versions", "last_versions", "reward_errors", "reward_timeouts")
-ROW_BYTES = 8 * (len(INTS) + len(STATS) + 3)  # a row's description (its length and reward beside), reward parts apart
+ROW_BYTES = 8 * (len(INTS) + len(STATS) + 2) + 4  # a row's description (length, owner, reward), reward parts apart
 
 
 class IntakeStopped(Exception):
@@ -42,8 +43,9 @@ class FlightDoor:
   """The sample door's controller on a trainer process other than 0: each batch's groups go to process 0's
   controller as a `Delivery`; its answer is the door's."""
 
-  def __init__(self, connection: FlightConnection, group_size: int):
+  def __init__(self, connection: FlightConnection | None, group_size: int):
     self.connection, self.group_size = connection, group_size
+    self.door = self  # what the Flight server asks about each batch
 
   def handlers(self) -> dict:
     return {}  # control messages go to process 0
@@ -58,6 +60,9 @@ class FlightDoor:
 
   def shard_refused(self, reason: str) -> None:
     """Counted by this door's server; process 0 hears of batches it judged only."""
+
+  def weight_source(self, sampler_id: int, version: int) -> str:
+    return ""  # a door of samples alone holds no weights
 
 
 class ProcessIntake:

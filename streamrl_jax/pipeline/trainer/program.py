@@ -71,15 +71,14 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
   mesh = role_mesh(config.mesh, "trainer", devices)
-  stop = hooks.stop
   trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
-                          stop=stop if is_leader() else None)
+                          stop=hooks.stop if is_leader() else None)
   ranker = make_ranker(config, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
   doors = SampleDoors.open(config, model.config.vocab_size, endpoint)  # other processes' sample doors, before
   if not is_leader():
-    with stop.deferred("process 0 stops") if stop is not None else contextlib.nullcontext():
+    with hooks.stop.deferred("process 0 stops") if hooks.stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker, doors)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step,
                           terms=JoinTerms(settings, endpoint.site, doors.endpoints), ranker=ranker,
@@ -95,10 +94,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
   if endpoint.on_listening is not None:
     endpoint.on_listening(server.address)
-  intake = doors.intake(queue, lambda: server.counters["accepted_bytes"])
-  get_shard = _waiting_get(intake or queue, controller, config.controller.sampler_timeout_s)
-  if intake is not None:
-    get_shard = _stopping_others(get_shard, intake)
+  get_shard, intake = _shard_source(config, controller, queue, server, doors)
   try:
     side = SamplersSide(get_shard, start=controller.start_watchdog,
                         teardown=_teardown(config, controller, server, doors), to_host=gather_to_host,
@@ -147,6 +143,13 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
                                                    chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20,
                                                    owner=(0, jax.process_count())))
   return queue, store, server
+
+
+def _shard_source(config: PipelineConfig, controller: Controller, queue: SampleQueue, server, doors: SampleDoors):
+  """(get_shard for the session, the processes' shared intake or None for a trainer of one process)."""
+  intake = doors.intake(queue, lambda: server.counters["accepted_bytes"])
+  get_shard = _waiting_get(intake or queue, controller, config.controller.sampler_timeout_s)
+  return (get_shard if intake is None else _stopping_others(get_shard, intake)), intake
 
 
 def _stopping_others(get_shard, intake: ProcessIntake):

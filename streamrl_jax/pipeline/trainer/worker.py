@@ -39,7 +39,7 @@ from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer.control import TrainerControl
-from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_advantages
+from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
 from streamrl_jax.pipeline.trainer.step_row import (StepTimes, batch_metrics, equal_reward_groups, phase_row,
                                                     record_arrival, step_row)
 from streamrl_jax.pipeline.watchdog import StallWatch
@@ -65,7 +65,7 @@ class TrainerWorker:
     # streamed: each shard is accumulated as it arrives (the mode's choice); a follower arm gathers its step first,
     # so that a step it skips midway leaves nothing behind
     self.streamed = self.spec.streamed if streamed is None else streamed
-    self.faults = FaultPoints.from_env(stop) if stop is not None else FaultPoints()  # where stops are decided
+    self.faults = FaultPoints.of_trainer_process(jax.process_index(), stop)
     self.lora = config.trainer.lora if config.trainer.lora.enabled else None
     self.trainer, trained = make_trainer(config, graphdef, params, mesh, resume)
     self.state = self.trainer.init_state(trained, seed=config.seed)
@@ -302,8 +302,7 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      batch = shard.train_batch(shard_advantages(self.trainer, self.config, shard), owned=jax.process_count() > 1)
-      self.state = self.batcher.add(self.state, batch)
+      self.state = self.batcher.add(self.state, shard_batch(self.trainer, self.config, shard))
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
