@@ -62,6 +62,7 @@ BENCHES = (
     Bench("pipeline", 1800, 180),
     Bench("pipeline_scheduling", 1800, 180),
     Bench("multiprocess", 1800, 240),
+    Bench("distributed", 1800, 600),
     Bench("inflight", 2400, 240),
     Bench("precision", 1800, 240),
     Bench("multiturn", 1800, 240),

@@ -498,3 +498,4 @@ def test_a_trainer_process_killed_and_the_run_resumed_trains_each_sample_once(tm
   assert counters["samples_trained"] == counters["unique_samples_trained"] == counters["samples_planned"] == resumed
   assert counters["duplicate_samples"] == counters["refused_samples"] == 0
   assert counters["flight_accepted_samples"] == counters["intake_local_samples"] == resumed // 2
+  assert counters["intake_weight_kib/1"] > 0  # process 1 served its own pieces of the weights

@@ -320,6 +320,7 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   # descriptions of the others, never their tokens
   assert counters["flight_accepted_samples"] == counters["intake_local_samples"] == 8
   assert counters["intake_door_kib/1"] > 0 and counters["refused_samples"] == 0
+  assert counters["intake_weight_kib/1"] > 0 and counters["intake_weight_kib/0"] > 0  # each serves its own pieces
   assert counters["duplicate_samples"] == 0 and counters["prompts_submitted"] == 8
   leader = logs[pods[0].hostname()]
   assert "trainer mesh {'data': 1, 'fsdp': 2, 'tensor': 1} over 2 process(es)" in leader

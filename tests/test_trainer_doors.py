@@ -190,3 +190,51 @@ def test_the_doors_travel_in_control_messages():
   for message in (Delivery(3, 1, (4, 6), (2.5, 7.0)), DeliveryStatus("refused", "why"),
                   Registered(1, 0, 4, 0.5, ("", "host-1:4431"))):
     assert decode_message(encode_message(message)) == message
+
+
+def test_a_version_comes_in_pieces_from_every_process_and_is_handed_whole_to_a_relay():
+  """A version whose arrays are sharded over two devices, as two trainer processes would hold it: each door serves
+  its own pieces only; the sampler assembles whole arrays (a scalar and a replicated array included), its relay then
+  serves the whole version to a child."""
+  import jax
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+  from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
+  from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
+  from streamrl_jax.streaming.weight_pieces import BadPieces, assemble, own_pieces
+  from streamrl_jax.streaming.weight_relay import RelayServer, RelayStore
+
+  mesh = Mesh(np.asarray(jax.devices()[:2]), ("fsdp",))
+  rng = np.random.default_rng(0)
+  host = {"w": rng.standard_normal((6, 4)).astype(np.float32), "b": np.arange(3, dtype=np.float32),
+          "step": np.float32(7)}
+  tree = {"w": jax.device_put(host["w"], NamedSharding(mesh, PartitionSpec("fsdp"))),
+          "b": jax.device_put(host["b"], NamedSharding(mesh, PartitionSpec())),
+          "step": jax.device_put(host["step"], NamedSharding(mesh, PartitionSpec()))}
+  pieces, where = own_pieces(tree)
+  assert sorted(where[p][0] for p in pieces) == ["['b']", "['step']", "['w']", "['w']"]  # one holder per slice
+  first = {p for p in pieces if where[p][2][:1] in ([], [0])}  # process "0": the first half of w, b and step
+  stores, servers = [HostWeightStore(pieces=True) for _ in range(2)], []
+  for store, mine in zip(stores, (first, set(pieces) - first)):
+    store._store({p: pieces[p] for p in sorted(mine)}, 1, 0.0, {p: where[p] for p in mine})
+    servers.append(TrainerFlightServer("127.0.0.1", 0, controller=None, samples=None, weights=store,
+                                       limits=ServerLimits(1, chunk_bytes=16)))
+  connections = [FlightConnection(s.address, timeout_s=10, retry_s=5) for s in servers]
+  relay = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=5))
+  try:
+    expected = {f"['{k}']": np.shape(v) for k, v in host.items()}
+    version, flat, nbytes = fetch_weights(connections[0], 1, expected, streams=2, sink=relay.store,
+                                          doors=(connections[1],))
+    assert version == 1 and nbytes == sum(p.nbytes for p in pieces.values())
+    for name, value in host.items():
+      np.testing.assert_array_equal(flat[f"['{name}']"], value)
+    with pytest.raises(BadPieces, match="pieces of 12 elements arrived for 24"):  # one process's pieces alone
+      assemble({p: pieces[p] for p in first}, where)
+    child = FlightConnection(relay.address, timeout_s=10, retry_s=5)
+    _, again, _ = fetch_weights(child, 1, expected, streams=2)
+    np.testing.assert_array_equal(again["['w']"], host["w"])
+    child.close()
+  finally:
+    for connection in connections:
+      connection.close()
+    for server in servers + [relay]:
+      server.shutdown()

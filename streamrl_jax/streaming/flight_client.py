@@ -28,8 +28,10 @@ from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, L
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, VERSION_GONE, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch
-from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, chunk_rows,
-                                                  part_indices, read_manifest, weights_ticket)
+from streamrl_jax.streaming.weight_chunks import (BadWeightStream, DEFAULT_CHUNK_BYTES, WeightAssembler,
+                                                  check_tensors, chunk_rows, manifest_of, part_indices, read_manifest,
+                                                  weights_ticket)
+from streamrl_jax.streaming.weight_pieces import PIECES_KEY, assemble, decode_where
 from streamrl_jax.streaming.weight_relay import RelayStore
 from streamrl_jax.streaming.weights import LatestWeights
 
@@ -202,57 +204,84 @@ class VersionGone(LookupError):
 
 
 def fetch_weights(connection: FlightConnection, version: int, expected: dict | None = None, streams: int = 2,
-                  sink: RelayStore | None = None) -> tuple[int, dict, int]:
+                  sink: RelayStore | None = None, doors: tuple[FlightConnection, ...] = ()) -> tuple[int, dict, int]:
   """(version, {name: host array}, bytes) of one version, fetched as `streams` parallel DoGets of disjoint parts
   from `connection` (the trainer, or a relay); `expected` ({name: shape}) checks the tensors against the
   receiver's model. With a `sink` (this sampler's relay), every chunk is also handed on as it arrives and the
   version is marked whole at the end; on failure the sink is left as it is (the caller may fetch again from
-  elsewhere into it, or fail it)."""
-  def part(i: int):
-    added = False
-    try:
-      reader = connection.client.do_get(flight.Ticket(weights_ticket(version, i, streams)),
-                                        options=connection.options(max(connection.timeout_s, WEIGHTS_DEADLINE_S)))
-      got, manifest, indices = read_manifest(reader.schema)
-      if got != version or indices != part_indices(manifest, i, streams):
-        raise BadWeightStream(f"asked for part {i} of {streams} of version {version}, got {len(indices)} tensors "
-                              f"of version {got}")
-      if sink is not None:
-        sink.begin(version, manifest)
-      assembler = WeightAssembler(manifest, indices)
-      for chunk in reader:
-        for index, offset, data in chunk_rows(chunk.data):
-          assembler.place(index, offset, data)
-          if sink is not None:
-            sink.add(version, index, offset, data)
-            added = True
-      return got, assembler.result(), assembler.bytes
-    except flight.FlightServerError as err:
-      if VERSION_GONE in str(err):
-        raise VersionGone(version) from None
-      raise BadMessage(f"fetching weights of version {version} from {connection.address}: {_message(err)}") from None
-    except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
-      if added:  # chunks went on to this sampler's children: a retry would repeat them
-        raise BadMessage(f"the stream of version {version} from {connection.address} broke: {_message(err)}") from None
-      raise
-  with ThreadPoolExecutor(streams, thread_name_prefix="weights-fetch") as pool:
-    results = list(pool.map(lambda i: connection.call(lambda: part(i)), range(streams)))
-  flat = {name: array for _, arrays, _ in results for name, array in arrays.items()}
+  elsewhere into it, or fail it). With `doors` (a trainer of several processes: the others' doors), each process's
+  pieces come from its own door and are assembled here (`weight_pieces`); the sink then gets the whole version."""
+  holders = (connection,) + tuple(doors)
+  jobs = [(door, i) for door in holders for i in range(streams)]
+  streamed = sink if not doors else None
+  with ThreadPoolExecutor(len(jobs), thread_name_prefix="weights-fetch") as pool:
+    results = list(pool.map(lambda job: job[0].call(lambda: _fetch_part(job[0], version, job[1], streams, streamed)),
+                            jobs))
+  flat = {name: array for arrays, _, _ in results for name, array in arrays.items()}
+  where = {piece: place for _, _, places in results if places for piece, place in places.items()}
+  if where:
+    flat = assemble(flat, where)
   if expected is not None:
     check_tensors(flat, expected)
   if sink is not None:
+    if streamed is None:
+      _hand_on(sink, version, flat)
     sink.complete(version)
-  return version, flat, sum(r[2] for r in results)
+  return version, flat, sum(r[1] for r in results)
+
+
+def _fetch_part(connection: FlightConnection, version: int, i: int, streams: int, sink: RelayStore | None):
+  """({name: array}, bytes, where each piece lies or None) of part `i` of `streams` of a version at `connection`."""
+  added = False
+  try:
+    reader = connection.client.do_get(flight.Ticket(weights_ticket(version, i, streams)),
+                                      options=connection.options(max(connection.timeout_s, WEIGHTS_DEADLINE_S)))
+    got, manifest, indices = read_manifest(reader.schema)
+    if got != version or indices != part_indices(manifest, i, streams):
+      raise BadWeightStream(f"asked for part {i} of {streams} of version {version}, got {len(indices)} tensors "
+                            f"of version {got}")
+    if sink is not None:
+      sink.begin(version, manifest)
+    assembler = WeightAssembler(manifest, indices)
+    for chunk in reader:
+      for index, offset, data in chunk_rows(chunk.data):
+        assembler.place(index, offset, data)
+        if sink is not None:
+          sink.add(version, index, offset, data)
+          added = True
+    arrays = assembler.result()
+    raw = (reader.schema.metadata or {}).get(PIECES_KEY)
+    return arrays, assembler.bytes, decode_where(raw, arrays) if raw is not None else None
+  except flight.FlightServerError as err:
+    if VERSION_GONE in str(err):
+      raise VersionGone(version) from None
+    raise BadMessage(f"fetching weights of version {version} from {connection.address}: {_message(err)}") from None
+  except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
+    if added:  # chunks went on to this sampler's children: a retry would repeat them
+      raise BadMessage(f"the stream of version {version} from {connection.address} broke: {_message(err)}") from None
+    raise
+
+
+def _hand_on(sink: RelayStore, version: int, flat: dict) -> None:
+  """A version assembled here, handed whole to this sampler's relay (in chunks of the usual size)."""
+  manifest = manifest_of(flat)
+  sink.begin(version, manifest)
+  for index, array in enumerate(flat.values()):
+    data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    for offset in range(0, max(len(data), 1), DEFAULT_CHUNK_BYTES):
+      sink.add(version, index, offset, pa.py_buffer(data[offset:offset + DEFAULT_CHUNK_BYTES]))
 
 
 @dataclasses.dataclass(frozen=True)
 class RelayLinks:
-  """A weight receiver's relays: the `store` it fills for the samplers below it (None: it serves none), and the TLS
-  files and certificate name (`tls_name`, when not the address dialled) for reaching the relays above it."""
+  """A weight receiver's links besides the trainer's server: the relay `store` it fills for the samplers below it
+  (None: it serves none), the TLS files and certificate name (`tls_name`, when not the address dialled) for reaching
+  the relays above it, and the `doors` of a trainer's other processes (each serves its own pieces of a version)."""
 
   store: RelayStore | None = None
   tls: TLSFiles | None = None
   tls_name: str | None = None
+  doors: tuple[FlightConnection, ...] = ()
 
 
 class FlightWeightReceiver:
@@ -267,7 +296,7 @@ class FlightWeightReceiver:
     """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is)."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
     self.sampler_id, self.relay, self.tls, self.streams = sampler_id, relays.store, relays.tls, streams
-    self.relay_tls_name = relays.tls_name
+    self.relay_tls_name, self.doors = relays.tls_name, relays.doors
     self._sources: dict[str, FlightConnection] = {}
     self.last_fallback = ""
     self.held_at: dict[int, float] = {}  # version -> time.time() it landed
@@ -311,7 +340,8 @@ class FlightWeightReceiver:
                      f"fetching them from the trainer (the samplers below this one go on from what it holds)")
     if got is None:
       try:
-        got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay)
+        got, flat, nbytes = fetch_weights(self.connection, version, self._expected, self.streams, self.relay,
+                                          self.doors)
       except BaseException as err:
         if self.relay is not None:
           self.relay.fail(version, f"{type(err).__name__}: {_message(err)[:200]}")

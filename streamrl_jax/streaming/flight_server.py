@@ -37,9 +37,11 @@ from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch,
                                                   batch_to_shard, shard_to_batch)
 from streamrl_jax.streaming.weight_chunks import (DEFAULT_CHUNK_BYTES, manifest_of, part_indices, read_weights_ticket,
                                                   weight_batches, weight_schema)
+from streamrl_jax.streaming.weight_pieces import PIECES_KEY, encode_where, own_pieces
 
 SAMPLES_COMMAND = b"samples"
 VERSION_GONE = "weights of this version are no longer held"  # the trainer moved on, or restarted
+PIECES_WAIT_S = 60.0  # how long a trainer process's door waits for a version process 0 already announced
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,14 +82,16 @@ class HostWeightStore:
   """The trainer side of the weight transport across processes: host copies of the newest versions.
 
   `publish` copies the parameters on their devices at once (the trainer may donate them to its next step
-  right after) and moves them to the host on a worker thread; `gather`, when given, replaces both (a
-  multi-process trainer all-gathers its shards synchronously on every process). With a `precision`, a version
-  is stored as its wire pytree (`models.precision.to_wire`); without, as the parameters."""
+  right after) and moves them to the host on a worker thread. With `pieces` (a process of a trainer of several) it
+  keeps only the pieces its own devices hold (`weight_pieces.own_pieces`, synchronously), and a stream of them says
+  where each lies. With a `precision`, a version is stored as its wire pytree (`models.precision.to_wire`);
+  without, as the parameters."""
 
-  def __init__(self, *, keep: int = 2, precision: SamplerPrecision | None = None, gather=None):
-    self._keep, self._precision, self._gather = keep, precision, gather
+  def __init__(self, *, keep: int = 2, precision: SamplerPrecision | None = None, pieces: bool = False):
+    self._keep, self._precision, self._pieces = keep, precision, pieces
     self._cond = threading.Condition()
     self._versions: dict[int, tuple[list, list]] = {}  # version -> (manifest, host arrays in its order)
+    self._where: dict[int, dict] = {}  # version -> where each piece lies (pieces only)
     self._threads: list[threading.Thread] = []
     self._error: BaseException | None = None
     self.seconds: dict[int, float] = {}
@@ -96,8 +100,9 @@ class HostWeightStore:
     start = time.perf_counter()
     if self._precision is not None:
       params = to_wire(params, self._precision)
-    if self._gather is not None:
-      self._store(self._gather(params), version, start)
+    if self._pieces:
+      flat, where = own_pieces(params)
+      self._store(flat, version, start, where)
       return
     copied = launch.copy(params)
     thread = threading.Thread(target=self._to_host, args=(copied, version, start), daemon=True,
@@ -113,12 +118,15 @@ class HostWeightStore:
         self._error = err
         self._cond.notify_all()
 
-  def _store(self, host_params, version: int, start: float) -> None:
-    flat = {k: np.ascontiguousarray(v) for k, v in flatten_with_names(host_params).items()}
+  def _store(self, host_params, version: int, start: float, where: dict | None = None) -> None:
+    """Keeps a version: `host_params` a pytree of host arrays, or with `where` the named pieces already."""
+    named = host_params if where is not None else flatten_with_names(host_params)
+    flat = {k: np.require(v, requirements="C") for k, v in named.items()}  # a scalar stays a scalar
     with self._cond:
       self._versions[version] = (manifest_of(flat), list(flat.values()))
+      self._where[version] = where
       for old in sorted(self._versions)[:-self._keep]:
-        del self._versions[old]
+        del self._versions[old], self._where[old]
       self.seconds[version] = time.perf_counter() - start
       self._cond.notify_all()
 
@@ -141,6 +149,11 @@ class HostWeightStore:
       if version not in self._versions:
         raise KeyError(f"{VERSION_GONE}: {version} (have {sorted(self._versions)})")
       return self._versions[version]
+
+  def where(self, version: int) -> dict | None:
+    """Where each piece of a held version lies (None: the version is held whole)."""
+    with self._cond:
+      return self._where.get(version)
 
   def _raise_error(self) -> None:
     if self._error is not None:
@@ -261,6 +274,8 @@ class TrainerFlightServer(flight.FlightServerBase):
       return self._arm_stream(ticket.ticket)
     try:
       version, part, parts = read_weights_ticket(ticket.ticket)
+      if version > self.weights.latest_version():  # a trainer process publishing a moment after process 0
+        self.weights.wait_version(version, PIECES_WAIT_S)
       manifest, arrays = self.weights.get(version)
     except (ValueError, KeyError) as err:
       if VERSION_GONE not in str(err):
@@ -270,6 +285,10 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._count("weight_streams")
     self._count("weight_bytes", sum(arrays[i].nbytes for i in indices))
     schema = weight_schema(version, manifest, indices)
+    where = self.weights.where(version)
+    if where is not None:
+      ours = {manifest[i][0]: where[manifest[i][0]] for i in indices}
+      schema = schema.with_metadata({**schema.metadata, PIECES_KEY: encode_where(ours)})
     return flight.GeneratorStream(schema, weight_batches(schema, arrays, self.chunk_bytes))
 
   def _arm_stream(self, raw: bytes):

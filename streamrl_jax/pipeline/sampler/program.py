@@ -88,7 +88,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
       sender.start(sampler_id, worker.data_endpoints)
       receiver = FlightWeightReceiver(connection, weights.template, weights.shardings, finish=weights.finish,
                                       sampler_id=sampler_id, streams=flight_config.weight_streams,
-                                      relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name))
+                                      relays=RelayLinks(relay.store if relay else None, tls, e.relay_tls_name,
+                                                        sender.doors()))
       outcome = _session(worker, control, sender, receiver, sampler_id, config.controller.heartbeat_s, stop, stats)
       if outcome != "rejoin":
         break

@@ -27,6 +27,10 @@ class RoutedSender:
     self.senders[0].sampler_id = sampler_id
     self.senders[1:] = [FlightSampleSender(self.connect(address), sampler_id) for address in endpoints[1:]]
 
+  def doors(self) -> tuple[FlightConnection, ...]:
+    """The connections to the trainer's other processes' doors (each also serves its pieces of every version)."""
+    return tuple(sender.connection for sender in self.senders[1:])
+
   def put(self, shard, timeout: float | None = None) -> None:
     owners = np.asarray([group_owner(g, len(self.senders)) for g in shard.group_ids])
     for owner in np.unique(owners):

@@ -1,8 +1,8 @@
-"""Each trainer process's own sample door (a trainer of several processes: DistFlow's no central data node).
+"""Each trainer process's own door (a trainer of several processes: DistFlow's no central data node).
 
 Process 0's door is the trainer's Flight server, which also holds the control; every other process serves a door
-of samples alone, on the host of `TrainerEndpoint.listen` and a port of its own, whose lease checks ask process 0
-(`intake.FlightDoor`). Samplers learn the doors from `Registered.data_endpoints` and send each group to its owner's
+of its own samples and of its own pieces of each weight version (`weight_pieces`), on the host of
+`TrainerEndpoint.listen` and a port of its own, whose lease checks ask process 0 (`intake.FlightDoor`). Samplers learn the doors from `Registered.data_endpoints` and send each group to its owner's
 (`step_plan.group_owner`); a door refuses another process's groups.
 """
 
@@ -41,7 +41,8 @@ class SampleDoors:
       limits = ServerLimits(WireLimits.of_run(config, vocab_size), owner=(process, processes),
                             chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20)
       server = TrainerFlightServer(host, 0, controller=FlightDoor(None, config.group_size), samples=queue,
-                                   weights=HostWeightStore(), limits=limits, tls=endpoint.tls)
+                                   weights=HostWeightStore(precision=config.precision, pieces=True), limits=limits,
+                                   tls=endpoint.tls)
       server.address = f"{advertised_host(host)}:{server.port}"
     addresses = gather_text(server.address if server else "")
     return cls(config, endpoint, server, queue, ("",) + tuple(addresses[1:]))

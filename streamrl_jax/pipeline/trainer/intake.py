@@ -69,13 +69,15 @@ class ProcessIntake:
   """`get(timeout)`: the next shard of the processes' shared view of what arrived, its tokens where they arrived.
   Every process calls it in the same order (a collective each poll)."""
 
-  def __init__(self, queue: SampleQueue, reward_functions: int, door_bytes=lambda: 0, poll_s: float = POLL_S):
-    """`door_bytes()`: the sample bytes this process's door has taken so far (told to the others each poll)."""
+  def __init__(self, queue: SampleQueue, reward_functions: int, door_bytes=lambda: (0, 0), poll_s: float = POLL_S):
+    """`door_bytes()`: (sample bytes taken, weight bytes sent) by this process's door so far, told to the others
+    each poll (`intake_door_kib/P`, `intake_weight_kib/P`)."""
     self.queue, self.functions, self.poll_s, self.door_bytes = queue, reward_functions, poll_s, door_bytes
     self.process, self.processes = jax.process_index(), jax.process_count()
     self._ready: list[SampleShard] = []
     self.counters = dict(intake_polls=0, intake_local_samples=0, intake_samples=0, intake_description_bytes=0,
-                         **{f"intake_door_kib/{p}": 0 for p in range(self.processes)})
+                         intake_peer_description_bytes=0,
+                         **{f"intake_{kind}_kib/{p}": 0 for kind in ("door", "weight") for p in range(self.processes)})
 
   def get(self, timeout: float) -> SampleShard:
     """The next shard of the shared view; TimeoutError when none arrived anywhere within about `timeout`."""
@@ -107,9 +109,11 @@ class ProcessIntake:
     self.counters["intake_polls"] += 1
     blob = describe(local, self.process) if local is not None else np.zeros(0, np.uint8)
     gather = launch.launcher(jax.devices())  # multihost_utils' collectives run over every device
-    mine = np.asarray([blob.size, int(stop), self.door_bytes() >> 10], np.int32)
+    samples, weights = self.door_bytes()
+    mine = np.asarray([blob.size, int(stop), samples >> 10, weights >> 10], np.int32)
     head = np.asarray(gather(multihost_utils.process_allgather, mine))
-    self.counters.update({f"intake_door_kib/{p}": int(head[p, 2]) for p in range(self.processes)})
+    for p in range(self.processes):
+      self.counters.update({f"intake_door_kib/{p}": int(head[p, 2]), f"intake_weight_kib/{p}": int(head[p, 3])})
     if head[0, 1]:
       raise IntakeStopped("trainer process 0 stopped taking samples")
     if not head[:, 0].any():
@@ -119,6 +123,7 @@ class ProcessIntake:
     blobs = np.asarray(gather(multihost_utils.process_allgather, padded))
     rows = [read_description(blobs[p, :head[p, 0]], self.functions) for p in range(self.processes)]
     self.counters["intake_description_bytes"] += int(head[:, 0].sum())
+    self.counters["intake_peer_description_bytes"] += int(head[:, 0].sum() - head[self.process, 0])  # received
     self.counters["intake_local_samples"] += 0 if local is None else local.num_samples
     view = shared_view(rows, local, self.process)
     self.counters["intake_samples"] += view.num_samples

@@ -18,7 +18,6 @@ from jax.experimental import multihost_utils
 
 from streamrl_jax.distributed import gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
-from streamrl_jax.models.precision import to_wire
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
@@ -136,7 +135,7 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
   """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving `arms'`
   streams too)."""
   queue = SampleQueue(config.trainer.queue_capacity)
-  store = HostWeightStore(precision=config.precision, gather=gather_to_host if jax.process_count() > 1 else None)
+  store = HostWeightStore(precision=config.precision, pieces=jax.process_count() > 1)  # each process its own pieces
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
                                weights=store, tls=endpoint.tls, arms=arms,
                                limits=ServerLimits(WireLimits.of_run(config, vocab_size),
@@ -147,7 +146,7 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
 
 def _shard_source(config: PipelineConfig, controller: Controller, queue: SampleQueue, server, doors: SampleDoors):
   """(get_shard for the session, the processes' shared intake or None for a trainer of one process)."""
-  intake = doors.intake(queue, lambda: server.counters["accepted_bytes"])
+  intake = doors.intake(queue, lambda: (server.counters["accepted_bytes"], server.counters["weight_bytes"]))
   get_shard = _waiting_get(intake or queue, controller, config.controller.sampler_timeout_s)
   return (get_shard if intake is None else _stopping_others(get_shard, intake)), intake
 
@@ -165,24 +164,11 @@ def _stopping_others(get_shard, intake: ProcessIntake):
   return get
 
 
-class _FollowerWeights:
-  """What a non-leading trainer process has instead of the weight store: it joins the weight gathers and keeps
-  nothing (its controller is a `FollowerControl`)."""
-
-  def __init__(self, config: PipelineConfig):
-    self.precision, self.seconds = config.precision, {}
-
-  def publish(self, params, version: int) -> None:
-    gather_to_host(to_wire(params, self.precision))
-
-  def wait(self) -> None:
-    pass
-
-
 def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: SampleDoors) -> RunResult:
   """A trainer process other than 0: its own sample door, process 0's decisions (the same worker, the same view)."""
   doors.connect(None)
-  intake = doors.intake(None, lambda: doors.server.counters["accepted_bytes"])
+  counters = doors.server.counters
+  intake = doors.intake(None, lambda: (counters["accepted_bytes"], counters["weight_bytes"]))
 
   def get(timeout: float):  # polls as long as process 0 does
     try:
@@ -190,7 +176,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: Sampl
     except IntakeStopped:
       raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None) from None
   try:
-    trainer.run(FollowerControl(config), get, _FollowerWeights(config), clock=time.monotonic, aux=ranker_aux(ranker))
+    trainer.run(FollowerControl(config), get, doors.server.weights, clock=time.monotonic, aux=ranker_aux(ranker))
   finally:
     doors.close()
   if trainer.checkpointer is not None:
