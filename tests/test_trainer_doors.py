@@ -33,13 +33,13 @@ def test_token_stats_are_what_the_tokens_say():
   """trained tokens, their versions' sum and least, the environment's tokens: against numpy on the tokens."""
   shard = shard_of([0, 1], lengths=(2, 5, 9))
   mask = shard.loss_mask
-  np.testing.assert_array_equal(shard.token_stats[:, 0], mask.sum(1))
-  np.testing.assert_array_equal(shard.token_stats[:, 1], (shard.versions * mask).sum(1))
+  np.testing.assert_array_equal(shard.stats[:, 0], mask.sum(1))
+  np.testing.assert_array_equal(shard.stats[:, 1], (shard.versions * mask).sum(1))
   step = 6
   stale = step - shard.versions[mask]
   assert shard.staleness_sum_max(step) == (mask.sum(), stale.sum(), stale.max())
   hole = mask & (np.arange(mask.shape[1]) != 3)  # an environment's token inside the completion
-  agent = dataclasses.replace(shard, loss_mask=hole, token_stats=None)
+  agent = dataclasses.replace(shard, loss_mask=hole)  # counted afresh from the new mask
   env = sum(int(np.sum(agent.valid[i, np.argmax(hole[i]):] & ~hole[i, np.argmax(hole[i]):]))
             for i in range(len(hole)) if hole[i].any())
   assert agent.env_tokens == env > 0
@@ -51,8 +51,9 @@ def test_a_description_holds_every_row_field_and_no_token(lengths, seed, functio
   shard = SampleShard.concat([group_shard(lengths, step=2, seed=seed, group=g, functions=functions) for g in (4, 9)])
   rows = read_description(describe(shard, process=1), functions)
   for name in ("group_ids", "sample_indices", "steps", "first_versions", "last_versions", "reward_errors",
-               "reward_timeouts", "rewards", "reward_parts", "token_stats"):
+               "reward_timeouts", "rewards", "reward_parts"):
     np.testing.assert_array_equal(rows[name], getattr(shard, name), err_msg=name)
+  np.testing.assert_array_equal(rows["token_stats"], shard.stats)
   np.testing.assert_array_equal(rows["lengths"], shard.valid.sum(1))
   assert set(rows["owners"]) == {1}
   other_tokens = dataclasses.replace(shard, tokens=(shard.tokens + 1) * shard.valid, logprobs=shard.logprobs / 2)
@@ -69,7 +70,7 @@ def test_the_shared_view_holds_every_row_and_only_its_own_tokens():
     own = view.owners[i] == 0
     source = mine if own else theirs
     j = source.keys().index(key)
-    np.testing.assert_array_equal(view.token_stats[i], source.token_stats[j])
+    np.testing.assert_array_equal(view.stats[i], source.stats[j])
     assert view.valid[i].sum() == source.valid[j].sum()
     expected = np.zeros(view.tokens.shape[1], np.int32)
     if own:
@@ -212,6 +213,8 @@ def test_a_version_comes_in_pieces_from_every_process_and_is_handed_whole_to_a_r
           "step": jax.device_put(host["step"], NamedSharding(mesh, PartitionSpec()))}
   pieces, where = own_pieces(tree)
   assert sorted(where[p][0] for p in pieces) == ["['b']", "['step']", "['w']", "['w']"]  # one holder per slice
+  # of 2 processes, each holding a replica of b and step: process 1 serves the second array in order, step
+  assert sorted(where[p][0] for p in own_pieces(tree, 1, 2)[0]) == ["['step']", "['w']", "['w']"]
   first = {p for p in pieces if where[p][2][:1] in ([], [0])}  # process "0": the first half of w, b and step
   stores, servers = [HostWeightStore(pieces=True) for _ in range(2)], []
   for store, mine in zip(stores, (first, set(pieces) - first)):

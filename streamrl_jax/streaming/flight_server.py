@@ -101,7 +101,7 @@ class HostWeightStore:
     if self._precision is not None:
       params = to_wire(params, self._precision)
     if self._pieces:
-      flat, where = own_pieces(params)
+      flat, where = own_pieces(params, jax.process_index(), jax.process_count())
       self._store(flat, version, start, where)
       return
     copied = launch.copy(params)

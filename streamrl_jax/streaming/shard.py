@@ -6,6 +6,7 @@ Across processes the same record travels as an Arrow record batch (`streaming.sa
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -18,7 +19,6 @@ TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "l
 # Held beside a shard, never on the wire: the trainer process that holds each sample's tokens, and what the metrics
 # and the step's decisions read of them (`token_stats`), so that a process that holds a sample's row but not its tokens
 # (a trainer of several processes) decides as the one that does.
-LOCAL_FIELDS = {"owners": np.int32, "token_stats": np.int64}
 STATS = ("trained", "version_sum", "version_min", "env")  # token_stats' columns, one row per sample
 NO_VERSION = np.iinfo(np.int64).max  # version_min of a sample with no trained token
 
@@ -78,12 +78,20 @@ class SampleShard:
     if np.any(self.loss_mask & ~self.valid):
       raise ValueError("SampleShard.loss_mask marks tokens that are not valid")
     owners = np.zeros(n, np.int32) if self.owners is None else np.asarray(self.owners, np.int32)
-    stats = _token_stats(self) if self.token_stats is None else np.asarray(self.token_stats, np.int64)
-    if owners.shape != (n,) or stats.shape != (n, len(STATS)):
-      raise ValueError(f"SampleShard.owners {owners.shape} and token_stats {stats.shape}: expected ({n},) and "
-                       f"({n}, {len(STATS)})")
+    if owners.shape != (n,):
+      raise ValueError(f"SampleShard.owners has shape {owners.shape}, expected ({n},)")
     object.__setattr__(self, "owners", owners)
-    object.__setattr__(self, "token_stats", stats)
+    if self.token_stats is not None:  # given: rows whose tokens another process holds
+      stats = np.asarray(self.token_stats, np.int64)
+      if stats.shape != (n, len(STATS)):
+        raise ValueError(f"SampleShard.token_stats has shape {stats.shape}, expected ({n}, {len(STATS)})")
+      object.__setattr__(self, "token_stats", stats)
+
+  @functools.cached_property
+  def stats(self) -> np.ndarray:
+    """[n, len(STATS)]: `token_stats` when given, else counted from the tokens (so a `dataclasses.replace` of the
+    tokens counts them afresh)."""
+    return self.token_stats if self.token_stats is not None else _token_stats(self)
 
   @property
   def num_samples(self) -> int:
@@ -92,7 +100,7 @@ class SampleShard:
   @property
   def trained_tokens(self) -> int:
     """Completion tokens that carry a loss (0: nothing of this shard is trained)."""
-    return int(self.token_stats[:, 0].sum())
+    return int(self.stats[:, 0].sum())
 
   @property
   def min_version(self) -> int:
@@ -100,7 +108,7 @@ class SampleShard:
 
   def staleness_sum_max(self, step: int) -> tuple[int, int, int]:
     """(trained tokens, the sum and the most of step - version over them): how many updates behind they are."""
-    trained, version_sum, version_min = (self.token_stats[:, i] for i in range(3))
+    trained, version_sum, version_min = (self.stats[:, i] for i in range(3))
     some = trained > 0
     most = int(step - version_min[some].min()) if some.any() else 0
     return int(trained.sum()), int(step * trained.sum() - version_sum.sum()), most
@@ -108,22 +116,25 @@ class SampleShard:
   @property
   def env_tokens(self) -> int:
     """Tokens an environment wrote into the completions (masked, after a row's first trained token)."""
-    return int(self.token_stats[:, 3].sum())
+    return int(self.stats[:, 3].sum())
 
   @classmethod
   def concat(cls, shards: list[SampleShard]) -> SampleShard:
     width = max(s.tokens.shape[1] for s in shards)
     pad = lambda a: np.pad(a, ((0, 0), (0, width - a.shape[1])))  # noqa: E731
     fields = {k: np.concatenate([pad(getattr(s, k)) for s in shards]) for k in TOKEN_FIELDS}
-    fields.update({k: np.concatenate([getattr(s, k) for s in shards])
-                   for k in {**ROW_FIELDS, **PART_FIELDS, **LOCAL_FIELDS}})
+    fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in {**ROW_FIELDS, **PART_FIELDS}})
+    fields["owners"] = np.concatenate([s.owners for s in shards])
+    if any(s.token_stats is not None for s in shards):
+      fields["token_stats"] = np.concatenate([s.stats for s in shards])
     return cls(**fields)
 
   def take(self, rows) -> SampleShard:
     """The samples at `rows` (indices), in that order."""
     rows = np.asarray(rows, np.int64)
-    return SampleShard(**{k: getattr(self, k)[rows]
-                          for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS, **LOCAL_FIELDS}})
+    given = {} if self.token_stats is None else {"token_stats": self.token_stats[rows]}
+    return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS}},
+                       owners=self.owners[rows], **given)
 
   def keys(self) -> list[tuple[int, int, int]]:
     """(step, group id, sample index) of every sample: what identifies it whoever generated it."""

@@ -2,10 +2,11 @@
 
 Each process publishes the shards of the version's arrays that its own devices hold with `replica_id` 0: every
 distinct slice of every array has exactly one such holder across the cluster, so the processes' pieces are
-disjoint and cover the version, and no process gathers what it does not hold. A piece travels as a tensor of its
-own (`NAME@FIRST,INDICES`) in the usual weight stream (`weight_chunks`), the stream's metadata saying where each piece lies
-(`PIECES_KEY`: piece -> [array, the array's shape, the piece's first index on each axis]). A sampler fetches every
-process's pieces and assembles whole arrays, checking that every element arrived exactly once.
+disjoint and cover the version, and no process gathers what it does not hold; an array every process holds whole
+is served by one process in turn. A piece travels as a tensor of its own (`NAME@FIRST,INDICES`) in the usual
+weight stream (`weight_chunks`), the stream's metadata saying where each piece lies (`PIECES_KEY`: piece ->
+[array, the array's shape, the piece's first index on each axis]). A sampler fetches every process's pieces and
+assembles whole arrays, checking that every element arrived exactly once.
 """
 
 from __future__ import annotations
@@ -23,11 +24,16 @@ class BadPieces(ValueError):
   """Pieces of a weight version that do not add up to its arrays."""
 
 
-def own_pieces(tree) -> tuple[dict[str, np.ndarray], dict[str, list]]:
-  """(this process's pieces of `tree`'s jax arrays by piece name, where each lies); a host copy of each."""
+def own_pieces(tree, process: int = 0, processes: int = 1) -> tuple[dict[str, np.ndarray], dict[str, list]]:
+  """(this process's pieces of `tree`'s jax arrays by piece name, where each lies); a host copy of each. An array
+  every process holds whole (replicated: LoRA's adapters, norms) is served by one process in turn."""
   pieces, where = {}, {}
-  for name, array in flatten_with_names(tree).items():
-    for shard in (s for s in array.addressable_shards if s.replica_id == 0):
+  for i, (name, array) in enumerate(flatten_with_names(tree).items()):
+    if array.sharding.is_fully_replicated:
+      shards = array.addressable_shards[:1] if i % processes == process else []
+    else:
+      shards = [s for s in array.addressable_shards if s.replica_id == 0]
+    for shard in shards:
       starts = [int(index.start or 0) for index in shard.index] if array.ndim else []
       piece = f"{name}@{','.join(map(str, starts))}"  # distinct slices: a name no other process gives
       pieces[piece] = np.require(np.asarray(shard.data), requirements="C")

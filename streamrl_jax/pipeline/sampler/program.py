@@ -76,8 +76,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
                          role=SamplerRole(name, e.settings, e.serve, tls if e.serve is not None else None))
   sender = RoutedSender(connection, functools.partial(dial, peer="a trainer process's sample door",
                                                       tls_name=connect.rpartition(":")[0] if tls else None))
-  stats = dict.fromkeys(SESSION_STATS, 0)
-  relay = None
+  stats, relay = dict.fromkeys(SESSION_STATS, 0), None
   try:
     relay = _relay(e)
     while not stop.is_set():

@@ -2,8 +2,9 @@
 
 Process 0's door is the trainer's Flight server, which also holds the control; every other process serves a door
 of its own samples and of its own pieces of each weight version (`weight_pieces`), on the host of
-`TrainerEndpoint.listen` and a port of its own, whose lease checks ask process 0 (`intake.FlightDoor`). Samplers learn the doors from `Registered.data_endpoints` and send each group to its owner's
-(`step_plan.group_owner`); a door refuses another process's groups.
+`TrainerEndpoint.listen` and a port of its own, whose lease checks ask process 0 (`intake.FlightDoor`). Samplers
+learn the doors from `Registered.data_endpoints` and send each group to its owner's (`step_plan.group_owner`); a
+door refuses another process's groups.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ def describe(shard: SampleShard, process: int) -> np.ndarray:
   floats (reward, reward parts)."""
   n = shard.num_samples
   ints = np.concatenate([np.stack([getattr(shard, k) for k in INTS], axis=1).astype(np.int64),
-                         shard.token_stats, shard.valid.sum(axis=1, keepdims=True),
+                         shard.stats, shard.valid.sum(axis=1, keepdims=True),
                          np.full((n, 1), process)], axis=1).astype("<i8")
   floats = np.concatenate([shard.rewards[:, None], shard.reward_parts], axis=1).astype("<f4")  # as the shard holds them
   raw = np.concatenate([ints.view(np.uint8).ravel(), floats.view(np.uint8).ravel()]).tobytes()
