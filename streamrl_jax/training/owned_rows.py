@@ -35,11 +35,13 @@ def process_rows(sharding: NamedSharding, shape: tuple[int, int], processes: int
 def owned_layout(values: dict, owners: np.ndarray, length: int, rows_for: Callable[[int], int],
                  sharding_for: Callable[[tuple[int, int]], NamedSharding], processes: int) -> tuple[dict, tuple]:
   """`values` ([rows, <= length] arrays of one call, row i held by process `owners[i]` of `processes`) placed in a
-  global batch of (rows_for(n), length) rows, each on its owner's devices; returns (the global arrays, their shape).
-  `rows_for(n)`: the bucketed row count of at least n rows."""
+  global batch of (rows_for(n), length) rows, each on its owner's devices, n a power of two per process (so that calls
+  take few shapes); returns (the global arrays, their shape). `rows_for(n)`: the bucketed row count of at least n
+  rows."""
   keep = np.asarray(values["valid"]).any(axis=1)
   counts = np.bincount(owners[keep], minlength=processes)
-  rows = rows_for(max(int(counts.max(initial=0)), 1) * processes)
+  most = max(int(counts.max(initial=0)), 1)
+  rows = rows_for((1 << (most - 1).bit_length()) * processes)  # a power of two a process: few shapes to compile
   while True:
     slots = process_rows(sharding_for((rows, length)), (rows, length), processes)
     if all(len(s) >= c for s, c in zip(slots, counts)):

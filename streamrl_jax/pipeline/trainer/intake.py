@@ -118,7 +118,7 @@ class ProcessIntake:
       raise IntakeStopped("trainer process 0 stopped taking samples")
     if not head[:, 0].any():
       return
-    padded = np.zeros(int(head[:, 0].max()), np.uint8)
+    padded = np.zeros(_bucket(int(head[:, 0].max())), np.uint8)  # few sizes: each is a compile of the all-gather
     padded[:blob.size] = blob
     blobs = np.asarray(gather(multihost_utils.process_allgather, padded))
     rows = [read_description(blobs[p, :head[p, 0]], self.functions) for p in range(self.processes)]
@@ -128,6 +128,11 @@ class ProcessIntake:
     view = shared_view(rows, local, self.process)
     self.counters["intake_samples"] += view.num_samples
     self._ready.extend(split_by_step(view))
+
+
+def _bucket(size: int) -> int:
+  """A blob's all-gathered size: the next power of two from 1 KiB."""
+  return max(1024, 1 << (size - 1).bit_length())
 
 
 def describe(shard: SampleShard, process: int) -> np.ndarray:
