@@ -38,7 +38,7 @@ def test_process_0_receives_the_whole_batch_centrally_and_its_own_shard_per_proc
 
 
 def test_the_collectives_and_copies_by_hand():
-  central, per_process = SimDataPlaneConfig(**UNIT), SimDataPlaneConfig(design="per_process", **UNIT)
+  central, per_process = SimDataPlaneConfig(design="central", **UNIT), SimDataPlaneConfig(design="per_process", **UNIT)
   # 1 GB of padded shards to 2 processes: host to device and back (2 s) and a ring all-reduce 2 x 1/2 (1 s)
   assert shard_broadcast_seconds(central, 1e9, shards=2, devices=16) == pytest.approx(3.0)
   assert shard_broadcast_seconds(dataclasses.replace(central, hop_latency_s=1e-3), 1e9, 2, 16) == pytest.approx(

@@ -30,7 +30,7 @@ DESIGNS = ("central", "per_process")
 class SimDataPlaneConfig:
   """The trainer's hosts, links and wire formats, and which design moves samples in and versions out."""
 
-  design: str = "central"  # "central": process 0 takes every sample and publishes whole versions; or "per_process"
+  design: str = "per_process"  # today's: each process its own samples and pieces; "central": all through process 0
   devices_per_host: int = 8  # trainer devices per host; one trainer process a host
   nic_gbs: float = 25.0  # each host's front-end NIC for Flight (samples in, weights out), GB/s each way: 200 Gb/s
   fabric_gbs: float = 50.0  # each device's link for collectives across hosts, GB/s: 400 Gb/s InfiniBand a GPU
