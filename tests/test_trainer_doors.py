@@ -241,3 +241,26 @@ def test_a_version_comes_in_pieces_from_every_process_and_is_handed_whole_to_a_r
       connection.close()
     for server in servers + [relay]:
       server.shutdown()
+
+
+def test_the_intake_of_one_process_hands_back_what_arrived_and_its_stop_does_not_raise_there():
+  """The intake's poll (its all-gathers) in a cluster of one: the shards come back whole, one step at a time, and
+  process 0's stop only tells the others."""
+  from streamrl_jax.pipeline.trainer.intake import ProcessIntake
+  from streamrl_jax.streaming import SampleQueue
+
+  queue = SampleQueue(64)
+  shards = [shard_of([0, 1], step=2), shard_of([2], step=3, lengths=(3, 9))]
+  for shard in shards:
+    queue.put(shard)
+  intake = ProcessIntake(queue, reward_functions=1, door_bytes=lambda: (5 << 10, 7 << 10), poll_s=0.01)
+  got = [intake.get(timeout=0.05), intake.get(timeout=0.05)]
+  with pytest.raises(TimeoutError):
+    intake.get(timeout=0.02)
+  for want, have in zip(shards, got):
+    assert have.keys() == want.keys()
+    np.testing.assert_array_equal(have.tokens, want.tokens[:, :have.tokens.shape[1]])
+    np.testing.assert_array_equal(have.stats, want.stats)
+  assert intake.counters["intake_samples"] == 6 and intake.counters["intake_door_kib/0"] == 5
+  assert intake.counters["intake_weight_kib/0"] == 7 and intake.counters["intake_peer_description_bytes"] == 0
+  intake.stop()  # no other process to tell; process 0 goes on to raise what stopped it

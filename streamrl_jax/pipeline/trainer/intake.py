@@ -90,8 +90,12 @@ class ProcessIntake:
     return self._ready.pop(0)
 
   def stop(self) -> None:
-    """Process 0: the others' next poll tells them to stop (`IntakeStopped`)."""
-    self._exchange(None, stop=True)
+    """Process 0: the others' next poll tells them to stop (`IntakeStopped`); process 0 itself goes on to raise
+    what stopped it."""
+    try:
+      self._exchange(None, stop=True)
+    except IntakeStopped:
+      pass
 
   def _local(self) -> SampleShard | None:
     """What arrived at this process's door: waits up to `poll_s` for the first shard, then takes what is there."""
