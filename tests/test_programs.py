@@ -34,13 +34,16 @@ def test_launch_local_runs_the_job_across_processes(single_process_run):
 
 
 @pytest.mark.slow
-def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
+@pytest.mark.parametrize("processes", [1, 2])
+def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path, processes):
   """Ctrl-C to the launcher while the trainer stands right after step 2's metrics row, before its checkpoint
   (held there by a fault point until the signal comes): the trainer finishes the step's checkpoint and says
-  so, every process exits, and a resume trains the rest with each step once."""
-  config = write_config(tmp_path / "tiny.gin", steps=6, mode="async")
-  paused = tmp_path / "paused"
-  proc = launch(tmp_path, "--config", config, env={"STREAMRL_FAULT": "row@2=pause", "STREAMRL_FAULT_FILE": str(paused)})
+  so, every process exits, and a resume trains the rest with each step once. A trainer of two processes stops
+  with its process 0 (the others hear it at their next poll)."""
+  config = write_config(tmp_path / "tiny.gin", steps=6, mode="async", trainer_devices=processes)
+  paused, trainer = tmp_path / "paused", ("--trainer-processes", str(processes))
+  proc = launch(tmp_path, "--config", config, *trainer,
+                env={"STREAMRL_FAULT": "row@2=pause", "STREAMRL_FAULT_FILE": str(paused)})
   try:
     deadline = time.monotonic() + TIMEOUT_S
     while not paused.exists():
@@ -56,7 +59,7 @@ def test_ctrl_c_stops_every_process_and_the_run_resumes(tmp_path):
   assert "streamrl trainer: stopped; the checkpoint of step 2 is in" in out, out
   assert not any(alive(pid) for pid in pids)
   assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
-  code, out = finish(launch(tmp_path, "--config", config, "--resume"), tmp_path)
+  code, out = finish(launch(tmp_path, "--config", config, *trainer, "--resume"), tmp_path)
   assert code == 0, out
   assert [m["step"] for m in metrics(tmp_path)] == list(range(1, 7))  # every step once, none twice
 
