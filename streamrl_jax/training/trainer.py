@@ -226,8 +226,12 @@ class Trainer:
     replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def on_mesh(x):  # optimizer counters and scalars: replicated on this mesh, not on device 0
-      on = isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh
-      return x if on else launch.put(x, replicated)
+      if isinstance(x.sharding, NamedSharding) and x.sharding.mesh == self.mesh:
+        return x
+      if jax.process_count() > 1:  # one array across the processes, each its own copy (a checkpoint reads them)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+      return launch.put(x, replicated)
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
                        rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
     state = jax.tree.map(on_mesh, state)
