@@ -155,7 +155,7 @@ def read_description(blob: np.ndarray, functions: int) -> dict:
   """`describe`'s rows back as arrays (an empty blob: no rows)."""
   blob = np.frombuffer(zlib.decompress(blob.tobytes()), np.uint8) if blob.size else blob
   columns = len(INTS) + len(STATS) + 2
-  n = blob.size // (8 * columns + 4 * (1 + functions))
+  n = blob.size // (ROW_BYTES + 4 * functions)
   ints = blob[:8 * n * columns].view("<i8").reshape(n, columns)
   floats = blob[ints.nbytes:].view("<f4").reshape(n, 1 + functions)
   out = {k: ints[:, i] for i, k in enumerate(INTS)}
