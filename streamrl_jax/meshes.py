@@ -129,7 +129,12 @@ def role_mesh(config: MeshConfig, role: str, devices=None) -> Mesh:
   laid out as that role's mesh in `build_meshes` (the sampler over "data", the trainer over "fsdp")."""
   devices = list(jax.devices() if devices is None else devices)
   shape = role_mesh_shape(config, role, len(devices))
-  return mesh_from_devices(devices[:shape.size], shape)
+  chosen = devices[:shape.size]
+  idle = sorted({d.process_index for d in devices} - {d.process_index for d in chosen})
+  if idle:  # a process of the role with no device in its mesh cannot take part in its programs
+    raise ValueError(f"MeshConfig.{role}_devices={shape.size} leaves {role} process {idle[0]} no device: give each "
+                     f"of its {len({d.process_index for d in devices})} processes at least one")
+  return mesh_from_devices(chosen, shape)
 
 
 def local_mesh(mesh: Mesh) -> Mesh:

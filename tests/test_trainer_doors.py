@@ -264,3 +264,10 @@ def test_the_intake_of_one_process_hands_back_what_arrived_and_its_stop_does_not
   assert intake.counters["intake_samples"] == 6 and intake.counters["intake_door_kib/0"] == 5
   assert intake.counters["intake_weight_kib/0"] == 7 and intake.counters["intake_peer_description_bytes"] == 0
   intake.stop()  # no other process to tell; process 0 goes on to raise what stopped it
+
+
+def test_a_role_mesh_that_leaves_a_process_no_device_is_refused_by_its_key():
+  from streamrl_jax.meshes import MeshConfig, role_mesh
+  devices = [Device(0, 0), Device(1, 1)]  # one device a process, two processes
+  with pytest.raises(ValueError, match="MeshConfig.trainer_devices=1 leaves trainer process 1 no device"):
+    role_mesh(MeshConfig(trainer_devices=1), "trainer", devices)
