@@ -1,7 +1,7 @@
 """A trainer of several processes without a central data node, in its pure parts: each group's owner, the doors
 that take only their own groups, the rows' descriptions the processes share (never the tokens), the shared view
 and its shards, a call's rows laid out on their owners' devices, packing by owner, a sampler's routing, the
-`Delivery` a door sends process 0. The processes themselves run in tests/test_gke.py and tests/test_faults.py."""
+`Delivery` a door sends process 0. The processes themselves run in tests/test_gke.py and tests/test_trainer_processes.py."""
 
 import dataclasses
 import numpy as np
