@@ -44,7 +44,8 @@ def counts(suite: dict) -> dict:
 
 
 def _not_run(row: dict) -> bool:
-  """A benchmark the run's budget left no time for (`suite.py --budget-s`)."""
+  """A benchmark not run: the run's budget left it no time (`suite.py --budget-s`), it was left out (`--skip`), or it
+  needs more accelerator devices than the machine has."""
   return row["figure"] == "(run)" and str(row["value"]).startswith("not run")
 
 
@@ -62,7 +63,7 @@ def summary(suite: dict) -> str:
   c = counts(suite)
   return (f"{c['met']} goals met, {c['not met']} not met, {c['full size only']} left to a full-size run, "
           f"{c['reported']} figures reported without a goal; {c['failed']} benchmarks failed"
-          + (f", {c['not run']} not run (the run's time budget)" if c["not run"] else ""))
+          + (f", {c['not run']} not run (each row says why)" if c["not run"] else ""))
 
 
 def markdown(suite: dict) -> str:

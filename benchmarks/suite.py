@@ -47,6 +47,7 @@ class Bench:
   args: tuple[str, ...] = ()
   quick_args: tuple[str, ...] = ()
   shared_cache: bool = True  # a quick run compiles through the suite's XLA cache (off where compiles are measured)
+  devices: int = 1  # accelerator devices it needs (two meshes: 2); a CPU run forces its own host devices
 
 
 # In the order they run: the quick and fundamental first.
@@ -56,24 +57,25 @@ BENCHES = (
     Bench("simulator", 600, 120),
     Bench("sampler", 1200, 180),
     Bench("trainer", 1200, 180),
-    Bench("scheduling", 1200, 180),
+    Bench("scheduling", 1200, 180, devices=4),
     Bench("paged", 1800, 180),
-    Bench("grpo_step", 1800, 240),
-    Bench("pipeline", 1800, 180),
-    Bench("pipeline_scheduling", 1800, 180),
-    Bench("multiprocess", 1800, 240),
-    Bench("distributed", 1800, 600),
+    Bench("grpo_step", 1800, 240, devices=2),
+    Bench("pipeline", 1800, 180, devices=2),
+    Bench("pipeline_scheduling", 1800, 180, devices=2),
+    Bench("multiprocess", 1800, 240, devices=2),
+    Bench("distributed", 1800, 600, devices=4),
     Bench("inflight", 2400, 240),
     Bench("precision", 1800, 240),
-    Bench("multiturn", 1800, 240),
-    Bench("rewards", 3600, 180, (), ("--part", "throughput")),
-    Bench("faults", 1200, 240),
-    Bench("wire", 1200, 240, shared_cache=False),  # rss_growth_frac compares a clean and a fuzzed trainer's peaks
+    Bench("multiturn", 1800, 240, devices=2),
+    Bench("rewards", 3600, 180, (), ("--part", "throughput"), devices=2),
+    Bench("faults", 1200, 240, devices=2),
+    # rss_growth_frac compares a clean and a fuzzed trainer's peaks
+    Bench("wire", 1200, 240, shared_cache=False, devices=2),
     Bench("broadcast", 900, 180),
     Bench("real_model", 6000, 420),
     Bench("lora", 3600, 420),
     Bench("serve", 1200, 420),
-    Bench("arms", 1800, 420),
+    Bench("arms", 1800, 420, devices=4),
     Bench("step_profile", 1800, 300),
 )
 
@@ -129,10 +131,10 @@ def machine() -> dict:
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
     backend, kind, count = (part.strip() for part in out.stdout.strip().splitlines()[-1].split("|"))
   except (subprocess.SubprocessError, ValueError, IndexError) as err:
-    return dict(backend="unknown", device=f"unknown ({err})")
+    return dict(backend="unknown", device=f"unknown ({err})", devices=1)
   cores = os.cpu_count()
   device = f"{count} x {kind}" if backend != "cpu" else f"CPU, {len(os.sched_getaffinity(0))} of {cores} cores"
-  return dict(backend=backend, device=device)
+  return dict(backend=backend, device=device, devices=int(count))
 
 
 def commit() -> str:
@@ -147,9 +149,12 @@ def commit() -> str:
     return "unknown"
 
 
-def run_suite(benches, quick: bool, out: Path, log=print, budget_s: float | None = None) -> dict:
+def run_suite(benches, quick: bool, out: Path, log=print, budget_s: float | None = None,
+              skip: dict[str, str] | None = None) -> dict:
   """Runs `benches` one after another; returns (and writes) the suite's results. With `budget_s` (a lent
-  accelerator's minutes) no benchmark runs past the budget, and one left less than MIN_START_S is a row saying so."""
+  accelerator's minutes) no benchmark runs past the budget, and one left less than MIN_START_S is a row saying so.
+  `skip`: benchmarks left out, each a row with its reason; so is one that needs more accelerator devices than
+  the machine has."""
   goals = load_goals()
   out.mkdir(parents=True, exist_ok=True)
   (out / "logs").mkdir(exist_ok=True)
@@ -161,7 +166,8 @@ def run_suite(benches, quick: bool, out: Path, log=print, budget_s: float | None
   try:
     for bench in benches:
       left = None if budget_s is None else budget_s - (time.perf_counter() - start)
-      _run_one(bench, quick, out, cache, goals, suite, log, left)
+      why = (skip or {}).get(bench.name) or _too_few_devices(bench, suite)
+      _run_one(bench, quick, out, cache, goals, suite, log, left, why)
       suite["wall_s"] = round(time.perf_counter() - start, 1)
       _write(out, suite)  # after each one: nothing lost to a stop
   finally:
@@ -175,11 +181,19 @@ def _write(out: Path, suite: dict) -> None:
   (out / "suite.md").write_text(page.markdown(suite))
 
 
+def _too_few_devices(bench: Bench, suite: dict) -> str | None:
+  if suite["backend"] == "cpu" or bench.devices <= suite.get("devices", 1):
+    return None
+  return f"not run: needs {bench.devices} {suite['backend']} devices, this machine has {suite.get('devices', 1)}"
+
+
 def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: dict, suite: dict, log,
-             left_s: float | None = None) -> None:
+             left_s: float | None = None, skipped: str | None = None) -> None:
   """One benchmark: its rows added to `suite`, its line logged, the results written. `left_s`: the run's budget left
-  (None: no budget)."""
-  if left_s is not None and left_s < MIN_START_S:
+  (None: no budget); `skipped`: why it is not run (None: it runs)."""
+  if skipped:
+    result, error, seconds = None, skipped, 0.0
+  elif left_s is not None and left_s < MIN_START_S:
     result, error, seconds = None, f"not run: the suite's --budget-s was spent ({left_s:.0f} s left)", 0.0
   else:
     log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
@@ -202,6 +216,8 @@ def main(argv=None) -> int:
   parser.add_argument("--budget-s", type=float, metavar="SECONDS",
                       help="the whole run's wall limit (a lent device's minutes): no benchmark runs past it, and those "
                            "it leaves no time for are rows that say so")
+  parser.add_argument("--skip", action="append", default=[], metavar="NAME=REASON",
+                      help="leave a benchmark out, a row saying why (e.g. real_model='no registry to fetch SmolLM2')")
   parser.add_argument("--out", default="runs/benchmarks", help="where suite.json, suite.md and logs/ go")
   parser.add_argument("--page", metavar="SUITE_JSON",
                       help="write the benchmark page (docs/benchmarks.md, or docs/accelerator.md for a GPU or TPU "
@@ -216,12 +232,15 @@ def main(argv=None) -> int:
     print(json.dumps({"page": str(written.relative_to(ROOT)), "from": args.page}))
     return 0
   known = {b.name for b in BENCHES}
-  unknown = sorted(set(args.only) - known)
-  if unknown:
-    parser.error(f"--only {unknown[0]}: no such benchmark; known: {', '.join(sorted(known))}")
+  skip = dict(item.partition("=")[::2] for item in args.skip)
+  for flag, names in (("--only", args.only), ("--skip", skip)):
+    unknown = sorted(set(names) - known)
+    if unknown:
+      parser.error(f"{flag} {unknown[0]}: no such benchmark; known: {', '.join(sorted(known))}")
   benches = [b for b in BENCHES if not args.only or b.name in args.only]
+  skip = {name: f"not run: --skip ({why or 'no reason given'})" for name, why in skip.items()}
   suite = run_suite(benches, args.quick, Path(args.out), log=lambda text: print(text, file=sys.stderr, flush=True),
-                    budget_s=args.budget_s)
+                    budget_s=args.budget_s, skip=skip)
   print(json.dumps(dict(out=args.out, rows=len(suite["rows"]), **{k.replace(" ", "_"): v for k, v in
                                                                   page.counts(suite).items()},
                         wall_s=suite["wall_s"])))

@@ -195,3 +195,20 @@ def test_only_refuses_an_unknown_benchmark_and_a_page_refuses_a_partial_run(caps
   with pytest.raises(SystemExit):
     suite.main(["--page", str(tmp_path / "suite.json")])
   assert "a run of every benchmark is needed; this one lacks model_forward" in capsys.readouterr().err
+
+
+def test_a_benchmark_that_needs_more_devices_or_is_skipped_is_a_row_that_says_why(tmp_path, monkeypatch):
+  ran = []
+  monkeypatch.setattr(suite, "run_bench", lambda *a, **k: ran.append(a[0].name) or ({}, None, 1.0))
+  monkeypatch.setattr(suite, "machine", lambda: dict(backend="gpu", device="1 x H100", devices=1))
+  monkeypatch.setattr(suite, "load_goals", dict)
+  benches = [Bench("one", 60, 60), Bench("two", 60, 60, devices=2), Bench("left", 60, 60)]
+  result = suite.run_suite(benches, True, tmp_path, log=lambda _: None, skip={"left": "not run: --skip (no weights)"})
+  assert ran == ["one"]
+  values = {row["benchmark"]: row["value"] for row in result["rows"]}
+  assert values == {"two": "not run: needs 2 gpu devices, this machine has 1", "left": "not run: --skip (no weights)"}
+  assert page.counts(result)["not run"] == 2 and page.counts(result)["failed"] == 0
+  monkeypatch.setattr(suite, "machine", lambda: dict(backend="cpu", device="CPU", devices=1))
+  ran.clear()
+  suite.run_suite(benches[:2], True, tmp_path, log=lambda _: None)
+  assert ran == ["one", "two"]  # a CPU run forces its own host devices
