@@ -77,7 +77,7 @@ def markdown(suite: dict) -> str:
            "| benchmark | figure | value | goal | met |", "| --- | --- | --- | --- | --- |"]
   for row in suite["rows"]:
     lines.append(f"| {row['benchmark']} | `{row['figure']}` | {show(row['value'])} | {row['goal']} | "
-                 f"{VERDICT_CELLS[row['verdict']]} |")
+                 f"{'(not run)' if _not_run(row) else VERDICT_CELLS[row['verdict']]} |")
   lines += ["", "## What each figure is measured on", ""]
   for name, about in suite["benchmarks"].items():
     seconds = suite["seconds"].get(name)

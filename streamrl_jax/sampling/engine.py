@@ -103,6 +103,7 @@ class DecodeEngine(EngineBase):
                          out_shardings=(self._state_shardings, replicated))
     self._extend = jit(self._extend_impl, donate_argnums=(1,), out_shardings=(self._state_shardings, replicated))
     self._move = jit(self._move_impl, static_argnums=(4,), donate_argnums=(1,), out_shardings=self._state_shardings)
+    self._init_state = jit(self._empty_state, out_shardings=self._state_shardings)  # once: a new jit traces anew
 
   # ---- placement and memory -------------------------------------------------------------------
   def _decode_state_shardings(self):
@@ -158,7 +159,7 @@ class DecodeEngine(EngineBase):
         stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32))
 
   def init_decode_state(self) -> DecodeState:
-    return self.launcher.jit(self._empty_state, out_shardings=self._state_shardings)()
+    return self._init_state()
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
               resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix:

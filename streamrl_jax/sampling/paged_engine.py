@@ -95,6 +95,8 @@ class PagedDecodeEngine(EngineBase):
     self._unpark = jit(_unpark_impl, donate_argnums=(1,), out_shardings=self._shardings)
     self._deactivate = jit(lambda rows, slot: rows.replace(active=rows.active.at[slot].set(False)),
                            donate_argnums=(0,), out_shardings=self._shardings)
+    self._init_rows = jit(self._empty_rows, out_shardings=self._shardings)  # once: a new jit traces anew
+    self._init_parking = jit(lambda: {name: getattr(self._empty_rows(), name) for name in ROW_FIELDS})
 
   # ---- memory -----------------------------------------------------------------------------------
   def _state_shardings(self):
@@ -136,7 +138,7 @@ class PagedDecodeEngine(EngineBase):
         prefix_logits=jnp.zeros((max(1, self.cache_rows), self.model_config.vocab_size), jnp.float32))
 
   def init_decode_state(self) -> PagedState:
-    return PagedState(self.launcher.jit(self._empty_rows, out_shardings=self._shardings)(), self.book.init())
+    return PagedState(self._init_rows(), self.book.init())
 
   def free_pages(self, state: PagedState) -> int:
     return self.book.free_pages(state)
@@ -289,7 +291,7 @@ class PagedDecodeEngine(EngineBase):
 
   def init_parking(self) -> dict:
     """Room for `num_slots` rows parked off their slots: their decode fields (their pages stay where they are)."""
-    return self.launcher.jit(lambda: {name: getattr(self._empty_rows(), name) for name in ROW_FIELDS})()
+    return self._init_parking()
 
   def park(self, state: PagedState, parking: dict, slots: Sequence[int], places: Sequence[int]):
     """Moves the paused rows of `slots` to `places` of `parking`: their page-table rows to the book's parking

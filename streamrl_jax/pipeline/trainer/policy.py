@@ -4,6 +4,8 @@ advantages."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
 from flax import nnx
@@ -38,7 +40,13 @@ def merged_policy(trainer: Trainer, params, adapters):
   adapters merged."""
   if not adapters:
     return params
-  return trainer.launcher.jit(lora.merge, static_argnums=2)(trainer.base_params, params, adapters.scale)
+  return _merger(trainer.launcher)(trainer.base_params, params, adapters.scale)
+
+
+@functools.cache
+def _merger(launcher):
+  """LoRA's merge jitted once per launcher: a jit made anew at each version traced the merge again."""
+  return launcher.jit(lora.merge, static_argnums=2)
 
 
 def precompile(trainer: Trainer, batcher: MicroBatcher, state, config):
