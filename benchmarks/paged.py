@@ -104,7 +104,7 @@ def _arms(engines: dict, params, requests, repeats: int = 2) -> dict:
   for engine in engines.values():
     run(engine, params, requests)  # compiles every shape the timed runs meet
     if hasattr(engine, "counters"):  # the paged engine's
-      engine.counters.update({k: 0 for k in engine.counters})
+      engine.counters.reset()
   results = {name: [] for name in engines}
   for _ in range(repeats):
     for name, engine in engines.items():

@@ -16,6 +16,7 @@ import secrets
 
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.agents.program import FAILED, POLICY_MODEL, TIMED_OUT, run_group
 from streamrl_jax.rewards.scorer import Score, worker_pool
 from streamrl_jax.serving.app import ServedModel, Service
@@ -68,6 +69,15 @@ def serving_for(config: ServeConfig | None, model: ServedModel, bridge: RequestB
   return ServerThread(service, tls=tls)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class AgentCounters(Counters):
+  """Agent episodes run, failed and timed out."""
+
+  agent_episodes: int = 0
+  agent_failures: int = 0
+  agent_timeouts: int = 0
+
+
 class AgentRollouts:
   """The episodes of the leases in hand. `start` a group, `finished()` the episodes that ended."""
 
@@ -78,7 +88,7 @@ class AgentRollouts:
     self.config, self.server, self.budget = env_config, server, budget
     self._pool = None
     self._groups: dict = {}  # future -> (key, tags)
-    self.counters = dict(agent_episodes=0, agent_failures=0, agent_timeouts=0)
+    self.counters = AgentCounters()
 
   def _workers(self):
     if self._pool is None:
@@ -95,7 +105,7 @@ class AgentRollouts:
         run_group, args=(self.config.agent, self.server.base_url, service.config.api_key, tags, row,
                          self.config.agent_timeout_s), timeout=self.config.agent_timeout_s + TASK_MARGIN_S)
     self._groups[future] = (key, tags)
-    self.counters["agent_episodes"] += episodes
+    self.counters.agent_episodes += episodes
 
   @property
   def running(self) -> int:
@@ -120,8 +130,8 @@ class AgentRollouts:
         outcomes = [(FAILED, f"its worker process died: {type(err).__name__}: {err}")] * len(tags)
       for index, (tag, outcome) in enumerate(zip(tags, outcomes)):
         transcript = self.server.call(self.server.service.episodes.close, tag)
-        self.counters["agent_failures"] += outcome[0] == FAILED
-        self.counters["agent_timeouts"] += outcome[0] == TIMED_OUT
+        self.counters.agent_failures += outcome[0] == FAILED
+        self.counters.agent_timeouts += outcome[0] == TIMED_OUT
         out.append(EpisodeResult(key, index, outcome, transcript))
     return out
 

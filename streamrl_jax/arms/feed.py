@@ -13,9 +13,11 @@ feed, whose state changes under its lock only.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 from collections.abc import Callable
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.streaming import QueueClosed, SampleShard
 
 
@@ -173,6 +175,14 @@ class Fanout:
       feed.close(discard)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class SkipCounters(Counters):
+  """A follower's steps skipped (it fell behind) and their samples."""
+
+  arm_steps_skipped: int = 0
+  arm_samples_skipped: int = 0
+
+
 class FollowerSource:
   """A follower's shard source and skip rule over its feed (the follower's thread only). Steps before
   `first_step` (the lead started later: a resume) are skipped; so is a step dropped from the feed, and a step the
@@ -183,7 +193,7 @@ class FollowerSource:
     self.step = first_step
     self.skipped: set[int] = set()
     self._handed: dict[int, int] = {}  # samples handed to the follower, per step not yet skipped
-    self.counters = dict(arm_steps_skipped=0, arm_samples_skipped=0)
+    self.counters = SkipCounters()
 
   def lag(self, step: int) -> int:
     """Steps the lead has trained beyond `step`."""
@@ -207,8 +217,8 @@ class FollowerSource:
   def mark_skipped(self, step: int) -> None:
     """Step `step` is not trained: the samples of it handed out already are counted as skipped."""
     self.skipped.add(step)
-    self.counters["arm_steps_skipped"] += 1
-    self.counters["arm_samples_skipped"] += self._handed.pop(step, 0)
+    self.counters.arm_steps_skipped += 1
+    self.counters.arm_samples_skipped += self._handed.pop(step, 0)
 
   def get(self, timeout: float) -> SampleShard:
     """The next shard of a step not skipped (`StepSkipped` when the current one is dropped meanwhile)."""
@@ -220,7 +230,7 @@ class FollowerSource:
         raise
       step = int(shard.steps[0])
       if step in self.skipped:
-        self.counters["arm_samples_skipped"] += shard.num_samples
+        self.counters.arm_samples_skipped += shard.num_samples
         continue
       self._handed[step] = self._handed.get(step, 0) + shard.num_samples
       return shard

@@ -113,7 +113,7 @@ class _Arm:
     return dict(self.worker.counters, **self.source.counters, arm_samples_refused=feed["refused_samples"],
                 arm_samples_offered=feed["offered_samples"], arm_feed_max_depth=feed["max_depth"],
                 arm_failed=int(self.error is not None)) | {
-                    "arm_samples_skipped": self.source.counters["arm_samples_skipped"] + left}
+                    "arm_samples_skipped": self.source.counters.arm_samples_skipped + left}
 
 
 class Followers:

@@ -73,6 +73,6 @@ def cmd_serve(args) -> int:
   finally:
     loop.stop()
     sock.close()
-  print(f"streamrl serve: stopped ({bridge.counters['served_requests']} requests, "
-        f"{bridge.counters['served_tokens']} tokens served)", flush=True)
+  print(f"streamrl serve: stopped ({bridge.counters.served_requests} requests, "
+        f"{bridge.counters.served_tokens} tokens served)", flush=True)
   return 0

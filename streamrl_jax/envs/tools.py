@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.envs.base import Environment, Observation
 
 
@@ -53,6 +54,14 @@ def encode_text(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode("".join(safe)))
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ToolCounters(Counters):
+  """Tool calls run and their seconds."""
+
+  tool_calls: int = 0
+  tool_s: float = 0.0
+
+
 class ToolRunner:
   """Runs `env`'s steps for a sampler on `threads` host threads. `delay_s` is added to every step (to measure
   what slow tools cost)."""
@@ -61,7 +70,7 @@ class ToolRunner:
     self.env, self.tokenizer, self.delay_s = env, tokenizer, delay_s
     self.stop_ids = stop_token_ids(tokenizer, env.stop)
     self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tool")
-    self.counters = dict(tool_calls=0, tool_s=0.0)
+    self.counters = ToolCounters()
     self._lock = threading.Lock()
 
   def start(self, prompt_tokens, seed: int) -> Any:
@@ -81,8 +90,8 @@ class ToolRunner:
       state, observation = state, Observation(f"error: {type(err).__name__}", done=True)
     tokens = () if observation.done else tuple(encode_text(self.tokenizer, observation.text))
     with self._lock:
-      self.counters["tool_calls"] += 1
-      self.counters["tool_s"] += time.perf_counter() - start
+      self.counters.tool_calls += 1
+      self.counters.tool_s += time.perf_counter() - start
     return ToolResult(state, tokens, observation.reward, observation.done)
 
   def close(self) -> None:

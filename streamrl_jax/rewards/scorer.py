@@ -15,6 +15,7 @@ import signal
 import time
 from collections.abc import Callable, Hashable
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.rewards import functions
 from streamrl_jax.rewards.config import RewardConfig
 
@@ -41,6 +42,15 @@ class _Pending:
   results: list  # per function: ("ok", value) | ("bad", problem) | a future
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class RewardCounters(Counters):
+  """Reward function calls, and those that raised or timed out."""
+
+  reward_calls: int = 0
+  reward_errors: int = 0
+  reward_timeouts: int = 0
+
+
 class RewardScorer:
   """submit(key, ...) as samples finish; done() gives the (key, Score) of those whose every call is back. A context
   manager: leaving it stops the workers."""
@@ -52,7 +62,7 @@ class RewardScorer:
     self.names, self.weights = config.names, config.function_weights
     self._pending: dict[Hashable, _Pending] = {}
     self._pool = None
-    self.counters = dict(reward_calls=0, reward_errors=0, reward_timeouts=0)
+    self.counters = RewardCounters()
 
   @property
   def in_workers(self) -> bool:
@@ -75,7 +85,7 @@ class RewardScorer:
                  for spec in self.config.functions]
     else:
       results = [functions.call(spec, prompt, completion, fields) for spec in self.config.functions]
-    self.counters["reward_calls"] += len(results)
+    self.counters.reward_calls += len(results)
     self._pending[key] = _Pending(where, results)
 
   @property
@@ -123,8 +133,8 @@ class RewardScorer:
         timeouts += 1
       else:
         errors += 1
-    self.counters["reward_errors"] += errors
-    self.counters["reward_timeouts"] += timeouts
+    self.counters.reward_errors += errors
+    self.counters.reward_timeouts += timeouts
     total = float(sum(w * p for w, p in zip(self.weights, parts)))
     return Score(total, tuple(parts), errors, timeouts)
 

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.models.paged_cache import (PageState, advance, fork, move_rows, pages_for, release, reserve,
                                              reserve_rows, set_lengths)
 from streamrl_jax.sampling.config import EngineConfig
@@ -34,6 +35,18 @@ class PagedState:
   decoding: tuple | None = None  # slots the next `generate` decodes (None: every slot holding pages)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class PageCounters(Counters):
+  """The page book's prefills, prompts shared, prefix-cache hits, rows preempted and entries evicted."""
+
+  prefill_tokens: int = 0  # prompts prefilled
+  resume_prefill_tokens: int = 0  # preempted requests' prompt and tokens, prefilled again
+  prompts_shared: int = 0
+  prefix_cache_hits: int = 0
+  preempted: int = 0
+  evicted: int = 0
+
+
 class PageBook:
   """Page decisions of one paged engine over `num_pages` pages of `config.page_size` tokens."""
 
@@ -49,9 +62,7 @@ class PageBook:
     self._advance = jax.jit(advance)
     self._move_rows = jax.jit(move_rows)
     self._set_lengths = jax.jit(set_lengths)
-    # prefill_tokens: prompts prefilled; resume_prefill_tokens: preempted requests' prompt + tokens, again
-    self.counters = dict(prefill_tokens=0, resume_prefill_tokens=0, prompts_shared=0, prefix_cache_hits=0,
-                         preempted=0, evicted=0)
+    self.counters = PageCounters()
 
   def init(self) -> PageState:
     return jax.device_put(PageState.init(self.num_pages, 2 * self.slots + self.cache_rows, self.pages_per_row),
@@ -81,7 +92,7 @@ class PageBook:
         continue
       pages = self._release(pages, entry[1])
       cache.remove(entry)
-      self.counters["evicted"] += 1
+      self.counters.evicted += 1
     return dataclasses.replace(state, pages=pages, cache=tuple(cache))
 
   def drop_entries(self, state: PagedState, entries) -> PagedState:
@@ -147,7 +158,7 @@ class PageBook:
       preempted.append(victim)
       state = dataclasses.replace(state, rows=deactivate(state.rows, victim),
                                   pages=self._release(state.pages, victim))
-      self.counters["preempted"] += 1
+      self.counters.preempted += 1
     return dataclasses.replace(state, decoding=tuple(slots)), preempted
 
   def _grown(self, length: np.ndarray, steps: int) -> np.ndarray:
@@ -248,10 +259,10 @@ class PageBook:
 
   def _count(self, prefix: PagedPrefix, source, fresh: dict, lengths) -> None:
     resumed_rows = {u for i, (kind, u) in enumerate(source) if kind == "fresh" and prefix.resume[i]}
-    self.counters["prefill_tokens"] += int(sum(lengths[u] for u in range(len(fresh)) if u not in resumed_rows))
-    self.counters["resume_prefill_tokens"] += int(sum(lengths[u] for u in resumed_rows))
-    self.counters["prompts_shared"] += sum(1 for kind, _ in source if kind == "fresh") - len(fresh)
-    self.counters["prefix_cache_hits"] += sum(1 for kind, _ in source if kind == "cache")
+    self.counters.prefill_tokens += int(sum(lengths[u] for u in range(len(fresh)) if u not in resumed_rows))
+    self.counters.resume_prefill_tokens += int(sum(lengths[u] for u in resumed_rows))
+    self.counters.prompts_shared += sum(1 for kind, _ in source if kind == "fresh") - len(fresh)
+    self.counters.prefix_cache_hits += sum(1 for kind, _ in source if kind == "cache")
 
   def _cache_new(self, pages, cache: list, fresh: dict, holder: dict, plan: InsertPlan):
     """A new prompt's entry forks its writer's row; the oldest entry goes when the cache is full."""

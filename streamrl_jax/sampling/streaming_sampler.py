@@ -10,12 +10,14 @@ finish order.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator, Sequence
 
 import jax
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter, StepsPolicy
 from streamrl_jax.sampling.engine import DecodeEngine
@@ -24,6 +26,24 @@ from streamrl_jax.sampling.instances import Instance, InstanceSet
 from streamrl_jax.sampling.tool_turns import ToolTurns
 from streamrl_jax.scheduling.policies import adaptive_steps, fifo_order
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Rollout, Sample, SamplingParams
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class SamplerCounters(Counters):
+  """A sampler's requests, tokens and decode calls, rows preempted, resumed and parked, tool turns."""
+
+  submitted: int = 0
+  finished: int = 0
+  generated_tokens: int = 0
+  decode_calls: int = 0
+  preempted: int = 0
+  recomputed: int = 0
+  resumed_partial: int = 0
+  tool_calls: int = 0
+  tool_tokens: int = 0
+  extend_calls: int = 0
+  parked: int = 0
+  cancelled: int = 0
 
 
 class StreamingSampler:
@@ -47,8 +67,7 @@ class StreamingSampler:
     self.version, self.admission, self.steps, self.tools = version, admission, steps, tools
     self._set = InstanceSet(engines, params)
     self._next_id = 0
-    self.counters = dict(submitted=0, finished=0, generated_tokens=0, decode_calls=0, preempted=0, recomputed=0,
-                         resumed_partial=0, tool_calls=0, tool_tokens=0, extend_calls=0, parked=0, cancelled=0)
+    self.counters = SamplerCounters()
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
     self._phase = (clock or PhaseClock(("prefill", "decode"))).phase
     self._admitter = Admitter(seed, self._turns, self._phase)
@@ -82,7 +101,7 @@ class StreamingSampler:
       request = Request(self._next_id, prompt, params, group_id, first_sample_index + k, predicted_length, now)
       if resuming:
         self._admitter.hold(InFlight.resuming(request, now, progress))
-        self.counters["resumed_partial"] += 1
+        self.counters.resumed_partial += 1
       requests.append(request)
       self._next_id += 1
     if first:
@@ -90,7 +109,7 @@ class StreamingSampler:
     else:
       target.pending.extend(requests)
     ids = [r.request_id for r in requests]
-    self.counters["submitted"] += len(ids)
+    self.counters.submitted += len(ids)
     return ids
 
   def update_params(self, params, version: int, *, recompute: bool = False) -> None:
@@ -118,7 +137,7 @@ class StreamingSampler:
     ids = set(request_ids)
     dropped = sum(inst.cancel(ids) for inst in self._set.instances)
     self._admitter.drop(ids)
-    self.counters["cancelled"] += dropped
+    self.counters.cancelled += dropped
     return dropped
 
   def progress(self, seen: dict[int, int]) -> dict[int, tuple[list[int], list[float], list[int]]]:
@@ -196,7 +215,7 @@ class StreamingSampler:
     queue with their progress; `counters[counter]` counts them."""
     for flight in self._set.requeue(inst, slots):
       self._admitter.hold(flight)
-    self.counters[counter] += len(slots)
+    self.counters.add(counter, len(slots))
 
   def _decode(self, inst: Instance):
     """Dispatches one `generate` call of the steps the policy picks (not read yet); None if no row decodes (while
@@ -211,7 +230,7 @@ class StreamingSampler:
       inst.state, out = inst.engine.generate(inst.params, inst.state, window, steps)
     for flight in inst.slots.values():
       flight.cache_end += steps
-    self.counters["decode_calls"] += 1
+    self.counters.decode_calls += 1
     return out
 
   def _read_back(self, outputs: list, finished: list) -> None:
@@ -267,8 +286,8 @@ class StreamingSampler:
     if slot is not None:
       inst.free(slot)
     finished.append(flight.sample(reason, inst.index, now))
-    self.counters["finished"] += 1
-    self.counters["generated_tokens"] += len(flight.tokens)
+    self.counters.finished += 1
+    self.counters.generated_tokens += len(flight.tokens)
 
   def stream(self) -> Iterator[Sample]:
     """Yields every sample as it finishes until no request is queued or in flight."""

@@ -18,7 +18,7 @@ Finish = Callable[[int | None, InFlight, str], None]  # (slot or None: parked, r
 class ToolTurns:
   """The tool calls of one sampler's rows (`tools`: an `envs.ToolRunner`), counted in the sampler's `counters`."""
 
-  def __init__(self, tools, counters: dict):
+  def __init__(self, tools, counters):
     self.tools, self.counters = tools, counters
     self._stops = set(tools.stop_ids)
 
@@ -38,7 +38,7 @@ class ToolTurns:
     if int(token) not in self._stops or len(flight.tokens) >= flight.request.params.max_new_tokens:
       return False
     flight.waiting = self.tools.submit(flight.env_state, flight.tokens[flight.turn_start:])
-    self.counters["tool_calls"] += 1
+    self.counters.tool_calls += 1
     return True
 
   def wait_if_stalled(self, inst: Instance) -> bool:
@@ -80,7 +80,7 @@ class ToolTurns:
       chunks.append([flight.tokens[-1], *result.tokens])  # the stop token, then the tool's tokens
       flight.observe(result.tokens, version)
       flight.cache_end += len(result.tokens) + 1
-      self.counters["tool_tokens"] += len(result.tokens)
+      self.counters.tool_tokens += len(result.tokens)
     if places:
       inst.state, inst.parking = inst.engine.unpark(inst.state, inst.parking, places, unparked)
     return self._extend(inst, slots, chunks)
@@ -103,7 +103,7 @@ class ToolTurns:
     if kept:
       slots, chunks = map(list, zip(*kept))
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
-      self.counters["extend_calls"] += 1
+      self.counters.extend_calls += 1
       for slot, first in zip(slots, firsts):
         inst.slots[slot].first = first
     return refused
@@ -125,4 +125,4 @@ class ToolTurns:
     for slot, place in zip(moving, room):
       flight = inst.free(slot)
       inst.parked[flight.request.request_id] = (flight, place)
-    self.counters["parked"] += len(moving)
+    self.counters.parked += len(moving)

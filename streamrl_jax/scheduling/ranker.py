@@ -13,6 +13,7 @@ prompt's rank in its batch to the same quantile of recently observed lengths.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from scipy import stats
 
+from streamrl_jax.counters import Counters
 from streamrl_jax import launch
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.scheduling.config import RankerConfig
@@ -156,6 +158,18 @@ def lengths_from_scores(scores: Sequence[float], history: Sequence[float], defau
   return np.quantile(np.asarray(history, float), (ranks - 0.5) / len(scores))
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class RankerCounters(Counters):
+  """What the ranker has seen, trained and predicted, and its last training loss."""
+
+  observed: int = 0
+  train_steps: int = 0
+  predict_calls: int = 0
+  predict_s: float = 0.0
+  train_s: float = 0.0
+  last_loss: float = float("nan")
+
+
 class OnlineRanker:
   """The ranker as the sampler uses it: `scores` / `predict_lengths` before dispatch, `observe` as lengths
   come back, and training on the recent history in the background (`start`/`stop`) or on call (`train`)."""
@@ -177,7 +191,7 @@ class OnlineRanker:
     self._thread: threading.Thread | None = None
     self._stop = threading.Event()
     self.error: BaseException | None = None
-    self.counters = dict(observed=0, train_steps=0, predict_calls=0, predict_s=0.0, train_s=0.0, last_loss=float("nan"))
+    self.counters = RankerCounters()
 
   # ---- inference ---------------------------------------------------------------------------
   def scores(self, prompts: Sequence) -> np.ndarray:
@@ -192,8 +206,8 @@ class OnlineRanker:
     with self._lock:
       params = self._serving
     out = np.asarray(self._score(params, tokens, mask))[: len(prompts)]
-    self.counters["predict_calls"] += 1
-    self.counters["predict_s"] += time.perf_counter() - start
+    self.counters.predict_calls += 1
+    self.counters.predict_s += time.perf_counter() - start
     return out
 
   def predict_lengths(self, prompts: Sequence, default: float) -> np.ndarray:
@@ -213,7 +227,7 @@ class OnlineRanker:
       self._tokens = np.concatenate([self._tokens, tokens])[-keep:]
       self._mask = np.concatenate([self._mask, mask])[-keep:]
       self._lengths = np.concatenate([self._lengths, np.asarray(lengths, np.float32)])[-keep:]
-    self.counters["observed"] += len(prompts)
+    self.counters.observed += len(prompts)
     self._new_data.set()
 
   @property
@@ -239,10 +253,10 @@ class OnlineRanker:
     serving = launch.put(state.params, self._replicated)
     with self._lock:
       self._state, self._serving = state, serving
-    self.counters["train_steps"] += steps
-    self.counters["train_s"] += time.perf_counter() - start
-    self.counters["last_loss"] = float(loss)
-    return self.counters["last_loss"]
+    self.counters.train_steps += steps
+    self.counters.train_s += time.perf_counter() - start
+    self.counters.last_loss = float(loss)
+    return self.counters.last_loss
 
   def start(self) -> None:
     """Trains a round in a background thread whenever new observations arrive."""

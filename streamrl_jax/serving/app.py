@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.models.chat import ChatTemplateError
 from streamrl_jax.serving.bridge import Cancel, Finished, Generate, Progress, Refused, RequestBridge
 from streamrl_jax.serving.config import ServeConfig
@@ -42,6 +43,16 @@ class ServedModel:
   max_new_tokens: int
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class HttpCounters(Counters):
+  """HTTP requests, errors, busy refusals and clients gone."""
+
+  http_requests: int = 0
+  http_errors: int = 0
+  http_busy: int = 0
+  http_disconnects: int = 0
+
+
 class Service:
   """The server's state, touched only by its event loop: the model, bounds, the bridge, episodes and counters."""
 
@@ -51,7 +62,7 @@ class Service:
     self.active = 0
     self.started = int(time.time())
     self._next_key = 0
-    self.counters = dict(http_requests=0, http_errors=0, http_busy=0, http_disconnects=0)
+    self.counters = HttpCounters()
 
   def next_key(self) -> int:
     self._next_key += 1
@@ -193,11 +204,11 @@ def make_app(service: Service) -> Starlette:
     return await _complete(service, request, chat=True)
 
   async def api_error(request: Request, err: ApiError):
-    service.counters["http_errors"] += 1
+    service.counters.http_errors += 1
     return JSONResponse(err.body(), status_code=err.status)
 
   async def http_error(request: Request, err: HTTPException):
-    service.counters["http_errors"] += 1
+    service.counters.http_errors += 1
     kind = "not_found" if err.status_code == 404 else "invalid_request_error"
     return JSONResponse(ApiError(err.status_code, f"{request.method} {request.url.path}: {err.detail}",
                                  type=kind).body(), status_code=err.status_code)
@@ -209,14 +220,14 @@ def make_app(service: Service) -> Starlette:
 
 
 async def _complete(service: Service, request: Request, *, chat: bool):
-  service.counters["http_requests"] += 1
+  service.counters.http_requests += 1
   service.authorize(request)
   call = parse_call(parse_body(await service.read_body(request)), chat=chat, max_n=service.config.max_n)
   if call.model != service.model.name:
     raise ApiError(404, f"model {call.model!r} does not exist here; this server serves {service.model.name!r}",
                    param="model", code="model_not_found")
   if service.active >= service.config.max_requests:
-    service.counters["http_busy"] += 1
+    service.counters.http_busy += 1
     raise ApiError(429, f"the server is at its bound of {service.config.max_requests} requests; retry later",
                    type="rate_limit_error", code="rate_limit_exceeded")
   if service.bridge.version < 0:
@@ -271,10 +282,10 @@ async def _stream(service: Service, run: _Run, reply: Reply):
       yield sse(reply.usage_chunk(run.choices))
     yield sse("[DONE]")
   except ApiError as err:
-    service.counters["http_errors"] += 1
+    service.counters.http_errors += 1
     yield sse(err.body())
   except (asyncio.CancelledError, GeneratorExit):
-    service.counters["http_disconnects"] += 1
+    service.counters.http_disconnects += 1
     raise
   finally:
     run.close()

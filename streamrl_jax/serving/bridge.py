@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.types import Sample, SamplingParams
 
 
@@ -69,6 +70,17 @@ class _Live:
   open: set[int]  # request ids not finished
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ServedCounters(Counters):
+  """Requests served, their choices and tokens, and those cancelled or refused."""
+
+  served_requests: int = 0
+  served_choices: int = 0
+  served_tokens: int = 0
+  served_cancelled: int = 0
+  served_refused: int = 0
+
+
 class RequestBridge:
   """The door between a server's threads and the thread that owns a sampler. `before_leases`: served requests go
   to the front of their queue; otherwise they wait while any other request is queued."""
@@ -82,8 +94,7 @@ class RequestBridge:
     self._owner: dict[int, tuple[int, int]] = {}  # request id -> (key, choice)
     self.version = -1  # the newest weights' version the sampler runs (-1: none landed yet)
     self.closed = ""  # why the bridge takes no more requests ("": it does)
-    self.counters = dict(served_requests=0, served_choices=0, served_tokens=0, served_cancelled=0,
-                         served_refused=0)
+    self.counters = ServedCounters()
 
   # ---- any thread ---------------------------------------------------------------------------------
   def post(self, message: Generate | Cancel) -> None:
@@ -148,8 +159,8 @@ class RequestBridge:
       key, choice = self._owner.pop(sample.request_id)
       live = self._live[key]
       live.open.discard(sample.request_id)
-      self.counters["served_choices"] += 1
-      self.counters["served_tokens"] += sample.num_tokens
+      self.counters.served_choices += 1
+      self.counters.served_tokens += sample.num_tokens
       _send(live.request, Finished(choice, sample))
       if not live.open:
         del self._live[key]
@@ -183,10 +194,10 @@ class RequestBridge:
     try:
       ids = sampler.submit(request.prompt_tokens, request.params, group_id=request.group_id, first=self.before_leases)
     except ValueError as err:
-      self.counters["served_refused"] += 1
+      self.counters.served_refused += 1
       _send(request, Refused(400, str(err)))
       return
-    self.counters["served_requests"] += 1
+    self.counters.served_requests += 1
     self._live[request.key] = _Live(request, ids, {i: 0 for i in ids}, set(ids))
     for choice, request_id in enumerate(ids):
       self._owner[request_id] = (request.key, choice)
@@ -202,7 +213,7 @@ class RequestBridge:
     for request_id in dropped:
       self._owner.pop(request_id, None)
       live.open.discard(request_id)
-    self.counters["served_cancelled"] += len(dropped)
+    self.counters.served_cancelled += len(dropped)
     if not live.open:
       del self._live[key]
 

@@ -21,6 +21,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from streamrl_jax.counters import Counters
 from streamrl_jax import launch
 from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
                                    Registered, RejoinRequired, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
@@ -50,6 +51,14 @@ def _message(err: Exception) -> str:
   return str(err).split(". Detail:")[0]
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ConnectionCounters(Counters):
+  """A connection's calls and their retries."""
+
+  flight_calls: int = 0
+  flight_retries: int = 0
+
+
 class FlightConnection:
   """A client of the trainer's server. Every call has a deadline (`timeout_s`, or the call's own); calls
   that find the server unavailable are retried with backoff for up to `retry_s` seconds in all."""
@@ -69,7 +78,7 @@ class FlightConnection:
       if tls_name:
         kwargs["override_hostname"] = tls_name
     self.client = flight.FlightClient(f"{'grpc+tls' if tls else 'grpc+tcp'}://{address}", **kwargs)
-    self.counters = dict(calls=0, retries=0)
+    self.counters = ConnectionCounters()
     self._closed = threading.Event()
 
   def options(self, timeout: float | None = None) -> flight.FlightCallOptions:
@@ -83,7 +92,7 @@ class FlightConnection:
     while True:
       if self._closed.is_set():
         raise ConnectionError(f"the connection to {self.address} is closed")
-      self.counters["calls"] += 1
+      self.counters.flight_calls += 1
       try:
         return fn()
       except (flight.FlightUnavailableError, flight.FlightTimedOutError) as err:
@@ -95,7 +104,7 @@ class FlightConnection:
           said = waited
           _log.info(f"{self.peer} at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
                     f"retrying for up to {limit:.0f} s in all")
-      self.counters["retries"] += 1
+      self.counters.flight_retries += 1
       self._closed.wait(pause)
       pause = min(2 * pause, 2.0)
 

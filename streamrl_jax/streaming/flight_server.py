@@ -27,6 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from streamrl_jax.counters import Counters
 from streamrl_jax import launch
 from streamrl_jax.messages import (QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, VersionInfo, VersionQuery,
                                    decode_message, encode_message)
@@ -177,6 +178,26 @@ class ServerLimits:
   owner: tuple[int, int] = (0, 1)  # (this trainer process, the trainer's processes): whose groups it takes
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ServerCounters(Counters):
+  """A trainer door's batches and bytes taken and refused, weight streams served and actions."""
+
+  accepted_batches: int = 0
+  accepted_samples: int = 0
+  accepted_bytes: int = 0
+  duplicate_batches: int = 0
+  bad_batches: int = 0
+  full_refusals: int = 0
+  rejoin_refusals: int = 0
+  late_batches: int = 0
+  trained_batches: int = 0
+  weight_streams: int = 0
+  weight_bytes: int = 0
+  bad_tickets: int = 0
+  actions: int = 0
+  bad_actions: int = 0
+
+
 class TrainerFlightServer(flight.FlightServerBase):
   """Serves samples, weights and control for one run; listening from construction, `shutdown()` to stop."""
 
@@ -192,9 +213,7 @@ class TrainerFlightServer(flight.FlightServerBase):
     self._seq_locks: dict[int, threading.Lock] = {}
     self._last_seq: dict[int, int] = {}
     self._lock = threading.Lock()
-    self.counters = dict(accepted_batches=0, accepted_samples=0, accepted_bytes=0, duplicate_batches=0, bad_batches=0,
-                         full_refusals=0, rejoin_refusals=0, late_batches=0, trained_batches=0, weight_streams=0,
-                         weight_bytes=0, bad_tickets=0, actions=0, bad_actions=0)
+    self.counters = ServerCounters()
     self._handlers = {VersionQuery: self._version_info}
     if controller is not None:  # None: a server of weights alone; a door of another process: of samples alone
       self._handlers.update(controller.handlers())
@@ -205,7 +224,7 @@ class TrainerFlightServer(flight.FlightServerBase):
 
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
-      self.counters[key] += n
+      self.counters.add(key, n)
 
   # ---- samples -------------------------------------------------------------------------------
   def do_put(self, context, descriptor, reader, writer):

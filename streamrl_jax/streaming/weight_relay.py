@@ -17,6 +17,7 @@ import threading
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.streaming.flight_server import TLSFiles, server_tls_options
 from streamrl_jax.streaming.weight_chunks import (BadWeightStream, chunk_batch, part_indices, read_weights_ticket,
                                                   tensor_nbytes, weight_schema)
@@ -148,6 +149,14 @@ class RelayStore:
           yield chunk_batch(schema, index, offset, data)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class RelayCounters(Counters):
+  """Weight streams a relay served and refused."""
+
+  relay_streams: int = 0
+  relay_refusals: int = 0
+
+
 class RelayServer(flight.FlightServerBase):
   """Serves a `RelayStore` by DoGet (the trainer's weights tickets); listening from construction.
   `address` is what children dial: `advertise` (a host) with the bound port, or the listen host."""
@@ -161,7 +170,7 @@ class RelayServer(flight.FlightServerBase):
     self.address = f"{advertise or host}:{self.port}"
     self.store = store
     self._lock = threading.Lock()
-    self.counters = dict(relay_streams=0, relay_refusals=0)
+    self.counters = RelayCounters()
 
   def shutdown(self) -> None:
     self.store.close()  # streams waiting for chunks end now, so the server's shutdown does not wait on them
@@ -173,8 +182,8 @@ class RelayServer(flight.FlightServerBase):
       schema, batches = self.store.stream(version, part, parts)
     except (ValueError, RelayRefused) as err:
       with self._lock:
-        self.counters["relay_refusals"] += 1
+        self.counters.relay_refusals += 1
       raise flight.FlightServerError(str(err)[:500]) from None
     with self._lock:
-      self.counters["relay_streams"] += 1
+      self.counters.relay_streams += 1
     return flight.GeneratorStream(schema, batches)

@@ -14,10 +14,21 @@ cost (the gradient's buffers, its sum into the state: about a tenth of a SmolLM2
 
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces, trimmed_call
 from streamrl_jax.training.trainer import Trainer, TrainState
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class BatcherCounters(Counters):
+  """Trainer calls, and the tokens they carried and computed (padding included)."""
+
+  calls: int = 0
+  real_tokens: int = 0
+  computed_tokens: int = 0
 
 
 class MicroBatcher:
@@ -36,7 +47,7 @@ class MicroBatcher:
     self.call_rows = call_rows(trainer.packed_row_quantum, chunk_tokens, pack_length) if pack_length else 0
     self._pending: list[dict] = []
     self.rows_seen = 0
-    self.counters = dict(calls=0, real_tokens=0, computed_tokens=0)
+    self.counters = BatcherCounters()
 
   @property
   def pending_rows(self) -> int:
@@ -110,10 +121,10 @@ class MicroBatcher:
     if self.pack_length and cut:
       pieces = packed_pieces(chunk, self.trainer.packed_row_quantum, self.call_rows)
     for piece in pieces:
-      self.counters["calls"] += 1
-      self.counters["real_tokens"] += int(np.count_nonzero(piece["valid"]))
+      self.counters.calls += 1
+      self.counters.real_tokens += int(np.count_nonzero(piece["valid"]))
       state = self.trainer.accumulate(state, piece)
-      self.counters["computed_tokens"] += int(np.prod(self.trainer.last_shape))
+      self.counters.computed_tokens += int(np.prod(self.trainer.last_shape))
     return state
 
   def discard(self) -> None:

@@ -180,7 +180,7 @@ def summarise(config, ranker, step: int, plan: StepPlan) -> StepSummary:
     if not plan.observed:  # once a step, also when a late lease (a backfill) summarises it again
       ranker.observe(plan.encoded, lengths)
       plan.observed = True
-    figures["ranker_train_steps"] = ranker.counters["train_steps"]
+    figures["ranker_train_steps"] = ranker.counters.train_steps
   told = [r.phase_s for r in reports if r.phase_s]  # each sampler's seconds by phase: added up
   return StepSummary(generation_s=max((r.generation_s for r in reports), default=0.0),
                      sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),

@@ -52,7 +52,7 @@ class LeaseEpisodes:
     if self.config.sampler.env.agent_on_error == "stop":
       raise RewardError(f"{message} (EnvConfig.agent_on_error='stop'; 'zero' scores such episodes 0 and counts "
                         "them in reward_errors)")
-    failed = self.agents.counters["agent_failures"] + self.agents.counters["agent_timeouts"]
+    failed = self.agents.counters.agent_failures + self.agents.counters.agent_timeouts
     if failed <= AGENT_FAILURES_SHOWN:
       _log.warning(f"{self.name}: {message}; scored 0, counted in reward_errors"
                    + (" (later failures are only counted)" if failed == AGENT_FAILURES_SHOWN else ""))

@@ -16,12 +16,14 @@ The door of a process other than 0 (`FlightDoor`) asks process 0's controller ab
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from streamrl_jax.counters import Counters
 from streamrl_jax import launch
 from streamrl_jax.messages import BadShard, Delivery, DeliveryStatus
 from streamrl_jax.pipeline.controller.door import shard_groups
@@ -65,6 +67,18 @@ class FlightDoor:
     return ""  # a door of samples alone holds no weights
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class IntakeCounters(Counters):
+  """A trainer process's polls, the samples it took at its door and in the shared view, and the
+  description bytes exchanged."""
+
+  intake_polls: int = 0
+  intake_local_samples: int = 0
+  intake_samples: int = 0
+  intake_description_bytes: int = 0
+  intake_peer_description_bytes: int = 0
+
+
 class ProcessIntake:
   """`get(timeout)`: the next shard of the processes' shared view of what arrived, its tokens where they arrived.
   Every process calls it in the same order (a collective each poll)."""
@@ -75,9 +89,8 @@ class ProcessIntake:
     self.queue, self.functions, self.poll_s, self.door_bytes = queue, reward_functions, poll_s, door_bytes
     self.process, self.processes = jax.process_index(), jax.process_count()
     self._ready: list[SampleShard] = []
-    self.counters = dict(intake_polls=0, intake_local_samples=0, intake_samples=0, intake_description_bytes=0,
-                         intake_peer_description_bytes=0,
-                         **{f"intake_{kind}_kib/{p}": 0 for kind in ("door", "weight") for p in range(self.processes)})
+    self.counters = IntakeCounters()
+    self.door_kib = {f"intake_{kind}_kib/{p}": 0 for kind in ("door", "weight") for p in range(self.processes)}
 
   def get(self, timeout: float) -> SampleShard:
     """The next shard of the shared view; TimeoutError when none arrived anywhere within about `timeout`."""
@@ -88,6 +101,10 @@ class ProcessIntake:
     if not self._ready:
       raise TimeoutError("no samples arrived at any trainer process")
     return self._ready.pop(0)
+
+  def row(self) -> dict:
+    """Its counters and each process's door and weight KiB at the last poll, as metric entries."""
+    return {**self.counters, **self.door_kib}
 
   def stop(self) -> None:
     """Process 0: the others' next poll tells them to stop (`IntakeStopped`); process 0 itself goes on to raise
@@ -110,14 +127,14 @@ class ProcessIntake:
 
   def _exchange(self, local: SampleShard | None, stop: bool) -> None:
     """One poll: every process's rows described to every process; the shared view's shards queued."""
-    self.counters["intake_polls"] += 1
+    self.counters.intake_polls += 1
     blob = describe(local, self.process) if local is not None else np.zeros(0, np.uint8)
     gather = launch.launcher(jax.devices())  # multihost_utils' collectives run over every device
     samples, weights = self.door_bytes()
     mine = np.asarray([blob.size, int(stop), samples >> 10, weights >> 10], np.int32)
     head = np.asarray(gather(multihost_utils.process_allgather, mine))
     for p in range(self.processes):
-      self.counters.update({f"intake_door_kib/{p}": int(head[p, 2]), f"intake_weight_kib/{p}": int(head[p, 3])})
+      self.door_kib.update({f"intake_door_kib/{p}": int(head[p, 2]), f"intake_weight_kib/{p}": int(head[p, 3])})
     if head[0, 1]:
       raise IntakeStopped("trainer process 0 stopped taking samples")
     if not head[:, 0].any():
@@ -126,11 +143,11 @@ class ProcessIntake:
     padded[:blob.size] = blob
     blobs = np.asarray(gather(multihost_utils.process_allgather, padded))
     rows = [read_description(blobs[p, :head[p, 0]], self.functions) for p in range(self.processes)]
-    self.counters["intake_description_bytes"] += int(head[:, 0].sum())
-    self.counters["intake_peer_description_bytes"] += int(head[:, 0].sum() - head[self.process, 0])  # received
-    self.counters["intake_local_samples"] += 0 if local is None else local.num_samples
+    self.counters.intake_description_bytes += int(head[:, 0].sum())
+    self.counters.intake_peer_description_bytes += int(head[:, 0].sum() - head[self.process, 0])  # received
+    self.counters.intake_local_samples += 0 if local is None else local.num_samples
     view = shared_view(rows, local, self.process)
-    self.counters["intake_samples"] += view.num_samples
+    self.counters.intake_samples += view.num_samples
     self._ready.extend(split_by_step(view))
 
 

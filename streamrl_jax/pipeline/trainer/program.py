@@ -98,7 +98,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
     side = SamplersSide(get_shard, start=controller.start_watchdog,
                         teardown=_teardown(config, controller, server, doors), to_host=gather_to_host,
                         extra_counters=lambda: {**{f"flight_{k}": v for k, v in server.counters.items()},
-                                                **(intake.counters if intake else {})})
+                                                **(intake.row() if intake else {})})
     return train_session(trainer, controller, store, queue, side, hooks, ranker=ranker, followers=followers)
   except RunStopped:
     if intake is not None:  # the others wait for the next step's shards: tell them to stop
@@ -146,7 +146,7 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
 
 def _shard_source(config: PipelineConfig, controller: Controller, queue: SampleQueue, server, doors: SampleDoors):
   """(get_shard for the session, the processes' shared intake or None for a trainer of one process)."""
-  intake = doors.intake(queue, lambda: (server.counters["accepted_bytes"], server.counters["weight_bytes"]))
+  intake = doors.intake(queue, lambda: (server.counters.accepted_bytes, server.counters.weight_bytes))
   get_shard = _waiting_get(intake or queue, controller, config.controller.sampler_timeout_s)
   return (get_shard if intake is None else _stopping_others(get_shard, intake)), intake
 
@@ -168,7 +168,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: Sampl
   """A trainer process other than 0: its own sample door, process 0's decisions (the same worker, the same view)."""
   doors.connect(None)
   counters = doors.server.counters
-  intake = doors.intake(None, lambda: (counters["accepted_bytes"], counters["weight_bytes"]))
+  intake = doors.intake(None, lambda: (counters.accepted_bytes, counters.weight_bytes))
 
   def get(timeout: float):  # polls as long as process 0 does
     try:
@@ -183,7 +183,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: Sampl
     trainer.checkpointer.wait()
   params, adapters = trained_params(trainer, gather_to_host)  # the leader's collectives, in its order
   return RunResult(params, [], dict(trainer.counters, **{f"flight_{k}": v for k, v in doors.server.counters.items()},
-                                    **intake.counters), {}, adapters)
+                                    **intake.row()), {}, adapters)
 
 
 def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: float):
@@ -199,7 +199,7 @@ def _waiting_get(queue: SampleQueue, controller: Controller, sampler_timeout_s: 
       waited += timeout
       silent = controller.silent_s()
       if silent is None and waited >= 10 and not said:
-        _log.info(f"waiting for samplers to connect ({controller.counters['registered']} registered)")
+        _log.info(f"waiting for samplers to connect ({controller.counters.registered} registered)")
         said = True
       if (silent if silent is not None else waited) > sampler_timeout_s:
         raise RuntimeError(f"no sampler has been heard from for {sampler_timeout_s:.0f} s "

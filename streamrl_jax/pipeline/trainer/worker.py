@@ -22,6 +22,7 @@ checkpoint before it stays the one a resume starts from). Fault points (`faults.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -31,6 +32,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
+from streamrl_jax.counters import Counters
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.models.precision import wire_bytes, wire_template
@@ -127,7 +129,7 @@ class TrainerWorker:
     shards, waited, received = self._take_step(step, controller, get_shard, clock)
     begin = clock()
     empty = _drop_empty_step(self.batcher, shards, step)
-    self.counters["empty_steps"] += empty
+    self.counters.empty_steps += empty
     if self.batcher.rows_seen:
       with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
         self.state = self.batcher.flush(self.state)
@@ -154,7 +156,7 @@ class TrainerWorker:
     if not self.spec.shared_mesh:
       controller.published(Published(step + 1))
     self.timeline["sync"].append((sync_start, sync_start, f"v{step + 1}"))
-    self.counters["trainer_wait_s"] += waited
+    self.counters.trainer_wait_s += waited
     end = clock()
     sampler_idle = controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9)
     times = StepTimes(waited, end - last_end, train_s, sampler_idle, weights.seconds)
@@ -246,7 +248,7 @@ class TrainerWorker:
       for shard in shards:
         self._accumulate(shard, step, clock)
     for key, count in self._step_counts.items():  # the step taken whole: its counts are the run's
-      self.counters[key] += count
+      self.counters.add(key, count)
     return shards, waited, received
 
   def _fresh_part(self, shard: SampleShard, step: int, controller: TrainerControl) -> SampleShard | None:
@@ -254,7 +256,7 @@ class TrainerWorker:
     a later step kept for it, samples trained already dropped, and groups too stale leased again."""
     problem = _refusal(shard, step, self.config)
     if problem:
-      self.counters["refused_samples"] += shard.num_samples
+      self.counters.refused_samples += shard.num_samples
       self.refusals.append(problem)
       return None
     shard_step = int(shard.steps[0])
@@ -263,7 +265,7 @@ class TrainerWorker:
       return None
     new = np.asarray([shard_step == step and key not in self._trained for key in shard.keys()], bool)
     if not new.all():  # trained already: delivered twice, or late
-      self.counters["duplicate_samples"] += int((~new).sum())
+      self.counters.duplicate_samples += int((~new).sum())
       if not new.any():
         return None
       shard = shard.take(np.flatnonzero(new))
@@ -271,7 +273,7 @@ class TrainerWorker:
     if stale:
       controller.regenerate(Regenerate(step, tuple(stale)))
       shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
-      self.counters["groups_regenerated"] += len(stale)
+      self.counters.groups_regenerated += len(stale)
     return shard if shard.num_samples else None
 
   def _filter_flat(self, shard: SampleShard, step: int, controller: TrainerControl, received: dict):
@@ -286,11 +288,11 @@ class TrainerWorker:
     return shard.take(np.flatnonzero(~np.isin(shard.group_ids, flat))), granted
 
   def _count_step(self, shards: list, received: dict) -> None:
-    self.counters["unique_samples_trained"] += sum(s.num_samples for s in shards)
-    self.counters["samples_planned"] += self.config.samples_per_step + (received["backfilled"]
+    self.counters.unique_samples_trained += sum(s.num_samples for s in shards)
+    self.counters.samples_planned += self.config.samples_per_step + (received["backfilled"]
                                                                         - received["filtered"]) * self.config.group_size
-    self.counters["groups_filtered"] += received["filtered"]
-    self.counters["groups_backfilled"] += received["backfilled"]
+    self.counters.groups_filtered += received["filtered"]
+    self.counters.groups_backfilled += received["backfilled"]
 
   def _too_stale(self, shard: SampleShard, step: int) -> list[int]:
     """Groups of `shard` holding a token sampled by weights older than step - max_lag."""
@@ -316,14 +318,29 @@ def _restored(state, checkpointer) -> tuple:
   return state, int(extra["next_step"])
 
 
-def _counters(config, params) -> dict:
-  """The worker's counters at its start. samples_trained counts what went into gradients, unique_samples_trained the
+def _counters(config, params) -> TrainerCounters:
+  """The worker's counters at its start, with the bytes of one weight version on the wire."""
+  return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, config.precision.on_trainer.precision)))
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class TrainerCounters(Counters):
+  """What the trainer took and trained. samples_trained counts what went into gradients, unique_samples_trained the
   distinct (step, group, sample) keys among them, samples_planned what the steps' plans asked for: equal when nothing
   was lost or trained twice."""
-  version_bytes = wire_bytes(wire_template(params, config.precision.on_trainer.precision))
-  return dict(samples_trained=0, unique_samples_trained=0, samples_planned=0, stale_samples=0, trainer_wait_s=0.0,
-              duplicate_samples=0, refused_samples=0, groups_filtered=0, groups_backfilled=0, groups_regenerated=0,
-              empty_steps=0, weight_version_bytes=version_bytes)
+
+  samples_trained: int = 0
+  unique_samples_trained: int = 0
+  samples_planned: int = 0
+  stale_samples: int = 0
+  trainer_wait_s: float = 0.0
+  duplicate_samples: int = 0
+  refused_samples: int = 0
+  groups_filtered: int = 0
+  groups_backfilled: int = 0
+  groups_regenerated: int = 0
+  empty_steps: int = 0
+  weight_version_bytes: int = 0
 
 
 def _refusal(shard: SampleShard, step: int, config) -> str | None:
