@@ -153,9 +153,9 @@ def cmd_merge(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-  from streamrl_jax.sim.report import run_report, summary_lines, written
+  from streamrl_jax.sim.preset_run import run_preset, summary_lines, written
 
-  results = run_report(args.preset, args.out, iterations=args.iterations, seed=args.seed)
+  results = run_preset(args.preset, args.out, iterations=args.iterations, seed=args.seed)
   for line in summary_lines(results):
     print(line)
   print(f"wrote {args.out}/" + ", ".join(written(args.preset)))

@@ -1,4 +1,4 @@
-"""`streamrl simulate`: runs a preset's scenarios and writes results.json and plots to a directory."""
+"""`streamrl simulate`: runs a preset's scenarios (`run_preset`) and writes results.json and plots to a directory."""
 
 from __future__ import annotations
 
@@ -17,15 +17,15 @@ SCALING_PLOTS = ("scaling.png",)
 
 
 def written(name: str) -> tuple[str, ...]:
-  """The files `run_report(name, ...)` writes."""
+  """The files `run_preset(name, ...)` writes."""
   return ("results.json", *(SCALING_PLOTS if name == SCALING else PLOTS))
 
 
-def run_report(name: str, out: str | Path, **overrides) -> dict:
+def run_preset(name: str, out: str | Path, **overrides) -> dict:
   """Ablation ladder, every mode, generation time by dispatch policy, and the balanced split; for `distflow-scaling`,
-  the data plane's sweep (`scaling_report`)."""
+  the data plane's sweep (`run_scaling`)."""
   if name == SCALING:
-    return scaling_report(out, seed=overrides.get("seed", 0))
+    return run_scaling(out, seed=overrides.get("seed", 0))
   config = preset(name, **overrides)
   out = Path(out)
   out.mkdir(parents=True, exist_ok=True)
@@ -55,7 +55,7 @@ def run_report(name: str, out: str | Path, **overrides) -> dict:
   return results
 
 
-def scaling_report(out: str | Path, seed: int = 0) -> dict:
+def run_scaling(out: str | Path, seed: int = 0) -> dict:
   """`distflow-scaling`: per-device throughput of both data-plane designs, 8 to 1,024 trainer devices, for each of
   its models; writes results.json and scaling.png."""
   out = Path(out)
