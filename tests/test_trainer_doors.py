@@ -261,8 +261,8 @@ def test_the_intake_of_one_process_hands_back_what_arrived_and_its_stop_does_not
     assert have.keys() == want.keys()
     np.testing.assert_array_equal(have.tokens, want.tokens[:, :have.tokens.shape[1]])
     np.testing.assert_array_equal(have.stats, want.stats)
-  assert intake.counters["intake_samples"] == 6 and intake.counters["intake_door_kib/0"] == 5
-  assert intake.counters["intake_weight_kib/0"] == 7 and intake.counters["intake_peer_description_bytes"] == 0
+  assert intake.row()["intake_samples"] == 6 and intake.row()["intake_door_kib/0"] == 5
+  assert intake.row()["intake_weight_kib/0"] == 7 and intake.row()["intake_peer_description_bytes"] == 0
   intake.stop()  # no other process to tell; process 0 goes on to raise what stopped it
 
 

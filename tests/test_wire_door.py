@@ -16,7 +16,7 @@ from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published,
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES, TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES, TrainerCounters, TrainerWorker
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND
@@ -117,8 +117,7 @@ def take_step(shards, step=1):
   trained = []
   worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed, _early={}, _trained=set(),
                            refusals=[], phase_clock=PhaseClock(TRAINER_PHASES),
-                           counters=dict(samples_trained=0, stale_samples=0, unique_samples_trained=0, samples_planned=0, duplicate_samples=0,
-                                         refused_samples=0, groups_filtered=0, groups_backfilled=0),
+                           counters=TrainerCounters(),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
   for name in ("_too_stale", "_next_shard", "_fresh_part", "_filter_flat", "_count_step"):  # the worker's own steps
     setattr(worker, name, getattr(TrainerWorker, name).__get__(worker))
