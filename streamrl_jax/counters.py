@@ -9,6 +9,7 @@ as a missing metric later. Metric rows, run records and tests read them as a map
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 
 
@@ -33,7 +34,7 @@ class Counters(Mapping):
     return f"{type(self).__name__}({dict(self)})"
 
   def _names(self) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(self))
+    return _field_names(type(self))
 
   def add(self, name: str, amount: float = 1) -> None:
     """Counter `name` (chosen at run time) up by `amount`; an undeclared name is refused."""
@@ -43,3 +44,9 @@ class Counters(Mapping):
     """Every counter back to its starting value."""
     for field in dataclasses.fields(self):
       setattr(self, field.name, field.default)
+
+
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+  """A counters class's names, found once (a sampler counts on its decode loop)."""
+  return tuple(f.name for f in dataclasses.fields(cls))
