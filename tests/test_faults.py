@@ -216,11 +216,18 @@ class Programs:
     self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
     return proc
 
-  def lost(self, name: str) -> bool:
-    """Whether the trainer has declared sampler `name` lost (its events.jsonl)."""
+  def events(self) -> list[dict]:
+    """The trainer's events so far (its events.jsonl; a line being written is left out)."""
     path = self.workdir / "events.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
-    return any(row.get("event") == "sampler_lost" and row.get("sampler") == name for row in rows)
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")] if path.exists() else []
+
+  def lost(self, name: str) -> bool:
+    """Whether the trainer has declared sampler `name` lost."""
+    return any(row.get("event") == "sampler_lost" and row.get("sampler") == name for row in self.events())
+
+  def joined(self, name: str) -> int:
+    """How many times sampler `name` has registered with the trainer."""
+    return sum(row.get("event") == "sampler_joined" and row.get("sampler") == name for row in self.events())
 
   def steps_done(self) -> int:
     path = self.workdir / "metrics.jsonl"
@@ -270,13 +277,15 @@ def check_each_step_once(workdir: Path, steps: int, trainer_restarts: int = 0) -
 @pytest.mark.slow
 def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
   """A 20-step run with two samplers: at steps 3, 8 and 13 one is killed (SIGKILL) and a fresh one started;
-  at step 5 one is frozen past the lease timeout and thawed (it is declared lost, comes back, registers again) while
-  the trainer holds after that step's row (a fault point: the run cannot end meanwhile); at step 10 a third one
-  joins. The run completes and trains each prompt of each step exactly once."""
+  at step 5 one is frozen past the lease timeout and thawed (it is declared lost, comes back, registers again); at
+  step 10 a third one joins. At each of those steps the trainer holds after the step's row (a fault point: the run
+  cannot end meanwhile) until the fault is done and every sampler started has registered, so which samplers join
+  does not race the clock. The run completes and trains each prompt of each step exactly once."""
   steps, chaos, hold = 20, random.Random(7), tmp_path / "holding"
   run = Programs(tmp_path, steps, mode="async")
   try:
-    run.start("trainer", "trainer", env={"STREAMRL_FAULT": "row@5=hold", "STREAMRL_FAULT_FILE": str(hold)})
+    holds = ",".join(f"row@{at}=hold" for at in (3, 5, 8, 10, 13))
+    run.start("trainer", "trainer", env={"STREAMRL_FAULT": holds, "STREAMRL_FAULT_FILE": str(hold)})
     live = []
 
     def new_sampler() -> None:
@@ -286,23 +295,23 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
     new_sampler()
     frozen = None
     for at, fault in ((3, "kill"), (5, "freeze"), (8, "kill"), (10, "join"), (13, "kill")):
-      run.wait_until((lambda: hold.exists()) if fault == "freeze" else (lambda: run.steps_done() >= at), f"step {at}")
+      run.wait_until(hold.exists, f"the trainer holding after step {at}")
+      assert hold.read_text() == f"row@{at}"
       if fault == "kill":  # any sampler but the frozen one, which must live to register again
         run.procs[live.pop(chaos.choice([i for i, name in enumerate(live) if name != frozen]))].kill()
       if fault in ("kill", "join"):
         new_sampler()
+        run.wait_until(lambda: run.joined(live[-1]) == 1, f"{live[-1]} registering")
       else:
         frozen = live[chaos.randrange(len(live))]
         os.kill(run.procs[frozen].pid, signal.SIGSTOP)
         run.wait_until(lambda: run.lost(frozen), f"{frozen} declared lost")  # silent past the lease timeout
         os.kill(run.procs[frozen].pid, signal.SIGCONT)
-        run.wait_until(lambda: "registering again" in run.logs[frozen].read_text(), f"{frozen} registering again")
-        hold.unlink()  # the trainer goes on
+        run.wait_until(lambda: run.joined(frozen) == 2, f"{frozen} registering again")
+      hold.unlink()  # the trainer goes on
     assert run.wait_exit("trainer") == 0, run.tails()
-    for name in live:  # one started near the end may find the run over before it registers: left to kill_all
-      if "registered with the trainer" in run.logs[name].read_text():
-        # a sampler whose last call finds the trainer gone retries for FlightConfig.connect_retry_s (120 s)
-        assert run.wait_exit(name, timeout=150) == 0, run.tails()
+    for name in live:  # a sampler whose last call finds the trainer gone retries for FlightConfig.connect_retry_s
+      assert run.wait_exit(name, timeout=150) == 0, run.tails()
   finally:
     run.kill_all()
   counters = check_each_step_once(tmp_path, steps)
@@ -311,9 +320,10 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
   assert counters["prompts_submitted"] + counters["groups_kept"] == steps * 4
   assert counters["samplers_lost"] >= 2 and counters["rejoin_requests"] >= 1
   assert "registering again" in run.logs[frozen].read_text()
-  events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
-  joined = [e for e in events if e["event"] == "sampler_joined"]
-  assert len(joined) >= 6 and any(e["next_step"] >= 10 for e in joined)
+  joined = [e for e in run.events() if e["event"] == "sampler_joined"]
+  # s0 and s1, the three started after a kill, the one joining at step 10, and the frozen one once more
+  late = [e["next_step"] for e in joined if e["sampler"] == "s4"]
+  assert len(joined) == 7 and len(late) == 1 and late[0] > 10, joined
 
 
 @pytest.mark.slow
