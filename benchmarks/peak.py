@@ -21,7 +21,9 @@ def matmul_peak_flops(device=None, n: int = SIZE, repeats: int = REPEATS, dtype=
   device = device or jax.devices()[0]
   a = jax.device_put(jax.random.normal(jax.random.key(0), (n, n), dtype), device)
   b = jax.device_put(jax.random.normal(jax.random.key(1), (n, n), dtype), device)
-  matmul = jax.jit(lambda x, y: x @ y)
+  # float32 results: XLA:CPU multiplies bfloat16 into a bfloat16 result in float32, several times slower than into a
+  # float32 one where the CPU has bfloat16 matrix units (the models' products do the same: `layers.tokens_matmul`)
+  matmul = jax.jit(lambda x, y: jnp.matmul(x, y, preferred_element_type=jnp.float32))
   matmul(a, b).block_until_ready()
   best = float("inf")
   for _ in range(repeats):
@@ -32,13 +34,14 @@ def matmul_peak_flops(device=None, n: int = SIZE, repeats: int = REPEATS, dtype=
 
 
 class Peak:
-  """The peak of one device over a run: `measure()` before and after the timed work; `flops` the largest seen."""
+  """The peak of one device over a run in `dtype` (float32: every MFU's denominator; bfloat16 beside it where a run
+  computes in it): `measure()` before and after the timed work; `flops` the largest seen."""
 
-  def __init__(self, device=None):
-    self.device, self.flops, self.measured = device, 0.0, 0
+  def __init__(self, device=None, dtype=jnp.float32):
+    self.device, self.dtype, self.flops, self.measured = device, dtype, 0.0, 0
 
   def measure(self) -> float:
-    self.flops = max(self.flops, matmul_peak_flops(self.device))
+    self.flops = max(self.flops, matmul_peak_flops(self.device, dtype=self.dtype))
     self.measured += 1
     return self.flops
 

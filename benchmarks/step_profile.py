@@ -8,8 +8,8 @@ step, summed over the steady rows; the sampler's beside it), `whole_step_mfu` (t
 8 x parameters x trained tokens: 6 N to train each token, 2 N to generate it, over the steady step times the f32
 matmul peak measured in this process before and after the runs; N counted in the run's final model), `trainer_mfu`
 (6 x parameters x trained tokens over the median forward and backward seconds, against the same peak: colocated's,
-where the trainer has the machine to itself; async's, which shares the cores with its sampler, beside it) and the run's
-peak resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
+where the trainer has the machine to itself; async's, which shares the cores with its sampler, beside it); both also
+over the bfloat16 matmul peak (`*_of_bf16_peak`), the dtype the config computes in, and the run's peak resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
 rule before one device (`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work
 (`trl_grpo.py`, with the `[bench]` extra): each mode's step and peak memory over TRL's. A quick run
 (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no warm-up) for 4 steps of 16 new tokens: its figures are not
@@ -101,16 +101,22 @@ def run_trl() -> dict:
 def main() -> None:
   from peak import Peak
 
-  peak = Peak()
+  import jax.numpy as jnp
+
+  peak, bf16_peak = Peak(), Peak(dtype=jnp.bfloat16)  # the config computes in bfloat16: its own peak beside
   peak.measure()
+  bf16_peak.measure()
   modes = {name: run_mode(*run) for name, run in RUNS.items()}
   trl = {} if QUICK else run_trl()  # a quick run's work is the demo decoder's: no baseline to hold it against
   peak.measure()
+  bf16_peak.measure()
   out = {"workload": f"{'the demo decoder' if QUICK else 'SmolLM2-135M'}, 4 prompts x 8 samples x {NEW_TOKENS} new "
                      f"tokens, temperature 1, no KL, {STEPS} steps; steady: rows {SKIP + 1}..{STEPS}", "quick": QUICK,
-         "peak_gflops": round(peak.flops / 1e9, 1)}
+         "peak_gflops": round(peak.flops / 1e9, 1), "bf16_peak_gflops": round(bf16_peak.flops / 1e9, 1)}
   for mode, figures in modes.items():
+    figures["whole_step_mfu_of_bf16_peak"] = round(bf16_peak.mfu(figures["flops_per_s"]), 4)
     figures["whole_step_mfu"] = round(peak.mfu(figures.pop("flops_per_s")), 4)
+    figures["trainer_mfu_of_bf16_peak"] = round(bf16_peak.mfu(figures["trainer_flops_per_s"]), 4)
     figures["trainer_mfu"] = round(peak.mfu(figures.pop("trainer_flops_per_s")), 4)
     out.update({f"{mode}_{k}": v for k, v in figures.items()})
   out["accounted_frac"] = min(out[f"{m}_accounted_frac"] for m in MODES)

@@ -65,10 +65,54 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
 
 
 def tokens_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-  """x [..., in] @ w [in, out] with every leading axis folded into one: a plain 2-D product whose gradient with
-  respect to `w` contracts one axis. With the batch and time axes kept apart, XLA:CPU transposes the activations
-  for the weight gradient (a strided copy per matmul) and the backward pass runs at half the matmul rate."""
-  return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+  """x [..., in] @ w [in, out] in x's dtype (w cast to it), every leading axis folded into one: a plain 2-D product
+  whose gradient with respect to `w` contracts one axis. With the batch and time axes kept apart, XLA:CPU transposes
+  the activations for the weight gradient (a strided copy per matmul) and the backward pass runs at half the matmul
+  rate. In bfloat16 on a CPU the product goes through `cpu_low_precision_matmul`."""
+  flat = x.reshape(-1, x.shape[-1])
+  if x.dtype != jnp.float32 and jax.default_backend() == "cpu":
+    out = cpu_low_precision_matmul(flat, w)
+  else:
+    out = flat @ w.astype(x.dtype)
+  return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def rows_first(a: jax.Array) -> jax.Array:
+  """a [m, k] transposed to [k, m] as a row-major copy: through a blocked reshape, so that XLA:CPU cannot make the
+  transpose a change of layout that its fast low-precision matmul does not take (it would compute in float32)."""
+  m, k = a.shape
+  block = next((b for b in (64, 32, 16, 8) if k % b == 0), 0)
+  if not block:
+    return a.T
+  return a.reshape(m, k // block, block).transpose(1, 2, 0).reshape(k, m)
+
+
+@jax.custom_vjp
+def cpu_low_precision_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [m, in] (bfloat16) @ w [in, out] (any float dtype, cast to x's) as XLA:CPU multiplies low precision fast: with
+  float32 results (a bfloat16 result makes it compute in float32, several times slower where the CPU has bfloat16
+  matrix units) and, in the backward pass, row-major operands (`rows_first`). The weight's gradient is the float32
+  product cast to w's dtype, never rounded through x's."""
+  return _f32_dot(x, w.astype(x.dtype), 1, 0).astype(x.dtype)
+
+
+def _f32_dot(a, b, a_axis: int, b_axis: int):
+  return jax.lax.dot_general(a, b, (((a_axis,), (b_axis,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _cpu_matmul_fwd(x, w):
+  return cpu_low_precision_matmul(x, w), (x, w)
+
+
+def _cpu_matmul_bwd(residuals, g):
+  x, w = residuals
+  g = g.astype(x.dtype)
+  dx = _f32_dot(g, w.astype(x.dtype), 1, 1).astype(x.dtype)
+  dw = _f32_dot(rows_first(x), g, 1, 0).astype(w.dtype)
+  return dx, dw
+
+
+cpu_low_precision_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd)
 
 
 def project(module: nnx.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Array:
@@ -97,7 +141,7 @@ class Attention(nnx.Module):
       self.o_bias = _constant(config, (h,), ("embed",), 0.0)
 
   def _project(self, x, name, bias_name):
-    w = getattr(self, name)[...].astype(x.dtype)
+    w = getattr(self, name)[...]
     out = project(self, name, x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
     if self.config.qkv_bias:
       out = out + getattr(self, bias_name)[...].astype(x.dtype)
@@ -120,7 +164,7 @@ class Attention(nnx.Module):
       out = grouped_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     else:
       kv_cache, out = kv_cache.attend(q, k, v, mask)
-    w = self.o_proj[...].astype(x.dtype)
+    w = self.o_proj[...]
     out = project(self, "o_proj", out.reshape(*out.shape[:-2], -1), w.reshape(-1, w.shape[-1]))
     if self.config.o_bias:
       out = out + self.o_bias[...].astype(x.dtype)
@@ -135,7 +179,7 @@ def grouped_attention(q, k, v, mask):
   if t == 1:  # decode: multiply-and-reduce fuses into one pass over the cache; tiny batched dots do not
     scores = jnp.sum(q[:, 0, :, :, None, :] * k[:, :, None, :, :], axis=-1)[:, :, :, None, :]
   else:
-    scores = jnp.einsum("btkgd,bksd->bkgts", q, k)
+    scores = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32)
   scores = scores.astype(jnp.float32) / math.sqrt(d)
   scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
@@ -154,6 +198,6 @@ class MLP(nnx.Module):
     self.down_proj = _param(rngs, config, (i, h), ("mlp", "embed"))
 
   def __call__(self, x):
-    gate = project(self, "gate_proj", x, self.gate_proj[...].astype(x.dtype))
-    up = project(self, "up_proj", x, self.up_proj[...].astype(x.dtype))
-    return project(self, "down_proj", jax.nn.silu(gate) * up, self.down_proj[...].astype(x.dtype))
+    gate = project(self, "gate_proj", x, self.gate_proj[...])
+    up = project(self, "up_proj", x, self.up_proj[...])
+    return project(self, "down_proj", jax.nn.silu(gate) * up, self.down_proj[...])

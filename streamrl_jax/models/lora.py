@@ -105,7 +105,7 @@ class Adapter(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     from streamrl_jax.models.layers import tokens_matmul
-    return tokens_matmul(tokens_matmul(x, self.a[...].astype(x.dtype)), self.b[...].astype(x.dtype)) * self.scale
+    return tokens_matmul(tokens_matmul(x, self.a[...]), self.b[...]) * self.scale
 
 
 def initial_arrays(config: LoraConfig, model_config: ModelConfig) -> dict:

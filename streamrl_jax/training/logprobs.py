@@ -20,6 +20,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.models.layers import rows_first
+
 
 def entropy(logits):
   """Entropy of the softmax distribution over the last axis."""
@@ -76,7 +78,7 @@ def _block(padded, i, chunk: int, axis: int, dtype):
 def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float, axis: int):
   """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf."""
   block = _block(padded, i, chunk, axis, hidden.dtype)
-  logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ()))).astype(jnp.float32)
+  logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ())), preferred_element_type=jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
   if vocab % chunk:
@@ -136,11 +138,12 @@ def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, res
       g_logits = g_logits / temperature
     g_logits = g_logits.astype(hidden.dtype)
     block = _block(padded, i, chunk, axis, hidden.dtype)
-    g_hidden = g_hidden + jax.lax.dot_general(g_logits, block, (((1,), (axis,)), ((), ()))).astype(jnp.float32)
+    g_hidden = g_hidden + jax.lax.dot_general(g_logits, block, (((1,), (axis,)), ((), ())),
+                                              preferred_element_type=jnp.float32)
     if not head_grad:
       return g_hidden, g_head
     pair = (g_logits, hidden) if axis == 0 else (hidden, g_logits)  # the block's own layout: [chunk, H] or [H, chunk]
-    g_block = jax.lax.dot_general(*pair, (((0,), (0,)), ((), ()))).astype(jnp.float32)
+    g_block = _tokens_contracted(*pair)
     return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_head, g_block, i * chunk, axis=axis)
 
   init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape if head_grad else (), jnp.float32))
@@ -150,3 +153,11 @@ def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, res
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _tokens_contracted(a, b):
+  """a [tokens, m]^T @ b [tokens, n] in float32; in low precision on a CPU with `a` copied rows first
+  (`layers.rows_first`: XLA:CPU's fast bfloat16 matmul takes row-major operands only)."""
+  if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+    return jax.lax.dot_general(rows_first(a), b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+  return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
