@@ -8,6 +8,7 @@ import pytest
 
 from streamrl_jax import cli, gin_config
 from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, MeshShape, build_meshes, cpu_device_count
+from streamrl_jax.models.config import cpu_bfloat16_matrix_units
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -112,8 +113,18 @@ def test_info_shows_the_cpu_devices_a_run_of_the_config_forces(capsys):
 def test_info_names_the_dtype_this_backend_computes_in(capsys, setting, computes_in):
   assert cli.main(["info", "--set", f"JobConfig.compute_dtype='{setting}'"]) == 0
   assert json.loads(capsys.readouterr().out)["compute_dtype"] == {
-      "JobConfig.compute_dtype": setting, "activations_and_matmuls": computes_in, "weights_and_optimizer": "float32"}
+      "JobConfig.compute_dtype": setting, "activations_and_matmuls": computes_in, "weights_and_optimizer": "float32",
+      "cpu_bfloat16_matrix_units": cpu_bfloat16_matrix_units()}
   gin_config.parse()
+
+
+def test_bfloat16_matrix_units_are_read_from_the_cpus_flags(tmp_path):
+  info = tmp_path / "cpuinfo"
+  info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
+  assert cpu_bfloat16_matrix_units(str(info))
+  info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\nbugs\t\t: amx_bf16\n")
+  assert not cpu_bfloat16_matrix_units(str(info))  # a flag named on another line, or a vector unit only
+  assert not cpu_bfloat16_matrix_units(str(tmp_path / "absent"))
 
 
 def test_info_reports_bad_binding(capsys):

@@ -29,6 +29,16 @@ def resolve_compute_dtype(choice: str, backend: str | None = None) -> str:
   return "bfloat16" if backend in ACCELERATED_BACKENDS else "float32"
 
 
+def cpu_bfloat16_matrix_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
+  """Whether this machine's CPU has bfloat16 matrix units (Intel AMX: `amx_bf16` among `cpuinfo`'s flags), where
+  bfloat16 products run several times faster than float32's; False where the file cannot say."""
+  try:
+    with open(cpuinfo) as info:
+      return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
+  except OSError:
+    return False
+
+
 REMAT_POLICIES = ("none", "layer", "dots")
 
 @dataclasses.dataclass(frozen=True)
