@@ -17,7 +17,7 @@ def resolve_compute_dtype(choice: str, backend: str | None = None) -> str:
   """The activation and matmul dtype `choice` means on `backend` (default: this process's jax backend): 'auto' is
   bfloat16 on an accelerator, whose matrix units run it several times faster than float32, and float32 on a CPU,
   where that holds only on some (bfloat16 matrix units, as Intel's AMX: there a config may name 'bfloat16';
-  configs/smollm2_cpu.gin says what it gains and costs). Weights (the optimizer's master copy) stay float32 either way."""
+  as configs/smollm2_cpu.gin does). Weights (the optimizer's master copy) stay float32 either way."""
   if choice not in COMPUTE_DTYPES:
     raise ValueError(f"compute dtype {choice!r}; known: {list(COMPUTE_DTYPES)}")
   if choice != "auto":
