@@ -70,11 +70,16 @@ def tokens_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
   the activations for the weight gradient (a strided copy per matmul) and the backward pass runs at half the matmul
   rate. In bfloat16 on a CPU the product goes through `cpu_low_precision_matmul`."""
   flat = x.reshape(-1, x.shape[-1])
-  if x.dtype != jnp.float32 and jax.default_backend() == "cpu":
+  if cpu_low_precision(x.dtype):
     out = cpu_low_precision_matmul(flat, w)
   else:
     out = flat @ w.astype(x.dtype)
   return out.reshape(*x.shape[:-1], w.shape[-1])
+
+
+def cpu_low_precision(dtype) -> bool:
+  """Whether products in `dtype` take XLA:CPU's low-precision path (`cpu_low_precision_matmul`, `rows_first`)."""
+  return dtype != jnp.float32 and jax.default_backend() == "cpu"
 
 
 def rows_first(a: jax.Array) -> jax.Array:

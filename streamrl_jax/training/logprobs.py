@@ -20,7 +20,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from streamrl_jax.models.layers import rows_first
+from streamrl_jax.models.layers import cpu_low_precision, rows_first
 
 
 def entropy(logits):
@@ -158,6 +158,6 @@ _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 def _tokens_contracted(a, b):
   """a [tokens, m]^T @ b [tokens, n] in float32; in low precision on a CPU with `a` copied rows first
   (`layers.rows_first`: XLA:CPU's fast bfloat16 matmul takes row-major operands only)."""
-  if a.dtype != jnp.float32 and jax.default_backend() == "cpu":
+  if cpu_low_precision(a.dtype):
     return jax.lax.dot_general(rows_first(a), b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
   return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
