@@ -1,13 +1,16 @@
 """bfloat16 products on a CPU (`layers.cpu_low_precision_matmul`, `rows_first`): the values and gradients of the
 float64 product of the same bfloat16-rounded numbers, within bfloat16's rounding of the result; the weight's
-gradient in its own (float32) dtype; the chunked log-probabilities' head gradient through the same path."""
+gradient in its own (float32) dtype; the chunked log-probabilities' head gradient through the same path. And the
+decode side: a bfloat16 table gathered bit for bit, a float32 cache under bfloat16 compute, the tied head."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from streamrl_jax.models.layers import rows_first, tokens_matmul
+from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.kv_cache import KVCache, kv_cache_bytes
+from streamrl_jax.models.layers import cache_dtype, rows_first, take_rows, tokens_matmul
 from streamrl_jax.training.logprobs import chunked_token_logprobs
 
 
@@ -56,3 +59,37 @@ def test_bfloat16_chunked_logprobs_head_gradient_matches_float32():
   got = jax.grad(loss, argnums=1)(jnp.asarray(hidden, jnp.bfloat16), jnp.asarray(head, jnp.bfloat16))
   assert np.abs(np.asarray(want)).max() > 0.1
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_take_rows_is_the_gather_bit_for_bit(dtype):
+  rng = np.random.default_rng(1)
+  table = jnp.asarray(rng.normal(size=(50, 12)), dtype).at[3, 0].set(jnp.nan).at[4, 1].set(-0.0)
+  ids = jnp.asarray([3, 0, 49, 4, 3], jnp.int32)
+  got = np.asarray(jax.jit(take_rows)(table, ids))
+  want = np.asarray(table)[np.asarray(ids)]
+  assert got.dtype == want.dtype
+  np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # NaN and -0 included
+
+
+def test_a_bfloat16_run_on_a_cpu_caches_in_float32():
+  assert cache_dtype("bfloat16") == jnp.float32 and cache_dtype("float32") == jnp.float32
+  config = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       dtype="bfloat16")
+  cache = KVCache.init(config, batch=2, max_len=8)
+  assert cache.keys[0].dtype == jnp.float32
+  assert kv_cache_bytes(config, 2, 8) == sum(k.nbytes + v.nbytes for k, v in zip(cache.keys, cache.values))
+
+
+def test_bfloat16_tied_head_matches_float64():
+  from flax import nnx
+
+  from streamrl_jax.models.transformer import Transformer
+  config = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                       dtype="bfloat16", tie_embeddings=True)
+  model = Transformer(config, rngs=nnx.Rngs(0))
+  hidden = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 32)), jnp.bfloat16)
+  got = np.asarray(model.head_logits(hidden))
+  want = np.asarray(hidden, np.float64) @ _bf16(np.asarray(model.embed[...])).T
+  assert got.dtype == np.float32 and got.shape == (2, 3, 48)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

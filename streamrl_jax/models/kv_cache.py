@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl_jax.models.config import ModelConfig
-from streamrl_jax.models.layers import grouped_attention
+from streamrl_jax.models.layers import attend_in, cache_dtype
 
 
 @flax.struct.dataclass
@@ -25,7 +25,7 @@ class KVCache:
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
-    dtype = dtype or config.compute_dtype
+    dtype = dtype or cache_dtype(config.compute_dtype)
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
@@ -66,11 +66,11 @@ class ContiguousLayer:
     keys = self.keys.at[rows, :, self.write_index].set(k.astype(self.keys.dtype))
     values = self.values.at[rows, :, self.write_index].set(v.astype(self.values.dtype))
     window = mask.shape[-1]
-    out = grouped_attention(q, keys[:, :, :window].astype(q.dtype), values[:, :, :window].astype(q.dtype), mask)
+    out = attend_in(keys.dtype, q, keys[:, :, :window], values[:, :, :window], mask)
     return self.replace(keys=keys, values=values), out
 
 
 def kv_cache_bytes(config: ModelConfig, batch: int, max_len: int, dtype=None) -> int:
   """Bytes of keys and values for `batch` rows of `max_len` tokens (bookkeeping excluded)."""
-  itemsize = jnp.dtype(dtype or config.compute_dtype).itemsize
+  itemsize = jnp.dtype(dtype or cache_dtype(config.compute_dtype)).itemsize
   return 2 * config.num_layers * batch * max_len * config.num_kv_heads * config.head_dim * itemsize

@@ -82,6 +82,29 @@ def cpu_low_precision(dtype) -> bool:
   return dtype != jnp.float32 and jax.default_backend() == "cpu"
 
 
+def cache_dtype(compute_dtype):
+  """The dtype a KV cache holds: the compute dtype, or float32 on a CPU computing in low precision (XLA:CPU converts
+  bfloat16 elementwise work to float32 and back: a bfloat16 cache was converted whole at every decode step, 40% of
+  a SmolLM2 decode step)."""
+  return jnp.float32 if cpu_low_precision(compute_dtype) else jnp.dtype(compute_dtype)
+
+
+def attend_in(cache_dtype_, q, k, v, mask):
+  """`grouped_attention` in the cache's dtype (`cache_dtype`: q cast to it, not the cache to q's), its output in
+  q's dtype."""
+  return grouped_attention(q.astype(cache_dtype_), k.astype(cache_dtype_), v.astype(cache_dtype_), mask).astype(q.dtype)
+
+
+def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """table[ids] along axis 0. A 16-bit float table on a CPU is gathered as its bits: XLA:CPU gathers bfloat16 by
+  converting the whole table to float32 first (a SmolLM2 embedding: 40 ms a call)."""
+  if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) and (
+      jax.default_backend() == "cpu"):
+    bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
+    return jax.lax.bitcast_convert_type(bits, table.dtype)
+  return jnp.take(table, ids, axis=0)
+
+
 def rows_first(a: jax.Array) -> jax.Array:
   """a [m, k] transposed to [k, m] as a row-major copy: through a blocked reshape, so that XLA:CPU cannot make the
   transpose a change of layout that its fast low-precision matmul does not take (it would compute in float32)."""

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl_jax.models.config import ModelConfig
-from streamrl_jax.models.layers import grouped_attention
+from streamrl_jax.models.layers import attend_in, cache_dtype
 
 NO_PAGE = -1  # table entry of a row slot that holds no page
 
@@ -175,7 +175,7 @@ class PagePool:
 
   @classmethod
   def init(cls, config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagePool:
-    dtype = dtype or config.compute_dtype
+    dtype = dtype or cache_dtype(config.compute_dtype)
     shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
     return cls(keys=zeros(), values=zeros())
@@ -276,7 +276,7 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table:
   if width % page_size:
     raise ValueError(f"attention width {width} is not a multiple of the page size {page_size}")
   k, v = gather_layer(k_pages, v_pages, table[:, :width // page_size])
-  return grouped_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask)
+  return attend_in(k_pages.dtype, q, k, v, mask)
 
 
 def ragged_tpu_attention(kernel: Callable) -> Callable:

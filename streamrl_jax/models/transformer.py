@@ -12,7 +12,7 @@ from flax import nnx
 
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.kv_cache import ContiguousLayer, KVCache
-from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param
+from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param, take_rows
 from streamrl_jax.models.paged_cache import PagedLayer, PagePool, chunk_mask
 
 
@@ -130,7 +130,7 @@ class Transformer(nnx.Module):
     return self.head_logits(hidden)
 
   def _trunk(self, tokens, positions, attend, kv_caches, remat: str | None = None):
-    x = jnp.take(self.embed[...], tokens, axis=0).astype(self.config.compute_dtype)
+    x = take_rows(self.embed[...], tokens).astype(self.config.compute_dtype)
     run = _LAYER_RUNS[remat or self.config.remat]
     new_kv = []
     for i, layer in enumerate(self.layers):
@@ -141,7 +141,15 @@ class Transformer(nnx.Module):
   def head_logits(self, hidden):
     """float32 logits [..., vocab] of final hidden states (accumulated in float32 also when computing in bfloat16:
     log-probabilities over a large vocabulary need the precision)."""
-    return jnp.matmul(hidden, self.head_weights().astype(hidden.dtype), preferred_element_type=jnp.float32)
+    weights, vocab_axis = self.output_weights()
+    weights = weights.astype(hidden.dtype)
+    if vocab_axis == 1:
+      return jnp.matmul(hidden, weights, preferred_element_type=jnp.float32)
+    # tied: the embeddings [vocab, hidden] as the left operand, as stored, and the small result transposed (XLA:CPU
+    # made a transposed copy of the embeddings for hidden @ embeddings.T each call: 40 ms of a SmolLM2 decode call)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    logits = jax.lax.dot_general(weights, flat, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return logits.T.reshape(*hidden.shape[:-1], weights.shape[0])
 
 
 class ValueModel(nnx.Module):

@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import KVCache, ModelConfig, logical_spec
+from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.models.paged_cache import NO_PAGE, PagePool, check_prompt_fits, copy_pages, write_layer
 from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.sampling.engine_base import EngineBase, StepOutput, device_memory_budget, first_tokens, sample_next
@@ -109,7 +110,7 @@ class PagedDecodeEngine(EngineBase):
 
   def page_bytes(self) -> int:
     mc = self.model_config
-    return 2 * mc.num_layers * mc.num_kv_heads * self.page_size * mc.head_dim * jnp.dtype(mc.compute_dtype).itemsize
+    return 2 * mc.num_layers * mc.num_kv_heads * self.page_size * mc.head_dim * jnp.dtype(cache_dtype(mc.compute_dtype)).itemsize
 
   def _check_memory(self) -> dict:
     tensor = self.mesh.shape.get("tensor", 1)
