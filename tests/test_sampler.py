@@ -388,3 +388,18 @@ def test_compiles_stay_within_the_stated_bound(setup):
   assert engine._prefill._cache_size() <= rows * lengths and engine._insert._cache_size() <= rows * lengths
   assert engine._expand._cache_size() <= lengths * rows * (rows + 1) // 2
   assert engine._generate._cache_size() <= len(ENGINE.attention_windows) * len(ENGINE.step_options)
+
+
+def test_two_stage_draw_across_blocks_follows_the_distribution_and_skips_zeros():
+  from streamrl_jax.sampling.token_sampling import BLOCK, sample_tokens
+  vocab, n = 2 * BLOCK + 88, 30000  # three blocks, the last one padded
+  mass = {3: 0.1, BLOCK - 1: 0.2, BLOCK: 0.3, vocab - 1: 0.4}  # block edges, the last entry; every other entry 0
+  row = np.full(vocab, -np.inf, np.float32)
+  row[list(mass)] = np.log(list(mass.values()))
+  tokens, logprobs = jax.jit(sample_tokens)(jnp.tile(jnp.asarray(row), (n, 1)), jax.random.split(jax.random.key(1), n),
+                                            jnp.ones((n,)), jnp.zeros((n,), jnp.int32), jnp.ones((n,)))
+  tokens = np.asarray(tokens)
+  assert set(tokens.tolist()) <= set(mass)  # a zero-probability entry is never drawn
+  freq = np.bincount(tokens, minlength=vocab)[list(mass)] / n
+  np.testing.assert_allclose(freq, list(mass.values()), atol=0.012)
+  np.testing.assert_allclose(np.exp(np.asarray(logprobs)), np.asarray([mass[t] for t in tokens]), rtol=1e-5)
