@@ -93,3 +93,38 @@ def test_bfloat16_tied_head_matches_float64():
   want = np.asarray(hidden, np.float64) @ _bf16(np.asarray(model.embed[...])).T
   assert got.dtype == np.float32 and got.shape == (2, 3, 48)
   np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_trainers_low_copy_changes_no_gradient_and_follows_the_weights():
+  """A bfloat16 trainer on a CPU multiplies a copy of its weights made once per update (`training.low_copy`): its
+  accumulated gradient is the one computed converting the weights in every call, in float32, and after an update
+  the copy is made again from the new weights."""
+  import dataclasses
+
+  from flax import nnx
+
+  from streamrl_jax.models.transformer import Transformer
+  from streamrl_jax.training.low_copy import LowCopy
+  from tests.trainer_setup import CONFIG, make_batch, trainer_for
+  graphdef, params = nnx.split(Transformer(dataclasses.replace(CONFIG, dtype="bfloat16"), rngs=nnx.Rngs(0)))
+  batch = make_batch(8, seed=3)
+  with_copy, without = trainer_for(graphdef), trainer_for(graphdef)
+  state, plain = with_copy.init_state(params), without.init_state(params)
+  without.low_copy = LowCopy()  # off: every call converts the float32 weights itself
+  assert with_copy.low_copy.on
+  state, plain = with_copy.accumulate(state, batch), without.accumulate(plain, batch)
+  for a, b in zip(jax.tree.leaves(state.grad_sum), jax.tree.leaves(plain.grad_sum)):
+    assert a.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  copy = with_copy.low_copy.of(state.params)
+  assert copy is with_copy.low_copy.of(state.params)  # one conversion per set of weights
+  assert copy["layers"][0]["mlp"]["up_proj"][...].dtype == jnp.bfloat16
+  assert copy["embed"][...].dtype == jnp.float32  # gathered: not copied
+  state, _ = with_copy.apply(state)
+  new = with_copy.low_copy.of(state.params)["layers"][0]["mlp"]["up_proj"][...]
+  np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(
+      state.params["layers"][0]["mlp"]["up_proj"][...].astype(jnp.bfloat16), np.float32))
+  f32_graphdef, f32_params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+  f32 = trainer_for(f32_graphdef)
+  f32_state = f32.init_state(f32_params)
+  assert f32.low_copy.of(f32_state.params) is None  # float32 computes from the weights themselves

@@ -23,6 +23,7 @@ from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs
+from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
                                               with_old_logprobs)
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
@@ -174,6 +175,7 @@ class Trainer:
     self.base_params = None if base_params is None else self.place(base_params)  # LoRA's frozen base
     self._adapter_shapes = None  # LoRA: the adapters' shapes (the reference zeroes them), known at init_state
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
+    self.low_copy = LowCopy()  # the weights in the compute dtype, where a CPU computes in low precision (init_state)
     self._reference = self.launcher.jit(self._reference_impl)
     self.compiled_shapes: set[tuple[int, int]] = set()
     self.last_shape = (0, 0)  # the padded shape of the latest micro-batch
@@ -220,6 +222,8 @@ class Trainer:
     params = launch.copy(self.place(params))
     if self.base_params is not None:
       self._adapter_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+    else:
+      self.low_copy = LowCopy(nnx.merge(self.graphdef, params).config.compute_dtype, self.launcher.jit)
     with self.launcher.launching():
       grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
       opt_state = jax.jit(self.tx.init)(params)
@@ -265,17 +269,13 @@ class Trainer:
     self.last_shape = shape
     return placed
 
-  def length_buckets(self, max_length: int) -> list[int]:
-    """The padded lengths a micro-batch of up to `max_length` tokens can take."""
-    return sorted({_bucket(n, self.min_length) for n in range(1, max_length + 1)})
-
   def precompile(self, state: TrainState, max_rows: int, max_length: int) -> TrainState:
     """Compiles accumulation for every (rows, length) bucket of micro-batches up to `max_rows` x
     `max_length`, by accumulating batches that carry no loss (the state's values do not change), so that no
     compile stalls the run later."""
     rows_buckets = sorted({_bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
-      for length in self.length_buckets(max_length):
+      for length in sorted({_bucket(n, self.min_length) for n in range(1, max_length + 1)}):
         state = self.accumulate(state, _lossless_batch(BATCH_KEYS[self.role], rows, length, packed=False))
     return state
 
@@ -291,7 +291,8 @@ class Trainer:
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it."""
     batch = self.prepare(_lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
-    compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen).compile()
+    compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen,
+                                      self.low_copy.of(state.params)).compile()
     analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
@@ -299,7 +300,8 @@ class Trainer:
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
-    grad_sum, sums = self._accumulate(state.params, (state.grad_sum, state.sums), self.prepare(batch), self.frozen)
+    grad_sum, sums = self._accumulate(state.params, (state.grad_sum, state.sums), self.prepare(batch), self.frozen,
+                                      self.low_copy.of(state.params))
     return state.replace(grad_sum=grad_sum, sums=sums)
 
   def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
@@ -320,6 +322,7 @@ class Trainer:
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
+    self.low_copy.clear()  # its weights are about to be donated
     state, metrics = self._apply(state)
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
@@ -356,13 +359,14 @@ class Trainer:
       per_token = per_token - cfg.entropy_coef * ent
     return per_token, logp, kl, ent
 
-  def _accumulate_impl(self, params, totals, batch, frozen):
-    """(grad_sum, sums) with one micro-batch added; `totals` is the state's (grad_sum, sums)."""
+  def _accumulate_impl(self, params, totals, batch, frozen, low):
+    """(grad_sum, sums) with one micro-batch added; `totals` is the state's (grad_sum, sums); `low`: the weights'
+    copy in the compute dtype, or None (`low_copy`)."""
     grad_sum, sums = totals
     mask = batch["loss_mask"]
 
     def loss_fn(params):
-      per_token, logp, kl, ent = self._per_token_loss(params, batch, frozen)
+      per_token, logp, kl, ent = self._per_token_loss(computed_from(params, low), batch, frozen)
       numerator, denominator = aggregate(per_token, mask, self.objective, batch.get("segment_ids"))
       return numerator, (denominator, logp, kl, ent)
 
