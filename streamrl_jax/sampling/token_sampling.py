@@ -66,27 +66,40 @@ def _first_reaching(cumulative: jax.Array, u: jax.Array) -> jax.Array:
   return jnp.minimum(jnp.sum(normalized < u[:, None], axis=-1), cumulative.shape[-1] - 1)
 
 
+def _blocks(x: jax.Array, fill) -> jax.Array:
+  """x [S, V] as [S, V / BLOCK, BLOCK], the last block padded with `fill`."""
+  rows, vocab = x.shape
+  blocks = -(-vocab // BLOCK)
+  return jnp.pad(x, ((0, 0), (0, blocks * BLOCK - vocab)), constant_values=fill).reshape(rows, blocks, BLOCK)
+
+
+def _in_block(blocked: jax.Array, block: jax.Array) -> jax.Array:
+  return jnp.take_along_axis(blocked, block[:, None, None], axis=1)[:, 0]
+
+
 def _draw(probs: jax.Array, keys) -> jax.Array:
   """One token per row of probs [S, V] in two inverse-CDF stages: a block of `BLOCK` entries by its mass, then an
   entry within it, each with its own uniform number: the product of the two is each entry's probability, and only
   [S, V / BLOCK] and [S, BLOCK] prefix sums are taken (a prefix sum over the whole vocabulary is slow on a CPU).
   A zero-probability entry is never drawn: u > 0 picks the first entry whose share of the mass reaches it."""
-  rows, vocab = probs.shape
-  blocks = -(-vocab // BLOCK)
-  padded = jnp.pad(probs, ((0, 0), (0, blocks * BLOCK - vocab))).reshape(rows, blocks, BLOCK)
+  blocked = _blocks(probs, 0.0)
   tiny = jnp.finfo(jnp.float32).tiny
   u = jax.vmap(lambda key: jax.random.uniform(key, (2,), jnp.float32, minval=tiny))(keys)
-  block = _first_reaching(jnp.cumsum(padded.sum(axis=-1), axis=-1), u[:, 0])
-  inside = jnp.take_along_axis(padded, block[:, None, None], axis=1)[:, 0]
-  return block * BLOCK + _first_reaching(jnp.cumsum(inside, axis=-1), u[:, 1])
+  block = _first_reaching(jnp.cumsum(blocked.sum(axis=-1), axis=-1), u[:, 0])
+  return block * BLOCK + _first_reaching(jnp.cumsum(_in_block(blocked, block), axis=-1), u[:, 1])
+
+
+def _argmax(logprobs: jax.Array) -> jax.Array:
+  """The first largest entry of each row, as `jnp.argmax`, through the block of the first largest block maximum (a
+  whole-vocabulary argmax is slow on a CPU)."""
+  blocked = _blocks(logprobs, -jnp.inf)
+  block = jnp.argmax(blocked.max(axis=-1), axis=-1)
+  return block * BLOCK + jnp.argmax(_in_block(blocked, block), axis=-1)
 
 
 def sample_tokens(logits, keys, temperature, top_k, top_p):
   """(tokens [S] int32, logprobs [S] float32) for logits [S, V] and one key per slot: drawn from the filtered
   distribution (`_draw`), or its argmax at temperature 0."""
   logprobs = filter_logits(logits, temperature, top_k, top_p)
-  drawn = _draw(jnp.exp(logprobs), keys)
-  greedy = jax.lax.cond(jnp.any(temperature <= 0), lambda lp: jnp.argmax(lp, axis=-1).astype(drawn.dtype),
-                        lambda lp: jnp.zeros_like(drawn), logprobs)  # the argmax only where a row asks for it
-  tokens = jnp.where(temperature > 0, drawn, greedy).astype(jnp.int32)
+  tokens = jnp.where(temperature > 0, _draw(jnp.exp(logprobs), keys), _argmax(logprobs)).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

@@ -100,9 +100,9 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
                         extra_counters=lambda: {**{f"flight_{k}": v for k, v in server.counters.items()},
                                                 **(intake.row() if intake else {})})
     return train_session(trainer, controller, store, queue, side, hooks, ranker=ranker, followers=followers)
-  except RunStopped:
-    if intake is not None:  # the others wait for the next step's shards: tell them to stop
-      intake.stop()
+  except RunStopped as stopped:
+    if intake is not None and stopped.abandoned_step is not None:  # the others wait for the step's shards: tell
+      intake.stop()  # them to stop (at a step boundary they stopped with process 0: `TrainerWorker._finish_step`)
     raise
 
 

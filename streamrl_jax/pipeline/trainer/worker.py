@@ -30,8 +30,10 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm import tqdm
 
+from streamrl_jax import launch
 from streamrl_jax.counters import Counters
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
@@ -56,6 +58,16 @@ SHARD_POLL_S = 1.0  # how often a trainer waiting for samples looks at a stop re
 # reference's log-probabilities included), the optimizer update, publishing weights, writing the metrics row (its
 # callbacks: held-out evaluation, TensorBoard), saving the checkpoint; the rest is "other".
 TRAINER_PHASES = ("wait_samples", "forward_backward", "optimizer", "weight_send", "row", "checkpoint")
+
+
+def _agreed(stop: bool) -> bool:
+  """Process 0's stop request, the same on every trainer process (a step's checkpoint and the stop after it are taken
+  by all together; a process that went on to the next step's shards while process 0 saved would mismatch its
+  collectives). Other processes hold no stop request: only process 0 is asked."""
+  if jax.process_count() == 1:
+    return stop
+  every = launch.launcher(jax.devices())  # multihost_utils' collectives run over every device
+  return bool(every(multihost_utils.broadcast_one_to_all, np.int32(stop)))
 
 
 class TrainerWorker:
@@ -180,7 +192,8 @@ class TrainerWorker:
       with self.phase_clock.phase("row"):
         on_step(row)
     self.faults.hit("row", step + 1)
-    last = step + 1 == self.config.steps or (self.stop is not None and self.stop.requested)
+    stopping = _agreed(self.stop is not None and self.stop.requested)
+    last = step + 1 == self.config.steps or stopping
     if self.checkpointer is not None and self.checkpointer.due(step + 1, last):
       # after the step's metrics row: a resume never lacks a trained step's row; numbered by RL step (a step whose
       # groups dynamic sampling all filtered makes no optimizer step)
@@ -191,7 +204,7 @@ class TrainerWorker:
     self._progress(f"the end of step {step + 1}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
       controller.published(Published(step + 1))
-    if self.stop is not None and self.stop.requested and step + 1 < self.config.steps:
+    if stopping and step + 1 < self.config.steps:
       raise self._stopped()
     return row
 
