@@ -193,8 +193,7 @@ class TrainerWorker:
         on_step(row)
     self.faults.hit("row", step + 1)
     stopping = _agreed(self.stop is not None and self.stop.requested)
-    last = step + 1 == self.config.steps or stopping
-    if self.checkpointer is not None and self.checkpointer.due(step + 1, last):
+    if self.checkpointer is not None and self.checkpointer.due(step + 1, step + 1 == self.config.steps or stopping):
       # after the step's metrics row: a resume never lacks a trained step's row; numbered by RL step (a step whose
       # groups dynamic sampling all filtered makes no optimizer step)
       with self.phase_clock.phase("checkpoint"):
