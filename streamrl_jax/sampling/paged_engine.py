@@ -110,7 +110,8 @@ class PagedDecodeEngine(EngineBase):
 
   def page_bytes(self) -> int:
     mc = self.model_config
-    return 2 * mc.num_layers * mc.num_kv_heads * self.page_size * mc.head_dim * jnp.dtype(cache_dtype(mc.compute_dtype)).itemsize
+    itemsize = jnp.dtype(cache_dtype(mc.compute_dtype)).itemsize
+    return 2 * mc.num_layers * mc.num_kv_heads * self.page_size * mc.head_dim * itemsize
 
   def _check_memory(self) -> dict:
     tensor = self.mesh.shape.get("tensor", 1)
