@@ -97,7 +97,7 @@ def attend_in(cache_dtype_, q, k, v, mask):
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   """table[ids] along axis 0. A 16-bit float table on a CPU is gathered as its bits: XLA:CPU gathers bfloat16 by
-  converting the whole table to float32 first (a SmolLM2 embedding: 40 ms a call)."""
+  converting the whole table to float32 first (a SmolLM2 embedding: 40 ms a decode call; its copy as bits, 11 ms)."""
   if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) and (
       jax.default_backend() == "cpu"):
     bits = jnp.take(jax.lax.bitcast_convert_type(table, jnp.uint16), ids, axis=0)
