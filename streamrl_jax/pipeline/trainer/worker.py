@@ -203,8 +203,8 @@ class TrainerWorker:
     self._progress(f"the end of step {step + 1}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
       controller.published(Published(step + 1))
-    if stopping and step + 1 < self.config.steps:
-      raise self._stopped()
+    if (stopping or _agreed(self.stop is not None and self.stop.requested)) and step + 1 < self.config.steps:
+      raise self._stopped()  # asked before the step's end, or during its save
     return row
 
   def _stopped(self, abandoned_step: int | None = None) -> RunStopped:
