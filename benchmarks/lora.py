@@ -124,7 +124,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
-  from real_model import step_batch
+  from trainer_memory import step_batch
 
   mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
   model = load_hf(fetch("smollm2-135m-instruct"), mesh=mesh)  # on the trainer's device: placing copies nothing

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -51,10 +50,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the other benchmarks, by module name
 from sizing import QUICK, size  # noqa: E402
+from trainer_memory import MEMORY_VARIANTS, MODEL, peak_rss_mb  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "smollm2_cpu.gin"
-MODEL = "smollm2-135m-instruct"
 SLOTS, REQUESTS, TAIL_FRACTION = 16, size(64, 16), 0.15
 REPEATS = size(2, 1)  # timed runs of the speed part, interleaved
 # The parts a quick run (`benchmarks/suite.py --quick`) leaves out (minutes each on a CPU), and their figures.
@@ -64,18 +63,6 @@ FULL_ONLY = {"speed": ("engine_vs_hf",), "paged": ("smollm2_paged_vs_contiguous"
 PROMPT_BUCKET = 48  # the chat prompts are 47 tokens: one prefill bucket that fits them
 PARITY_PROMPTS = ("The capital of France is", "What is 12 + 34? Reply with only the number.",
                   "Write a haiku about the sea.", "def fibonacci(n):")[:size(4, 2)]
-
-
-def _peak_rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _rss_mb() -> float:
-  """This process's resident memory now (VmRSS)."""
-  for line in Path("/proc/self/status").read_text().splitlines():
-    if line.startswith("VmRSS:"):
-      return int(line.split()[1]) / 1024
-  return 0.0
 
 
 def _gguf_file():
@@ -118,7 +105,7 @@ def part_parity() -> dict:
     greedy_equal += ours[:len(ref_tokens)] == ref_tokens  # transformers stops at the end-of-turn token; ours runs 24
   return {"parity_max_abs_logit_diff": worst, "parity_prompts": len(PARITY_PROMPTS),
           "parity_greedy24_equal": greedy_equal, "parity_greedy24_all_equal": greedy_equal == len(PARITY_PROMPTS),
-          "parity_rss_mb": round(_peak_rss_mb())}
+          "parity_rss_mb": round(peak_rss_mb())}
 
 
 def _speed_workload(tokenizer):
@@ -189,7 +176,7 @@ def part_speed() -> dict:
   tokens = sum(lengths)
   return {"speed_requests": REQUESTS, "speed_batch": SLOTS, "speed_generated_tokens": tokens,
           "engine_tokens_per_s": round(tokens / min(engine_s), 1), "hf_tokens_per_s": round(tokens / min(hf_s), 1),
-          "engine_vs_hf": round(min(hf_s) / min(engine_s), 3), "speed_rss_mb": round(_peak_rss_mb())}
+          "engine_vs_hf": round(min(hf_s) / min(engine_s), 3), "speed_rss_mb": round(peak_rss_mb())}
 
 
 def part_paged() -> dict:
@@ -314,15 +301,6 @@ def part_modes(steps: int) -> dict:
   return out
 
 
-QWEN05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24, num_heads=14,
-               num_kv_heads=2, qkv_bias=True, tie_embeddings=True, rope_theta=1e6, architecture="qwen2")
-MEMORY_VARIANTS = {  # name: (model, TrainerConfig, prompts x samples, prompt tokens, new tokens, steps)
-    "smollm2": ("smollm2", dict(logprob_chunk=8192), (8, 8), 47, 48, 3),
-    "smollm2_unchunked": ("smollm2", dict(logprob_chunk=0), (8, 8), 47, 48, 3),
-    "smollm2_remat": ("smollm2", dict(logprob_chunk=8192, remat="layer"), (8, 8), 47, 48, 2),
-    "qwen05b": ("qwen05b", dict(logprob_chunk=8192), (4, 8), 32, 256, 1)}
-
-
 def part_memory() -> dict:
   """The trainer alone on SmolLM2 (the shipped config's step: 8 prompts x 8 samples, 47-token chat prompts, up to 48
   new tokens) with log-probabilities over vocabulary chunks and with the full logits, and on a Qwen2.5-0.5B-shaped
@@ -332,8 +310,8 @@ def part_memory() -> dict:
   out = {}
   for name in MEMORY_VARIANTS:
     print(f"real_model: memory {name} ...", file=sys.stderr, flush=True)
-    done = subprocess.run([sys.executable, __file__, "--part", "memory", "--variant", name], stdout=subprocess.PIPE,
-                          text=True)
+    done = subprocess.run([sys.executable, str(Path(__file__).with_name("trainer_memory.py")), name],
+                          stdout=subprocess.PIPE, text=True)
     if done.returncode:
       out[f"{name}_error"] = f"exit {done.returncode}"
       continue
@@ -343,84 +321,6 @@ def part_memory() -> dict:
   return out
 
 
-def step_batch(rng, vocab: int, samples: int, length: int, prompt_len: int, new: int) -> tuple:
-  """(lengths, a trainer batch) of one RL step's shape: random tokens, prompts of `prompt_len`, completions of
-  new // 8 (at least 4) to `new` tokens, rows padded to `length`."""
-  import numpy as np
-
-  lengths = prompt_len + rng.integers(max(4, new // 8), new + 1, samples)
-  valid = np.arange(length)[None, :] < lengths[:, None]
-  return lengths, dict(tokens=rng.integers(3, vocab, (samples, length)).astype(np.int32), valid=valid,
-                       loss_mask=valid & (np.arange(length)[None, :] >= prompt_len),
-                       advantages=rng.normal(size=samples).astype(np.float32),
-                       logprobs=np.full((samples, length), -2.0, np.float32))
-
-
-def memory_variant(name: str) -> dict:
-  from streamrl_jax.cli import force_host_devices
-  from streamrl_jax.host_memory import limit_fragmentation
-
-  limit_fragmentation()  # as `streamrl` sets the allocator at its start
-  force_host_devices(2)  # as the shipped config runs: one device per core, the trainer on one of them
-  import jax
-  import numpy as np
-  from flax import nnx
-
-  from streamrl_jax.meshes import MeshShape, mesh_from_devices
-  from streamrl_jax.models import ModelConfig, Transformer, load_hf
-  from streamrl_jax.models.catalog import fetch
-  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
-  from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
-
-  model_name, settings, (prompts, group), prompt_len, new, steps = MEMORY_VARIANTS[name]
-  model = (load_hf(fetch(MODEL)) if model_name == "smollm2"
-           else Transformer(ModelConfig(**QWEN05B), rngs=nnx.Rngs(0)))
-  graphdef, params = nnx.split(model)
-  config = model.config
-  del model
-  device = jax.devices()[-1]
-  mesh = mesh_from_devices([device], MeshShape(1, 1, 1))
-  trainer_config = TrainerConfig(**settings)
-  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=3e-6), ObjectiveConfig(objective="ppo"), mesh,
-                    scoring=Scoring(0.8), config=trainer_config)
-  length = -(-(prompt_len + new) // 8) * 8
-  samples = prompts * group
-  budget = auto_budget(config, length, trainer_config)  # the CPU's default, as the pipeline's trainer takes it
-  chunk_tokens = chunk_tokens_for(config, length, samples * length, budget, trainer_config)
-  batcher = MicroBatcher(trainer, pack_length=length, chunk_tokens=chunk_tokens)
-  state = trainer.init_state(params)
-  del params
-  rss = {"state": round(_rss_mb())}
-  compile_start = time.perf_counter()
-  state = trainer.precompile_packed(state, chunk_tokens, length)
-  compile_s = time.perf_counter() - compile_start
-  rss.update(compiled=round(_rss_mb()), compile_peak=round(_peak_rss_mb()))
-  rng = np.random.default_rng(0)
-  from peak import Peak
-
-  peak = Peak(device)
-  peak.measure()
-  times, flops = [], []
-  for _ in range(steps):
-    lengths, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
-    start = time.perf_counter()
-    state = batcher.add(state, batch)
-    state, _ = batcher.finish(state)
-    jax.block_until_ready(state.params)
-    times.append(time.perf_counter() - start)
-    flops.append(3.0 * sum(config.flops_per_token(t + 1) for n in lengths for t in range(int(n))))
-  peak.measure()
-  rss["steps"] = round(_rss_mb())
-  steady = slice(1, None) if steps > 1 else slice(None)
-  step_s = float(np.mean(times[steady]))
-  temp = trainer.compiled_memory(state, chunk_tokens // length, length)["temp"]
-  return {"trainer_peak_rss_mb": round(_peak_rss_mb()), "train_step_s": round(step_s, 2),
-          "train_mfu": round(peak.mfu(float(np.mean(flops[steady])) / step_s), 3),
-          "peak_gflops": round(peak.flops / 1e9, 1),
-          "tokens_per_call": chunk_tokens, "call_temp_mb": round(temp / 2**20), "compile_s": round(compile_s, 1),
-          "params": config.param_count(), "samples": samples, "length": length, "rss_mb": rss}
-
-
 PARTS = ("parity", "speed", "paged", "precision", "rl", "modes", "memory")
 
 
@@ -428,10 +328,7 @@ def main() -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--part", choices=PARTS)
   parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's)")
-  parser.add_argument("--variant", choices=MEMORY_VARIANTS, help="memory: one variant, in this process")
   args = parser.parse_args()
-  if args.variant:
-    return memory_variant(args.variant)
   if args.part:
     return {"parity": part_parity, "speed": part_speed, "paged": part_paged, "precision": part_precision,
             "rl": lambda: part_rl(args.steps), "modes": lambda: part_modes(args.steps),

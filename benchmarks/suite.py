@@ -34,7 +34,8 @@ from benchmarks.goals import load_goals, rows_of
 ROOT = Path(__file__).resolve().parent.parent
 MIN_START_S = 20  # with --budget-s, a benchmark left less than this is not started
 HELPERS = ("suite", "sizing", "goals", "page", "peak", "process_memory",  # modules of benchmarks/ that are no benchmark
-           "trl_grpo")  # (step_profile runs TRL through it)
+           "trl_grpo",  # (step_profile runs TRL through it)
+           "trainer_memory")  # (real_model runs the trainer's memory variants through it)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from faults import Run  # noqa: E402
 from sizing import size  # noqa: E402
 
-from streamrl_jax.messages import MESSAGES, Heartbeat, Leave, Register  # noqa: E402
+from streamrl_jax.message_codec import MESSAGES  # noqa: E402
+from streamrl_jax.messages import Heartbeat, Leave, Register  # noqa: E402
 from streamrl_jax.streaming import SampleShard  # noqa: E402
 from streamrl_jax.streaming.flight_client import FlightConnection, FlightControl  # noqa: E402
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND  # noqa: E402

@@ -335,7 +335,7 @@ def test_sampler_programs_relay_weights_down_the_tree(tmp_path):
   """`streamrl trainer --site a` with three `streamrl sampler --relay-listen` of sites a and b: the run trains
   every step once, the timeline draws each version's tree, and the trainer serves fewer weight streams than a
   star would."""
-  from tests.test_faults import Programs, check_each_step_once
+  from tests.processes import Programs, check_each_step_once
   steps = 4
   run = Programs(tmp_path, steps, mode="stream")
   try:

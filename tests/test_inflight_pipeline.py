@@ -329,7 +329,8 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
   # bad partials refuse the whole Leave, naming the sample
   third = worker_parts()
   third.register(controller)
-  from streamrl_jax.messages import BadMessage, decode_message, encode_message
+  from streamrl_jax.message_codec import decode_message, encode_message
+  from streamrl_jax.messages import BadMessage
   from streamrl_jax.types import Rollout
   with pytest.raises(BadMessage, match="group 99, which is not of a lease it holds"):
     controller.leave(Leave(third.sampler_id, partials=(Rollout(99, 0, (1,), (-1.0,), (0,)),)))

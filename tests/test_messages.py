@@ -2,9 +2,9 @@
 
 import pytest
 
+from streamrl_jax.message_codec import decode_message, encode_message
 from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, Published, Regenerate, SamplerWait,
-                                   SamplerWaitQuery, StepSummary, StepSummaryRequest, StepTrained, decode_message,
-                                   encode_message)
+                                   SamplerWaitQuery, StepSummary, StepSummaryRequest, StepTrained)
 
 SUMMARY = StepSummary(2.5, sampler_instances=3, sampler_processes=2, sampler_rss_mb=120.0,
                       ranker={"ranker_spearman": 0.5, "ranker_train_steps": 4})

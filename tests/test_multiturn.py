@@ -241,7 +241,7 @@ def test_episodes_cross_processes_like_single_turn_samples(tmp_path):
   """A trainer and two samplers as processes, async in flight, on the multiplication task with the calculator:
   episodes with masked tool tokens pass the trainer's door, each step is trained once, and the tool is used."""
   import json
-  from tests.test_faults import Programs, check_each_step_once
+  from tests.processes import Programs, check_each_step_once
   steps = 3
   run = Programs(tmp_path, steps, mode="async")
   sets = ["EnvConfig.environment='calculator'", "TaskConfig.name='multiply'", "TaskConfig.multiply_digits=1",

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from streamrl_jax.messages import SAMPLER_PHASES, BadMessage, StepReport, StepSummary, decode_message, encode_message
+from streamrl_jax.message_codec import decode_message, encode_message
+from streamrl_jax.messages import SAMPLER_PHASES, BadMessage, StepReport, StepSummary
 from streamrl_jax.phase_clock import PhaseClock, accounted_frac
 from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES
 

@@ -327,7 +327,7 @@ def test_a_sampler_program_serves_clients_with_the_newest_weights_while_it_train
   the sampler are answered with the weights that have landed there; the run still trains each step once."""
   import re
 
-  from tests.test_faults import Programs, check_each_step_once, free_port
+  from tests.processes import Programs, check_each_step_once, free_port
 
   steps, programs = 3, Programs(tmp_path, steps=3, mode="async")
   port = free_port()

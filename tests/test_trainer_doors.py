@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from streamrl_jax.messages import (Delivery, DeliveryStatus, LeaseRequest, Published, Register, Registered,
-                                   decode_message, encode_message)
+from streamrl_jax.message_codec import decode_message, encode_message
+from streamrl_jax.messages import Delivery, DeliveryStatus, LeaseRequest, Published, Register, Registered
 from streamrl_jax.pipeline.sampler.routing import RoutedSender
 from streamrl_jax.pipeline.step_plan import group_owner
 from streamrl_jax.pipeline.trainer.intake import describe, read_description, shared_view, split_by_step

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
-from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published, Register, decode_message
+from streamrl_jax.message_codec import decode_message
+from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published, Register
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.phase_clock import PhaseClock

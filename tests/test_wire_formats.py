@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl_jax.messages import (BadMessage, Lease, LeaseReply, Register, StepReport, decode_message,
-                                   encode_message)
+from streamrl_jax.message_codec import decode_message, encode_message
+from streamrl_jax.messages import BadMessage, Lease, LeaseReply, Register, StepReport
 from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
                                                   shard_to_batch)
 from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, manifest_of,

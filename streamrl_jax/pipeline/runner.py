@@ -60,7 +60,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
   trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
                           stop=hooks.stop)
-  ranker = make_ranker(config, sampler_mesh, hooks.checkpointer, hooks.resume)
+  ranker = make_ranker(config.scheduling, sampler_mesh, hooks.checkpointer, hooks.resume)
   controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.trainer.queue_capacity)
   lora_base = dict(base=params,

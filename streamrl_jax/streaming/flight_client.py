@@ -23,9 +23,10 @@ import pyarrow.flight as flight
 
 from streamrl_jax.counters import Counters
 from streamrl_jax import launch
-from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave, Register,
-                                   Registered, RejoinRequired, StepReport, VersionInfo, VersionQuery, WeightUpdate, decode_message,
-                                   encode_message)
+from streamrl_jax.message_codec import decode_message, encode_message
+from streamrl_jax.messages import (Ack, BadMessage, Heartbeat, HeartbeatReply, LeaseReply, LeaseRequest, Leave,
+                                   Register, Registered, RejoinRequired, StepReport, VersionInfo, VersionQuery,
+                                   WeightUpdate)
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.streaming.flight_server import SAMPLES_COMMAND, VERSION_GONE, TLSFiles
 from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, shard_to_batch

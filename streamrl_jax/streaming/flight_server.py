@@ -29,8 +29,8 @@ import pyarrow.flight as flight
 
 from streamrl_jax.counters import Counters
 from streamrl_jax import launch
-from streamrl_jax.messages import (QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, VersionInfo, VersionQuery,
-                                   decode_message, encode_message)
+from streamrl_jax.message_codec import decode_message, encode_message
+from streamrl_jax.messages import QUOTE_CHARS, ArmJoin, ArmPoll, BadMessage, BadShard, VersionInfo, VersionQuery
 from streamrl_jax.models.precision import SamplerPrecision, to_wire
 from streamrl_jax.pytrees import flatten_with_names
 from streamrl_jax.streaming.queue import QueueClosed, SampleQueue

@@ -72,7 +72,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   mesh = role_mesh(config.mesh, "trainer", devices)
   trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
                           stop=hooks.stop if is_leader() else None)
-  ranker = make_ranker(config, local_mesh(mesh), hooks.checkpointer, hooks.resume)
+  ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
   doors = SampleDoors.open(config, model.config.vocab_size, endpoint)  # other processes' sample doors, before

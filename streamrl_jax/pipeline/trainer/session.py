@@ -23,7 +23,7 @@ from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
-from streamrl_jax.scheduling import OnlineRanker
+from streamrl_jax.scheduling import OnlineRanker, SchedulingConfig
 from streamrl_jax.streaming import SampleQueue
 
 
@@ -37,12 +37,12 @@ class RunResult:
   arms: dict = dataclasses.field(default_factory=dict)  # follower arm name -> its own RunResult
 
 
-def make_ranker(config: PipelineConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
+def make_ranker(scheduling: SchedulingConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
   """The output-length ranker when the scheduling policy needs one (None otherwise), restored with a
   resumed run."""
-  if not config.scheduling.scheduling_policy.needs_ranker:
+  if not scheduling.scheduling_policy.needs_ranker:
     return None
-  ranker = OnlineRanker(config.scheduling.ranker, mesh)
+  ranker = OnlineRanker(scheduling.ranker, mesh)
   if resume:
     try:
       ranker.load_state_arrays(checkpointer.restore_aux({"ranker": ranker.state_arrays()})["ranker"])
