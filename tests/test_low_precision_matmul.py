@@ -1,7 +1,8 @@
 """bfloat16 products on a CPU (`layers.cpu_low_precision_matmul`, `rows_first`): the values and gradients of the
 float64 product of the same bfloat16-rounded numbers, within bfloat16's rounding of the result; the weight's
-gradient in its own (float32) dtype; the chunked log-probabilities' head gradient through the same path. And the
-decode side: a bfloat16 table gathered bit for bit, a float32 cache under bfloat16 compute, the tied head."""
+gradient in its own (float32) dtype; the chunked log-probabilities' head gradient through the same path; the norm's
+scale and its gradient (`layers.scaled`) against numpy. And the decode side: a bfloat16 table gathered bit for bit,
+a float32 cache under bfloat16 compute, the tied head."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ import pytest
 
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.kv_cache import KVCache, kv_cache_bytes
-from streamrl_jax.models.layers import cache_dtype, rows_first, take_rows, tokens_matmul
+from streamrl_jax.models.layers import MLP, cache_dtype, rows_first, scaled, take_rows, tokens_matmul
 from streamrl_jax.training.logprobs import chunked_token_logprobs
 
 
@@ -45,6 +46,40 @@ def test_bfloat16_tokens_matmul_matches_float64_in_value_and_gradient(hidden):
   np.testing.assert_allclose(np.asarray(dx, np.float64), gb @ wb.T, rtol=1e-2, atol=3e-2)
   want_dw = np.einsum("bti,bto->io", xb, gb)
   np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bfloat16_mlp_on_a_cpu_matches_float64_within_bfloat16_rounding():
+  config = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=96, num_layers=1, num_heads=4, num_kv_heads=2,
+                       dtype="bfloat16")
+  from flax import nnx
+  mlp = MLP(config, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(3, 64)), jnp.bfloat16)
+  gate, up, down = (_bf16(np.asarray(p[...], np.float64)) for p in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+  xb = np.asarray(x, np.float64)
+  a, b = xb @ gate, xb @ up
+  hidden = _bf16(a / (1 + np.exp(-a)) * b)  # one rounding, of silu(gate) * up
+  got = np.asarray(nnx.jit(lambda m, x: m(x))(mlp, x), np.float64)
+  np.testing.assert_allclose(got, _bf16(hidden @ down), rtol=1e-2, atol=2e-3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_norm_scale_and_its_gradient_against_numpy(dtype):
+  rng = np.random.default_rng(5)
+  scale = rng.normal(size=16).astype(np.float32)
+  normed = jnp.asarray(rng.normal(size=(3, 7, 16)), dtype)
+  g = rng.normal(size=(3, 7, 16)).astype(np.float32)
+  n64, g64 = np.asarray(normed, np.float64), np.asarray(jnp.asarray(g, dtype), np.float64)
+  out = jax.jit(scaled)(jnp.asarray(scale), normed)
+  assert out.dtype == dtype
+  tol = 1e-6 if dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(out, np.float64), np.asarray(jnp.asarray(scale, dtype), np.float64) * n64,
+                             rtol=tol, atol=tol)
+  d_scale, d_normed = jax.jit(jax.grad(lambda s, n: jnp.sum(scaled(s, n) * jnp.asarray(g, dtype)), argnums=(0, 1)))(
+      jnp.asarray(scale), normed)
+  assert d_scale.dtype == jnp.float32 and d_normed.dtype == dtype
+  np.testing.assert_allclose(np.asarray(d_scale), (g64 * n64).sum(axis=(0, 1)), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(d_normed, np.float64), g64 * np.asarray(jnp.asarray(scale, dtype), np.float64),
+                             rtol=tol, atol=tol)
 
 
 def test_bfloat16_chunked_logprobs_head_gradient_matches_float32():

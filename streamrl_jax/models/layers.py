@@ -35,7 +35,32 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    if jax.default_backend() == "cpu":
+      return scaled(self.scale[...], normed.astype(x.dtype))
     return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+@jax.custom_vjp
+def scaled(scale: jax.Array, normed: jax.Array) -> jax.Array:
+  """scale [H] (cast to normed's dtype) * normed [..., H]. Its gradient with respect to `scale`, a sum over every
+  token, is a float32 product with a vector of ones: XLA:CPU computes that sum as a windowed reduction, 1.5-2 ms a
+  norm in SmolLM2's trainer calls (61 norms a call; 4% of a call's operation time)."""
+  return scale.astype(normed.dtype) * normed
+
+
+def _scaled_fwd(scale, normed):
+  return scaled(scale, normed), (scale, normed)
+
+
+def _scaled_bwd(residuals, g):
+  scale, normed = residuals
+  products = (g.astype(jnp.float32) * normed.astype(jnp.float32)).reshape(-1, normed.shape[-1])
+  ones = jnp.ones((products.shape[0],), jnp.float32)
+  d_scale = jax.lax.dot_general(ones, products, (((0,), (0,)), ((), ())))
+  return d_scale.astype(scale.dtype), (g * scale.astype(g.dtype)).astype(normed.dtype)
+
+
+scaled.defvjp(_scaled_fwd, _scaled_bwd)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
