@@ -124,7 +124,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
-  from trainer_memory import step_batch
+  from trainer_memory import step_batch, timed_step
 
   mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
   model = load_hf(fetch("smollm2-135m-instruct"), mesh=mesh)  # on the trainer's device: placing copies nothing
@@ -153,11 +153,8 @@ def train_arm(arm: str) -> dict:
   times = []
   for _ in range(TRAIN_STEPS):
     _, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
-    start = time.perf_counter()
-    state = batcher.add(state, batch)
-    state, _ = batcher.finish(state)
-    jax.block_until_ready(state.params)
-    times.append(time.perf_counter() - start)
+    state, seconds = timed_step(batcher, state, batch)
+    times.append(seconds)
   trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   steps_peak = _hwm_mb()
   memory = trainer.compiled_memory(state, chunk_tokens // length, length)  # XLA's view of one accumulation call

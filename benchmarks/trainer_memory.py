@@ -50,6 +50,17 @@ def step_batch(rng, vocab: int, samples: int, length: int, prompt_len: int, new:
                        logprobs=np.full((samples, length), -2.0, np.float32))
 
 
+def timed_step(batcher, state, batch) -> tuple:
+  """One RL step's accumulation and update of `batch` through `batcher` (a `MicroBatcher`): (state, seconds)."""
+  import jax
+
+  start = time.perf_counter()
+  state = batcher.add(state, batch)
+  state, _ = batcher.finish(state)
+  jax.block_until_ready(state.params)
+  return state, time.perf_counter() - start
+
+
 def memory_variant(name: str) -> dict:
   from streamrl_jax.cli import force_host_devices
   from streamrl_jax.host_memory import limit_fragmentation
@@ -97,11 +108,8 @@ def memory_variant(name: str) -> dict:
   times, flops = [], []
   for _ in range(steps):
     lengths, batch = step_batch(rng, config.vocab_size, samples, length, prompt_len, new)
-    start = time.perf_counter()
-    state = batcher.add(state, batch)
-    state, _ = batcher.finish(state)
-    jax.block_until_ready(state.params)
-    times.append(time.perf_counter() - start)
+    state, seconds = timed_step(batcher, state, batch)
+    times.append(seconds)
     flops.append(3.0 * sum(config.flops_per_token(t + 1) for n in lengths for t in range(int(n))))
   peak.measure()
   rss["steps"] = round(rss_mb())
