@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
+from trainer_memory import peak_rss_mb, step_batch, timed_step  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RANK, ALPHA = 16, 32.0
@@ -42,10 +42,6 @@ VERSIONS = size(3, 2)
 TRAIN_STEPS = size(4, 3)  # trainer steps per arm (the first, compiling, is not counted; `--part train` quick: 3)
 TRAIN_PROMPTS = size(8, 2)  # prompts of 8 samples per trainer step (`--part train` quick: a quarter of the shipped config's)
 ACCURACY_ARMS = {"full": Path("configs/smollm2_cpu.gin"), "lora": Path("configs/smollm2_lora_cpu.gin")}
-
-
-def _peak_rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _reset_peak_rss() -> bool:
@@ -65,7 +61,7 @@ def _hwm_mb() -> float:
         return int(line.split()[1]) / 1024
   except (OSError, ValueError):
     pass
-  return _peak_rss_mb()
+  return peak_rss_mb()
 
 
 def part_sync() -> dict:
@@ -124,14 +120,13 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
-  from trainer_memory import step_batch, timed_step
 
   mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
   model = load_hf(fetch("smollm2-135m-instruct"), mesh=mesh)  # on the trainer's device: placing copies nothing
   config = model.config
   graphdef, params = nnx.split(model)
   del model
-  load_peak = _peak_rss_mb()
+  load_peak = peak_rss_mb()
   reset = _reset_peak_rss()  # the trainer's peak from here: its state, compiles and steps (the model stays loaded)
   base = None
   if arm == "lora":
@@ -161,7 +156,7 @@ def train_arm(arm: str) -> dict:
   return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(max(compiled_peak, steps_peak)),
               peak_rss_reset=reset, compile_peak_rss_mb=round(compiled_peak), steps_peak_rss_mb=round(steps_peak),
               call_gflops=round(memory["flops"] / 1e9, 1),
-              process_peak_rss_mb=round(_peak_rss_mb()), load_peak_rss_mb=round(load_peak), trained_params=trained,
+              process_peak_rss_mb=round(peak_rss_mb()), load_peak_rss_mb=round(load_peak), trained_params=trained,
               call_arguments_mb=round(memory["argument"] / 2**20), call_temp_mb=round(memory["temp"] / 2**20),
               steps=len(times) - 1)
 

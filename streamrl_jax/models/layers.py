@@ -35,8 +35,8 @@ class RMSNorm(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-    if jax.default_backend() == "cpu":
-      return scaled(self.scale[...], normed.astype(x.dtype))
+    if jax.default_backend() == "cpu":  # elsewhere the sum stays a reduction: a TPU's float32 product with ones
+      return scaled(self.scale[...], normed.astype(x.dtype))  # would run in bfloat16 passes by default
     return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
