@@ -4,6 +4,8 @@ gradient in its own (float32) dtype; the chunked log-probabilities' head gradien
 scale and its gradient (`layers.scaled`) against numpy. And the decode side: a bfloat16 table gathered bit for bit,
 a float32 cache under bfloat16 compute, the tied head."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,6 +107,36 @@ def test_take_rows_is_the_gather_bit_for_bit(dtype):
   want = np.asarray(table)[np.asarray(ids)]
   assert got.dtype == want.dtype
   np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))  # NaN and -0 included
+
+
+def _table_copies(gather, vocab: int = 4096, width: int = 64) -> list[str]:
+  """The optimized HLO's instructions making a whole [vocab, width] array in a 4-step loop of `gather` calls that
+  feed each step's ids from the rows taken (a decode call's shape): parameters and pass-throughs aside."""
+  def run(table, ids):
+    def body(_, ids):
+      return (ids + gather(table, ids)[:, 0].astype(jnp.int32) + 1) % vocab
+    return jax.lax.fori_loop(0, 4, body, ids)
+  table = jnp.zeros((vocab, width), jnp.bfloat16)
+  hlo = jax.jit(run).lower(table, jnp.arange(8, dtype=jnp.int32)).compile().as_text()
+  made = re.compile(rf"= \w+\[{vocab},{width}\]\S* (\w[\w-]*)\(")
+  passing = {"parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
+  copies, fused = [], False
+  for line in hlo.splitlines():
+    if line.startswith("%") or line.startswith("ENTRY"):  # a computation opens: a fusion's body computes per element
+      fused = line.startswith(("%fused", "%wrapped"))
+    elif not fused and (m := made.search(line)) and m.group(1) not in passing:
+      copies.append(line.strip())
+  return copies
+
+
+def test_take_rows_in_a_decode_loop_copies_no_table():
+  if jax.default_backend() != "cpu":
+    pytest.skip("XLA:CPU's loop hoisting")
+  assert _table_copies(take_rows) == []
+  # the gather as bits, without the barrier (the rule before): the table's bits copied out of the loop each call
+  bits = lambda t, i: jax.lax.bitcast_convert_type(jnp.take(jax.lax.bitcast_convert_type(t, jnp.uint16), i, axis=0),
+                                                  t.dtype)
+  assert _table_copies(bits) != []
 
 
 def test_a_bfloat16_run_on_a_cpu_caches_in_float32():
