@@ -123,7 +123,7 @@ def attend_in(cache_dtype_, q, k, v, mask):
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   """table[ids] along axis 0. A 16-bit float table on a CPU is first tied to the ids by an optimization barrier: in
   a decode loop XLA:CPU otherwise hoists the table's conversion out of the loop (bfloat16 to float32, or to its bits)
-  and copies the whole table every call (a SmolLM2 embedding: 57 MB, 4 ms of a 80-90 ms decode step); tied to the
+  and copies the whole table every call (a SmolLM2 embedding: 57 MB, 4 ms of an 80-90 ms decode step); tied to the
   ids, the gather reads only the rows it takes."""
   if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) and (
       jax.default_backend() == "cpu"):
