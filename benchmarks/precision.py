@@ -48,7 +48,7 @@ from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
 from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
-from streamrl_jax.training.trainer import token_logprobs
+from streamrl_jax.training.logprobs import token_logprobs
 from streamrl_jax.types import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

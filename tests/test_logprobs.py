@@ -8,11 +8,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
-from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs, vocab_chunk
+from streamrl_jax.training import trainer as trainer_module
+from streamrl_jax.training.logprobs import (at_columns, chunked_scorer, chunked_token_logprobs, every_column,
+                                           logits_scorer, scored_columns, token_logprobs, vocab_chunk)
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
 
 
@@ -123,3 +127,69 @@ def test_a_budget_that_cannot_hold_one_row_names_the_smallest_that_can():
   with pytest.raises(ValueError,
                      match=f"holds 63 tokens after the .* smallest budget that works is {-(-row // 2**20)}"):
     chunk_tokens_for(TINY, 64, 10_000, gradient + 63 * per_token, TrainerConfig())
+
+
+def test_scored_columns_lists_each_rows_loss_tokens_or_declines():
+  mask = np.zeros((3, 20), bool)
+  mask[0, [3, 4, 5, 19]] = True
+  mask[1, 10:18] = True  # rows: 8 + 4 = 12 columns of 20 each -> K = 16
+  np.testing.assert_array_equal(scored_columns(mask), [[3, 4, 5, 19] + [20] * 12, list(range(10, 18)) + [20] * 8,
+                                                       [20] * 16])
+  mask[2, 1:18] = True  # 17 > 16: every column is scored
+  assert scored_columns(mask) is None
+  assert scored_columns(np.zeros((2, 8), bool)) is None  # K = 8 would score every column anyway
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.lists(st.booleans(), min_size=12, max_size=12), min_size=2, max_size=4), st.booleans())
+def test_scoring_the_loss_columns_alone_keeps_their_values_and_gradients(rows, chunked):
+  mask = np.array(rows)
+  mask[:, 0] = False
+  mask[:, 9:] = False  # at most 8 = K of a row's 12 columns
+  rng = np.random.default_rng(len(rows))
+  hidden = rng.normal(size=(len(rows), 12, 16)).astype(np.float32)
+  head = rng.normal(size=(16, 40)).astype(np.float32) * 0.5
+  tokens = jnp.asarray(rng.integers(0, 40, size=(len(rows), 12)))
+  weights = rng.normal(size=(2, len(rows), 12)).astype(np.float32) * mask
+  columns = jnp.asarray(scored_columns(mask))
+
+  def scored(h, w, at):
+    score = chunked_scorer(w, 0.9, 16) if chunked else logits_scorer(lambda x: x @ w, 0.9)
+    return every_column(score, h, tokens) if at is None else at_columns(score, h, tokens, at)
+
+  whole, only = scored(hidden, head, None), scored(hidden, head, columns)
+  for a, b in zip(whole, only):
+    np.testing.assert_allclose(np.asarray(b)[mask], np.asarray(a)[mask], rtol=1e-5, atol=1e-6)
+    assert not np.asarray(b)[~mask].any()
+  loss = lambda h, w, at: sum(jnp.sum(v * weights[i]) for i, v in enumerate(scored(h, w, at)))  # noqa: E731
+  for a, b in zip(jax.grad(loss, argnums=(0, 1))(hidden, head, None), jax.grad(loss, argnums=(0, 1))(hidden, head,
+                                                                                                   columns)):
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_the_trainer_scores_only_the_loss_columns_with_the_same_gradient(monkeypatch, chunk):
+  """Prompt tokens skip the head: the prepared call carries `head_columns`, the gradient and sums equal the
+  every-column call's (a KL reference scored the same way), and XLA counts fewer FLOPs for it: from full logits,
+  the head's 8 x hidden x vocab a position (policy forward and backward, reference forward) for each skipped one."""
+  rng = np.random.default_rng(1)
+  mask = np.arange(16)[None].repeat(8, 0) >= 9  # 7 loss tokens of 16 columns (K = 8)
+  batch = dict(tokens=rng.integers(0, 100, (8, 16)).astype(np.int32), valid=np.ones((8, 16), bool),
+               loss_mask=mask, advantages=rng.normal(size=8).astype(np.float32),
+               logprobs=-rng.random((8, 16)).astype(np.float32))
+  results, flops = [], []
+  for skip in (True, False):
+    if not skip:
+      monkeypatch.setattr(trainer_module, "scored_columns", lambda loss_mask: None)
+    trainer, state = _trainer(TINY, chunk, kl=0.1)
+    prepared = trainer.prepare(batch)
+    assert ("head_columns" in prepared) == skip
+    results.append(jax.device_get(trainer.accumulate(state, batch)))
+    lowered = trainer._accumulate.lower(state.params, (state.grad_sum, state.sums), prepared, trainer.frozen, None)
+    cost = lowered.compile().cost_analysis()
+    flops.append((cost[0] if isinstance(cost, list) else cost)["flops"])
+  for a, b in zip(jax.tree.leaves((results[0].grad_sum, results[0].sums)),
+                  jax.tree.leaves((results[1].grad_sum, results[1].sums))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  skipped = 8 * (15 - 8)  # positions a row of 16 predicts, less K
+  assert flops[1] - flops[0] >= (0.9 * skipped * 8 * TINY.hidden_size * TINY.vocab_size if chunk == 0 else 1), flops

@@ -19,6 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from streamrl_jax.models.layers import cpu_low_precision, rows_first
 
@@ -53,13 +54,61 @@ def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk
   the logits, without the [B, T, vocab] logits. The weights are read, and their gradient written, a chunk of the
   vocabulary at a time in their own layout: no transposed copy of a [vocab, H] matrix. `head_grad=False` (a frozen
   head: LoRA's base) skips the weights' gradient, a third of the head's backward work (their gradient is zero)."""
+  return every_column(chunked_scorer(head, temperature, chunk, vocab_axis, head_grad), hidden, tokens)
+
+
+def logits_scorer(logits_of, temperature: float = 1.0):
+  """`score(hidden [N, H], tokens [N])` from the full logits `logits_of(hidden)` [N, vocab], divided by
+  `temperature`: `token_logprobs`'s arithmetic."""
+
+  def score(hidden, tokens):
+    logits = logits_of(hidden).astype(jnp.float32)
+    logp_all = jax.nn.log_softmax(logits / temperature if temperature != 1.0 else logits, axis=-1)
+    picked = jnp.take_along_axis(logp_all, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
+    return picked, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+  return score
+
+
+def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1, head_grad: bool = True):
+  """`score(hidden [N, H], tokens [N]) -> (log pi [N], entropy [N])` over vocabulary chunks of `head`, as
+  `chunked_token_logprobs` computes them."""
+  width = vocab_chunk(head.shape[vocab_axis], chunk)
+  return lambda hidden, tokens: _chunked(hidden, head, tokens.astype(jnp.int32), float(temperature), width,
+                                         vocab_axis, bool(head_grad))
+
+
+def every_column(score, hidden, tokens):
+  """(log pi, entropy) [B, T] of every token after the first (column 0 is 0) by `score` (`chunked_scorer`)."""
   b, t, h = hidden.shape
-  flat_hidden = hidden[:, :-1].reshape(b * (t - 1), h)
-  logp, ent = _chunked(flat_hidden, head, tokens[:, 1:].reshape(-1).astype(jnp.int32), float(temperature),
-                       vocab_chunk(head.shape[vocab_axis], chunk), vocab_axis, bool(head_grad))
+  logp, ent = score(hidden[:, :-1].reshape(b * (t - 1), h), tokens[:, 1:].reshape(-1))
   pad = jnp.zeros((b, 1), jnp.float32)
   return (jnp.concatenate([pad, logp.reshape(b, t - 1)], axis=1),
           jnp.concatenate([pad, ent.reshape(b, t - 1)], axis=1))
+
+
+def at_columns(score, hidden, tokens, columns):
+  """`every_column`'s (log pi, entropy) [B, T] at `columns` [B, K] only (each row's scored tokens, 1..T-1; T marks an
+  unused entry) and 0 elsewhere: the head's work for K of a row's T - 1 positions (`scored_columns`)."""
+  b, t, h = hidden.shape
+  k = columns.shape[1]
+  before = jnp.take_along_axis(hidden, jnp.clip(columns - 1, 0, t - 1)[..., None], axis=1)
+  scored = jnp.take_along_axis(tokens, jnp.minimum(columns, t - 1), axis=1)
+  logp, ent = score(before.reshape(b * k, h), scored.reshape(-1))
+  rows = jnp.arange(b)[:, None]
+  return tuple(jnp.zeros((b, t), jnp.float32).at[rows, columns].set(v.reshape(b, k), mode="drop") for v in (logp, ent))
+
+
+def scored_columns(loss_mask) -> np.ndarray | None:
+  """Host side: per row, the columns of `loss_mask` [rows, T] (the tokens a loss scores), padded with T, in a
+  [rows, K] array of K = half the row rounded up to 8; None where a row holds more (every column is then scored).
+  Prompt tokens, most of an RL row on short answers, then skip the head: 2 x vocab x hidden FLOPs each forward."""
+  mask = np.asarray(loss_mask, bool)
+  width = mask.shape[1]
+  k = -(-width // 16) * 8
+  if k >= width - 1 or int(mask.sum(axis=1).max(initial=0)) > k:
+    return None
+  order = np.argsort(~mask, axis=1, kind="stable")[:, :k]
+  return np.where(np.take_along_axis(mask, order, axis=1), order, width).astype(np.int32)
 
 
 def _padded(head, chunk: int, axis: int):

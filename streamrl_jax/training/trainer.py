@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.logprobs import chunked_token_logprobs, token_logprobs
+from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer, scored_columns
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
                                               with_old_logprobs)
@@ -115,6 +115,15 @@ def _checked(batch: dict, keys: tuple, extra: tuple, role: str) -> dict:
       raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
     values[key] = value
   return values
+
+
+def _padded_call(values: dict, shape: tuple, role: str) -> dict:
+  """A micro-batch's arrays padded to `shape`; a policy's with `head_columns` where its loss fits them: the head
+  then scores those tokens alone, not the prompts (`logprobs.scored_columns`)."""
+  rows, length = values["tokens"].shape
+  padded = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
+  columns = scored_columns(padded["loss_mask"]) if role == "policy" else None
+  return padded if columns is None else {**padded, "head_columns": columns}
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -263,8 +272,7 @@ class Trainer:
                                 jax.process_count())
       placed = put_owned(out, sharding_for(shape))
     else:
-      placed = launch.put({k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()},
-                          sharding_for(shape))
+      placed = launch.put(_padded_call(values, shape, self.role), sharding_for(shape))
     self.compiled_shapes.add(shape)
     self.last_shape = shape
     return placed
@@ -289,8 +297,9 @@ class Trainer:
   def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
-    FLOPs XLA counts in it."""
+    FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`prepare`)."""
     batch = self.prepare(_lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
+    batch.pop("head_columns", None)
     compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen,
                                       self.low_copy.of(state.params)).compile()
     analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
@@ -332,12 +341,13 @@ class Trainer:
     hidden = model.hidden_states(batch["tokens"], batch["valid"], batch.get("segment_ids"), remat=self.config.remat)
     if self.config.logprob_chunk:
       head, vocab_axis = model.output_weights()
-      return chunked_token_logprobs(hidden, head, batch["tokens"], self.temperature, self.config.logprob_chunk,
-                                    vocab_axis, head_grad=self.base_params is None)  # LoRA: the head is frozen
-    logits = model.head_logits(hidden)
-    if self.temperature != 1.0:
-      logits = logits / self.temperature
-    return token_logprobs(logits, batch["tokens"])
+      score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis,
+                             head_grad=self.base_params is None)  # LoRA: the head is frozen
+    else:
+      score = logits_scorer(model.head_logits, self.temperature)
+    if "head_columns" in batch:  # the loss's tokens alone (`Trainer.prepare`)
+      return at_columns(score, hidden, batch["tokens"], batch["head_columns"])
+    return every_column(score, hidden, batch["tokens"])
 
   def _per_token_loss(self, params, batch, frozen):
     cfg = self.objective
