@@ -1,8 +1,8 @@
 """bfloat16 products on a CPU (`layers.cpu_low_precision_matmul`, `rows_first`): the values and gradients of the
 float64 product of the same bfloat16-rounded numbers, within bfloat16's rounding of the result; the weight's
 gradient in its own (float32) dtype; the chunked log-probabilities' head gradient through the same path; the norm's
-scale and its gradient (`layers.scaled`) against numpy. And the decode side: a bfloat16 table gathered bit for bit,
-a float32 cache under bfloat16 compute, the tied head."""
+scale and its gradient (`layers.scaled`) and the rotary embedding's (`layers.apply_rope`) against numpy. And the
+decode side: a bfloat16 table gathered bit for bit, a float32 cache under bfloat16 compute, the tied head."""
 
 import re
 
@@ -13,7 +13,8 @@ import pytest
 
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.kv_cache import KVCache, kv_cache_bytes
-from streamrl_jax.models.layers import MLP, cache_dtype, rows_first, scaled, take_rows, tokens_matmul
+from streamrl_jax.models.layers import (MLP, apply_rope, cache_dtype, rope_inverse_frequencies, rows_first, scaled,
+                                       take_rows, tokens_matmul)
 from streamrl_jax.training.logprobs import chunked_token_logprobs
 
 
@@ -195,3 +196,25 @@ def test_the_trainers_low_copy_changes_no_gradient_and_follows_the_weights():
   f32 = trainer_for(f32_graphdef)
   f32_state = f32.init_state(f32_params)
   assert f32.low_copy.of(f32_state.params) is None  # float32 computes from the weights themselves
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 3e-2)])
+def test_rope_and_its_gradient_rotate_each_pair_by_its_angle(dtype, tol):
+  """`apply_rope` (its backward written by hand) against numpy's rotation of each (i, i + half) pair by
+  position x inverse frequency, and the gradient against the rotation by the opposite angle."""
+  rng = np.random.default_rng(7)
+  x = rng.normal(size=(2, 5, 3, 8))
+  g = rng.normal(size=x.shape)
+  positions = rng.integers(0, 50, size=(2, 5))
+  inv_freq = rope_inverse_frequencies(8, 1e4, None)
+  theta = positions[..., None, None] * inv_freq.astype(np.float64)  # [2, 5, 1, 4]
+  cos, sin = np.cos(theta), np.sin(theta)
+
+  def turned(a, sign):  # each pair rotated by sign x its angle
+    a1, a2 = a[..., :4], a[..., 4:]
+    return np.concatenate([a1 * cos - sign * a2 * sin, a2 * cos + sign * a1 * sin], axis=-1)
+
+  out, pull = jax.vjp(lambda a: apply_rope(a, jnp.asarray(positions), inv_freq), jnp.asarray(x, dtype))
+  (grad,) = pull(jnp.asarray(g, dtype))
+  np.testing.assert_allclose(np.asarray(out, np.float64), turned(x, 1), atol=tol, rtol=tol)
+  np.testing.assert_allclose(np.asarray(grad, np.float64), turned(g, -1), atol=tol, rtol=tol)

@@ -83,10 +83,33 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
   """Rotates x [batch, length, heads, head_dim] by its positions [batch, length] (rotate-half layout)."""
   angles = positions[..., None].astype(jnp.float32) * jnp.asarray(inv_freq)
   angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype)
+  return _rotated(x, jnp.cos(angles).astype(x.dtype), jnp.sin(angles).astype(x.dtype))
+
+
+def _half_turn(x):
+  """The rotate-half partner of each entry: (-x2, x1) of the halves (x1, x2) of the last axis."""
   half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-  return x * cos + rotated * sin
+  return jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+@jax.custom_vjp
+def _rotated(x, cos, sin):
+  return x * cos + _half_turn(x) * sin
+
+
+def _rotated_fwd(x, cos, sin):
+  return _rotated(x, cos, sin), (cos, sin)
+
+
+def _rotated_bwd(residuals, g):
+  """The rotation's transpose, written as the rotation: g cos - half_turn(g sin). Differentiated automatically,
+  the concatenation's transpose became slices, pads and sums that XLA:CPU fused with the attention layout's
+  transpose into a scalar loop: 2.5 ms a layer for SmolLM2's queries (8 x 72 tokens), against 0.2 forward."""
+  cos, sin = residuals
+  return g * cos - _half_turn(g * sin), jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+_rotated.defvjp(_rotated_fwd, _rotated_bwd)
 
 
 def tokens_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
