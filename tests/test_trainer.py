@@ -1,6 +1,7 @@
 """Streamed micro-batch accumulation equals the full batch; checkpoints round trip and resume exactly."""
 
 import dataclasses
+import re
 import threading
 
 import jax
@@ -71,7 +72,26 @@ def test_optimizer_runs_once_per_global_batch(model_parts):
   state, metrics = trainer.apply(state)
   assert int(state.step) == 1 and metrics["tokens"] > 0 and metrics["grad_norm"] > 0
   assert not np.array_equal(np.asarray(state.params["embed"][...]), before["embed"])
-  assert float(state.sums["denominator"]) == 0 and all(float(abs(g).max()) == 0 for g in jax.tree.leaves(state.grad_sum))
+  assert float(state.sums["denominator"]) == 0
+  # the sum starts again: the next batch's gradient alone, as on a fresh state at the new parameters
+  batch = make_batch(6, seed=5)
+  after = trainer.accumulate(state, batch)
+  fresh = trainer.accumulate(trainer.init_state(jax.tree.map(np.asarray, state.params)), batch)
+  for a, b in zip(jax.tree.leaves(after.grad_sum), jax.tree.leaves(fresh.grad_sum)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  _, empty = trainer.apply(trainer.apply(after)[0])  # an update with nothing accumulated moves by no gradient
+  assert empty["grad_norm"] == 0 and empty["tokens"] == 0
+
+
+def test_the_update_neither_copies_nor_rewrites_the_summed_gradient(model_parts):
+  """Zeroing the summed gradient in the update wrote it whole, and XLA copied it first (the update reads it): a
+  copy of every leaf. The update now leaves it (the next accumulation restarts it): no copy in the program."""
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef, mesh_devices=(0, 1), shape=MeshShape(1, 1, 1))  # one device: names kept
+  state = trainer.accumulate(trainer.init_state(params), make_batch(8, seed=1))
+  hlo = trainer._apply.lower(state).compile().as_text()
+  assert "state_grad_sum" in hlo  # the parameters' names, which the search below reads
+  assert not re.findall(r"copy\(%state_grad_sum", hlo)
 
 
 def test_precompile_covers_every_bucket_and_changes_nothing(model_parts):

@@ -55,7 +55,9 @@ class TrainState:
   opt_state: optax.OptState
   step: jax.Array  # optimizer steps taken
   rng: jax.Array  # key data; fold_in(rng, step) for per-step randomness
-  grad_sum: nnx.State  # float32, like params
+  # float32, like params. An update leaves it and zeroes `sums`: while sums["tokens"] is 0 it holds the last step's,
+  # read as zero (zeroing it in the update wrote the whole gradient, after XLA copied it: 0.54 GB for SmolLM2)
+  grad_sum: nnx.State
   sums: dict  # loss numerator, denominator, tokens, clipped tokens, kl, entropy of this global batch
 
 
@@ -391,12 +393,13 @@ class Trainer:
     m = mask.astype(jnp.float32)
     add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
                kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m), mismatch_kl=mismatch, mismatch_max=mismatch_max)
-    grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+    fresh = sums["tokens"] == 0  # grad_sum is the last step's (TrainState): this batch starts it again
+    grad_sum = jax.tree.map(lambda a, g: jnp.where(fresh, 0.0, a) + g.astype(jnp.float32), grad_sum, grads)
     return grad_sum, {k: jnp.maximum(sums[k], add[k]) if k in MAXED else sums[k] + add[k] for k in sums}
 
   def _apply_impl(self, state: TrainState):
     denominator = jnp.maximum(state.sums["denominator"], 1e-8)
-    grads = jax.tree.map(lambda g: g / denominator, state.grad_sum)
+    grads = jax.tree.map(lambda g: jnp.where(state.sums["tokens"] == 0, 0.0, g / denominator), state.grad_sum)
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     tokens = jnp.maximum(state.sums["tokens"], 1.0)
@@ -405,6 +408,5 @@ class Trainer:
                    tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
                    kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens,
                    logprob_mismatch_kl=state.sums["mismatch_kl"] / tokens, logprob_mismatch_max=state.sums["mismatch_max"])
-    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1,
-                        grad_sum=jax.tree.map(jnp.zeros_like, state.grad_sum), sums=_zero_sums())
+    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, sums=_zero_sums())
     return new, metrics
