@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
-from streamrl_jax.training import trainer as trainer_module
+from streamrl_jax.training import host_batch
 from streamrl_jax.training.logprobs import (at_columns, chunked_scorer, chunked_token_logprobs, every_column,
                                            logits_scorer, scored_columns, token_logprobs, vocab_chunk)
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
@@ -180,7 +180,7 @@ def test_the_trainer_scores_only_the_loss_columns_with_the_same_gradient(monkeyp
   results, flops = [], []
   for skip in (True, False):
     if not skip:
-      monkeypatch.setattr(trainer_module, "scored_columns", lambda loss_mask: None)
+      monkeypatch.setattr(host_batch, "scored_columns", lambda loss_mask: None)
     trainer, state = _trainer(TINY, chunk, kl=0.1)
     prepared = trainer.prepare(batch)
     assert ("head_columns" in prepared) == skip

@@ -22,16 +22,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import logical_spec, state_shardings
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer, scored_columns
+from streamrl_jax.training.host_batch import BATCH_KEYS, bucket, checked, lossless_batch, padded_call
+from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
                                               with_old_logprobs)
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
 from streamrl_jax.training.packing import packed_shapes
-
-BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
-              "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
-
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   end = cfg.learning_rate * cfg.end_lr_fraction
@@ -87,52 +84,6 @@ def _check(scoring: Scoring, role: str, objective: ObjectiveConfig) -> None:
   if role == "policy" and objective.kl_coef > 0 and not objective.kl_in_reward and scoring.ref_params is None \
      and scoring.base_params is None:
     raise ValueError("ObjectiveConfig.kl_coef > 0 needs ref_params (the frozen reference policy)")
-
-
-def _lossless_batch(keys: tuple, rows: int, length: int, packed: bool) -> dict:
-  """A micro-batch of `keys` of this shape that carries no loss (accumulating it compiles and changes nothing)."""
-  batch = {k: np.zeros((rows, length), np.float32) for k in keys if k != "tokens"}
-  batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
-               loss_mask=np.zeros((rows, length), bool))
-  if packed:
-    batch["segment_ids"] = np.zeros((rows, length), np.int32)
-  return batch
-
-
-def _checked(batch: dict, keys: tuple, extra: tuple, role: str) -> dict:
-  """The micro-batch's arrays of `keys` and `extra`, each [rows, length] (a per-sample advantage spread over its
-  tokens); a missing key, a shape unlike the tokens' or a loss on the first token is refused by name."""
-  missing = [k for k in keys if k not in batch]
-  if missing:
-    raise KeyError(f"micro-batch lacks {missing}; a {role} micro-batch needs {list(keys)}")
-  rows, length = np.asarray(batch["tokens"]).shape
-  if np.asarray(batch["loss_mask"])[:, 0].any():
-    raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
-  values = {}
-  for key in keys + extra:
-    value = np.asarray(batch[key])
-    if key == "advantages" and value.ndim == 1:
-      value = np.repeat(value[:, None], length, axis=1)
-    if value.shape != (rows, length):
-      raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
-    values[key] = value
-  return values
-
-
-def _padded_call(values: dict, shape: tuple, role: str) -> dict:
-  """A micro-batch's arrays padded to `shape`; a policy's with `head_columns` where its loss fits them: the head
-  then scores those tokens alone, not the prompts (`logprobs.scored_columns`)."""
-  rows, length = values["tokens"].shape
-  padded = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
-  columns = scored_columns(padded["loss_mask"]) if role == "policy" else None
-  return padded if columns is None else {**padded, "head_columns": columns}
-
-
-def _bucket(n: int, minimum: int) -> int:
-  size = minimum
-  while size < n:
-    size *= 2
-  return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -263,10 +214,10 @@ class Trainer:
     packed = "segment_ids" in batch
     extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
         ("segment_ids",) if packed else ())
-    values = _checked(batch, keys, extra, self.role)
+    values = checked(batch, keys, extra, self.role)
     rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
-                else (lambda n: _bucket(n, self.min_rows)))
-    shape = (rows_for(rows), length if packed else _bucket(length, self.min_length))
+                else (lambda n: bucket(n, self.min_rows)))
+    shape = (rows_for(rows), length if packed else bucket(length, self.min_length))
     sharding_for = lambda shape: NamedSharding(  # noqa: E731
         self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
     if "owners" in batch:
@@ -274,7 +225,7 @@ class Trainer:
                                 jax.process_count())
       placed = put_owned(out, sharding_for(shape))
     else:
-      placed = launch.put(_padded_call(values, shape, self.role), sharding_for(shape))
+      placed = launch.put(padded_call(values, shape, self.role), sharding_for(shape))
     self.compiled_shapes.add(shape)
     self.last_shape = shape
     return placed
@@ -283,24 +234,24 @@ class Trainer:
     """Compiles accumulation for every (rows, length) bucket of micro-batches up to `max_rows` x
     `max_length`, by accumulating batches that carry no loss (the state's values do not change), so that no
     compile stalls the run later."""
-    rows_buckets = sorted({_bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
+    rows_buckets = sorted({bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
-      for length in sorted({_bucket(n, self.min_length) for n in range(1, max_length + 1)}):
-        state = self.accumulate(state, _lossless_batch(BATCH_KEYS[self.role], rows, length, packed=False))
+      for length in sorted({bucket(n, self.min_length) for n in range(1, max_length + 1)}):
+        state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, length, packed=False))
     return state
 
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
     """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` tokens: every shape
     `MicroBatcher` can send (`packing.packed_shapes`: full calls whole or trimmed, pieces, a trimmed last unit)."""
     for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
-      state = self.accumulate(state, _lossless_batch(BATCH_KEYS[self.role], rows, width, packed=True))
+      state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, width, packed=True))
     return state
 
   def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`prepare`)."""
-    batch = self.prepare(_lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
+    batch = self.prepare(lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
     batch.pop("head_columns", None)
     compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen,
                                       self.low_copy.of(state.params)).compile()
@@ -321,7 +272,7 @@ class Trainer:
     if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
     rows, length = np.shape(tokens)
-    shape = (_bucket(rows, self.min_rows), _bucket(length, self.min_length))
+    shape = (bucket(rows, self.min_rows), bucket(length, self.min_length))
     padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
     padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
     sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))

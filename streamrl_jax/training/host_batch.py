@@ -1,0 +1,58 @@
+"""A micro-batch on the host, before the trainer places it: the arrays each role needs, their checks (a missing key
+or a wrong shape refused by name) and their padding to a call's (rows, length) bucket."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from streamrl_jax.training.logprobs import scored_columns
+
+BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
+              "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
+
+
+def lossless_batch(keys: tuple, rows: int, length: int, packed: bool) -> dict:
+  """A micro-batch of `keys` of this shape that carries no loss (accumulating it compiles and changes nothing)."""
+  batch = {k: np.zeros((rows, length), np.float32) for k in keys if k != "tokens"}
+  batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
+               loss_mask=np.zeros((rows, length), bool))
+  if packed:
+    batch["segment_ids"] = np.zeros((rows, length), np.int32)
+  return batch
+
+
+def checked(batch: dict, keys: tuple, extra: tuple, role: str) -> dict:
+  """The micro-batch's arrays of `keys` and `extra`, each [rows, length] (a per-sample advantage spread over its
+  tokens); a missing key, a shape unlike the tokens' or a loss on the first token is refused by name."""
+  missing = [k for k in keys if k not in batch]
+  if missing:
+    raise KeyError(f"micro-batch lacks {missing}; a {role} micro-batch needs {list(keys)}")
+  rows, length = np.asarray(batch["tokens"]).shape
+  if np.asarray(batch["loss_mask"])[:, 0].any():
+    raise ValueError("loss_mask[:, 0] must be False: the first token has no prediction")
+  values = {}
+  for key in keys + extra:
+    value = np.asarray(batch[key])
+    if key == "advantages" and value.ndim == 1:
+      value = np.repeat(value[:, None], length, axis=1)
+    if value.shape != (rows, length):
+      raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
+    values[key] = value
+  return values
+
+
+def padded_call(values: dict, shape: tuple, role: str) -> dict:
+  """A micro-batch's arrays padded to `shape`; a policy's with `head_columns` where its loss fits them: the head
+  then scores those tokens alone, not the prompts (`logprobs.scored_columns`)."""
+  rows, length = values["tokens"].shape
+  padded = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
+  columns = scored_columns(padded["loss_mask"]) if role == "policy" else None
+  return padded if columns is None else {**padded, "head_columns": columns}
+
+
+def bucket(n: int, minimum: int) -> int:
+  """The smallest power-of-two multiple of `minimum` that holds `n`: the padded sizes a call compiles for."""
+  size = minimum
+  while size < n:
+    size *= 2
+  return size
