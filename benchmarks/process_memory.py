@@ -53,6 +53,14 @@ def resident_bytes(pid: int) -> int:
     return 0
 
 
+def _name(pid: int) -> str:
+  try:
+    with open(f"/proc/{pid}/comm") as f:
+      return f.read().strip()
+  except OSError:
+    return "?"
+
+
 def proportional_bytes(pid: int) -> int:
   """The process's proportional set size (its private pages, and its share of those it shares)."""
   try:
@@ -71,6 +79,7 @@ class TreeSampler:
   def __init__(self, root: int, period: float = 0.2):
     self.root, self.period = root, period
     self.peak_bytes, self.peak_pss_bytes, self.most_processes, self.samples = 0, 0, 0, 0
+    self.peak_at_s, self.peak_processes, self._start = 0.0, [], time.perf_counter()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="tree-memory")
 
@@ -85,7 +94,8 @@ class TreeSampler:
   def _run(self) -> None:
     while not self._stop.is_set():
       pids = tree(self.root)
-      resident = sum(resident_bytes(p) for p in pids)
+      sizes = {p: resident_bytes(p) for p in pids}
+      resident = sum(sizes.values())
       # PSS is read by walking the process's page tables under its mmap lock (/proc/PID/smaps_rollup), which
       # stalls the measured process's own mmap and munmap meanwhile. Read five times a second, it slowed a
       # colocated SmolLM2 run of step_profile's workload by 13-15% (steady step 12.0 s against 10.5 s run without
@@ -94,6 +104,8 @@ class TreeSampler:
       # Resident sizes (statm) cost no walk.
       if resident >= self.peak_bytes:
         self.peak_pss_bytes = max(self.peak_pss_bytes, sum(proportional_bytes(p) for p in pids))
+        self.peak_at_s = round(time.perf_counter() - self._start, 1)
+        self.peak_processes = sorted(([_name(p), round(b / 2**20)] for p, b in sizes.items() if b), key=lambda x: -x[1])
       self.peak_bytes = max(self.peak_bytes, resident)
       self.most_processes, self.samples = max(self.most_processes, len(pids)), self.samples + 1
       self._stop.wait(self.period)
@@ -101,7 +113,8 @@ class TreeSampler:
 
 def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.2) -> dict:
   """Runs `command` to its end; {"returncode", "output", "peak_rss_mb" (the whole tree's), "peak_pss_mb",
-  "main_peak_rss_mb" (the command's own process), "processes" (the most seen at once), "seconds"}."""
+  "main_peak_rss_mb" (the command's own process), "processes" (the most seen at once), "seconds", and where the
+  sampled peak was: "peak_at_s" (seconds after the start) and "peak_processes" ([name, MB] of each process then)}."""
   start = time.perf_counter()
   proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   sampler = TreeSampler(proc.pid, period).start()
@@ -116,4 +129,5 @@ def run_measured(command: list[str], *, cwd=None, env=None, period: float = 0.2)
   return dict(returncode=proc.returncode, output="".join(output),
               peak_rss_mb=round(max(sampler.peak_bytes, main_peak) / 2**20),
               peak_pss_mb=round(sampler.peak_pss_bytes / 2**20), main_peak_rss_mb=round(main_peak / 2**20),
-              processes=sampler.most_processes, seconds=round(time.perf_counter() - start, 1))
+              processes=sampler.most_processes, seconds=round(time.perf_counter() - start, 1),
+              peak_at_s=sampler.peak_at_s, peak_processes=sampler.peak_processes)

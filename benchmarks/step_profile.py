@@ -10,9 +10,10 @@ matmul peak measured in this process before and after the runs; N counted in the
 (6 x parameters x trained tokens over the median forward and backward seconds, against the same peak: colocated's,
 where the trainer has the machine to itself; async's, which shares the cores with its sampler, beside it); both also
 over the bfloat16 matmul peak (`*_of_bf16_peak`, the one to read for a run computing in bfloat16), and the run's peak
-resident memory (its processes summed). The full run profiles colocated once more over two CPU devices, the
-rule before one device (`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work
-(`trl_grpo.py`, with the `[bench]` extra): each mode's step and peak memory over TRL's. A quick run
+resident memory (its processes summed; `peak_at_s` and `peak_processes` say when, and which process held what). The
+full run profiles colocated once more over two CPU devices, the rule before one device
+(`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work (`trl_grpo.py`, with the `[bench]` extra):
+each mode's step and peak memory over TRL's. A quick run
 (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no warm-up) for 4 steps of 16 new tokens: its figures are not
 the goal's work. Prints one JSON object as its last line.
 """
@@ -80,7 +81,8 @@ def _profile(mode: str, workdir: Path, host_devices: int | None) -> dict:
               trainer_flops_per_s=0.75 * flops / median("trainer_s/forward_backward"),  # 6 N of the 8 N: training
               trainer_s={p: round(median(f"trainer_s/{p}"), 3) for p in phases("trainer")},
               sampler_s={p: round(median(f"sampler_s/{p}"), 3) for p in phases("sampler")},
-              peak_rss_mb=done["peak_rss_mb"], wall_s=done["seconds"])
+              peak_rss_mb=done["peak_rss_mb"], peak_at_s=done["peak_at_s"], peak_processes=done["peak_processes"],
+              wall_s=done["seconds"])
 
 
 def run_trl() -> dict:
