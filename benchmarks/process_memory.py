@@ -105,7 +105,8 @@ class TreeSampler:
       if resident >= self.peak_bytes:
         self.peak_pss_bytes = max(self.peak_pss_bytes, sum(proportional_bytes(p) for p in pids))
         self.peak_at_s = round(time.perf_counter() - self._start, 1)
-        self.peak_processes = sorted(([_name(p), round(b / 2**20)] for p, b in sizes.items() if b), key=lambda x: -x[1])
+        held = [[_name(p), round(b / 2**20)] for p, b in sizes.items() if b]
+        self.peak_processes = sorted(held, key=lambda x: -x[1])
       self.peak_bytes = max(self.peak_bytes, resident)
       self.most_processes, self.samples = max(self.most_processes, len(pids)), self.samples + 1
       self._stop.wait(self.period)

@@ -13,9 +13,8 @@ over the bfloat16 matmul peak (`*_of_bf16_peak`, the one to read for a run compu
 resident memory (its processes summed; `peak_at_s` and `peak_processes` say when, and which process held what). The
 full run profiles colocated once more over two CPU devices, the rule before one device
 (`colocated_two_devices_over_one`), and TRL's GRPOTrainer on the same work (`trl_grpo.py`, with the `[bench]` extra):
-each mode's step and peak memory over TRL's. A quick run
-(STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no warm-up) for 4 steps of 16 new tokens: its figures are not
-the goal's work. Prints one JSON object as its last line.
+each mode's step and peak memory over TRL's. A quick run (STREAMRL_BENCH_QUICK=1) profiles the demo decoder (no
+warm-up) for 4 steps of 16 new tokens: its figures are not the goal's work. Prints one JSON object as its last line.
 """
 
 from __future__ import annotations

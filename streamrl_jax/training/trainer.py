@@ -30,6 +30,7 @@ from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggre
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
 from streamrl_jax.training.packing import packed_shapes
 
+
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
   end = cfg.learning_rate * cfg.end_lr_fraction
   decay = {"constant": optax.constant_schedule(cfg.learning_rate),
