@@ -109,13 +109,35 @@ def build_hf_model(kind: str, seed: int = 0, **overrides):
   elif kind == "llama":
     fields = {**TINY, "num_key_value_heads": 1, "tie_word_embeddings": True, "head_dim": 24, **overrides}
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**fields))
+  elif kind in FAMILY_CONFIGS:
+    config_class, model_class, fields = FAMILY_CONFIGS[kind]
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**{**fields, **overrides}))
   else:
     raise ValueError(kind)
   with torch.no_grad():
     for name, p in model.named_parameters():
       if name.endswith("bias") or "norm" in name:
-        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name and kind != "gemma3" else 0.0))
+      elif name.endswith("mlp.gate.weight"):  # a router far from uniform: top-k choices with clear margins
+        p.copy_(torch.randn_like(p))
   return model.eval()
+
+
+# the new families' tiny configs: each switch of the decoder on (an explicit head_dim, a dense layer among sparse ones,
+# sliding layers of window 4 between global ones with another rope base and a linear scaling, a query scale)
+FAMILY_CONFIGS = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              {**TINY, "num_key_value_heads": 2, "head_dim": 24, "rope_theta": 1e4}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {**TINY, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+                   "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "mlp_only_layers": [1]}),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               {**TINY, "num_hidden_layers": 3, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "query_pre_attn_scalar": 24, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "pad_token_id": 0}),
+}
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +158,8 @@ def hf_dirs(tmp_path_factory):
   out = {}
   rope3 = dict(rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
                                  original_max_position_embeddings=32), rope_theta=5e5)
-  for name, kind, extra in [("qwen2", "qwen2", {}), ("llama", "llama", {}), ("llama3_rope", "llama", rope3)]:
+  for name, kind, extra in [("qwen2", "qwen2", {}), ("llama", "llama", {}), ("llama3_rope", "llama", rope3),
+                            *((family, family, {}) for family in FAMILY_CONFIGS)]:
     model = build_hf_model(kind, **extra)
     directory = tmp_path_factory.mktemp(name)
     model.save_pretrained(directory, safe_serialization=True)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.gguf_files import HEADS, KV_HEADS, MERGES, vocabulary, write_gguf
+from tests.gguf_files import HEADS, KV_HEADS, MERGES, hf_config, hf_tensors, vocabulary, write_gguf
 from streamrl_jax.models import gguf as gguf_io
 from streamrl_jax.models import load_hf, load_tokenizer
 from streamrl_jax.models.catalog import CATALOG, CatalogEntry, FetchError, cache_root, fetch, resolve_model
@@ -50,6 +50,33 @@ def test_gguf_to_hf_dir_equals_transformers_gguf_load(tmp_path, arch, quant, tie
   import transformers
   again = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
   np.testing.assert_allclose(_torch_logits(again, TOKENS), want, atol=1e-5, rtol=0)  # the directory, by transformers
+
+
+@pytest.mark.parametrize("arch,quant", [("qwen3", "Q8_0"), ("qwen3moe", "F32"), ("gemma3", "F16")])
+def test_new_families_from_gguf_equal_transformers_on_the_same_weights(tmp_path, arch, quant):
+  """A qwen3, qwen3moe or gemma3 file as llama.cpp writes one (the gguf package's names, stacked experts, Gemma's
+  norms stored as 1 + w): each tensor read back as written, and the converted model's logits transformers' on a
+  directory of the same (dequantized) weights. (transformers' own GGUF loader reads no head_dim for qwen3, nor a
+  qwen3moe's expert width or Gemma 3's layer pattern: it is no reference for these tiny files.)"""
+  import torch
+  import transformers
+  from safetensors.numpy import save_file
+
+  path = write_gguf(tmp_path / f"{arch}.gguf", arch=arch, quant=quant, tied=arch == "gemma3")
+  ours = gguf_io.read_gguf(path)
+  reference = tmp_path / "reference"
+  reference.mkdir()
+  save_file({k: np.ascontiguousarray(v) for k, v in ours.tensors.items()}, reference / "model.safetensors",
+            metadata={"format": "pt"})
+  (reference / "config.json").write_text(json.dumps(hf_config(arch, len(vocabulary()), arch == "gemma3")))
+  want = _torch_logits(transformers.AutoModelForCausalLM.from_pretrained(str(reference), dtype=torch.float32).eval(),
+                       TOKENS)
+  out = gguf_io.convert(path, tmp_path / "hf")
+  np.testing.assert_allclose(np.asarray(load_hf(out)(jnp.asarray(TOKENS))), want, atol=1e-4, rtol=0)
+  written = hf_tensors(arch, len(vocabulary()), 0, arch == "gemma3")  # what the file was made from, before quantizing
+  assert sorted(ours.tensors) == sorted(written)
+  for name, array in written.items():  # each tensor read back where it was written (up to quantization)
+    np.testing.assert_allclose(ours.tensors[name], array, atol=0 if quant == "F32" else 0.02, err_msg=name)
 
 
 def test_skipping_the_qk_permutation_breaks_parity(tmp_path, monkeypatch):

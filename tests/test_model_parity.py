@@ -1,4 +1,5 @@
-"""Logits, KV-cache decoding and greedy generation against Hugging Face transformers."""
+"""Logits (padded and packed rows), KV-cache decoding and greedy generation against Hugging Face transformers, for
+every family: Llama (with Llama 3 rope scaling), Qwen2, Qwen3, Qwen3-MoE and Gemma 3 (sliding layers of window 4)."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ import torch
 from streamrl_jax.models import KVCache, generate, load_hf, pad_prompts
 
 PROMPTS = [[5, 17, 33, 2, 8], [9, 1, 4, 60, 61, 62, 70, 3, 11], [7, 7, 90, 12, 13, 14, 15, 16, 40, 41, 42, 43]]
-MODELS = ["qwen2", "llama", "llama3_rope"]
+MODELS = ["qwen2", "llama", "llama3_rope", "qwen3", "qwen3_moe", "gemma3"]
 
 
 def hf_logits(hf_model, prompt):
@@ -27,7 +28,21 @@ def test_padded_batch_logits_match_transformers(hf_dirs, name, side):
     np.testing.assert_allclose(logits[row][mask[row]], hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_packed_rows_keep_each_sample_to_itself(hf_dirs):
+  """Prompts end to end in one row (segment ids, positions restarting; a sliding layer's window within its own
+  sample): each one's logits are transformers' for the prompt alone."""
+  tokens = np.concatenate([np.asarray(p) for p in PROMPTS])[None]
+  segments = np.concatenate([np.full(len(p), i + 1) for i, p in enumerate(PROMPTS)])[None]
+  tokens, segments = np.pad(tokens, ((0, 0), (0, 3))), np.pad(segments, ((0, 0), (0, 3)))  # padding at the end
+  for name in MODELS:
+    directory, hf_model = hf_dirs[name]
+    logits = np.asarray(load_hf(directory)(jnp.asarray(tokens), jnp.asarray(segments > 0), jnp.asarray(segments)))
+    for i, prompt in enumerate(PROMPTS):
+      np.testing.assert_allclose(logits[0][segments[0] == i + 1], hf_logits(hf_model, prompt), atol=1e-4, rtol=1e-4,
+                                 err_msg=name)
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama", "qwen3_moe", "gemma3"])
 def test_kv_cache_decoding_equals_full_forward(hf_dirs, name):
   model = load_hf(hf_dirs[name][0])
   full_tokens, full_mask = pad_prompts(PROMPTS, pad_id=0, side="left")

@@ -2,8 +2,10 @@
 
 `read_gguf` gives a `GGUFModel` whose tensors carry Hugging Face names and layouts, so `write_hf_dir`
 turns it into a directory that `load_hf`, `load_tokenizer` and transformers all read. Tensors are
-dequantized to float32 by the `gguf` package itself; llama.cpp's row permutation of the Q and K
-projections (its rotary layout, llama only) is undone. Every refusal is a `GGUFError` naming the file.
+named by the `gguf` package's own map (llama, qwen2, qwen3, qwen3moe, gemma3) and dequantized to float32 by it;
+llama.cpp's row permutation of the Q and K projections (its rotary layout, llama only) is undone, a mixture's
+stacked experts are split into Hugging Face's one tensor per expert, and Gemma's norms, which llama.cpp stores
+as 1 + weight, are stored as weights again. Every refusal is a `GGUFError` naming the file.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from streamrl_jax.models.chat import end_of_turn_token
 from streamrl_jax.models.tokenizer import special_post_processor
-from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.config import ModelConfig, RopeScaling
+from streamrl_jax.models.families import config_to_hf
+from streamrl_jax.models.hf_io import tensor_layout
 
-ARCHITECTURES = ("llama", "qwen2")
+# general.architecture -> ModelConfig.architecture (the family)
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe", "gemma3": "gemma3"}
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
                    "Q2_K", "Q3_K")
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
@@ -36,19 +41,6 @@ PRE_TOKENIZERS = {
     "default": (_GPT2_SPLIT,), "gpt2": (_GPT2_SPLIT,), "smollm": (r"\p{N}", _GPT2_SPLIT),
     "llama-bpe": (_LLAMA3_SPLIT,), "llama3": (_LLAMA3_SPLIT,), "qwen2": (_QWEN2_SPLIT,),
 }
-
-# GGUF tensor name (after `blk.N.`) -> Hugging Face name (after `model.layers.N.`).
-_LAYER_TENSORS = {
-    "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-    "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-    "attn_v.bias": "self_attn.v_proj.bias", "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight", "ffn_down.weight": "mlp.down_proj.weight",
-}
-_TOP_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-                "output.weight": "lm_head.weight"}
-
 
 class GGUFError(ValueError):
   """A GGUF file this project cannot use; the message names the file and the problem."""
@@ -67,14 +59,22 @@ class GGUFModel:
   add_eos: bool = False
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-  """The Hugging Face name of a GGUF tensor, None for one this decoder does not use."""
-  if gguf_name in _TOP_TENSORS:
-    return _TOP_TENSORS[gguf_name]
-  parts = gguf_name.split(".", 2)
-  if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-    return f"model.layers.{parts[1]}.{_LAYER_TENSORS[parts[2]]}"
-  return None
+def tensor_names(arch: str, config: ModelConfig) -> dict[str, list[tuple[str, int | None]]]:
+  """GGUF tensor name -> the Hugging Face tensors it holds, [(name, expert)]: one, or a mixture's stacked experts
+  (expert e is slice e), for every tensor of `config`'s layout, named by the `gguf` package's tensor map."""
+  import gguf
+
+  names = gguf.get_tensor_name_map(next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch), config.num_layers)
+  out: dict[str, list[tuple[str, int | None]]] = {}
+  for spec in tensor_layout(config):
+    base, suffix = spec.hf_name.rsplit(".", 1)
+    if spec.expert is not None:  # model.layers.N.mlp.experts.E.gate_proj -> model.layers.N.mlp.experts.gate_proj
+      base = base.replace(f".experts.{spec.expert}.", ".experts.")
+    name = names.get_name(base)
+    if name is None:
+      raise GGUFError(f"the gguf package names no {arch} tensor for {spec.hf_name!r}")
+    out.setdefault(f"{name}.{suffix}", []).append((spec.hf_name, spec.expert))
+  return out
 
 
 def unpermute_rows(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -119,8 +119,11 @@ def read_config(reader, path: Path) -> ModelConfig:
   arch = _field(reader, path, "general.architecture", required=True)
   if arch not in ARCHITECTURES:
     raise GGUFError(f"{path}: architecture {arch!r} is not supported; supported: {list(ARCHITECTURES)}")
+  family = ARCHITECTURES[arch]
   get = lambda key, default=None, required=False: _field(reader, path, f"{arch}.{key}", default, required)  # noqa: E731
-  if get("rope.scaling.type", "none") not in ("none", None) or "rope_freqs.weight" in _tensor_names(reader):
+  names = set(_tensor_names(reader))
+  scaling = get("rope.scaling.type", "none")
+  if scaling not in ("none", None) and not (family == "gemma3" and scaling == "linear") or "rope_freqs.weight" in names:
     raise GGUFError(f"{path}: rope scaling ({get('rope.scaling.type', 'rope_freqs')}) is not supported")
   hidden, heads = int(get("embedding_length", required=True)), int(get("attention.head_count", required=True))
   tokens = _field(reader, path, "tokenizer.ggml.tokens")
@@ -132,16 +135,43 @@ def read_config(reader, path: Path) -> ModelConfig:
     raise GGUFError(f"{path}: the tokenizer has {len(tokens)} tokens but the embedding has {vocab} rows")
   eos = _field(reader, path, "tokenizer.ggml.eos_token_id")
   bos = _field(reader, path, "tokenizer.ggml.bos_token_id")
-  return ModelConfig(
+  layers = int(get("block_count", required=True))
+  head_dim = int(get("attention.key_length", get("rope.dimension_count", hidden // heads)))
+  fields = dict(
       vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length", required=True)),
-      num_layers=int(get("block_count", required=True)), num_heads=heads,
-      num_kv_heads=int(get("attention.head_count_kv", heads)),
-      head_dim=int(get("attention.key_length", get("rope.dimension_count", hidden // heads))),
-      architecture=arch, rope_theta=float(get("rope.freq_base", 10000.0)),
-      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), qkv_bias=arch == "qwen2",
-      tie_embeddings="output.weight" not in _tensor_names(reader),
-      max_position_embeddings=int(get("context_length", 4096)),
+      num_layers=layers, num_heads=heads, num_kv_heads=int(get("attention.head_count_kv", heads)), head_dim=head_dim,
+      architecture=family, rope_theta=float(get("rope.freq_base", 10000.0)),
+      rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)), qkv_bias=family == "qwen2",
+      tie_embeddings="output.weight" not in names, max_position_embeddings=int(get("context_length", 4096)),
       bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos))
+  fields.update(_family_fields(family, get, names, layers, head_dim))
+  return ModelConfig(**fields)
+
+
+def _family_fields(family: str, get, names: set, layers: int, head_dim: int) -> dict:
+  """The switches of a qwen3, qwen3moe or gemma3 file, from its metadata as llama.cpp writes and reads it."""
+  if family in ("qwen3", "qwen3_moe"):
+    fields = dict(qk_norm=True)
+    if family == "qwen3_moe":  # llama.cpp renormalises the top k of every qwen3moe (its expert_weights_norm)
+      fields.update(num_experts=int(get("expert_count", required=True)),
+                    experts_per_token=int(get("expert_used_count", required=True)),
+                    moe_intermediate_size=int(get("expert_feed_forward_length", required=True)),
+                    norm_topk_prob=bool(get("expert_weights_norm", True)), router_aux_loss_coef=0.001,
+                    dense_layers=tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in names))
+    return fields
+  if family != "gemma3":
+    return {}
+  pattern = get("attention.sliding_window_pattern", 6)  # llama.cpp: a period, or one flag a layer (True: sliding)
+  sliding = ([bool(f) for f in pattern] if isinstance(pattern, list) else
+             [bool((i + 1) % int(pattern)) for i in range(layers)])
+  factor = get("rope.scaling.factor")
+  # llama.cpp scales Gemma 3's queries by head_dim ** -0.5, but by (hidden / heads) ** -0.5 in the 27B (62 layers)
+  scalar = int(get("embedding_length")) / int(get("attention.head_count")) if layers == 62 else head_dim
+  return dict(qk_norm=True, norm_offset=1.0, sandwich_norms=True, embed_scale=True, hidden_act="gelu_tanh",
+              query_scale=float(scalar) ** -0.5, sliding_window=int(get("attention.sliding_window", required=True)),
+              layer_types=tuple("sliding" if s else "full" for s in sliding), local_rope_theta=10000.0,
+              rope_scaling=RopeScaling(factor=float(factor), rope_type="linear")
+              if get("rope.scaling.type") == "linear" and factor not in (None, 1.0) else None)
 
 
 def _tensor_names(reader) -> list[str]:
@@ -152,10 +182,11 @@ def read_tensors(reader, path: Path, config: ModelConfig) -> dict[str, np.ndarra
   """Every tensor the decoder uses, dequantized to float32, under its Hugging Face name and layout."""
   from gguf import quants
 
+  wanted = tensor_names(_field(reader, path, "general.architecture"), config)
   out = {}
   for tensor in reader.tensors:
-    name = hf_tensor_name(tensor.name)
-    if name is None:
+    targets = wanted.get(tensor.name)
+    if targets is None:
       continue
     kind = tensor.tensor_type.name
     if kind not in SUPPORTED_TYPES:
@@ -165,7 +196,10 @@ def read_tensors(reader, path: Path, config: ModelConfig) -> dict[str, np.ndarra
     array = array.reshape([int(n) for n in reversed(tensor.shape)])
     if config.architecture == "llama" and tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
       array = unpermute_rows(array, config.num_heads if ".attn_q." in tensor.name else config.num_kv_heads)
-    out[name] = array
+    if config.norm_offset and "norm" in tensor.name:  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
+      array = array - config.norm_offset
+    for name, expert in targets:
+      out[name] = array if expert is None else np.ascontiguousarray(array[expert])
   return out
 
 
@@ -206,7 +240,7 @@ def read_tokenizer(reader, path: Path) -> tuple[tokenizers.Tokenizer, dict[str, 
 
 
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
-  """Reads a llama or qwen2 GGUF file: config, float32 tensors (HF layout), tokenizer, chat template."""
+  """Reads a GGUF file of a supported family: config, float32 tensors (HF layout), tokenizer, chat template."""
   path = Path(path)
   reader = _open(path)
   config = read_config(reader, path)
@@ -222,8 +256,6 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
 
 
 def _expected_names(config: ModelConfig) -> set[str]:
-  from streamrl_jax.models.hf_io import tensor_layout
-
   return {spec.hf_name for spec in tensor_layout(config)}
 
 
@@ -236,7 +268,7 @@ def write_hf_dir(model: GGUFModel, out_dir: str | os.PathLike) -> Path:
   out.mkdir(parents=True, exist_ok=True)
   save_file({k: np.ascontiguousarray(v) for k, v in model.tensors.items()}, out / "model.safetensors",
             metadata={"format": "pt"})
-  (out / "config.json").write_text(json.dumps(model.config.to_hf(), indent=2))
+  (out / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2))
   model.tokenizer.save(str(out / "tokenizer.json"))
   named = {k: v for k, v in dict(bos_token=model.bos_token, eos_token=model.eos_token).items() if v is not None}
   eos, vocab = model.eos_token, model.tokenizer.get_vocab(with_added_tokens=True)

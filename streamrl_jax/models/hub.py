@@ -57,13 +57,13 @@ def offline() -> bool:
 
 def hub_model(spec: str) -> Path:
   """The snapshot directory of the Hub model `spec` (`org/name[@revision]`), fetched into the cache if needed."""
-  from streamrl_jax.models.config import ModelConfig
+  from streamrl_jax.models.families import config_from_hf
 
   repo, revision = parse_hub_id(spec)
   cache, local = hub_cache(), offline()
   try:
     config = _download(repo, revision, cache, local, "config.json")
-    ModelConfig.from_hf(json.loads(Path(config).read_text()))  # an unsupported architecture: before the weights
+    config_from_hf(json.loads(Path(config).read_text()))  # an unsupported architecture: before the weights
     if not local:
       _log.info(f"fetching {spec} from the Hugging Face Hub into {cache} (config, tokenizer and safetensors only) ...")
     path = Path(_snapshot(repo, revision, cache, local))

@@ -20,6 +20,7 @@ class KVCache:
   keys: tuple[jax.Array, ...]  # per layer [batch, kv_heads, max_len, head_dim]
   values: tuple[jax.Array, ...]
   valid: jax.Array  # [batch, max_len] bool: entry holds a real token
+  positions: jax.Array  # [batch, max_len] int32: the rotary position of each entry's token (sliding windows read it)
   index: jax.Array  # [batch] int32: where the row's next token is written
   next_position: jax.Array  # [batch] int32: rotary position of the row's next real token
 
@@ -29,7 +30,8 @@ class KVCache:
     shape = (batch, config.num_kv_heads, max_len, config.head_dim)
     zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
     return cls(keys=zeros, values=tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers)),
-               valid=jnp.zeros((batch, max_len), bool), index=jnp.zeros((batch,), jnp.int32),
+               valid=jnp.zeros((batch, max_len), bool), positions=jnp.zeros((batch, max_len), jnp.int32),
+               index=jnp.zeros((batch,), jnp.int32),
                next_position=jnp.zeros((batch,), jnp.int32))
 
   @property
@@ -38,16 +40,17 @@ class KVCache:
 
   def chunk_layout(self, token_mask: jax.Array):
     """Where a chunk of tokens [B, T] with `token_mask` goes: positions, write indices, attention mask
-    [B, T, max_len] and the cache's new bookkeeping (valid, index, next_position)."""
+    [B, T, max_len] and the cache's new bookkeeping (valid, positions, index, next_position)."""
     t = token_mask.shape[1]
     positions = self.next_position[:, None] + jnp.cumsum(token_mask, axis=1, dtype=jnp.int32) - 1
     positions = jnp.maximum(positions, 0)
     write_index = self.index[:, None] + jnp.arange(t, dtype=jnp.int32)
     rows = jnp.arange(token_mask.shape[0])[:, None]
     valid = self.valid.at[rows, write_index].set(token_mask.astype(bool))
+    key_positions = self.positions.at[rows, write_index].set(positions)
     slots = jnp.arange(self.max_len, dtype=jnp.int32)
     mask = valid[:, None, :] & (slots[None, None, :] <= write_index[:, :, None])
-    bookkeeping = dict(valid=valid, index=self.index + t,
+    bookkeeping = dict(valid=valid, positions=key_positions, index=self.index + t,
                        next_position=self.next_position + token_mask.sum(axis=1, dtype=jnp.int32))
     return positions, write_index, mask, bookkeeping
 

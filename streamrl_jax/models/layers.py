@@ -1,10 +1,11 @@
-"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP.
+"""Building blocks of the decoder: RMSNorm, rotary embeddings, grouped-query attention, gated MLPs.
 
 Every parameter carries `logical_axes` metadata; `models.sharding` maps those names onto a mesh.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -26,18 +27,24 @@ def _constant(config: ModelConfig, shape, axes, fill: float) -> nnx.Param:
 
 
 class RMSNorm(nnx.Module):
-  """Root-mean-square norm computed in float32, scaled in the input dtype (as Hugging Face does)."""
+  """Root-mean-square norm computed in float32 and scaled by `norm_offset + weight` (Gemma's weights are offsets from
+  1). As Hugging Face does: Llama's family scales in the input dtype, Gemma's in float32 before casting back."""
 
-  def __init__(self, config: ModelConfig):
-    self.eps = config.rms_norm_eps
-    self.scale = _constant(config, (config.hidden_size,), ("norm",), 1.0)
+  def __init__(self, config: ModelConfig, size: int | None = None):
+    self.eps, self.offset = config.rms_norm_eps, config.norm_offset
+    self.scale = _constant(config, (size or config.hidden_size,), ("norm",), 1.0 - config.norm_offset)
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    scale = self.scale[...]
+    if self.offset:
+      scale, out_dtype, normed_dtype = scale.astype(jnp.float32) + self.offset, x.dtype, jnp.float32
+    else:
+      out_dtype = normed_dtype = x.dtype
     if jax.default_backend() == "cpu":  # elsewhere the sum stays a reduction: a TPU's float32 product with ones
-      return scaled(self.scale[...], normed.astype(x.dtype))  # would run in bfloat16 passes by default
-    return self.scale[...].astype(x.dtype) * normed.astype(x.dtype)
+      return scaled(scale, normed.astype(normed_dtype)).astype(out_dtype)  # would run in bfloat16 passes by default
+    return (scale.astype(normed_dtype) * normed.astype(normed_dtype)).astype(out_dtype)
 
 
 @jax.custom_vjp
@@ -64,10 +71,13 @@ scaled.defvjp(_scaled_fwd, _scaled_bwd)
 
 
 def rope_inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-  """Per-pair inverse frequencies, with Llama 3 frequency-dependent scaling when configured."""
+  """Per-pair inverse frequencies, scaled as configured: Llama 3's frequency-dependent scaling, or linear (every
+  frequency divided by the factor)."""
   inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
   if scaling is None:
     return inv.astype(np.float32)
+  if scaling.rope_type == "linear":
+    return (inv / scaling.factor).astype(np.float32)
   wavelen = 2 * math.pi / inv
   low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
   high_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
@@ -202,11 +212,12 @@ def project(module: nnx.Module, name: str, x: jax.Array, w: jax.Array) -> jax.Ar
 
 
 class Attention(nnx.Module):
-  """Grouped-query attention with rotary embeddings over an optional KV cache of one layer."""
+  """Grouped-query attention with rotary embeddings over an optional KV cache of one layer: the layer's own rope base
+  and scaling (`ModelConfig.layer_rope`), q/k norms where the family has them, and its logit scale."""
 
-  def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+  def __init__(self, config: ModelConfig, layer: int = 0, *, rngs: nnx.Rngs):
     h, d, q, kv = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
-    self.config = config
+    self.config, self.layer = config, layer
     self.q_proj = _param(rngs, config, (h, q, d), ("embed", "heads", "head_dim"))
     self.k_proj = _param(rngs, config, (h, kv, d), ("embed", "kv_heads", "head_dim"))
     self.v_proj = _param(rngs, config, (h, kv, d), ("embed", "kv_heads", "head_dim"))
@@ -217,6 +228,8 @@ class Attention(nnx.Module):
       self.v_bias = _constant(config, (kv, d), ("kv_heads", "head_dim"), 0.0)
     if config.o_bias:
       self.o_bias = _constant(config, (h,), ("embed",), 0.0)
+    if config.qk_norm:
+      self.q_norm, self.k_norm = RMSNorm(config, d), RMSNorm(config, d)
 
   def _project(self, x, name, bias_name):
     w = getattr(self, name)[...]
@@ -234,9 +247,16 @@ class Attention(nnx.Module):
     Returns (output [B, T, H], the updated layer cache or None).
     """
     cfg = self.config
-    inv_freq = rope_inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-    q = apply_rope(self._project(x, "q_proj", "q_bias"), positions, inv_freq)
-    k = apply_rope(self._project(x, "k_proj", "k_bias"), positions, inv_freq)
+    theta, scaling = cfg.layer_rope(self.layer)
+    inv_freq = rope_inverse_frequencies(cfg.head_dim, theta, scaling)
+    q, k = self._project(x, "q_proj", "q_bias"), self._project(x, "k_proj", "k_bias")
+    if cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    # every attention below scales by head_dim ** -0.5 (a fused kernel's too): a family's own scale goes into q
+    factor = cfg.query_scale * math.sqrt(cfg.head_dim) if cfg.query_scale else 1.0
+    if factor != 1.0:
+      q = q * jnp.asarray(factor, q.dtype)
     v = self._project(x, "v_proj", "v_bias")
     if kv_cache is None:
       out = grouped_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
@@ -266,11 +286,17 @@ def grouped_attention(q, k, v, mask):
   return jnp.einsum("bkgts,bksd->btkgd", probs, v).reshape(b, t, hq, d)
 
 
+def gate_activation(name: str):
+  """The MLP gate's activation: silu (Llama, Qwen) or the tanh approximation of gelu (Gemma)."""
+  return jax.nn.silu if name == "silu" else functools.partial(jax.nn.gelu, approximate=True)
+
+
 class MLP(nnx.Module):
-  """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+  """Gated feed-forward: down(act(gate(x)) * up(x)), act silu (SwiGLU) or gelu-tanh (GeGLU)."""
 
   def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
     h, i = config.hidden_size, config.intermediate_size
+    self.act = config.hidden_act
     self.gate_proj = _param(rngs, config, (h, i), ("embed", "mlp"))
     self.up_proj = _param(rngs, config, (h, i), ("embed", "mlp"))
     self.down_proj = _param(rngs, config, (i, h), ("mlp", "embed"))
@@ -278,4 +304,4 @@ class MLP(nnx.Module):
   def __call__(self, x):
     gate = project(self, "gate_proj", x, self.gate_proj[...])
     up = project(self, "up_proj", x, self.up_proj[...])
-    return project(self, "down_proj", jax.nn.silu(gate) * up, self.down_proj[...])
+    return project(self, "down_proj", gate_activation(self.act)(gate) * up, self.down_proj[...])

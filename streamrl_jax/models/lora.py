@@ -87,7 +87,12 @@ def adapter_param_count(config: LoraConfig, model_config: ModelConfig) -> int:
 
 
 def check(config: LoraConfig, model_config: ModelConfig) -> None:
-  """Refuses a rank larger than a target projection's smaller side (one line naming it)."""
+  """Refuses a rank larger than a target projection's smaller side, and an MLP target in a mixture of experts (one
+  line naming it)."""
+  experts = [t for t in config.targets if TARGETS[t][0] == "mlp"] if model_config.num_experts else []
+  if experts:
+    raise ConfigError(f"LoraConfig.targets: {experts[0]!r} in a mixture of experts ({model_config.architecture}): "
+                      "adapters on experts are not implemented; adapt the attention (q, k, v, o)")
   for target in config.targets:
     dims = projection_dims(model_config, target)
     if config.rank > min(dims):

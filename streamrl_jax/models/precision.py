@@ -58,6 +58,8 @@ def channel_axes(logical_axes: tuple) -> tuple[int, ...] | None:
   quantized (norms, biases: no `embed` axis, or a vector)."""
   if len(logical_axes) < 2 or "embed" not in logical_axes:
     return None
+  if logical_axes[0] == "expert":  # a mixture's stacked experts: each expert's own channels
+    return (0,) + tuple(a + 1 for a in channel_axes(logical_axes[1:]))
   if tuple(logical_axes) == ("vocab", "embed"):  # the embedding table: one scale per token row
     return (0,)
   if logical_axes[-1] == "embed":  # o_proj (heads, head_dim, embed), down_proj (mlp, embed)

@@ -24,6 +24,9 @@ DEFAULT_RULES: Mapping[str, MeshAxes] = {
     "kv_heads": "tensor",
     "head_dim": None,
     "norm": None,
+    "expert": "fsdp",  # a mixture's experts (expert parallelism; the trainer names the axis: MeshConfig.expert_axis)
+    "expert_mlp": None,  # an expert's own width: whole on the device holding the expert
+    "expert_choice": None,  # the router's output: one logit per expert, replicated
 }
 
 

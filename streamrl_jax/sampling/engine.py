@@ -221,10 +221,13 @@ class DecodeEngine(EngineBase):
     put = lambda big, small: big.at[slots].set(small.astype(big.dtype), mode="drop")  # noqa: E731
     put_kv = lambda big, small: big.at[slots, :, :bucket].set(small.astype(big.dtype), mode="drop")  # noqa: E731
     row_valid = jnp.zeros((slots.shape[0], cache.max_len), bool).at[:, :bucket].set(prefix.valid)
+    # a prefix's token i sits at index i and rotary position i (prompts are prefilled from the row's start)
+    row_positions = jnp.broadcast_to(jnp.arange(cache.max_len, dtype=jnp.int32), row_valid.shape)
     cache = cache.replace(
         keys=tuple(put_kv(k, pk) for k, pk in zip(cache.keys, prefix.keys)),
         values=tuple(put_kv(v, pv) for v, pv in zip(cache.values, prefix.values)),
-        valid=put(cache.valid, row_valid), index=put(cache.index, prefix.true_length),
+        valid=put(cache.valid, row_valid), positions=put(cache.positions, row_positions),
+        index=put(cache.index, prefix.true_length),
         next_position=put(cache.next_position, prefix.true_length))
     return state.replace(
         cache=cache, last_token=put(state.last_token, prefix.first_token), rng=put(state.rng, prefix.rng),
