@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import json
+from pathlib import Path
 
 import pytest
 import tokenizers
@@ -17,7 +18,9 @@ from streamrl_jax.models.chat import ChatFormat, ChatTemplateError, render_chat
 from streamrl_jax.tasks.config import TaskConfig
 
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|start_header_id|>",
-            "<|end_header_id|>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>"]
+            "<|end_header_id|>", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+            "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+TEMPLATES = Path(__file__).parent / "templates"  # the families' own templates, as their tokenizer_config.json has them
 
 # A Llama 3 style template: BOS from the tokenizer, a namespace, today's date, tools as indented JSON, loop controls
 # (a message of role "note" is skipped, one of role "stop" ends the conversation), turns closed with <|eot_id|>.
@@ -134,6 +137,48 @@ def test_llama3_like_template_matches_transformers_id_for_id(llama3_dir, frozen_
   _same_chat(ours, theirs, [{"role": "user", "content": "hi"}])
   # One BOS, as transformers gives it: the template's, not a second from the post-processor.
   assert ours.apply_chat_template([{"role": "user", "content": "hi"}]).count(0) == 1
+
+
+def test_qwen3_template_with_and_without_thinking_matches_transformers_id_for_id(tmp_path):
+  """Qwen3's template: `enable_thinking` (False opens the answer with an empty think block), past turns' reasoning
+  dropped from the history, tools and tool responses."""
+  directory = _model_dir(tmp_path / "qwen3", template=(TEMPLATES / "qwen3.jinja").read_text(), eos_token="<|im_end|>",
+                         pad_token="<|im_end|>")
+  ours, theirs = load_tokenizer(directory), _theirs(directory)
+  question = [{"role": "user", "content": "What is 2 + 2?"}]
+  for options in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+    text = _same_chat(ours, theirs, question, **options)
+    assert text.endswith("<think>\n\n</think>\n\n") == (options.get("enable_thinking") is False)
+  history = [{"role": "system", "content": "Be brief."}, *question,
+             {"role": "assistant", "content": "<think>\n2 and 2 make 4.\n</think>\n\n4"},
+             {"role": "user", "content": "And 3 + 3?"}]
+  text = _same_chat(ours, theirs, history, tools=TOOLS)
+  assert "2 and 2 make 4" not in text and "<|im_start|>assistant\n4<|im_end|>" in text  # the past reasoning dropped
+  tool_turns = [*question, {"role": "assistant", "content": "", "tool_calls": [
+      {"function": {"name": "convert", "arguments": {"x": 2}}}]}, {"role": "tool", "content": "4"}]
+  _same_chat(ours, theirs, tool_turns, tools=TOOLS, enable_thinking=False)
+  assert ours.stop_ids and ours.encode("<|im_end|>")[0] in ours.stop_ids
+  chat = ours.chat_format(None, {"enable_thinking": False})  # a task's prompts without thinking
+  assert chat.wrap("2+2?") == theirs.apply_chat_template([{"role": "user", "content": "2+2?"}], tokenize=False,
+                                                         add_generation_prompt=True, enable_thinking=False)
+  assert chat.unwrap(chat.wrap("2+2?")) == "2+2?"
+
+
+def test_gemma3_template_matches_transformers_id_for_id(tmp_path):
+  """Gemma 3's template: BOS from the template, the system message folded into the first user turn, the
+  assistant's turns as the model's, and alternation enforced."""
+  directory = _model_dir(tmp_path / "gemma3", template=(TEMPLATES / "gemma3.jinja").read_text(), bos_token="<bos>",
+                         eos_token="<eos>", post_processor="<bos>", generation=dict(bos_token_id=13, eos_token_id=[14, 16]))
+  ours, theirs = load_tokenizer(directory), _theirs(directory)
+  conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "  What is 2 + 2?  "},
+                  {"role": "assistant", "content": "4"}, {"role": "user", "content": "And €3 + <b>?"}]
+  text = _same_chat(ours, theirs, conversation)
+  assert text.startswith("<bos><start_of_turn>user\nBe brief.\n\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model")
+  assert ours.apply_chat_template(conversation).count(ours.encode("<bos>")[0]) == 1  # the template's BOS alone
+  with pytest.raises(chat_module.ChatTemplateError, match="Conversation roles must alternate"):
+    ours.render_chat([{"role": "assistant", "content": "hi"}])
+  assert set(ours.encode("<end_of_turn>")) <= set(ours.stop_ids)  # an instruct Gemma stops at its turn's end
+  assert ours.encode_prompt("hi")[0] == ours.encode("<bos>")[0]  # a raw prompt gets the post-processor's BOS
 
 
 def test_raw_prompts_get_the_post_processors_bos(llama3_dir, mistral_dir, tmp_path):

@@ -129,10 +129,11 @@ class HFTokenizer:
     `apply_chat_template(..., tokenize=True)`)."""
     return self.encode(self.render_chat(messages, add_generation_prompt, tools, **extra))
 
-  def chat_format(self, system: str | None = None) -> ChatFormat:
-    """One user message (after `system`) in the model's template."""
+  def chat_format(self, system: str | None = None, options: dict | None = None) -> ChatFormat:
+    """One user message (after `system`) in the model's template, rendered with template `options` too (Qwen3's
+    `enable_thinking`)."""
     try:
-      return ChatFormat.of(self._template(), system, self.special_tokens, source=self.name)
+      return ChatFormat.of(self._template(), system, {**self.special_tokens, **(options or {})}, source=self.name)
     except ChatTemplateError as err:
       raise ChatTemplateError(f"{self.name}: {err}") from None
 

@@ -33,6 +33,8 @@ class TaskConfig:
   eval_fraction: float = 0.0
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
   system_prompt: str = ""  # chat: the system message; "": the template's own default
+  # chat: the template's thinking mode (Qwen3's enable_thinking); False renders it off (Qwen3: an empty think block)
+  thinking: bool = True
   max_digits: int = 4  # task "arithmetic": most digits of each operand (long-tailed draw)
   sum_digits: int = 2  # task "sums": digits of each term
   sum_terms: int = 2  # task "sums": terms per problem (at least 2)
@@ -72,4 +74,5 @@ class TaskConfig:
     if not tokenizer.chat_template:
       raise ValueError(f"TaskConfig.chat is set but the model {model!r} has no chat template "
                        "(tokenizer_config.json: chat_template)")
-    return ChatTask(task, tokenizer.chat_format(self.system_prompt or None))
+    return ChatTask(task, tokenizer.chat_format(self.system_prompt or None,
+                                                None if self.thinking else {"enable_thinking": False}))
