@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 AXES = ("data", "fsdp", "tensor")
+EXPERT_AXES = ("fsdp", "tensor")  # the trainer mesh's axes a mixture's experts may be split over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,11 +44,17 @@ class MeshConfig:
   trainer_devices: int = 0  # trainer mesh devices; 0: the devices the sampler leaves
   sampler_tensor_parallel: int = 1  # the sampler mesh's "tensor" axis; divides sampler_devices, the rest is "data"
   trainer_tensor_parallel: int = 1  # the trainer mesh's "tensor" axis; divides trainer_devices, the rest is "fsdp"
+  # the trainer mesh axis a mixture's experts are split over (expert parallelism): "fsdp" or "tensor"; one device
+  # on it: every expert on every device
+  expert_axis: str = "fsdp"
 
   def __post_init__(self):
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
-      if value < 0 or (field.name.endswith("parallel") and value < 1):
+      if field.name == "expert_axis":
+        if value not in EXPERT_AXES:
+          raise ValueError(f"MeshConfig.expert_axis={value!r}; known: {list(EXPERT_AXES)}")
+      elif value < 0 or (field.name.endswith("parallel") and value < 1):
         raise ValueError(f"MeshConfig.{field.name}={value} is out of range")
 
   def split(self, num_devices: int) -> tuple[MeshShape, MeshShape]:

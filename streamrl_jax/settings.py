@@ -17,6 +17,8 @@ MOVED_KEYS = {
     "PipelineConfig.sampler_precision": "SamplerConfig.precision",
     **{f"PipelineConfig.{f}": f"TrainerConfig.{f}" for f in ("queue_capacity", "stop_grace_s", "step_timeout_s")},
     **{f"PipelineConfig.{f}": f"ControllerConfig.{f}" for f in ("dynamic_sampling", "backfill_limit")},
+    "ObjectiveConfig.value_coef": "ValueLossConfig.coef",
+    "ObjectiveConfig.value_clip": "ValueLossConfig.clip",
     "PipelineConfig.arm_name": "ArmsConfig.lead_name",
     "PipelineConfig.arm_max_lag": "ArmsConfig.max_lag",
     "PipelineConfig.arm_programs": "ArmsConfig.programs",

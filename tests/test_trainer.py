@@ -11,9 +11,9 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import Transformer
-from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
+from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
 from streamrl_jax.training.checkpoint import Checkpointer
-from streamrl_jax.training.objectives import OBJECTIVES
+from streamrl_jax.training.objectives import OBJECTIVES, ValueLossConfig
 from streamrl_jax.training.logprobs import token_logprobs
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows, trainer_for
 
@@ -239,9 +239,9 @@ def test_critic_value_loss_matches_numpy_and_accumulates(model_parts):
   from streamrl_jax.models import ValueModel
   graphdef, params = nnx.split(ValueModel(CONFIG, rngs=nnx.Rngs(1)))
   params["value_head"][...] = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
-  cfg = ObjectiveConfig(value_coef=0.5, value_clip=0.2)
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
-  trainer = Trainer(graphdef, OptimizerConfig(), cfg, mesh, role="critic")
+  trainer = Trainer(graphdef, OptimizerConfig(), ObjectiveConfig(), mesh, role="critic",
+                    config=TrainerConfig(value_loss=ValueLossConfig(coef=0.5, clip=0.2)))
   batch = make_batch(6, seed=9)
   rng = np.random.default_rng(9)
   batch = {k: batch[k] for k in ("tokens", "valid", "loss_mask")}

@@ -24,13 +24,14 @@ import os
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from streamrl_jax import launch
 from streamrl_jax.pytrees import flatten_with_names as _flatten
 from streamrl_jax.pytrees import unflatten_like as _unflatten
-from streamrl_jax.training.trainer import TrainState, _zero_sums
+from streamrl_jax.training.trainer import TrainState
 
 SAVED_FIELDS = ("params", "opt_state", "step", "rng")
 # orbax's bound on the bytes being written at once (its default, 96 GB, bounds nothing here): a background save runs
@@ -125,7 +126,8 @@ class Checkpointer:
                                                                    extra=ocp.args.JsonRestore()))
     fields = _unflatten(saved, dict(restored.arrays))
     grad_sum = jax.tree.map(lambda g: g * 0, template.grad_sum)
-    return TrainState(grad_sum=grad_sum, sums=_zero_sums(), **fields), dict(restored.extra or {})
+    sums = {k: jnp.zeros((), jnp.float32) for k in template.sums}  # the template's: a mixture counts more
+    return TrainState(grad_sum=grad_sum, sums=sums, **fields), dict(restored.extra or {})
 
   def restore_aux(self, template, step: int | None = None):
     """The `aux` pytree saved with `step` (default: latest), in the structure of `template` (host arrays)."""

@@ -8,7 +8,7 @@ import dataclasses
 
 from streamrl_jax.models.config import REMAT_POLICIES
 from streamrl_jax.models.lora import LoraConfig
-from streamrl_jax.training.objectives import ObjectiveConfig
+from streamrl_jax.training.objectives import ObjectiveConfig, ValueLossConfig
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -65,6 +65,7 @@ class TrainerConfig:
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   objective: ObjectiveConfig = ObjectiveConfig()
   lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
+  value_loss: ValueLossConfig = ValueLossConfig()  # a critic trainer's clipped value loss
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:

@@ -12,9 +12,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.models.moe import RouterTrace, load_balancing_loss
 from streamrl_jax.registry import Registry
 
 OBJECTIVES = Registry("policy objective")
+TERMS = Registry("objective term")  # losses added to the policy loss, of what a call's forward reports
+ROUTING_REPLAY = ("off", "replay")
 AGGREGATIONS = ("token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 UNCORRECTED = ("ppo_recomputed", "reinforce")  # objectives in which the sampler's log-probabilities play no part
@@ -39,16 +42,24 @@ class ObjectiveConfig:
   kl_estimator: str = "k3"  # per-token KL estimator: "k1", "k2" or "k3" (Schulman)
   kl_in_reward: bool = False  # True: the KL penalty goes into the reward instead of the loss
   entropy_coef: float = 0.0  # weight of the entropy bonus subtracted from the loss (0: none)
-  value_coef: float = 0.5  # critic trainer only: weight of the clipped value loss
-  value_clip: float = 0.2  # critic trainer only: PPO clip range of the values around the old values
+  # a mixture of experts: "replay" routes each token through the experts the sampler chose (R3), "off" the trainer's
+  # own top k
+  routing_replay: str = "off"
+  # extra loss terms by name (TERMS): "load_balancing" (a mixture's router loss, weighted by the checkpoint's
+  # router_aux_loss_coef)
+  terms: tuple = ()
 
   def __post_init__(self):
     OBJECTIVES.get(self.objective)
+    if self.routing_replay not in ROUTING_REPLAY:
+      raise ValueError(f"ObjectiveConfig.routing_replay={self.routing_replay!r}; known: {list(ROUTING_REPLAY)}")
+    for term in self.terms:
+      TERMS.get(term)
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"unknown aggregation {self.aggregation!r}; known: {list(AGGREGATIONS)}")
     if self.kl_estimator not in KL_ESTIMATORS:
       raise ValueError(f"unknown KL estimator {self.kl_estimator!r}; known: {list(KL_ESTIMATORS)}")
-    for name in ("clip_low", "clip_high", "value_clip", "constant_normalizer"):
+    for name in ("clip_low", "clip_high", "constant_normalizer"):
       if getattr(self, name) <= 0:
         raise ValueError(f"ObjectiveConfig.{name} must be > 0, got {getattr(self, name)}")
     if self.clip_low >= 1:
@@ -56,6 +67,26 @@ class ObjectiveConfig:
     for name in ("aipo_rho", "tis_cap", "behaviour_cap"):
       if getattr(self, name) < 1:
         raise ValueError(f"ObjectiveConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueLossConfig:
+  """The critic trainer's clipped value loss."""
+
+  coef: float = 0.5  # weight of the clipped value loss
+  clip: float = 0.2  # PPO clip range of the values around the old values
+
+  def __post_init__(self):
+    if self.clip <= 0 or self.coef < 0:
+      raise ValueError(f"ValueLossConfig out of range: {self}")
+
+
+@TERMS.register("load_balancing")
+def load_balancing(trace: RouterTrace | None, tokens, coef: float):
+  """A mixture's router loss (`models.moe.load_balancing_loss`) over the call's tokens, times `coef`."""
+  if trace is None:
+    raise ValueError("ObjectiveConfig.terms names 'load_balancing', but the model has no mixture-of-experts layers")
+  return coef * load_balancing_loss(trace.load, trace.importance, tokens)
 
 
 def uses_old_logprobs(fn):

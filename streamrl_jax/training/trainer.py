@@ -20,13 +20,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
-from streamrl_jax.models import logical_spec, state_shardings
+from streamrl_jax.models import DEFAULT_RULES, logical_spec, state_shardings
+from streamrl_jax.models.moe import ExpertPlacement
+from streamrl_jax.training.call_loss import MAXED, CallLoss, step_metrics, zero_sums
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.host_batch import BATCH_KEYS, bucket, checked, lossless_batch, padded_call
-from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer
 from streamrl_jax.training.low_copy import LowCopy, computed_from
-from streamrl_jax.training.objectives import (OBJECTIVES, ObjectiveConfig, aggregate, clipped_value_loss, kl_penalty,
-                                              with_old_logprobs)
+from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
 from streamrl_jax.training.packing import packed_shapes
 
@@ -59,22 +59,6 @@ class TrainState:
   sums: dict  # loss numerator, denominator, tokens, clipped tokens, kl, entropy of this global batch
 
 
-SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max")
-MAXED = ("mismatch_max",)  # accumulated by maximum, the others by sum
-
-
-def _zero_sums():
-  return {k: jnp.zeros((), jnp.float32) for k in SUMS}
-
-
-def logprob_mismatch(logp, logprobs, mask):
-  """(sum, max) over the masked tokens of the sampler-vs-trainer gap: KL(mu || pi) per token by the k3
-  estimator on the sampled tokens (pi/mu - 1 - log(pi/mu), >= 0, zero only where they agree), and the
-  largest |log pi - log mu|."""
-  delta = jnp.where(mask, logp - logprobs, 0.0)
-  return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
-
-
 def _check(scoring: Scoring, role: str, objective: ObjectiveConfig) -> None:
   """Refuses a trainer that cannot train: a temperature <= 0, an unknown role, a KL penalty with no reference."""
   if scoring.temperature <= 0:
@@ -104,12 +88,14 @@ class Scoring:
 
 @dataclasses.dataclass(frozen=True)
 class Buckets:
-  """How micro-batches are laid out: the logical sharding `rules`, and the power-of-two (rows, length) buckets they
-  pad to, from (`min_rows`, `min_length`)."""
+  """How micro-batches and weights are laid out: the logical sharding `rules`, the power-of-two (rows, length)
+  buckets micro-batches pad to, from (`min_rows`, `min_length`), and the mesh axis a mixture's experts are split
+  over (`MeshConfig.expert_axis`)."""
 
   rules: object = None
   min_rows: int = 8
   min_length: int = 16
+  expert_axis: str = "fsdp"
 
 
 class Trainer:
@@ -118,15 +104,20 @@ class Trainer:
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
                scoring: Scoring = Scoring(), buckets: Buckets = Buckets(), role: str = "policy",
                config: TrainerConfig = TrainerConfig()):
-    """`role="critic"` trains a `ValueModel` with the clipped value loss (value_coef, value_clip).
+    """`role="critic"` trains a `ValueModel` with the clipped value loss (`TrainerConfig.value_loss`).
     Micro-batches pad to `buckets`; packed ones (with `segment_ids`, see `packing.pack_rows`) keep their length and
     pad rows to a multiple of the mesh's batch shards (`MicroBatcher` sends full calls of one row count and the
     step's rest in few pieces: see `packing.packed_shapes`).
     `config`: log-probabilities over vocabulary chunks and the rematerialisation policy (`TrainerConfig`)."""
     _check(scoring, role, objective)
-    self.config, self.temperature, self.role = config, float(scoring.temperature), role
-    self.graphdef, self.optimizer_config, self.objective, self.mesh, self.rules = (
-        graphdef, optimizer, objective, mesh, buckets.rules)
+    self.config, self.role = config, role
+    self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
+    self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
+    # experts split over their axis: each device computes its own experts' rows (None: every expert here); the
+    # mixture's model config joins the call's loss at init_state
+    placement = (ExpertPlacement(mesh, buckets.expert_axis) if mesh.shape.get(buckets.expert_axis, 1) > 1 else None)
+    self.loss = CallLoss(objective, config, float(scoring.temperature), role, placement,
+                         head_grad=scoring.base_params is None)  # LoRA: the head is frozen
     self.tx = make_optimizer(optimizer)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
     # Packed rows split evenly over the batch axes: their count is a multiple of these.
@@ -183,10 +174,13 @@ class Trainer:
     # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
     # steps would then delete under the caller's model.
     params = launch.copy(self.place(params))
+    model_config = self._model(params, self.frozen).config
+    if model_config.num_experts and self.role == "policy":
+      self.loss = dataclasses.replace(self.loss, moe=model_config)
     if self.base_params is not None:
       self._adapter_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     else:
-      self.low_copy = LowCopy(nnx.merge(self.graphdef, params).config.compute_dtype, self.launcher.jit)
+      self.low_copy = LowCopy(model_config.compute_dtype, self.launcher.jit)
     with self.launcher.launching():
       grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
       opt_state = jax.jit(self.tx.init)(params)
@@ -200,7 +194,8 @@ class Trainer:
         return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
       return launch.put(x, replicated)
     state = TrainState(params=params, opt_state=opt_state, step=jnp.zeros((), jnp.int32),
-                       rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum, sums=_zero_sums())
+                       rng=jax.random.key_data(jax.random.key(seed)), grad_sum=grad_sum,
+                       sums=zero_sums(self.loss.moe is not None))
     state = jax.tree.map(on_mesh, state)
     if self._accumulate is None:
       self._build(state)
@@ -281,7 +276,7 @@ class Trainer:
     return np.asarray(out)[:rows, :length]
 
   def _reference_impl(self, frozen, batch):
-    return self._token_logprobs(self._reference_model(frozen), batch)[0]
+    return self.loss.token_logprobs(self._reference_model(frozen), batch, replay=False)[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
@@ -290,61 +285,24 @@ class Trainer:
     return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
 
   # ---- device side --------------------------------------------------------------------------
-  def _token_logprobs(self, model, batch):
-    """(log pi, entropy) of the batch's tokens under `model`: over vocabulary chunks, or from full logits."""
-    hidden = model.hidden_states(batch["tokens"], batch["valid"], batch.get("segment_ids"), remat=self.config.remat)
-    if self.config.logprob_chunk:
-      head, vocab_axis = model.output_weights()
-      score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis,
-                             head_grad=self.base_params is None)  # LoRA: the head is frozen
-    else:
-      score = logits_scorer(model.head_logits, self.temperature)
-    if "head_columns" in batch:  # the loss's tokens alone (`Trainer.prepare`)
-      return at_columns(score, hidden, batch["tokens"], batch["head_columns"])
-    return every_column(score, hidden, batch["tokens"])
-
-  def _per_token_loss(self, params, batch, frozen):
-    cfg = self.objective
-    model = self._model(params, frozen)
-    if self.role == "critic":
-      values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
-      loss = cfg.value_coef * clipped_value_loss(values, batch["old_values"], batch["returns"], cfg.value_clip)
-      return loss, values, jnp.zeros_like(values), jnp.zeros_like(values)
-    logp, ent = self._token_logprobs(model, batch)
-    batch = with_old_logprobs(batch, logp, cfg.objective)
-    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
-    kl = jnp.zeros_like(logp)
-    if frozen["ref"] is not None or (frozen["base"] is not None and cfg.kl_coef > 0):
-      ref_logp, _ = self._token_logprobs(self._reference_model(frozen), batch)
-      kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
-      if not cfg.kl_in_reward:
-        per_token = per_token + cfg.kl_coef * kl
-    if cfg.entropy_coef:
-      per_token = per_token - cfg.entropy_coef * ent
-    return per_token, logp, kl, ent
-
   def _accumulate_impl(self, params, totals, batch, frozen, low):
     """(grad_sum, sums) with one micro-batch added; `totals` is the state's (grad_sum, sums); `low`: the weights'
     copy in the compute dtype, or None (`low_copy`)."""
     grad_sum, sums = totals
-    mask = batch["loss_mask"]
+    loss = self.loss
+    reference = (self._reference_model(frozen) if frozen["ref"] is not None or (frozen["base"] is not None and
+                                                                                 self.objective.kl_coef > 0) else None)
 
     def loss_fn(params):
-      per_token, logp, kl, ent = self._per_token_loss(computed_from(params, low), batch, frozen)
-      numerator, denominator = aggregate(per_token, mask, self.objective, batch.get("segment_ids"))
-      return numerator, (denominator, logp, kl, ent)
+      per_token, logp, kl, ent, trace = loss.per_token(self._model(computed_from(params, low), frozen), reference,
+                                                       batch)
+      numerator, denominator = aggregate(per_token, batch["loss_mask"], self.objective, batch.get("segment_ids"))
+      # a term of the call weighs as much as the call's share of the step's loss denominator
+      terms = loss.terms(trace, batch) * jax.lax.stop_gradient(denominator)
+      return numerator + terms, dict(denominator=denominator, logp=logp, kl=kl, ent=ent, trace=trace, terms=terms)
 
-    (numerator, (denominator, logp, kl, ent)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    mismatch = mismatch_max = jnp.zeros((), jnp.float32)
-    if self.role == "policy":
-      ratio = jnp.exp(logp - with_old_logprobs(batch, logp, self.objective.objective)["old_logprobs"])
-      clipped = (ratio < 1 - self.objective.clip_low) | (ratio > 1 + self.objective.clip_high)
-      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["logprobs"], mask)
-    else:  # logp holds the values: count tokens whose value update is clipped
-      clipped = jnp.abs(logp - batch["old_values"]) > self.objective.value_clip
-    m = mask.astype(jnp.float32)
-    add = dict(numerator=numerator, denominator=denominator, tokens=m.sum(), clipped=jnp.sum(clipped * m),
-               kl=jnp.sum(kl * m), entropy=jnp.sum(ent * m), mismatch_kl=mismatch, mismatch_max=mismatch_max)
+    (numerator, outputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    add = loss.call_sums(batch, {**outputs, "numerator": numerator})
     fresh = sums["tokens"] == 0  # grad_sum is the last step's (TrainState): this batch starts it again
     grad_sum = jax.tree.map(lambda a, g: jnp.where(fresh, 0.0, a) + g.astype(jnp.float32), grad_sum, grads)
     return grad_sum, {k: jnp.maximum(sums[k], add[k]) if k in MAXED else sums[k] + add[k] for k in sums}
@@ -360,5 +318,7 @@ class Trainer:
                    tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
                    kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens,
                    logprob_mismatch_kl=state.sums["mismatch_kl"] / tokens, logprob_mismatch_max=state.sums["mismatch_max"])
-    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, sums=_zero_sums())
+    moe = self.loss.moe is not None
+    metrics.update(step_metrics(state.sums, denominator, moe))
+    new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, sums=zero_sums(moe))
     return new, metrics

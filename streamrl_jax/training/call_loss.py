@@ -1,0 +1,139 @@
+"""One trainer call's loss on the device: the policy's log-probabilities of the batch's tokens (a mixture's routes
+replayed or not), the per-token objective with its KL penalty and entropy bonus, the objective's extra terms, and
+the sums a call adds to its step's (`SUMS`: what the step's metrics row divides)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from streamrl_jax.models import ModelConfig
+from streamrl_jax.models.moe import ExpertPlacement
+from streamrl_jax.models.transformer import Routing
+from streamrl_jax.training.config import TrainerConfig
+from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer
+from streamrl_jax.training.objectives import (OBJECTIVES, TERMS, ObjectiveConfig, clipped_value_loss, kl_penalty,
+                                              with_old_logprobs)
+
+SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max")
+# a mixture of experts' too: its terms' part of the loss, and the token-layer routes the trainer chose as the sampler
+# did, of those the sampler recorded
+MOE_SUMS = ("terms", "agree", "routed")
+MAXED = ("mismatch_max",)  # accumulated by maximum, the others by sum
+
+
+def zero_sums(moe: bool = False) -> dict:
+  return {k: jnp.zeros((), jnp.float32) for k in SUMS + (MOE_SUMS if moe else ())}
+
+
+def logprob_mismatch(logp, logprobs, mask):
+  """(sum, max) over the masked tokens of the sampler-vs-trainer gap: KL(mu || pi) per token by the k3
+  estimator on the sampled tokens (pi/mu - 1 - log(pi/mu), >= 0, zero only where they agree), and the
+  largest |log pi - log mu|."""
+  delta = jnp.where(mask, logp - logprobs, 0.0)
+  return jnp.sum(jnp.expm1(delta) - delta), jnp.max(jnp.abs(delta), initial=0.0)
+
+
+def router_agreement(own: jax.Array, recorded: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(token-layer choices where the trainer's own top k [B, T, layers, k] is the set the sampler recorded, choices
+  recorded): `recorded` holds expert + 1 (0: not recorded, as for a completion's last token), `valid` [B, T]."""
+  seen = (recorded[..., 0] > 0) & valid[..., None]
+  same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(recorded.astype(own.dtype) - 1, axis=-1), axis=-1)
+  return jnp.sum(same & seen, dtype=jnp.float32), jnp.sum(seen, dtype=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallLoss:
+  """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat, the value
+  loss), the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
+  dense model) and whether the LM head learns (LoRA: frozen)."""
+
+  objective: ObjectiveConfig
+  config: TrainerConfig
+  temperature: float = 1.0
+  role: str = "policy"
+  placement: ExpertPlacement | None = None
+  moe: ModelConfig | None = None
+  head_grad: bool = True
+
+  def token_logprobs(self, model, batch, replay: bool = True):
+    """(log pi, entropy, router trace) of the batch's tokens under `model`: over vocabulary chunks, or from full
+    logits. A mixture's routes are replayed (`ObjectiveConfig.routing_replay`) where the batch carries them and
+    `replay`; the trace is None without experts."""
+    routes = batch.get("routes") if replay and self.objective.routing_replay == "replay" else None
+    routing = Routing(routes=None if routes is None else routes.astype(jnp.int32) - 1, placement=self.placement)
+    hidden, trace = model.hidden_and_routing(batch["tokens"], batch["valid"], batch.get("segment_ids"),
+                                             remat=self.config.remat, routing=routing)
+    if self.config.logprob_chunk:
+      head, vocab_axis = model.output_weights()
+      score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis, head_grad=self.head_grad)
+    else:
+      score = logits_scorer(model.head_logits, self.temperature)
+    if "head_columns" in batch:  # the loss's tokens alone (`Trainer.prepare`)
+      return (*at_columns(score, hidden, batch["tokens"], batch["head_columns"]), trace)
+    return (*every_column(score, hidden, batch["tokens"]), trace)
+
+  def per_token(self, model, reference, batch):
+    """(per-token loss, log pi or the values, KL, entropy, router trace) under `model`, with `reference` the frozen
+    policy of a KL penalty (None: no penalty)."""
+    cfg = self.objective
+    if self.role == "critic":
+      values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
+      value_loss = self.config.value_loss
+      loss = value_loss.coef * clipped_value_loss(values, batch["old_values"], batch["returns"], value_loss.clip)
+      return loss, values, jnp.zeros_like(values), jnp.zeros_like(values), None
+    logp, ent, trace = self.token_logprobs(model, batch)
+    batch = with_old_logprobs(batch, logp, cfg.objective)
+    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
+    kl = jnp.zeros_like(logp)
+    if reference is not None:  # the reference routes by its own router
+      ref_logp, _, _ = self.token_logprobs(reference, batch, replay=False)
+      kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
+      if not cfg.kl_in_reward:
+        per_token = per_token + cfg.kl_coef * kl
+    if cfg.entropy_coef:
+      per_token = per_token - cfg.entropy_coef * ent
+    return per_token, logp, kl, ent, trace
+
+  def terms(self, trace, batch):
+    """The objective's extra terms of this call (`ObjectiveConfig.terms`), summed: each over the call's tokens."""
+    if not self.objective.terms:
+      return jnp.zeros((), jnp.float32)
+    tokens = jnp.sum(batch["valid"], dtype=jnp.float32)
+    coef = self.moe.router_aux_loss_coef if self.moe is not None else 0.0
+    return sum(TERMS.get(name)(trace, tokens, coef) for name in self.objective.terms)
+
+  def call_sums(self, batch, outputs: dict) -> dict:
+    """What one call adds to its step's sums, from its outputs (numerator, denominator, logp, kl, ent, trace,
+    terms)."""
+    mask, cfg = batch["loss_mask"], self.objective
+    logp = outputs["logp"]
+    mismatch = mismatch_max = jnp.zeros((), jnp.float32)
+    if self.role == "policy":
+      ratio = jnp.exp(logp - with_old_logprobs(batch, logp, cfg.objective)["old_logprobs"])
+      clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
+      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["logprobs"], mask)
+    else:  # logp holds the values: count tokens whose value update is clipped
+      clipped = jnp.abs(logp - batch["old_values"]) > self.config.value_loss.clip
+    m = mask.astype(jnp.float32)
+    add = dict(numerator=outputs["numerator"], denominator=outputs["denominator"], tokens=m.sum(),
+               clipped=jnp.sum(clipped * m), kl=jnp.sum(outputs["kl"] * m), entropy=jnp.sum(outputs["ent"] * m),
+               mismatch_kl=mismatch, mismatch_max=mismatch_max)
+    if self.moe is not None:
+      trace = outputs["trace"]
+      agree, routed = (router_agreement(trace.experts, batch["routes"], batch["valid"]) if "routes" in batch
+                       else (jnp.zeros((), jnp.float32),) * 2)
+      add.update(terms=outputs["terms"], agree=agree, routed=routed)
+    return add
+
+
+def step_metrics(sums: dict, denominator, moe: bool) -> dict:
+  """The metrics of a mixture's step beyond every policy's: its terms' part of the loss, and `router_agreement`
+  (NaN where no route was recorded)."""
+  if not moe:
+    return {}
+  routed = sums["routed"]
+  return dict(objective_terms=sums["terms"] / denominator,
+              router_agreement=sums["agree"] / jnp.where(routed > 0, routed, jnp.nan))
