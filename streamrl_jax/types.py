@@ -93,6 +93,9 @@ class Sample:
   finish_time: float | None = None
   loss_mask: np.ndarray | None = None  # bool [n]: False for tokens an environment wrote (None: all the model's)
   env_reward: float = 0.0  # the environment's rewards of the episode, added to the task's
+  # a mixture of experts: [prompt + n, sparse layers, k] int16, each token's experts + 1 at each sparse layer as the
+  # sampler routed it (0: not recorded, as for the last token, which no step read); None: a dense model's
+  routes: np.ndarray | None = None
 
   @property
   def num_tokens(self) -> int:

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from streamrl_jax.message_codec import decode_message, encode_message
 from streamrl_jax.messages import BadMessage, Lease, LeaseReply, Register, StepReport
-from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, batch_to_shard,
-                                                  shard_to_batch)
+from streamrl_jax.streaming.sample_schema import (SAMPLE_SCHEMA, BadSampleBatch, SampleEnvelope, WireLimits,
+                                                  batch_to_shard, shard_to_batch)
 from streamrl_jax.streaming.weight_chunks import (BadWeightStream, WeightAssembler, check_tensors, manifest_of,
                                                   part_indices, partition_tensors, read_manifest, read_weights_ticket,
                                                   weight_batches, weight_schema, weights_ticket)
@@ -33,6 +33,46 @@ def test_sample_batch_round_trip(lengths):
     np.testing.assert_array_equal(getattr(back, field), getattr(shard, field))
 
 
+LAYERS, K, EXPERTS = 2, 3, 5  # a mixture's routes: each token's 3 experts of 5 at 2 sparse layers
+ROUTED = WireLimits(VOCAB, routes=(LAYERS, K, EXPERTS))
+
+
+def routed_shard(lengths, seed: int = 0, none_for=()):
+  """`group_shard(lengths)` with routes (experts + 1; the last token of each row not recorded, rows `none_for`
+  without any)."""
+  shard = group_shard(lengths, functions=2)
+  rng = np.random.default_rng(seed)
+  routes = rng.integers(1, EXPERTS + 1, shard.tokens.shape + (LAYERS, K)).astype(np.int16)
+  lengths = shard.valid.sum(1)
+  routes[~shard.valid] = 0
+  routes[np.arange(len(lengths)), lengths - 1] = 0
+  routes[list(none_for)] = 0
+  return dataclasses.replace(shard, routes=routes)
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.integers(2, 12), min_size=1, max_size=5), st.integers(0, 9))
+def test_a_mixtures_routes_round_trip_and_rows_without_them_stay_empty(lengths, seed):
+  shard = routed_shard(lengths, seed, none_for=[0] if len(lengths) > 1 else [])
+  batch = shard_to_batch(shard, SampleEnvelope(1, 2))
+  back, _ = batch_to_shard(batch, ROUTED)
+  np.testing.assert_array_equal(back.routes, shard.routes[:, :max(lengths)])
+  assert back.take([0]).routes.shape == (1, back.tokens.shape[1], LAYERS, K)
+  dense, _ = batch_to_shard(shard_to_batch(group_shard(lengths, functions=2), SampleEnvelope(1, 3)), ROUTED)
+  assert dense.routes is None  # no row sent any: a shard without routes
+
+
+@pytest.mark.parametrize("column, problem", [
+    ([[1] * 7, []], r"row 0: routes must hold 2 layers x 3 experts for each of its 5 tokens \(30 values\) or none"),
+    ([[EXPERTS + 1] * 30, []], r"row 0: routes must lie in \[0, 5\]"),
+    ([[], [-1] * 36], r"row 1: routes must lie in \[0, 5\]"),
+])
+def test_bad_routes_are_refused_by_row(column, problem):
+  good = shard_to_batch(group_shard([5, 6], functions=2), SampleEnvelope(0, 1))
+  with pytest.raises(BadSampleBatch, match=problem):
+    batch_to_shard(_replace_column(good, "routes", pa.array(column, pa.list_(pa.int16()))), ROUTED)
+
+
 def _bad_batches():
   good = shard_to_batch(group_shard([5, 6], functions=2), SampleEnvelope(0, 1))
   tokens = good.column("tokens").to_pylist()
@@ -45,10 +85,12 @@ def _bad_batches():
       "lacks column 'reward'": pa.record_batch(
           [good.column(i) for i, f in enumerate(good.schema) if f.name != "reward"],
           schema=pa.schema([f for f in good.schema if f.name != "reward"], metadata=good.schema.metadata)),
-      "not 'streamrl.samples/5'": good.replace_schema_metadata({}),
-      # a sampler of the version before (its columns sampler_logprobs, token_versions): refused by its version
-      "of schema 'streamrl.samples/4', this trainer reads 'streamrl.samples/5'": good.replace_schema_metadata(
-          {"schema": "streamrl.samples/4"}),
+      "not 'streamrl.samples/6'": good.replace_schema_metadata({}),
+      # a sampler of a version before (no routes column): refused by its version
+      "of schema 'streamrl.samples/5', this trainer reads 'streamrl.samples/6'": good.replace_schema_metadata(
+          {"schema": "streamrl.samples/5"}),
+      "routes given, but this run's model has no experts": _replace_column(
+          good, "routes", pa.array([[1] * 5 * 6, []], pa.list_(pa.int16()))),
       "row 1: reward_parts must hold one value per reward function": _replace_column(
           good, "reward_parts", pa.array([[1.0], [1.0, 0.0]], pa.list_(pa.float32()))),
       "row 0: reward_parts must be finite": _replace_column(
@@ -79,7 +121,7 @@ def test_malformed_sample_batches_are_refused_by_name(problem):
 def test_sample_schema_is_fixed():
   assert SAMPLE_SCHEMA.names == ["sampler_id", "seq", "step", "group_id", "sample_index", "tokens",
                                  "loss_mask", "logprobs", "reward", "first_version", "last_version",
-                                 "versions", "reward_parts", "reward_errors", "reward_timeouts"]
+                                 "versions", "reward_parts", "reward_errors", "reward_timeouts", "routes"]
   with pytest.raises(ValueError, match="prefix"):
     bad = group_shard([4])
     shard_to_batch(dataclasses.replace(bad, valid=bad.valid[:, ::-1], loss_mask=bad.valid[:, ::-1] & False),

@@ -76,7 +76,8 @@ class Admitter:
       prefix = inst.engine.prefill(inst.params, prompts, samplings=[r.params for r in part],
                                    rngs=self._keys(part), version=version, **extra)
       inst.state = inst.engine.insert(prefix, inst.state, targets)
-    firsts = (prefix.first_token, prefix.first_logprob, prefix.done)
+    firsts = (prefix.first_token, prefix.first_logprob, prefix.done) + (() if prefix.routes is None else
+                                                                         (prefix.routes,))
     for row, (request, slot) in enumerate(zip(part, targets)):
       flight = self._held.pop(request.request_id, None)
       if flight is None:
@@ -85,6 +86,7 @@ class Admitter:
         self._turns.start(flight)
       flight.resumed = bool(resume[row])
       flight.cache_end, flight.first = prefix.valid.shape[1], (firsts, row)
+      flight.routes_at = (0, len(prompts[row]))  # a mixture's routes of what the call prefilled
       inst.slots[slot] = flight
 
   def _prompt_of(self, request: Request) -> tuple[np.ndarray, tuple[int, int] | None]:

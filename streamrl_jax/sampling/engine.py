@@ -68,6 +68,7 @@ class Prefix:
   top_p: jax.Array
   max_new: jax.Array
   stop_ids: jax.Array  # [rows, max_stop_tokens]
+  routes: jax.Array | None = None  # a mixture: [rows, bucket, sparse layers, k] experts each prompt token took
 
 
 def shared_prompts(prompts: Sequence, resume: Sequence) -> tuple[list[int], np.ndarray]:
@@ -191,12 +192,13 @@ class DecodeEngine(EngineBase):
     rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < true_length[:, None]
     cache = KVCache.init(self.model_config, rows, bucket)
-    logits, cache = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1)
-    return logits[:, 0], cache.replace(index=true_length)
+    logits, cache, *routes = model.forward_with_cache(tokens, cache, mask, logits_at=true_length - 1,
+                                                      with_routes=self.routed)
+    return logits[:, 0], cache.replace(index=true_length), (routes or [None])[0]
 
   def _expand_impl(self, prefilled, index, arrays):
     """The Prefix of every request: request i takes its prompt's row `index[i]`, and samples its own first token."""
-    last_logits, cache = prefilled
+    last_logits, cache, routes = prefilled
     take = lambda x: x[index]  # noqa: E731
     token, logprob, done = first_tokens(take(last_logits), *arrays.knobs)
     resumed = arrays.given >= 0
@@ -204,7 +206,7 @@ class DecodeEngine(EngineBase):
                   true_length=take(cache.index), first_token=jnp.where(resumed, arrays.given, token),
                   first_logprob=jnp.where(resumed, 0.0, logprob), done=done & ~resumed, generated=arrays.generated,
                   rng=arrays.rng, temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
-                  max_new=arrays.max_new, stop_ids=arrays.stop_ids)
+                  max_new=arrays.max_new, stop_ids=arrays.stop_ids, routes=None if routes is None else take(routes))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
@@ -251,10 +253,11 @@ class DecodeEngine(EngineBase):
 
     def step(state: DecodeState, _):
       active = state.active
-      logits, cache = model.forward_with_cache(state.last_token[:, None], state.cache, active[:, None], window)
+      logits, cache, *routes = model.forward_with_cache(state.last_token[:, None], state.cache, active[:, None],
+                                                        window, with_routes=self.routed)
       cache = cache.replace(index=jnp.where(active, cache.index, state.cache.index))
       changes, out = sample_next(state, logits)
-      return state.replace(cache=cache, **changes), out
+      return state.replace(cache=cache, **changes), out.replace(routes=routes[0][:, 0] if routes else None)
 
     return jax.lax.scan(step, state, None, length=steps)
 
@@ -266,14 +269,15 @@ class DecodeEngine(EngineBase):
     model = nnx.merge(self.graphdef, params)
     rows = jax.tree.map(lambda a: a[jnp.minimum(targets, self.config.num_slots - 1)], state)
     mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
-    logits, cache = model.forward_with_cache(chunk, rows.cache, mask, logits_at=jnp.maximum(lengths - 1, 0))
+    logits, cache, *routes = model.forward_with_cache(chunk, rows.cache, mask, logits_at=jnp.maximum(lengths - 1, 0),
+                                                      with_routes=self.routed)
     cache = cache.replace(index=rows.cache.index + lengths)  # padding past a row's tokens is overwritten later
     # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
     rows = rows.replace(cache=cache, active=lengths > 0, generated=rows.generated + jnp.maximum(lengths - 1, 0))
     changes, out = sample_next(rows, logits)
     rows = rows.replace(**changes)
     state = jax.tree.map(lambda big, small: big.at[targets].set(small, mode="drop"), state, rows)
-    return state, (out.tokens, out.logprobs, out.done)
+    return state, (out.tokens, out.logprobs, out.done, *routes)
 
   def init_parking(self) -> DecodeState:
     """Room for `num_slots` rows parked off their slots (rows waiting on a tool): a decode state's shape."""

@@ -26,13 +26,14 @@ from streamrl_jax.types import SamplingParams
 
 @flax.struct.dataclass
 class StepOutput:
-  """Per decode step j and slot s: the token sampled, its logprob, whether the slot was generating,
-  and whether this token ended its request."""
+  """Per decode step j and slot s: the token sampled, its logprob, whether the slot was generating, whether this
+  token ended its request, and in a mixture of experts the experts that routed the step's input token."""
 
   tokens: jax.Array  # [steps, S]
   logprobs: jax.Array
   active: jax.Array
   done: jax.Array
+  routes: jax.Array | None = None  # a mixture: [steps, S, sparse layers, k] experts the step's input token took
 
 
 class Engine(Protocol):
@@ -135,6 +136,7 @@ class EngineBase:
 
   def __init__(self, graphdef, model_config: ModelConfig, config: EngineConfig, mesh: Mesh, rules=None):
     self.graphdef, self.model_config, self.config, self.mesh, self.rules = graphdef, model_config, config, mesh, rules
+    self.routed = model_config.num_experts > 0  # a mixture: every call also gives the experts each token took
     self.launcher = launch.launcher(mesh)  # every program of this engine goes through it (see launch.py)
 
   def place_params(self, params):

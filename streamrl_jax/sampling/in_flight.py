@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 
+from streamrl_jax.streaming.shard import ROUTES_DTYPE
 from streamrl_jax.types import Request, Rollout, Sample, SamplingParams
 
 
@@ -27,6 +28,10 @@ class InFlight:
   turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
   waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
   env_reward: float = 0.0
+  # a mixture of experts: per position of prompt + tokens, the experts + 1 [sparse layers, k] a step routed it to
+  # (None: not recorded yet); `routes_at` is (first position, count) of those its pending `first` call holds
+  routes: list = dataclasses.field(default_factory=list)
+  routes_at: tuple = (0, 0)
 
   @classmethod
   def resuming(cls, request: Request, now: float, progress: Rollout) -> InFlight:
@@ -53,6 +58,32 @@ class InFlight:
     self.versions.append(version)
     self.loss_mask.append(True)
 
+  def place_routes(self, start: int, experts: np.ndarray) -> None:
+    """Records the experts [count, sparse layers, k] (ids, as an engine gives them; -1: not computed) that a call
+    routed positions `start`.. of prompt + tokens to; a later call's routes of a position replace an earlier one's."""
+    end = start + len(experts)
+    if len(self.routes) < end:
+      self.routes.extend([None] * (end - len(self.routes)))
+    for position, chosen in enumerate(np.asarray(experts), start):
+      if (chosen >= 0).all():  # -1: the call did not compute it (a prompt the prefix cache held)
+        self.routes[position] = (chosen + 1).astype(ROUTES_DTYPE)
+
+  def prompt_routes(self) -> list | None:
+    """The routes of every prompt position, when all are recorded (else None)."""
+    prompt = self.routes[:len(self.request.prompt_tokens)]
+    return prompt if len(prompt) == len(self.request.prompt_tokens) and all(r is not None for r in prompt) else None
+
+  def _routes_array(self) -> np.ndarray | None:
+    """[prompt + tokens, sparse layers, k] of the recorded routes (0 where none), or None without any."""
+    recorded = [r for r in self.routes if r is not None]
+    if not recorded:
+      return None
+    out = np.zeros((len(self.request.prompt_tokens) + len(self.tokens),) + recorded[0].shape, ROUTES_DTYPE)
+    for position, r in enumerate(self.routes[:len(out)]):
+      if r is not None:
+        out[position] = r
+    return out
+
   def observe(self, tokens, version: int) -> None:
     """Records an environment's tokens (loss mask 0); the model's next turn starts after them."""
     self.tokens.extend(tokens)
@@ -77,7 +108,8 @@ class InFlight:
         logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
         finish_reason=reason, first_version=min(self.versions), last_version=max(self.versions), instance=instance,
         submit_time=request.submit_time, admit_time=self.admit_time, finish_time=now,
-        loss_mask=None if all(self.loss_mask) else np.asarray(self.loss_mask, bool), env_reward=self.env_reward)
+        loss_mask=None if all(self.loss_mask) else np.asarray(self.loss_mask, bool), env_reward=self.env_reward,
+        routes=self._routes_array())
 
 
 def check_resumable(progress: Rollout, params: SamplingParams) -> None:

@@ -207,8 +207,8 @@ class PagedDecodeEngine(EngineBase):
     model = nnx.merge(self.graphdef, params)
     u_rows, bucket = tokens.shape
     mask = jnp.arange(bucket)[None, :] < lengths[:, None]
-    logits, scratch = model.forward_with_cache(tokens, KVCache.init(self.model_config, u_rows, bucket), mask,
-                                               logits_at=lengths - 1)
+    logits, scratch, *routes = model.forward_with_cache(tokens, KVCache.init(self.model_config, u_rows, bucket),
+                                                        mask, logits_at=lengths - 1, with_routes=self.routed)
     write = plan["writer"][:, None] & (jnp.arange(bucket)[None, :] < plan["lengths"][:, None])
     pool, src, keys, values = rows.pool, plan["write_row"], [], []
     for k_pages, v_pages, k, v in zip(pool.keys, pool.values, scratch.keys, scratch.values):
@@ -230,7 +230,12 @@ class PagedDecodeEngine(EngineBase):
                   stop_ids=arrays.stop_ids)
     rows = rows.replace(pool=pool, prefix_logits=rows.prefix_logits.at[entry].set(logits[:, 0], mode="drop"),
                         **{name: put(getattr(rows, name), value) for name, value in fields.items()})
-    return rows, FirstTokens(first_token=token, first_logprob=jnp.where(resumed, 0.0, logprob), done=done)
+    first_routes = None
+    if routes:  # each request's prompt's, where this call prefilled it (a prompt the prefix cache held: -1)
+      fresh = plan["logit_row"] < u_rows
+      first_routes = jnp.where(fresh[:, None, None, None], routes[0][jnp.minimum(plan["logit_row"], u_rows - 1)], -1)
+    return rows, FirstTokens(first_token=token, first_logprob=jnp.where(resumed, 0.0, logprob), done=done,
+                             routes=first_routes)
 
   def generate(self, params, state: PagedState, window: int | None = None,
                steps: int | None = None) -> tuple[PagedState, StepOutput]:
@@ -256,15 +261,16 @@ class PagedDecodeEngine(EngineBase):
 
     def step(sub: PagedRows, _):
       active = sub.active
-      logits, pool = model.forward_paged(sub.last_token[:, None], sub.pool, table, sub.length, active[:, None],
-                                         window)
+      logits, pool, *routes = model.forward_paged(sub.last_token[:, None], sub.pool, table, sub.length,
+                                                  active[:, None], window, with_routes=self.routed)
       changes, out = sample_next(sub, logits)
+      out = out.replace(routes=routes[0][:, 0] if routes else None)
       return sub.replace(pool=pool, length=sub.length + active, **changes), out
 
     sub, out = jax.lax.scan(step, sub, None, length=steps)
     rows = rows.replace(pool=sub.pool, **{name: getattr(rows, name).at[idx].set(getattr(sub, name))
                                           for name in ROW_FIELDS})
-    spread = lambda x: jnp.zeros(x.shape[:1] + (self.config.num_slots,), x.dtype).at[:, idx].set(x)  # noqa: E731
+    spread = lambda x: jnp.zeros(x.shape[:1] + (self.config.num_slots,) + x.shape[2:], x.dtype).at[:, idx].set(x)  # noqa: E731
     return rows, jax.tree.map(spread, out)
 
   # ---- multi-turn rows ----------------------------------------------------------------------------
@@ -280,8 +286,8 @@ class PagedDecodeEngine(EngineBase):
     idx = jnp.minimum(targets, self.config.num_slots - 1)
     sub = rows.replace(**{name: getattr(rows, name)[idx] for name in ROW_FIELDS})
     mask = jnp.arange(chunk.shape[1])[None, :] < lengths[:, None]
-    logits, pool = model.forward_paged(chunk, rows.pool, table, sub.length, mask,
-                                       logits_at=jnp.maximum(lengths - 1, 0))
+    logits, pool, *routes = model.forward_paged(chunk, rows.pool, table, sub.length, mask,
+                                                logits_at=jnp.maximum(lengths - 1, 0), with_routes=self.routed)
     # The first appended token (the stop token) was counted when it was sampled; the tool's tokens count now.
     sub = sub.replace(length=sub.length + lengths, active=lengths > 0,
                       generated=sub.generated + jnp.maximum(lengths - 1, 0))
@@ -289,7 +295,7 @@ class PagedDecodeEngine(EngineBase):
     sub = sub.replace(**changes)
     rows = rows.replace(pool=pool, **{name: getattr(rows, name).at[targets].set(getattr(sub, name), mode="drop")
                                       for name in ROW_FIELDS})
-    return rows, (out.tokens, out.logprobs, out.done)
+    return rows, (out.tokens, out.logprobs, out.done, *routes)
 
   def init_parking(self) -> dict:
     """Room for `num_slots` rows parked off their slots: their decode fields (their pages stay where they are)."""

@@ -19,6 +19,8 @@ class FirstTokens:
   first_token: jax.Array  # [R]
   first_logprob: jax.Array
   done: jax.Array
+  routes: jax.Array | None = None  # a mixture: [R, bucket, sparse layers, k] experts its prompt's tokens took (-1:
+  # not computed in this call, a prompt the prefix cache held)
 
 
 @dataclasses.dataclass
@@ -45,6 +47,10 @@ class PagedPrefix:
   @property
   def done(self):
     return self.firsts.done
+
+  @property
+  def routes(self):
+    return self.firsts.routes
 
   @property
   def valid(self):  # the driver reads its width: the cache length a row's prompt may reach

@@ -104,8 +104,11 @@ class ToolTurns:
       slots, chunks = map(list, zip(*kept))
       inst.state, firsts = inst.engine.extend(inst.params, inst.state, slots, chunks)
       self.counters.extend_calls += 1
-      for slot, first in zip(slots, firsts):
-        inst.slots[slot].first = first
+      for slot, first, chunk in zip(slots, firsts, chunks):
+        flight = inst.slots[slot]
+        flight.first = first
+        # a mixture's routes of the appended tokens: the chunk ends at the row's last token
+        flight.routes_at = (len(flight.request.prompt_tokens) + len(flight.tokens) - len(chunk), len(chunk))
     return refused
 
   def park_waiting(self, inst: Instance) -> None:

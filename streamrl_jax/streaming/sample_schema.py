@@ -17,17 +17,19 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
-from streamrl_jax.streaming.shard import SampleShard
+from streamrl_jax.streaming.shard import ROUTES_DTYPE, SampleShard
 
 # /2: per-token versions; /3: each reward function's value, failed calls; /4: no prompt_id (it was the group id);
-# /5: a sample's own names (logprobs, versions; were sampler_logprobs, token_versions)
-SCHEMA_NAME = "streamrl.samples/5"
+# /5: a sample's own names (logprobs, versions; were sampler_logprobs, token_versions); /6: a mixture's routes
+SCHEMA_NAME = "streamrl.samples/6"
 SAMPLE_SCHEMA = pa.schema([
     ("sampler_id", pa.int64()), ("seq", pa.int64()), ("step", pa.int64()), ("group_id", pa.int64()),
     ("sample_index", pa.int64()), ("tokens", pa.list_(pa.int32())),
     ("loss_mask", pa.list_(pa.bool_())), ("logprobs", pa.list_(pa.float32())), ("reward", pa.float32()),
     ("first_version", pa.int64()), ("last_version", pa.int64()), ("versions", pa.list_(pa.int64())),
     ("reward_parts", pa.list_(pa.float32())), ("reward_errors", pa.int32()), ("reward_timeouts", pa.int32()),
+    # a mixture of experts: per token, per sparse layer, its k experts + 1 (0: not recorded); empty: none recorded
+    ("routes", pa.list_(pa.int16())),
 ], metadata={"schema": SCHEMA_NAME})
 ROWS = {"step": "steps", "group_id": "group_ids", "sample_index": "sample_indices",
         "reward": "rewards", "first_version": "first_versions", "last_version": "last_versions",
@@ -53,11 +55,16 @@ class WireLimits:
   vocab_size: int
   max_tokens: int = 1 << 20
   max_rows: int = 1 << 16
+  routes: tuple[int, int, int] = (0, 0, 0)  # a mixture's (sparse layers, k, experts); zeros: a dense model
 
   @classmethod
-  def of_run(cls, config, vocab_size: int) -> WireLimits:
-    """A pipeline run's limits: its longest prompt and completion, a step's samples."""
-    return cls(vocab_size, config.sampler.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step)
+  def of_run(cls, config, vocab_size: int, model_config=None) -> WireLimits:
+    """A pipeline run's limits: its longest prompt and completion, a step's samples, its model's routes."""
+    routes = (0, 0, 0)
+    if model_config is not None and model_config.num_experts:
+      routes = (len(model_config.moe_layers), model_config.experts_per_token, model_config.num_experts)
+    return cls(vocab_size, config.sampler.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step,
+               routes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +89,10 @@ def shard_to_batch(shard: SampleShard, envelope: SampleEnvelope) -> pa.RecordBat
   k = shard.reward_parts.shape[1]
   columns["reward_parts"] = pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * k),
                                                      pa.array(shard.reward_parts.reshape(-1)))
+  per_token = 0 if shard.routes is None else int(np.prod(shard.routes.shape[2:]))
+  routes = np.zeros(0, np.int16) if shard.routes is None else shard.routes[shard.valid].reshape(-1)
+  columns["routes"] = pa.ListArray.from_arrays(
+      pa.array(np.concatenate([[0], np.cumsum(lengths) * per_token]).astype(np.int32)), pa.array(routes, pa.int16()))
   return pa.record_batch([columns[f.name] for f in SAMPLE_SCHEMA], schema=SAMPLE_SCHEMA)
 
 
@@ -106,7 +117,34 @@ def batch_to_shard(batch: pa.RecordBatch, limits: WireLimits | int) -> tuple[Sam
     raise BadSampleBatch(f"row {int(np.argmax(padded['loss_mask'][:, 0]))}: loss_mask[0] must be false (the first "
                          f"token has no prediction)")
   _check_versions(padded["versions"], padded["loss_mask"], rows)
-  return SampleShard(valid=valid, **padded, **rows), envelope
+  routes = _routes(batch, lengths, valid, limits)
+  return SampleShard(valid=valid, **padded, **rows, routes=routes), envelope
+
+
+def _routes(batch: pa.RecordBatch, lengths: np.ndarray, valid: np.ndarray, limits: WireLimits) -> np.ndarray | None:
+  """[rows, width, sparse layers, k] of the routes column (None when no row carries any): each row's list is empty or
+  holds every token's, each value an expert + 1 of this run's model (0: not recorded)."""
+  offsets, values = _list_column(batch, "routes")
+  counts = np.diff(offsets)
+  if not counts.any():
+    return None
+  layers, k, experts = limits.routes
+  if not layers:
+    raise BadSampleBatch(f"row {int(np.argmax(counts > 0))}: routes given, but this run's model has no experts")
+  bad = (counts != 0) & (counts != lengths * layers * k)
+  if bad.any():
+    row = int(np.argmax(bad))
+    raise BadSampleBatch(f"row {row}: routes must hold {layers} layers x {k} experts for each of its {lengths[row]} "
+                         f"tokens ({lengths[row] * layers * k} values) or none, got {counts[row]}")
+  if values.size and (values.min() < 0 or values.max() > experts):
+    row = int(np.searchsorted(offsets, np.flatnonzero((values < 0) | (values > experts))[0], "right")) - 1
+    raise BadSampleBatch(f"row {row}: routes must lie in [0, {experts}] (an expert + 1, 0: not recorded)")
+  out = np.zeros(valid.shape + (layers, k), ROUTES_DTYPE)
+  holds = np.repeat(counts > 0, lengths)  # the valid tokens of rows that sent routes
+  flat = out[valid]
+  flat[holds] = values.reshape(-1, layers, k)
+  out[valid] = flat
+  return out
 
 
 def _check_batch(batch: pa.RecordBatch, limits: WireLimits) -> None:
@@ -124,7 +162,7 @@ def _check_batch(batch: pa.RecordBatch, limits: WireLimits) -> None:
   for column, field in zip(batch.columns, batch.schema):
     if column.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.null_count} nulls")
-    if field.name in (*LISTS, "reward_parts") and column.values.null_count:
+    if field.name in (*LISTS, "reward_parts", "routes") and column.values.null_count:
       raise BadSampleBatch(f"sample batch column {field.name!r} holds {column.values.null_count} nulls inside its lists")
 
 

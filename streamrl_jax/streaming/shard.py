@@ -21,6 +21,7 @@ TOKEN_FIELDS = {"tokens": np.int32, "valid": np.bool_, "loss_mask": np.bool_, "l
 # (a trainer of several processes) decides as the one that does.
 STATS = ("trained", "version_sum", "version_min", "env")  # token_stats' columns, one row per sample
 NO_VERSION = np.iinfo(np.int64).max  # version_min of a sample with no trained token
+ROUTES_DTYPE = np.int16  # a token's experts + 1 at each sparse layer: up to 32,766 experts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,8 @@ class SampleShard:
   newest of a sample's token versions. A sample is keyed by (step, group id, sample index): the RL step it was generated for, its prompt's
   group, and its place in the group. reward_parts [n, k] holds each reward function's value (`rewards` is their
   weighted sum, plus an environment's), reward_errors and reward_timeouts how many of its calls failed (scored 0).
+  A mixture of experts' samples carry `routes` [n, L, sparse layers, k]: the experts the sampler routed each token
+  to, plus one (0: not recorded, as for padding and a completion's last token, which no step read).
   """
 
   tokens: np.ndarray
@@ -52,6 +55,7 @@ class SampleShard:
   reward_timeouts: np.ndarray | None = None
   owners: np.ndarray | None = None  # [n] the trainer process holding each sample's tokens; default: 0
   token_stats: np.ndarray | None = None  # [n, len(STATS)]; default: counted from the tokens
+  routes: np.ndarray | None = None  # [n, L, sparse layers, k] int16, expert + 1 (0: none); None: a dense model's
 
   def __post_init__(self):
     n, length = np.shape(self.tokens)
@@ -81,6 +85,12 @@ class SampleShard:
     if owners.shape != (n,):
       raise ValueError(f"SampleShard.owners has shape {owners.shape}, expected ({n},)")
     object.__setattr__(self, "owners", owners)
+    if self.routes is not None:
+      routes = np.asarray(self.routes)
+      if routes.ndim != 4 or routes.shape[:2] != (n, length) or routes.dtype != ROUTES_DTYPE:
+        raise ValueError(f"SampleShard.routes has shape {routes.shape} ({routes.dtype}), expected ({n}, {length}, "
+                         f"layers, k) int16")
+      object.__setattr__(self, "routes", routes)
     if self.token_stats is not None:  # given: rows whose tokens another process holds
       stats = np.asarray(self.token_stats, np.int64)
       if stats.shape != (n, len(STATS)):
@@ -125,6 +135,11 @@ class SampleShard:
     fields = {k: np.concatenate([pad(getattr(s, k)) for s in shards]) for k in TOKEN_FIELDS}
     fields.update({k: np.concatenate([getattr(s, k) for s in shards]) for k in {**ROW_FIELDS, **PART_FIELDS}})
     fields["owners"] = np.concatenate([s.owners for s in shards])
+    routed = [s.routes for s in shards if s.routes is not None]
+    if routed:  # a shard without routes (samples from elsewhere) holds none: zeros
+      fields["routes"] = np.concatenate([
+          np.pad(s.routes, ((0, 0), (0, width - s.routes.shape[1]), (0, 0), (0, 0))) if s.routes is not None else
+          np.zeros((s.num_samples, width) + routed[0].shape[2:], ROUTES_DTYPE) for s in shards])
     if any(s.token_stats is not None for s in shards):
       fields["token_stats"] = np.concatenate([s.stats for s in shards])
     return cls(**fields)
@@ -133,6 +148,8 @@ class SampleShard:
     """The samples at `rows` (indices), in that order."""
     rows = np.asarray(rows, np.int64)
     given = {} if self.token_stats is None else {"token_stats": self.token_stats[rows]}
+    if self.routes is not None:
+      given["routes"] = self.routes[rows]
     return SampleShard(**{k: getattr(self, k)[rows] for k in {**TOKEN_FIELDS, **ROW_FIELDS, **PART_FIELDS}},
                        owners=self.owners[rows], **given)
 
@@ -147,6 +164,8 @@ class SampleShard:
                  advantages=np.asarray(advantages, np.float32))
     if owned:
       batch["owners"] = np.repeat(self.owners[:, None], self.tokens.shape[1], axis=1)
+    if self.routes is not None:
+      batch["routes"] = self.routes
     return batch
 
 

@@ -11,13 +11,24 @@ BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs
               "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
 
 
-def lossless_batch(keys: tuple, rows: int, length: int, packed: bool) -> dict:
-  """A micro-batch of `keys` of this shape that carries no loss (accumulating it compiles and changes nothing)."""
+ROUTED = "routes"  # a mixture's routes: [rows, length, sparse layers, k] per token, the one key of more than 2 axes
+
+
+def pad_rows(value: np.ndarray, rows: int, columns: int) -> np.ndarray:
+  """`value` [r, c, ...] zero-padded to [r + rows, c + columns, ...]."""
+  return np.pad(value, ((0, rows), (0, columns)) + ((0, 0),) * (np.ndim(value) - 2))
+
+
+def lossless_batch(keys: tuple, rows: int, length: int, packed: bool, routes: tuple | None = None) -> dict:
+  """A micro-batch of `keys` of this shape that carries no loss (accumulating it compiles and changes nothing);
+  `routes` (sparse layers, k): a mixture's, none recorded."""
   batch = {k: np.zeros((rows, length), np.float32) for k in keys if k != "tokens"}
   batch.update(tokens=np.zeros((rows, length), np.int32), valid=np.full((rows, length), not packed),
                loss_mask=np.zeros((rows, length), bool))
   if packed:
     batch["segment_ids"] = np.zeros((rows, length), np.int32)
+  if routes is not None:
+    batch[ROUTED] = np.zeros((rows, length) + tuple(routes), np.int16)
   return batch
 
 
@@ -35,7 +46,7 @@ def checked(batch: dict, keys: tuple, extra: tuple, role: str) -> dict:
     value = np.asarray(batch[key])
     if key == "advantages" and value.ndim == 1:
       value = np.repeat(value[:, None], length, axis=1)
-    if value.shape != (rows, length):
+    if value.shape[:2] != (rows, length) or (value.ndim != 2 and key != ROUTED):
       raise ValueError(f"micro-batch {key!r} has shape {value.shape}, expected {(rows, length)}")
     values[key] = value
   return values
@@ -45,7 +56,7 @@ def padded_call(values: dict, shape: tuple, role: str) -> dict:
   """A micro-batch's arrays padded to `shape`; a policy's with `head_columns` where its loss fits them: the head
   then scores those tokens alone, not the prompts (`logprobs.scored_columns`)."""
   rows, length = values["tokens"].shape
-  padded = {k: np.pad(v, ((0, shape[0] - rows), (0, shape[1] - length))) for k, v in values.items()}
+  padded = {k: pad_rows(v, shape[0] - rows, shape[1] - length) for k, v in values.items()}
   columns = scored_columns(padded["loss_mask"]) if role == "policy" else None
   return padded if columns is None else {**padded, "head_columns": columns}
 

@@ -18,6 +18,7 @@ import dataclasses
 import numpy as np
 
 from streamrl_jax.counters import Counters
+from streamrl_jax.training.host_batch import pad_rows
 from streamrl_jax.training.packing import call_rows, pack_plan, pack_rows, packed_pieces, trimmed_call
 from streamrl_jax.training.trainer import Trainer, TrainState
 
@@ -146,4 +147,4 @@ def _owners(batch: dict):
 
 
 def _pad_columns(batch: dict, width: int) -> dict:
-  return {k: np.pad(v, ((0, 0), (0, width - v.shape[1]))) for k, v in batch.items()}
+  return {k: pad_rows(v, 0, width - v.shape[1]) for k, v in batch.items()}

@@ -53,7 +53,7 @@ def owned_layout(values: dict, owners: np.ndarray, length: int, rows_for: Callab
   out = {}
   for key, value in values.items():
     value = np.asarray(value)
-    placed = np.zeros((rows, length), value.dtype)
+    placed = np.zeros((rows, length) + value.shape[2:], value.dtype)
     for process, slot in enumerate(slots):
       mine = np.flatnonzero(keep & (owners == process))
       placed[slot[:len(mine)], :value.shape[1]] = value[mine]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from streamrl_jax.training.host_batch import pad_rows
+
 TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
 TRIM_WIDTHS = 4  # ... and of a quarter of the row: few trimmed shapes (each a compiled program of its own)
 # A full call, which carries most of a step's tokens, is trimmed in sixteenths of the row (those above half: at most
@@ -59,7 +61,7 @@ def packed_pieces(chunk: dict, unit: int, max_rows: int = 0) -> list[dict]:
   for size in plan:
     piece = {k: v[start:min(start + size * unit, head)] for k, v in chunk.items()}
     missing = size * unit - len(piece["tokens"])
-    pieces.append({k: np.pad(v, ((0, missing), (0, 0))) for k, v in piece.items()} if missing else piece)
+    pieces.append({k: pad_rows(v, missing, 0) for k, v in piece.items()} if missing else piece)
     start += size * unit
   if trimmed:
     pieces.append({k: v[head:, :trimmed] for k, v in chunk.items()})
@@ -215,7 +217,7 @@ def pack_rows(batch: dict, length: int, plan: list | None = None) -> dict:
   `plan` places them (default: `pack_plan` of all of them). Every per-token field moves with its tokens;
   `segment_ids` numbers the samples of a row 1, 2, ... (0: padding)."""
   plan = pack_plan(batch["valid"], length) if plan is None else plan
-  out = {k: np.zeros((len(plan), length), np.asarray(v).dtype) for k, v in batch.items()}
+  out = {k: np.zeros((len(plan), length) + np.shape(v)[2:], np.asarray(v).dtype) for k, v in batch.items()}
   out["segment_ids"] = np.zeros((len(plan), length), np.int32)
   for target, spans in enumerate(plan):
     offset = 0

@@ -24,7 +24,7 @@ from streamrl_jax.models import DEFAULT_RULES, logical_spec, state_shardings
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import MAXED, CallLoss, step_metrics, zero_sums
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.host_batch import BATCH_KEYS, bucket, checked, lossless_batch, padded_call
+from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, bucket, checked, lossless_batch, padded_call
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
@@ -149,6 +149,12 @@ class Trainer:
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
   @property
+  def route_shape(self) -> tuple[int, int] | None:
+    """(sparse layers, k) of a mixture's routes; None for a dense model (or before init_state)."""
+    moe = self.loss.moe
+    return None if moe is None else (len(moe.moe_layers), moe.experts_per_token)
+
+  @property
   def frozen(self) -> dict:
     """What every step reads and never changes: the reference policy and LoRA's base (None where absent)."""
     return {"ref": self.ref_params, "base": self.base_params}
@@ -208,8 +214,10 @@ class Trainer:
     keys = BATCH_KEYS[self.role]
     rows, length = np.asarray(batch["tokens"]).shape
     packed = "segment_ids" in batch
+    if self.route_shape is not None and ROUTED not in batch:  # a mixture's calls all carry routes: one program
+      batch = {**batch, ROUTED: np.zeros((rows, length) + self.route_shape, np.int16)}
     extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
-        ("segment_ids",) if packed else ())
+        ("segment_ids",) if packed else ()) + ((ROUTED,) if self.route_shape is not None else ())
     values = checked(batch, keys, extra, self.role)
     rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
                 else (lambda n: bucket(n, self.min_rows)))
@@ -233,21 +241,21 @@ class Trainer:
     rows_buckets = sorted({bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
       for length in sorted({bucket(n, self.min_length) for n in range(1, max_length + 1)}):
-        state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, length, packed=False))
+        state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, length, False, self.route_shape))
     return state
 
   def precompile_packed(self, state: TrainState, max_tokens: int, length: int) -> TrainState:
     """`precompile` for packed micro-batches of rows of `length` up to `max_tokens` tokens: every shape
     `MicroBatcher` can send (`packing.packed_shapes`: full calls whole or trimmed, pieces, a trimmed last unit)."""
     for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
-      state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, width, packed=True))
+      state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, width, True, self.route_shape))
     return state
 
   def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`prepare`)."""
-    batch = self.prepare(lossless_batch(BATCH_KEYS[self.role], rows, length, packed))
+    batch = self.prepare(lossless_batch(BATCH_KEYS[self.role], rows, length, packed, self.route_shape))
     batch.pop("head_columns", None)
     compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen,
                                       self.low_copy.of(state.params)).compile()

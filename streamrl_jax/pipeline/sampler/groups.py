@@ -8,6 +8,7 @@ import numpy as np
 
 from streamrl_jax.rewards.scorer import Score
 from streamrl_jax.streaming import SampleShard
+from streamrl_jax.streaming.shard import ROUTES_DTYPE
 from streamrl_jax.tasks.rows import Row
 from streamrl_jax.types import Sample
 
@@ -21,6 +22,8 @@ def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, ste
   loss_mask = np.zeros((n, width), bool)
   logprobs = np.zeros((n, width), np.float32)
   versions = np.zeros((n, width), np.int64)
+  routed = next((s.routes for s in samples if s.routes is not None), None)
+  routes = None if routed is None else np.zeros((n, width) + routed.shape[1:], ROUTES_DTYPE)
   for row, s in enumerate(samples):
     p, c = len(s.prompt_tokens), len(s.tokens)
     if p + c > width:
@@ -30,13 +33,16 @@ def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, ste
     loss_mask[row, p:p + c] = True if s.loss_mask is None else s.loss_mask  # an environment's tokens: False
     logprobs[row, p:p + c] = s.logprobs
     versions[row, p:p + c] = s.versions
+    if routes is not None and s.routes is not None:
+      routes[row, :p + c] = s.routes
   return SampleShard(tokens=tokens, valid=valid, loss_mask=loss_mask, logprobs=logprobs,
                      rewards=np.asarray([c.total + s.env_reward for c, s in zip(scores, samples)], np.float32),
                      group_ids=[s.group_id for s in samples], sample_indices=[s.sample_index for s in samples],
                      steps=[step] * n, first_versions=[s.first_version for s in samples],
                      last_versions=[s.last_version for s in samples], versions=versions,
                      reward_parts=np.asarray([c.parts for c in scores], np.float32).reshape(n, -1),
-                     reward_errors=[c.errors for c in scores], reward_timeouts=[c.timeouts for c in scores])
+                     reward_errors=[c.errors for c in scores], reward_timeouts=[c.timeouts for c in scores],
+                     routes=routes)
 
 
 @dataclasses.dataclass

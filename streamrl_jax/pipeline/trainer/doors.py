@@ -30,7 +30,7 @@ class SampleDoors:
     self.connection: FlightConnection | None = None
 
   @classmethod
-  def open(cls, config, vocab_size: int, endpoint) -> SampleDoors:
+  def open(cls, config, wire: WireLimits, endpoint) -> SampleDoors:
     """Every process other than 0 opens its door; the processes learn each other's (collective)."""
     process, processes = jax.process_index(), jax.process_count()
     if processes == 1:
@@ -39,7 +39,7 @@ class SampleDoors:
     if process:
       host, _ = parse_address(endpoint.listen, "--listen")
       queue = SampleQueue(config.trainer.queue_capacity)
-      limits = ServerLimits(WireLimits.of_run(config, vocab_size), owner=(process, processes),
+      limits = ServerLimits(wire, owner=(process, processes),
                             chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20)
       server = TrainerFlightServer(host, 0, controller=FlightDoor(None, config.group_size), samples=queue,
                                    weights=HostWeightStore(precision=config.precision, pieces=True), limits=limits,

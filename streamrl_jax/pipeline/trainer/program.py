@@ -75,7 +75,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
-  doors = SampleDoors.open(config, model.config.vocab_size, endpoint)  # other processes' sample doors, before
+  wire = WireLimits.of_run(config, model.config.vocab_size, model.config)
+  doors = SampleDoors.open(config, wire, endpoint)  # other processes' sample doors, before
   if not is_leader():
     with hooks.stop.deferred("process 0 stops") if hooks.stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker, doors)
@@ -87,7 +88,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh),
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
-  queue, store, server = _serve(config, controller, model.config.vocab_size, endpoint,
+  queue, store, server = _serve(config, controller, wire, endpoint,
                                 followers if isinstance(followers, RemoteArms) else None)
   doors.connect(server.address)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
@@ -130,7 +131,7 @@ def _teardown(config: PipelineConfig, controller: Controller, server, doors: Sam
   return teardown
 
 
-def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endpoint: TrainerEndpoint,
+def _serve(config: PipelineConfig, controller: Controller, wire: WireLimits, endpoint: TrainerEndpoint,
            arms: RemoteArms | None):
   """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving `arms'`
   streams too)."""
@@ -138,7 +139,7 @@ def _serve(config: PipelineConfig, controller: Controller, vocab_size: int, endp
   store = HostWeightStore(precision=config.precision, pieces=jax.process_count() > 1)  # each process its own pieces
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
                                weights=store, tls=endpoint.tls, arms=arms,
-                               limits=ServerLimits(WireLimits.of_run(config, vocab_size),
+                               limits=ServerLimits(wire,
                                                    chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20,
                                                    owner=(0, jax.process_count())))
   return queue, store, server
