@@ -32,7 +32,8 @@ def pages_for(num_tokens, page_size: int):
 # ---- page bookkeeping ------------------------------------------------------------------------------
 @flax.struct.dataclass
 class PageState:
-  """Who holds which page. A row's pages fill its table from the left; the rest of the table is -1."""
+  """Who holds which page. A row's pages fill its table from the left; the rest of the table is -1 (and, for a model
+  whose every layer slides, the slots of pages its window has passed: `release_before`)."""
 
   refcount: jax.Array  # [num_pages] int32: rows holding the page; 0 = free
   table: jax.Array  # [rows, pages_per_row] int32: page ids, NO_PAGE where none
@@ -62,8 +63,10 @@ class PageState:
     return jnp.sum(self.refcount == 0, dtype=jnp.int32)
 
   def pages_held(self) -> jax.Array:
-    """[rows] int32: pages each row holds."""
-    return jnp.sum(self.table >= 0, axis=1, dtype=jnp.int32)
+    """[rows] int32: the table slots each row's pages reach (its last page's slot + 1; a sliding window's pages
+    given back from the row's start leave holes, which count)."""
+    slots = jnp.arange(1, self.table.shape[1] + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(self.table >= 0, slots, 0), axis=1, initial=0)
 
 
 def _add_refs(refcount: jax.Array, pages: jax.Array, take: jax.Array, delta: int) -> jax.Array:
@@ -149,6 +152,15 @@ def release(state: PageState, row) -> PageState:
   refcount = _add_refs(state.refcount, pages, pages >= 0, -1)
   return state.replace(refcount=refcount, table=state.table.at[row].set(NO_PAGE),
                        length=state.length.at[row].set(0))
+
+
+def release_before(state: PageState, row, pages: jax.Array) -> PageState:
+  """Drops `row`'s hold on its first `pages` table slots (tokens no query of the row can see again: every layer's
+  window has passed them); its length and later pages stay."""
+  table = state.table[row]
+  drop = (jnp.arange(table.shape[0]) < pages) & (table >= 0)
+  refcount = _add_refs(state.refcount, table, drop, -1)
+  return state.replace(refcount=refcount, table=state.table.at[row].set(jnp.where(drop, NO_PAGE, table)))
 
 
 def move_rows(state: PageState, src: jax.Array, dst: jax.Array) -> PageState:

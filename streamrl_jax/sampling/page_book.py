@@ -18,8 +18,8 @@ import jax
 import numpy as np
 
 from streamrl_jax.counters import Counters
-from streamrl_jax.models.paged_cache import (PageState, advance, fork, move_rows, pages_for, release, reserve,
-                                             reserve_rows, set_lengths)
+from streamrl_jax.models.paged_cache import (PageState, advance, fork, move_rows, pages_for, release, release_before,
+                                             reserve, reserve_rows, set_lengths)
 from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.sampling.paged_prefill import InsertPlan, PagedPrefix, one_hot
 
@@ -37,7 +37,8 @@ class PagedState:
 
 @dataclasses.dataclass(slots=True, eq=False)
 class PageCounters(Counters):
-  """The page book's prefills, prompts shared, prefix-cache hits, rows preempted and entries evicted."""
+  """The page book's prefills, prompts shared, prefix-cache hits, rows preempted, entries evicted, pages freed behind
+  a sliding window."""
 
   prefill_tokens: int = 0  # prompts prefilled
   resume_prefill_tokens: int = 0  # preempted requests' prompt and tokens, prefilled again
@@ -45,13 +46,16 @@ class PageCounters(Counters):
   prefix_cache_hits: int = 0
   preempted: int = 0
   evicted: int = 0
+  window_freed: int = 0  # pages given back once every layer's sliding window had passed them
 
 
 class PageBook:
   """Page decisions of one paged engine over `num_pages` pages of `config.page_size` tokens."""
 
-  def __init__(self, config: EngineConfig, num_pages: int, cache_rows: int):
-    self.config, self.num_pages, self.cache_rows = config, num_pages, cache_rows
+  def __init__(self, config: EngineConfig, num_pages: int, cache_rows: int, window: int = 0):
+    """`window`: a model whose every layer slides over this many positions (0: not such a model) gives back the
+    pages its rows have left behind."""
+    self.config, self.num_pages, self.cache_rows, self.window = config, num_pages, cache_rows, window
     self.page_size, self.slots = config.page_size, config.num_slots
     self.pages_per_row = config.cache_length // config.page_size
     self._cpu = jax.devices("cpu")[0]
@@ -59,6 +63,7 @@ class PageBook:
     self._reserve_rows = jax.jit(reserve_rows, static_argnums=(3,))
     self._fork = jax.jit(fork, static_argnums=(3,))
     self._release = jax.jit(release)
+    self._release_before = jax.jit(release_before)
     self._advance = jax.jit(advance)
     self._move_rows = jax.jit(move_rows)
     self._set_lengths = jax.jit(set_lengths)
@@ -144,6 +149,8 @@ class PageBook:
     ties: the highest slot) is preempted: its pages go back and `deactivate(rows, slot)` stops its row.
     Returns (state, the preempted slots); the slots kept are the ones the next `generate` decodes."""
     slots, preempted = sorted(progress), []
+    if self.window:
+      state = self._behind_window(state, slots)
     while slots:
       need = self._grown(np.asarray(state.pages.length)[slots], self.config.steps_per_sync)
       pages, ok = self._reserve_rows(state.pages, np.asarray(slots, np.int32), need.astype(np.int32), self.page_size)
@@ -160,6 +167,18 @@ class PageBook:
                                   pages=self._release(state.pages, victim))
       self.counters.preempted += 1
     return dataclasses.replace(state, decoding=tuple(slots)), preempted
+
+  def _behind_window(self, state: PagedState, slots: list[int]) -> PagedState:
+    """Each row's pages whose tokens lie behind every query it can still make (a query at position p sees p -
+    window + 1 on): given back. A row's length is taken a call's steps lower than the book's (an upper bound)."""
+    length = np.asarray(state.pages.length)
+    pages = state.pages
+    for slot in slots:
+      behind = max(0, int(length[slot]) - self.config.steps_per_sync - self.window + 1) // self.page_size
+      if behind:
+        pages = self._release_before(pages, slot, behind)
+    self.counters.window_freed += int(np.count_nonzero(np.asarray(pages.refcount) == 0)) - self.free_pages(state)
+    return dataclasses.replace(state, pages=pages)
 
   def _grown(self, length: np.ndarray, steps: int) -> np.ndarray:
     """Rows' lengths after `steps` more tokens, at most the cache's length: a row ends there, so it never needs

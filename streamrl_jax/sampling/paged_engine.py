@@ -83,7 +83,8 @@ class PagedDecodeEngine(EngineBase):
       raise ValueError(f"EngineConfig.kv_pages={self.num_pages} holds {self.num_pages * self.page_size} tokens, "
                        f"fewer than one row at full length ({config.cache_length}); raise kv_pages")
     self.memory = self._check_memory()
-    self.book = PageBook(config, self.num_pages, self.cache_rows)
+    windows = model_config.windows  # every layer sliding: pages every window has passed go back to the pool
+    self.book = PageBook(config, self.num_pages, self.cache_rows, 0 if None in windows else max(windows))
     self.counters = self.book.counters
     replicated = NamedSharding(mesh, PartitionSpec())
     self._shardings = self._state_shardings()
@@ -245,7 +246,7 @@ class PagedDecodeEngine(EngineBase):
     every slot. `window`, one of `config.attention_windows`, must exceed every active row's last write."""
     window, steps = self._window(window), self._steps(steps)
     table = np.asarray(state.pages.table)[:self.config.num_slots]
-    busy = table[:, 0] >= 0
+    busy = (table >= 0).any(axis=1)
     if state.decoding is not None:
       busy = np.isin(np.arange(self.config.num_slots), state.decoding)
     idx = np.flatnonzero(busy)
