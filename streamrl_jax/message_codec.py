@@ -25,6 +25,7 @@ LIMITS = {
     "StepReport.lengths": (0.0, 1e9), "StepReport.samples": (0, 1 << 40), "StepReport.instances": (0, 1 << 20),
     "StepReport.rss_mb": (0.0, 1e9), "StepReport.busy": (0.0, 1e12), "Lease.instances": (0, 1 << 20),
     "StepReport.phase_s": (0.0, 1e9), "StepSummary.phase_s": (0.0, 1e12),
+    "StepReport.template_prefix_mismatch": (0, 1 << 40), "StepSummary.template_prefix_mismatch": (0, 1 << 40),
     "Registered.heartbeat_s": (0.0, 1e6), "Registered.data_endpoints": 256,
     "Delivery.group_ids": (0, 1 << 62), "Delivery.lengths": (0.0, 1e9), "DeliveryStatus.status": 16,
     "DeliveryStatus.reason": 600, "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),

@@ -122,6 +122,8 @@ class StepReport:
   rss_mb: float = 0.0  # the sampler process's resident memory
   # the sampler thread's seconds since its previous report, by phase: SAMPLER_PHASES, then "other" (empty: not told)
   phase_s: tuple[float, ...] = ()
+  # agent turns whose chat template rendered the episode's sampled text anew (placed after the sampled ids)
+  template_prefix_mismatch: int = 0
 
   def __post_init__(self):
     _check_phases(self.phase_s)
@@ -226,6 +228,7 @@ class StepSummary:
   sampler_rss_mb: float
   ranker: dict
   phase_s: tuple[float, ...] = ()  # the step's reports' `phase_s`, added up over its samplers (empty: none told)
+  template_prefix_mismatch: int = 0  # the step's reports', added up
 
   def __post_init__(self):
     _check_phases(self.phase_s)
@@ -239,7 +242,8 @@ class StepSummary:
       seconds = {**{f"sampler_s/{name}": s for name, s in by_phase.items()},
                  "sampler_accounted_frac": accounted_frac(by_phase)}
     return dict(generation_s=self.generation_s, sampler_instances=self.sampler_instances,
-                sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb, **seconds, **self.ranker)
+                sampler_processes=self.sampler_processes, sampler_rss_mb=self.sampler_rss_mb,
+                template_prefix_mismatch=self.template_prefix_mismatch, **seconds, **self.ranker)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -138,3 +138,36 @@ def test_an_episode_refuses_a_conversation_that_does_not_continue_it_and_a_spent
     episodes.begin("e", bpe.render_chat(kept), bpe.encode, 1)
   with pytest.raises(ApiError, match="unknown episode"):
     episodes.begin("other", bpe.render_chat(chat), bpe.encode, 1)
+
+
+def test_a_template_that_renders_past_turns_anew_is_placed_after_the_sampled_ids_and_counted(bpe):
+  """Qwen3's template drops a past reply's reasoning: the next turn's rendering does not start with the text sampled.
+  The turn goes on from the sampled ids (the reasoning kept), the template's text after the reply added, and the
+  transcript counts it; a request whose messages do not continue the episode's is still refused."""
+  from pathlib import Path
+
+  from streamrl_jax.models.chat import render_chat
+
+  template = (Path(__file__).parent / "templates" / "qwen3.jinja").read_text()
+  render = lambda messages, gen=True: render_chat(template, messages, gen)  # noqa: E731
+  episodes = Episodes(bpe.encode, bpe.token_text, bpe.decode, render)
+  episodes.open("q", budget=200)
+  chat = [{"role": "user", "content": "hi"}]
+  first = episodes.begin("q", render(chat), bpe.encode, 1, tuple(chat))
+  sampled = bpe.encode("<think>\nsay ok\n</think>\n\nok")
+  episodes.record(first, _reply(bpe, sampled))
+  reply = episodes._open["q"].reply
+  chat += [{"role": "assistant", "content": reply}, {"role": "user", "content": "again"}]
+  assert not render(chat).startswith(render(chat[:1]) + reply)  # the reasoning is gone from the history
+  second = episodes.begin("q", render(chat), bpe.encode, 1, tuple(chat))
+  so_far = bpe.encode(render(chat[:1])) + sampled + [bpe.eos_id]
+  assert second.prompt_tokens.tolist()[:len(so_far)] == so_far  # the sampled ids, reasoning included
+  assert bpe.decode(list(second.added)) == "\n<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n".replace(
+      "<|im_start|>", "").replace("<|im_end|>", "")  # (decode leaves the special tokens out)
+  assert episodes._open["q"].prefix_mismatches == 1
+  episodes.record(second, _reply(bpe, bpe.encode("fine")))
+  edited = [chat[0], {"role": "assistant", "content": "not what was sent"}, *chat[2:],
+            {"role": "assistant", "content": "fine"}, {"role": "user", "content": "x"}]
+  with pytest.raises(ApiError, match="does not continue") as err:
+    episodes.begin("q", render(edited), bpe.encode, 1, tuple(edited))
+  assert err.value.code == "episode_diverged" and episodes.close("q").prefix_mismatches == 1

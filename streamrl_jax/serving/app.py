@@ -58,7 +58,9 @@ class Service:
 
   def __init__(self, model: ServedModel, config: ServeConfig, bridge: RequestBridge):
     self.model, self.config, self.bridge = model, config, bridge
-    self.episodes = Episodes(model.tokenizer.encode, model.tokenizer.token_text, model.tokenizer.decode)
+    tokenizer = model.tokenizer
+    self.episodes = Episodes(tokenizer.encode, tokenizer.token_text, tokenizer.decode,
+                             tokenizer.render_chat if tokenizer.chat_template else None)
     self.active = 0
     self.started = int(time.time())
     self._next_key = 0
@@ -234,7 +236,8 @@ async def _complete(service: Service, request: Request, *, chat: bool):
     raise ApiError(503, "no weights have landed on this sampler yet; retry later", type="server_error")
   rendered = service.render(call)
   tag = request.headers.get(EPISODE_HEADER, "")
-  turn = service.episodes.begin(tag, rendered, lambda text: service.encode(call, text), call.n) if tag else None
+  turn = service.episodes.begin(tag, rendered, lambda text: service.encode(call, text), call.n,
+                                call.messages if call.chat else None) if tag else None
   try:
     prompt = turn.prompt_tokens if turn is not None else np.asarray(service.encode(call, rendered), np.int32)
     forced = service.config.temperature

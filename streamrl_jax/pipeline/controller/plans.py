@@ -186,4 +186,5 @@ def summarise(config, ranker, step: int, plan: StepPlan) -> StepSummary:
                      sampler_instances=sum({r.sampler_id: r.instances for r in reports}.values()),
                      sampler_processes=len({r.sampler_id for r in reports}),
                      sampler_rss_mb=max((r.rss_mb for r in reports), default=0.0), ranker=figures,
-                     phase_s=tuple(float(x) for x in np.sum(told, axis=0)) if told else ())
+                     phase_s=tuple(float(x) for x in np.sum(told, axis=0)) if told else (),
+                     template_prefix_mismatch=sum(r.template_prefix_mismatch for r in reports))

@@ -41,6 +41,8 @@ class LeaseEpisodes:
       if run is None:
         continue  # its lease was dropped
       prompt_tokens = run.lease.prompt_tokens[run.index_of[group_id]]
+      if result.transcript is not None:  # turns a template rendered anew: counted in the lease's report
+        run.template_prefix_mismatch += result.transcript.prefix_mismatches
       sample = episode_sample(result, group_id, prompt_tokens, stop_id, version)
       text, env_reward, failure = scored_text(result)
       yield run, dataclasses.replace(sample, env_reward=env_reward), text, failure

@@ -62,6 +62,7 @@ class _LeaseRun:
   begin_epoch: float
   lengths: np.ndarray  # mean completion tokens per prompt, in lease order
   left: int  # samples not yet out (finished, scored and sent with their group)
+  template_prefix_mismatch: int = 0  # agent turns whose template rendered the episode's sampled text anew
   index_of: dict[int, int] = dataclasses.field(init=False)  # group id -> place in the lease
 
   def __post_init__(self):
@@ -73,7 +74,8 @@ class _LeaseRun:
     return StepReport(sampler_id=sampler_id, lease_id=lease.lease_id, step=lease.step,
                       generation_s=time.perf_counter() - self.begin, lengths=tuple(float(x) for x in self.lengths),
                       wait_s=self.wait_s, samples=len(lease.prompts) * group_size, instances=instances,
-                      busy=((self.begin_epoch, time.time()),), rss_mb=resident_mb(), phase_s=phase_s)
+                      busy=((self.begin_epoch, time.time()),), rss_mb=resident_mb(), phase_s=phase_s,
+                      template_prefix_mismatch=self.template_prefix_mismatch)
 
 
 class SamplerWorker:
