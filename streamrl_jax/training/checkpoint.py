@@ -20,6 +20,7 @@ Three ways to save, by where the state lives:
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 from pathlib import Path
 
@@ -36,7 +37,8 @@ from streamrl_jax.training.trainer import TrainState
 SAVED_FIELDS = ("params", "opt_state", "step", "rng")
 # orbax's bound on the bytes being written at once (its default, 96 GB, bounds nothing here): a background save runs
 # beside the next step's activations. SmolLM2's async run peaked at 6.9 GB with 1 GB, 6.6 GB with 0.25 (its
-# steady steps at 6.0 either way).
+# steady steps at 6.0 either way). orbax refuses an array larger than the bound (a 151,936 x 1,024 embedding is
+# 0.58 GiB): the bound grows to the largest array a save holds, in quarters of a GiB.
 WRITE_GB = 0.25
 
 
@@ -56,13 +58,27 @@ class Checkpointer:
     self.background = (not self.async_save and jax.process_count() == 1) if background is None else bool(background)
     if self.background and (self.async_save or jax.process_count() > 1):
       raise ValueError("a background save needs orbax's synchronous save (async_save=False) and one process")
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
-                                           create=True)
-    handlers = dict(arrays=ocp.StandardCheckpointHandler(save_concurrent_gb=WRITE_GB),
-                    aux=ocp.StandardCheckpointHandler(save_concurrent_gb=WRITE_GB), extra=ocp.JsonCheckpointHandler())
-    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
+    self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
+                                                 create=True)
+    self._write_gb = WRITE_GB
+    self._manager = self._make_manager()
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "checkpoint") if self.background else None
     self._in_flight: tuple[int, concurrent.futures.Future] | None = None  # (step, its background write)
+
+  def _make_manager(self) -> ocp.CheckpointManager:
+    handlers = dict(arrays=ocp.StandardCheckpointHandler(save_concurrent_gb=self._write_gb),
+                    aux=ocp.StandardCheckpointHandler(save_concurrent_gb=self._write_gb),
+                    extra=ocp.JsonCheckpointHandler())
+    return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+
+  def _bound_for(self, *trees) -> None:
+    """Raises the write bound to the largest array of `trees` (orbax writes no array larger than its bound)."""
+    largest = max((int(np.prod(np.shape(x))) * np.dtype(x.dtype).itemsize for t in trees for x in jax.tree.leaves(t)),
+                  default=0) / 2**30
+    if largest > self._write_gb:
+      self._write_gb = math.ceil(largest * 4) / 4
+      self._manager.close()
+      self._manager = self._make_manager()
 
   def due(self, step: int, last: bool) -> bool:
     """Whether a run saves checkpoint `step`: every `every` steps, and the `last` one it trains (final or stopped)."""
@@ -76,6 +92,7 @@ class Checkpointer:
     self.wait()  # one save at a time: the previous one commits first
     step = int(jax.device_get(state.step)) if step is None else step
     arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
+    self._bound_for(arrays, aux)
     items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
     if aux is not None:
       items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
