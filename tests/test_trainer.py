@@ -197,6 +197,28 @@ def test_keeps_the_last_n_checkpoints(model_parts, tmp_path):
   checkpointer.close()
 
 
+@pytest.mark.parametrize("max_grad_norm", [1e-3, 1.0, 0.0])  # clipped, not reached, no clip
+def test_the_update_is_optax_adamw_after_its_global_norm_clip(model_parts, max_grad_norm):
+  """The trainer clips by one factor on each leaf (no gradient-sized temporaries); its step is optax's
+  chain(clip_by_global_norm, adamw) on the mean gradient, and its grad_norm the mean gradient's norm."""
+  import optax
+
+  graphdef, params = model_parts
+  trainer = trainer_for(graphdef, max_grad_norm=max_grad_norm)
+  state = trainer.accumulate(trainer.init_state(params), make_batch(8, seed=4))
+  mean = mean_gradient(state)
+  new, metrics = trainer.apply(state)
+  adamw = optax.adamw(optax.constant_schedule(1e-2))
+  reference = optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw) if max_grad_norm else adamw
+  host = jax.tree.map(np.asarray, params)
+  updates, _ = reference.update(mean, reference.init(host), host)
+  want = optax.apply_updates(host, updates)
+  for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  assert metrics["grad_norm"] == pytest.approx(float(optax.tree.norm(mean)), rel=1e-5)
+  assert jax.tree.structure(new.opt_state) == jax.tree.structure(reference.init(host))  # checkpoints restore
+
+
 def test_an_array_larger_than_the_write_bound_is_saved(model_parts, tmp_path, monkeypatch):
   """orbax refuses to write an array larger than its bound on bytes in flight (a 151,936 x 1,024 embedding is
   0.58 GiB against 0.25): the bound grows to the state's largest array."""
