@@ -5,7 +5,9 @@ held-out prompt), as a user runs it: one process, its CPU devices its own.
 
 Prints `qwen3_0p6b_step_s` (the second step's wall seconds, `step_wall_s`: the first compiles), `qwen3_0p6b_first_step_s`,
 `qwen3_0p6b_peak_rss_mb` (the run's processes summed: process_memory.py) and `families_supported` (the architectures
-config.json may name). A quick run (STREAMRL_BENCH_QUICK=1) trains the same shape cut to 4 layers of hidden 256.
+config.json may name); beside them the same run with the sampler's weights in bfloat16 (`SamplerConfig.precision`:
+an async run holds up to three sampler versions, the one decoding, the newest landed and one landing),
+`qwen3_0p6b_bf16_sampler_*`. A quick run (STREAMRL_BENCH_QUICK=1) trains the same shape cut to 4 layers of hidden 256.
 """
 
 from __future__ import annotations
@@ -66,11 +68,11 @@ def write_model(directory: Path, fields: dict) -> int:
   return count
 
 
-def train(model_dir: Path, workdir: Path) -> dict:
-  """`streamrl train` of the work on `model_dir`: its rows and the run's memory."""
+def train(model_dir: Path, workdir: Path, extra: tuple = ()) -> dict:
+  """`streamrl train` of the work on `model_dir` (with `extra` settings): its rows and the run's memory."""
   from process_memory import run_measured
 
-  sets = [a for s in (*WORK, f"JobConfig.model={str(model_dir)!r}") for a in ("--set", s)]
+  sets = [a for s in (*WORK, *extra, f"JobConfig.model={str(model_dir)!r}") for a in ("--set", s)]
   done = run_measured([sys.executable, "-m", "streamrl_jax.cli", "train", "--workdir", str(workdir), *sets], cwd=ROOT,
                       env=dict(os.environ, XLA_FLAGS=""))
   if done["returncode"]:
@@ -87,6 +89,7 @@ def main() -> None:
     model_dir = Path(tmp) / "qwen3-0.6b-shaped"
     params = write_model(model_dir, SHAPE)
     run = train(model_dir, Path(tmp) / "run")
+    bf16 = train(model_dir, Path(tmp) / "bf16", ("SamplerConfig.precision='bfloat16'",))
   rows = run["rows"]
   out = {"workload": f"Qwen3-0.6B-shaped ({SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}), random "
                      f"weights, float32; {WORK}", "quick": QUICK, "parameters": params,
@@ -95,6 +98,8 @@ def main() -> None:
          "qwen3_0p6b_peak_processes": run["peak_processes"], "qwen3_0p6b_run_s": run["seconds"],
          "qwen3_0p6b_trainer_s": {k.split("/", 1)[1]: round(v, 2) for k, v in rows[-1].items()
                                   if k.startswith("trainer_s/")},
+         "qwen3_0p6b_bf16_sampler_step_s": round(bf16["rows"][-1]["step_wall_s"], 2),
+         "qwen3_0p6b_bf16_sampler_peak_rss_mb": bf16["peak_rss_mb"],
          "families_supported": len(ARCHITECTURES), "families": sorted(ARCHITECTURES)}
   print(json.dumps(out))
 

@@ -209,14 +209,3 @@ def config_to_hf(config: ModelConfig) -> dict[str, Any]:
     out["rope_scaling"] = _rope_out(c.rope_scaling)
   return out
 
-
-def describe(config: ModelConfig) -> str:
-  """One line naming the family and its shape (`streamrl info`, a model's load message)."""
-  c = config
-  parts = [f"{c.architecture}: {c.num_layers} layers, hidden {c.hidden_size}, {c.num_heads} heads "
-           f"({c.num_kv_heads} kv)"]
-  if c.num_experts:
-    parts.append(f"{c.num_experts} experts, top {c.experts_per_token}, in {len(c.moe_layers)} layers")
-  if c.layer_types:
-    parts.append(f"{c.layer_types.count('sliding')} sliding layers of window {c.sliding_window}")
-  return "; ".join(parts)

@@ -192,7 +192,7 @@ def save_hf(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int
   host = {}  # the parameter being written (a stacked one once for all its experts)
   for spec in tensor_layout(config):
     if spec.path not in host:
-      host = {spec.path: np.asarray(jax.device_get(flat[spec.path][...])).astype(config.weight_dtype)}
+      host = {spec.path: np.asarray(jax.device_get(flat[spec.path][...])).astype(config.weight_dtype, copy=False)}
     array = _to_hf_layout(spec, host[spec.path])
     if current and size + array.nbytes > max_shard_bytes:
       shards.append(current)

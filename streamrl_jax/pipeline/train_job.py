@@ -17,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from streamrl_jax.config_listing import render
+from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import load_hf, lora, save_hf
 from streamrl_jax.models.catalog import base_model_id
@@ -196,6 +197,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
           write_pictures(workdir, config, before, record.segments)
         raise
     checkpointer.wait()
+    release_free_memory()  # the run's state and weights, freed, as heap holes: given back before evaluating and saving
     if control.stop is not None and control.stop.requested:  # asked during the last step: stop before evaluating
       if leader:
         write_pictures(workdir, config, before, record.segments)
