@@ -64,6 +64,10 @@ def test_each_switch_is_read_from_its_family(hf_dirs):
              sliding_window_pattern=6, rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling=None,
              query_pre_attn_scalar=4)
   assert config_from_hf(old).layer_types == ("sliding",) * 5 + ("full", "sliding")
+  assert config_from_hf(old).tie_embeddings  # the Hub's gemma-3-1b-it states none: Gemma's default, tied
+  dense = json.loads((hf_dirs["qwen3_moe"][0] / "config.json").read_text())
+  dense.pop("num_local_experts", None)
+  assert not config_from_hf({**dense, "num_experts": 0}).moe_layers  # a Qwen3-MoE config with no experts: dense
   qwen_sliding = dict(architectures=["Qwen3ForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
                       num_hidden_layers=4, num_attention_heads=2, use_sliding_window=True, sliding_window=64,
                       max_window_layers=2)

@@ -19,7 +19,7 @@ from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.training import TrainerConfig
 from streamrl_jax.training.logprobs import token_logprobs
-from streamrl_jax.training.trainer import logprob_mismatch
+from streamrl_jax.training.call_loss import logprob_mismatch
 
 CONFIG = ModelConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
                      qkv_bias=True)

@@ -83,6 +83,11 @@ def test_equal_weights_agree_and_the_trainer_scores_as_the_sampler():
     assert metrics["router_agreement"] == 1.0, replay
     assert metrics["logprob_mismatch_max"] < 1e-4, replay
     assert metrics["objective_terms"] > 0  # the load-balancing term is in the loss
+  # routes not recorded (a prompt's, mid-row): those tokens go where the trainer's router sends them
+  holes = shard.routes.copy()
+  holes[:, 2:9] = 0
+  metrics = trained_metrics(graphdef, params, dataclasses.replace(shard, routes=holes), "replay")
+  assert metrics["logprob_mismatch_max"] < 1e-4 and metrics["router_agreement"] == 1.0
 
 
 def test_a_tie_the_sampler_breaks_the_other_way_is_replayed():

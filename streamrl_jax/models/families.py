@@ -109,7 +109,7 @@ def _llama_like(hf: dict[str, Any], family: str) -> dict[str, Any]:
   fields.update(qkv_bias=family == "qwen2" or bias, o_bias=family in ("llama", "qwen3", "qwen3_moe") and bias,
                 qk_norm=family in ("qwen3", "qwen3_moe"))
   if family == "qwen3_moe":
-    fields.update(num_experts=hf.get("num_experts") or hf["num_local_experts"],
+    fields.update(num_experts=hf.get("num_experts", hf.get("num_local_experts", 0)),
                   experts_per_token=hf["num_experts_per_tok"], moe_intermediate_size=hf["moe_intermediate_size"],
                   norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
                   dense_layers=tuple(hf.get("mlp_only_layers") or ()), sparse_step=hf.get("decoder_sparse_step", 1),
@@ -134,6 +134,7 @@ def _gemma3(hf: dict[str, Any]) -> dict[str, Any]:
                 local_rope_theta=float(hf.get("rope_local_base_freq") or (local or {}).get("rope_theta") or 10_000.0),
                 qkv_bias=bool(hf.get("attention_bias")), o_bias=bool(hf.get("attention_bias")), qk_norm=True,
                 norm_offset=1.0, sandwich_norms=True, embed_scale=True,
+                tie_embeddings=bool(hf.get("tie_word_embeddings", True)),  # Gemma's own default: tied
                 query_scale=float(hf.get("query_pre_attn_scalar", 256)) ** -0.5)
   fields.update(_windows(hf, hf["num_hidden_layers"], lambda i: bool((i + 1) % pattern)))
   return fields

@@ -179,12 +179,14 @@ class MoeMLP(nnx.Module):
   def __call__(self, x: jax.Array, valid: jax.Array | None = None, routes: jax.Array | None = None,
                placement: ExpertPlacement | None = None) -> tuple[jax.Array, RouterTrace]:
     """x [B, T, H] -> (output [B, T, H], trace). `valid` [B, T]: the tokens the load statistics count (default:
-    all); `routes` [B, T, k]: experts to use instead of the router's top k (replay)."""
+    all); `routes` [B, T, k]: experts to use instead of the router's top k (replay; a token of -1s: its own)."""
     b, t, h = x.shape
     logits = tokens_matmul(x, self.router[...]).reshape(b * t, -1)
     weights, chosen, probs = route(logits, self.k, self.normalize)
-    experts = chosen if routes is None else routes.reshape(b * t, self.k).astype(jnp.int32)
-    if routes is not None:
+    experts = chosen
+    if routes is not None:  # a token whose routes were not recorded (-1) goes where the router sends it
+      given = routes.reshape(b * t, self.k).astype(jnp.int32)
+      experts = jnp.where(jnp.all(given >= 0, axis=-1, keepdims=True), given, chosen)
       weights = replayed(probs, experts, self.normalize)
     weights = weights.astype(x.dtype)
     expert_weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])

@@ -127,10 +127,8 @@ class Trainer:
     self.config, self.role = config, role
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
-    # experts split over their axis: each device computes its own experts' rows (None: every expert here); the
-    # mixture's model config joins the call's loss at init_state
-    placement = (ExpertPlacement(mesh, buckets.expert_axis) if mesh.shape.get(buckets.expert_axis, 1) > 1 else None)
-    self.loss = CallLoss(objective, config, float(scoring.temperature), role, placement,
+    # a mixture's model config and the placement of its experts join the call's loss at init_state
+    self.loss = CallLoss(objective, config, float(scoring.temperature), role,
                          head_grad=scoring.base_params is None)  # LoRA: the head is frozen
     self.tx = make_optimizer(optimizer)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
@@ -161,6 +159,13 @@ class Trainer:
 
   def place(self, params):
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
+
+  def _placement(self, model_config) -> ExpertPlacement | None:
+    """The experts split over their mesh axis where it has several devices and divides them (each device computes
+    its own experts' rows); None: every expert on every device (the rules replicate them too)."""
+    axis = self.rules["expert"]
+    size = self.mesh.shape.get(axis, 1)
+    return ExpertPlacement(self.mesh, axis) if size > 1 and model_config.num_experts % size == 0 else None
 
   @property
   def route_shape(self) -> tuple[int, int] | None:
@@ -196,7 +201,7 @@ class Trainer:
     params = launch.copy(self.place(params))
     model_config = self._model(params, self.frozen).config
     if model_config.num_experts and self.role == "policy":
-      self.loss = dataclasses.replace(self.loss, moe=model_config)
+      self.loss = dataclasses.replace(self.loss, moe=model_config, placement=self._placement(model_config))
     if self.base_params is not None:
       self._adapter_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     else:
