@@ -19,9 +19,9 @@ def test_the_trainers_messages_round_trip(message):
 
 def test_a_step_summary_is_the_metrics_row_it_always_was():
   assert SUMMARY.metrics() == dict(generation_s=2.5, sampler_instances=3, sampler_processes=2, sampler_rss_mb=120.0,
-                                   ranker_spearman=0.5, ranker_train_steps=4)
+                                   template_prefix_mismatch=0, ranker_spearman=0.5, ranker_train_steps=4)
   assert list(StepSummary(0.0, 1, 1, 0.0, {}).metrics()) == ["generation_s", "sampler_instances", "sampler_processes",
-                                                            "sampler_rss_mb"]
+                                                            "sampler_rss_mb", "template_prefix_mismatch"]
 
 
 @pytest.mark.parametrize("data, problem", [

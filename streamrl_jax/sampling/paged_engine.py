@@ -83,8 +83,7 @@ class PagedDecodeEngine(EngineBase):
       raise ValueError(f"EngineConfig.kv_pages={self.num_pages} holds {self.num_pages * self.page_size} tokens, "
                        f"fewer than one row at full length ({config.cache_length}); raise kv_pages")
     self.memory = self._check_memory()
-    windows = model_config.windows  # every layer sliding: pages every window has passed go back to the pool
-    self.book = PageBook(config, self.num_pages, self.cache_rows, 0 if None in windows else max(windows))
+    self.book = PageBook(config, self.num_pages, self.cache_rows, _every_layer_window(model_config))
     self.counters = self.book.counters
     replicated = NamedSharding(mesh, PartitionSpec())
     self._shardings = self._state_shardings()
@@ -231,12 +230,8 @@ class PagedDecodeEngine(EngineBase):
                   stop_ids=arrays.stop_ids)
     rows = rows.replace(pool=pool, prefix_logits=rows.prefix_logits.at[entry].set(logits[:, 0], mode="drop"),
                         **{name: put(getattr(rows, name), value) for name, value in fields.items()})
-    first_routes = None
-    if routes:  # each request's prompt's, where this call prefilled it (a prompt the prefix cache held: -1)
-      fresh = plan["logit_row"] < u_rows
-      first_routes = jnp.where(fresh[:, None, None, None], routes[0][jnp.minimum(plan["logit_row"], u_rows - 1)], -1)
     return rows, FirstTokens(first_token=token, first_logprob=jnp.where(resumed, 0.0, logprob), done=done,
-                             routes=first_routes)
+                             routes=_request_routes(routes[0], plan["logit_row"]) if routes else None)
 
   def generate(self, params, state: PagedState, window: int | None = None,
                steps: int | None = None) -> tuple[PagedState, StepOutput]:
@@ -323,6 +318,19 @@ class PagedDecodeEngine(EngineBase):
   def drop_parked(self, state: PagedState, parking: dict, place: int):
     """A parked row whose episode ended gives its pages back; returns (state, parking)."""
     return self.book.release(state, self.book.parking_row(place)), parking
+
+
+def _request_routes(fresh, logit_row):
+  """Each request's prompt's experts [R, bucket, sparse layers, k] from the call's fresh prompts' `fresh`, where this
+  call prefilled it (`logit_row` below the fresh rows); -1 for a prompt the prefix cache held."""
+  rows = fresh.shape[0]
+  return jnp.where((logit_row < rows)[:, None, None, None], fresh[jnp.minimum(logit_row, rows - 1)], -1)
+
+
+def _every_layer_window(model_config: ModelConfig) -> int:
+  """The window of a model whose every layer slides (its pages behind every window go back to the pool), else 0."""
+  windows = model_config.windows
+  return 0 if None in windows else max(windows)
 
 
 def _park_impl(rows: PagedRows, parking: dict, rows_from, rows_to) -> dict:

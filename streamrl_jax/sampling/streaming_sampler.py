@@ -10,7 +10,6 @@ finish order.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 from collections.abc import Iterator, Sequence
@@ -24,11 +23,10 @@ from streamrl_jax.sampling.admission import AdmissionPolicy, Admitter, StepsPoli
 from streamrl_jax.sampling.engine import DecodeEngine
 from streamrl_jax.sampling.in_flight import InFlight, check_resumable
 from streamrl_jax.sampling.instances import Instance, InstanceSet
+from streamrl_jax.sampling.routes import RouteBook
 from streamrl_jax.sampling.tool_turns import ToolTurns
 from streamrl_jax.scheduling.policies import adaptive_steps, fifo_order
 from streamrl_jax.types import FINISH_LENGTH, FINISH_STOP, Request, Rollout, Sample, SamplingParams
-
-PROMPT_ROUTES = 256  # a mixture's prompts whose routes are kept for requests a prefix cache prefilled for them
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -74,7 +72,7 @@ class StreamingSampler:
     self._turns = ToolTurns(tools, self.counters) if tools is not None else None
     self._phase = (clock or PhaseClock(("prefill", "decode"))).phase
     self._admitter = Admitter(seed, self._turns, self._phase)
-    self._prompt_routes: collections.OrderedDict = collections.OrderedDict()  # (version, prompt) -> its routes
+    self._routes = RouteBook()  # a mixture's routes: where each call's go, and prompts' by version
 
   # ---- requests -----------------------------------------------------------------------------
   def submit(self, prompt, params: SamplingParams, *, group_id: int | None = None, instance: int | None = None,
@@ -252,30 +250,12 @@ class StreamingSampler:
     for (inst, _), out in zip(outputs, host_outputs):
       self._record_steps(inst, out, now, finished)
 
-  def _record_routes(self, flight: InFlight, values: list) -> None:
-    """A mixture's routes of a first call (`values[3]`: [call width, sparse layers, k]) for its flight; a prompt the
-    call did not compute (held by a paged engine's prefix cache) takes the routes recorded of it at this version."""
-    if len(values) < 4:
-      return
-    start, count = flight.routes_at
-    flight.place_routes(start, values[3][:count])
-    key = (self.version, flight.request.prompt_tokens.tobytes())
-    known = flight.prompt_routes()
-    if known is not None:
-      self._prompt_routes[key] = known
-      self._prompt_routes.move_to_end(key)
-      while len(self._prompt_routes) > PROMPT_ROUTES:
-        self._prompt_routes.popitem(last=False)
-    elif key in self._prompt_routes:
-      flight.routes[:len(self._prompt_routes[key])] = self._prompt_routes[key]
-
   def _record_first_tokens(self, inst: Instance, host_calls: dict, now: float, finished: list) -> None:
     """The first token of each row a prefill (or `extend`) call started, from the calls' outputs read back."""
     for slot, flight in list(inst.slots.items()):
       if flight.first is not None:
-        values = [a[flight.first[1]] for a in host_calls[id(flight.first[0])]]
-        token, logprob, done = values[:3]
-        self._record_routes(flight, values)
+        token, logprob, done = self._routes.first_call(
+            flight, [a[flight.first[1]] for a in host_calls[id(flight.first[0])]], self.version)
         flight.first = None
         if flight.resumed:  # its first token is the last one it had: recorded already
           flight.resumed = False
@@ -288,8 +268,7 @@ class StreamingSampler:
       for slot in np.flatnonzero(out.active[j]):
         flight = inst.slots.get(int(slot))
         if flight is not None:
-          if out.routes is not None:  # the step's input: the row's last token
-            flight.place_routes(len(flight.request.prompt_tokens) + len(flight.tokens) - 1, out.routes[j, slot][None])
+          self._routes.decode_step(flight, out.routes, j, slot)
           self._append(inst, int(slot), flight, out.tokens[j, slot], out.logprobs[j, slot], bool(out.done[j, slot]),
                        now, finished)
 

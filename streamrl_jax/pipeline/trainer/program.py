@@ -75,8 +75,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
-  wire = WireLimits.of_run(config, model.config.vocab_size, model.config)
-  doors = SampleDoors.open(config, wire, endpoint)  # other processes' sample doors, before
+  doors = SampleDoors.open(config, wire := WireLimits.of_run(config, model.config.vocab_size, model.config),
+                           endpoint)  # other processes' sample doors, before
   if not is_leader():
     with hooks.stop.deferred("process 0 stops") if hooks.stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker, doors)
@@ -88,8 +88,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh),
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
-  queue, store, server = _serve(config, controller, wire, endpoint,
-                                followers if isinstance(followers, RemoteArms) else None)
+  queue, store, server = _serve(config, controller, wire, endpoint, followers if isinstance(followers, RemoteArms) else None)
   doors.connect(server.address)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
   if endpoint.on_listening is not None:
