@@ -224,7 +224,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   so in a warning line and its metrics row, and the next step trains as usual."""
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
-  config = dataclasses.replace(BASE, mode=mode)
+  config = dataclasses.replace(BASE, mode=mode, steps=2)
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
 
@@ -248,6 +248,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   assert row["empty_step"] == 0.0 and "update_skipped" not in row and int(worker.state.step) == 1
   assert row["tokens"] == sum(int(group(1, g, g == 4).loss_mask.sum()) for g in range(4, 8))
   assert worker.counters["empty_steps"] == 1
+  assert weights.versions == [1] and control.published_versions == [1, 2]  # the last step's weights go to no sampler
 
 
 class _Weights:

@@ -113,6 +113,7 @@ class TrainerWorker:
       self.state = precompile(self.trainer, self.batcher, self.state, self.config)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
+    release_free_memory()  # the holes that loading and placing the weights left in the heap, before the first step
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
     watch = None
     if self.config.trainer.step_timeout_s:
@@ -162,8 +163,9 @@ class TrainerWorker:
     train_metrics.update(batch_metrics(before, self.batcher.counters))
     summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
-    with self.phase_clock.phase("weight_send"):
-      weights.publish(self.state.params, step + 1)
+    if step + 1 < self.config.steps:  # the last step's weights go to no sampler: no step is left to sample
+      with self.phase_clock.phase("weight_send"):
+        weights.publish(self.state.params, step + 1)
     self.faults.hit("publish", step + 1)
     if not self.spec.shared_mesh:
       controller.published(Published(step + 1))
