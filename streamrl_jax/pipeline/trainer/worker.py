@@ -105,20 +105,18 @@ class TrainerWorker:
           clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
           aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None,
           skip: Callable[[int], str | None] | None = None) -> list[dict]:
-    """Publishes the start version, then trains every step. `get_shard(timeout)` returns the next shard or
-    raises TimeoutError; `aux()` gives extra state to checkpoint, `probe()` extra figures for each step's metrics
-    (memory, queue depth). A follower arm's `skip(step)` says why it does not train a step (None: it does), and its
-    `get_shard` may raise `StepSkipped` for the step in progress: the step is then left, untrained."""
+    """Publishes the start version, then trains every step. `get_shard(timeout)`: the next shard (TimeoutError if
+    none); `aux()`: extra state to checkpoint; `probe()`: extra figures for each row (memory, queue depth). A follower
+    arm's `skip(step)` says why it skips a step (None: it trains it); its `get_shard` may raise `StepSkipped`."""
     if self.config.trainer.precompile:
       self.state = precompile(self.trainer, self.batcher, self.state, self.config)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
     release_free_memory()  # the holes that loading and placing the weights left in the heap, before the first step
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
-    watch = None
-    if self.config.trainer.step_timeout_s:
-      watch = StallWatch(self.config.trainer.step_timeout_s, _log.error, time.monotonic)
-      self._progress = watch.progress
+    watch = StallWatch(self.config.trainer.step_timeout_s, _log.error, time.monotonic) if \
+        self.config.trainer.step_timeout_s else None
+    self._progress = watch.progress if watch is not None else self._progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
       for step in range(self.start_step, self.config.steps):
