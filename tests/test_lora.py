@@ -245,7 +245,8 @@ def test_separate_programs_sync_adapters_over_flight(tmp_path):
   assert (config.rank, config.alpha) == (4, start.alpha)
   adapter_bytes = sum(a.nbytes + b.nbytes for a, b in arrays.values())
   assert counters["weight_version_bytes"] == adapter_bytes
-  assert counters["flight_weight_bytes"] >= 3 * adapter_bytes and counters["flight_weight_bytes"] % adapter_bytes == 0
+  # versions 0 and 1 went out, each at least once (the last step's weights go to no sampler)
+  assert counters["flight_weight_bytes"] >= 2 * adapter_bytes and counters["flight_weight_bytes"] % adapter_bytes == 0
   for key, (a, b) in arrays.items():  # two Adam steps move a weight by at most about 2 x lr
     assert np.abs(a - initial[key][0]).max() <= 2.05 * lr and np.abs(b - initial[key][1]).max() <= 2.05 * lr
   assert max(np.abs(b).max() for _, b in arrays.values()) > 0.1  # the initial adapter's B, not a fresh zero
