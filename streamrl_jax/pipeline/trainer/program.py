@@ -88,7 +88,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   else:
     followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh),
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
-  queue, store, server = _serve(config, controller, wire, endpoint, followers if isinstance(followers, RemoteArms) else None)
+  queue, store, server = _serve(config, controller, wire, endpoint, followers)
   doors.connect(server.address)
   _log.info(f"trainer mesh {dict(mesh.shape)} over {jax.process_count()} process(es); samplers dial {server.address}")
   if endpoint.on_listening is not None:
@@ -131,13 +131,14 @@ def _teardown(config: PipelineConfig, controller: Controller, server, doors: Sam
 
 
 def _serve(config: PipelineConfig, controller: Controller, wire: WireLimits, endpoint: TrainerEndpoint,
-           arms: RemoteArms | None):
-  """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving `arms'`
-  streams too)."""
+           followers):
+  """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving the
+  streams of follower arms that are programs of their own, `RemoteArms`, too)."""
   queue = SampleQueue(config.trainer.queue_capacity)
   store = HostWeightStore(precision=config.precision, pieces=jax.process_count() > 1)  # each process its own pieces
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
-                               weights=store, tls=endpoint.tls, arms=arms,
+                               weights=store, tls=endpoint.tls,
+                               arms=followers if isinstance(followers, RemoteArms) else None,
                                limits=ServerLimits(wire,
                                                    chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20,
                                                    owner=(0, jax.process_count())))
