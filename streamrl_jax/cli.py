@@ -50,7 +50,6 @@ def cmd_info(args) -> int:
 
   from streamrl_jax import gin_config
   from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, cpu_device_count
-  from streamrl_jax.models.config import cpu_bfloat16_matrix_units
 
   gin_config.parse(gin_config.run_files(args.config), args.set)
   mesh_config, job = gin_config.build(MeshConfig), gin_config.build_job()
@@ -58,12 +57,11 @@ def cmd_info(args) -> int:
   info = {"python": sys.version.split()[0], "versions": _versions(), "backend": jax.default_backend(),
           "process_count": jax.process_count(), "device_count": len(devices),
           "devices": sorted({d.device_kind for d in devices}), "mesh_config": mesh_config.__dict__,
-          "compute_dtype": {"JobConfig.compute_dtype": job.compute_dtype, "activations_and_matmuls": job.dtype(),
+          "compute_dtype": {"JobConfig.compute_dtype": job.compute_dtype, **job.compute_choice().as_dict(),
                             "weights_and_optimizer": "float32"}}
   if info["backend"] == "cpu":  # what `streamrl train` of this config forces, and each computation's threads
     info["cpu_devices"] = {"train": cpu_device_count(mesh_config, shared_mesh(), cpu_cores()),
                            "threads_per_device": cpu_cores(), "rule": CPU_DEVICES_RULE}
-    info["compute_dtype"]["cpu_bfloat16_matrix_units"] = cpu_bfloat16_matrix_units()
   try:
     sampler, trainer = mesh_config.split(len(devices))
     info["sampler_mesh"], info["trainer_mesh"] = sampler.as_dict(), trainer.as_dict()

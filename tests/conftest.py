@@ -9,6 +9,9 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# compute_dtype='auto' computes in float32 here without timing this machine (models/dtype_probe.py; its own tests
+# measure): the suite's numbers do not depend on which CPU it lands on
+os.environ.setdefault("STREAMRL_PROBE_DTYPE", "float32")
 # One persistent XLA compilation cache for the session, shared with the processes that tests start: the same
 # tiny shapes compile once, not once per test and process.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -8,7 +8,7 @@ import pytest
 
 from streamrl_jax import cli, gin_config
 from streamrl_jax.meshes import CPU_DEVICES_RULE, MeshConfig, MeshShape, build_meshes, cpu_device_count
-from streamrl_jax.models.config import cpu_bfloat16_matrix_units
+from streamrl_jax.models.dtype_probe import PROBE_ENV
 
 
 @pytest.mark.parametrize("config, expected", [
@@ -109,22 +109,17 @@ def test_info_shows_the_cpu_devices_a_run_of_the_config_forces(capsys):
   gin_config.parse()
 
 
-@pytest.mark.parametrize("setting, computes_in", [("auto", "float32"), ("bfloat16", "bfloat16")])
-def test_info_names_the_dtype_this_backend_computes_in(capsys, setting, computes_in):
+@pytest.mark.parametrize("setting, forced, computes_in", [("auto", "float32", "float32"),
+                                                      ("auto", "bfloat16", "bfloat16"),
+                                                      ("bfloat16", "float32", "bfloat16")])
+def test_info_names_the_dtype_this_machine_computes_in_and_why(capsys, monkeypatch, setting, forced, computes_in):
+  monkeypatch.setenv(PROBE_ENV, forced)  # the probe's answer, faked: what it measures is tests/test_dtype_probe.py's
   assert cli.main(["info", "--set", f"JobConfig.compute_dtype='{setting}'"]) == 0
-  assert json.loads(capsys.readouterr().out)["compute_dtype"] == {
-      "JobConfig.compute_dtype": setting, "activations_and_matmuls": computes_in, "weights_and_optimizer": "float32",
-      "cpu_bfloat16_matrix_units": cpu_bfloat16_matrix_units()}
+  shown = json.loads(capsys.readouterr().out)["compute_dtype"]
+  assert {k: shown[k] for k in ("JobConfig.compute_dtype", "dtype", "weights_and_optimizer")} == {
+      "JobConfig.compute_dtype": setting, "dtype": computes_in, "weights_and_optimizer": "float32"}
+  assert (PROBE_ENV in shown["reason"]) == (setting == "auto")
   gin_config.parse()
-
-
-def test_bfloat16_matrix_units_are_read_from_the_cpus_flags(tmp_path):
-  info = tmp_path / "cpuinfo"
-  info.write_text("processor\t: 0\nflags\t\t: fpu avx512f amx_bf16 amx_tile\n")
-  assert cpu_bfloat16_matrix_units(str(info))
-  info.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\nbugs\t\t: amx_bf16\n")
-  assert not cpu_bfloat16_matrix_units(str(info))  # a flag named on another line, or a vector unit only
-  assert not cpu_bfloat16_matrix_units(str(tmp_path / "absent"))
 
 
 def test_info_reports_bad_binding(capsys):

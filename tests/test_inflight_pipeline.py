@@ -171,7 +171,7 @@ class _Recorder:
 def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
-  config = dataclasses.replace(BASE, mode="async")  # step 2 takes tokens of version 1 or newer
+  config = dataclasses.replace(BASE, mode="async").resolved("float32")  # step 2 takes tokens of version 1 or newer
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
 
@@ -224,7 +224,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   so in a warning line and its metrics row, and the next step trains as usual."""
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
-  config = dataclasses.replace(BASE, mode=mode, steps=2)
+  config = dataclasses.replace(BASE, mode=mode, steps=2).resolved("float32")
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
 

@@ -9,7 +9,6 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, Transformer
-from streamrl_jax.models.config import resolve_compute_dtype
 from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.models.precision import (SamplerPrecision, channel_axes, decode, encode, landing, to_wire,
                                            wire_bytes)
@@ -154,14 +153,6 @@ def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
   assert "SamplerConfig.precision='bfloat16'" in advice and "'ppo_tis'" in advice
   with pytest.raises(ValueError, match="quantize_on='gpu'"):
     PipelineConfig(sampler=SamplerConfig(quantize_on="gpu"))
-
-
-@pytest.mark.parametrize("choice, backend, expected", [
-    ("auto", "cpu", "float32"), ("auto", "gpu", "bfloat16"), ("auto", "cuda", "bfloat16"), ("auto", "tpu", "bfloat16"),
-    ("float32", "gpu", "float32"), ("bfloat16", "cpu", "bfloat16"),
-])
-def test_the_compute_dtype_is_bfloat16_on_accelerators_and_float32_on_a_cpu(choice, backend, expected):
-  assert resolve_compute_dtype(choice, backend) == expected
 
 
 def test_an_unknown_compute_dtype_is_refused_by_its_key():

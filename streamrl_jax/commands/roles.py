@@ -123,10 +123,14 @@ def _start_role(args):
   files = gin_config.run_files(args.config)
   gin_config.parse(files, args.set)
   config, job = gin_config.build_run()
-  settings = flat_settings(config, job)  # what samplers are checked against: the lead's (arms train, not sample)
+  # 'auto' precision resolved on this machine: a sampler whose machine resolves it otherwise than the trainer's is
+  # refused when it joins (its settings differ), never sent weights it cannot read
+  dtype = job.dtype()
+  settings = flat_settings(config.resolved(dtype), job)  # what samplers are checked against: the lead's (arms train,
+  # not sample)
   if args.command == "trainer":
     config = gin_config.with_arms(config, job, args.arms, files, args.set)
-  return config, job, gin_config.build_flight(), tls, settings
+  return config.resolved(dtype), job, gin_config.build_flight(), tls, settings
 
 
 def cmd_trainer(args) -> int:
@@ -179,7 +183,7 @@ def cmd_follower(args) -> int:
   files = gin_config.run_files(args.config)
   gin_config.parse(files, args.set)
   config, job = gin_config.build_run()
-  config = gin_config.with_arms(config, job, [args.arm], files, args.set)
+  config = gin_config.with_arms(config, job, [args.arm], files, args.set).resolved(job.dtype())
   tls = TLSFiles.from_flags(args.tls_cert, args.tls_key, args.tls_ca)
   name = config.arms.followers[0].name
   try:

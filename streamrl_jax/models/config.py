@@ -19,32 +19,6 @@ LAYER_TYPES = ("full", "sliding")  # a layer attends to every earlier position, 
 ROPE_TYPES = ("llama3", "linear")  # rope scaling implemented (config.json's rope_type)
 
 
-def resolve_compute_dtype(choice: str, backend: str | None = None) -> str:
-  """The activation and matmul dtype `choice` means on `backend` (default: this process's jax backend): 'auto' is
-  bfloat16 on an accelerator, whose matrix units run it several times faster than float32, and float32 on a CPU,
-  where that holds only on some (bfloat16 matrix units, as Intel's AMX: there a config may name 'bfloat16';
-  as configs/smollm2_cpu.gin does). Weights (the optimizer's master copy) stay float32 either way."""
-  if choice not in COMPUTE_DTYPES:
-    raise ValueError(f"compute dtype {choice!r}; known: {list(COMPUTE_DTYPES)}")
-  if choice != "auto":
-    return choice
-  if backend is None:
-    import jax
-
-    backend = jax.default_backend()
-  return "bfloat16" if backend in ACCELERATED_BACKENDS else "float32"
-
-
-def cpu_bfloat16_matrix_units(cpuinfo: str = "/proc/cpuinfo") -> bool:
-  """Whether this machine's CPU has bfloat16 matrix units (Intel AMX: `amx_bf16` among `cpuinfo`'s flags), where
-  bfloat16 products run several times faster than float32's; False where the file cannot say."""
-  try:
-    with open(cpuinfo) as info:
-      return any(line.startswith("flags") and "amx_bf16" in line.split() for line in info)
-  except OSError:
-    return False
-
-
 REMAT_POLICIES = ("none", "layer", "dots")
 
 

@@ -70,7 +70,7 @@ class PipelineConfig:
     if self.spec.shared_mesh:
       raise ValueError("ArmsConfig.followers: mode 'colocated' time-shares one mesh; followers need a streamed "
                        "or disaggregated mode")
-    if self.arms.programs and (self.sampler.precision != "float32" or self.trainer.lora.enabled):
+    if self.arms.programs and (self.sampler.precision not in ("float32", "auto") or self.trainer.lora.enabled):
       raise ValueError("ArmsConfig.programs: a follower program starts from the lead's weights as samplers "
                        "get them, so it needs SamplerConfig.precision='float32' and no LoRA; train such arms in the "
                        "lead's program (programs=False)")
@@ -108,7 +108,18 @@ class PipelineConfig:
     """The sampler's precision; with LoRA the adapters travel in float32 and the sampler reduces the merged
     weights (`quantize_on` is then "sampler" whatever the setting)."""
     sampler = self.sampler
+    if sampler.precision == "auto":
+      raise ValueError("SamplerConfig.precision='auto' means the model's compute dtype: resolve it first "
+                       "(PipelineConfig.resolved)")
     return SamplerPrecision(sampler.precision, "sampler" if self.trainer.lora.enabled else sampler.quantize_on)
+
+  def resolved(self, compute_dtype: str) -> PipelineConfig:
+    """This config with `SamplerConfig.precision='auto'` made the model's `compute_dtype` (float32 where follower
+    programs start from the weights samplers get); any other precision as named."""
+    if self.sampler.precision != "auto":
+      return self
+    precision = "float32" if self.arms.programs else compute_dtype
+    return dataclasses.replace(self, sampler=dataclasses.replace(self.sampler, precision=precision))
 
   @property
   def spec(self) -> ModeSpec:

@@ -9,7 +9,8 @@ import dataclasses
 from flax import nnx
 
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config
-from streamrl_jax.models.config import COMPUTE_DTYPES, resolve_compute_dtype
+from streamrl_jax.models.config import COMPUTE_DTYPES
+from streamrl_jax.models.dtype_probe import DtypeChoice, ProductShapes, choose_compute_dtype
 from streamrl_jax.tasks.config import NEEDS_A_PRETRAINED_MODEL, TaskConfig
 
 REPORT_TO = ("tensorboard", "wandb")  # JobConfig.report_to's trackers
@@ -32,8 +33,9 @@ class JobConfig:
   checkpoint_every: int = 1
   hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
   num_layers: int = 2  # demo decoder (no `model`): decoder layers
-  # activations and matmuls of the trainer and the sampler: 'auto' (bfloat16 on a GPU or TPU, float32 on a CPU),
-  # 'float32' or 'bfloat16'; weights and optimizer state stay float32 ('streamrl info' names the choice)
+  # activations and matmuls of the trainer and the sampler: 'auto' (bfloat16 on a GPU or TPU; on a CPU the faster
+  # of the two for this model's products, measured once per machine: models/dtype_probe.py), 'float32' or
+  # 'bfloat16'; weights and optimizer state stay float32 ('streamrl info' and settings.json name the choice)
   compute_dtype: str = "auto"
   seed: int = 0  # seeds the demo decoder, the warm-up, the evaluation prompts and the preflight checks
   # where metrics rows go besides metrics.jsonl: 'tensorboard' (WORKDIR/tensorboard), 'wandb' (Weights & Biases,
@@ -87,11 +89,20 @@ class JobConfig:
     tokenizer = CharTokenizer()
     return self.model_config(tokenizer), tokenizer
 
-  def model_config(self, tokenizer) -> ModelConfig:
+  def model_config(self, tokenizer, dtype: str | None = None) -> ModelConfig:
+    """The demo decoder's config (computing in `dtype`, default this job's)."""
     return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
                        intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
-                       num_kv_heads=2, eos_token_id=tokenizer.eos_id, dtype=self.dtype())
+                       num_kv_heads=2, eos_token_id=tokenizer.eos_id, dtype=dtype or self.dtype())
 
   def dtype(self) -> str:
-    """The dtype this process computes in (`compute_dtype` resolved on its backend)."""
-    return resolve_compute_dtype(self.compute_dtype)
+    """The dtype this process computes in (`compute_choice`)."""
+    return self.compute_choice().dtype
+
+  def compute_choice(self) -> DtypeChoice:
+    """What `compute_dtype` means for this job's model on this process's backend, and why: 'auto' is bfloat16 on
+    an accelerator and on a CPU the faster at the model's product shapes (`models.dtype_probe`, cached per machine)."""
+    if self.compute_dtype != "auto":
+      return choose_compute_dtype(self.compute_dtype, None)
+    shapes = read_hf_config(self.model_path()) if self.model else self.model_config(CharTokenizer(), "float32")
+    return choose_compute_dtype("auto", ProductShapes.of(shapes))

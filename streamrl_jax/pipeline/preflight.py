@@ -22,11 +22,12 @@ from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 from streamrl_jax.training.objectives import UNCORRECTED
 
 SETTINGS_FILE = "settings.json"
-# Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns.
+# Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns, and
+# what the machine it runs on makes of 'auto' ("resolved.": the weights are float32 whatever the compute dtype).
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "TrainerConfig.stop_grace_s", "TrainerConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.eval_every", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
-                        "RewardConfig.on_error", "TrainerConfig.")
+                        "RewardConfig.on_error", "TrainerConfig.", "resolved.")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
 PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
 

@@ -52,6 +52,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   if config.arms.followers and config.arms.programs:
     raise ValueError("ArmsConfig.programs: follower programs read from a trainer program's Flight server; "
                      "run `streamrl launch local --arms ...` (or `streamrl trainer` and `streamrl follower`)")
+  config = config.resolved(model.config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   if config.trainer.lora.init_from and not config.trainer.lora.rank:  # the adapter's rank, alpha and targets
     trainer = dataclasses.replace(config.trainer, lora=resolve(config.trainer.lora, model.config))
     config = dataclasses.replace(config, trainer=trainer)

@@ -166,8 +166,11 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
   resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step())
   config, task, heldout, tokenizer = _preflight(config, job, control.role)
   workdir.mkdir(parents=True, exist_ok=True)
-  if leader:
-    preflight.write_settings(workdir, settings)
+  if leader:  # with what this machine made of 'auto', and why
+    choice = job.compute_choice()
+    preflight.write_settings(workdir, {**settings, "resolved.compute_dtype": choice.dtype,
+                                       "resolved.compute_dtype_reason": choice.reason,
+                                       "resolved.SamplerConfig.precision": config.sampler.precision})
     (workdir / CONFIG_FILE).write_text(render([config, job], DERIVED_KEYS, CONFIG_HEADER))
   model, tokenizer = _warm_model(config, job, task, workdir, leader)
   before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
@@ -238,7 +241,10 @@ def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
 
 def _preflight(config: PipelineConfig, job: JobConfig, role: str):
   """Every check that needs no weights, before anything is built; returns (config, task, held-out task, tokenizer),
-  the config with LoRA resolved (`preflight.check_lora`)."""
+  the config with LoRA resolved (`preflight.check_lora`) and the sampler's precision ('auto': the compute dtype)."""
+  choice = job.compute_choice()
+  _log.info(f"computing in {choice.dtype}: {choice.reason}")
+  config = config.resolved(choice.dtype)
   preflight.check_devices(config, role, len(jax.devices()))
   if job.eval_every and jax.process_count() > 1:
     raise ValueError("JobConfig.eval_every: periodic evaluation runs in a trainer of one process; this one has "

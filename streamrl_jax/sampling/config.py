@@ -137,7 +137,9 @@ class SamplerConfig:
   """A run's sampler side: its engine, the precision of the weights it samples with, how it takes an update while
   rows run, and the rewards and environments its samples meet."""
 
-  precision: str = "float32"  # the sampler's weights: float32, bfloat16 or int8 (see models.precision)
+  # the sampler's weights: 'auto' (the dtype the model computes in: JobConfig.compute_dtype as this machine resolves
+  # it), float32, bfloat16 or int8 (see models.precision)
+  precision: str = "auto"
   quantize_on: str = "trainer"  # where weights are reduced: "trainer" (fewer bytes move) or "sampler"
   # async: a sampler takes its next lease while the last one's rows still run, applying each new version
   # between decode calls; every token records the version that sampled it
@@ -150,8 +152,8 @@ class SamplerConfig:
   def __post_init__(self):
     from streamrl_jax.models.precision import PRECISIONS, QUANTIZE_ON
 
-    if self.precision not in PRECISIONS:
-      raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {list(PRECISIONS)}")
+    if self.precision not in ("auto", *PRECISIONS):
+      raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {['auto', *PRECISIONS]}")
     if self.quantize_on not in QUANTIZE_ON:
       raise ValueError(f"SamplerConfig.quantize_on={self.quantize_on!r}; known: {list(QUANTIZE_ON)}")
     if self.in_flight_cache not in IN_FLIGHT_CACHE:

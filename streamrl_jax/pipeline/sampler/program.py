@@ -59,6 +59,7 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this program's).
   `base_params` (LoRA, `config.trainer.lora`): the base each version's adapters merge into, as the trainer's. Returns the
   sampler's transport statistics."""
+  config = config.resolved(model_config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   e, stop = endpoint, stop or threading.Event()
   connect, name, tls, flight_config, site = e.connect, e.name, e.tls, e.flight_config, e.site
   parse_address(connect, "--connect")

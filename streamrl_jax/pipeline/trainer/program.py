@@ -65,6 +65,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs of
   their own, served their streams by this program's Flight server, and `hooks.run_id` names the run they must
   belong to."""
+  config = config.resolved(model.config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   _check(config)
   graphdef, params = nnx.split(model)
   if jax.process_count() > 1:  # every process starts from process 0's weights
