@@ -33,6 +33,9 @@ from benchmarks.goals import load_goals, rows_of
 
 ROOT = Path(__file__).resolve().parent.parent
 MIN_START_S = 20  # with --budget-s, a benchmark left less than this is not started
+# The float32 2048-product peak (GFLOP/s, one device, every core) of the machine the time limits below were set on (a
+# 2-core Xeon with AVX-512); on a slower machine every limit grows by this over its own measured peak
+LIMITS_SET_AT_GFLOPS = 300.0
 HELPERS = ("suite", "sizing", "goals", "page", "peak", "process_memory",  # modules of benchmarks/ that are no benchmark
            "trl_grpo",  # (step_profile runs TRL through it)
            "trainer_memory")  # (real_model runs the trainer's memory variants through it)
@@ -83,9 +86,10 @@ BENCHES = (
 
 
 def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = None, cache: Path | None = None,
-              limit_s: float | None = None) -> tuple[dict | None, str | None, float]:
+              limit_s: float | None = None, slowdown: float = 1.0) -> tuple[dict | None, str | None, float]:
   """(its JSON, None) or (None, why it has none), and its seconds; output to `log_path`, the whole process group
-  killed when it runs past its time (or `limit_s`, when shorter). `script`: the file run (default
+  killed when it runs past its time times `slowdown` (this machine's speed against the one the limits were set on;
+  or `limit_s`, when shorter), saying what it printed last (the phase it was in). `script`: the file run (default
   benchmarks/NAME.py). `cache`: an XLA
   compilation cache directory its processes share (a quick run's: the many processes and arms of one benchmark
   compile the same programs; figures are steady-state, never a compile)."""
@@ -94,7 +98,7 @@ def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = N
   env = dict(os.environ, STREAMRL_BENCH_QUICK="1" if quick else "0")
   if cache is not None and bench.shared_cache:
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
-  timeout = min(bench.quick_timeout_s if quick else bench.timeout_s, limit_s or float("inf"))
+  timeout = min((bench.quick_timeout_s if quick else bench.timeout_s) * slowdown, limit_s or float("inf"))
   start = time.perf_counter()
   with log_path.open("w") as log:
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log, text=True,
@@ -105,7 +109,9 @@ def run_bench(bench: Bench, quick: bool, log_path: Path, script: Path | None = N
       os.killpg(proc.pid, signal.SIGKILL)
       out, _ = proc.communicate()
       log.write(out)
-      return None, f"timed out after {timeout:.0f} s", time.perf_counter() - start
+      log.flush()
+      last = _last_error(log_path)
+      return None, f"timed out after {timeout:.0f} s; its last line: {last}", time.perf_counter() - start
     finally:
       if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -127,16 +133,23 @@ def _last_error(log_path: Path) -> str:
 
 
 def machine() -> dict:
-  """backend and device of this machine's jax (asked in a process of its own: this one never holds a device)."""
-  probe = "import jax; d = jax.devices()[0]; print(jax.default_backend(), '|', d.device_kind, '|', len(jax.devices()))"
+  """backend and device of this machine's jax, and on a CPU its float32 2048-product peak and the `slowdown` every
+  time limit is multiplied by (asked in a process of its own: this one never holds a device)."""
+  probe = ("import jax; from benchmarks.peak import matmul_peak_flops; d = jax.devices()[0]; "
+           "cpu = jax.default_backend() == 'cpu'; "
+           "print(jax.default_backend(), '|', d.device_kind, '|', len(jax.devices()), '|', "
+           "matmul_peak_flops() / 1e9 if cpu else 0)")
   try:
-    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
-    backend, kind, count = (part.strip() for part in out.stdout.strip().splitlines()[-1].split("|"))
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True,
+                         cwd=ROOT)
+    backend, kind, count, gflops = (part.strip() for part in out.stdout.strip().splitlines()[-1].split("|"))
   except (subprocess.SubprocessError, ValueError, IndexError) as err:
-    return dict(backend="unknown", device=f"unknown ({err})", devices=1)
+    return dict(backend="unknown", device=f"unknown ({err})", devices=1, slowdown=1.0)
   cores = os.cpu_count()
   device = f"{count} x {kind}" if backend != "cpu" else f"CPU, {len(os.sched_getaffinity(0))} of {cores} cores"
-  return dict(backend=backend, device=device, devices=int(count))
+  speed = dict(f32_gflops=round(float(gflops), 1),
+               slowdown=round(max(1.0, LIMITS_SET_AT_GFLOPS / float(gflops)), 2)) if backend == "cpu" else {}
+  return dict(backend=backend, device=device, devices=int(count), **({"slowdown": 1.0} | speed))
 
 
 def commit() -> str:
@@ -199,7 +212,8 @@ def _run_one(bench: Bench, quick: bool, out: Path, cache: Path | None, goals: di
     result, error, seconds = None, f"not run: the suite's --budget-s was spent ({left_s:.0f} s left)", 0.0
   else:
     log(f"[suite] {bench.name}: running{' (quick)' if quick else ''} ...")
-    result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache, limit_s=left_s)
+    result, error, seconds = run_bench(bench, quick, out / "logs" / f"{bench.name}.log", cache=cache, limit_s=left_s,
+                                       slowdown=suite.get("slowdown", 1.0))
   suite["seconds"][bench.name] = round(seconds, 1)
   spec = goals.get(bench.name)
   if spec is not None:  # what this run's figures are measured on, as goals.toml said at its start

@@ -90,7 +90,7 @@ def test_a_budget_cuts_a_benchmark_short_and_leaves_the_rest_as_rows_that_say_so
   hanging = tmp_path / "hanging.py"
   hanging.write_text("import time\ntime.sleep(600)\n")
   result, error, _ = suite.run_bench(Bench("x", 600, 600), True, tmp_path / "x.log", hanging, limit_s=2)
-  assert result is None and error == "timed out after 2 s"  # the budget, not the benchmark's own 600 s
+  assert result is None and error == "timed out after 2 s; its last line: no output"  # the budget, not its 600 s
   ran = []
   monkeypatch.setattr(suite, "run_bench", lambda *a, **k: ran.append(a[0].name))
   (tmp_path / "logs").mkdir()
@@ -110,6 +110,7 @@ def test_a_benchmark_is_run_and_a_failing_or_hanging_one_is_a_row(tmp_path):
   marker = tmp_path / "child.pid"
   hanging = tmp_path / "hanging.py"
   hanging.write_text("import subprocess, sys, time\n"
+                     "print('phase: sampling', file=sys.stderr, flush=True)\n"
                      f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
                      f"open({str(marker)!r}, 'w').write(str(child.pid))\ntime.sleep(600)\n")
   bench = Bench("x", timeout_s=60, quick_timeout_s=60)
@@ -118,9 +119,9 @@ def test_a_benchmark_is_run_and_a_failing_or_hanging_one_is_a_row(tmp_path):
   result, error, _ = suite.run_bench(bench, False, tmp_path / "failing.log", failing)
   assert result is None and error == "failed (exit 1): the model is missing"
   assert "working" in (tmp_path / "failing.log").read_text()
-  slow = Bench("x", timeout_s=3, quick_timeout_s=3)
-  result, error, _ = suite.run_bench(slow, False, tmp_path / "hanging.log", hanging)
-  assert result is None and error == "timed out after 3 s"
+  slow = Bench("x", timeout_s=2, quick_timeout_s=2)
+  result, error, _ = suite.run_bench(slow, False, tmp_path / "hanging.log", hanging, slowdown=1.5)
+  assert result is None and error == "timed out after 3 s; its last line: phase: sampling"  # 2 s x 1.5, its phase
   child = int(marker.read_text())  # the benchmark's own child went with it (the process group)
   deadline = time.monotonic() + 10
   while alive(child) and time.monotonic() < deadline:

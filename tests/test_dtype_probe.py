@@ -16,7 +16,8 @@ from streamrl_jax.sampling.config import SamplerConfig
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
                       num_kv_heads=3)
-TINY = ProductShapes(rows=8, layer=((16, 32), (32, 16)), layers=2, head=(16, 64))
+TINY = ProductShapes(rows=8, layer=((16, 32), (32, 16)), layers=2, head=(16, 64))  # measured for real: cheap
+PROBED = ProductShapes(rows=256, layer=((512, 1024), (1024, 512)), layers=4, head=(512, 4096))  # over 1 GFLOP
 
 
 @pytest.fixture
@@ -49,7 +50,7 @@ def test_a_models_product_shapes_are_its_layers_and_head():
 def test_auto_on_a_cpu_is_the_faster_dtype_and_float32_on_a_tie(probe, figures, expected):
   state, cache = probe
   state["figures"] = figures
-  choice = choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache)
+  choice = choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache)
   assert choice.dtype == expected and (choice.float32_flops, choice.bfloat16_flops) == figures
   assert choice.flops() == figures[expected == "bfloat16"]
   assert f"'auto' on this CPU: {expected}" in choice.reason and "measured now" in choice.reason
@@ -58,9 +59,9 @@ def test_auto_on_a_cpu_is_the_faster_dtype_and_float32_on_a_tie(probe, figures, 
 def test_the_probe_runs_once_per_machine_and_shape(probe):
   state, cache = probe
   state["figures"] = (1e11, 3e11)
-  assert choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache).dtype == "bfloat16"
+  assert choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache).dtype == "bfloat16"
   dtype_probe._probed.cache_clear()  # a new process: the cache file answers
-  again = choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache)
+  again = choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache)
   assert again.dtype == "bfloat16" and "cached" in again.reason and state["calls"] == 1
   other = ProductShapes.of(SMOLLM2)
   choose_compute_dtype("auto", other, backend="cpu", cache_dir=cache)
@@ -72,14 +73,14 @@ def test_the_probe_runs_once_per_machine_and_shape(probe):
 def test_a_torn_cache_file_is_measured_again(probe):
   state, cache = probe
   (cache / dtype_probe.CACHE_FILE).write_text('{"half a')
-  assert choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache).dtype == "float32"
+  assert choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache).dtype == "float32"
   assert state["calls"] == 1 and json.loads((cache / dtype_probe.CACHE_FILE).read_text())
 
 
 @pytest.mark.parametrize("backend", ["gpu", "cuda", "rocm", "tpu"])
 def test_accelerators_keep_bfloat16_without_a_probe(probe, backend):
   state, cache = probe
-  assert choose_compute_dtype("auto", TINY, backend=backend, cache_dir=cache).dtype == "bfloat16"
+  assert choose_compute_dtype("auto", PROBED, backend=backend, cache_dir=cache).dtype == "bfloat16"
   assert state["calls"] == 0
 
 
@@ -88,11 +89,18 @@ def test_a_named_dtype_is_kept_and_a_forced_answer_skips_the_probe(probe, monkey
   assert choose_compute_dtype("bfloat16", None, backend="cpu").reason == "named by the config"
   assert choose_compute_dtype("float32", None, backend="tpu").dtype == "float32"
   monkeypatch.setenv(PROBE_ENV, "bfloat16")
-  forced = choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache)
+  forced = choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache)
   assert forced.dtype == "bfloat16" and PROBE_ENV in forced.reason and state["calls"] == 0
   monkeypatch.setenv(PROBE_ENV, "float16")
   with pytest.raises(ValueError, match=rf"{PROBE_ENV}='float16'; known: \['float32', 'bfloat16'\]"):
-    choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache)
+    choose_compute_dtype("auto", PROBED, backend="cpu", cache_dir=cache)
+
+
+def test_a_model_too_small_for_its_dtype_to_matter_computes_in_float32_unprobed(probe):
+  state, cache = probe
+  state["figures"] = (1e11, 9e11)
+  choice = choose_compute_dtype("auto", TINY, backend="cpu", cache_dir=cache)
+  assert choice.dtype == "float32" and "too small" in choice.reason and state["calls"] == 0
 
 
 def test_the_probe_measures_both_dtypes_on_this_machine():

@@ -29,6 +29,10 @@ PROBED = ("float32", "bfloat16")
 PROBE_ROWS = 256  # tokens a timed product multiplies: a packed training row's order of size
 MARGIN = 0.95  # bfloat16 is chosen where its products take under this fraction of float32's time
 REPEATS = 3  # timed calls per dtype after one that compiles; the best is kept
+# A model whose products over PROBE_ROWS tokens come to fewer FLOPs than this (the demo decoder's: 0.03 GFLOP, a
+# millisecond) computes in float32 unprobed: its timings are call overhead, noise either way, and its speed does not
+# depend on the dtype
+MIN_PROBED_FLOPS = 1e9
 CACHE_FILE = "compute_dtype_probe.json"
 
 
@@ -99,6 +103,9 @@ def choose_compute_dtype(choice: str, shapes: ProductShapes | None, backend: str
     return DtypeChoice(forced, f"'auto' on this CPU: {forced}, forced by {PROBE_ENV}")
   if shapes is None:
     raise ValueError("compute dtype 'auto' on a CPU is decided at the model's product shapes: pass them")
+  if shapes.flops() < MIN_PROBED_FLOPS:
+    return DtypeChoice("float32", f"'auto' on this CPU: float32; the model's products ({shapes.flops() / 1e9:.2f} "
+                                  f"GFLOP a probe) are too small for a dtype to change its speed")
   return _probed(shapes, cache_dir)
 
 

@@ -27,7 +27,8 @@ SETTINGS_FILE = "settings.json"
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "TrainerConfig.stop_grace_s", "TrainerConfig.step_timeout_s",
                         "JobConfig.eval_prompts", "JobConfig.eval_every", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
-                        "RewardConfig.on_error", "TrainerConfig.", "resolved.")
+                        "RewardConfig.on_error", "TrainerConfig.",
+                        "resolved.")
 URL_SCHEMES = ("gs://", "s3://", "hdfs://", "http://", "https://")
 PROMPT_SAMPLES = 256  # prompts drawn from a generated task to check their length
 

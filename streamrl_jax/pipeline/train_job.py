@@ -164,6 +164,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
   resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step())
+  configured = config.sampler.precision  # config.gin keeps 'auto': another machine decides it for itself
   config, task, heldout, tokenizer = _preflight(config, job, control.role)
   workdir.mkdir(parents=True, exist_ok=True)
   if leader:  # with what this machine made of 'auto', and why
@@ -171,7 +172,8 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
     preflight.write_settings(workdir, {**settings, "resolved.compute_dtype": choice.dtype,
                                        "resolved.compute_dtype_reason": choice.reason,
                                        "resolved.SamplerConfig.precision": config.sampler.precision})
-    (workdir / CONFIG_FILE).write_text(render([config, job], DERIVED_KEYS, CONFIG_HEADER))
+    written = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, precision=configured))
+    (workdir / CONFIG_FILE).write_text(render([written, job], DERIVED_KEYS, CONFIG_HEADER))
   model, tokenizer = _warm_model(config, job, task, workdir, leader)
   before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
   resumed_at = checkpointer.latest_step() if resume else None
