@@ -124,7 +124,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   arm = next((a for a in config.arms.followers if a.name == arm_name), None)
   if arm is None:
     raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms.followers]})")
-  arm_config, workdir = arm_pipeline(config, arm), Path(workdir)
+  arm_config, workdir = arm_pipeline(config.resolved(job.dtype()), arm), Path(workdir)  # 'auto': float32 weights
   workdir.mkdir(parents=True, exist_ok=True)
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
                                 retry_s=flight_config.connect_retry_s, peer="the lead trainer")

@@ -164,16 +164,11 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
   leader = jax.process_index() == 0
   settings = flat_settings(config, job)
   resume = _resolved_resume(workdir, settings, resume, checkpointer.latest_step())
-  configured = config.sampler.precision  # config.gin keeps 'auto': another machine decides it for itself
+  configured = config.sampler.precision
   config, task, heldout, tokenizer = _preflight(config, job, control.role)
   workdir.mkdir(parents=True, exist_ok=True)
-  if leader:  # with what this machine made of 'auto', and why
-    choice = job.compute_choice()
-    preflight.write_settings(workdir, {**settings, "resolved.compute_dtype": choice.dtype,
-                                       "resolved.compute_dtype_reason": choice.reason,
-                                       "resolved.SamplerConfig.precision": config.sampler.precision})
-    written = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, precision=configured))
-    (workdir / CONFIG_FILE).write_text(render([written, job], DERIVED_KEYS, CONFIG_HEADER))
+  if leader:
+    _write_run_files(workdir, config, job, settings, configured)
   model, tokenizer = _warm_model(config, job, task, workdir, leader)
   before = _accuracy_before(model, tokenizer, heldout, config, job, workdir, leader, resume)
   resumed_at = checkpointer.latest_step() if resume else None
@@ -214,6 +209,17 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
     if wandb_run is not None:
       wandb_run.pictures(workdir, summary["steps"])
     return summary
+
+
+def _write_run_files(workdir: Path, config: PipelineConfig, job: JobConfig, settings: dict, configured: str) -> None:
+  """settings.json, with what this machine made of 'auto' and why, and config.gin, whose sampler precision stays as
+  `configured` (another machine decides 'auto' for itself)."""
+  choice = job.compute_choice()
+  preflight.write_settings(workdir, {**settings, "resolved.compute_dtype": choice.dtype,
+                                     "resolved.compute_dtype_reason": choice.reason,
+                                     "resolved.SamplerConfig.precision": config.sampler.precision})
+  written = dataclasses.replace(config, sampler=dataclasses.replace(config.sampler, precision=configured))
+  (workdir / CONFIG_FILE).write_text(render([written, job], DERIVED_KEYS, CONFIG_HEADER))
 
 
 def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdir: Path, arms) -> dict:

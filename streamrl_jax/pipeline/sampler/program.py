@@ -54,11 +54,10 @@ SESSION_STATS = ("sessions", "weights_fetches", "weights_bytes", "weights_fetch_
 
 def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoint: SamplerEndpoint,
                 stop: threading.Event | None = None, devices=None, base_params=None) -> dict:
-  """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is
-  over. When the trainer no longer knows it (it was declared lost, or the trainer restarted), it drops the lease in
-  hand, registers again and fetches the weights anew. `devices`: the sampler's (default: all of this program's).
-  `base_params` (LoRA, `config.trainer.lora`): the base each version's adapters merge into, as the trainer's. Returns the
-  sampler's transport statistics."""
+  """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is over.
+  When the trainer no longer knows it (declared lost, or restarted), it drops the lease in hand, registers again and
+  fetches the weights anew. `devices`: the sampler's (default: all of this program's). `base_params` (LoRA): the base
+  each version's adapters merge into, as the trainer's. Returns the sampler's transport statistics."""
   config = config.resolved(model_config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   e, stop = endpoint, stop or threading.Event()
   connect, name, tls, flight_config, site = e.connect, e.name, e.tls, e.flight_config, e.site

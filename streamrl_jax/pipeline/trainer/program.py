@@ -61,10 +61,9 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   processes, process 0 holds the control, every process takes its own groups' samples at its own door
   (`trainer.doors`), and all train each step on the same view of what arrived (`trainer.intake`); process 0
   honours `hooks.stop` at a step boundary (`RunStopped`) and the others follow its decision, and only process 0
-  gets `hooks.on_end`. Follower arms (`config.arms.followers`, `hooks.arm_outputs` as `runner.run_pipeline`'s) train in this
-  program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs of
-  their own, served their streams by this program's Flight server, and `hooks.run_id` names the run they must
-  belong to."""
+  gets `hooks.on_end`. Follower arms (`config.arms.followers`, `hooks.arm_outputs` as `run_pipeline`'s) train in
+  this program, on devices the trainer's mesh leaves while they last; with `config.arms.programs` they are programs
+  of their own, served by this program's Flight server, and `hooks.run_id` names the run they must belong to."""
   config = config.resolved(model.config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   _check(config)
   graphdef, params = nnx.split(model)
