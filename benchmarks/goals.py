@@ -102,7 +102,9 @@ def rows_of(bench: str, result: dict | None, error: str | None, spec: Benchmark 
             backend: str = "cpu") -> list[dict]:
   """The rows of one benchmark's run: each figure's value and verdict ("met", "not met", "report", or in a quick run
   "full size only"), or one row saying why there are none. A figure the benchmark names in `quick_omits` (parts too
-  long for a quick run) is a row saying so. A figure whose goal names other `backends` than this run's is reported."""
+  long for a quick run) is a row saying so. A figure whose goal names other `backends` than this run's is reported.
+  A figure measured over several rounds (its median judged) carries the rounds' [least, most] as `range` (the
+  benchmark's `FIGURE_range`)."""
   if result is None:
     return [dict(benchmark=bench, figure="(run)", value=error, goal="", verdict="not met")]
   rows = []
@@ -120,5 +122,6 @@ def rows_of(bench: str, result: dict | None, error: str | None, spec: Benchmark 
       verdict = "report"
     if quick and not figure.quick and figure.goal != "report" and value != "not reported":
       verdict = FULL_SIZE_ONLY
-    rows.append(dict(benchmark=bench, figure=name, value=value, goal=figure.goal, verdict=verdict))
+    row = dict(benchmark=bench, figure=name, value=value, goal=figure.goal, verdict=verdict)
+    rows.append(row | ({"range": result[f"{name}_range"]} if f"{name}_range" in result else {}))
   return rows

@@ -56,7 +56,15 @@ def headline(suite: dict) -> str:
   budget = f" --budget-s {suite['budget_s']:.0f}" if suite.get("budget_s") else ""
   return (f"`python -m benchmarks.suite{' --quick' if suite['quick'] else ''}{budget}` ({mode}) on {suite['device']} (jax "
           f"backend `{suite['backend']}`), commit `{suite['commit']}`, {suite['date']}, "
-          f"{suite['wall_s'] / 60:.1f} min of wall time")
+          f"{suite['wall_s'] / 60:.1f} min of wall time{_speed(suite)}")
+
+
+def _speed(suite: dict) -> str:
+  """The CPU's measured float32 peak and what it made of the benchmarks' time limits (none in older results)."""
+  if "f32_gflops" not in suite:
+    return ""
+  return (f"; its float32 2048-product peak {suite['f32_gflops']:.0f} GFLOP/s, every time limit x "
+          f"{suite['slowdown']:.2f}")
 
 
 def summary(suite: dict) -> str:
@@ -76,7 +84,8 @@ def markdown(suite: dict) -> str:
            f"**{summary(suite)}.**", "",
            "| benchmark | figure | value | goal | met |", "| --- | --- | --- | --- | --- |"]
   for row in suite["rows"]:
-    lines.append(f"| {row['benchmark']} | `{row['figure']}` | {show(row['value'])} | {row['goal']} | "
+    spread = f" (rounds: {show(row['range'][0])}-{show(row['range'][1])})" if row.get("range") else ""
+    lines.append(f"| {row['benchmark']} | `{row['figure']}` | {show(row['value'])}{spread} | {row['goal']} | "
                  f"{'(not run)' if _not_run(row) else VERDICT_CELLS[row['verdict']]} |")
   lines += ["", "## What each figure is measured on", ""]
   for name, about in suite["benchmarks"].items():

@@ -77,6 +77,15 @@ def test_rows_follow_dotted_paths_name_what_is_missing_and_judge_a_quick_run_onl
       dict(benchmark="paged", figure="(run)", value="timed out after 9 s", goal="", verdict="not met")]
 
 
+def test_a_figure_of_several_rounds_is_judged_on_its_median_and_shown_with_its_range():
+  result = {"async_over_trl": 0.58, "async_over_trl_range": [0.55, 0.66]}
+  [row] = rows_of("step_profile", result, None, spec(async_over_trl=("<= 0.6", False)), quick=False)
+  assert row["verdict"] == "met" and row["range"] == [0.55, 0.66]  # one round above the goal: the median decides
+  entry = dict(backend="cpu", device="CPU", commit="abc", date="d", quick=False, wall_s=1.0, seconds={},
+               benchmarks={}, rows=[row])
+  assert "| step_profile | `async_over_trl` | 0.58 (rounds: 0.55-0.66) | <= 0.6 |" in page.markdown(entry)
+
+
 def test_a_goal_for_accelerators_is_judged_there_and_reported_elsewhere():
   goals = Benchmark("59", "w", "q", "p", {"decode_vs_roofline": Figure("<= 2", True, "what", ("gpu", "tpu"))})
   verdicts = {backend: rows_of("roofline", {"decode_vs_roofline": 5.9}, None, goals, True, backend)[0]["verdict"]

@@ -125,3 +125,14 @@ def test_a_job_computes_in_the_probes_choice_and_its_samplers_weights_follow(mon
 def test_follower_programs_get_float32_weights_whatever_auto_means():
   config = PipelineConfig(mode="async", arms=ArmsConfig(programs=True))
   assert config.resolved("bfloat16").sampler.precision == "float32"
+
+
+def test_no_shipped_config_names_a_compute_dtype_or_a_float_sampler_precision():
+  """The shipped configs leave both to the machine ('auto'); int8 stays a choice a config may make."""
+  from streamrl_jax.gin_config import CONFIG_DIRS
+
+  named = [f"{path.name}:{n}" for d in CONFIG_DIRS if d.is_dir() for path in sorted(d.rglob("*.gin"))
+           for n, line in enumerate(path.read_text().splitlines(), 1)
+           if not line.lstrip().startswith("#") and ("JobConfig.compute_dtype" in line or (
+               "SamplerConfig.precision" in line and "int8" not in line))]
+  assert not named, f"configs naming a dtype by hand: {named}"
