@@ -123,11 +123,11 @@ def _start_role(args):
   files = gin_config.run_files(args.config)
   gin_config.parse(files, args.set)
   config, job = gin_config.build_run()
-  # 'auto' precision resolved on this machine: a sampler whose machine resolves it otherwise than the trainer's is
-  # refused when it joins (its settings differ), never sent weights it cannot read
+  # What samplers are checked against: the lead's settings (arms train, not sample), with 'auto' precision as this
+  # machine resolves it: a sampler whose machine resolves it otherwise is refused when it joins, never sent weights
+  # it cannot read
   dtype = job.dtype()
-  settings = flat_settings(config.resolved(dtype), job)  # what samplers are checked against: the lead's (arms train,
-  # not sample)
+  settings = flat_settings(config.resolved(dtype), job)
   if args.command == "trainer":
     config = gin_config.with_arms(config, job, args.arms, files, args.set)
   return config.resolved(dtype), job, gin_config.build_flight(), tls, settings
