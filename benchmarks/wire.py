@@ -67,7 +67,7 @@ def _run_settings(run: Run) -> tuple[dict, int]:
   gin_config.parse([run.config[1]], list(SETS))
   config, job = gin_config.build_run()
   model_config, _ = job.model_spec()
-  return flat_settings(config, job), model_config.vocab_size
+  return flat_settings(config.resolved(job.dtype()), job), model_config.vocab_size  # as `streamrl trainer` resolves
 
 
 # ---- what the fuzzer sends ------------------------------------------------------------------------------
