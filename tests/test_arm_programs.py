@@ -121,7 +121,7 @@ def test_launch_local_starts_a_follower_program_per_arm_in_the_leads_workdir(tmp
   from streamrl_jax.commands.launch_local import Supervisor, _check_arms, plan_children
 
   arm = tmp_path / "rloo.gin"
-  arm.write_text("PipelineConfig.advantage = 'rloo'\nObjectiveConfig.objective = 'ppo_tis'\n")
+  arm.write_text("PipelineConfig.advantage = 'rloo'\nObjectiveConfig.correction = 'token_tis'\n")
   args = build_parser().parse_args(["launch", "local", "--workdir", str(tmp_path / "run"), "--arms", str(arm),
                                     "--set", "PipelineConfig.mode='stream'", "--set", "ArmsConfig.programs=True"])
   programs = _check_arms(args)

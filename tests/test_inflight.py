@@ -125,8 +125,10 @@ def test_progress_that_cannot_resume_is_refused(setup):
 
 def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probability(setup):
   """A row that crossed an update: each token's behaviour log-probability is its own version's, and the
-  corrections of ppo_tis, decoupled_ppo and aipo use it token by token (numpy below), not one per sample."""
-  from streamrl_jax.training import OBJECTIVES, ObjectiveConfig
+  corrections (token_tis, token_tis with token_mask, aipo in bypass) use it token by token (numpy below), not one
+  per sample."""
+  from streamrl_jax.training import ObjectiveConfig
+  from streamrl_jax.training.objectives import policy_loss
   engine, graphdef, params = setup
   new = jax.tree.map(lambda x: x * 1.3, params)
   _, samples = run_with_update(engine, params, new, recompute=True)
@@ -134,16 +136,23 @@ def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probabi
   mu = sample.logprobs[None]  # the sampler's: version 0 then version 1
   pi = token_logprobs(graphdef, new, sample)[None]  # the trainer's policy, version 1
   advantages = np.full_like(mu, 0.7)
-  cfg = ObjectiveConfig(tis_cap=1.5, behaviour_cap=1.5, aipo_rho=1.5)
-  batch = dict(logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages))
+  mask = np.ones_like(mu, bool)
+  batch = dict(logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages),
+               loss_mask=jnp.asarray(mask))
+  configs = {"token_tis": ObjectiveConfig(tis_cap=1.5),
+             "token_tis_mask": ObjectiveConfig(tis_cap=1.5, correction=("token_tis", "token_mask"), mask_low=0.0,
+                                               mask_high=1.5),
+             "aipo": ObjectiveConfig(objective="aipo", aipo_rho=1.5, old_logprobs="sampler", correction="none")}
   ratio = np.exp(pi - mu)
   surrogate = -np.minimum(advantages, np.clip(1.0, 0.8, 1.2) * advantages)  # pi / pi_old = 1
-  expected = {"ppo_tis": np.minimum(ratio, 1.5) * surrogate,
-              "decoupled_ppo": np.where(ratio <= 1.5, ratio, 0.0) * surrogate,
+  expected = {"token_tis": np.minimum(ratio, 1.5) * surrogate,
+              "token_tis_mask": np.where(ratio <= 1.5, ratio, 0.0) * surrogate,
               "aipo": -np.minimum(ratio, 1.5) * advantages * pi}
   cut = int(np.argmax(sample.versions == 1))
   np.testing.assert_allclose(ratio[0, cut:], 1.0, atol=1e-4)  # the new version's tokens: on-policy
   assert np.abs(ratio[0, :cut] - 1.0).max() > 1e-3  # the old version's: corrected
   for name, want in expected.items():
-    got = np.asarray(OBJECTIVES.get(name)(jnp.asarray(pi), batch, cfg))
+    cfg = configs[name]
+    given = batch if cfg.old_logprobs == "recompute" else {**batch, "old_logprobs": batch["logprobs"]}
+    got = np.asarray(policy_loss(jnp.asarray(pi), given, cfg)[0])
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from streamrl_jax.training import (ObjectiveConfig, aggregate, clipped_value_loss, compute_advantages, entropy, gae,
                                    kl_penalized_rewards, kl_penalty)
-from streamrl_jax.training.objectives import OBJECTIVES
+from streamrl_jax.training.objectives import OBJECTIVES, policy_loss
 
 RNG = np.random.default_rng(0)
 B, T = 4, 7
@@ -39,14 +39,16 @@ def np_clip_surrogate(logp, ref, adv, lo, hi):
   return -np.minimum(ratio * adv, np.clip(ratio, 1 - lo, 1 + hi) * adv)
 
 
-NP_OBJECTIVES = {
-    "ppo": lambda c: np_clip_surrogate(LOGP, SAMPLER, ADV, c.clip_low, c.clip_high),
-    "ppo_tis": lambda c: np.minimum(np.exp(OLD - SAMPLER), c.tis_cap) * np_clip_surrogate(LOGP, OLD, ADV, c.clip_low,
-                                                                                        c.clip_high),
-    "ppo_recomputed": lambda c: np_clip_surrogate(LOGP, OLD, ADV, c.clip_low, c.clip_high),
-    "decoupled_ppo": lambda c: np.where(np.exp(OLD - SAMPLER) <= c.behaviour_cap, np.exp(OLD - SAMPLER), 0.0)
-    * np_clip_surrogate(LOGP, OLD, ADV, c.clip_low, c.clip_high),
-    "aipo": lambda c: -np.minimum(np.exp(LOGP - SAMPLER), c.aipo_rho) * ADV * LOGP,
+def np_gspo(c):
+  s = np.exp(((LOGP - OLD) * MASK).sum(1, keepdims=True) / MASK.sum(1, keepdims=True))
+  return -np.minimum(s * ADV, np.clip(s, 1 - c.clip_low, 1 + c.clip_high) * ADV)
+
+
+NP_OBJECTIVES = {  # each surrogate against the old policy OLD, times the default correction min(OLD / SAMPLER, cap)
+    "ppo": lambda c: np_clip_surrogate(LOGP, OLD, ADV, c.clip_low, c.clip_high),
+    "gspo": np_gspo,
+    "cispo": lambda c: -np.clip(np.exp(LOGP - OLD), 1 - c.clip_low, 1 + c.clip_high) * ADV * LOGP,
+    "aipo": lambda c: -np.minimum(np.exp(LOGP - OLD), c.aipo_rho) * ADV * LOGP,
     "reinforce": lambda c: -ADV * LOGP,
 }
 
@@ -55,12 +57,25 @@ NP_OBJECTIVES = {
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"])
 def test_objective_and_aggregation_match_numpy(objective, mode):
   cfg = ObjectiveConfig(objective=objective, aggregation=mode, clip_low=0.2, clip_high=0.28, constant_normalizer=10.0,
-                        tis_cap=1.2, behaviour_cap=1.3, aipo_rho=2.0)
-  per_token = OBJECTIVES.get(objective)(jnp.asarray(LOGP), BATCH, cfg)
+                        tis_cap=1.2, aipo_rho=2.0)
+  per_token, _ = policy_loss(jnp.asarray(LOGP), {**BATCH, "loss_mask": jnp.asarray(MASK)}, cfg)
   numerator, denominator = aggregate(per_token, jnp.asarray(MASK), cfg)
-  expected = np_aggregate(NP_OBJECTIVES[objective](cfg), MASK, mode)
+  weight = np.minimum(np.exp(OLD - SAMPLER), 1.2)
+  expected = np_aggregate(weight * NP_OBJECTIVES[objective](cfg), MASK, mode)
   np.testing.assert_allclose(float(numerator / denominator), expected, rtol=1e-5)
-  assert objective != "decoupled_ppo" or (np.exp(OLD - SAMPLER) > 1.3).any()  # the cap is exercised
+  assert (np.exp(OLD - SAMPLER)[MASK] > 1.2).any()  # the cap is exercised
+
+
+def test_renamed_objectives_and_bypass_with_a_correction_are_refused_by_name():
+  with pytest.raises(ValueError, match="'ppo_tis' is now objective='ppo', correction='token_tis'"):
+    ObjectiveConfig(objective="ppo_tis")
+  with pytest.raises(ValueError, match="old_logprobs='sampler'.*correction='none'"):
+    ObjectiveConfig(old_logprobs="sampler")
+  with pytest.raises(ValueError, match="ObjectiveConfig.correction: unknown off-policy correction 'tis'"):
+    ObjectiveConfig(correction="tis")
+  assert ObjectiveConfig(correction="none").correction == () and not ObjectiveConfig(correction="none").corrected
+  assert ObjectiveConfig(old_logprobs="sampler", correction="none").corrected  # the ratio to mu is the correction
+  assert ObjectiveConfig(correction="veto").correction == ("veto",)
 
 
 @pytest.mark.parametrize("advantage", [1.0, -1.0])
@@ -68,22 +83,25 @@ def test_ppo_clip_boundaries_stop_the_gradient(advantage):
   cfg = ObjectiveConfig(clip_low=0.2, clip_high=0.28)
   ratios = np.array([0.7, 0.85, 1.0, 1.2, 1.35], np.float32)
   logp = jnp.log(jnp.asarray(ratios))
-  batch = dict(advantages=jnp.full(5, advantage), logprobs=jnp.zeros(5))
-  grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get("ppo")(lp, batch, cfg).sum())(logp))
+  batch = dict(advantages=jnp.full(5, advantage), old_logprobs=jnp.zeros(5))
+  grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get("ppo")(lp, batch, cfg, None).sum())(logp))
   # A > 0: the ceiling 1.28 binds (ratio 1.35 has no gradient); A < 0: the floor 0.8 binds (ratio 0.7).
   zero = ratios > 1.28 if advantage > 0 else ratios < 0.8
   np.testing.assert_array_equal(grad[zero], 0.0)
   np.testing.assert_allclose(grad[~zero], -advantage * ratios[~zero], rtol=1e-6)
-  values = np.asarray(OBJECTIVES.get("ppo")(logp, batch, cfg))
+  values = np.asarray(OBJECTIVES.get("ppo")(logp, batch, cfg, None))
   np.testing.assert_allclose(values, np_clip_surrogate(np.log(ratios), 0, advantage, 0.2, 0.28), rtol=1e-6)
 
 
-def test_aipo_gradient_survives_truncation():
-  cfg = ObjectiveConfig(objective="aipo", aipo_rho=2.0)
-  ratios = np.array([0.5, 1.5, 3.0, 8.0], np.float32)  # the last two are truncated at rho = 2
-  batch = dict(advantages=jnp.ones(4), logprobs=jnp.zeros(4))
-  grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get("aipo")(lp, batch, cfg).sum())(jnp.log(jnp.asarray(ratios))))
-  np.testing.assert_allclose(grad, -np.minimum(ratios, 2.0), rtol=1e-6)
+def test_aipo_and_cispo_gradients_survive_truncation():
+  cfg = ObjectiveConfig(objective="aipo", aipo_rho=2.0, clip_high=1.0)
+  ratios = np.array([0.5, 1.5, 3.0, 8.0], np.float32)  # the last two are truncated at rho = 2 (cispo: 1 + 1)
+  batch = dict(advantages=jnp.ones(4), old_logprobs=jnp.zeros(4))
+  for name in ("aipo", "cispo"):
+    grad = np.asarray(jax.grad(lambda lp: OBJECTIVES.get(name)(lp, batch, cfg, None).sum())(  # noqa: B023
+        jnp.log(jnp.asarray(ratios))))
+    floor = 0.8 if name == "cispo" else 0.0  # cispo's weight is clipped below too, at 1 - clip_low
+    np.testing.assert_allclose(grad, -np.clip(ratios, floor, 2.0), rtol=1e-6)
   # The mistake of clamping the ratio inside the differentiated term zeroes those gradients:
   wrong = jax.grad(lambda lp: (-jnp.minimum(jnp.exp(lp), 2.0)).sum())(jnp.log(jnp.asarray(ratios)))
   assert np.all(np.asarray(wrong)[2:] == 0) and np.all(grad[2:] != 0)

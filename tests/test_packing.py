@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import OBJECTIVES, MicroBatcher, ObjectiveConfig
-from streamrl_jax.training.objectives import aggregate
+from streamrl_jax.training.objectives import aggregate, policy_loss
 from streamrl_jax.training.packing import (CALL_COST_TOKENS, pack_plan, pack_rows, packed_pieces, packed_shapes,
                                            trim_step, trimmed_call)
 from tests.trainer_setup import CONFIG, make_batch, mean_gradient, trainer_for
@@ -65,11 +65,14 @@ def test_every_objective_gives_the_same_loss_packed(aggregation):
   batch["logp"] = np.where(batch["valid"], rng.normal(-3.9, 0.3, batch["valid"].shape), 0).astype(np.float32)
   packed = pack_rows(batch, LENGTH)
   for objective in OBJECTIVES.names():
-    cfg = ObjectiveConfig(objective=objective, aggregation=aggregation, constant_normalizer=16.0)
+    cfg = ObjectiveConfig(objective=objective, aggregation=aggregation, constant_normalizer=16.0,
+                          correction=("geometric_tis", "token_mask", "veto"))
     sums = []
     for b, segments in ((batch, None), (packed, packed["segment_ids"])):
-      per_token = OBJECTIVES.get(objective)(jnp.asarray(b["logp"]), {k: jnp.asarray(v) for k, v in b.items()}, cfg)
-      sums.append([float(x) for x in aggregate(per_token, jnp.asarray(b["loss_mask"]), cfg,
+      given = {k: jnp.asarray(v) for k, v in b.items()}
+      given["old_logprobs"] = given["logp"] * 0.9  # a correction with something to weigh
+      per_token, fix = policy_loss(given["logp"], given, cfg, None if segments is None else given["segment_ids"])
+      sums.append([float(x) for x in aggregate(per_token, given["loss_mask"] & fix.keep, cfg,
                                                None if segments is None else jnp.asarray(segments))])
     np.testing.assert_allclose(sums[1], sums[0], rtol=1e-5, err_msg=f"{objective}/{aggregation}")
   if aggregation.startswith("seq"):  # a row of several samples counts each: ignoring the segments would not
@@ -81,7 +84,8 @@ def test_every_objective_gives_the_same_loss_packed(aggregation):
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean"])
 def test_packed_gradient_equals_unpacked_streamed_in_token_chunks(model, aggregation):
   graphdef, params = nnx.split(model)
-  trainer = trainer_for(graphdef, ObjectiveConfig(objective="ppo_tis", aggregation=aggregation, entropy_coef=0.01))
+  trainer = trainer_for(graphdef, ObjectiveConfig(correction=("sequence_tis", "icepop"), aggregation=aggregation,
+                                                  entropy_coef=0.01))
   batch = make_batch(13, seed=6)
   full = trainer.accumulate(trainer.init_state(params), batch)
   batcher = MicroBatcher(trainer, pack_length=LENGTH, chunk_tokens=60)

@@ -114,7 +114,7 @@ def test_the_trainer_reports_no_mismatch_for_its_own_logprobs_and_some_for_other
   weights."""
   graphdef, params = model_params
   mesh = mesh_from_devices(jax.devices()[:2], MeshShape(2, 1, 1))
-  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-3), ObjectiveConfig(objective="ppo_tis"), mesh)
+  trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-3), ObjectiveConfig(), mesh)
   rng = np.random.default_rng(1)
   tokens = rng.integers(3, CONFIG.vocab_size, (8, 16)).astype(np.int32)
   valid = np.ones_like(tokens, bool)
@@ -140,17 +140,20 @@ def test_the_trainer_reports_no_mismatch_for_its_own_logprobs_and_some_for_other
   np.testing.assert_allclose(metrics["int8"]["logprob_mismatch_kl"], np.mean(np.exp(d) - 1 - d), rtol=0.05)
 
 
-def test_preflight_warns_of_an_uncorrected_low_precision_sampler():
+def test_preflight_tells_of_an_uncorrected_low_precision_sampler_or_async_run():
   from streamrl_jax.pipeline import PipelineConfig
-  from streamrl_jax.pipeline.preflight import precision_advice
+  from streamrl_jax.pipeline.preflight import correction_advice
   from streamrl_jax.training import ObjectiveConfig as Objective
-  def config(precision, objective):
-    return PipelineConfig(sampler=SamplerConfig(precision=precision),
-                          trainer=TrainerConfig(objective=Objective(objective)))
-  assert precision_advice(config("int8", "ppo_tis")) is None
-  assert precision_advice(config("float32", "ppo_recomputed")) is None  # float32: nothing to correct
-  advice = precision_advice(config("bfloat16", "ppo_recomputed"))
-  assert "SamplerConfig.precision='bfloat16'" in advice and "'ppo_tis'" in advice
+  def config(precision, correction, mode="stream"):
+    return PipelineConfig(mode=mode, sampler=SamplerConfig(precision=precision),
+                          trainer=TrainerConfig(objective=Objective(correction=correction)))
+  assert correction_advice(config("int8", "token_tis")) is None
+  assert correction_advice(config("float32", "none")) is None  # on-policy and float32: nothing to correct
+  advice = correction_advice(config("bfloat16", "none"))
+  assert "SamplerConfig.precision='bfloat16'" in advice and "'token_tis'" in advice and "\n" not in advice
+  advice = correction_advice(config("float32", "none", "async"))
+  assert advice.startswith("PipelineConfig.mode='async' (staleness 1): tokens another policy sampled")
+  assert correction_advice(config("float32", "veto", "async")) is None
   with pytest.raises(ValueError, match="quantize_on='gpu'"):
     PipelineConfig(sampler=SamplerConfig(quantize_on="gpu"))
 

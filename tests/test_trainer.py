@@ -13,7 +13,7 @@ from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
 from streamrl_jax.training.checkpoint import Checkpointer
-from streamrl_jax.training.objectives import OBJECTIVES, ValueLossConfig
+from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.training.logprobs import token_logprobs
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows, trainer_for
 
@@ -26,7 +26,8 @@ def model_parts():
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"])
 def test_unequal_micro_batches_give_the_full_batch_gradient(model_parts, mode):
   graphdef, params = model_parts
-  trainer = trainer_for(graphdef, ObjectiveConfig(objective="ppo_tis", aggregation=mode, constant_normalizer=16.0,
+  trainer = trainer_for(graphdef, ObjectiveConfig(correction=("geometric_tis", "token_mask", "veto"), aggregation=mode,
+                                                  constant_normalizer=16.0,
                                                   kl_coef=0.0, entropy_coef=0.01))
   batch = make_batch(13, seed=1)
   full = trainer.accumulate(trainer.init_state(params), batch)
@@ -39,12 +40,12 @@ def test_unequal_micro_batches_give_the_full_batch_gradient(model_parts, mode):
   assert trainer.compiled_shapes == {(8, 16), (16, 16)}
 
 
-def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_parts, objective="ppo_tis"):
+def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_parts):
   """The pipeline sends no old_logprobs: within a step every micro-batch is accumulated at the same
   parameters, so the policy before the step is the current one, and the gradient equals the one with the
   trainer's own log-probabilities given explicitly (and differs from the sampler's standing in for them)."""
   graphdef, params = model_parts
-  trainer = trainer_for(graphdef, ObjectiveConfig(objective=objective, tis_cap=50.0, behaviour_cap=50.0))
+  trainer = trainer_for(graphdef, ObjectiveConfig(tis_cap=50.0))
   batch = make_batch(6, seed=3)
   del batch["old_logprobs"]
   model = nnx.merge(graphdef, params)
@@ -56,8 +57,10 @@ def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_p
   for a, b, c in zip(jax.tree.leaves(default), jax.tree.leaves(given), jax.tree.leaves(sampler)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
   assert max(float(np.abs(a - c).max()) for a, c in zip(jax.tree.leaves(default), jax.tree.leaves(sampler))) > 1e-4
-  assert [n for n in OBJECTIVES.names() if getattr(OBJECTIVES.get(n), "uses_old_logprobs", False)] == [
-      "decoupled_ppo", "ppo_recomputed", "ppo_tis"]  # the same path for each
+  bypass = trainer_for(graphdef, ObjectiveConfig(old_logprobs="sampler", correction="none"))
+  bypassed = mean_gradient(bypass.accumulate(bypass.init_state(params), batch))  # the sampler's, as configured
+  for a, c in zip(jax.tree.leaves(bypassed), jax.tree.leaves(sampler)):  # (given as old: its correction weighs 1)
+    np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-8)
 
 
 def test_optimizer_runs_once_per_global_batch(model_parts):
@@ -311,3 +314,36 @@ def test_the_callers_parameters_survive_training(model_parts):
   state, _ = trainer.apply(state)
   for a, b in zip(jax.tree.leaves(placed), jax.tree.leaves(before)):
     np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_a_steps_off_policy_metrics_split_compute_from_staleness_and_count_what_the_corrections_drop(model_parts):
+  """Fresh rows whose sampler log-probabilities are the trainer's own, stale rows whose are off by a known shift: the
+  compute part of the mismatch is ~0 and the staleness part numpy's; the masked and truncated shares are numpy's
+  counts; the ratio's median is the histogram's (to a bin), streamed over two calls."""
+  from streamrl_jax.training.corrections import HISTOGRAM_BINS, HISTOGRAM_EDGE
+  graphdef, params = model_parts
+  cfg = ObjectiveConfig(correction=("token_tis", "token_mask"), tis_cap=1.3, mask_low=0.0, mask_high=1.6)
+  trainer = trainer_for(graphdef, cfg)
+  batch = make_batch(8, seed=4)
+  del batch["old_logprobs"]
+  own = np.asarray(token_logprobs(nnx.merge(graphdef, params)(batch["tokens"], batch["valid"]), batch["tokens"])[0])
+  shift = np.random.default_rng(9).normal(0, 0.4, own.shape).astype(np.float32)
+  stale = np.zeros_like(batch["loss_mask"])
+  stale[4:] = batch["loss_mask"][4:]
+  batch.update(logprobs=np.where(stale, own - shift, own).astype(np.float32), stale=stale)
+  state = trainer.init_state(params)
+  for part in split_rows(batch, [3, 5]):
+    state = trainer.accumulate(state, part)
+  _, metrics = trainer.apply(state)
+  mask = batch["loss_mask"]
+  d = shift[stale]  # log pi - log mu on the stale tokens
+  assert metrics["logprob_mismatch_kl_compute"] < 1e-7
+  np.testing.assert_allclose(metrics["logprob_mismatch_kl_staleness"], np.mean(np.expm1(d) - d), rtol=1e-3)
+  ratio = np.exp(np.where(stale, shift, 0.0))[mask]
+  np.testing.assert_allclose(metrics["correction_masked_token_frac"], np.mean(ratio > 1.6), rtol=1e-6)
+  np.testing.assert_allclose(metrics["correction_truncated_token_frac"], np.mean((ratio > 1.3) & (ratio <= 1.6)),
+                             rtol=1e-6)
+  assert metrics["correction_masked_token_frac"] > 0 and metrics["correction_masked_sequence_frac"] == 0
+  width = 2 * HISTOGRAM_EDGE / HISTOGRAM_BINS
+  assert abs(np.log(metrics["is_ratio_q95"]) - np.log(np.quantile(ratio, 0.95, method="inverted_cdf"))) <= width
+  assert metrics["is_ratio_q05"] <= metrics["is_ratio_q50"] <= metrics["is_ratio_q95"]

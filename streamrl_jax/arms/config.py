@@ -17,7 +17,6 @@ import re
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
-from streamrl_jax.training.objectives import UNCORRECTED
 
 # Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
 ARM_KEYS = ("PipelineConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
@@ -30,7 +29,7 @@ class ArmConfig:
 
   name: str
   advantage: str = "grpo"  # the advantage estimator: grpo, dr_grpo, rloo or reinforce_pp
-  objective: ObjectiveConfig = ObjectiveConfig(objective="ppo_tis")
+  objective: ObjectiveConfig = ObjectiveConfig()
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   seed: int = 0
 
@@ -86,9 +85,10 @@ def arm_pipeline(config, arm: ArmConfig):
 def arm_advice(config) -> list[str]:
   """A warning per follower whose objective ignores the behaviour (sampler) probabilities: its samples come from
   the lead's policy, and the mismatch then goes uncorrected every step."""
-  return [f"arm {arm.name!r}: ObjectiveConfig.objective={arm.objective.objective!r} ignores the sampler's "
-          f"probabilities, but a follower trains on the lead's samples (off-policy): 'ppo_tis', 'decoupled_ppo' or "
-          f"'aipo' correct for it" for arm in config.arms.followers if arm.objective.objective in UNCORRECTED]
+  return [f"arm {arm.name!r}: ObjectiveConfig.correction='none' with old_logprobs={arm.objective.old_logprobs!r} "
+          f"ignores the sampler's probabilities, but a follower trains on the lead's samples (off-policy): a "
+          f"correction ('token_tis', the default) weighs each token by them" for arm in config.arms.followers
+          if not arm.objective.corrected]
 
 
 def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], model_specs=None) -> tuple:

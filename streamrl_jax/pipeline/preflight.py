@@ -19,7 +19,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
 from streamrl_jax.settings import renamed
 from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
-from streamrl_jax.training.objectives import UNCORRECTED
+from streamrl_jax.training.corrections import CORRECTIONS
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns, and
@@ -220,11 +220,15 @@ def check_rewards(reward: RewardConfig, task, seed: int = 0) -> None:
 
 
 
-def precision_advice(config: PipelineConfig) -> str | None:
-  """A warning for a sampler that computes in lower precision than the trainer under an objective that ignores
-  the sampler's log-probabilities (the mismatch then biases every step); None when nothing to say."""
-  if config.sampler.precision == "float32" or config.trainer.objective.objective not in UNCORRECTED:
+def correction_advice(config: PipelineConfig) -> str | None:
+  """One line for a run whose tokens come from another policy (async staleness, in-flight updates, a sampler in
+  lower precision) under an objective that does not correct for it; None when nothing to say."""
+  objective = config.trainer.objective
+  sources = ([f"PipelineConfig.mode={config.mode!r} (staleness {config.spec.max_lag})"] if config.spec.max_lag else [])
+  sources += ["SamplerConfig.in_flight"] if config.sampler.in_flight else []
+  sources += [f"SamplerConfig.precision={config.sampler.precision!r}"] if config.sampler.precision != "float32" else []
+  if not sources or objective.corrected:
     return None
-  return (f"SamplerConfig.precision={config.sampler.precision!r} with ObjectiveConfig.objective="
-          f"{config.trainer.objective.objective!r}: the sampler-vs-trainer mismatch goes uncorrected; 'ppo_tis' (the "
-          "documented choice for low-precision samplers), 'decoupled_ppo' or 'aipo' weight each token by it")
+  return (f"{' and '.join(sources)}: tokens another policy sampled are trained on uncorrected (ObjectiveConfig."
+          f"correction='none', old_logprobs={objective.old_logprobs!r}); the default correction 'token_tis' or "
+          f"another of {CORRECTIONS.names()} weighs each token by it")

@@ -257,7 +257,7 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str):
   if job.eval_every and jax.process_count() > 1:
     raise ValueError("JobConfig.eval_every: periodic evaluation runs in a trainer of one process; this one has "
                      f"{jax.process_count()}")
-  if advice := preflight.precision_advice(config):
+  if advice := preflight.correction_advice(config):
     _log.warning(advice)
   for advice in arm_advice(config):
     _log.warning(advice)

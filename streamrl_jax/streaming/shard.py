@@ -157,11 +157,14 @@ class SampleShard:
     """(step, group id, sample index) of every sample: what identifies it whoever generated it."""
     return list(zip(self.steps.tolist(), self.group_ids.tolist(), self.sample_indices.tolist()))
 
-  def train_batch(self, advantages: np.ndarray, owned: bool = False) -> dict:
+  def train_batch(self, advantages: np.ndarray, owned: bool = False, step: int | None = None) -> dict:
     """The micro-batch dict the trainer takes, with one advantage per sample; `owned`: with each token's `owners`
-    (the process that holds it, for a trainer of several processes)."""
+    (the process that holds it, for a trainer of several processes); `step` (the version the trainer holds): with
+    `stale`, the completion tokens older weights sampled."""
     batch = dict(tokens=self.tokens, valid=self.valid, loss_mask=self.loss_mask, logprobs=self.logprobs,
                  advantages=np.asarray(advantages, np.float32))
+    if step is not None:
+      batch["stale"] = self.loss_mask & (self.versions < step)
     if owned:
       batch["owners"] = np.repeat(self.owners[:, None], self.tokens.shape[1], axis=1)
     if self.routes is not None:

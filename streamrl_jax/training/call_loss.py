@@ -14,10 +14,14 @@ from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.models.transformer import Routing
 from streamrl_jax.training.config import TrainerConfig
 from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer
-from streamrl_jax.training.objectives import (OBJECTIVES, TERMS, ObjectiveConfig, clipped_value_loss, kl_penalty,
+from streamrl_jax.training.corrections import HISTOGRAM_BINS, Sequences, histogram_quantile, ratio_histogram
+from streamrl_jax.training.objectives import (TERMS, ObjectiveConfig, clipped_value_loss, kl_penalty, policy_loss,
                                               with_old_logprobs)
 
-SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max")
+SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max",
+        # the corrections' counts: sequences, tokens and sequences rejected, tokens truncated; the mismatch of the
+        # tokens sampled by the weights being trained (`stale` False: compute alone); the ratio's histogram
+        "sequences", "masked", "masked_sequences", "truncated", "fresh_tokens", "fresh_mismatch_kl", "ratio_hist")
 # a mixture of experts' too: its terms' part of the loss, and the token-layer routes the trainer chose as the sampler
 # did, of those the sampler recorded
 MOE_SUMS = ("terms", "agree", "routed")
@@ -25,7 +29,8 @@ MAXED = ("mismatch_max",)  # accumulated by maximum, the others by sum
 
 
 def zero_sums(moe: bool = False) -> dict:
-  return {k: jnp.zeros((), jnp.float32) for k in SUMS + (MOE_SUMS if moe else ())}
+  shape = lambda k: (HISTOGRAM_BINS + 2,) if k == "ratio_hist" else ()  # noqa: E731
+  return {k: jnp.zeros(shape(k), jnp.float32) for k in SUMS + (MOE_SUMS if moe else ())}
 
 
 def logprob_mismatch(logp, logprobs, mask):
@@ -75,18 +80,21 @@ class CallLoss:
       return (*at_columns(score, hidden, batch["tokens"], batch["head_columns"]), trace)
     return (*every_column(score, hidden, batch["tokens"]), trace)
 
-  def per_token(self, model, reference, batch):
-    """(per-token loss, log pi or the values, KL, entropy, router trace) under `model`, with `reference` the frozen
-    policy of a KL penalty (None: no penalty)."""
+  def per_token(self, model, reference, batch) -> dict:
+    """Under `model`, with `reference` the frozen policy of a KL penalty (None: no penalty): the per-token `loss`,
+    `logp` (log pi, or a critic's values), `kl`, `ent`, the router `trace`, the `mask` of the tokens the loss
+    aggregates (completion tokens the corrections kept) and the tokens whose weight was `truncated`."""
     cfg = self.objective
     if self.role == "critic":
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
       value_loss = self.config.value_loss
       loss = value_loss.coef * clipped_value_loss(values, batch["old_values"], batch["returns"], value_loss.clip)
-      return loss, values, jnp.zeros_like(values), jnp.zeros_like(values), None
+      zeros = jnp.zeros_like(values)
+      return dict(loss=loss, logp=values, kl=zeros, ent=zeros, trace=None, mask=batch["loss_mask"],
+                  truncated=jnp.zeros(values.shape, bool))
     logp, ent, trace = self.token_logprobs(model, batch)
-    batch = with_old_logprobs(batch, logp, cfg.objective)
-    per_token = OBJECTIVES.get(cfg.objective)(logp, batch, cfg)
+    batch = with_old_logprobs(batch, logp, cfg)
+    per_token, fix = policy_loss(logp, batch, cfg, batch.get("segment_ids"))
     kl = jnp.zeros_like(logp)
     if reference is not None:  # the reference routes by its own router
       ref_logp, _, _ = self.token_logprobs(reference, batch, replay=False)
@@ -95,7 +103,8 @@ class CallLoss:
         per_token = per_token + cfg.kl_coef * kl
     if cfg.entropy_coef:
       per_token = per_token - cfg.entropy_coef * ent
-    return per_token, logp, kl, ent, trace
+    return dict(loss=per_token, logp=logp, kl=kl, ent=ent, trace=trace, mask=batch["loss_mask"] & fix.keep,
+                truncated=fix.truncated)
 
   def terms(self, trace, batch):
     """The objective's extra terms of this call (`ObjectiveConfig.terms`), summed: each over the call's tokens."""
@@ -106,27 +115,62 @@ class CallLoss:
     return sum(TERMS.get(name)(trace, tokens, coef) for name in self.objective.terms)
 
   def call_sums(self, batch, outputs: dict) -> dict:
-    """What one call adds to its step's sums, from its outputs (numerator, denominator, logp, kl, ent, trace,
+    """What one call adds to its step's sums, from its outputs (`per_token`'s, and the numerator, denominator and
     terms)."""
     mask, cfg = batch["loss_mask"], self.objective
     logp = outputs["logp"]
-    mismatch = mismatch_max = jnp.zeros((), jnp.float32)
-    if self.role == "policy":
-      ratio = jnp.exp(logp - with_old_logprobs(batch, logp, cfg.objective)["old_logprobs"])
-      clipped = (ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)
-      mismatch, mismatch_max = logprob_mismatch(jax.lax.stop_gradient(logp), batch["logprobs"], mask)
-    else:  # logp holds the values: count tokens whose value update is clipped
-      clipped = jnp.abs(logp - batch["old_values"]) > self.config.value_loss.clip
     m = mask.astype(jnp.float32)
     add = dict(numerator=outputs["numerator"], denominator=outputs["denominator"], tokens=m.sum(),
-               clipped=jnp.sum(clipped * m), kl=jnp.sum(outputs["kl"] * m), entropy=jnp.sum(outputs["ent"] * m),
-               mismatch_kl=mismatch, mismatch_max=mismatch_max)
+               kl=jnp.sum(outputs["kl"] * m), entropy=jnp.sum(outputs["ent"] * m))
+    if self.role == "policy":
+      ratio = jnp.exp(logp - with_old_logprobs(batch, logp, cfg)["old_logprobs"])
+      add["clipped"] = jnp.sum(((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)) * m)
+      add.update(off_policy_sums(jax.lax.stop_gradient(logp), batch, outputs))
+    else:  # logp holds the values: count tokens whose value update is clipped
+      add["clipped"] = jnp.sum((jnp.abs(logp - batch["old_values"]) > self.config.value_loss.clip) * m)
+      add.update({k: jnp.zeros_like(v) for k, v in zero_sums().items() if k not in add})
     if self.moe is not None:
       trace = outputs["trace"]
       agree, routed = (router_agreement(trace.experts, batch["routes"], batch["valid"]) if "routes" in batch
                        else (jnp.zeros((), jnp.float32),) * 2)
       add.update(terms=outputs["terms"], agree=agree, routed=routed)
     return add
+
+
+def off_policy_sums(logp, batch, outputs: dict) -> dict:
+  """A policy call's sums of how far its tokens are from the sampler's policy: the mismatch (all tokens, and those
+  the weights being trained sampled: `batch["stale"]` False), the corrections' rejected and truncated tokens and
+  sequences, and the histogram of log(pi / mu)."""
+  mask = batch["loss_mask"]
+  seqs = Sequences.of(mask, batch.get("segment_ids"))
+  fresh = mask & ~batch["stale"] if "stale" in batch else mask
+  mismatch, mismatch_max = logprob_mismatch(logp, batch["logprobs"], mask)
+  kept = seqs.sums(outputs["mask"].astype(jnp.float32))
+  lengths = seqs.lengths()
+  return dict(mismatch_kl=mismatch, mismatch_max=mismatch_max, fresh_mismatch_kl=logprob_mismatch(
+      logp, batch["logprobs"], fresh)[0], fresh_tokens=jnp.sum(fresh, dtype=jnp.float32),
+              sequences=seqs.count().astype(jnp.float32), masked=jnp.sum(mask & ~outputs["mask"], dtype=jnp.float32),
+              masked_sequences=jnp.sum((lengths > 0) & (kept == 0), dtype=jnp.float32),
+              truncated=jnp.sum(outputs["truncated"] & mask, dtype=jnp.float32),
+              ratio_hist=ratio_histogram(logp - batch["logprobs"], mask))
+
+
+def off_policy_metrics(sums: dict) -> dict:
+  """A policy step's off-policy figures from its sums: the shares of tokens and sequences the corrections masked
+  (rejected) and of tokens they truncated, the quantiles of pi / mu, and the mismatch split into the part of the
+  tokens sampled by the weights trained (`logprob_mismatch_kl_compute`: compute alone) and of older ones
+  (`_staleness`: staleness on top of it); NaN where a part has no token."""
+  tokens = jnp.maximum(sums["tokens"], 1.0)
+  fresh, stale = sums["fresh_tokens"], sums["tokens"] - sums["fresh_tokens"]
+  per = lambda total, n: total / jnp.where(n > 0, n, jnp.nan)  # noqa: E731
+  return dict(correction_masked_token_frac=sums["masked"] / tokens,
+              correction_masked_sequence_frac=sums["masked_sequences"] / jnp.maximum(sums["sequences"], 1.0),
+              correction_truncated_token_frac=sums["truncated"] / tokens,
+              is_ratio_q05=histogram_quantile(sums["ratio_hist"], 0.05),
+              is_ratio_q50=histogram_quantile(sums["ratio_hist"], 0.5),
+              is_ratio_q95=histogram_quantile(sums["ratio_hist"], 0.95),
+              logprob_mismatch_kl_compute=per(sums["fresh_mismatch_kl"], fresh),
+              logprob_mismatch_kl_staleness=per(sums["mismatch_kl"] - sums["fresh_mismatch_kl"], stale))
 
 
 def step_metrics(sums: dict, denominator, moe: bool) -> dict:

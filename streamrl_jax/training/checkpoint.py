@@ -143,7 +143,7 @@ class Checkpointer:
                                                                    extra=ocp.args.JsonRestore()))
     fields = _unflatten(saved, dict(restored.arrays))
     grad_sum = jax.tree.map(lambda g: g * 0, template.grad_sum)
-    sums = {k: jnp.zeros((), jnp.float32) for k in template.sums}  # the template's: a mixture counts more
+    sums = {k: jnp.zeros_like(v) for k, v in template.sums.items()}  # the template's: a mixture counts more
     return TrainState(grad_sum=grad_sum, sums=sums, **fields), dict(restored.extra or {})
 
   def restore_aux(self, template, step: int | None = None):

@@ -12,6 +12,8 @@ BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs
 
 
 ROUTED = "routes"  # a mixture's routes: [rows, length, sparse layers, k] per token, the one key of more than 2 axes
+# a policy's tokens sampled by weights older than those the call trains (the mismatch's staleness part); default none
+STALE = "stale"
 
 
 def pad_rows(value: np.ndarray, rows: int, columns: int) -> np.ndarray:

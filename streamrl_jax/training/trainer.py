@@ -22,9 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, logical_spec, state_shardings
 from streamrl_jax.models.moe import ExpertPlacement
-from streamrl_jax.training.call_loss import MAXED, CallLoss, step_metrics, zero_sums
+from streamrl_jax.training.call_loss import MAXED, CallLoss, off_policy_metrics, step_metrics, zero_sums
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, bucket, checked, lossless_batch, padded_call
+from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
@@ -235,7 +235,10 @@ class Trainer:
     packed = "segment_ids" in batch
     if self.route_shape is not None and ROUTED not in batch:  # a mixture's calls all carry routes: one program
       batch = {**batch, ROUTED: np.zeros((rows, length) + self.route_shape, np.int16)}
+    if self.role == "policy" and STALE not in batch:  # every policy call carries it: one program
+      batch = {**batch, STALE: np.zeros((rows, length), bool)}
     extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
+        (STALE,) if self.role == "policy" else ()) + (
         ("segment_ids",) if packed else ()) + ((ROUTED,) if self.route_shape is not None else ())
     values = checked(batch, keys, extra, self.role)
     rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
@@ -321,12 +324,11 @@ class Trainer:
                                                                                  self.objective.kl_coef > 0) else None)
 
     def loss_fn(params):
-      per_token, logp, kl, ent, trace = loss.per_token(self._model(computed_from(params, low), frozen), reference,
-                                                       batch)
-      numerator, denominator = aggregate(per_token, batch["loss_mask"], self.objective, batch.get("segment_ids"))
+      out = loss.per_token(self._model(computed_from(params, low), frozen), reference, batch)
+      numerator, denominator = aggregate(out.pop("loss"), out["mask"], self.objective, batch.get("segment_ids"))
       # a term of the call weighs as much as the call's share of the step's loss denominator
-      terms = loss.terms(trace, batch) * jax.lax.stop_gradient(denominator)
-      return numerator + terms, dict(denominator=denominator, logp=logp, kl=kl, ent=ent, trace=trace, terms=terms)
+      terms = loss.terms(out["trace"], batch) * jax.lax.stop_gradient(denominator)
+      return numerator + terms, dict(out, denominator=denominator, terms=terms)
 
     (numerator, outputs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     add = loss.call_sums(batch, {**outputs, "numerator": numerator})
@@ -347,6 +349,8 @@ class Trainer:
                    tokens=state.sums["tokens"], clip_frac=state.sums["clipped"] / tokens,
                    kl=state.sums["kl"] / tokens, entropy=state.sums["entropy"] / tokens,
                    logprob_mismatch_kl=state.sums["mismatch_kl"] / tokens, logprob_mismatch_max=state.sums["mismatch_max"])
+    if self.role == "policy":
+      metrics.update(off_policy_metrics(state.sums))
     moe = self.loss.moe is not None
     metrics.update(step_metrics(state.sums, denominator, moe))
     new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, sums=zero_sums(moe))

@@ -58,9 +58,10 @@ def precompile(trainer: Trainer, batcher: MicroBatcher, state, config):
   return trainer.precompile(state, config.trainer.chunk_rows, width)
 
 
-def shard_batch(trainer: Trainer, config, shard: SampleShard) -> dict:
-  """`shard`'s micro-batch for the trainer: with each token's owner in a trainer of several processes."""
-  return shard.train_batch(shard_advantages(trainer, config, shard), owned=jax.process_count() > 1)
+def shard_batch(trainer: Trainer, config, shard: SampleShard, step: int) -> dict:
+  """`shard`'s micro-batch for the trainer at `step` (the version it holds): with each token's owner in a trainer of
+  several processes, and the tokens older weights sampled."""
+  return shard.train_batch(shard_advantages(trainer, config, shard), owned=jax.process_count() > 1, step=step)
 
 
 def shard_advantages(trainer: Trainer, config, shard: SampleShard) -> np.ndarray:

@@ -316,7 +316,7 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      self.state = self.batcher.add(self.state, shard_batch(self.trainer, self.config, shard))
+      self.state = self.batcher.add(self.state, shard_batch(self.trainer, self.config, shard, step))
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
