@@ -1,0 +1,106 @@
+"""Does asynchronous RL learn what synchronous RL learns? And is the sampler's log-probability the trainer's?
+
+1. Learning: `streamrl train` on `configs/smollm2_cpu.gin`'s work (SmolLM2-135M-Instruct, two-digit sums asked in
+   chat, 15 steps of 8 prompts x 8 samples, held-out greedy accuracy on 200 prompts before and after), the same seed
+   and prompts, three ways: `colocated` (staleness 0: every step samples with the weights it trains), `async` at
+   staleness 4 with the default correction (`ObjectiveConfig.correction='token_tis'`), and `async` at staleness 4
+   uncorrected (`correction='none'`). Prints `accuracy_colocated`, `accuracy_async4_corrected`,
+   `accuracy_async4_uncorrected`, `async4_minus_colocated` (corrected minus colocated), `accuracy_before`, and per
+   run its mean trained-token staleness and mismatch (`*_staleness_mean`, `*_mismatch_kl`).
+2. Parity: SmolLM2 in float32 samples 8 held-out prompts (temperature 0.8); the trainer scores each sample's
+   completion by its own code path alone, padded and packed with the others (`training.logprob_parity`):
+   `logprob_max_abs_alone`, `logprob_max_abs_padded`, `logprob_max_abs_packed`.
+
+A quick run (STREAMRL_BENCH_QUICK=1) uses the CPU demo's decoder (a short warm-up, 4 steps, 32 held-out prompts):
+its accuracies are not the goal's work. Prints one JSON object as its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import QUICK, size  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = size(ROOT / "configs" / "smollm2_cpu.gin", ROOT / "configs" / "demo_cpu.gin")
+WORK = size((), ("PipelineConfig.steps=4", "JobConfig.warmup_steps=40", "JobConfig.eval_prompts=32"))
+RUNS = {"colocated": ("PipelineConfig.mode='colocated'",),
+        "async4_corrected": ("PipelineConfig.mode='async'", "PipelineConfig.staleness=4"),
+        "async4_uncorrected": ("PipelineConfig.mode='async'", "PipelineConfig.staleness=4",
+                               "ObjectiveConfig.correction='none'")}
+PARITY_PROMPTS = size(8, 4)
+
+
+def train(name: str, workdir: Path) -> dict:
+  """One `streamrl train` of the work as `name` sets it: its summary and mean metrics."""
+  command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--config", str(CONFIG), "--workdir", str(workdir)]
+  for binding in (*WORK, *RUNS[name]):
+    command += ["--set", binding]
+  print(f"async_learning: {name} ...", file=sys.stderr, flush=True)
+  done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=ROOT,
+                        env=dict(os.environ, XLA_FLAGS=""))
+  if done.returncode:
+    raise RuntimeError(f"{name}: exit {done.returncode}\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+  summary = json.loads(done.stdout.strip().splitlines()[-1])
+  rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  mean = lambda key: float(f"{np.mean([r[key] for r in rows]):.4g}")  # noqa: E731
+  return dict(accuracy_before=summary["accuracy_before"], accuracy_after=summary["accuracy_after"],
+              staleness_mean=mean("staleness_mean"), mismatch_kl=mean("logprob_mismatch_kl"),
+              truncated_frac=mean("correction_truncated_token_frac"))
+
+
+def parity() -> dict:
+  """The sampler's log-probabilities against the trainer's at equal float32 weights, alone, padded and packed."""
+  import jax
+  from flax import nnx
+
+  from streamrl_jax import gin_config
+  from streamrl_jax.meshes import single_device_mesh
+  from streamrl_jax.sampling import StreamingSampler, make_engine
+  from streamrl_jax.training.logprob_parity import max_abs_gaps
+  from streamrl_jax.types import SamplingParams
+
+  os.environ["STREAMRL_PROBE_DTYPE"] = "float32"  # the model computes in float32 on both sides
+  gin_config.parse(gin_config.run_files([str(CONFIG)]))
+  config, job = gin_config.build_run()
+  model, tokenizer, _ = job.load_model()  # (the demo decoder unwarmed: parity needs no learned weights)
+  task = job.make_task(tokenizer, "eval")
+  graphdef, params = nnx.split(model)
+  engine = make_engine(graphdef, model.config, config.sampler.engine, single_device_mesh(jax.devices()[0]))
+  sampler = StreamingSampler([engine], params, seed=5)
+  rng = np.random.default_rng(7)
+  knobs = SamplingParams(temperature=0.8, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids)
+  for group in range(PARITY_PROMPTS):
+    sampler.submit(tokenizer.encode(task.sample(rng)[0]), knobs, group_id=group)
+  samples = list(sampler.stream())
+  gaps = max_abs_gaps(graphdef, params, samples, 0.8)
+  return {f"logprob_max_abs_{layout}": float(f"{gap:.3g}") for layout, gap in gaps.items()}
+
+
+def main() -> dict:
+  out = {}
+  runs = {}
+  with tempfile.TemporaryDirectory(prefix="async_learning_") as tmp:  # checkpoints: gigabytes
+    for name in RUNS:
+      runs[name] = train(name, Path(tmp) / name)
+  out["accuracy_before"] = runs["colocated"]["accuracy_before"]
+  for name, run in runs.items():
+    out[f"accuracy_{name}"] = run["accuracy_after"]
+    out.update({f"{name}_{k}": v for k, v in run.items() if k not in ("accuracy_before", "accuracy_after")})
+  out["async4_minus_colocated"] = round(out["accuracy_async4_corrected"] - out["accuracy_colocated"], 4)
+  out["async4_uncorrected_minus_colocated"] = round(out["accuracy_async4_uncorrected"] - out["accuracy_colocated"], 4)
+  print("async_learning: parity ...", file=sys.stderr, flush=True)
+  out.update(parity())
+  return out
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))
