@@ -155,7 +155,7 @@ def test_scoring_the_loss_columns_alone_keeps_their_values_and_gradients(rows, c
 
   def scored(h, w, at):
     score = chunked_scorer(w, 0.9, 16) if chunked else logits_scorer(lambda x: x @ w, 0.9)
-    return every_column(score, h, tokens) if at is None else at_columns(score, h, tokens, at)
+    return (every_column(score, h, tokens) if at is None else at_columns(score, h, tokens, at))[:2]  # (no outside)
 
   whole, only = scored(hidden, head, None), scored(hidden, head, columns)
   for a, b in zip(whole, only):
@@ -195,11 +195,13 @@ def test_the_trainer_scores_only_the_loss_columns_with_the_same_gradient(monkeyp
   assert flops[1] - flops[0] >= (0.9 * skipped * 8 * TINY.hidden_size * TINY.vocab_size if chunk == 0 else 1), flops
 
 
-@pytest.mark.parametrize("kv_layout", ["contiguous", "paged"])
-def test_the_samplers_logprobs_are_the_trainers_alone_padded_and_packed(kv_layout):
+@pytest.mark.parametrize("kv_layout,top_p", [("contiguous", 1.0), ("paged", 1.0), ("contiguous", 0.9)])
+def test_the_samplers_logprobs_are_the_trainers_alone_padded_and_packed(kv_layout, top_p):
   """At equal weights in float32 the engine's log-probabilities of what it sampled equal the trainer's within 1e-5,
   whether the trainer scores a sequence alone, padded or packed with others: the compute part of the mismatch is
-  ~0 and a sequence's scores do not depend on its call's other rows."""
+  ~0 and a sequence's scores do not depend on its call's other rows. With top-p 0.9 the trainer's are over the
+  support it rebuilds, renormalised: the sampler's truncated ones."""
+  from streamrl_jax.training.logprobs import Truncation
   from streamrl_jax.sampling import EngineConfig, StreamingSampler, make_engine
   from streamrl_jax.training.logprob_parity import max_abs_gaps
   from streamrl_jax.types import SamplingParams
@@ -213,9 +215,58 @@ def test_the_samplers_logprobs_are_the_trainers_alone_padded_and_packed(kv_layou
   rng = np.random.default_rng(0)
   for group in range(4):
     sampler.submit([int(t) for t in rng.integers(3, 500, rng.integers(3, 14))],
-                   SamplingParams(temperature=0.8, max_new_tokens=int(rng.integers(5, 24))), group_id=group)
+                   SamplingParams(temperature=0.8, max_new_tokens=int(rng.integers(5, 24)), top_p=top_p),
+                   group_id=group)
   samples = list(sampler.stream())
-  gaps = max_abs_gaps(graphdef, params, samples, 0.8)
+  truncation = Truncation(top_p=top_p)
+  gaps = max_abs_gaps(graphdef, params, samples, 0.8, truncation=truncation)
   assert set(gaps) == {"alone", "padded", "packed"} and max(gaps.values()) <= 1e-5, gaps
   shifted = [dataclasses.replace(s, logprobs=np.asarray(s.logprobs) + 1e-3) for s in samples]
-  assert min(max_abs_gaps(graphdef, params, shifted, 0.8).values()) > 5e-4  # the comparison can fail
+  assert min(max_abs_gaps(graphdef, params, shifted, 0.8, truncation=truncation).values()) > 5e-4  # it can fail
+  if top_p < 1:  # scored over the whole vocabulary instead, the truncated tokens' ratios are biased
+    assert min(max_abs_gaps(graphdef, params, samples, 0.8).values()) > 1e-3
+
+
+@pytest.mark.parametrize("chunk", [0, 32])
+def test_a_truncated_support_is_scored_renormalised_in_value_and_gradient(chunk):
+  """With the sampler's top-k or top-p the trainer's log pi and entropy are those of the tempered logits at or above
+  the support's floor, renormalised (numpy in float64 below), by either path; the gradient matches the full-logits
+  path's; a token below the floor is scored inside a support lowered to it and counted as outside."""
+  from streamrl_jax.training.logprobs import Truncation
+  rng = np.random.default_rng(4)
+  hidden = rng.normal(size=(3, 9, 16)).astype(np.float32)
+  head = rng.normal(size=(16, 96)).astype(np.float32) * 0.6
+  tokens = rng.integers(0, 96, size=(3, 9)).astype(np.int32)
+  logits = np.einsum("bth,hv->btv", hidden.astype(np.float64), head.astype(np.float64))[:, :-1] / 0.8
+  tokens[:, 1:] = np.argsort(-logits, axis=-1)[..., 2]  # the third most likely: inside top-3, not always top-p 0.9
+  tokens[0, 3] = int(np.argsort(-logits[0, 2])[40])  # one token deep in the tail: outside either support
+  for truncation, keep in ((Truncation(top_k=3), lambda row: np.sort(row)[-3]),
+                           (Truncation(top_p=0.9), lambda row: _top_p_floor(row, 0.9))):
+    def scored(h, w):
+      score = chunked_scorer(w, 0.8, chunk, truncation=truncation) if chunk else logits_scorer(lambda x: x @ w, 0.8,
+                                                                                                truncation)
+      return every_column(score, h, jnp.asarray(tokens))
+    logp, ent, outside = jax.jit(scored)(hidden, head)
+    assert bool(outside[0, 3]) and not outside.all()
+    for b in range(3):
+      for t in range(8):
+        row = logits[b, t]
+        floor = min(keep(row), row[tokens[b, t + 1]])
+        kept = row[row >= floor]
+        lse = np.log(np.exp(kept - kept.max()).sum()) + kept.max()
+        np.testing.assert_allclose(logp[b, t + 1], row[tokens[b, t + 1]] - lse, atol=2e-5)
+        p = np.exp(kept - lse)
+        np.testing.assert_allclose(ent[b, t + 1], -(p * (kept - lse)).sum(), atol=2e-5)
+        assert bool(outside[b, t + 1]) == (row[tokens[b, t + 1]] < keep(row))
+    full = lambda h, w: every_column(logits_scorer(lambda x: x @ w, 0.8, truncation), h, jnp.asarray(tokens))  # noqa
+    loss = lambda fn: lambda h, w: jnp.sum(fn(h, w)[0]) + 0.3 * jnp.sum(fn(h, w)[1])  # noqa: E731
+    for a, b in zip(jax.grad(loss(scored), argnums=(0, 1))(hidden, head), jax.grad(loss(full), argnums=(0, 1))(hidden,
+                                                                                                              head)):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def _top_p_floor(row: np.ndarray, p: float) -> float:
+  """The smallest logit of the smallest set of largest logits whose softmax mass reaches p."""
+  order = np.sort(row)[::-1]
+  mass = np.cumsum(np.exp(order - order.max()) / np.exp(order - order.max()).sum())
+  return float(order[int(np.argmax(mass >= p))])

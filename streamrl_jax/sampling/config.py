@@ -145,6 +145,10 @@ class SamplerConfig:
   # between decode calls; every token records the version that sampled it
   in_flight: bool = False
   in_flight_cache: str = "keep"  # in_flight: rows running at an update "keep" their KV cache, or "recompute" it
+  # truncated sampling of a run's samples (0 and 1: off): the k most likely tokens, the smallest set of most likely
+  # tokens holding top_p of the mass; the trainer scores each token over the same support, renormalised
+  top_k: int = 0
+  top_p: float = 1.0
   engine: EngineConfig = EngineConfig()
   reward: RewardConfig = RewardConfig()
   env: EnvConfig = EnvConfig()  # multi-turn: the environment or agent program the samples play
@@ -156,5 +160,8 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {['auto', *PRECISIONS]}")
     if self.quantize_on not in QUANTIZE_ON:
       raise ValueError(f"SamplerConfig.quantize_on={self.quantize_on!r}; known: {list(QUANTIZE_ON)}")
+    if self.top_k < 0 or not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplerConfig: top_k must be >= 0 (0: off), got {self.top_k}; top_p in (0, 1] (1: off), got "
+                       f"{self.top_p}")
     if self.in_flight_cache not in IN_FLIGHT_CACHE:
       raise ValueError(f"SamplerConfig.in_flight_cache={self.in_flight_cache!r}; known: {list(IN_FLIGHT_CACHE)}")

@@ -13,7 +13,7 @@ from streamrl_jax.models import ModelConfig
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.models.transformer import Routing
 from streamrl_jax.training.config import TrainerConfig
-from streamrl_jax.training.logprobs import at_columns, chunked_scorer, every_column, logits_scorer
+from streamrl_jax.training.logprobs import Truncation, at_columns, chunked_scorer, every_column, logits_scorer
 from streamrl_jax.training.corrections import HISTOGRAM_BINS, Sequences, histogram_quantile, ratio_histogram
 from streamrl_jax.training.objectives import (TERMS, ObjectiveConfig, clipped_value_loss, kl_penalty, policy_loss,
                                               with_old_logprobs)
@@ -21,7 +21,8 @@ from streamrl_jax.training.objectives import (TERMS, ObjectiveConfig, clipped_va
 SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max",
         # the corrections' counts: sequences, tokens and sequences rejected, tokens truncated; the mismatch of the
         # tokens sampled by the weights being trained (`stale` False: compute alone); the ratio's histogram
-        "sequences", "masked", "masked_sequences", "truncated", "fresh_tokens", "fresh_mismatch_kl", "ratio_hist")
+        "sequences", "masked", "masked_sequences", "truncated", "fresh_tokens", "fresh_mismatch_kl", "ratio_hist",
+        "outside")  # with top-k / top-p: tokens below the support the trainer rebuilt
 # a mixture of experts' too: its terms' part of the loss, and the token-layer routes the trainer chose as the sampler
 # did, of those the sampler recorded
 MOE_SUMS = ("terms", "agree", "routed")
@@ -53,7 +54,8 @@ def router_agreement(own: jax.Array, recorded: jax.Array, valid: jax.Array) -> t
 class CallLoss:
   """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat, the value
   loss), the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
-  dense model) and whether the LM head learns (LoRA: frozen)."""
+  dense model), whether the LM head learns (LoRA: frozen) and the sampler's top-k and top-p (`truncation`: tokens
+  are scored over the support they keep)."""
 
   objective: ObjectiveConfig
   config: TrainerConfig
@@ -62,10 +64,12 @@ class CallLoss:
   placement: ExpertPlacement | None = None
   moe: ModelConfig | None = None
   head_grad: bool = True
+  truncation: Truncation = Truncation()
 
   def token_logprobs(self, model, batch, replay: bool = True):
-    """(log pi, entropy, router trace) of the batch's tokens under `model`: over vocabulary chunks, or from full
-    logits. A mixture's routes are replayed (`ObjectiveConfig.routing_replay`) where the batch carries them and
+    """(log pi, entropy, router trace, outside) of the batch's tokens under `model`: over vocabulary chunks, or from
+    full logits, over the sampler's truncated support (`outside`: tokens that lie below the support rebuilt from these
+    logits). A mixture's routes are replayed (`ObjectiveConfig.routing_replay`) where the batch carries them and
     `replay`; the trace is None without experts."""
     routes = batch.get("routes") if replay and self.objective.routing_replay == "replay" else None
     routing = Routing(routes=None if routes is None else routes.astype(jnp.int32) - 1, placement=self.placement)
@@ -73,12 +77,15 @@ class CallLoss:
                                              remat=self.config.remat, routing=routing)
     if self.config.logprob_chunk:
       head, vocab_axis = model.output_weights()
-      score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis, head_grad=self.head_grad)
+      score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis, head_grad=self.head_grad,
+                             truncation=self.truncation)
     else:
-      score = logits_scorer(model.head_logits, self.temperature)
+      score = logits_scorer(model.head_logits, self.temperature, self.truncation)
     if "head_columns" in batch:  # the loss's tokens alone (`Trainer.prepare`)
-      return (*at_columns(score, hidden, batch["tokens"], batch["head_columns"]), trace)
-    return (*every_column(score, hidden, batch["tokens"]), trace)
+      logp, ent, outside = at_columns(score, hidden, batch["tokens"], batch["head_columns"])
+    else:
+      logp, ent, outside = every_column(score, hidden, batch["tokens"])
+    return logp, ent, trace, outside
 
   def per_token(self, model, reference, batch) -> dict:
     """Under `model`, with `reference` the frozen policy of a KL penalty (None: no penalty): the per-token `loss`,
@@ -90,21 +97,22 @@ class CallLoss:
       value_loss = self.config.value_loss
       loss = value_loss.coef * clipped_value_loss(values, batch["old_values"], batch["returns"], value_loss.clip)
       zeros = jnp.zeros_like(values)
-      return dict(loss=loss, logp=values, kl=zeros, ent=zeros, trace=None, mask=batch["loss_mask"],
-                  truncated=jnp.zeros(values.shape, bool))
-    logp, ent, trace = self.token_logprobs(model, batch)
+      none = jnp.zeros(values.shape, bool)
+      return dict(loss=loss, logp=values, kl=zeros, ent=zeros, trace=None, mask=batch["loss_mask"], truncated=none,
+                  outside=none)
+    logp, ent, trace, outside = self.token_logprobs(model, batch)
     batch = with_old_logprobs(batch, logp, cfg)
     per_token, fix = policy_loss(logp, batch, cfg, batch.get("segment_ids"))
     kl = jnp.zeros_like(logp)
     if reference is not None:  # the reference routes by its own router
-      ref_logp, _, _ = self.token_logprobs(reference, batch, replay=False)
+      ref_logp = self.token_logprobs(reference, batch, replay=False)[0]
       kl = kl_penalty(logp, jax.lax.stop_gradient(ref_logp), cfg.kl_estimator)
       if not cfg.kl_in_reward:
         per_token = per_token + cfg.kl_coef * kl
     if cfg.entropy_coef:
       per_token = per_token - cfg.entropy_coef * ent
     return dict(loss=per_token, logp=logp, kl=kl, ent=ent, trace=trace, mask=batch["loss_mask"] & fix.keep,
-                truncated=fix.truncated)
+                truncated=fix.truncated, outside=outside)
 
   def terms(self, trace, batch):
     """The objective's extra terms of this call (`ObjectiveConfig.terms`), summed: each over the call's tokens."""
@@ -152,6 +160,7 @@ def off_policy_sums(logp, batch, outputs: dict) -> dict:
               sequences=seqs.count().astype(jnp.float32), masked=jnp.sum(mask & ~outputs["mask"], dtype=jnp.float32),
               masked_sequences=jnp.sum((lengths > 0) & (kept == 0), dtype=jnp.float32),
               truncated=jnp.sum(outputs["truncated"] & mask, dtype=jnp.float32),
+              outside=jnp.sum(outputs["outside"] & mask, dtype=jnp.float32),
               ratio_hist=ratio_histogram(logp - batch["logprobs"], mask))
 
 
@@ -166,6 +175,7 @@ def off_policy_metrics(sums: dict) -> dict:
   return dict(correction_masked_token_frac=sums["masked"] / tokens,
               correction_masked_sequence_frac=sums["masked_sequences"] / jnp.maximum(sums["sequences"], 1.0),
               correction_truncated_token_frac=sums["truncated"] / tokens,
+              support_mismatch_frac=sums["outside"] / tokens,
               is_ratio_q05=histogram_quantile(sums["ratio_hist"], 0.05),
               is_ratio_q50=histogram_quantile(sums["ratio_hist"], 0.5),
               is_ratio_q95=histogram_quantile(sums["ratio_hist"], 0.95),

@@ -18,6 +18,7 @@ from flax import nnx
 
 from streamrl_jax.training.call_loss import CallLoss
 from streamrl_jax.training.config import TrainerConfig
+from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.objectives import ObjectiveConfig
 from streamrl_jax.training.packing import pack_rows
 
@@ -37,29 +38,31 @@ def _rows(samples: list, width: int) -> dict:
   return out
 
 
-def trainer_logprobs(graphdef, params, batch: dict, temperature: float, config: TrainerConfig = TrainerConfig()):
-  """log pi [rows, length] of `batch`'s tokens as a trainer call computes them."""
+def trainer_logprobs(graphdef, params, batch: dict, temperature: float, config: TrainerConfig = TrainerConfig(),
+                     truncation: Truncation = Truncation()):
+  """log pi [rows, length] of `batch`'s tokens as a trainer call computes them (over `truncation`'s support)."""
   given = {k: jnp.asarray(v) for k, v in batch.items() if k in ("tokens", "valid", "segment_ids")}
-  return np.asarray(_scorer(graphdef, float(temperature), config)(params, given))
+  return np.asarray(_scorer(graphdef, float(temperature), config, truncation)(params, given))
 
 
 @functools.lru_cache(maxsize=8)
-def _scorer(graphdef, temperature: float, config: TrainerConfig):
-  loss = CallLoss(ObjectiveConfig(), config, temperature)
+def _scorer(graphdef, temperature: float, config: TrainerConfig, truncation: Truncation):
+  loss = CallLoss(ObjectiveConfig(), config, temperature, truncation=truncation)
   return jax.jit(lambda params, batch: loss.token_logprobs(nnx.merge(graphdef, params), batch)[0])
 
 
-def max_abs_gaps(graphdef, params, samples: list, temperature: float,
-                 config: TrainerConfig = TrainerConfig()) -> dict[str, float]:
-  """{layout: the largest |trainer - sampler| log-probability over every completion token} for `LAYOUTS`."""
+def max_abs_gaps(graphdef, params, samples: list, temperature: float, config: TrainerConfig = TrainerConfig(),
+                 truncation: Truncation = Truncation()) -> dict[str, float]:
+  """{layout: the largest |trainer - sampler| log-probability over every completion token} for `LAYOUTS`, the
+  samples drawn with `truncation`'s top-k and top-p."""
   longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
-  gaps = {}
-  alone = [_rows([s], len(s.prompt_tokens) + len(s.tokens)) for s in samples]
-  gaps["alone"] = max(_gap(trainer_logprobs(graphdef, params, b, temperature, config), b) for b in alone)
+  score = lambda batch: trainer_logprobs(graphdef, params, batch, temperature, config, truncation)  # noqa: E731
+  gaps = {"alone": max(_gap(score(b), b) for b in (_rows([s], len(s.prompt_tokens) + len(s.tokens))
+                                                      for s in samples))}
   padded = _rows(samples, -(-longest // 16) * 16 + 16)  # a bucket past the longest: every row has padding
-  gaps["padded"] = _gap(trainer_logprobs(graphdef, params, padded, temperature, config), padded)
+  gaps["padded"] = _gap(score(padded), padded)
   packed = pack_rows(padded, 2 * longest)
-  gaps["packed"] = _gap(trainer_logprobs(graphdef, params, packed, temperature, config), packed)
+  gaps["packed"] = _gap(score(packed), packed)
   return gaps
 
 

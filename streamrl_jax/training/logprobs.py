@@ -15,6 +15,7 @@ d entropy / d l_j = -p_j (l_j - E).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,6 +23,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from streamrl_jax.models.layers import cpu_low_precision, rows_first
+from streamrl_jax.truncation import truncation_floor
+
+FLOOR_BLOCK = 128  # tokens whose full logits a support rebuild holds at once
+FLOOR_SLACK = 1e-5  # a support's floor is lowered by this fraction of its size (`floors_of`)
+
+
+@dataclasses.dataclass(frozen=True)
+class Truncation:
+  """The sampler's top-k and top-p (`SamplerConfig`): the trainer scores each token over the support they keep, from
+  its own logits by the sampler's function (`truncation.truncation_floor`), renormalised."""
+
+  top_k: int = 0
+  top_p: float = 1.0
+
+  @property
+  def active(self) -> bool:
+    return self.top_k > 0 or self.top_p < 1.0
+
+
+def support_floors(logits_of, hidden, tokens, temperature: float, truncation: Truncation, block: int = FLOOR_BLOCK):
+  """Per token of hidden [N, H] and tokens [N]: (the floor of the support the sampler's filters keep of the tempered
+  logits `logits_of(hidden) / temperature`, lowered to the token's own logit where that lies below it; whether it
+  did: a token the sampler drew that the trainer's support leaves out). No gradient; `block` tokens' full logits at a
+  time."""
+  n, width = hidden.shape
+  rows = -(-n // block) * block
+  blocks = (jnp.pad(jax.lax.stop_gradient(hidden), ((0, rows - n), (0, 0))).reshape(-1, block, width),
+            jnp.pad(tokens, (0, rows - n)).reshape(-1, block))
+
+  def one(args):
+    h, t = args
+    return floors_of(logits_of(h).astype(jnp.float32) / temperature, t, truncation)
+  floors, outside = jax.lax.map(one, blocks)
+  return floors.reshape(-1)[:n], outside.reshape(-1)[:n]
+
+
+def floors_of(scaled, tokens, truncation: Truncation):
+  """`support_floors` of tempered logits scaled [N, vocab] and tokens [N]. The floor is the logit of the support's
+  last entry; logits computed by another product (the sampler's, a chunk's) may round that entry a few ulps below
+  it, so the floor is lowered by FLOOR_SLACK of its size (at least 1: an absolute 1e-5)."""
+  rows = scaled.shape[0]
+  floor = truncation_floor(scaled, jnp.full((rows,), truncation.top_k, jnp.int32),
+                           jnp.full((rows,), truncation.top_p, jnp.float32))
+  floor = floor - FLOOR_SLACK * jnp.maximum(1.0, jnp.abs(floor))
+  picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+  return jnp.minimum(floor, picked), picked < floor
 
 
 def entropy(logits):
@@ -54,48 +101,71 @@ def chunked_token_logprobs(hidden, head, tokens, temperature: float = 1.0, chunk
   the logits, without the [B, T, vocab] logits. The weights are read, and their gradient written, a chunk of the
   vocabulary at a time in their own layout: no transposed copy of a [vocab, H] matrix. `head_grad=False` (a frozen
   head: LoRA's base) skips the weights' gradient, a third of the head's backward work (their gradient is zero)."""
-  return every_column(chunked_scorer(head, temperature, chunk, vocab_axis, head_grad), hidden, tokens)
+  return every_column(chunked_scorer(head, temperature, chunk, vocab_axis, head_grad), hidden, tokens)[:2]
 
 
-def logits_scorer(logits_of, temperature: float = 1.0):
-  """`score(hidden [N, H], tokens [N])` from the full logits `logits_of(hidden)` [N, vocab], divided by
-  `temperature`: `token_logprobs`'s arithmetic."""
+def logits_scorer(logits_of, temperature: float = 1.0, truncation: Truncation = Truncation()):
+  """`score(hidden [N, H], tokens [N]) -> (log pi [N], entropy [N], outside [N])` from the full logits
+  `logits_of(hidden)` [N, vocab], divided by `temperature` (`token_logprobs`'s arithmetic), over the support
+  `truncation` keeps (`outside`: the token lay below it)."""
 
   def score(hidden, tokens):
+    tokens = tokens.astype(jnp.int32)
     logits = logits_of(hidden).astype(jnp.float32)
-    logp_all = jax.nn.log_softmax(logits / temperature if temperature != 1.0 else logits, axis=-1)
-    picked = jnp.take_along_axis(logp_all, tokens[:, None].astype(jnp.int32), axis=-1)[:, 0]
-    return picked, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    scaled = logits / temperature if temperature != 1.0 else logits
+    outside = jnp.zeros(tokens.shape, bool)
+    if truncation.active:
+      floors, outside = floors_of(jax.lax.stop_gradient(scaled), tokens, truncation)
+      scaled = jnp.where(scaled >= floors[:, None], scaled, -jnp.inf)
+    logp_all = jax.nn.log_softmax(scaled, axis=-1)
+    picked = jnp.take_along_axis(logp_all, tokens[:, None], axis=-1)[:, 0]
+    if truncation.active:  # 0 outside the support (its -inf would make 0 * -inf, in value and gradient)
+      inside = logp_all > -jnp.inf
+      safe = jnp.where(inside, logp_all, 0.0)
+      plogp = jnp.where(inside, jnp.exp(safe) * safe, 0.0)
+    else:
+      plogp = jnp.exp(logp_all) * logp_all
+    return picked, -jnp.sum(plogp, axis=-1), outside
   return score
 
 
-def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1, head_grad: bool = True):
-  """`score(hidden [N, H], tokens [N]) -> (log pi [N], entropy [N])` over vocabulary chunks of `head`, as
-  `chunked_token_logprobs` computes them."""
+def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1, head_grad: bool = True,
+                   truncation: Truncation = Truncation()):
+  """`score(hidden [N, H], tokens [N]) -> (log pi [N], entropy [N], outside [N])` over vocabulary chunks of `head`, as
+  `chunked_token_logprobs` computes them, over the support `truncation` keeps (`support_floors`)."""
   width = vocab_chunk(head.shape[vocab_axis], chunk)
-  return lambda hidden, tokens: _chunked(hidden, head, tokens.astype(jnp.int32), float(temperature), width,
-                                         vocab_axis, bool(head_grad))
+
+  def score(hidden, tokens):
+    tokens = tokens.astype(jnp.int32)
+    if not truncation.active:
+      floors, outside = jnp.full(tokens.shape, -jnp.inf), jnp.zeros(tokens.shape, bool)
+    else:
+      logits_of = lambda h: jax.lax.dot_general(h, head.astype(h.dtype), (((1,), (1 - vocab_axis,)), ((), ())),  # noqa
+                                                preferred_element_type=jnp.float32)
+      floors, outside = support_floors(logits_of, hidden, tokens, float(temperature), truncation)
+    logp, ent = _chunked(hidden, head, tokens, floors, float(temperature), width, vocab_axis, bool(head_grad),
+                         truncation.active)
+    return logp, ent, outside
+  return score
 
 
 def every_column(score, hidden, tokens):
-  """(log pi, entropy) [B, T] of every token after the first (column 0 is 0) by `score` (`chunked_scorer`)."""
+  """(log pi, entropy, outside) [B, T] of every token after the first (column 0: 0) by `score` (`chunked_scorer`)."""
   b, t, h = hidden.shape
-  logp, ent = score(hidden[:, :-1].reshape(b * (t - 1), h), tokens[:, 1:].reshape(-1))
-  pad = jnp.zeros((b, 1), jnp.float32)
-  return (jnp.concatenate([pad, logp.reshape(b, t - 1)], axis=1),
-          jnp.concatenate([pad, ent.reshape(b, t - 1)], axis=1))
+  values = score(hidden[:, :-1].reshape(b * (t - 1), h), tokens[:, 1:].reshape(-1))
+  return tuple(jnp.concatenate([jnp.zeros((b, 1), v.dtype), v.reshape(b, t - 1)], axis=1) for v in values)
 
 
 def at_columns(score, hidden, tokens, columns):
-  """`every_column`'s (log pi, entropy) [B, T] at `columns` [B, K] only (each row's scored tokens, 1..T-1; T marks an
+  """`every_column`'s (log pi, entropy, outside) [B, T] at `columns` [B, K] only (each row's scored tokens, 1..T-1; T marks an
   unused entry) and 0 elsewhere: the head's work for K of a row's T - 1 positions (`scored_columns`)."""
   b, t, h = hidden.shape
   k = columns.shape[1]
   before = jnp.take_along_axis(hidden, jnp.clip(columns - 1, 0, t - 1)[..., None], axis=1)
   scored = jnp.take_along_axis(tokens, jnp.minimum(columns, t - 1), axis=1)
-  logp, ent = score(before.reshape(b * k, h), scored.reshape(-1))
+  values = score(before.reshape(b * k, h), scored.reshape(-1))
   rows = jnp.arange(b)[:, None]
-  return tuple(jnp.zeros((b, t), jnp.float32).at[rows, columns].set(v.reshape(b, k), mode="drop") for v in (logp, ent))
+  return tuple(jnp.zeros((b, t), v.dtype).at[rows, columns].set(v.reshape(b, k), mode="drop") for v in values)
 
 
 def scored_columns(loss_mask) -> np.ndarray | None:
@@ -124,18 +194,23 @@ def _block(padded, i, chunk: int, axis: int, dtype):
   return jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=axis).astype(dtype)
 
 
-def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float, axis: int):
-  """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf."""
+def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float, axis: int, floors=None, tokens=None):
+  """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf, and with
+  `floors` [N] those below their token's floor but the token itself (its floor came from logits computed apart,
+  which may round it below)."""
   block = _block(padded, i, chunk, axis, hidden.dtype)
   logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ())), preferred_element_type=jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
   if vocab % chunk:
     logits = jnp.where(i * chunk + jnp.arange(chunk) < vocab, logits, -jnp.inf)
+  if floors is not None:
+    own = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
+    logits = jnp.where((logits >= floors[:, None]) | own, logits, -jnp.inf)
   return logits
 
 
-def _statistics(hidden, head, tokens, temperature: float, chunk: int, axis: int):
+def _statistics(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int):
   """Per token: log-sum-exp, the chosen logit, and E_p[logit], by one pass over the vocabulary chunks."""
   vocab = head.shape[axis]
   padded, chunks = _padded(head, chunk, axis)
@@ -143,10 +218,11 @@ def _statistics(hidden, head, tokens, temperature: float, chunk: int, axis: int)
 
   def body(i, carry):
     top, total, weighted, picked = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis)
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis, floors, tokens)
     new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
-    scale = jnp.exp(top - new_top)
-    e = jnp.exp(logits - new_top[:, None])
+    safe = jnp.where(new_top > -jnp.inf, new_top, 0.0)  # a truncated support may leave a whole chunk at -inf
+    scale = jnp.exp(top - safe)
+    e = jnp.exp(logits - safe[:, None])
     total = total * scale + jnp.sum(e, axis=-1)
     weighted = weighted * scale + jnp.sum(jnp.where(e > 0, e * logits, 0.0), axis=-1)
     local = tokens - i * chunk
@@ -159,26 +235,27 @@ def _statistics(hidden, head, tokens, temperature: float, chunk: int, axis: int)
   return top + jnp.log(total), picked, weighted / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _chunked(hidden, head, tokens, temperature: float, chunk: int, axis: int, head_grad: bool):
-  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _chunked(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int, head_grad: bool, truncated: bool):
+  lse, picked, mean = _statistics(hidden, head, tokens, floors if truncated else None, temperature, chunk, axis)
   return picked - lse, lse - mean
 
 
-def _chunked_fwd(hidden, head, tokens, temperature: float, chunk: int, axis: int, head_grad: bool):
-  lse, picked, mean = _statistics(hidden, head, tokens, temperature, chunk, axis)
-  return (picked - lse, lse - mean), (hidden, head, tokens, lse, mean)
+def _chunked_fwd(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int, head_grad: bool,
+                 truncated: bool):
+  lse, picked, mean = _statistics(hidden, head, tokens, floors if truncated else None, temperature, chunk, axis)
+  return (picked - lse, lse - mean), (hidden, head, tokens, floors, lse, mean)
 
 
-def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, residuals, cotangents):
-  hidden, head, tokens, lse, mean = residuals
+def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, truncated: bool, residuals, cotangents):
+  hidden, head, tokens, floors, lse, mean = residuals
   g_logp, g_ent = cotangents
   vocab = head.shape[axis]
   padded, chunks = _padded(head, chunk, axis)
 
   def body(i, carry):
     g_hidden, g_head = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis)
+    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis, floors if truncated else None, tokens)
     p = jnp.exp(logits - lse[:, None])
     onehot = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
     centred = jnp.where(p > 0, logits - mean[:, None], 0.0)
@@ -198,7 +275,7 @@ def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, res
   init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape if head_grad else (), jnp.float32))
   g_hidden, g_head = jax.lax.fori_loop(0, chunks, body, init)
   g_head = jax.lax.slice_in_dim(g_head, 0, vocab, axis=axis) if head_grad else jnp.zeros(head.shape, head.dtype)
-  return g_hidden.astype(hidden.dtype), g_head.astype(head.dtype), None
+  return g_hidden.astype(hidden.dtype), g_head.astype(head.dtype), None, jnp.zeros_like(floors)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -25,6 +25,7 @@ from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import MAXED, CallLoss, off_policy_metrics, step_metrics, zero_sums
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call
+from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
 from streamrl_jax.training.owned_rows import owned_layout, put_owned
@@ -98,6 +99,7 @@ class Scoring:
   temperature: float = 1.0
   ref_params: object = None
   base_params: object = None
+  truncation: Truncation = Truncation()  # the sampler's top-k and top-p: tokens are scored over their support
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,8 @@ class Trainer:
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
     self.loss = CallLoss(objective, config, float(scoring.temperature), role,
-                         head_grad=scoring.base_params is None)  # LoRA: the head is frozen
+                         head_grad=scoring.base_params is None,  # LoRA: the head is frozen
+                         truncation=scoring.truncation)
     self.tx = make_optimizer(optimizer)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
     # Packed rows split evenly over the batch axes: their count is a multiple of these.

@@ -14,6 +14,7 @@ from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import Buckets, MicroBatcher, Scoring, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 
@@ -31,7 +32,8 @@ def make_trainer(config, graphdef, params, mesh, resume: bool) -> tuple[Trainer,
     graphdef, params, base = lora.adapt(graphdef, params, adapters, arrays)
   reference = params if config.trainer.objective.kl_coef > 0 and not adapters else None
   trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, config=config.trainer,
-                    scoring=Scoring(config.temperature, reference, base),
+                    scoring=Scoring(config.temperature, reference, base,
+                                    Truncation(config.sampler.top_k, config.sampler.top_p)),
                     buckets=Buckets(expert_axis=config.mesh.expert_axis))
   return trainer, params
 
