@@ -33,12 +33,15 @@ def _largest_threshold(keys: jax.Array, holds) -> jax.Array:
   return lo
 
 
-def truncation_floor(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-  """Per row of tempered logits [S, V], the smallest logit the top-k and top-p filters keep (-inf where neither
+def truncation_floor(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                     min_p: jax.Array | None = None) -> jax.Array:
+  """Per row of tempered logits [S, V], the smallest logit the top-k, top-p and min-p filters keep (-inf where none
   is on): top-k keeps the k largest logits (0 = all); top-p keeps the smallest set of largest logits whose mass
-  reaches p (the top token always stays). Ties at a cut-off are kept. The sampler draws from, and the trainer
-  scores over, the entries at or above it."""
+  reaches p (the top token always stays); min-p keeps the tokens at least min_p times as likely as the most likely
+  (0 = all). Ties at a cut-off are kept. The sampler draws from, and the trainer scores over, the entries at or
+  above it."""
   scaled = scaled.astype(jnp.float32)
+  min_p = jnp.zeros(top_p.shape, jnp.float32) if min_p is None else min_p
 
   def floor(scaled):
     keys = _sortable_bits(scaled)
@@ -50,7 +53,11 @@ def truncation_floor(scaled: jax.Array, top_k: jax.Array, top_p: jax.Array) -> j
     mass_cut = jnp.where(top_p >= 1.0, jnp.min(keys, axis=-1), _largest_threshold(keys, enough_mass))
     cut = jnp.maximum(_largest_threshold(keys, enough_tokens), mass_cut)
     lowest = jnp.min(jnp.where(keys >= cut[:, None], scaled, jnp.inf), axis=-1)
-    return jnp.where((top_k > 0) | (top_p < 1.0), lowest, -jnp.inf)
+    # min-p: p_j >= min_p * p_max is l_j >= l_max + log(min_p); the kept entry it lands on, the lowest at or above
+    relative = jnp.max(scaled, axis=-1) + jnp.log(jnp.where(min_p > 0, min_p, 1.0))
+    lowest_relative = jnp.min(jnp.where(scaled >= relative[:, None], scaled, jnp.inf), axis=-1)
+    lowest = jnp.where(min_p > 0, jnp.maximum(lowest, lowest_relative), lowest)
+    return jnp.where((top_k > 0) | (top_p < 1.0) | (min_p > 0), lowest, -jnp.inf)
 
-  needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0))
+  needs_truncation = jnp.any((top_k > 0) | (top_p < 1.0) | (min_p > 0))
   return jax.lax.cond(needs_truncation, floor, lambda s: jnp.full(s.shape[:-1], -jnp.inf), scaled)

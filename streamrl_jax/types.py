@@ -13,11 +13,12 @@ FINISH_TURNS = "turns"  # the environment ended the episode (its turn limit)
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-  """How one request samples. temperature 0 is greedy; top_k 0 and top_p 1 switch those filters off."""
+  """How one request samples. temperature 0 is greedy; top_k 0, top_p 1 and min_p 0 switch those filters off."""
 
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0  # keep tokens at least min_p times as likely as the most likely
   max_new_tokens: int = 64
   stop_token_ids: tuple[int, ...] = ()
   num_samples: int = 1  # GRPO group size: samples drawn per prompt
@@ -29,6 +30,8 @@ class SamplingParams:
       raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {self.top_k}")
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+    if not 0 <= self.min_p <= 1:
+      raise ValueError(f"SamplingParams.min_p must be in [0, 1] (0 = off), got {self.min_p}")
     if self.max_new_tokens < 1:
       raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
     if self.num_samples < 1:

@@ -60,6 +60,7 @@ def test_a_stop_token_ends_the_choice_and_is_left_out_of_its_text():
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, "min_p"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stop": ["a"] * 5}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": 1}, "stream"),
     ({"model": "m", "messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, "presence_penalty"),
@@ -69,6 +70,11 @@ def test_a_bad_field_is_named(body, param):
   with pytest.raises(ApiError) as err:
     parse_call(body, chat=True, max_n=4)
   assert err.value.status == 400 and err.value.param == param
+
+
+def test_min_p_is_taken_as_vllm_takes_it():
+  assert parse_call({"model": "m", "messages": [{"role": "user", "content": "x"}], "min_p": 0.1}, chat=True,
+                    max_n=4).min_p == 0.1
 
 
 def test_neutral_openai_fields_and_text_parts_are_taken():

@@ -241,7 +241,8 @@ def test_a_truncated_support_is_scored_renormalised_in_value_and_gradient(chunk)
   tokens[:, 1:] = np.argsort(-logits, axis=-1)[..., 2]  # the third most likely: inside top-3, not always top-p 0.9
   tokens[0, 3] = int(np.argsort(-logits[0, 2])[40])  # one token deep in the tail: outside either support
   for truncation, keep in ((Truncation(top_k=3), lambda row: np.sort(row)[-3]),
-                           (Truncation(top_p=0.9), lambda row: _top_p_floor(row, 0.9))):
+                           (Truncation(top_p=0.9), lambda row: _top_p_floor(row, 0.9)),
+                           (Truncation(min_p=0.05), lambda row: row[row >= row.max() + np.log(0.05)].min())):
     def scored(h, w):
       score = chunked_scorer(w, 0.8, chunk, truncation=truncation) if chunk else logits_scorer(lambda x: x @ w, 0.8,
                                                                                                 truncation)

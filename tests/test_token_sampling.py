@@ -23,6 +23,15 @@ def test_filter_logits_top_k_top_p_by_hand():
   np.testing.assert_allclose(hot[0], p / p.sum(), atol=1e-6)
 
 
+def test_min_p_keeps_tokens_at_least_that_share_of_the_most_likely_by_hand():
+  logits = jnp.log(jnp.asarray([[0.5, 0.3, 0.15, 0.05]] * 3))
+  out = np.exp(np.asarray(filter_logits(logits, jnp.ones(3), jnp.asarray([0, 0, 3]), jnp.ones(3),
+                                        jnp.asarray([0.3, 0.61, 0.2]))))
+  np.testing.assert_allclose(out[0], np.array([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-6)  # 0.15 >= 0.3 * 0.5
+  np.testing.assert_allclose(out[1], [1, 0, 0, 0], atol=1e-6)  # 0.3 < 0.61 * 0.5
+  np.testing.assert_allclose(out[2], np.array([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-6)  # top-3 and min-p: both
+
+
 def numpy_kept(logits, temperature, k, p):
   """Reference top-k/top-p by sorting: the set of kept token ids."""
   scaled = logits / (temperature if temperature > 0 else 1.0)

@@ -146,9 +146,11 @@ class SamplerConfig:
   in_flight: bool = False
   in_flight_cache: str = "keep"  # in_flight: rows running at an update "keep" their KV cache, or "recompute" it
   # truncated sampling of a run's samples (0 and 1: off): the k most likely tokens, the smallest set of most likely
-  # tokens holding top_p of the mass; the trainer scores each token over the same support, renormalised
+  # tokens holding top_p of the mass; the trainer scores each token over the same support (`truncation.py`),
+  # renormalised
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0  # ... and the tokens at least min_p times as likely as the most likely (0: off)
   engine: EngineConfig = EngineConfig()
   reward: RewardConfig = RewardConfig()
   env: EnvConfig = EnvConfig()  # multi-turn: the environment or agent program the samples play
@@ -160,8 +162,8 @@ class SamplerConfig:
       raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {['auto', *PRECISIONS]}")
     if self.quantize_on not in QUANTIZE_ON:
       raise ValueError(f"SamplerConfig.quantize_on={self.quantize_on!r}; known: {list(QUANTIZE_ON)}")
-    if self.top_k < 0 or not 0 < self.top_p <= 1:
-      raise ValueError(f"SamplerConfig: top_k must be >= 0 (0: off), got {self.top_k}; top_p in (0, 1] (1: off), got "
-                       f"{self.top_p}")
+    if self.top_k < 0 or not 0 < self.top_p <= 1 or not 0 <= self.min_p <= 1:
+      raise ValueError(f"SamplerConfig: top_k must be >= 0 (0: off), top_p in (0, 1] (1: off), min_p in [0, 1] (0: "
+                       f"off); got {self.top_k}, {self.top_p}, {self.min_p}")
     if self.in_flight_cache not in IN_FLIGHT_CACHE:
       raise ValueError(f"SamplerConfig.in_flight_cache={self.in_flight_cache!r}; known: {list(IN_FLIGHT_CACHE)}")

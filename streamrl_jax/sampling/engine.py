@@ -45,6 +45,7 @@ class DecodeState:
   temperature: jax.Array  # [S] float32
   top_k: jax.Array  # [S] int32
   top_p: jax.Array  # [S] float32
+  min_p: jax.Array  # [S] float32
   max_new: jax.Array  # [S] int32
   stop_ids: jax.Array  # [S, max_stop_tokens] int32, -1 padded
 
@@ -66,6 +67,7 @@ class Prefix:
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
+  min_p: jax.Array
   max_new: jax.Array
   stop_ids: jax.Array  # [rows, max_stop_tokens]
   routes: jax.Array | None = None  # a mixture: [rows, bucket, sparse layers, k] experts each prompt token took
@@ -156,7 +158,7 @@ class DecodeEngine(EngineBase):
         cache=KVCache.init(self.model_config, s, ec.cache_length), last_token=jnp.zeros((s,), jnp.int32),
         rng=jnp.zeros((s, 2), jnp.uint32), generated=jnp.zeros((s,), jnp.int32), active=jnp.zeros((s,), bool),
         temperature=jnp.ones((s,), jnp.float32), top_k=jnp.zeros((s,), jnp.int32),
-        top_p=jnp.ones((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
+        top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
         stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32))
 
   def init_decode_state(self) -> DecodeState:
@@ -206,7 +208,7 @@ class DecodeEngine(EngineBase):
                   true_length=take(cache.index), first_token=jnp.where(resumed, arrays.given, token),
                   first_logprob=jnp.where(resumed, 0.0, logprob), done=done & ~resumed, generated=arrays.generated,
                   rng=arrays.rng, temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
-                  max_new=arrays.max_new, stop_ids=arrays.stop_ids, routes=None if routes is None else take(routes))
+                  min_p=arrays.min_p, max_new=arrays.max_new, stop_ids=arrays.stop_ids, routes=None if routes is None else take(routes))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
@@ -235,7 +237,7 @@ class DecodeEngine(EngineBase):
         cache=cache, last_token=put(state.last_token, prefix.first_token), rng=put(state.rng, prefix.rng),
         generated=put(state.generated, prefix.generated), active=put(state.active, ~prefix.done),
         temperature=put(state.temperature, prefix.temperature), top_k=put(state.top_k, prefix.top_k),
-        top_p=put(state.top_p, prefix.top_p), max_new=put(state.max_new, prefix.max_new),
+        top_p=put(state.top_p, prefix.top_p), min_p=put(state.min_p, prefix.min_p), max_new=put(state.max_new, prefix.max_new),
         stop_ids=put(state.stop_ids, prefix.stop_ids))
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None,

@@ -86,18 +86,18 @@ def sample_next(state, logits):
   `logits` [S, 1, vocab] with its key folded by its token count; returns (the changed row fields, StepOutput)."""
   active = state.active
   keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.rng), state.generated)
-  tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
+  tokens, logprobs = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, state.min_p)
   generated = state.generated + active
   done = active & (_stop_hit(tokens, state.stop_ids) | (generated >= state.max_new))
   changes = dict(last_token=jnp.where(active, tokens, state.last_token), generated=generated, active=active & ~done)
   return changes, StepOutput(tokens=tokens, logprobs=logprobs, active=active, done=done)
 
 
-def first_tokens(last_logits, rng, temperature, top_k, top_p, max_new, stop_ids):
+def first_tokens(last_logits, rng, temperature, top_k, top_p, min_p, max_new, stop_ids):
   """The first token of each request from its prompt's last logits [R, vocab], with key fold_in(rng, 0);
   returns (token, logprob, done)."""
   keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.wrap_key_data(r), 0))(rng)
-  token, logprob = sample_tokens(last_logits, keys, temperature, top_k, top_p)
+  token, logprob = sample_tokens(last_logits, keys, temperature, top_k, top_p, min_p)
   return token, logprob, _stop_hit(token, stop_ids) | (max_new <= 1)
 
 
@@ -118,6 +118,7 @@ class RequestArrays:
   temperature: np.ndarray
   top_k: np.ndarray
   top_p: np.ndarray
+  min_p: np.ndarray
   max_new: np.ndarray
   stop_ids: np.ndarray  # [rows, max_stop_tokens], -1 padded
   given: np.ndarray  # [rows] int32, -1: sample the first token
@@ -125,8 +126,8 @@ class RequestArrays:
 
   @property
   def knobs(self) -> tuple:
-    """(rng, temperature, top_k, top_p, max_new, stop_ids): what `first_tokens` takes."""
-    return self.rng, self.temperature, self.top_k, self.top_p, self.max_new, self.stop_ids
+    """(rng, temperature, top_k, top_p, min_p, max_new, stop_ids): what `first_tokens` takes."""
+    return self.rng, self.temperature, self.top_k, self.top_p, self.min_p, self.max_new, self.stop_ids
 
 
 class EngineBase:
@@ -173,7 +174,7 @@ class EngineBase:
     rows = ec.row_bucket_for(n)
     out = RequestArrays(
         rng=np.zeros((rows, 2), np.uint32), temperature=np.ones((rows,), np.float32), top_k=np.zeros((rows,), np.int32),
-        top_p=np.ones((rows,), np.float32), max_new=np.ones((rows,), np.int32),
+        top_p=np.ones((rows,), np.float32), min_p=np.zeros((rows,), np.float32), max_new=np.ones((rows,), np.int32),
         stop_ids=np.full((rows, ec.max_stop_tokens), -1, np.int32), given=np.full((rows,), -1, np.int32),
         generated=np.ones((rows,), np.int32))
     for i, (sampling, rng, resumed) in enumerate(zip(samplings, rngs, resume)):
@@ -183,6 +184,7 @@ class EngineBase:
                          f"{ec.max_stop_tokens}")
       out.rng[i] = np.asarray(rng, np.uint32)
       out.temperature[i], out.top_k[i], out.top_p[i] = sampling.temperature, sampling.top_k, sampling.top_p
+      out.min_p[i] = sampling.min_p
       out.max_new[i] = sampling.max_new_tokens
       out.stop_ids[i, :len(sampling.stop_token_ids)] = sampling.stop_token_ids
       if resumed:

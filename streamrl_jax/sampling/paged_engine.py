@@ -62,6 +62,7 @@ class PagedRows:
   temperature: jax.Array
   top_k: jax.Array
   top_p: jax.Array
+  min_p: jax.Array
   max_new: jax.Array
   stop_ids: jax.Array  # [S, max_stop_tokens]
   prefix_logits: jax.Array  # [C, vocab] float32: the last prompt token's logits of cache entry c
@@ -135,7 +136,7 @@ class PagedDecodeEngine(EngineBase):
         pool=PagePool.init(self.model_config, self.num_pages, self.page_size), length=jnp.zeros((s,), jnp.int32),
         last_token=jnp.zeros((s,), jnp.int32), rng=jnp.zeros((s, 2), jnp.uint32), generated=jnp.zeros((s,), jnp.int32),
         active=jnp.zeros((s,), bool), temperature=jnp.ones((s,), jnp.float32), top_k=jnp.zeros((s,), jnp.int32),
-        top_p=jnp.ones((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
+        top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
         stop_ids=jnp.full((s, ec.max_stop_tokens), -1, jnp.int32),
         prefix_logits=jnp.zeros((max(1, self.cache_rows), self.model_config.vocab_size), jnp.float32))
 
@@ -226,7 +227,8 @@ class PagedDecodeEngine(EngineBase):
     entry = plan["cache_entry"][:u_rows]  # fresh row -> the cache entry it fills (out of range: none)
     put = lambda big, small: big.at[plan["slots"]].set(small.astype(big.dtype), mode="drop")  # noqa: E731
     fields = dict(length=plan["lengths"], last_token=token, rng=arrays.rng, generated=arrays.generated, active=~done,
-                  temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p, max_new=arrays.max_new,
+                  temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p, min_p=arrays.min_p,
+                  max_new=arrays.max_new,
                   stop_ids=arrays.stop_ids)
     rows = rows.replace(pool=pool, prefix_logits=rows.prefix_logits.at[entry].set(logits[:, 0], mode="drop"),
                         **{name: put(getattr(rows, name), value) for name, value in fields.items()})

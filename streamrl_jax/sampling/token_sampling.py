@@ -9,13 +9,14 @@ import jax.numpy as jnp
 from streamrl_jax.truncation import truncation_floor
 
 
-def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                  min_p: jax.Array | None = None) -> jax.Array:
   """Log-probabilities [S, V] of the distribution each slot samples from: the tempered logits at or above their
   `truncation_floor`, renormalised. Temperature 0 (greedy) keeps the temperature-1 distribution, whose argmax it
   takes."""
   logits = logits.astype(jnp.float32)
   scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
-  floor = truncation_floor(scaled, top_k, top_p)
+  floor = truncation_floor(scaled, top_k, top_p, min_p)
   return jax.nn.log_softmax(jnp.where(scaled >= floor[:, None], scaled, -jnp.inf), axis=-1)
 
 
@@ -59,9 +60,9 @@ def _argmax(logprobs: jax.Array) -> jax.Array:
   return block * BLOCK + jnp.argmax(_in_block(blocked, block), axis=-1)
 
 
-def sample_tokens(logits, keys, temperature, top_k, top_p):
+def sample_tokens(logits, keys, temperature, top_k, top_p, min_p=None):
   """(tokens [S] int32, logprobs [S] float32) for logits [S, V] and one key per slot: drawn from the filtered
   distribution (`_draw`), or its argmax at temperature 0."""
-  logprobs = filter_logits(logits, temperature, top_k, top_p)
+  logprobs = filter_logits(logits, temperature, top_k, top_p, min_p)
   tokens = jnp.where(temperature > 0, _draw(jnp.exp(logprobs), keys), _argmax(logprobs)).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]

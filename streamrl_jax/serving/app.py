@@ -242,6 +242,7 @@ async def _complete(service: Service, request: Request, *, chat: bool):
     prompt = turn.prompt_tokens if turn is not None else np.asarray(service.encode(call, rendered), np.int32)
     forced = service.config.temperature
     params = SamplingParams(temperature=forced if forced >= 0 else call.temperature, top_k=call.top_k, top_p=call.top_p,
+                            min_p=call.min_p,
                             max_new_tokens=service.max_tokens(call, prompt, turn),
                             stop_token_ids=service.model.tokenizer.stop_ids, num_samples=call.n)
   except BaseException:

@@ -39,6 +39,7 @@ class Call:
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
+  min_p: float = 0.0  # vLLM's extension: tokens at least min_p times as likely as the most likely
   stop: tuple[str, ...] = ()
   n: int = 1
   logprobs: bool = False
@@ -147,7 +148,7 @@ def _text_prompt(value) -> str:
 _NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0, "logit_bias": None, "echo": False, "suffix": None,
             "best_of": None, "top_logprobs": 0, "tools": None, "tool_choice": None, "parallel_tool_calls": None,
             "response_format": None, "service_tier": None, "store": False, "metadata": None}
-_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "stop", "n", "logprobs", "seed", "stream",
+_COMMON = ("model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "n", "logprobs", "seed", "stream",
            "stream_options", "user", "return_token_ids")
 CHAT_FIELDS = frozenset(_COMMON + ("messages", "max_completion_tokens")) | _NEUTRAL.keys()
 TEXT_FIELDS = frozenset(_COMMON + ("prompt",)) | _NEUTRAL.keys()
@@ -182,6 +183,8 @@ def parse_call(body: dict, *, chat: bool, max_n: int) -> Call:
     fields["top_p"] = _number("top_p", body["top_p"], 0.0, 1.0, open_lo=True)
   if body.get("top_k") is not None:
     fields["top_k"] = max(_int("top_k", body["top_k"], -1), 0)  # -1 and 0: off
+  if body.get("min_p") is not None:
+    fields["min_p"] = _number("min_p", body["min_p"], 0.0, 1.0)
   fields["stop"] = _stop(body.get("stop"))
   if body.get("n") is not None:
     fields["n"] = _int("n", body["n"], 1, max_n)

@@ -31,15 +31,16 @@ FLOOR_SLACK = 1e-5  # a support's floor is lowered by this fraction of its size 
 
 @dataclasses.dataclass(frozen=True)
 class Truncation:
-  """The sampler's top-k and top-p (`SamplerConfig`): the trainer scores each token over the support they keep, from
-  its own logits by the sampler's function (`truncation.truncation_floor`), renormalised."""
+  """The sampler's top-k, top-p and min-p (`SamplerConfig`): the trainer scores each token over the support they keep,
+  from its own logits by the sampler's function (`truncation.truncation_floor`), renormalised."""
 
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
 
   @property
   def active(self) -> bool:
-    return self.top_k > 0 or self.top_p < 1.0
+    return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0
 
 
 def support_floors(logits_of, hidden, tokens, temperature: float, truncation: Truncation, block: int = FLOOR_BLOCK):
@@ -65,7 +66,7 @@ def floors_of(scaled, tokens, truncation: Truncation):
   it, so the floor is lowered by FLOOR_SLACK of its size (at least 1: an absolute 1e-5)."""
   rows = scaled.shape[0]
   floor = truncation_floor(scaled, jnp.full((rows,), truncation.top_k, jnp.int32),
-                           jnp.full((rows,), truncation.top_p, jnp.float32))
+                           jnp.full((rows,), truncation.top_p, jnp.float32), jnp.full((rows,), truncation.min_p))
   floor = floor - FLOOR_SLACK * jnp.maximum(1.0, jnp.abs(floor))
   picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
   return jnp.minimum(floor, picked), picked < floor

@@ -33,7 +33,7 @@ def make_trainer(config, graphdef, params, mesh, resume: bool) -> tuple[Trainer,
   reference = params if config.trainer.objective.kl_coef > 0 and not adapters else None
   trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, config=config.trainer,
                     scoring=Scoring(config.temperature, reference, base,
-                                    Truncation(config.sampler.top_k, config.sampler.top_p)),
+                                    Truncation(config.sampler.top_k, config.sampler.top_p, config.sampler.min_p)),
                     buckets=Buckets(expert_axis=config.mesh.expert_axis))
   return trainer, params
 
