@@ -81,6 +81,7 @@ BENCHES = (
     Bench("serve", 1200, 420),
     Bench("arms", 1800, 420, devices=4),
     Bench("step_profile", 1800, 300),
+    Bench("async_learning", 4800, 600),  # three SmolLM2 runs of 15 steps (quick: the demo's, 4 steps)
     Bench("families", 2400, 420, shared_cache=False),  # its first step's seconds hold the compiles
 )
 

@@ -6,7 +6,10 @@ decoder, PPO with token-mean aggregation. Variants, interleaved, best of 3 kept:
   fused_chunk16  the whole batch available at once but run in chunks of 16 rows (what the trainer does
             with a full batch: on this CPU the 64-row step is slower, its logits do not fit in cache);
   streamed  micro-batches of 8, 13, 11, 17, 15 sequences as they would arrive from the sampler, re-chunked
-            by `MicroBatcher` into fixed chunks (rows carried between micro-batches), then `apply`.
+            by `MicroBatcher` into fixed chunks (rows carried between micro-batches), then `apply`;
+  fused_bypass  `fused` with `ObjectiveConfig.old_logprobs='sampler'` (bypass: the sampler's log-probabilities as
+            the old policy, no correction) against the default 'recompute' (`bypass_vs_recompute_step`: the
+            saving of bypass; here the recomputed old policy is the step's own forward without gradient).
 Prints one JSON object as its last line: train_tokens_per_s, train_mfu, dynamic_microbatch_overhead
 (streamed time / fused time - 1), and more. A quick run (`benchmarks/sizing.py`) halves the batch (32 rows of
 64 tokens, 16 prompt, arrivals of 4, 7, 5, 9, 7) and times each variant once.
@@ -75,20 +78,24 @@ def main() -> dict:
   graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(), mesh)
-  state = trainer.init_state(params)
+  bypass = Trainer(graphdef, OptimizerConfig(learning_rate=1e-5), ObjectiveConfig(old_logprobs="sampler",
+                                                                                  correction="none"), mesh)
+  states = {"trainer": trainer.init_state(params), "fused_bypass": bypass.init_state(params)}
   batch = global_batch()
   variants = {"fused": lambda s: run_fused(trainer, s, batch),
               "fused_chunk16": lambda s: run_streamed(trainer, s, batch, 16, arrivals=(ROWS,)),
               "streamed_chunk8": lambda s: run_streamed(trainer, s, batch, 8),
-              "streamed_chunk16": lambda s: run_streamed(trainer, s, batch, 16)}
-  for fn in variants.values():  # compile every shape
-    state, _ = timed(fn, state)
+              "streamed_chunk16": lambda s: run_streamed(trainer, s, batch, 16),
+              "fused_bypass": lambda s: run_fused(bypass, s, batch)}
+  own = lambda name: "fused_bypass" if name == "fused_bypass" else "trainer"  # noqa: E731  (a state each trainer)
+  for name, fn in variants.items():  # compile every shape
+    states[own(name)], _ = timed(fn, states[own(name)])
   times = {name: [] for name in variants}
   peak = Peak()
   peak.measure()
   for _ in range(REPEATS):
     for name, fn in variants.items():
-      state, seconds = timed(fn, state)
+      states[own(name)], seconds = timed(fn, states[own(name)])
       times[name].append(seconds)
   best = {name: min(v) for name, v in times.items()}
   peak.measure()
@@ -103,6 +110,7 @@ def main() -> dict:
       "dynamic_microbatch_overhead": round(best["streamed_chunk8"] / best["fused"] - 1, 4),
       "dynamic_microbatch_overhead_chunk16": round(best["streamed_chunk16"] / best["fused"] - 1, 4),
       "streamed_vs_fused_chunk16_overhead": round(best["streamed_chunk16"] / best["fused_chunk16"] - 1, 4),
+      "bypass_vs_recompute_step": round(best["fused_bypass"] / best["fused"], 4),
       "compiled_shapes": sorted(trainer.compiled_shapes),
   }
 

@@ -171,10 +171,11 @@ def test_arm_names_and_settings_are_checked():
     ArmConfig("a b")
   with pytest.raises(ValueError, match="colocated"):
     PipelineConfig(mode="colocated", arms=ArmsConfig(followers=(ArmConfig("x"),)))
-  config = PipelineConfig(arms=ArmsConfig(followers=(ArmConfig("pg", objective=ObjectiveConfig(objective="reinforce")),
-                                ArmConfig("ok", objective=ObjectiveConfig(objective="aipo")))))
+  uncorrected = ObjectiveConfig(objective="reinforce", correction="none")
+  config = PipelineConfig(arms=ArmsConfig(followers=(ArmConfig("pg", objective=uncorrected),
+                                ArmConfig("ok", objective=ObjectiveConfig(objective="reinforce")))))
   advice = arm_advice(config)
-  assert len(advice) == 1 and advice[0].startswith("arm 'pg': ObjectiveConfig.objective='reinforce' ignores")
+  assert len(advice) == 1 and advice[0].startswith("arm 'pg': ObjectiveConfig.correction='none' with old_logprobs=")
 
 
 def test_arm_files_may_change_only_their_trainer():

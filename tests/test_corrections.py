@@ -123,3 +123,8 @@ def test_histogram_end_bins_hold_what_lies_beyond():
   assert histogram[0] == 1 and histogram[-1] == 1 and histogram.sum() == 3
   assert float(histogram_quantile(jnp.asarray(histogram), 0.99)) == pytest.approx(np.exp(HISTOGRAM_EDGE))
   assert np.isnan(float(histogram_quantile(jnp.zeros(HISTOGRAM_BINS + 2), 0.5)))
+
+
+def test_a_ratio_of_one_reads_as_one():
+  histogram = ratio_histogram(jnp.zeros((2, 5)), jnp.ones((2, 5), bool))
+  assert float(histogram_quantile(histogram, 0.5)) == 1.0

@@ -27,7 +27,8 @@ def test_kl_penalty_equals_numpy_and_streamed_gradients_stay_exact(estimator):
   graphdef, params = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
   _, ref = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(1)))  # a reference that differs from the policy
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
-  objective = ObjectiveConfig(objective="reinforce", aggregation="token_mean", kl_coef=0.5, kl_estimator=estimator)
+  objective = ObjectiveConfig(objective="reinforce", correction="none", aggregation="token_mean", kl_coef=0.5,
+                              kl_estimator=estimator)
   trainer = Trainer(graphdef, OptimizerConfig(), objective, mesh, scoring=Scoring(ref_params=ref))
   batch = make_batch(13, seed=2)
   full = trainer.accumulate(trainer.init_state(params), batch)

@@ -163,7 +163,7 @@ def test_trainer_gradient_is_the_dense_models_and_the_base_stays_frozen():
   model = Transformer(CONFIG, rngs=nnx.Rngs(0))
   plain_graphdef, plain = nnx.split(model)
   graphdef, adapters, base = lora.split(adapted(Transformer(CONFIG, rngs=nnx.Rngs(0))))
-  trainer = lora_trainer(graphdef, base, ObjectiveConfig(objective="reinforce"))
+  trainer = lora_trainer(graphdef, base, ObjectiveConfig(objective="reinforce", correction="none"))
   state = trainer.init_state(adapters)
   batch = make_batch(8, seed=3)
   batch.pop("old_logprobs")

@@ -347,3 +347,6 @@ def test_a_steps_off_policy_metrics_split_compute_from_staleness_and_count_what_
   width = 2 * HISTOGRAM_EDGE / HISTOGRAM_BINS
   assert abs(np.log(metrics["is_ratio_q95"]) - np.log(np.quantile(ratio, 0.95, method="inverted_cdf"))) <= width
   assert metrics["is_ratio_q05"] <= metrics["is_ratio_q50"] <= metrics["is_ratio_q95"]
+  fresh = trainer.accumulate(trainer.init_state(params), {**batch, "stale": np.zeros_like(stale)})
+  _, metrics = trainer.apply(fresh)  # nothing stale: the staleness part is left out of the row, not NaN
+  assert "logprob_mismatch_kl_staleness" not in metrics and "logprob_mismatch_kl_compute" in metrics

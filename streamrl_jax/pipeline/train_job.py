@@ -56,7 +56,7 @@ def supervised_warmup(model, tokenizer, task, job: JobConfig, width: int):
   graphdef, params = nnx.split(model)
   mesh = single_device_mesh()
   trainer = Trainer(graphdef, OptimizerConfig(learning_rate=job.warmup_learning_rate, warmup_steps=20),
-                    ObjectiveConfig(objective="reinforce"), mesh)
+                    ObjectiveConfig(objective="reinforce", correction="none"), mesh)
   state = trainer.init_state(params, seed=job.seed)
   rng = np.random.default_rng(job.seed + 1)
   for step in range(job.warmup_steps):

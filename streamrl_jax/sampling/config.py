@@ -145,12 +145,10 @@ class SamplerConfig:
   # between decode calls; every token records the version that sampled it
   in_flight: bool = False
   in_flight_cache: str = "keep"  # in_flight: rows running at an update "keep" their KV cache, or "recompute" it
-  # truncated sampling of a run's samples (0 and 1: off): the k most likely tokens, the smallest set of most likely
-  # tokens holding top_p of the mass; the trainer scores each token over the same support (`truncation.py`),
-  # renormalised
-  top_k: int = 0
-  top_p: float = 1.0
-  min_p: float = 0.0  # ... and the tokens at least min_p times as likely as the most likely (0: off)
+  # truncated sampling of a run's samples; the trainer scores each token over the same support, renormalised
+  top_k: int = 0  # sample from the k most likely tokens (0: off)
+  top_p: float = 1.0  # ... from the fewest most likely tokens holding this share of the mass (1: off)
+  min_p: float = 0.0  # ... from the tokens at least min_p times as likely as the most likely (0: off)
   engine: EngineConfig = EngineConfig()
   reward: RewardConfig = RewardConfig()
   env: EnvConfig = EnvConfig()  # multi-turn: the environment or agent program the samples play

@@ -27,6 +27,9 @@ SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "misma
 # did, of those the sampler recorded
 MOE_SUMS = ("terms", "agree", "routed")
 MAXED = ("mismatch_max",)  # accumulated by maximum, the others by sum
+# metrics a step may have nothing to measure with (NaN then): left out of its row
+UNDEFINED_WHEN_EMPTY = ("logprob_mismatch_kl_compute", "logprob_mismatch_kl_staleness", "is_ratio_q05", "is_ratio_q50",
+                        "is_ratio_q95")
 
 
 def zero_sums(moe: bool = False) -> dict:
@@ -168,7 +171,7 @@ def off_policy_metrics(sums: dict) -> dict:
   """A policy step's off-policy figures from its sums: the shares of tokens and sequences the corrections masked
   (rejected) and of tokens they truncated, the quantiles of pi / mu, and the mismatch split into the part of the
   tokens sampled by the weights trained (`logprob_mismatch_kl_compute`: compute alone) and of older ones
-  (`_staleness`: staleness on top of it); NaN where a part has no token."""
+  (`_staleness`: staleness on top of it); NaN where a part has no token (`UNDEFINED_WHEN_EMPTY`)."""
   tokens = jnp.maximum(sums["tokens"], 1.0)
   fresh, stale = sums["fresh_tokens"], sums["tokens"] - sums["fresh_tokens"]
   per = lambda total, n: total / jnp.where(n > 0, n, jnp.nan)  # noqa: E731

@@ -32,7 +32,7 @@ from streamrl_jax.registry import Registry
 CORRECTIONS = Registry("off-policy correction")
 sg = jax.lax.stop_gradient
 HISTOGRAM_EDGE = 2.0  # the behaviour log-ratio histogram spans [-2, 2] (ratios 0.135 to 7.39), beyond: two end bins
-HISTOGRAM_BINS = 128
+HISTOGRAM_BINS = 129  # odd: a bin centred on log-ratio 0 (a ratio of 1 reads as 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,7 @@ Micro-batches are padded to (rows, length) buckets, so compiles stay few.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import flax.struct
 import jax
@@ -22,7 +23,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, logical_spec, state_shardings
 from streamrl_jax.models.moe import ExpertPlacement
-from streamrl_jax.training.call_loss import MAXED, CallLoss, off_policy_metrics, step_metrics, zero_sums
+from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
+                                             zero_sums)
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call
 from streamrl_jax.training.logprobs import Truncation
@@ -315,7 +317,8 @@ class Trainer:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""
     self.low_copy.clear()  # its weights are about to be donated
     state, metrics = self._apply(state)
-    return state, {k: float(v) for k, v in jax.device_get(metrics).items()}
+    values = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    return state, {k: v for k, v in values.items() if not (k in UNDEFINED_WHEN_EMPTY and math.isnan(v))}
 
   # ---- device side --------------------------------------------------------------------------
   def _accumulate_impl(self, params, totals, batch, frozen, low):
