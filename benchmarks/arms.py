@@ -6,7 +6,7 @@ x 8 samples), two runs of `train_job` with equal steps, one after the other:
 
 - `alone`: the lead only.
 - `arms`: the lead (GRPO, `ppo`) and two followers on devices of their own: `grpo` (the lead's estimator and
-  learning rate, with the follower's correction `ppo_tis`) and `rloo` (`configs/arms/rloo.gin`).
+  learning rate, with the follower's correction `token_tis`) and `rloo` (`configs/arms/rloo.gin`).
 
 Figures:
 - `samples_generated_per_arm_step`: samples the samplers generated per arm-step trained (every arm's steps
@@ -61,7 +61,7 @@ def configs():
   if WARMUP is not None:
     job = dataclasses.replace(job, warmup_steps=WARMUP)
   grpo = ArmConfig("grpo", advantage=config.advantage, optimizer=config.trainer.optimizer, seed=config.seed,
-                   objective=dataclasses.replace(config.trainer.objective, objective="ppo_tis"))
+                   objective=dataclasses.replace(config.trainer.objective, correction=("token_tis",)))
   return config, job, dataclasses.replace(config, arms=dataclasses.replace(config.arms, followers=(grpo, *rloo)))
 
 

@@ -13,9 +13,10 @@ sampler-vs-trainer mismatch, sampler tokens/s, and what the mismatch does to RL 
    runs, precisions interleaved).
 3. RL: `streamrl train` on the demo in `stream` mode (on-policy GRPO, so that the only gap between sampler
    and trainer is the precision; STEPS steps, the warm-up shared) with a float32 sampler, an int8 sampler
-   corrected (`ppo_tis`), and an int8 sampler uncorrected (`ppo_recomputed`, the sampler's log-probabilities
-   unused); held-out greedy accuracy on EVAL prompts after equal steps: `int8_accuracy_gap` (float32 minus
-   corrected int8) and `int8_uncorrected_accuracy_gap`; each arm's `pipeline_mismatch_kl` (the trainer's metric,
+   corrected (`ObjectiveConfig.correction='token_tis'`, formerly `ppo_tis`), and an int8 sampler uncorrected
+   (`correction='none'`, formerly `ppo_recomputed`: the sampler's log-probabilities unused); held-out greedy
+   accuracy on EVAL prompts after equal steps: `int8_accuracy_gap` (float32 minus corrected int8) and
+   `int8_uncorrected_accuracy_gap`; each arm's `pipeline_mismatch_kl` (the trainer's metric,
    mean over steps).
 
 Prints one JSON object as its last line.
@@ -60,7 +61,7 @@ PROMPTS, STEPS, EVAL = size(256, 48), size(40, 2), size(512, 48)
 VERSIONS = size(3, 2)  # weight versions each transfer arm publishes (the best counts)
 WARMUP = size(None, 40)  # supervised steps of the demo's warm-up (None: the demo's own)
 TIMED = size(2, 1)  # timed sampling runs per precision (the best counts)
-ARMS = {"float32": ("float32", "ppo_tis"), "int8": ("int8", "ppo_tis"), "int8_uncorrected": ("int8", "ppo_recomputed")}
+ARMS = {"float32": ("float32", "token_tis"), "int8": ("int8", "token_tis"), "int8_uncorrected": ("int8", "none")}
 RL_ARMS = size(tuple(ARMS), ())  # the RL arms run (quick: none; int8_accuracy_gap is a full run's)
 
 
@@ -155,17 +156,18 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
   return out
 
 
-def rl_arm(workdir: Path, warm: Path, precision: str, objective: str) -> dict:
+def rl_arm(workdir: Path, warm: Path, precision: str, correction: str) -> dict:
   workdir.mkdir(parents=True)
   shutil.copytree(warm, workdir / "warmup_model")
   sets = ["PipelineConfig.mode='stream'", f"PipelineConfig.steps={STEPS}", f"SamplerConfig.precision='{precision}'",
-          f"ObjectiveConfig.objective='{objective}'", f"JobConfig.eval_prompts={EVAL}"]
+          f"ObjectiveConfig.correction='{correction}'", f"JobConfig.eval_prompts={EVAL}"]
   command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--workdir", str(workdir)]
   for binding in sets:
     command += ["--set", binding]
   done = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=dict(os.environ, XLA_FLAGS=""))
   if done.returncode:
-    raise RuntimeError(f"streamrl train ({precision}, {objective}) failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    raise RuntimeError(f"streamrl train ({precision}, {correction}) failed:\n{done.stdout[-2000:]}"
+                       f"{done.stderr[-3000:]}")
   summary = json.loads(done.stdout.strip().splitlines()[-1])
   metrics = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return dict(accuracy_before=summary["accuracy_before"], accuracy_after=summary["accuracy_after"],
@@ -196,9 +198,9 @@ def main() -> dict:
     save_hf(model, warm)
     arms = {}
     for name in RL_ARMS:
-      precision, objective = ARMS[name]
+      precision, correction = ARMS[name]
       print(f"precision: RL arm {name} ({STEPS} steps) ...", file=sys.stderr, flush=True)
-      arms[name] = rl_arm(Path(tmp) / name, warm, precision, objective)
+      arms[name] = rl_arm(Path(tmp) / name, warm, precision, correction)
   for name, arm in arms.items():
     out.update({f"{name}_{k}": round(v, 4) for k, v in arm.items()})
   if not arms:

@@ -10,7 +10,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "streamrl_jax"
 FLOORS = (
     ("types", "messages", "message_codec", "pytrees", "registry", "settings", "meshes", "modes", "resources",
      "stopping", "faults", "launch",
-     "host_memory", "config_types", "config_listing", "phase_clock", "logs", "counters", "truncation"),  # records, helpers
+     "host_memory", "config_types", "config_listing", "phase_clock", "logs", "counters",
+     "truncation"),  # plain records and helpers
     ("models", "tasks", "envs", "rewards"),  # the decoder, tokenizers, prompt datasets, environments, reward functions
     ("training", "streaming", "scheduling", "sampling", "serving", "agents", "sim", "distributed", "gke",
      "records"),  # the parts (agent programs beside the server they speak to), and what a run leaves in its workdir

@@ -208,7 +208,8 @@ class DecodeEngine(EngineBase):
                   true_length=take(cache.index), first_token=jnp.where(resumed, arrays.given, token),
                   first_logprob=jnp.where(resumed, 0.0, logprob), done=done & ~resumed, generated=arrays.generated,
                   rng=arrays.rng, temperature=arrays.temperature, top_k=arrays.top_k, top_p=arrays.top_p,
-                  min_p=arrays.min_p, max_new=arrays.max_new, stop_ids=arrays.stop_ids, routes=None if routes is None else take(routes))
+                  min_p=arrays.min_p, max_new=arrays.max_new, stop_ids=arrays.stop_ids,
+                  routes=None if routes is None else take(routes))
 
   def insert(self, prefix: Prefix, decode_state: DecodeState, slots: Sequence[int]) -> DecodeState:
     """Puts row i of `prefix` into slot `slots[i]`; the prefix's remaining (padding) rows are dropped."""
@@ -237,7 +238,8 @@ class DecodeEngine(EngineBase):
         cache=cache, last_token=put(state.last_token, prefix.first_token), rng=put(state.rng, prefix.rng),
         generated=put(state.generated, prefix.generated), active=put(state.active, ~prefix.done),
         temperature=put(state.temperature, prefix.temperature), top_k=put(state.top_k, prefix.top_k),
-        top_p=put(state.top_p, prefix.top_p), min_p=put(state.min_p, prefix.min_p), max_new=put(state.max_new, prefix.max_new),
+        top_p=put(state.top_p, prefix.top_p), min_p=put(state.min_p, prefix.min_p),
+        max_new=put(state.max_new, prefix.max_new),
         stop_ids=put(state.stop_ids, prefix.stop_ids))
 
   def generate(self, params, decode_state: DecodeState, window: int | None = None,

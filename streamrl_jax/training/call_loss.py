@@ -57,8 +57,8 @@ def router_agreement(own: jax.Array, recorded: jax.Array, valid: jax.Array) -> t
 class CallLoss:
   """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat, the value
   loss), the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
-  dense model), whether the LM head learns (LoRA: frozen) and the sampler's top-k and top-p (`truncation`: tokens
-  are scored over the support they keep)."""
+  dense model), whether the LM head learns (LoRA: frozen) and the sampler's top-k, top-p and min-p (`truncation`:
+  tokens are scored over the support they keep)."""
 
   objective: ObjectiveConfig
   config: TrainerConfig
@@ -93,7 +93,8 @@ class CallLoss:
   def per_token(self, model, reference, batch) -> dict:
     """Under `model`, with `reference` the frozen policy of a KL penalty (None: no penalty): the per-token `loss`,
     `logp` (log pi, or a critic's values), `kl`, `ent`, the router `trace`, the `mask` of the tokens the loss
-    aggregates (completion tokens the corrections kept) and the tokens whose weight was `truncated`."""
+    aggregates (completion tokens the corrections kept), the tokens whose weight was `truncated` and those `outside` the
+    support the sampler's truncation keeps."""
     cfg = self.objective
     if self.role == "critic":
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))

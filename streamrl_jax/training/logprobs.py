@@ -158,8 +158,8 @@ def every_column(score, hidden, tokens):
 
 
 def at_columns(score, hidden, tokens, columns):
-  """`every_column`'s (log pi, entropy, outside) [B, T] at `columns` [B, K] only (each row's scored tokens, 1..T-1; T marks an
-  unused entry) and 0 elsewhere: the head's work for K of a row's T - 1 positions (`scored_columns`)."""
+  """`every_column`'s (log pi, entropy, outside) [B, T] at `columns` [B, K] only (each row's scored tokens, 1..T-1;
+  T marks an unused entry) and 0 elsewhere: the head's work for K of a row's T - 1 positions (`scored_columns`)."""
   b, t, h = hidden.shape
   k = columns.shape[1]
   before = jnp.take_along_axis(hidden, jnp.clip(columns - 1, 0, t - 1)[..., None], axis=1)

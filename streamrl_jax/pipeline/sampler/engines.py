@@ -72,8 +72,8 @@ def submit_lease(config, sampler, engines: InstanceEngines, lease: Lease, encode
       sampler.replace_engine(instance_id, engines.engine_for(engines.mesh_of[instance_id], slots))
   sampler.set_slot_limits(dispatch.slot_limits)
   single = SamplingParams(temperature=config.temperature, max_new_tokens=config.max_new_tokens,
-                          stop_token_ids=stop_ids, num_samples=1, top_k=config.sampler.top_k, top_p=config.sampler.top_p,
-                          min_p=config.sampler.min_p)
+                          stop_token_ids=stop_ids, num_samples=1, top_k=config.sampler.top_k,
+                          top_p=config.sampler.top_p, min_p=config.sampler.min_p)
   begun = {(p.group_id, p.sample_index): p for p in lease.partials}
   for requests in dispatch.plan.assignment:
     for r in requests:
