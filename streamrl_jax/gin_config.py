@@ -36,6 +36,7 @@ from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
 from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
+from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
 
 CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
@@ -52,7 +53,8 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
-                  LoraConfig, ValueLossConfig, TrainerConfig, RankerConfig, SchedulingConfig, ControllerConfig, ArmsConfig,
+                  CorrectionConfig, LoraConfig, ValueLossConfig, TrainerConfig, RankerConfig, SchedulingConfig,
+                  ControllerConfig, ArmsConfig,
                   PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
                   GKEPortsConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
@@ -242,7 +244,8 @@ def pinned_hub_model(config_files, bindings) -> list[str]:
 def build_run() -> tuple[PipelineConfig, JobConfig]:
   """The pipeline config with its nested parts, each from its own bindings, and the job config."""
   sampler = build(SamplerConfig, engine=build(EngineConfig), reward=build(RewardConfig), env=build(EnvConfig))
-  trainer = build(TrainerConfig, optimizer=build(OptimizerConfig), objective=build(ObjectiveConfig),
+  trainer = build(TrainerConfig, optimizer=build(OptimizerConfig),
+                  objective=build(ObjectiveConfig, bands=build(CorrectionConfig)),
                   lora=build(LoraConfig), value_loss=build(ValueLossConfig))
   parts = dict(mesh=build(MeshConfig), sampler=sampler, trainer=trainer,
                scheduling=build(SchedulingConfig, ranker=build(RankerConfig)), controller=build(ControllerConfig),

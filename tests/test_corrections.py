@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from streamrl_jax.training.corrections import (CORRECTIONS, HISTOGRAM_BINS, HISTOGRAM_EDGE, Bands, Sequences, correct,
+from streamrl_jax.training.corrections import (CORRECTIONS, HISTOGRAM_BINS, HISTOGRAM_EDGE, CorrectionConfig, Sequences, correct,
                                                histogram_quantile, ratio_histogram)
 
 RNG = np.random.default_rng(3)
@@ -17,7 +17,7 @@ for row, (start, end) in enumerate([(2, 9), (3, 6), (1, 9), (4, 7), (2, 4)]):
   MASK[row, start:end] = True
 LOG_RATIO = RNG.normal(0, 0.3, (B, T)).astype(np.float32)
 LOG_RATIO[2, 5] = -12.0  # one catastrophic token: the veto's case
-BANDS = Bands(tis_cap=1.5, mask_low=0.6, mask_high=1.8, icepop_k=1.7, veto_floor=1e-3)
+BANDS = CorrectionConfig(tis_cap=1.5, mask_low=0.6, mask_high=1.8, icepop_k=1.7, veto_floor=1e-3)
 
 
 def np_per_row(values, reduce):
@@ -25,7 +25,7 @@ def np_per_row(values, reduce):
   return np.stack([np.full(T, reduce(values[r][MASK[r]])) for r in range(B)])
 
 
-def np_part(name: str, r: np.ndarray, b: Bands):
+def np_part(name: str, r: np.ndarray, b: CorrectionConfig):
   """(weight, keep) of one part, written from its definition."""
   ones, everywhere = np.ones_like(r), np.ones(r.shape, bool)
   seq_sum, seq_mean = np_per_row(r, np.sum), np_per_row(r, np.mean)
@@ -68,7 +68,7 @@ def test_parts_compose_weights_multiplied_masks_intersected():
 def test_hand_worked_cases():
   mask = jnp.asarray([[False, True, True, True]])
   r = jnp.log(jnp.asarray([[1.0, 0.5, 3.0, 1.2]]))
-  seqs, bands = Sequences.of(mask), Bands(tis_cap=2.0, mask_low=0.5, mask_high=2.0, icepop_k=2.5, veto_floor=0.6)
+  seqs, bands = Sequences.of(mask), CorrectionConfig(tis_cap=2.0, mask_low=0.5, mask_high=2.0, icepop_k=2.5, veto_floor=0.6)
   got = lambda part: correct(r, seqs, (part,), bands)  # noqa: E731
   np.testing.assert_allclose(got("token_tis").weight[0, 1:], [0.5, 2.0, 1.2], rtol=1e-6)  # 3.0 capped at 2
   np.testing.assert_array_equal(got("token_tis").truncated[0, 1:], [False, True, False])
@@ -82,7 +82,7 @@ def test_hand_worked_cases():
 
 def test_a_long_sequence_product_does_not_overflow():
   mask = jnp.ones((1, 400), bool).at[0, 0].set(False)
-  fix = correct(jnp.full((1, 400), 1.0), Sequences.of(mask), ("sequence_tis",), Bands(tis_cap=3.0))
+  fix = correct(jnp.full((1, 400), 1.0), Sequences.of(mask), ("sequence_tis",), CorrectionConfig(tis_cap=3.0))
   np.testing.assert_allclose(np.asarray(fix.weight)[0, 1:], 3.0)  # exp(399) would be inf
 
 
@@ -137,7 +137,7 @@ def test_a_runs_truncated_sampling_reaches_the_samplers_and_the_trainers_scores(
   truncated distribution's, well below the full one's."""
   import dataclasses
 
-  from pipeline_setup import BASE, run
+  from tests.pipeline_setup import BASE, run
   rows = {p: run("stream", sampler=dataclasses.replace(BASE.sampler, top_p=p, precision="float32"),
                  steps=1).metrics[0] for p in (0.7, 1.0)}
   assert rows[0.7]["support_mismatch_frac"] == 0 and rows[0.7]["logprob_mismatch_max"] < 1e-3, rows[0.7]

@@ -139,9 +139,10 @@ def test_the_off_policy_corrections_weigh_each_token_by_its_own_versions_probabi
   mask = np.ones_like(mu, bool)
   batch = dict(logprobs=jnp.asarray(mu), old_logprobs=jnp.asarray(pi), advantages=jnp.asarray(advantages),
                loss_mask=jnp.asarray(mask))
-  configs = {"token_tis": ObjectiveConfig(tis_cap=1.5),
-             "token_tis_mask": ObjectiveConfig(tis_cap=1.5, correction=("token_tis", "token_mask"), mask_low=0.0,
-                                               mask_high=1.5),
+  from streamrl_jax.training.corrections import CorrectionConfig
+  capped = CorrectionConfig(tis_cap=1.5, mask_low=0.0, mask_high=1.5)
+  configs = {"token_tis": ObjectiveConfig(bands=capped),
+             "token_tis_mask": ObjectiveConfig(bands=capped, correction=("token_tis", "token_mask")),
              "aipo": ObjectiveConfig(objective="aipo", aipo_rho=1.5, old_logprobs="sampler", correction="none")}
   ratio = np.exp(pi - mu)
   surrogate = -np.minimum(advantages, np.clip(1.0, 0.8, 1.2) * advantages)  # pi / pi_old = 1

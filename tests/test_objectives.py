@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from streamrl_jax.training import (ObjectiveConfig, aggregate, clipped_value_loss, compute_advantages, entropy, gae,
                                    kl_penalized_rewards, kl_penalty)
+from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import OBJECTIVES, policy_loss
 
 RNG = np.random.default_rng(0)
@@ -57,7 +58,7 @@ NP_OBJECTIVES = {  # each surrogate against the old policy OLD, times the defaul
 @pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "constant"])
 def test_objective_and_aggregation_match_numpy(objective, mode):
   cfg = ObjectiveConfig(objective=objective, aggregation=mode, clip_low=0.2, clip_high=0.28, constant_normalizer=10.0,
-                        tis_cap=1.2, aipo_rho=2.0)
+                        bands=CorrectionConfig(tis_cap=1.2), aipo_rho=2.0)
   per_token, _ = policy_loss(jnp.asarray(LOGP), {**BATCH, "loss_mask": jnp.asarray(MASK)}, cfg)
   numerator, denominator = aggregate(per_token, jnp.asarray(MASK), cfg)
   weight = np.minimum(np.exp(OLD - SAMPLER), 1.2)

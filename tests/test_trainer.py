@@ -13,6 +13,7 @@ from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig
 from streamrl_jax.training.checkpoint import Checkpointer
+from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.training.logprobs import token_logprobs
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows, trainer_for
@@ -45,7 +46,7 @@ def test_old_logprobs_default_to_the_trainers_own_policy_before_the_step(model_p
   parameters, so the policy before the step is the current one, and the gradient equals the one with the
   trainer's own log-probabilities given explicitly (and differs from the sampler's standing in for them)."""
   graphdef, params = model_parts
-  trainer = trainer_for(graphdef, ObjectiveConfig(tis_cap=50.0))
+  trainer = trainer_for(graphdef, ObjectiveConfig(bands=CorrectionConfig(tis_cap=50.0)))
   batch = make_batch(6, seed=3)
   del batch["old_logprobs"]
   model = nnx.merge(graphdef, params)
@@ -322,7 +323,8 @@ def test_a_steps_off_policy_metrics_split_compute_from_staleness_and_count_what_
   counts; the ratio's median is the histogram's (to a bin), streamed over two calls."""
   from streamrl_jax.training.corrections import HISTOGRAM_BINS, HISTOGRAM_EDGE
   graphdef, params = model_parts
-  cfg = ObjectiveConfig(correction=("token_tis", "token_mask"), tis_cap=1.3, mask_low=0.0, mask_high=1.6)
+  cfg = ObjectiveConfig(correction=("token_tis", "token_mask"), bands=CorrectionConfig(tis_cap=1.3, mask_low=0.0,
+                                                                                       mask_high=1.6))
   trainer = trainer_for(graphdef, cfg)
   batch = make_batch(8, seed=4)
   del batch["old_logprobs"]

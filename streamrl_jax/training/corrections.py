@@ -36,15 +36,23 @@ HISTOGRAM_BINS = 129  # odd: a bin centred on log-ratio 0 (a ratio of 1 reads as
 
 
 @dataclasses.dataclass(frozen=True)
-class Bands:
-  """The numbers the parts read (`ObjectiveConfig`'s): the truncation cap, the rejection band, IcePop's k and the
-  veto's floor."""
+class CorrectionConfig:
+  """The numbers the corrections `ObjectiveConfig.correction` names read."""
 
-  tis_cap: float = 2.0
-  mask_low: float = 0.5
-  mask_high: float = 2.0
-  icepop_k: float = 2.0
-  veto_floor: float = 1e-4
+  tis_cap: float = 2.0  # *_tis: the importance weight is truncated at this value
+  mask_low: float = 0.5  # *_mask: tokens (sequences) whose ratio is below this are rejected
+  mask_high: float = 2.0  # *_mask: ... or above this
+  icepop_k: float = 2.0  # icepop: tokens whose ratio leaves [1/k, k] are rejected
+  veto_floor: float = 1e-4  # veto: a sequence holding a token ratio below this is rejected
+
+  def __post_init__(self):
+    for name in ("tis_cap", "icepop_k"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"CorrectionConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if not 0 <= self.mask_low < self.mask_high:
+      raise ValueError(f"CorrectionConfig.mask_low={self.mask_low} must be >= 0 and below mask_high={self.mask_high}")
+    if self.veto_floor <= 0:
+      raise ValueError(f"CorrectionConfig.veto_floor must be > 0, got {self.veto_floor}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +110,7 @@ class Correction:
   truncated: jax.Array
 
 
-def _truncated(log_weight, bands: Bands):
+def _truncated(log_weight, bands: CorrectionConfig):
   log_cap = math.log(bands.tis_cap)
   return jnp.exp(jnp.minimum(log_weight, log_cap)), log_weight > log_cap
 
@@ -116,62 +124,62 @@ def _untouched(log_ratio):
 
 
 @CORRECTIONS.register("token_tis")
-def token_tis(log_ratio, seqs: Sequences, bands: Bands):
+def token_tis(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """Truncated importance sampling per token: min(exp(r_t), tis_cap)."""
   weight, cut = _truncated(log_ratio, bands)
   return weight, jnp.ones(log_ratio.shape, bool), cut
 
 
 @CORRECTIONS.register("sequence_tis")
-def sequence_tis(log_ratio, seqs: Sequences, bands: Bands):
+def sequence_tis(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """Truncated sequence importance sampling: min(exp(sum_t r_t), tis_cap) on each of its tokens."""
   weight, cut = _truncated(seqs.total(log_ratio), bands)
   return weight, jnp.ones(log_ratio.shape, bool), cut
 
 
 @CORRECTIONS.register("geometric_tis")
-def geometric_tis(log_ratio, seqs: Sequences, bands: Bands):
+def geometric_tis(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """The geometric mean of a sequence's token ratios, truncated: min(exp(mean_t r_t), tis_cap)."""
   weight, cut = _truncated(seqs.mean(log_ratio), bands)
   return weight, jnp.ones(log_ratio.shape, bool), cut
 
 
 @CORRECTIONS.register("token_mask")
-def token_mask(log_ratio, seqs: Sequences, bands: Bands):
+def token_mask(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """Masked importance sampling per token: tokens whose ratio leaves [mask_low, mask_high] are rejected."""
   ones, _, none = _untouched(log_ratio)
   return ones, _inside(log_ratio, bands.mask_low, bands.mask_high), none
 
 
 @CORRECTIONS.register("sequence_mask")
-def sequence_mask(log_ratio, seqs: Sequences, bands: Bands):
+def sequence_mask(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """A sequence whose ratio product leaves [mask_low, mask_high] is rejected whole."""
   ones, _, none = _untouched(log_ratio)
   return ones, _inside(seqs.total(log_ratio), bands.mask_low, bands.mask_high), none
 
 
 @CORRECTIONS.register("geometric_mask")
-def geometric_mask(log_ratio, seqs: Sequences, bands: Bands):
+def geometric_mask(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """A sequence whose geometric-mean ratio leaves [mask_low, mask_high] is rejected whole."""
   ones, _, none = _untouched(log_ratio)
   return ones, _inside(seqs.mean(log_ratio), bands.mask_low, bands.mask_high), none
 
 
 @CORRECTIONS.register("icepop")
-def icepop(log_ratio, seqs: Sequences, bands: Bands):
+def icepop(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """IcePop: tokens whose ratio leaves [1 / icepop_k, icepop_k], on either side, are rejected."""
   ones, _, none = _untouched(log_ratio)
   return ones, _inside(log_ratio, 1.0 / bands.icepop_k, bands.icepop_k), none
 
 
 @CORRECTIONS.register("veto")
-def veto(log_ratio, seqs: Sequences, bands: Bands):
+def veto(log_ratio, seqs: Sequences, bands: CorrectionConfig):
   """A sequence holding any token ratio below veto_floor is rejected whole (one catastrophic token)."""
   ones, _, none = _untouched(log_ratio)
   return ones, seqs.minimum(log_ratio) >= math.log(bands.veto_floor), none
 
 
-def correct(log_ratio, seqs: Sequences, parts: tuple[str, ...], bands: Bands) -> Correction:
+def correct(log_ratio, seqs: Sequences, parts: tuple[str, ...], bands: CorrectionConfig) -> Correction:
   """The parts named, composed: weights multiplied, keep masks and truncation marks combined; the weight is 0 on
   a rejected token. `log_ratio` [B, T] is taken without gradient."""
   log_ratio = sg(log_ratio.astype(jnp.float32))

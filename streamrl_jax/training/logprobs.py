@@ -144,8 +144,8 @@ def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis
       logits_of = lambda h: jax.lax.dot_general(h, head.astype(h.dtype), (((1,), (1 - vocab_axis,)), ((), ())),  # noqa
                                                 preferred_element_type=jnp.float32)
       floors, outside = support_floors(logits_of, hidden, tokens, float(temperature), truncation)
-    logp, ent = _chunked(hidden, head, tokens, floors, float(temperature), width, vocab_axis, bool(head_grad),
-                         truncation.active)
+    logp, ent = _chunked(hidden, head, tokens, floors, _Plan(float(temperature), width, vocab_axis, bool(head_grad),
+                                                             truncation.active))
     return logp, ent, outside
   return score
 
@@ -195,31 +195,45 @@ def _block(padded, i, chunk: int, axis: int, dtype):
   return jax.lax.dynamic_slice_in_dim(padded, i * chunk, chunk, axis=axis).astype(dtype)
 
 
-def _chunk_logits(hidden, padded, i, chunk: int, vocab: int, temperature: float, axis: int, floors=None, tokens=None):
-  """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf, and with
-  `floors` [N] those below their token's floor but the token itself (its floor came from logits computed apart,
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The static half of a chunked scoring: the temperature, the chunk width, the head's vocabulary axis, whether the
+  head's gradient is computed, and whether `floors` truncate the support."""
+
+  temperature: float
+  chunk: int
+  axis: int
+  head_grad: bool
+  truncated: bool
+
+
+def _chunk_logits(hidden, padded, i, plan: _Plan, vocab: int, floors, tokens):
+  """Tempered float32 logits of vocabulary entries [i * chunk, (i + 1) * chunk), padding entries at -inf, and with a
+  truncated plan those below their token's floor [N] but the token itself (its floor came from logits computed apart,
   which may round it below)."""
+  chunk, axis, temperature = plan.chunk, plan.axis, plan.temperature
   block = _block(padded, i, chunk, axis, hidden.dtype)
   logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ())), preferred_element_type=jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
   if vocab % chunk:
     logits = jnp.where(i * chunk + jnp.arange(chunk) < vocab, logits, -jnp.inf)
-  if floors is not None:
+  if plan.truncated:
     own = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
     logits = jnp.where((logits >= floors[:, None]) | own, logits, -jnp.inf)
   return logits
 
 
-def _statistics(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int):
+def _statistics(hidden, head, tokens, floors, plan: _Plan):
   """Per token: log-sum-exp, the chosen logit, and E_p[logit], by one pass over the vocabulary chunks."""
-  vocab = head.shape[axis]
-  padded, chunks = _padded(head, chunk, axis)
+  chunk = plan.chunk
+  vocab = head.shape[plan.axis]
+  padded, chunks = _padded(head, chunk, plan.axis)
   n = hidden.shape[0]
 
   def body(i, carry):
     top, total, weighted, picked = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis, floors, tokens)
+    logits = _chunk_logits(hidden, padded, i, plan, vocab, floors, tokens)
     new_top = jnp.maximum(top, jnp.max(logits, axis=-1))
     safe = jnp.where(new_top > -jnp.inf, new_top, 0.0)  # a truncated support may leave a whole chunk at -inf
     scale = jnp.exp(top - safe)
@@ -236,27 +250,27 @@ def _statistics(hidden, head, tokens, floors, temperature: float, chunk: int, ax
   return top + jnp.log(total), picked, weighted / total
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _chunked(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int, head_grad: bool, truncated: bool):
-  lse, picked, mean = _statistics(hidden, head, tokens, floors if truncated else None, temperature, chunk, axis)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked(hidden, head, tokens, floors, plan: _Plan):
+  lse, picked, mean = _statistics(hidden, head, tokens, floors, plan)
   return picked - lse, lse - mean
 
 
-def _chunked_fwd(hidden, head, tokens, floors, temperature: float, chunk: int, axis: int, head_grad: bool,
-                 truncated: bool):
-  lse, picked, mean = _statistics(hidden, head, tokens, floors if truncated else None, temperature, chunk, axis)
+def _chunked_fwd(hidden, head, tokens, floors, plan: _Plan):
+  lse, picked, mean = _statistics(hidden, head, tokens, floors, plan)
   return (picked - lse, lse - mean), (hidden, head, tokens, floors, lse, mean)
 
 
-def _chunked_bwd(temperature: float, chunk: int, axis: int, head_grad: bool, truncated: bool, residuals, cotangents):
+def _chunked_bwd(plan: _Plan, residuals, cotangents):
   hidden, head, tokens, floors, lse, mean = residuals
   g_logp, g_ent = cotangents
+  chunk, axis, temperature, head_grad = plan.chunk, plan.axis, plan.temperature, plan.head_grad
   vocab = head.shape[axis]
   padded, chunks = _padded(head, chunk, axis)
 
   def body(i, carry):
     g_hidden, g_head = carry
-    logits = _chunk_logits(hidden, padded, i, chunk, vocab, temperature, axis, floors if truncated else None, tokens)
+    logits = _chunk_logits(hidden, padded, i, plan, vocab, floors, tokens)
     p = jnp.exp(logits - lse[:, None])
     onehot = (tokens[:, None] - i * chunk) == jnp.arange(chunk)[None, :]
     centred = jnp.where(p > 0, logits - mean[:, None], 0.0)

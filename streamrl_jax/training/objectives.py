@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 from streamrl_jax.models.moe import RouterTrace, load_balancing_loss
 from streamrl_jax.registry import Registry
-from streamrl_jax.training.corrections import CORRECTIONS, Bands, Sequences, correct
+from streamrl_jax.training.corrections import CORRECTIONS, CorrectionConfig, Sequences, correct
 
 OBJECTIVES = Registry("policy objective")
 TERMS = Registry("objective term")  # losses added to the policy loss, of what a call's forward reports
@@ -25,8 +25,8 @@ OLD_LOGPROBS = ("recompute", "sampler")
 # objectives of earlier versions: what each is now
 RENAMED = {"ppo_tis": "objective='ppo', correction='token_tis'",
            "ppo_recomputed": "objective='ppo', correction='none'",
-           "decoupled_ppo": "objective='ppo', correction=('token_tis', 'token_mask'), tis_cap=mask_high=the old "
-                            "behaviour_cap, mask_low=0"}
+           "decoupled_ppo": "objective='ppo', correction=('token_tis', 'token_mask'), CorrectionConfig.tis_cap = "
+                            "mask_high = the old behaviour_cap, mask_low=0"}
 sg = jax.lax.stop_gradient
 
 
@@ -50,11 +50,7 @@ class ObjectiveConfig:
   clip_low: float = 0.2  # ratio floor 1 - clip_low (gspo: 3e-4 in its paper; cispo: the IS weight's floor)
   clip_high: float = 0.2  # ratio ceiling 1 + clip_high (DAPO clip-higher: 0.28; gspo: 4e-4)
   constant_normalizer: float = 1024.0  # tokens per sequence for aggregation="constant" (Dr. GRPO)
-  tis_cap: float = 2.0  # *_tis corrections: the importance weight is truncated at this value
-  mask_low: float = 0.5  # *_mask corrections: tokens (sequences) whose ratio is below this are rejected
-  mask_high: float = 2.0  # *_mask corrections: ... or above this
-  icepop_k: float = 2.0  # icepop: tokens whose ratio leaves [1/k, k] are rejected
-  veto_floor: float = 1e-4  # veto: a sequence holding a token ratio below this is rejected
+  bands: CorrectionConfig = CorrectionConfig()  # the corrections' caps, bands and floors
   aipo_rho: float = 4.0  # aipo: ratio truncation, 2 to 10 in LlamaRL
   kl_coef: float = 0.0  # weight of the KL penalty to the frozen initial policy (0: no penalty, no reference)
   kl_estimator: str = "k3"  # per-token KL estimator: "k1", "k2" or "k3" (Schulman)
@@ -96,20 +92,13 @@ class ObjectiveConfig:
     self._check_numbers()
 
   def _check_numbers(self) -> None:
-    for name in ("clip_low", "clip_high", "constant_normalizer", "mask_high", "veto_floor"):
+    for name in ("clip_low", "clip_high", "constant_normalizer"):
       if getattr(self, name) <= 0:
         raise ValueError(f"ObjectiveConfig.{name} must be > 0, got {getattr(self, name)}")
     if self.clip_low >= 1:
       raise ValueError(f"ObjectiveConfig.clip_low must be < 1 (the ratio floor is 1 - clip_low), got {self.clip_low}")
-    for name in ("aipo_rho", "tis_cap", "icepop_k"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"ObjectiveConfig.{name} must be >= 1, got {getattr(self, name)}")
-    if not 0 <= self.mask_low < self.mask_high:
-      raise ValueError(f"ObjectiveConfig.mask_low={self.mask_low} must be >= 0 and below mask_high={self.mask_high}")
-
-  @property
-  def bands(self) -> Bands:
-    return Bands(self.tis_cap, self.mask_low, self.mask_high, self.icepop_k, self.veto_floor)
+    if self.aipo_rho < 1:
+      raise ValueError(f"ObjectiveConfig.aipo_rho must be >= 1, got {self.aipo_rho}")
 
   @property
   def corrected(self) -> bool:
