@@ -134,11 +134,11 @@ def test_a_runs_truncated_sampling_reaches_the_samplers_and_the_trainers_scores(
   """SamplerConfig.top_p reaches both sides of a run: in an on-policy run at equal precision the trainer's
   log-probabilities (over the support it rebuilt) are the sampler's truncated ones (were either side not told, every
   ratio would be off by the cut mass), no drawn token lies outside that support, and the trainer's entropy is the
-  truncated distribution's, well below the full one's."""
+  truncated distribution's, below the full one's."""
   import dataclasses
 
   from tests.pipeline_setup import BASE, run
   rows = {p: run("stream", sampler=dataclasses.replace(BASE.sampler, top_p=p, precision="float32"),
                  steps=1).metrics[0] for p in (0.7, 1.0)}
   assert rows[0.7]["support_mismatch_frac"] == 0 and rows[0.7]["logprob_mismatch_max"] < 1e-3, rows[0.7]
-  assert rows[0.7]["entropy"] < 0.8 * rows[1.0]["entropy"], rows
+  assert rows[0.7]["entropy"] < rows[1.0]["entropy"] - 0.2, rows  # near-uniform over 86: about log 60 against log 86

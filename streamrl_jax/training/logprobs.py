@@ -26,7 +26,6 @@ from streamrl_jax.models.layers import cpu_low_precision, rows_first
 from streamrl_jax.truncation import truncation_floor
 
 FLOOR_BLOCK = 128  # tokens whose full logits a support rebuild holds at once
-FLOOR_SLACK = 1e-5  # a support's floor is lowered by this fraction of its size (`floors_of`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +62,13 @@ def support_floors(logits_of, hidden, tokens, temperature: float, truncation: Tr
 def floors_of(scaled, tokens, truncation: Truncation):
   """`support_floors` of tempered logits scaled [N, vocab] and tokens [N]. The floor is the logit of the support's
   last entry; logits computed by another product (the sampler's, a chunk's) may round that entry a few ulps below
-  it, so the floor is lowered by FLOOR_SLACK of its size (at least 1: an absolute 1e-5)."""
+  it, so the floor returned lies midway between it and the largest logit below it: rounding smaller than half
+  that gap moves no entry across."""
   rows = scaled.shape[0]
   floor = truncation_floor(scaled, jnp.full((rows,), truncation.top_k, jnp.int32),
                            jnp.full((rows,), truncation.top_p, jnp.float32), jnp.full((rows,), truncation.min_p))
-  floor = floor - FLOOR_SLACK * jnp.maximum(1.0, jnp.abs(floor))
+  below = jnp.max(jnp.where(scaled < floor[:, None], scaled, -jnp.inf), axis=-1)
+  floor = jnp.where(below > -jnp.inf, 0.5 * (floor + below), floor)
   picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
   return jnp.minimum(floor, picked), picked < floor
 
