@@ -6,6 +6,7 @@ int given for a float a float) or raises `ConfigError` naming `Class.field`, the
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import functools
 import types
@@ -77,11 +78,22 @@ def _conform(value, hint):
   return value
 
 
+def _literal(text: str):
+  """The Python literal `text` spells ('1e-4' -> 0.0001), or _NO."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return _NO
+
+
 def checked(cls, name: str, value):
   """`value` as field `name` of `cls` holds it; raises `ConfigError` when the annotation does not take it."""
   hint = field_types(cls)[name]
   out = _conform(value, hint)
   if out is _NO:
     given = type(value).__name__
-    raise ConfigError(f"{cls.__name__}.{name} = {value!r}: expected {type_name(hint)}, got {given}")
+    unquoted = _literal(value) if isinstance(value, str) else _NO
+    hint_text = (f" (without its quotes: --set {cls.__name__}.{name}={value})"
+                 if unquoted is not _NO and _conform(unquoted, hint) is not _NO else "")
+    raise ConfigError(f"{cls.__name__}.{name} = {value!r}: expected {type_name(hint)}, got {given}{hint_text}")
   return out

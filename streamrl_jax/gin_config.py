@@ -38,7 +38,9 @@ from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
 from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
+from streamrl_jax.trl_names import trl_hint
 
+log = logging.getLogger(__name__)
 CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
                Path(sys.prefix) / "share" / "streamrl_jax" / "configs")  # an install (pyproject data-files)
 DEMO_CONFIG = next((d / "demo_cpu.gin" for d in CONFIG_DIRS if (d / "demo_cpu.gin").is_file()),
@@ -68,38 +70,62 @@ NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConf
                             "JobConfig.hidden_size and JobConfig.num_layers",
              "RopeScaling": "a model's RoPE scaling comes from its config.json (JobConfig.model)"}
 _KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
+_BARE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)  # `name = value`: a gin macro
+_MACRO_USE = re.compile(r"%([A-Za-z_][A-Za-z0-9_]*)")
 
 
 def check_keys(config_files=(), bindings=()) -> None:
-  """Refuses, naming where it was written, a binding of an unknown class or key (with the closest known key), of
-  a key that moved or is derived, or of a nested config (bound through its own class's keys)."""
+  """Refuses, naming where it was written, a binding of an unknown class or key (with the key likely meant: TRL's
+  names are understood), of no class at all, of a key that moved or is derived, or of a nested config (bound
+  through its own class's keys)."""
   sources = [(f"--set {b!r}", b) for b in bindings] + [(str(f), Path(f).read_text()) for f in config_files]
+  used_macros = {m for _, text in sources for m in _MACRO_USE.findall(text)}
   for where, text in sources:
+    for name in _BARE.findall(text):
+      if name not in used_macros:  # gin reads `name = v` as a macro: unused, it binds nothing
+        raise ConfigError(f"{name}: a binding names its config class, Class.key=value{_hint('', name)} ({where})")
     for name, field in _KEY.findall(text):
-      key = f"{name}.{field}"
-      if key in MOVED_KEYS:
-        raise ConfigError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
-      if key in DERIVED_KEYS:
-        raise ConfigError(f"{key} is set from {DERIVED_KEYS[key]}: bind that one alone ({where})")
-      if name in NOT_BOUND:
-        raise ConfigError(f"{key}: {name} is not a config to bind; {NOT_BOUND[name]} ({where})")
-      if name not in _CLASSES:
-        raise ConfigError(f"{key}: unknown config class {name!r}{_did_you_mean(name, _CLASSES)} ({where})")
-      fields = {f.name: f for f in dataclasses.fields(_CLASSES[name])}
-      if field not in fields:
-        raise ConfigError(f"{key}: {name} has no field {field!r}{_did_you_mean(key, KNOWN_KEYS, field)} ({where}); "
-                          f"`streamrl config` lists every key")
-      if "bound_by" in fields[field].metadata:
-        raise ConfigError(f"{key} is not a gin key: it is set by {fields[field].metadata['bound_by']} ({where})")
-      if dataclasses.is_dataclass(fields[field].default):
-        raise ConfigError(f"{key} is built from the {type(fields[field].default).__name__}.* keys: bind those "
-                          f"({where})")
+      _check_key(name, field, where)
 
 
-def _did_you_mean(given: str, known, field: str = "") -> str:
-  """"; did you mean X?" for the closest known name (a key of another class with the same field first)."""
-  same_field = [k for k in known if field and k.endswith(f".{field}")]
-  close = same_field or difflib.get_close_matches(given, list(known), n=1, cutoff=0.6)
+def _check_key(name: str, field: str, where: str) -> None:
+  key = f"{name}.{field}"
+  if key in MOVED_KEYS:
+    raise ConfigError(f"{key} moved: set {MOVED_KEYS[key]} instead ({where})")
+  if key in DERIVED_KEYS:
+    raise ConfigError(f"{key} is set from {DERIVED_KEYS[key]}: bind that one alone ({where})")
+  if name in NOT_BOUND:
+    raise ConfigError(f"{key}: {name} is not a config to bind; {NOT_BOUND[name]} ({where})")
+  if name not in _CLASSES:
+    raise ConfigError(f"{key}: unknown config class {name!r}{_hint(name, field)} ({where})")
+  fields = {f.name: f for f in dataclasses.fields(_CLASSES[name])}
+  if field not in fields:
+    raise ConfigError(f"{key}: {name} has no field {field!r}{_hint(name, field)} ({where}); "
+                      f"`streamrl config` lists every key")
+  if "bound_by" in fields[field].metadata:
+    raise ConfigError(f"{key} is not a gin key: it is set by {fields[field].metadata['bound_by']} ({where})")
+  if dataclasses.is_dataclass(fields[field].default):
+    raise ConfigError(f"{key} is built from the {type(fields[field].default).__name__}.* keys: bind those "
+                      f"({where})")
+
+
+def _hint(name: str, field: str) -> str:
+  """"; did you mean X?" for the key likely meant: a key of another class with this field, else what TRL's (or
+  vLLM's, verl's) name is here, else the closest key (or, the field unlike any, the closest class)."""
+  same_field = sorted((k for k in KNOWN_KEYS if k.endswith(f".{field}")),
+                      key=lambda k: -difflib.SequenceMatcher(None, name, k.split(".")[0]).ratio())
+  if same_field:
+    return f"; did you mean {' or '.join(same_field[:3])}?"
+  trl = trl_hint(field)
+  if trl is not None:
+    return f"; {trl}"
+  close = difflib.get_close_matches(f"{name}.{field}" if name else field,
+                                    list(KNOWN_KEYS) if name else [k.split(".")[1] for k in KNOWN_KEYS], n=1,
+                                    cutoff=0.6)
+  if close and not name:
+    close = [k for k in KNOWN_KEYS if k.endswith(f".{close[0]}")]
+  if not close and name and name not in _CLASSES:
+    close = [c for c in difflib.get_close_matches(name, list(_CLASSES), n=1, cutoff=0.6)]
   return f"; did you mean {close[0]}?" if close else ""
 
 
@@ -116,8 +142,9 @@ def parse(config_files=(), bindings=(), late_files=()) -> None:
   missing = [str(f) for f in [*config_files, *late_files] if not Path(f).is_file()]
   if missing:
     hint = difflib.get_close_matches(missing[0], _shipped_configs(), n=1, cutoff=0.5)
+    hint = [str(Path(h).relative_to("configs").with_suffix("")) for h in hint]  # the short form: found anywhere
     raise ConfigError(f"{'--arms' if missing[0] in map(str, late_files) else '--config'} {missing[0]}: no such file"
-                      + (f"; did you mean {hint[0]}?" if hint else ""))
+                      + (f"; did you mean {hint[0]} (a shipped config)?" if hint else ""))
   bindings = [_quoted_bare_word(b) for b in bindings]
   check_keys([*config_files, *late_files], bindings)
   gin.clear_config()
@@ -142,7 +169,7 @@ _BARE_WORD = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\
 
 def _quoted_bare_word(binding: str) -> str:
   """`--set Class.key=word` as the shell leaves `--set Class.key='word'`: the string 'word' where the key is a `str`
-  field; elsewhere a `ConfigError` saying strings need quotes, with the `--set` that quotes it."""
+  field; elsewhere a `ConfigError` naming the type the key takes and its default as an example."""
   match = _BARE_WORD.fullmatch(binding)
   if match is None or _is_literal(match[3]) or match[1] not in _CLASSES:
     return binding
@@ -152,8 +179,11 @@ def _quoted_bare_word(binding: str) -> str:
     return binding  # an unknown key: check_keys names it
   if hints[field] is str or str in typing.get_args(hints[field]):
     return f"{name}.{field}={word!r}"
-  raise ConfigError(f"--set {binding!r}: {word} is not a value of {name}.{field} ({_type_name(hints[field])}); a "
-                    f"string needs quotes that the shell keeps: --set \"{name}.{field}='{word}'\"")
+  default = next(f.default for f in dataclasses.fields(_CLASSES[name]) if f.name == field)
+  example = ("True or False" if hints[field] is bool else f"e.g. --set {name}.{field}={default!r}"
+             if default is not dataclasses.MISSING else "")
+  raise ConfigError(f"--set {binding!r}: {word} is not a value of {name}.{field}, which takes "
+                    f"{_type_name(hints[field])}" + (f" ({example})" if example else ""))
 
 
 def _is_literal(text: str) -> bool:
@@ -217,11 +247,21 @@ def run_files(config_files) -> list[str]:
 
 
 def _found(name: str) -> str:
-  """A config file as typed, else with `.gin` added, else in the shipped configs/ (`smollm2_cpu`); unfound, as
-  typed (`parse` refuses it, with the closest shipped file)."""
-  for candidate in (name, f"{name}.gin", *(str(d / f) for d in CONFIG_DIRS for f in (name, f"{name}.gin"))):
+  """A config file as typed, else with `.gin` added, else in the shipped configs/ (`smollm2_cpu`, or
+  `configs/smollm2_cpu.gin` from outside the checkout: logged with its short form); unfound, as typed (`parse`
+  refuses it, with the closest shipped file)."""
+  for candidate in (name, f"{name}.gin"):
     if Path(candidate).is_file():
       return candidate
+  inside = Path(name).parts[1:] if Path(name).parts[:1] == ("configs",) else Path(name).parts
+  for root in CONFIG_DIRS:
+    for candidate in (root.joinpath(*inside), root.joinpath(*inside).with_name(Path(name).name + ".gin")):
+      if inside and candidate.is_file():
+        short = str(candidate.relative_to(root).with_suffix(""))
+        if short != name:
+          log.info("--config %s: not found from %s; using the shipped %s (short form: --config %s)", name,
+                   Path.cwd(), candidate, short)
+        return str(candidate)
   return name
 
 

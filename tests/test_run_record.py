@@ -84,6 +84,24 @@ def test_the_curves_draw_what_their_labels_say_on_whole_steps():
   assert ylabel == "loss / KL"
 
 
+def test_few_points_are_drawn_as_labelled_points_and_many_as_a_line():
+  def drawn(metrics, evaluations):
+    fig = curves_figure(metrics, evaluations)
+    top, middle, bottom = fig.axes
+    styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for ax in fig.axes for line in ax.get_lines()}
+    texts = [t.get_text() for t in middle.texts], [t.get_text() for t in bottom.texts]
+    pyplot().close(fig)
+    return styles, texts
+  two = [dict(step=s, reward_mean=0.5, loss=0.25 * s, kl=0.0) for s in (1, 2)]
+  styles, (accuracy, losses) = drawn(two, [(0, 0.2), (2, 0.6)])  # before and after training
+  assert styles["held-out accuracy (greedy)"] == ("None", "o") and accuracy == ["0.200", "0.600"]
+  assert styles["reward mean per step"] == styles["policy loss"] == ("None", "o") and losses == ["0.25", "0.5"]
+  many = [dict(step=s, reward_mean=s / 10, loss=0.1, kl=0.0) for s in range(1, 13)]
+  styles, (accuracy, losses) = drawn(many, [(s, s / 12) for s in range(0, 13, 2)])
+  assert styles["held-out accuracy (greedy)"] == ("-", "o") and len(accuracy) == 7  # a line, its points labelled
+  assert styles["reward mean per step"] == styles["policy loss"] == ("-", "None") and losses == []
+
+
 def test_each_follower_arms_counters_add_up_over_the_segments_that_ended():
   segments = [dict(first_step=0, last_step=2, seconds=1.0, timeline=None, counters={"samples_trained": 8},
                    arm_counters={"rloo": {"samples_trained": 8, "arm_steps_skipped": 1}}),

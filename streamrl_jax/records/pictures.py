@@ -8,6 +8,7 @@ from pathlib import Path
 
 COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a", "resume": "#d62"}
 MARKS = ("sync", "resume")  # lanes drawn as vertical lines across the others
+FEW_POINTS = 5  # a curve's series with fewer points is drawn as labelled points, not a line (`_series`)
 
 
 def pyplot():
@@ -68,37 +69,36 @@ def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], 
 def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], title: str = ""):
   """The learning curves: reward mean per step (a moving average, and each reward function's mean where a run has
   several: `reward/<name>`), held-out accuracy at each evaluation (step 0: before RL), and the policy loss with the
-  KL to the reference policy where the objective has one; whole RL steps on the x axis."""
+  KL to the reference policy where the objective has one; whole RL steps on the x axis. A series of fewer than
+  `FEW_POINTS` (5) points is drawn as labelled points with no line joining them (see `_series`)."""
   from matplotlib.ticker import MaxNLocator
 
   plt = pyplot()
   fig, (top, middle, bottom) = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True, layout="constrained")
   steps = [m["step"] for m in metrics]
   rewards = [m["reward_mean"] for m in metrics]
-  top.plot(steps, rewards, color="#9bd", linewidth=1, label="reward mean per step")
-  if len(rewards) >= 5:
+  _series(top, steps, rewards, color="#9bd", linewidth=1, label="reward mean per step")
+  if len(rewards) >= FEW_POINTS:
     width = max(2, len(rewards) // 10)
     smooth = [sum(rewards[max(0, i - width + 1):i + 1]) / len(rewards[max(0, i - width + 1):i + 1])
               for i in range(len(rewards))]
     top.plot(steps, smooth, color="#26a", linewidth=2, label=f"moving average of {width} steps")
   functions = sorted({k for m in metrics for k in m if k.startswith("reward/")})
   for key in functions if len(functions) > 1 else ():
-    top.plot(*zip(*[(m["step"], m[key]) for m in metrics if key in m]), linewidth=1, linestyle=":",
-             label=key.split("/", 1)[1])
+    _series(top, *zip(*[(m["step"], m[key]) for m in metrics if key in m]), linewidth=1, linestyle=":",
+            label=key.split("/", 1)[1])
   top.set_ylabel("reward")
   top.legend(loc="lower right", fontsize=8)
   if evaluations:
     xs, ys = zip(*sorted(evaluations))
-    middle.plot(xs, ys, marker="o", color="#c53", label="held-out accuracy (greedy)")
-    for x, y in zip(xs, ys):
-      middle.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    _series(middle, xs, ys, "{:.3f}", always=True, marker="o", color="#c53", label="held-out accuracy (greedy)")
   middle.set_ylabel("accuracy")
   middle.set_ylim(-0.05, 1.1)
   drawn = []
   for key, color, label in (("loss", "#555", "policy loss"), ("kl", "#7a4", "KL to the reference policy")):
     rows = [(m["step"], m[key]) for m in metrics if key in m]
     if rows and (key == "loss" or any(value for _, value in rows)):
-      bottom.plot(*zip(*rows), color=color, linewidth=1, label=label)
+      _series(bottom, *zip(*rows), color=color, linewidth=1, label=label)
       drawn.append(key)
   bottom.set_ylabel(" / ".join({"loss": "loss", "kl": "KL"}[k] for k in drawn) or "loss")
   bottom.set_xlabel("RL step")
@@ -108,6 +108,23 @@ def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], tit
       ax.legend(loc="upper left" if ax is middle else "upper right", fontsize=8)
   top.set_title(title or "learning curves")
   return fig
+
+
+def _series(ax, xs, ys, fmt: str = "{:.3g}", always: bool = False, **style):
+  """One series on `ax`, returned as its Line2D. Fewer than `FEW_POINTS` points: markers alone (linestyle "None", no
+  line that would read as a curve), each labelled with its value. More: as `style` says (a line, with markers where
+  it names them), its values labelled only if `always`."""
+  xs, ys = list(xs), list(ys)
+  few = len(xs) < FEW_POINTS
+  if few:
+    style = {k: v for k, v in style.items() if k not in ("linestyle", "linewidth")}
+    style = dict(style, linestyle="None", marker=style.get("marker", "o"))
+  (line,) = ax.plot(xs, ys, **style)
+  if few:
+    ax.margins(y=0.15)  # room above the highest point for its label
+  for x, y in zip(xs, ys) if few or always else ():
+    ax.annotate(fmt.format(y), (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+  return line
 
 
 def write_chrome_trace(timeline: dict, path: str | Path) -> None:
