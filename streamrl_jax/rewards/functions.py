@@ -24,7 +24,8 @@ class RewardFunctionError(ValueError):
 
 
 def load_function(spec: str):
-  """The callable at `spec` ('package.module:function' or 'path/to/file.py:function'), imported once per process."""
+  """The callable at `spec` ('package.module:function' or 'path/to/file.py:function'), imported once per process; a
+  file's own folder goes first on `sys.path`, so it imports the modules beside it."""
   if spec in _LOADED:
     return _LOADED[spec]
   where, _, name = spec.rpartition(":")
@@ -54,11 +55,18 @@ def _load_file(spec: str, path: Path):
   module_name = "streamrl_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
   if module_name in sys.modules:
     return sys.modules[module_name]
+  folder = str(path.resolve().parent)
+  if folder not in sys.path:  # its neighbours import as they would were it run as a script (first on the path)
+    sys.path.insert(0, folder)
   module_spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(module_spec)
   sys.modules[module_name] = module
   try:
     module_spec.loader.exec_module(module)
+  except ModuleNotFoundError as err:
+    del sys.modules[module_name]
+    raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {_describe(err)} (its own folder "
+                              f"{folder} is on the path; is {err.name!r} installed?)") from err
   except Exception as err:  # noqa: BLE001 - the user's file failed while importing
     del sys.modules[module_name]
     raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {_describe(err)}") from err
