@@ -190,7 +190,124 @@ def test_what_the_hub_answers_online_is_one_line_naming_the_model(monkeypatch, t
     raise getattr(errors, error)("refused", response=response)
   monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
   monkeypatch.setattr(hub, "offline", lambda: False)
+  monkeypatch.setattr(hub, "unreachable", lambda url: None)  # the Hub answers
   monkeypatch.setattr(hub, "_download", failing)
   with pytest.raises(HubError, match=said) as raised:
     hub.hub_model("org/m@v9")
   assert "\n" not in str(raised.value)
+
+
+@pytest.fixture
+def online(monkeypatch):
+  """HF_HUB_OFFLINE unset, no proxy, HF_ENDPOINT unset, the Hub not yet probed in this process; the probes made."""
+  from huggingface_hub import constants
+
+  from streamrl_jax.models import hub
+
+  monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+  monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+  for name in (*hub._PROXIES, "HF_ENDPOINT"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setattr(hub, "_probed", {})
+  probes = []
+  connect = socket.create_connection
+
+  def counted(address, *args, **kwargs):
+    probes.append(address)
+    return connect(address, *args, **kwargs)
+  monkeypatch.setattr(socket, "create_connection", counted)
+  return probes
+
+
+@pytest.fixture
+def lookups(monkeypatch):
+  """huggingface_hub's download functions, failing the test when asked to look anything up on the network."""
+  import huggingface_hub
+
+  calls = []
+  for name in ("hf_hub_download", "snapshot_download"):
+    def spied(*args, _real=getattr(huggingface_hub, name), _name=name, **kwargs):
+      calls.append(_name)
+      assert kwargs.get("local_files_only"), f"{_name} looked {args} up on the network"
+      return _real(*args, **kwargs)
+    monkeypatch.setattr(huggingface_hub, name, spied)
+  return calls
+
+
+def test_an_unreachable_hub_is_said_at_once_in_one_line_naming_the_model_and_endpoint(online, lookups, monkeypatch,
+                                                                                       tmp_path):
+  with socket.socket() as free:  # a port nothing listens on: connections refused
+    free.bind(("127.0.0.1", 0))
+    port = free.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  monkeypatch.setenv("HF_ENDPOINT", url)
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+  model = "HuggingFaceTB/SmolLM2-135M-Instruct"
+  with pytest.raises(HubError) as raised:
+    resolve_model(model)
+  said = str(raised.value)
+  assert "\n" not in said
+  assert said.startswith(f"model {model!r} is not in the Hugging Face cache {tmp_path} and the Hugging Face Hub at "
+                         f"{url} cannot be reached (no connection to 127.0.0.1:{port}: ")
+  assert said.endswith(f"copy the model into {tmp_path} and set HF_HUB_OFFLINE=1")
+  with pytest.raises(HubError, match=rf"^dataset 'hf://datasets/org/rows/x.parquet' is not in the Hugging Face cache "
+                                     rf".* the Hugging Face Hub at {url} cannot be reached .* copy the dataset into"):
+    hub_dataset("hf://datasets/org/rows/x.parquet")
+  assert online == [("127.0.0.1", port)]  # probed once, for both
+  assert lookups == ["hf_hub_download", "hf_hub_download"]  # the cache's alone
+
+
+def test_an_unreachable_hub_leaves_the_cached_snapshot_read(hub, online, lookups, monkeypatch, caplog):
+  from streamrl_jax.models.hub import pinned
+
+  def unreachable(address, *args, **kwargs):
+    raise OSError(101, "Network is unreachable")
+  monkeypatch.setattr(socket, "create_connection", unreachable)
+  cache, main, _ = hub
+  with caplog.at_level("WARNING", logger="streamrl_jax.models.hub"):
+    assert resolve_model(REPO) == cache / "models--tiny-org--word-model" / "snapshots" / MAIN
+  assert [r.getMessage() for r in caplog.records] == [
+      "the Hugging Face Hub at https://huggingface.co cannot be reached (no connection to huggingface.co:443: "
+      f"[Errno 101] Network is unreachable): model '{REPO}' read from its cached snapshot {cache}/models--tiny-org--"
+      f"word-model/snapshots/{MAIN}"]
+  assert pinned(REPO) == f"{REPO}@{MAIN}"
+  with pytest.raises(HubError, match=r"^model 'tiny-org/absent' is not in the Hugging Face cache .* and the Hugging "
+                                     r"Face Hub at https://huggingface.co cannot be reached \(no connection to "
+                                     r"huggingface.co:443: \[Errno 101\] Network is unreachable\): check the network"):
+    resolve_model("tiny-org/absent")
+  assert set(lookups) == {"hf_hub_download", "snapshot_download"}
+
+
+@pytest.mark.parametrize("proxy", ["HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "ALL_PROXY"])
+def test_behind_a_proxy_the_proxy_decides_with_no_probe(online, monkeypatch, tmp_path, proxy):
+  from streamrl_jax.models import hub
+
+  asked = []
+
+  def failing(*args, **kwargs):
+    asked.append(args[3])  # local_files_only
+    raise ConnectionError("proxy refused")
+  monkeypatch.setenv(proxy, "http://127.0.0.1:9")
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+  monkeypatch.setattr(hub, "_download", failing)
+  with pytest.raises(HubError, match=r"^model 'org/m' could not be fetched from the Hugging Face Hub "
+                                     r"\(ConnectionError: proxy refused\)"):
+    hub.hub_model("org/m")
+  assert asked == [False] and online == []  # looked up through the proxy, no probe
+
+
+def test_a_name_lookup_that_hangs_is_cut_short(monkeypatch):
+  import threading
+
+  from streamrl_jax.models import hub
+
+  release = threading.Event()
+
+  def hanging(*args, **kwargs):
+    release.wait(10)
+    raise OSError("answered late")
+  monkeypatch.setattr(socket, "create_connection", hanging)
+  try:
+    assert hub._probe("https://hub.example:8443", timeout=0.01) == "no connection to hub.example:8443 within 0.01 s"
+  finally:
+    release.set()
