@@ -98,6 +98,13 @@ def _demo_model(seed: int):
   return Transformer(config, rngs=nnx.Rngs(seed)), tokenizer
 
 
+def cmd_tasks(args) -> int:
+  from streamrl_jax.tasks.listing import lines
+
+  print("\n".join(lines()))
+  return 0
+
+
 def cmd_generate(args) -> int:
   import jax.numpy as jnp
 
@@ -190,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
   info = sub.add_parser("info", help="devices, versions and the mesh split a config would use")
   _config_args(info)
   info.set_defaults(run=cmd_info)
+  tasks = sub.add_parser("tasks", help="each built-in task's example prompt, its row's fields (what a reward "
+                         "function gets as keyword arguments) and the function that scores it")
+  tasks.set_defaults(run=cmd_tasks)
   _model_parsers(sub)
   train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
   _config_args(train)

@@ -79,7 +79,7 @@ MISTAKES = [
     (["--set", "PipelineConfig.steps=2 3"], "--set 'PipelineConfig.steps=2 3': Expected newline"),
     (["--set", "PipelineConfig.stepz=2"], "PipelineConfig has no field 'stepz'; did you mean PipelineConfig.steps?"),
     (["--set", "PipelineConfig.num_slots=2"], "did you mean EngineConfig.num_slots?"),
-    (["--set", "PipelineConfg.steps=2"], "unknown config class 'PipelineConfg'; did you mean PipelineConfig?"),
+    (["--set", "PipelineConfg.steps=2"], "unknown config class 'PipelineConfg'; did you mean PipelineConfig.steps?"),
     (["--set", "ModelConfig.num_layers=3"], "ModelConfig is not a config to bind; a model's shape comes from"),
     (["--set", "PipelineConfig.sampler=None"], "PipelineConfig.sampler is built from the SamplerConfig.* keys"),
     (["--set", "PipelineConfig.mode='pipelined'"], "PipelineConfig.mode='pipelined'; known:"),

@@ -1,6 +1,8 @@
 """Tasks and their rewards: hand-worked cases, properties, malformed files, resumable prompt streams."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -152,3 +154,25 @@ def test_job_config_refuses_real_tasks_without_a_model():
   with pytest.raises(ValueError, match="has no chat template"):
     job.make_task(CharTokenizer())
   assert JobConfig(model="x", task=TaskConfig(name="sums")).make_task(split="eval").split == "heldout"
+
+
+def test_each_built_in_tasks_row_holds_the_fields_it_lists_and_its_answer_is_right(capsys):
+  from streamrl_jax import cli
+  from streamrl_jax.rewards.functions import load_function
+  from streamrl_jax.tasks.config import TASKS
+  from streamrl_jax.tasks.listing import built_in_tasks, markdown
+
+  listed = built_in_tasks(seed=3)
+  assert [t.name for t in listed] == [n for n in TASKS if n != "file"]
+  for task in listed:
+    fields = {k: v for k, (v, _) in task.fields.items()}
+    reward = load_function(task.reward)
+    assert reward(task.prompt, fields.get("solution", fields["answer"])) == 1.0, task.name
+    terms = [int(x) for x in re.findall(r"\d+", task.prompt)]
+    expected = {"countdown": terms[-1], "sums": sum(terms)}.get(task.name, terms[0] * terms[1] if "*" in task.prompt
+                                                                  else terms[0] + terms[1])
+    assert int(fields["answer"]) == expected, task.name
+  assert markdown() in (Path(__file__).resolve().parent.parent / "docs" / "own_task.md").read_text().replace("\n  ", "\n")
+  assert cli.main(["tasks"]) == 0
+  printed = capsys.readouterr().out
+  assert all(f"{t.name}: prompt {t.prompt!r}" in printed for t in built_in_tasks())

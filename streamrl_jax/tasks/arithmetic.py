@@ -57,6 +57,12 @@ class ArithmeticTask:
     a, b = (int(rng.integers(low, high)) for _ in range(2))
     return f"{a}+{b}=", worked_solution(a, b)
 
+  ROW_FIELDS = {"answer": "the sum, as text", "solution": "the worked solution the warm-up trains on"}
+
+  @staticmethod
+  def row_fields(prompt: str, solution: str) -> dict:
+    return {"answer": solution.rpartition(";=")[2], "solution": solution}
+
   @staticmethod
   def reward(prompt: str, completion: str, **fields) -> float:
     return arithmetic_reward(prompt, completion)

@@ -20,8 +20,8 @@ NEEDS_A_PRETRAINED_MODEL = ("file", "sums")  # tasks whose prompts a tokenizer o
 class TaskConfig:
   """What a run trains on."""
 
-  # arithmetic, countdown, sums, multiply, multiply_no_tool (built-in tasks), or "file": your JSONL/Parquet rows;
-  # "file" and "sums" need a pretrained model
+  # arithmetic, countdown, sums, multiply, multiply_no_tool (built-in tasks: `streamrl tasks` shows their prompts
+  # and row fields), or "file": your JSONL/Parquet rows; "file" and "sums" need a pretrained model
   name: str = "arithmetic"
   # task "file": a .jsonl or .parquet file, a directory of .parquet shards, or a Hub dataset's file or folder of
   # shards (hf://datasets/org/name[@revision]/path, fetched into the Hugging Face cache)

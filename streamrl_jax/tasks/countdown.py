@@ -62,6 +62,14 @@ class CountdownTask:
         expression = f"{expression}+{n}"
     return f"{','.join(map(str, numbers))}->{countdown_value(expression)}:", expression
 
+  ROW_FIELDS = {"answer": "the target the expression must reach, as text",
+                "numbers": "the numbers to use, comma-separated", "solution": "one expression that reaches it"}
+
+  @staticmethod
+  def row_fields(prompt: str, solution: str) -> dict:
+    numbers, _, target = prompt.rstrip(":").partition("->")
+    return {"answer": target, "numbers": numbers, "solution": solution}
+
   @staticmethod
   def reward(prompt: str, completion: str, **fields) -> float:
     return countdown_reward(prompt, completion)

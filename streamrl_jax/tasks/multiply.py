@@ -36,6 +36,14 @@ class MultiplyTask:
     answer = f";={a * b}"
     return f"{a}*{b}=", (f"<{a}*{b}>{a * b}" if self.tool else "") + answer
 
+  ROW_FIELDS = {"answer": "the product, as text",
+                "solution": "the worked solution the warm-up trains on: a calculator call (task 'multiply' only), "
+                            "then ';=' and the answer"}
+
+  @staticmethod
+  def row_fields(prompt: str, solution: str) -> dict:
+    return {"answer": solution.rpartition(";=")[2], "solution": solution}
+
   @staticmethod
   def reward(prompt: str, completion: str, **fields) -> float:
     return multiply_reward(prompt, completion)

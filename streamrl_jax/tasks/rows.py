@@ -33,11 +33,12 @@ class Row:
 
 
 def draw(task, rng) -> tuple[str, Row]:
-  """One prompt of `task` and its row: a task's own `draw`, else `sample`'s answer as the row's one field."""
+  """One prompt of `task` and its row: a task's own `draw`, else the fields its `row_fields` makes of the prompt and
+  `sample`'s solution (`ROW_FIELDS` says what each holds), else that solution as the row's `answer`."""
   if hasattr(task, "draw"):
     return task.draw(rng)
-  prompt, answer = task.sample(rng)
-  return prompt, Row(fields={"answer": answer})
+  prompt, solution = task.sample(rng)
+  return prompt, Row(fields=task.row_fields(prompt, solution) if hasattr(task, "row_fields") else {"answer": solution})
 
 
 def question(task, prompt: str) -> str:

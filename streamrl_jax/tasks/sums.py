@@ -62,6 +62,12 @@ class SumsTask:
       if is_heldout(terms) == (self.split == "heldout"):
         return f"What is {' + '.join(map(str, terms))}? Reply with only the number.", str(sum(terms))
 
+  ROW_FIELDS = {"answer": "the sum, as text"}
+
+  @staticmethod
+  def row_fields(prompt: str, solution: str) -> dict:
+    return {"answer": solution}
+
   @staticmethod
   def reward(prompt: str, completion: str, **fields) -> float:
     return sums_reward(prompt, completion)
