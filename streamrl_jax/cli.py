@@ -133,13 +133,19 @@ def cmd_generate(args) -> int:
   compiled = time.perf_counter()
   out = generate(model, tokens, mask, args.max_new_tokens, temperature=args.temperature, seed=args.seed)
   elapsed = time.perf_counter() - compiled
+  counted, ended_at_once = 0, 0
   for prompt, completion in zip(prompts, out):
     completion = completion.tolist()
     stops = [i for i, token in enumerate(completion) if token in tokenizer.stop_ids]
     ended = completion[:stops[0]] if stops else completion
+    counted += len(ended) + bool(stops)  # the tokens up to the stop, the stop included; none decoded after it
+    ended_at_once += stops[:1] == [0]
     print(f"{prompt!r} -> {tokenizer.decode(ended)!r}")
-  print(f"compile+run {compiled - start:.2f} s; run {elapsed:.3f} s; "
-        f"{out.size / elapsed:,.0f} generated tokens/s (batch {len(prompts)})")
+  print(f"compile+run {compiled - start:.2f} s; run {elapsed:.3f} s; {counted / elapsed:,.0f} tokens/s to the stops "
+        f"({counted} of {out.size} decoded; batch {len(prompts)})")
+  if ended_at_once and tokenizer.chat_template and not args.chat:
+    print(f"{ended_at_once} of {len(prompts)} prompts: the model ended its turn at its first token; a chat model "
+          "answers a prompt put into its template: add --chat")
   return 0
 
 

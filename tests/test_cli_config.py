@@ -130,7 +130,25 @@ def test_info_reports_bad_binding(capsys):
 def test_generate_demo_runs(capsys):
   assert cli.main(["generate", "--prompt", "1+1=", "--max-new-tokens", "5"]) == 0
   out = capsys.readouterr().out
-  assert "'1+1=' ->" in out and "generated tokens/s" in out
+  assert "'1+1=' ->" in out and "tokens/s to the stops" in out
+
+
+def test_generate_counts_tokens_to_the_stop_and_hints_chat_when_a_chat_model_stops_at_once(capsys, monkeypatch):
+  import jax.numpy as jnp
+
+  import streamrl_jax.models as models
+
+  model, tokenizer = cli._demo_model(0)
+  tokenizer.chat_template = "{{ messages }}"  # a chat model's tokenizer (its template is not rendered without --chat)
+  stop, a = tokenizer.eos_id, tokenizer.encode("7")[0]
+  rows = {1: [stop, a, a, a, a], 2: [a, a, stop, a, a]}  # prompt 1 ends its turn at once, prompt 2 after 2 tokens
+  monkeypatch.setattr(cli, "_demo_model", lambda seed: (model, tokenizer))
+  monkeypatch.setattr(models, "generate", lambda *args, **kw: jnp.asarray([rows[1], rows[2]]))
+  assert cli.main(["generate", "--prompt", "1+1=", "--prompt", "2+2=", "--max-new-tokens", "5"]) == 0
+  out = capsys.readouterr().out
+  assert "'1+1=' -> ''" in out and "'2+2=' -> '77'" in out
+  assert "(4 of 10 decoded; batch 2)" in out  # 1 (the stop) + 3 (two tokens and the stop)
+  assert "1 of 2 prompts: the model ended its turn at its first token" in out and "add --chat" in out
 
 
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "configs").glob("*.gin")), ids=lambda p: p.name)
