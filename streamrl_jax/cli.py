@@ -176,8 +176,12 @@ def cmd_simulate(args) -> int:
 
 
 def _config_args(parser) -> None:
-  parser.add_argument("--config", action="append", default=[], help="gin file (repeatable)")
-  parser.add_argument("--set", action="append", default=[], help="gin binding, e.g. PipelineConfig.mode='stream'")
+  parser.add_argument("--config", action="append", default=[], metavar="FILE",
+                      help="a gin file, or a shipped config by its short name (smollm2_cpu); repeatable, read in "
+                           "order (default: configs/demo_cpu.gin, the CPU demo)")
+  parser.add_argument("--set", action="append", default=[], metavar="CLASS.KEY=VALUE",
+                      help="one gin binding over the files, e.g. --set PipelineConfig.steps=20; repeatable, later "
+                           "ones win; `streamrl config` lists every key with its type and help")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -207,7 +211,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "function gets as keyword arguments) and the function that scores it")
   tasks.set_defaults(run=cmd_tasks)
   _model_parsers(sub)
-  train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)")
+  train = sub.add_parser("train", help="RL post-training (default: the CPU demo, async GRPO on arithmetic)",
+                         description="RL post-training: a run of the configs' model on their task, its metrics, "
+                                     "pictures, checkpoints and final model in --workdir. Without --config, the CPU "
+                                     "demo (configs/demo_cpu.gin: a tiny decoder, 300 warm-up steps, 80 async GRPO "
+                                     "steps on arithmetic). Ctrl-C stops at a step boundary; --resume continues.",
+                         epilog="e.g. streamrl train --config smollm2_cpu --set PipelineConfig.steps=20 "
+                                "--set OptimizerConfig.learning_rate=1e-5 --workdir runs/smollm2")
   _config_args(train)
   train.add_argument("--workdir", required=True, help="where metrics, pictures, checkpoints and models go")
   arms_arg(train)

@@ -221,3 +221,15 @@ def test_ctrl_c_at_any_moment_is_one_line_and_exit_130(monkeypatch, capsys):
   finally:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     stopping._EARLY.clear()
+
+
+def test_train_help_names_the_default_config_as_it_stands_and_that_config_and_set_repeat():
+  parser = cli.build_parser()
+  train = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith(" train"))
+  text = " ".join(train.format_help().split())
+  gin_config.parse(gin_config.run_files([]))
+  config, job = gin_config.build_run()
+  assert (f"configs/demo_cpu.gin: a tiny decoder, {job.warmup_steps} warm-up steps, {config.steps} {config.mode} "
+          f"GRPO steps on {job.task.name}") in text
+  assert "repeatable, read in order" in text and "repeatable, later ones win" in text
+  gin_config.parse()
