@@ -4,7 +4,8 @@ Samples travel as `SampleShard` (Arrow across processes) and weights as `WeightU
 across processes); everything else is one of the control records below: the samplers' (`Register` to `Ack`)
 and the trainer's (`Published` on, the calls of `pipeline.trainer.control.TrainerControl`), and a follower arm
 program's (`ArmJoin` to `ArmState`, answered by `arms.remote`). Their JSON codec, which bounds what a peer sends,
-is `message_codec`; refusals quote at most `QUOTE_CHARS` of what was sent (`quote`).
+is `message_codec`; refusals quote at most `QUOTE_CHARS` of what was sent (`quote`). Steps travel as 0-based
+indices; what people read names them as their metrics rows do (`row_step`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,12 @@ import typing
 
 from streamrl_jax.phase_clock import OTHER, accounted_frac
 from streamrl_jax.types import Rollout
+
+
+def row_step(step: int) -> int:
+  """The number of step index `step` (0-based, as leases, shards and plans carry it) in its metrics row (`step`: the
+  updates done once it is trained) and in every message."""
+  return step + 1
 
 
 class BadMessage(ValueError):

@@ -228,6 +228,26 @@ def test_the_controller_hands_a_step_summary_out_once_and_retargets_from_it():
   assert config.scheduling.instance_target(1, 4.0, 1.0) == 2  # generation 4x training: one more instance
   controller.published(Published(1))
   assert controller.lease(LeaseRequest(sampler, 0.0)).lease.instances == 2
-  with pytest.raises(TimeoutError, match="step 0"):
+  with pytest.raises(TimeoutError, match="step 1 "):
     controller.take_step_summary(StepSummaryRequest(0, timeout_s=0.01))  # taken already
   assert controller.sampler_wait(SamplerWaitQuery()).seconds == 0.5
+
+
+def test_messages_name_a_step_as_its_metrics_row_does():
+  """Leases, shards and plans carry 0-based step indices; every message names index i as its metrics row does: i + 1."""
+  from streamrl_jax.messages import BadShard
+  from streamrl_jax.pipeline.controller.door import shard_groups
+  from streamrl_jax.pipeline.events import describe_event
+  from tests.wire_samples import group_shard
+
+  assert describe_event(dict(event="sampler_joined", sampler="s1", next_step=0)).endswith("from step 1)")
+  assert "(step 1) delivered by s1" in describe_event(dict(event="re_leased_delivered", sampler="s1", step=0,
+                                                           lost_sampler="s0", since_lost_s=1.0))
+  with pytest.raises(BadShard, match="group 7 of step 1 carries sample indices"):
+    shard_groups(group_shard([5, 6], step=0), group_size=3)
+  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
+  sampler = controller.register(Register("s", {})).sampler_id
+  with pytest.raises(BadMessage, match="lease -1 of step 1, which it does not hold"):
+    controller.report(report(sampler, lease(0, [0, 1])))
+  with pytest.raises(TimeoutError, match="reports of step 1 did not arrive"):
+    controller.take_step_summary(StepSummaryRequest(0, timeout_s=0.01))

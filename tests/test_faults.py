@@ -171,14 +171,14 @@ def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
 
 
 def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
-  assert re.search(r"step 1 received sample \(group 8, index 1\).*groups 4..7",
+  assert re.search(r"step 2 received sample \(group 8, index 1\).*groups 4..7",
                    _refusal(shard_of(1, [4, 8], [0, 1]), 1, CONFIG))
   assert _refusal(shard_of(1, [4, 7], [0, 1]), 1, CONFIG) is None
   assert "index 2" in _refusal(shard_of(1, [4, 4], [0, 2]), 1, CONFIG)  # group_size 2: indices 0 and 1
   assert "holds a sample twice" in _refusal(shard_of(1, [4, 4], [1, 1]), 1, CONFIG)
-  assert "the run has 3 steps" in _refusal(shard_of(7, [28, 28], [0, 1]), 1, CONFIG)
+  assert "a shard of step 8; the run has 3 steps" in _refusal(shard_of(7, [28, 28], [0, 1]), 1, CONFIG)
   mixed = SampleShard(**{**shard_of(1, [4, 4], [0, 1]).__dict__, "steps": np.array([1, 2])})
-  assert "mixes samples of steps [1, 2]" in _refusal(mixed, 1, CONFIG)
+  assert "mixes samples of steps [2, 3]" in _refusal(mixed, 1, CONFIG)  # as rows number them
 
 
 # ---- the programs (started and killed by `tests.processes.Programs`) -------------------------------------

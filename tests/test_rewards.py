@@ -2,6 +2,7 @@
 sampler's thread, and the pipeline's reward/<name> metrics against a recomputation from the samples trained."""
 
 import dataclasses
+import re
 import textwrap
 
 import numpy as np
@@ -180,6 +181,19 @@ def test_fields_reach_the_functions_and_totals_are_weighted(module_file, workers
   assert [got[i].total for i in range(3)] == [2.0, 2.0, 1.0]
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_reward_file_imports_the_module_beside_it(tmp_path, workers):
+  folder = tmp_path / "own"
+  folder.mkdir()
+  (folder / "helpers_beside.py").write_text("def last_word(text):\n  return text.split()[-1]\n")
+  (folder / "scored.py").write_text("import helpers_beside\n\n"
+                                    "def says(prompt, completion, answer, **fields):\n"
+                                    "  return float(helpers_beside.last_word(completion) == answer)\n")
+  with RewardScorer(RewardConfig(functions=(f"{folder}/scored.py:says",), workers=workers)) as scorer:
+    assert scorer.score("q", "it is blue", {"answer": "blue"}, "row 1").total == 1.0
+    assert scorer.score("q", "it is red", {"answer": "blue"}, "row 2").total == 0.0
+
+
 @pytest.mark.parametrize("function, said", [
     ("boom", "raised KeyError: 'no such thing'"), ("nan", "returned nan"), ("inf", "returned -inf"),
     ("text", "returned a str"), ("nothing", "returned a NoneType")])
@@ -297,9 +311,10 @@ def short(prompt, completion, **fields):
 
 @pytest.mark.slow
 def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, monkeypatch):
-  """A reward that raises in step 2 stops the run naming it (step 1 is checkpointed, nothing of step 2 trained);
-  the resumed run (scoring in a worker) trains steps 2 and 3 once each, and every reward/<name> metric is the
-  mean of the values in the samples it trained, which equal the functions applied to their decoded text."""
+  """A reward that raises in step 2 stops the run naming it (step 1 is checkpointed, nothing of step 2 trained) by
+  the step of the metrics row that trains the sample once resumed; the resumed run (scoring in a worker) trains
+  steps 2 and 3 once each, and every reward/<name> metric is the mean of the values in the samples it trained, which
+  equal the functions applied to their decoded text."""
   from flax import nnx
 
   from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
@@ -312,12 +327,13 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
   module = tmp_path / "pipeline_rewards.py"
   module.write_text(textwrap.dedent(PIPELINE_REWARDS))
   (tmp_path / "trigger").write_text("")
-  got = []
+  got, taken = [], []  # shards taken by the trainer; they and the rows written, in order
 
   class RecordingQueue(SampleQueue):
     def get(self, timeout=None):
       shard = super().get(timeout)
       got.append(shard)
+      taken.append(shard)
       return shard
 
   monkeypatch.setattr(runner_module, "SampleQueue", RecordingQueue)
@@ -326,16 +342,22 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
   checkpointer = Checkpointer(tmp_path / "checkpoints", max_to_keep=2)
   model = Transformer(MODEL, rngs=nnx.Rngs(0))
   with pytest.raises(RewardError, match=r"'digits' raised ArithmeticError: a bug in the user's reward on prompt "
-                                        r"'\d+\+\d+=', step 1, group \d+, sample \d"):
+                                        r"'\d+\+\d+=', step \d+, group \d+, sample \d") as raised:
     run_pipeline(config, model, TOKENIZER, DigitTask(max_digits=3), hooks=RunHooks(checkpointer))
+  named, group, index = map(int, re.search(r"step (\d+), group (\d+), sample (\d+)", str(raised.value)).groups())
   checkpointer.wait()
   assert checkpointer.latest_step() == 1
   (tmp_path / "trigger").unlink()
   got.clear()
+  taken.clear()
   in_thread = dataclasses.replace(config.sampler, reward=dataclasses.replace(reward, workers=1))
   resumed = run_pipeline(dataclasses.replace(config, sampler=in_thread), model, TOKENIZER,
-                         DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True))
+                         DigitTask(max_digits=3), hooks=RunHooks(checkpointer, resume=True, on_step=taken.append))
   assert [m["step"] for m in resumed.metrics] == [2, 3] and resumed.counters["prompts_submitted"] == 8
+  at = next(i for i, s in enumerate(taken)
+            if not isinstance(s, dict) and ((s.group_ids == group) & (s.sample_indices == index)).any())
+  row = next(r for r in taken[at:] if isinstance(r, dict))  # the first row written once the sample was taken
+  assert named == row["step"] == 2
   assert resumed.counters["samples_trained"] == 2 * 16
   digits, short = load_function(f"{module}:digits"), load_function(f"{module}:short")
   for m in resumed.metrics:

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 
 from streamrl_jax.counters import Counters
+from streamrl_jax.messages import row_step
 from streamrl_jax.streaming import QueueClosed, SampleShard
 
 
@@ -25,7 +26,7 @@ class StepSkipped(Exception):
   """A follower does not train this step: it was dropped from its feed, or the follower is too far behind."""
 
   def __init__(self, step: int, why: str):
-    super().__init__(f"step {step + 1} skipped: {why}")
+    super().__init__(f"step {row_step(step)} skipped: {why}")
     self.step, self.why = step, why
 
 
@@ -205,7 +206,7 @@ class FollowerSource:
     lead_done, dropped = self.feed.view()
     why = None
     if step < self.first_step:
-      why = f"the lead's stream starts at step {self.first_step + 1}"
+      why = f"the lead's stream starts at step {row_step(self.first_step)}"
     elif step in dropped:
       why = "the follower's feed was full"
     elif lead_done - step > self.max_lag:

@@ -18,6 +18,7 @@ from jax.sharding import Mesh
 
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.arms.config import arm_pipeline
+from streamrl_jax.messages import row_step
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.trainer.control import FollowerControl
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
@@ -97,8 +98,8 @@ class _Arm:
     except BaseException as err:  # the lead and the other arms go on
       self.error = err
       self.feed.close(discard=True)
-      _log.error(f"arm {self.name!r} failed at step {self.source.step + 1}: {type(err).__name__}: {err}; the lead goes "
-                 "on (a resumed run restarts the arm from its checkpoint)")
+      _log.error(f"arm {self.name!r} failed at step {row_step(self.source.step)}: {type(err).__name__}: {err}; the "
+                 "lead goes on (a resumed run restarts the arm from its checkpoint)")
     finally:
       if self.worker.checkpointer is not None:
         self.worker.checkpointer.wait()

@@ -22,7 +22,7 @@ import jax
 import pyarrow.flight as flight
 from flax import nnx
 
-from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery
+from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery, row_step
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.arms.feed import ArmFeed, FollowerSource
 from streamrl_jax.arms.outputs import HeldOut, describe_arm, finish_arm
@@ -136,7 +136,7 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   graphdef, params = nnx.split(model)
   if resumed_at is None:
     params = _lead_weights(connection, params, joined.start_step)
-  start = f"resuming after its step {resumed_at}" if resumed_at else f"starting at step {joined.start_step + 1}"
+  start = f"resuming after its step {resumed_at}" if resumed_at else f"starting at step {row_step(joined.start_step)}"
   _log.info(f"arm {arm.name!r}: joined run {joined.run_id}; {start}")
   worker = TrainerWorker(arm_config, graphdef, params, role_mesh(config.mesh, "trainer", devices),
                          checkpointer=_CommittingCheckpointer(base, saved), resume=resumed_at is not None,

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, Delivery, Heartbeat, HeartbeatReply,
                                    LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register, Registered,
                                    SamplerWait, SamplerWaitQuery, StepReport, StepSummary, StepSummaryRequest,
-                                   StepTrained)
+                                   StepTrained, row_step)
 from streamrl_jax.pipeline.controller.door import Door
 from streamrl_jax.pipeline.controller.leases import Leases
 from streamrl_jax.pipeline.controller.plans import StepPlans
@@ -118,8 +118,8 @@ class Controller:
       self.roster.heard(message.sampler_id)
       lease = self.leases.held(message.sampler_id, message.lease_id, message.step)
       if lease is None:
-        raise BadMessage(f"sampler {message.sampler_id} reported lease {message.lease_id} of step {message.step}, "
-                         f"which it does not hold")
+        raise BadMessage(f"sampler {message.sampler_id} reported lease {message.lease_id} of step "
+                         f"{row_step(message.step)}, which it does not hold")
       if len(message.lengths) != len(lease.prompts):
         raise BadMessage(f"report of lease {message.lease_id}: {len(message.lengths)} lengths for "
                          f"{len(lease.prompts)} prompts")
@@ -236,7 +236,7 @@ class Controller:
     timeout = self.summary_timeout_s if message.timeout_s is None else message.timeout_s
     with self._cond:
       if not self._cond.wait_for(lambda: self.plans.summarised(message.step), timeout):
-        raise TimeoutError(f"the samplers' reports of step {message.step} did not arrive within {timeout} s")
+        raise TimeoutError(f"the samplers' reports of step {row_step(message.step)} did not arrive within {timeout} s")
       summary, reported = self.plans.take(message.step)
       self.leases.forget(reported)  # kept until now: a lease added late (a backfill) summarises the step again
       return summary

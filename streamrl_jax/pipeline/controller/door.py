@@ -9,20 +9,21 @@ import time
 
 import numpy as np
 
-from streamrl_jax.messages import BadShard, Delivery, DeliveryStatus, quote
+from streamrl_jax.messages import BadShard, Delivery, DeliveryStatus, quote, row_step
 
 
 def shard_groups(shard, group_size: int) -> tuple[int, dict[int, float]]:
   """(the shard's step, {group id: mean completion length}); `BadShard` names the first broken rule."""
   step = int(shard.steps[0])
   if (shard.steps != step).any():
-    raise BadShard(f"a shard mixes steps {sorted(set(shard.steps.tolist()))[:4]}; send one step a shard")
+    steps = [row_step(s) for s in sorted(set(shard.steps.tolist()))[:4]]
+    raise BadShard(f"a shard mixes steps {steps}; send one step a shard")
   completion = shard.loss_mask.sum(axis=1)
   lengths = {}
   for g in np.unique(shard.group_ids):
     rows = shard.group_ids == g
     if sorted(shard.sample_indices[rows].tolist()) != list(range(group_size)):
-      raise BadShard(f"group {int(g)} of step {step} carries sample indices "
+      raise BadShard(f"group {int(g)} of step {row_step(step)} carries sample indices "
                      f"{quote(sorted(shard.sample_indices[rows].tolist()))}; a shard carries whole groups, "
                      f"indices 0..{group_size - 1} once each")
     lengths[int(g)] = float(completion[rows].mean())
@@ -63,7 +64,7 @@ class Door:
         return "trained"
       foreign = self.leases.foreign(sampler_id, step, lengths)
       if foreign:
-        raise BadShard(f"group {foreign[0]} of step {step} was never leased to sampler "
+        raise BadShard(f"group {foreign[0]} of step {row_step(step)} was never leased to sampler "
                        f"{quote(self.roster.name_of(sampler_id))}")
       self.plans.delivered(step, lengths)
       if self.roster.is_lost(sampler_id):

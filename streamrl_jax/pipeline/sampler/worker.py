@@ -18,7 +18,7 @@ import numpy as np
 
 from streamrl_jax.envs import make_tools
 from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseReply, LeaseRequest, Leave, Register, RejoinRequired,
-                                   StepReport, WeightUpdate)
+                                   StepReport, WeightUpdate, row_step)
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.agents.rollouts import sampler_server
 from streamrl_jax.pipeline.sampler.engines import InstanceEngines, submit_lease
@@ -266,7 +266,7 @@ class SamplerWorker:
     default its completion's text). An agent episode that failed (`failure`: why) is scored 0 and counted."""
     run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
     group = run.collector.add(sample)
-    where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {run.lease.step}, group "
+    where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {row_step(run.lease.step)}, group "
              f"{sample.group_id}, sample {sample.sample_index}")
     key = (run.lease.lease_id, sample.group_id, sample.sample_index)
     if failure:

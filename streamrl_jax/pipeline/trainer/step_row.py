@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from streamrl_jax.messages import StepSummary
+from streamrl_jax.messages import StepSummary, row_step
 from streamrl_jax.phase_clock import accounted_frac
 from streamrl_jax.streaming import SampleShard
 
@@ -39,7 +39,7 @@ def step_row(config, step: int, shards: list, received: dict, train: dict, times
   parts = np.concatenate(received["parts"]).mean(axis=0)
   by_function = {f"reward/{name}": float(v) for name, v in zip(config.sampler.reward.names, parts)}
   wall = times.wall
-  return dict(step=step + 1, time=time.time(), reward_mean=float(rewards.mean()), **by_function,
+  return dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
               reward_errors=received["errors"], reward_timeouts=received["timeouts"],
               accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
               staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token

@@ -38,7 +38,7 @@ from streamrl_jax.counters import Counters
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.models.precision import wire_bytes, wire_template
-from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepTrained
+from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepTrained, row_step
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.step_plan import step_group_ids
@@ -151,10 +151,10 @@ class TrainerWorker:
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
       save_wait, train_metrics = 0.0, {"update_skipped": 1.0}
       if not empty:
-        _warn(f"step {step + 1}: dynamic sampling filtered every group (equal rewards in each) and nothing was left "
-              "to backfill; the step is skipped, the weights unchanged")
+        _warn(f"step {row_step(step)}: dynamic sampling filtered every group (equal rewards in each) and nothing was "
+              "left to backfill; the step is skipped, the weights unchanged")
     train_metrics["empty_step"] = float(bool(empty))
-    self._progress(f"the update of step {step + 1}")
+    self._progress(f"the update of step {row_step(step)}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
     # this step's accumulate + update, not the wait for the last step's save
     train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:]) - save_wait
@@ -200,7 +200,7 @@ class TrainerWorker:
         self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
       self.faults.hit("save", step + 1)
     release_free_memory()
-    self._progress(f"the end of step {step + 1}")
+    self._progress(f"the end of step {row_step(step)}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
       controller.published(Published(step + 1))
     if (stopping or _agreed(self.stop is not None and self.stop.requested)) and step + 1 < self.config.steps:
@@ -220,11 +220,11 @@ class TrainerWorker:
     while True:
       try:
         shard = get_shard(SHARD_POLL_S)
-        self._progress(f"a shard of step {step + 1} arrived")
+        self._progress(f"a shard of step {row_step(step)} arrived")
         return shard
       except TimeoutError:
         if self.stop is not None and self.stop.overdue(self.config.trainer.stop_grace_s):
-          raise self._stopped(abandoned_step=step + 1) from None
+          raise self._stopped(abandoned_step=row_step(step)) from None
 
   def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
     """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
@@ -360,15 +360,16 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
   key twice, or holds a sample its step's plan does not (groups `step_group_ids`, indices
   below group_size). With unique keys and a full count, a step trains each of its samples exactly once."""
   if (shard.steps != shard.steps[0]).any():
-    return f"a shard mixes samples of steps {sorted(set(shard.steps.tolist()))[:4]}"
+    return f"a shard mixes samples of steps {[row_step(s) for s in sorted(set(shard.steps.tolist()))[:4]]}"
   shard_step = int(shard.steps[0])
+  shown = row_step(shard_step)
   if shard_step >= config.steps:
-    return f"a shard of step {shard_step}; the run has {config.steps} steps"
+    return f"a shard of step {shown}; the run has {config.steps} steps"
   if len(set(shard.keys())) != shard.num_samples:
-    return f"a shard of step {shard_step} holds a sample twice"
+    return f"a shard of step {shown} holds a sample twice"
   functions = len(config.sampler.reward.names)
   if shard.reward_parts.shape[1] != functions:
-    return (f"a shard of step {shard_step} holds {shard.reward_parts.shape[1]} reward values a sample; this run's "
+    return (f"a shard of step {shown} holds {shard.reward_parts.shape[1]} reward values a sample; this run's "
             f"RewardConfig has {functions} ({', '.join(config.sampler.reward.names)})")
   planned, extra = step_group_ids(config, shard_step)
   ours = np.isin(shard.group_ids, np.asarray(planned)) | np.isin(shard.group_ids, np.asarray(extra))
@@ -376,7 +377,7 @@ def _refusal(shard: SampleShard, step: int, config) -> str | None:
   if bad.any():
     i = int(np.argmax(bad))
     backfill = f", backfill groups {extra.start}..{extra.stop - 1}" if len(extra) else ""
-    return (f"step {shard_step} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), which "
+    return (f"step {shown} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), which "
             f"its plan does not hold (groups {planned.start}..{planned.stop - 1}{backfill}, indices "
             f"0..{config.group_size - 1})")
   return None
@@ -388,8 +389,8 @@ def _drop_empty_step(batcher: MicroBatcher, shards: list, step: int) -> bool:
   if not batcher.rows_seen or sum(s.trained_tokens for s in shards):
     return False
   batcher.discard()
-  _warn(f"step {step + 1}: its {sum(s.num_samples for s in shards)} samples hold no token to train (every completion "
-        "empty or every episode failed); the step is skipped, the weights unchanged")
+  _warn(f"step {row_step(step)}: its {sum(s.num_samples for s in shards)} samples hold no token to train (every "
+        "completion empty or every episode failed); the step is skipped, the weights unchanged")
   return True
 
 
