@@ -73,3 +73,34 @@ def test_a_shipped_config_path_resolves_from_any_folder_and_names_its_short_form
   assert Path(found[0]) == ROOT / "configs" / "smollm2_cpu.gin"
   assert "short form: --config smollm2_cpu" in caplog.text
   assert gin_config.run_files(["smollm2_cpu"]) == found
+
+
+def test_a_trl_reward_function_is_told_the_form_a_reward_takes_here(tmp_path):
+  from streamrl_jax.rewards.functions import RewardFunctionError, check_signature, checked_value
+
+  path = tmp_path / "trl_rewards.py"
+  path.write_text("def reward_len(completions, **kwargs):\n  return [-abs(20 - len(c)) for c in completions]\n\n"
+                  "def both(prompts, completions, **kwargs):\n  return [0.0 for _ in completions]\n")
+  for name, param in (("reward_len", "completions"), ("both", "prompts")):
+    with pytest.raises(RewardFunctionError, match=rf"takes '{param}': TRL's batched form .* fn\(prompt, "
+                                                  r"completion, \*\*fields\) -> float, called once per sample"):
+      check_signature(f"{path}:{name}", "q", {"answer": "3"})
+  value, problem = checked_value([1.0, 0.0])
+  assert value is None and "not a batch as TRL's do" in problem
+
+
+@pytest.mark.parametrize("row, says", [
+    ({"prompt": "What is 2+2?", "answer": "4"}, "for the prompt in 'prompt': TaskConfig.prompt_key='prompt'"),
+    ({"text": "What is 2+2?"}, "its columns: ['text']"),
+    ({"question": [{"role": "user", "content": "What is 2+2?"}]}, "is a conversation (TRL's conversational form)"),
+])
+def test_a_trl_dataset_row_is_told_which_key_reads_its_prompt(tmp_path, row, says):
+  import json
+
+  from streamrl_jax.tasks import PromptFile
+
+  path = tmp_path / "rows.jsonl"
+  path.write_text(json.dumps(row) + "\n")
+  with pytest.raises(ValueError, match=re.escape(says)) as err:
+    PromptFile(path, "question")
+  assert "rows.jsonl, row 1" in str(err.value) and "\n" not in str(err.value)

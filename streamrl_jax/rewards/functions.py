@@ -80,6 +80,11 @@ def check_signature(spec: str, prompt: str, fields: dict) -> None:
     signature = inspect.signature(fn)
   except (TypeError, ValueError):
     return  # a builtin or C function: its call will tell
+  batched = [p for p in ("prompts", "completions") if p in signature.parameters]
+  if batched:
+    raise RewardFunctionError(f"reward function {spec!r}{signature} takes {batched[0]!r}: TRL's batched form "
+                              f"(lists in, a list out); here a reward function scores one completion as "
+                              f"fn(prompt, completion, **fields) -> float, called once per sample")
   try:
     signature.bind(prompt, "", **fields)
   except TypeError as err:
@@ -99,7 +104,9 @@ def checked_value(value) -> tuple[float | None, str]:
   shape = getattr(value, "shape", None)
   if shape == () and hasattr(value, "item"):  # a 0-d numpy or jax array
     return checked_value(value.item())
-  return None, f"returned a {type(value).__name__} ({_quote(value)}), not a number"
+  batch = " (a function here scores one completion a call, not a batch as TRL's do)" if isinstance(
+      value, (list, tuple)) else ""
+  return None, f"returned a {type(value).__name__} ({_quote(value)}), not a number{batch}"
 
 
 def call(spec: str, prompt: str, completion: str, fields: dict) -> tuple[str, object]:

@@ -27,6 +27,19 @@ def is_heldout(prompt: str, fraction: float) -> bool:
   return zlib.crc32(prompt.encode()) / 2**32 < fraction
 
 
+def _columns_hint(row) -> str:
+  """"; its columns: [...]" and the one that likely holds the prompt, as the key that reads it."""
+  if not isinstance(row, dict):
+    return f"; the row is a {type(row).__name__}, not an object of columns"
+  likely = [k for k in ("prompt", "question", "problem", "query", "input", "instruction") if k in row]
+  return (f" (TaskConfig.prompt_key); its columns: {sorted(row)}"
+          + (f"; for the prompt in {likely[0]!r}: TaskConfig.prompt_key='{likely[0]}'" if likely else ""))
+
+
+def _is_conversation(value) -> bool:
+  return isinstance(value, list) and bool(value) and all(isinstance(m, dict) and "role" in m for m in value)
+
+
 class PromptFile:
   """A grain random-access source of {"prompt", "fields", "where"} records."""
 
@@ -43,10 +56,14 @@ class PromptFile:
     for name, i, row in self._rows():
       where = f"{name}, row {i}"
       if not isinstance(row, dict) or prompt_key not in row:
-        raise ValueError(f"{where}: missing field {prompt_key!r}")
+        raise ValueError(f"{where}: missing field {prompt_key!r}{_columns_hint(row)}")
       if answer_key is not None and answer_key not in row:
         raise ValueError(f"{where}: missing field {answer_key!r}")
       prompt = row[prompt_key]
+      if _is_conversation(prompt):
+        raise ValueError(f"{where}: field {prompt_key!r} is a conversation (TRL's conversational form); here a "
+                         "prompt is the user's text: give that text and set TaskConfig.chat=True (the model's chat "
+                         "template wraps it; TaskConfig.system_prompt for a system message)")
       if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError(f"{where}: field {prompt_key!r} must be non-empty text")
       fields = {k: v for k, v in row.items() if k != prompt_key}
