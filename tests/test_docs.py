@@ -47,7 +47,7 @@ def test_the_readme_reads_in_five_minutes():
   assert lines[2:6] == [
       "```bash",
       "pip install -e . && streamrl train --workdir runs/demo   # install, then the CPU demo: warm-up + async GRPO",
-      'pip install -e ".[test]" && python -m pytest -q          # install the test extra, then run the tests',
+      'pip install -e ".[test]" && python -m pytest -q          # the tests: about 50 min on 2 CPU cores (+ torch, CPU)',
       "```"]
 
 
