@@ -23,7 +23,7 @@ from streamrl_jax.models import CharTokenizer
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.controller.config import ControllerConfig
-from streamrl_jax.pipeline.trainer.worker import _refusal
+from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
 from tests.processes import FAULTS, TIMEOUT_S, Programs, alive, check_each_step_once
@@ -172,13 +172,13 @@ def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
 
 def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
   assert re.search(r"step 2 received sample \(group 8, index 1\).*groups 4..7",
-                   _refusal(shard_of(1, [4, 8], [0, 1]), 1, CONFIG))
-  assert _refusal(shard_of(1, [4, 7], [0, 1]), 1, CONFIG) is None
-  assert "index 2" in _refusal(shard_of(1, [4, 4], [0, 2]), 1, CONFIG)  # group_size 2: indices 0 and 1
-  assert "holds a sample twice" in _refusal(shard_of(1, [4, 4], [1, 1]), 1, CONFIG)
-  assert "a shard of step 8; the run has 3 steps" in _refusal(shard_of(7, [28, 28], [0, 1]), 1, CONFIG)
+                   refusal(shard_of(1, [4, 8], [0, 1]), IntakeRules.of(CONFIG)))
+  assert refusal(shard_of(1, [4, 7], [0, 1]), IntakeRules.of(CONFIG)) is None
+  assert "index 2" in refusal(shard_of(1, [4, 4], [0, 2]), IntakeRules.of(CONFIG))  # group_size 2: indices 0 and 1
+  assert "holds a sample twice" in refusal(shard_of(1, [4, 4], [1, 1]), IntakeRules.of(CONFIG))
+  assert "a shard of step 8; the run has 3 steps" in refusal(shard_of(7, [28, 28], [0, 1]), IntakeRules.of(CONFIG))
   mixed = SampleShard(**{**shard_of(1, [4, 4], [0, 1]).__dict__, "steps": np.array([1, 2])})
-  assert "mixes samples of steps [2, 3]" in _refusal(mixed, 1, CONFIG)  # as rows number them
+  assert "mixes samples of steps [2, 3]" in refusal(mixed, IntakeRules.of(CONFIG))  # as rows number them
 
 
 # ---- the programs (started and killed by `tests.processes.Programs`) -------------------------------------

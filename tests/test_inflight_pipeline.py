@@ -14,8 +14,8 @@ from streamrl_jax.pipeline import PipelineConfig, run_pipeline
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids
-from streamrl_jax.pipeline.trainer.step_row import equal_reward_groups as _equal_reward_groups
-from streamrl_jax.pipeline.trainer.worker import _refusal
+from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
+from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups as _equal_reward_groups
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
@@ -142,9 +142,9 @@ def test_backfill_prompts_and_ids_are_fixed_by_seed_and_step():
 
 def test_the_trainer_refuses_groups_outside_the_plan_naming_the_backfill_range():
   shard = group_shard([5, 6], step=1, group=20)
-  assert "backfill groups 11..13" in _refusal(shard, 1, filtered_config())
-  assert _refusal(group_shard([5, 6], step=1, group=12), 1, filtered_config()) is None
-  assert "groups 4..7, indices" in _refusal(group_shard([5, 6], step=1, group=12), 1, BASE)
+  assert "backfill groups 11..13" in refusal(shard, IntakeRules.of(filtered_config()))
+  assert refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(filtered_config())) is None
+  assert "groups 4..7, indices" in refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(BASE))
 
 
 def test_equal_reward_groups_by_hand():

@@ -374,12 +374,12 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
 
 
 def test_the_trainer_refuses_shards_scored_by_another_reward_config():
-  from streamrl_jax.pipeline.trainer.worker import _refusal
+  from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
   from tests.pipeline_setup import BASE
   from tests.wire_samples import group_shard
 
   shard = group_shard([5, 6], step=0, group=1, functions=2)
   two_functions = RewardConfig(functions=("m:a", "m:b"))
   two = dataclasses.replace(BASE, sampler=dataclasses.replace(BASE.sampler, reward=two_functions))
-  assert _refusal(shard, 0, two) is None
-  assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in _refusal(shard, 0, BASE)
+  assert refusal(shard, IntakeRules.of(two)) is None
+  assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in refusal(shard, IntakeRules.of(BASE))

@@ -183,7 +183,7 @@ def test_process_0_judges_a_delivery_as_the_batch_itself():
   assert controller.lease(LeaseRequest(sampler, 0.0)).lease.group_ids == (0, 1, 2, 3)
   assert controller.door.deliver(Delivery(sampler, 0, (1, 3), (4.0, 2.0))) == DeliveryStatus("accept")
   refused = controller.door.deliver(Delivery(sampler, 1, (9,), (4.0,)))
-  assert refused.status == "refused" and "group 9 of step 1 was never leased" in refused.reason
+  assert refused.status == "refused" and "group 9 of step 2 was never leased" in refused.reason
   assert controller.door.deliver(Delivery(12345, 0, (0,), (1.0,))).status == "rejoin"
 
 

@@ -17,6 +17,7 @@ from streamrl_jax.messages import BadMessage, BadShard, LeaseRequest, Published,
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.phase_clock import PhaseClock
+from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState
 from streamrl_jax.pipeline.trainer.worker import TRAINER_PHASES, TrainerCounters, TrainerWorker
 from streamrl_jax.models import CharTokenizer
 from streamrl_jax.streaming import SampleShard
@@ -94,18 +95,18 @@ def two_samplers():
 
 
 def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
-  controller, a, b = two_samplers()
-  with pytest.raises(BadShard, match="group 2 of step 0 was never leased to sampler 'a'"):
+  controller, a, b = two_samplers()  # messages name steps as metrics rows do: index 0 is step 1
+  with pytest.raises(BadShard, match="group 2 of step 1 was never leased to sampler 'a'"):
     controller.door.on_shard(a, whole(0, [2]))  # b's
-  with pytest.raises(BadShard, match="group 9 of step 2 was never leased to sampler 'a'"):
+  with pytest.raises(BadShard, match="group 9 of step 3 was never leased to sampler 'a'"):
     controller.door.on_shard(a, whole(2, [9]))  # a future step nobody was leased
-  with pytest.raises(BadShard, match=r"group 0 of step 0 carries sample indices \[0\]; a shard carries whole groups"):
+  with pytest.raises(BadShard, match=r"group 0 of step 1 carries sample indices \[0\]; a shard carries whole groups"):
     controller.door.on_shard(a, group_shard([4], step=0, group=0))
   twice = dataclasses.replace(whole(0, [0]), sample_indices=np.array([1, 1]))
   with pytest.raises(BadShard, match=r"sample indices \[1, 1\]"):
     controller.door.on_shard(a, twice)
   mixed = dataclasses.replace(whole(0, [0]), steps=np.array([0, 1]))
-  with pytest.raises(BadShard, match=r"mixes steps \[0, 1\]"):
+  with pytest.raises(BadShard, match=r"mixes steps \[1, 2\]"):
     controller.door.on_shard(a, mixed)
   assert controller.door.on_shard(a, whole(0, [0, 1])) == "accept"
   assert controller.door.on_shard(12345, whole(0, [0])) == "rejoin"
@@ -116,11 +117,12 @@ def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
 def take_step(shards, step=1):
   """`TrainerWorker._take_step` on a stand-in worker that records what it would train."""
   trained = []
-  worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed, _early={}, _trained=set(),
+  worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed,
+                           rules=IntakeRules.of(CONFIG), intake=IntakeState(),
                            refusals=[], phase_clock=PhaseClock(TRAINER_PHASES),
                            counters=TrainerCounters(),
                            _accumulate=lambda shard, step, clock: trained.append(shard))
-  for name in ("_too_stale", "_next_shard", "_fresh_part", "_filter_flat", "_count_step"):  # the worker's own steps
+  for name in ("_next_shard", "_applied", "_count_step"):  # the worker's own steps
     setattr(worker, name, getattr(TrainerWorker, name).__get__(worker))
   worker.stop, worker._progress = None, lambda what: None
   feed = iter(shards)
@@ -134,8 +136,8 @@ def test_4_the_trainer_takes_new_groups_beside_trained_ones_and_drops_the_rest_w
                                whole(1, [6, 7])])
   assert trained == [(1, g, i) for g in (4, 5, 6, 7) for i in (0, 1)]  # each sample of the step once
   assert worker.counters["duplicate_samples"] == 2 and worker.counters["refused_samples"] == 4
-  assert [k for k in worker._early] == [2]  # step 2's shard waits for its step
-  assert "group 99" in worker.refusals[0] and "mixes samples of steps [1, 2]" in worker.refusals[1]
+  assert [s for s, _ in worker.intake.early] == [2]  # step 2's shard waits for its step
+  assert "group 99" in worker.refusals[0] and "mixes samples of steps [2, 3]" in worker.refusals[1]
 
 
 # ---- 5 and 8: memory and the queue over Flight ---------------------------------------------------

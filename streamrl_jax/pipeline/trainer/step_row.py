@@ -9,6 +9,7 @@ import time
 import numpy as np
 
 from streamrl_jax.messages import StepSummary, row_step
+from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups
 from streamrl_jax.phase_clock import accounted_frac
 from streamrl_jax.streaming import SampleShard
 
@@ -71,10 +72,3 @@ def record_arrival(received: dict, shard: SampleShard) -> None:
   received["parts"].append(shard.reward_parts)
   received["errors"] += int(shard.reward_errors.sum())
   received["timeouts"] += int(shard.reward_timeouts.sum())
-
-
-def equal_reward_groups(shard: SampleShard) -> list[int]:
-  """Groups of `shard` whose rewards are all equal: no advantage, nothing to learn (DAPO's dynamic sampling)."""
-  return sorted(int(g) for g in np.unique(shard.group_ids)
-                if np.ptp(shard.rewards[shard.group_ids == g]) == 0)
-

@@ -3,15 +3,14 @@
 It owns the trainer state, the micro-batcher, the checkpointer and its counters; it reaches the rest of the
 run through a shard source (`get`), a weight publisher (`publish`) and the controller (the version gate,
 the samplers' step summaries, the instance target), asked by typed messages (`trainer.control.TrainerControl`).
-Samples are keyed by (step, group, sample index): one that was trained already is dropped and counted, never
-trained twice (a shard's groups are taken apart, so a shard holding a trained group beside new ones trains the
-new ones); samples of a later step that arrive early wait for their step. A shard the step's plan does not
-hold, or one mixing steps, is dropped and counted (`refused_samples`), never a reason to stop: across processes
-the Flight server's door refuses such shards before they are acknowledged, so the counter stays 0 there.
-
-A group with a token older than the staleness bound (step - max_lag) is not trained: the controller leases
-it again (`groups_regenerated`). With dynamic sampling, a group whose rewards are all equal is not trained
-either; the controller adds prompts to the step in its place, up to the backfill bound.
+What of each arriving shard a step trains is the step intake's decision (`step_intake.take`, pure): samples are
+keyed by (step, group, sample index), and one trained already is dropped and counted (`duplicate_samples`), never
+trained twice; samples of a later step wait for their step; a shard the step's plan does not hold, or one mixing
+steps, is dropped and counted (`refused_samples`), never a reason to stop (across processes the Flight server's
+door refuses such shards before they are acknowledged, so the counter stays 0 there); a group with a token older
+than the staleness bound (step - max_lag) is leased again (`groups_regenerated`); with dynamic sampling, a group
+whose rewards are all equal is not trained and the controller adds prompts in its place, up to the backfill
+bound. The worker carries each decision out.
 
 A stop request (`stopping.StopRequest`: the first Ctrl-C or SIGTERM) is honoured at a step boundary: the step
 in progress finishes through its metrics row and its committed checkpoint, then `run` raises `RunStopped`. A
@@ -41,11 +40,10 @@ from streamrl_jax.models.precision import wire_bytes, wire_template
 from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepTrained, row_step
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.arms.feed import StepSkipped
-from streamrl_jax.pipeline.step_plan import step_group_ids
 from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
-from streamrl_jax.pipeline.trainer.step_row import (StepTimes, batch_metrics, equal_reward_groups, phase_row,
-                                                    record_arrival, step_row)
+from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
+from streamrl_jax.pipeline.trainer.step_row import StepTimes, batch_metrics, phase_row, record_arrival, step_row
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
@@ -90,9 +88,8 @@ class TrainerWorker:
     self.counters = _counters(config, self.state.params)
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
-    self._early: dict[int, list[SampleShard]] = {}  # shards of later steps
+    self.rules, self.intake = IntakeRules.of(config), IntakeState()  # what it does with each arriving shard
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
-    self._trained: set = set()  # sample keys of the step being trained
     self._step_counts: dict = {}  # counters of the step being trained, added to `counters` once it is (a step cut
     # short by a stop leaves no count behind: its samples are trained again after a resume)
     self.phase_clock = PhaseClock(TRAINER_PHASES)  # the training thread's seconds, by phase: each row carries them
@@ -227,13 +224,14 @@ class TrainerWorker:
           raise self._stopped(abandoned_step=row_step(step)) from None
 
   def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
-    """Shards of one global batch; streamed modes accumulate each on arrival. Returns (shards trained, wait s,
-    what arrived: rewards of every group, trained or not, and the groups filtered and backfilled)."""
-    needed, shards, waited = self.config.samples_per_step, [], 0.0
+    """Shards of one global batch, as the step intake decides (`step_intake.take`); streamed modes accumulate each
+    on arrival. Returns (shards trained, wait s, what arrived: rewards of every group, trained or not, and the
+    groups filtered and backfilled)."""
+    shards, waited = [], 0.0
     received = dict(rewards=[], parts=[], errors=0, timeouts=0, filtered=0, backfilled=0)
-    self._trained, self._step_counts = set(), dict(samples_trained=0, stale_samples=0)
-    early = self._early.pop(step, [])
-    while needed > 0:
+    self._step_counts = dict(samples_trained=0, stale_samples=0)
+    self.intake, early = begin(self.intake, self.rules, step)
+    while self.intake.needed > 0:
       if early:
         shard = early.pop(0)
       else:
@@ -241,17 +239,10 @@ class TrainerWorker:
         with self.phase_clock.phase("wait_samples"):
           shard = self._next_shard(get_shard, step)
         waited += time.perf_counter() - start
-      shard = self._fresh_part(shard, step, controller)
+      self.intake, taken = take(self.intake, self.rules, shard)
+      shard = self._applied(taken, shard, step, controller, received)
       if shard is None:
         continue
-      self._trained.update(shard.keys())
-      needed -= shard.num_samples
-      record_arrival(received, shard)
-      if self.config.controller.dynamic_sampling:
-        shard, granted = self._filter_flat(shard, step, controller, received)
-        needed += granted * self.config.group_size
-        if not shard.num_samples:
-          continue
       shards.append(shard)
       if self.streamed:
         self._accumulate(shard, step, clock)
@@ -263,41 +254,25 @@ class TrainerWorker:
       self.counters.add(key, count)
     return shards, waited, received
 
-  def _fresh_part(self, shard: SampleShard, step: int, controller: TrainerControl) -> SampleShard | None:
-    """What of an arrived shard this step trains (None: nothing): a refused shard is counted and dropped, one of
-    a later step kept for it, samples trained already dropped, and groups too stale leased again."""
-    problem = _refusal(shard, step, self.config)
-    if problem:
+  def _applied(self, taken: Taken, shard: SampleShard, step: int, controller: TrainerControl,
+               received: dict) -> SampleShard | None:
+    """The intake's decision carried out: counted, the controller asked (groups to lease again, prompts in place of
+    filtered groups), the arrival recorded; returns what the step trains of the shard (None: nothing)."""
+    if taken.refused:
       self.counters.refused_samples += shard.num_samples
-      self.refusals.append(problem)
-      return None
-    shard_step = int(shard.steps[0])
-    if shard_step > step:
-      self._early.setdefault(shard_step, []).append(shard)
-      return None
-    new = np.asarray([shard_step == step and key not in self._trained for key in shard.keys()], bool)
-    if not new.all():  # trained already: delivered twice, or late
-      self.counters.duplicate_samples += int((~new).sum())
-      if not new.any():
-        return None
-      shard = shard.take(np.flatnonzero(new))
-    stale = self._too_stale(shard, step)
-    if stale:
-      controller.regenerate(Regenerate(step, tuple(stale)))
-      shard = shard.take(np.flatnonzero(~np.isin(shard.group_ids, stale)))
-      self.counters.groups_regenerated += len(stale)
-    return shard if shard.num_samples else None
-
-  def _filter_flat(self, shard: SampleShard, step: int, controller: TrainerControl, received: dict):
-    """Dynamic sampling: groups of equal rewards are not trained, and as many prompts are asked for again as the
-    backfill bound grants; returns (the shard without them, prompts granted)."""
-    flat = equal_reward_groups(shard)
-    if not flat:
-      return shard, 0
-    granted = controller.backfill(Backfill(step, tuple(flat))).count
-    received["filtered"] += len(flat)
-    received["backfilled"] += granted
-    return shard.take(np.flatnonzero(~np.isin(shard.group_ids, flat))), granted
+      self.refusals.append(taken.refused)
+    self.counters.duplicate_samples += taken.duplicates
+    if taken.regenerate:
+      controller.regenerate(Regenerate(step, taken.regenerate))
+      self.counters.groups_regenerated += len(taken.regenerate)
+    if taken.arrived is not None:
+      record_arrival(received, taken.arrived)
+    if taken.filtered:
+      granted = controller.backfill(Backfill(step, taken.filtered)).count
+      received["filtered"] += len(taken.filtered)
+      received["backfilled"] += granted
+      self.intake = backfilled(self.intake, self.rules, granted)
+    return taken.train
 
   def _count_step(self, shards: list, received: dict) -> None:
     self.counters.unique_samples_trained += sum(s.num_samples for s in shards)
@@ -305,11 +280,6 @@ class TrainerWorker:
                                                                         - received["filtered"]) * self.config.group_size
     self.counters.groups_filtered += received["filtered"]
     self.counters.groups_backfilled += received["backfilled"]
-
-  def _too_stale(self, shard: SampleShard, step: int) -> list[int]:
-    """Groups of `shard` holding a token sampled by weights older than step - max_lag."""
-    oldest = step - self.spec.max_lag
-    return sorted({int(g) for g in shard.group_ids[shard.first_versions < oldest]})
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
@@ -353,34 +323,6 @@ class TrainerCounters(Counters):
   groups_regenerated: int = 0
   empty_steps: int = 0
   weight_version_bytes: int = 0
-
-
-def _refusal(shard: SampleShard, step: int, config) -> str | None:
-  """Why a shard cannot be trained (None: it can): it mixes steps, is of a step beyond the run, holds a
-  key twice, or holds a sample its step's plan does not (groups `step_group_ids`, indices
-  below group_size). With unique keys and a full count, a step trains each of its samples exactly once."""
-  if (shard.steps != shard.steps[0]).any():
-    return f"a shard mixes samples of steps {[row_step(s) for s in sorted(set(shard.steps.tolist()))[:4]]}"
-  shard_step = int(shard.steps[0])
-  shown = row_step(shard_step)
-  if shard_step >= config.steps:
-    return f"a shard of step {shown}; the run has {config.steps} steps"
-  if len(set(shard.keys())) != shard.num_samples:
-    return f"a shard of step {shown} holds a sample twice"
-  functions = len(config.sampler.reward.names)
-  if shard.reward_parts.shape[1] != functions:
-    return (f"a shard of step {shown} holds {shard.reward_parts.shape[1]} reward values a sample; this run's "
-            f"RewardConfig has {functions} ({', '.join(config.sampler.reward.names)})")
-  planned, extra = step_group_ids(config, shard_step)
-  ours = np.isin(shard.group_ids, np.asarray(planned)) | np.isin(shard.group_ids, np.asarray(extra))
-  bad = ~ours | (shard.sample_indices < 0) | (shard.sample_indices >= config.group_size)
-  if bad.any():
-    i = int(np.argmax(bad))
-    backfill = f", backfill groups {extra.start}..{extra.stop - 1}" if len(extra) else ""
-    return (f"step {shown} received sample (group {shard.group_ids[i]}, index {shard.sample_indices[i]}), which "
-            f"its plan does not hold (groups {planned.start}..{planned.stop - 1}{backfill}, indices "
-            f"0..{config.group_size - 1})")
-  return None
 
 
 def _drop_empty_step(batcher: MicroBatcher, shards: list, step: int) -> bool:
