@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ast
+import importlib
+import importlib.util
 import re
 from pathlib import Path
 
@@ -64,3 +67,67 @@ def test_the_architecture_layout_names_every_module_and_folder_of_the_package():
   actual = {p.name + "/" if p.is_dir() else p.name for p in package.iterdir()
             if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix == ".py")}
   assert listed == actual, f"listed, not in the package: {listed - actual}; not listed: {actual - listed}"
+
+
+def _package_classes() -> dict[str, tuple[set[str], list[str]]]:
+  """Every class of the package: the names its body, methods and `self.x =` give it, and its bases' names."""
+  out: dict[str, tuple[set[str], list[str]]] = {}
+  for path in (ROOT / "streamrl_jax").rglob("*.py"):
+    for node in ast.walk(ast.parse(path.read_text())):
+      if not isinstance(node, ast.ClassDef):
+        continue
+      names, bases = out.setdefault(node.name, (set(), []))
+      bases += [b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases]
+      for inner in ast.walk(node):
+        if isinstance(inner, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+          names.add(inner.name)
+        elif isinstance(inner, ast.Name) and isinstance(inner.ctx, ast.Store):
+          names.add(inner.id)
+        elif isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store):
+          names.add(inner.attr)
+  return out
+
+
+def _has(classes, name: str, attr: str, seen=()) -> bool:
+  """Whether class `name` (or a base: one outside the package may hold anything) has `attr`."""
+  if name not in classes:
+    return True
+  names, bases = classes[name]
+  return attr in names or any(_has(classes, b, attr, (*seen, name)) for b in bases if b not in seen)
+
+
+def dangling_names(text: str, classes) -> list[str]:
+  """The page's backticked `Class.attr` (a class of the package) and `streamrl_jax.module.Name` that name nothing."""
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  out = []
+  for name in re.findall(r"`([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)(?:\(\))?`", text):
+    head, attr = name.split(".")[:2]
+    if name.startswith("streamrl_jax."):
+      if not _importable(name):
+        out.append(name)
+    elif head[0].isupper() and head in classes and not _has(classes, head, attr):
+      out.append(name)
+  return out
+
+
+def _importable(name: str) -> bool:
+  """`name` is a module, or a name in one."""
+  try:
+    if importlib.util.find_spec(name) is not None:
+      return True
+  except (ImportError, AttributeError):
+    pass
+  module, _, last = name.rpartition(".")
+  try:
+    return hasattr(importlib.import_module(module), last)
+  except ImportError:
+    return False
+
+
+def test_every_class_attribute_and_module_name_the_docs_give_exists():
+  classes = _package_classes()
+  assert dangling_names("`Taken.refused` `Taken.nothing` `streamrl_jax.gin_config.parse` `streamrl_jax.gin_config.x` "
+                        "`NotOurs.x` `metrics.jsonl`", classes) == ["Taken.nothing", "streamrl_jax.gin_config.x"]
+  dangling = {page.relative_to(ROOT).as_posix(): found for page in PAGES
+              if (found := dangling_names(page.read_text(), classes))}
+  assert not dangling
