@@ -36,7 +36,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer  # noqa: E402
-from streamrl_jax.pipeline import PipelineConfig, run_pipeline  # noqa: E402
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.sampling import EngineConfig  # noqa: E402
 from streamrl_jax.sampling import SamplerConfig  # noqa: E402
 from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Trainer, TrainerConfig  # noqa: E402

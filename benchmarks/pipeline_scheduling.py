@@ -26,7 +26,7 @@ from flax import nnx  # noqa: E402
 
 from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
-from streamrl_jax.pipeline import run_pipeline  # noqa: E402
+from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
 from streamrl_jax.scheduling import SchedulingConfig  # noqa: E402
 

@@ -48,7 +48,7 @@ from flax import nnx  # noqa: E402
 
 from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
-from streamrl_jax.pipeline import run_pipeline  # noqa: E402
+from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.rewards import RewardConfig  # noqa: E402
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import gin
 
-from streamrl_jax.arms.config import ArmsConfig
+from streamrl_jax.arms.config import ArmsConfig, arms_from_configs
 from streamrl_jax.config_listing import render
 from streamrl_jax.config_types import ConfigError, checked
 from streamrl_jax.settings import MOVED_KEYS
@@ -302,8 +302,6 @@ def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, b
   """`config` (the lead) with a follower arm per file of `arm_files` (`--arms`), each parsed over the run's files
   and bindings and named by its file's stem (`arms.config.arms_from_configs` checks what they change). The
   run's own bindings are parsed again at the end."""
-  from streamrl_jax.arms.config import arms_from_configs
-
   if not arm_files:
     return config
   parsed = []

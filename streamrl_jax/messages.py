@@ -23,6 +23,15 @@ def row_step(step: int) -> int:
   return step + 1
 
 
+class StepSkipped(Exception):
+  """A follower arm does not train this step: it was dropped from its feed, or the follower is too far behind (its
+  shard source raises it; the trainer worker goes on to the next step)."""
+
+  def __init__(self, step: int, why: str):
+    super().__init__(f"step {row_step(step)} skipped: {why}")
+    self.step, self.why = step, why
+
+
 class BadMessage(ValueError):
   """A control message that is not one of the known records, or whose fields do not fit it."""
 

@@ -19,7 +19,7 @@ from flax import nnx  # noqa: E402
 from streamrl_jax import launch  # noqa: E402
 from streamrl_jax.meshes import pipeline_meshes  # noqa: E402
 from streamrl_jax.models import Transformer, state_shardings  # noqa: E402
-from streamrl_jax.pipeline import run_pipeline  # noqa: E402
+from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.training.checkpoint import Checkpointer  # noqa: E402
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask  # noqa: E402

@@ -4,7 +4,8 @@ import dataclasses
 from flax import nnx
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
-from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.tasks import ArithmeticTask

@@ -12,7 +12,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline import run_pipeline
+from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.records.metrics_log import PeriodicEval

@@ -10,7 +10,8 @@ from flax import nnx
 
 from streamrl_jax.messages import Ack, Backfill, Backfilled, Regenerate
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.step_plan import backfill_count, backfill_prompts, step_group_ids

@@ -16,7 +16,7 @@ from flax import nnx
 
 from streamrl_jax import launch
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline import run_pipeline
+from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.training.checkpoint import Checkpointer
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask

@@ -92,3 +92,58 @@ def test_no_part_goes_over_the_house_limits_and_the_listed_ones_only_shrink():
   assert not new, f"over the limits {LIMITS}: {new}; split them (the limits hold for every new part)"
   assert not grew, f"listed parts grew (listed, now): {grew}; they may only shrink"
   assert not shrank, f"listed parts shrank (listed, now; None: within the limit): {shrank}; lower or drop their entries"
+
+
+def module_imports() -> dict[str, set[str]]:
+  """Module -> the package's modules its module-level statements import (`from a.b import c`: a.b, or a.b.c where
+  that is a module), package `__init__`s left out (a package's re-exports are not a dependency of its parts)."""
+  root = PACKAGE.parent
+  files = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+           for p in PACKAGE.rglob("*.py")}
+  out = {}
+  for name, path in files.items():
+    edges = set()
+    for node in ast.parse(path.read_text()).body:
+      for imp in [node, *(ast.walk(node) if isinstance(node, ast.If | ast.Try) else ())]:
+        if isinstance(imp, ast.ImportFrom) and imp.module and imp.module.startswith("streamrl_jax"):
+          edges.update(f"{imp.module}.{a.name}" if f"{imp.module}.{a.name}" in files else imp.module
+                       for a in imp.names)
+        elif isinstance(imp, ast.Import):
+          edges.update(a.name for a in imp.names if a.name.startswith("streamrl_jax"))
+    out[name] = {e for e in edges if e in files and files[e].name != "__init__.py" and e != name}
+  return out
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+  """The graph's strongly connected parts of more than one node (Tarjan)."""
+  index, low, stack, on, found = {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in graph.get(v, ()):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      part = []
+      while not part or part[-1] != v:
+        part.append(stack.pop())
+        on.discard(part[-1])
+      if len(part) > 1:
+        found.append(sorted(part))
+  for v in list(graph):
+    if v not in index:
+      visit(v)
+  return found
+
+
+def test_no_module_imports_itself_round_a_cycle_and_no_package_loads_lazily():
+  assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+  assert not cycles(module_imports())
+  lazy = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py")
+          if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(p.read_text()).body)]
+  assert not lazy, f"a package loading its names on first use hides an import cycle: {lazy}"

@@ -8,7 +8,8 @@ import pytest
 from flax import nnx
 
 from streamrl_jax.models import Transformer
-from streamrl_jax.pipeline import PipelineConfig, run_pipeline
+from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.sampling import SamplerConfig
 from streamrl_jax.pipeline.run_hooks import RunHooks

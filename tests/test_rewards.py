@@ -319,7 +319,7 @@ def test_pipeline_logs_each_function_and_resumes_after_a_reward_error(tmp_path, 
 
   from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
   from streamrl_jax.models import Transformer
-  from streamrl_jax.pipeline import run_pipeline
+  from streamrl_jax.pipeline.runner import run_pipeline
   from streamrl_jax.pipeline import runner as runner_module
   from streamrl_jax.streaming import SampleQueue
   from streamrl_jax.training.checkpoint import Checkpointer

@@ -18,16 +18,8 @@ import threading
 from collections.abc import Callable
 
 from streamrl_jax.counters import Counters
-from streamrl_jax.messages import row_step
+from streamrl_jax.messages import StepSkipped, row_step
 from streamrl_jax.streaming import QueueClosed, SampleShard
-
-
-class StepSkipped(Exception):
-  """A follower does not train this step: it was dropped from its feed, or the follower is too far behind."""
-
-  def __init__(self, step: int, why: str):
-    super().__init__(f"step {row_step(step)} skipped: {why}")
-    self.step, self.why = step, why
 
 
 class ArmFeed:

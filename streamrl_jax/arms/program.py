@@ -31,8 +31,10 @@ from streamrl_jax.arms.followers import NoPublisher, arm_row, feed_capacity
 from streamrl_jax.records.metrics_log import PeriodicEval, open_metrics
 from streamrl_jax.records.run_record import RUN_ID_FILE
 from streamrl_jax.pipeline.trainer.control import FollowerControl
+from streamrl_jax.pipeline.train_job import evaluate
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.pytrees import unflatten_like
+from streamrl_jax.training.checkpoint import Checkpointer
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.streaming.flight_client import FlightConnection, VersionGone, fetch_weights
@@ -118,9 +120,6 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   """Runs follower arm `arm_name` of `config.arms.followers` against the lead at `connect` until the lead's stream ends;
   returns the arm's summary (also WORKDIR/summary.json). `flight_config`: call deadlines and how long to keep
   trying to reach the lead (its warm-up, a restart)."""
-  from streamrl_jax.pipeline.train_job import evaluate
-  from streamrl_jax.training.checkpoint import Checkpointer
-
   arm = next((a for a in config.arms.followers if a.name == arm_name), None)
   if arm is None:
     raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms.followers]})")

@@ -37,9 +37,9 @@ from streamrl_jax.counters import Counters
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.models.precision import wire_bytes, wire_template
-from streamrl_jax.messages import Backfill, Published, Regenerate, SamplerWaitQuery, StepTrained, row_step
+from streamrl_jax.messages import (Backfill, Published, Regenerate, SamplerWaitQuery, StepSkipped, StepTrained,
+                                   row_step)
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.arms.feed import StepSkipped
 from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
