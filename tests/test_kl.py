@@ -54,7 +54,7 @@ def test_kl_penalty_equals_numpy_and_streamed_gradients_stay_exact(estimator):
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated", "stream", "async"])
 def test_every_mode_trains_with_a_kl_penalty(mode):
   result = run(mode, trainer=dataclasses.replace(BASE.trainer, objective=ObjectiveConfig(kl_coef=0.04)), steps=2)
-  kl = [m["kl_mean"] for m in result.metrics]
+  kl = [m["kl"] for m in result.metrics]
   assert kl[0] == pytest.approx(0.0, abs=1e-6)  # step 1: the policy is the reference
   assert kl[-1] > 0 and result.counters["samples_trained"] == BASE.samples_per_step * 2
 
@@ -86,6 +86,6 @@ def test_a_large_kl_coefficient_keeps_the_policy_closer_to_the_reference(in_rewa
   free, sharp = free_run, SHARP
   kl = ObjectiveConfig(kl_coef=20.0, kl_in_reward=in_reward)
   held = run("disaggregated", **{**sharp, "trainer": dataclasses.replace(sharp["trainer"], objective=kl)})
-  assert len(held.metrics) == sharp["steps"] and held.metrics[-1]["kl_mean"] > 0
+  assert len(held.metrics) == sharp["steps"] and held.metrics[-1]["kl"] > 0
   if not in_reward:
     assert divergence_from_start(held.params) < 0.8 * divergence_from_start(free.params)

@@ -49,7 +49,7 @@ def step_row(config, step: int, shards: list, received: dict, train: dict, times
               env_tokens=sum(s.env_tokens for s in shards),
               trainer_idle_frac=min(1.0, times.waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, times.sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-              step_s=wall, train_s=times.train_s, kl_mean=train.get("kl", 0.0), **summary.metrics(), **train)
+              step_s=wall, train_s=times.train_s, **summary.metrics(), **train)
 
 
 def batch_metrics(before: dict, after: dict) -> dict:
