@@ -281,6 +281,8 @@ def _role(args) -> str | None:
     return args.name if args.process_id is None else f"{args.name}/{args.process_id}"
   if args.command == "follower":
     return f"follower {Path(args.arm).stem}"
+  if args.command == "launch" and args.where == "local":
+    return "launch"  # its lines interleave with its children's: stamped as theirs are
   return None
 
 

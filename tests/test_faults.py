@@ -361,7 +361,7 @@ def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
       if alive(pid):
         os.kill(pid, signal.SIGKILL)
   assert proc.returncode == 0, out
-  assert "streamrl launch local: adding sampler-1 (generation" in out
+  assert "launch[" in out and "INFO adding sampler-1 (generation" in out
   counters = check_each_step_once(tmp_path, steps)
   assert counters["samples_trained"] == steps * 8
   events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]

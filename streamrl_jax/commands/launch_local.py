@@ -20,6 +20,7 @@ import ctypes
 import dataclasses
 import functools
 import json
+import logging
 import os
 import signal
 import socket
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+_log = logging.getLogger(__name__)
 STOP_SAVE_MARGIN_S = 60.0  # a stopping trainer's checkpoint and teardown, beyond its stop grace
 FAILURE_STOP_S = 60.0  # after a child failed: how long the trainer may take to stop
 SAMPLER_EXIT_GRACE_S = 30.0
@@ -190,13 +192,12 @@ def cmd_launch_local(args) -> int:
       child.start()
     _write_manifest(workdir, children)
     logs = ", ".join(f"{c.name}: {c.log}" for c in children if c.log)
-    print(f"streamrl launch local: {len(children)} processes ({logs})", file=sys.stderr, flush=True)
+    _log.info("%d processes (%s)", len(children), logs)
     return Supervisor(children, args.trainer_processes, workdir, args.sampler_restarts, elastic).run()
   except KeyboardInterrupt:
-    print("streamrl launch local: stopping (the trainer finishes its step and checkpoints; Ctrl-C again to stop "
-          "at once)", file=sys.stderr, flush=True)
+    _log.warning("stopping (the trainer finishes its step and checkpoints; Ctrl-C again to stop at once)")
     _stop(children, children[:args.trainer_processes], trainer_stop_wait_s(workdir))
-    print("streamrl launch local: stopped (the trainer's last line says what is checkpointed)", file=sys.stderr)
+    _log.warning("stopped (the trainer's last line says what is checkpointed)")
     return 130
   finally:
     _kill_leftovers(children)
@@ -262,8 +263,7 @@ class Supervisor:
       time.sleep(0.2)
     failed = [c for c in self.followers() if c.proc.returncode not in (None, 0)]
     for child in failed:
-      print(f"streamrl launch local: {child.name} exited with code {child.proc.returncode} (its log: {child.log})",
-            file=sys.stderr)
+      _log.error("%s exited with code %s (its log: %s)", child.name, child.proc.returncode, child.log)
     return self.trainers[0].proc.returncode
 
   def _check_exits(self) -> int | None:
@@ -271,14 +271,14 @@ class Supervisor:
       code = child.proc.poll()
       if code in (None, 0) or child.retired:
         continue
-      said = f"streamrl launch local: {child.name} exited with code {code}"
+      said = f"{child.name} exited with code {code}"
       if child not in self.trainers and self.restarts > 0 and code != USAGE_ERROR:
         self.restarts -= 1
-        print(f"{said}; starting it again ({self.restarts} restart(s) left)", file=sys.stderr, flush=True)
+        _log.warning("%s; starting it again (%d restart(s) left)", said, self.restarts)
         child.start()
         _write_manifest(self.workdir, self.children)
         continue
-      print(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""), file=sys.stderr)
+      _log.error(said + (f"; the end of its log ({child.log}):\n{_tail(child.log)}" if child.log else ""))
       if child.name.startswith(ARM_CHILD):  # the lead and the other arms go on; the arm resumes on a later run
         child.retired = True
         continue
@@ -320,12 +320,12 @@ class Supervisor:
       child.start()
       self.children.append(child)
       self.waiting_for = child
-      print(f"streamrl launch local: adding {child.name} ({why})", file=sys.stderr, flush=True)
+      _log.info("adding %s (%s)", child.name, why)
     else:
       child = live[-1]
       child.retired = True
       child.signal(signal.SIGTERM)  # it leaves: its leases go back to the plan
-      print(f"streamrl launch local: retiring {child.name} ({why})", file=sys.stderr, flush=True)
+      _log.info("retiring %s (%s)", child.name, why)
     self.changed_at = self.steps_seen
     _write_manifest(self.workdir, self.children)
 

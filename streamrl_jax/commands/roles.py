@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
-import sys
 from pathlib import Path
 
 from streamrl_jax.config_types import ConfigError
+
+_log = logging.getLogger(__name__)
 
 ROLES = ("trainer", "sampler", "follower")
 
@@ -145,10 +147,10 @@ def cmd_trainer(args) -> int:
   def on_event(event: dict) -> None:  # samplers joining, leaving, lost: kept in WORKDIR/events.jsonl
     with events.open("a") as out:
       out.write(json.dumps(event) + "\n")
-    print(f"streamrl trainer: {describe_event(event)}", file=sys.stderr, flush=True)
+    _log.info(describe_event(event))
 
   def listening(address: str) -> None:
-    print(f"streamrl trainer: listening on {address}", flush=True)
+    _log.info("listening on %s", address)
     if args.address_file:
       Path(args.address_file).write_text(address)
   endpoint = TrainerEndpoint(args.listen, tls, flight_config, args.site, on_listening=listening, on_event=on_event)
@@ -190,11 +192,11 @@ def cmd_follower(args) -> int:
     summary = follow_lead(config, job, name, connect=args.connect, workdir=Path(args.workdir), tls=tls,
                           flight_config=gin_config.build_flight())
   except KeyboardInterrupt:
-    print(f"streamrl follower {name}: stopped; run it again with --workdir {args.workdir} to resume from its last "
-          "checkpoint", file=sys.stderr)
+    _log.warning("follower %s stopped; run it again with --workdir %s to resume from its last checkpoint", name,
+                 args.workdir)
     return 130
   except ConnectionError as err:
-    print(f"streamrl follower {name}: {err}", file=sys.stderr)
+    _log.error("follower %s: %s", name, err)
     return 3
   print(json.dumps({k: v for k, v in summary.items() if k != "counters"}))
   return 0
@@ -225,18 +227,17 @@ def cmd_sampler(args) -> int:
       stats = run_sampler(config, model_config, tokenizer, task, endpoint=endpoint, stop=stop.event,
                           base_params=lora_base(config, job))
   except KeyboardInterrupt:
-    print(f"streamrl sampler {args.name}: stopped", file=sys.stderr)
+    _log.warning("sampler %s stopped", args.name)
     return 130
   except ConnectionError as err:
-    print(f"streamrl sampler {args.name}: {err}", file=sys.stderr)
+    _log.error("sampler %s: %s", args.name, err)
     return 3
   if stop.requested:
-    print(f"streamrl sampler {args.name}: stopped; its leases went back to the trainer", file=sys.stderr)
+    _log.warning("sampler %s stopped; its leases went back to the trainer", args.name)
     return 130
-  print(f"streamrl sampler {args.name}: the run is over; sent {stats['put_samples']} samples in "
-        f"{stats['put_shards']} shards, fetched {stats['weights_fetches']} weight versions "
-        f"({stats['weights_relay_fetches']} from a relay, {stats['weights_relay_fallbacks']} relay fallbacks)",
-        file=sys.stderr)
+  _log.info(f"sampler {args.name}: the run is over; sent {stats['put_samples']} samples in {stats['put_shards']} "
+            f"shards, fetched {stats['weights_fetches']} weight versions ({stats['weights_relay_fetches']} from a "
+            f"relay, {stats['weights_relay_fallbacks']} relay fallbacks)")
   return 0
 
 

@@ -7,8 +7,8 @@ weights go and what they stop at the end.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
-import warnings
 from collections.abc import Callable
 
 import jax
@@ -25,6 +25,8 @@ from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.scheduling import OnlineRanker, SchedulingConfig
 from streamrl_jax.streaming import SampleQueue
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -47,7 +49,7 @@ def make_ranker(scheduling: SchedulingConfig, mesh, checkpointer=None, resume: b
     try:
       ranker.load_state_arrays(checkpointer.restore_aux({"ranker": ranker.state_arrays()})["ranker"])
     except FileNotFoundError as err:  # saved by a run without the ranker: it starts fresh and learns online
-      warnings.warn(f"{err}; the output-length ranker starts untrained", stacklevel=3)
+      _log.warning("%s; the output-length ranker starts untrained", err)
   return ranker
 
 
