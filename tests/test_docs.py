@@ -59,7 +59,7 @@ def test_every_link_of_the_readme_and_the_docs_leads_somewhere():
   assert not broken
 
 
-def test_the_architecture_layout_names_every_module_and_folder_of_the_package():
+def test_the_architecture_layout_names_every_module_and_folder_of_the_package_and_every_inner_module():
   text = (ROOT / "docs" / "architecture.md").read_text()
   block = text.split("## Layout: one folder a part", 1)[1].split("```", 2)[1]
   listed = set(re.findall(r"^  (\w+(?:\.py|/))", block, re.M))
@@ -67,6 +67,9 @@ def test_the_architecture_layout_names_every_module_and_folder_of_the_package():
   actual = {p.name + "/" if p.is_dir() else p.name for p in package.iterdir()
             if p.name not in ("__init__.py", "__pycache__") and (p.is_dir() or p.suffix == ".py")}
   assert listed == actual, f"listed, not in the package: {listed - actual}; not listed: {actual - listed}"
+  unnamed = [str(p.relative_to(package)) for p in sorted(package.rglob("*.py"))
+             if p.parent != package and p.name != "__init__.py" and not re.search(rf"\b{p.stem}\b", block)]
+  assert not unnamed, f"modules the layout does not name: {unnamed}"
 
 
 def _package_classes() -> dict[str, tuple[set[str], list[str]]]:
