@@ -79,7 +79,7 @@ def test_3_samples_longer_or_more_than_the_run_allows_are_refused():
     batch_to_shard(batch_of(group_shard([5, 30])), LIMITS)
   with pytest.raises(BadSampleBatch, match="9 rows; this run takes at most 8"):
     batch_to_shard(batch_of(group_shard([4] * 9)), LIMITS)
-  run = WireLimits.of_run(CONFIG, VOCAB)
+  run = WireLimits.of_run(CONFIG.sampler.engine, CONFIG.samples_per_step, VOCAB)
   assert (run.max_tokens, run.max_rows) == (CONFIG.sampler.engine.max_prompt_length + 8, 8)
   batch_to_shard(batch_of(group_shard([4, 24])), LIMITS)  # at the limit: taken
 

@@ -19,6 +19,7 @@ import numpy as np
 from streamrl_jax.counters import Counters
 from streamrl_jax.agents.program import FAILED, POLICY_MODEL, TIMED_OUT, run_group
 from streamrl_jax.rewards.scorer import Score, worker_pool
+from streamrl_jax.sampling.config import SamplerConfig
 from streamrl_jax.serving.app import ServedModel, Service
 from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.serving.config import ServeConfig
@@ -41,14 +42,14 @@ class EpisodeResult:
   transcript: Transcript | None
 
 
-def sampler_server(config, serve: ServeConfig | None, tokenizer, tls=None, name: str = "sampler"):
+def sampler_server(sampler: SamplerConfig, serve: ServeConfig | None, tokenizer, tls=None, name: str = "sampler"):
   """(bridge, server) of a sampler worker that serves clients (`serve`) or runs an agent program; (None, None)
   otherwise. An agent's sampler answers to `POLICY_MODEL`, the name agents ask for."""
-  if serve is None and not config.sampler.env.agent:
+  if serve is None and not sampler.env.agent:
     return None, None
   bridge = RequestBridge(before_leases=serve is None or serve.priority == "before_leases")
-  served_name = POLICY_MODEL if config.sampler.env.agent or not serve.model_name else serve.model_name
-  served = ServedModel(served_name, tokenizer, config.sampler.engine.max_prompt_length, config.max_new_tokens)
+  served_name = POLICY_MODEL if sampler.env.agent or not serve.model_name else serve.model_name
+  served = ServedModel(served_name, tokenizer, sampler.engine.max_prompt_length, sampler.engine.max_new_tokens)
   server = serving_for(serve, served, bridge, tls)
   _log.info(f"{name}: OpenAI-compatible API at {server.base_url} (model {served_name!r})")
   return bridge, server

@@ -142,7 +142,8 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
                          streamed=False)
   feed = ArmFeed(feed_capacity(config))
   reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
-                         WireLimits.of_run(config, model.config.vocab_size, model.config))
+                         WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size,
+                                           model.config))
   source = FollowerSource(feed, config.arms.max_lag, first_step=joined.start_step)
   heldout = job.make_task(tokenizer, "eval")
   periodic = PeriodicEval(job.eval_every, lambda p, c: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, c,

@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
+from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.streaming.shard import ROUTES_DTYPE, SampleShard
 
 # /2: per-token versions; /3: each reward function's value, failed calls; /4: no prompt_id (it was the group id);
@@ -58,13 +59,12 @@ class WireLimits:
   routes: tuple[int, int, int] = (0, 0, 0)  # a mixture's (sparse layers, k, experts); zeros: a dense model
 
   @classmethod
-  def of_run(cls, config, vocab_size: int, model_config=None) -> WireLimits:
-    """A pipeline run's limits: its longest prompt and completion, a step's samples, its model's routes."""
+  def of_run(cls, engine: EngineConfig, samples_per_step: int, vocab_size: int, model_config=None) -> WireLimits:
+    """A run's limits: its engine's longest prompt and completion, a step's samples, its model's routes."""
     routes = (0, 0, 0)
     if model_config is not None and model_config.num_experts:
       routes = (len(model_config.moe_layers), model_config.experts_per_token, model_config.num_experts)
-    return cls(vocab_size, config.sampler.engine.max_prompt_length + config.max_new_tokens, config.samples_per_step,
-               routes)
+    return cls(vocab_size, engine.cache_length, samples_per_step, routes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -88,7 +88,7 @@ class SamplerWorker:
     self.engines = InstanceEngines(config, graphdef, model_config, mesh)
     self.admission = config.scheduling.scheduling_policy.admission
     self.scorer = RewardScorer(config.sampler.reward, builtin=verifier(task))
-    self.bridge, self.server = sampler_server(config, role.serve, tokenizer, role.serve_tls, role.name)
+    self.bridge, self.server = sampler_server(config.sampler, role.serve, tokenizer, role.serve_tls, role.name)
     self.episodes = LeaseEpisodes(config, task, role.name)
     self.phase_clock = PhaseClock(SAMPLER_PHASES)  # the serving thread's seconds, by phase: each report carries them
     self.reset()

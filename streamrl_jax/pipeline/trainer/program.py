@@ -75,8 +75,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config, nnx.state(model), trainer)
-  doors = SampleDoors.open(config, wire := WireLimits.of_run(config, model.config.vocab_size, model.config),
-                           endpoint)  # other processes' sample doors, before
+  wire = WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size, model.config)
+  doors = SampleDoors.open(config, wire, endpoint)  # other processes' sample doors, before
   if not is_leader():
     with hooks.stop.deferred("process 0 stops") if hooks.stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker, doors)
