@@ -173,3 +173,15 @@ def test_a_sampler_that_serves_clients_and_leases_at_once_trains_every_prompt_on
   finally:
     worker.close()
     client_thread.join(timeout=30)
+
+
+def test_a_failed_episode_is_counted_by_its_kind_not_by_its_words():
+  from streamrl_jax.agents.program import FAILED, TIMED_OUT
+  from streamrl_jax.agents.rollouts import EpisodeResult, failure_score, scored_text
+
+  timed_out = scored_text(EpisodeResult((0,), 0, (TIMED_OUT, "took too long"), None))
+  died = scored_text(EpisodeResult((0,), 1, (FAILED, "its worker process died: killed by signal 9"), None))
+  assert timed_out[0] is None and died[0] is None
+  assert failure_score(timed_out[2], 2).timeouts == 1 and failure_score(timed_out[2], 2).errors == 0
+  assert failure_score(died[2], 2).errors == 1 and failure_score(died[2], 2).timeouts == 0  # "killed" in its words
+  assert scored_text(EpisodeResult((0,), 2, ("answer", "42"), None)) == ("42", 0.0, None)

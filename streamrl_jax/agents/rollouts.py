@@ -13,6 +13,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import secrets
+from typing import NamedTuple
 
 import numpy as np
 
@@ -55,10 +56,17 @@ def sampler_server(sampler: SamplerConfig, serve: ServeConfig | None, tokenizer,
   return bridge, server
 
 
-def failure_score(failure: str, functions: int) -> Score:
-  """The score of an episode that failed: 0 from each of the `functions` reward functions, counted as a timeout
-  (it ran past its limit, or its worker was killed for it) or an error."""
-  timed_out = failure.startswith("ran past") or "killed" in failure
+class Failure(NamedTuple):
+  """Why an episode failed: its kind (`FAILED`, or `TIMED_OUT`: it ran past its limit, or its worker was killed
+  for it) and the words that say so."""
+  kind: str
+  why: str
+
+
+def failure_score(failure: Failure, functions: int) -> Score:
+  """The score of an episode that failed: 0 from each of the `functions` reward functions, counted as a timeout or
+  an error by its kind."""
+  timed_out = failure.kind == TIMED_OUT
   return Score(0.0, (0.0,) * functions, errors=int(not timed_out), timeouts=int(timed_out))
 
 
@@ -148,16 +156,16 @@ class AgentRollouts:
     self._groups.clear()
 
 
-def scored_text(result: EpisodeResult) -> tuple[str | None, float, str]:
-  """(what the reward functions score, the episode's own reward, why it failed ("": it did not)) of an episode:
+def scored_text(result: EpisodeResult) -> tuple[str | None, float, Failure | None]:
+  """(what the reward functions score, the episode's own reward, why it failed (None: it did not)) of an episode:
   an answer is scored as it is; a reward is added to the functions' score of the last reply; a failure is
   scored 0 (text None)."""
   kind, value = result.outcome
   if kind in (FAILED, TIMED_OUT):
-    return None, 0.0, str(value)
+    return None, 0.0, Failure(kind, str(value))
   if isinstance(value, str):
-    return value, 0.0, ""
-  return (result.transcript.reply if result.transcript is not None else ""), float(value), ""
+    return value, 0.0, None
+  return (result.transcript.reply if result.transcript is not None else ""), float(value), None
 
 
 def episode_sample(result: EpisodeResult, group_id: int, prompt_tokens, stop_id: int, version: int) -> Sample:
@@ -175,5 +183,5 @@ def episode_sample(result: EpisodeResult, group_id: int, prompt_tokens, stop_id:
                 loss_mask=np.asarray(mask, bool))
 
 
-__all__ = ["AgentRollouts", "EpisodeResult", "episode_sample", "failure_score", "sampler_server", "scored_text",
-           "serving_for"]
+__all__ = ["AgentRollouts", "EpisodeResult", "Failure", "episode_sample", "failure_score", "sampler_server",
+           "scored_text", "serving_for"]

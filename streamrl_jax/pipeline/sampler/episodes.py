@@ -7,7 +7,7 @@ import dataclasses
 import logging
 
 from streamrl_jax.messages import Lease
-from streamrl_jax.agents.rollouts import AgentRollouts, episode_sample, failure_score, scored_text
+from streamrl_jax.agents.rollouts import AgentRollouts, Failure, episode_sample, failure_score, scored_text
 from streamrl_jax.rewards.scorer import RewardError
 from streamrl_jax.tasks.rows import question
 
@@ -47,10 +47,10 @@ class LeaseEpisodes:
       text, env_reward, failure = scored_text(result)
       yield run, dataclasses.replace(sample, env_reward=env_reward), text, failure
 
-  def failed(self, key: tuple, failure: str, where: str, functions: int) -> None:
-    """An episode that failed (`failure`: why) is scored 0 by each of the `functions` and counted; with
+  def failed(self, key: tuple, failure: Failure, where: str, functions: int) -> None:
+    """An episode that failed (`failure`: its kind and why) is scored 0 by each of the `functions` and counted; with
     `EnvConfig.agent_on_error='stop'` it stops the run (`RewardError`)."""
-    message = f"agent {self.config.sampler.env.agent!r} {failure} on {where}"
+    message = f"agent {self.config.sampler.env.agent!r} {failure.why} on {where}"
     if self.config.sampler.env.agent_on_error == "stop":
       raise RewardError(f"{message} (EnvConfig.agent_on_error='stop'; 'zero' scores such episodes 0 and counts "
                         "them in reward_errors)")

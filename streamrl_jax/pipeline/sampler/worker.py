@@ -20,7 +20,7 @@ from streamrl_jax.envs import make_tools
 from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseReply, LeaseRequest, Leave, Register, RejoinRequired,
                                    StepReport, WeightUpdate, row_step)
 from streamrl_jax.phase_clock import PhaseClock
-from streamrl_jax.agents.rollouts import sampler_server
+from streamrl_jax.agents.rollouts import Failure, sampler_server
 from streamrl_jax.pipeline.sampler.engines import InstanceEngines, submit_lease
 from streamrl_jax.pipeline.sampler.episodes import LeaseEpisodes
 from streamrl_jax.pipeline.sampler.groups import GroupCollector
@@ -261,7 +261,8 @@ class SamplerWorker:
       self._collect(run, Sample.of_rollout(rollout, lease.prompt_tokens[i], self.tokenizer.stop_ids), samples)
     return run
 
-  def _collect(self, run: _LeaseRun, sample: Sample, samples, text: str | None = None, failure: str = "") -> None:
+  def _collect(self, run: _LeaseRun, sample: Sample, samples, text: str | None = None,
+               failure: Failure | None = None) -> None:
     """A finished sample into its lease's collector, and to the scorer (`text`: what the reward functions score,
     default its completion's text). An agent episode that failed (`failure`: why) is scored 0 and counted."""
     run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
@@ -269,7 +270,7 @@ class SamplerWorker:
     where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {row_step(run.lease.step)}, group "
              f"{sample.group_id}, sample {sample.sample_index}")
     key = (run.lease.lease_id, sample.group_id, sample.sample_index)
-    if failure:
+    if failure is not None:
       self.episodes.failed(key, failure, where, len(self.scorer.names))
       return
     with self.phase_clock.phase("reward"):
