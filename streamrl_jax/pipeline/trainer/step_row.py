@@ -27,25 +27,45 @@ class StepTimes:
   weight_seconds: dict
 
 
-def step_row(config, step: int, shards: list, received: dict, train: dict, times: StepTimes,
+@dataclasses.dataclass
+class Arrivals:
+  """What arrived for a step, trained or not (the row's reward figures), and the groups dynamic sampling filtered
+  and the prompts backfilled in their place. One thread's, filled as the step's shards arrive."""
+
+  rewards: list = dataclasses.field(default_factory=list)  # a float32 [n] per shard
+  parts: list = dataclasses.field(default_factory=list)  # a float32 [n, functions] per shard
+  errors: int = 0  # reward calls that raised or returned no number
+  timeouts: int = 0  # reward calls past their limit
+  filtered: int = 0  # equal-reward groups not trained
+  backfilled: int = 0  # prompts granted in their place
+
+  def add(self, shard: SampleShard) -> None:
+    """Every arrived group's rewards and reward calls, trained or not (the step's reward metrics)."""
+    self.rewards.append(shard.rewards)
+    self.parts.append(shard.reward_parts)
+    self.errors += int(shard.reward_errors.sum())
+    self.timeouts += int(shard.reward_timeouts.sum())
+
+
+def step_row(config, step: int, shards: list, received: Arrivals, train: dict, times: StepTimes,
              summary: StepSummary) -> dict:
   """Step `step`'s metrics row: `shards` trained, `received` (every group that arrived, trained or filtered: see
-  `record_arrival`), the update's metrics `train`, its `times` and the samplers' `summary`."""
-  rewards = np.concatenate(received["rewards"])  # every group that arrived, trained or filtered
+  `Arrivals`), the update's metrics `train`, its `times` and the samplers' `summary`."""
+  rewards = np.concatenate(received.rewards)  # every group that arrived, trained or filtered
   counts = [s.staleness_sum_max(step) for s in shards]
   tokens, stale_sum = sum(c[0] for c in counts), sum(c[1] for c in counts)
   stale_max = max((c[2] for c in counts if c[0]), default=0)  # (a step with no token to train: 0)
   seconds = [v for _, v in sorted(times.weight_seconds.items())]
   flat = sum(len(equal_reward_groups(s)) for s in shards)
-  parts = np.concatenate(received["parts"]).mean(axis=0)
+  parts = np.concatenate(received.parts).mean(axis=0)
   by_function = {f"reward/{name}": float(v) for name, v in zip(config.sampler.reward.names, parts)}
   wall = times.wall
   return dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
-              reward_errors=received["errors"], reward_timeouts=received["timeouts"],
+              reward_errors=received.errors, reward_timeouts=received.timeouts,
               accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
               staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token
-              groups_filtered=received["filtered"], groups_backfilled=received["backfilled"],
-              prompts_leased=config.prompts_per_step + received["backfilled"], equal_reward_groups_trained=flat,
+              groups_filtered=received.filtered, groups_backfilled=received.backfilled,
+              prompts_leased=config.prompts_per_step + received.backfilled, equal_reward_groups_trained=flat,
               env_tokens=sum(s.env_tokens for s in shards),
               trainer_idle_frac=min(1.0, times.waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, times.sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
@@ -64,11 +84,3 @@ def phase_row(seconds: dict[str, float]) -> dict:
   the next row), `step_wall_s` (their sum) and `trainer_accounted_frac` (the share in a named phase)."""
   return {**{f"trainer_s/{name}": s for name, s in seconds.items()}, "step_wall_s": sum(seconds.values()),
           "trainer_accounted_frac": accounted_frac(seconds)}
-
-
-def record_arrival(received: dict, shard: SampleShard) -> None:
-  """Every arrived group's rewards and reward calls, trained or not (the step's reward metrics)."""
-  received["rewards"].append(shard.rewards)
-  received["parts"].append(shard.reward_parts)
-  received["errors"] += int(shard.reward_errors.sum())
-  received["timeouts"] += int(shard.reward_timeouts.sum())

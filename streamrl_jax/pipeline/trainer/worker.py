@@ -43,7 +43,7 @@ from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
-from streamrl_jax.pipeline.trainer.step_row import StepTimes, batch_metrics, phase_row, record_arrival, step_row
+from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_row
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
@@ -228,7 +228,7 @@ class TrainerWorker:
     on arrival. Returns (shards trained, wait s, what arrived: rewards of every group, trained or not, and the
     groups filtered and backfilled)."""
     shards, waited = [], 0.0
-    received = dict(rewards=[], parts=[], errors=0, timeouts=0, filtered=0, backfilled=0)
+    received = Arrivals()
     self._step_counts = dict(samples_trained=0, stale_samples=0)
     self.intake, early = begin(self.intake, self.rules, step)
     while self.intake.needed > 0:
@@ -255,7 +255,7 @@ class TrainerWorker:
     return shards, waited, received
 
   def _applied(self, taken: Taken, shard: SampleShard, step: int, controller: TrainerControl,
-               received: dict) -> SampleShard | None:
+               received: Arrivals) -> SampleShard | None:
     """The intake's decision carried out: counted, the controller asked (groups to lease again, prompts in place of
     filtered groups), the arrival recorded; returns what the step trains of the shard (None: nothing)."""
     if taken.refused:
@@ -266,20 +266,20 @@ class TrainerWorker:
       controller.regenerate(Regenerate(step, taken.regenerate))
       self.counters.groups_regenerated += len(taken.regenerate)
     if taken.arrived is not None:
-      record_arrival(received, taken.arrived)
+      received.add(taken.arrived)
     if taken.filtered:
       granted = controller.backfill(Backfill(step, taken.filtered)).count
-      received["filtered"] += len(taken.filtered)
-      received["backfilled"] += granted
+      received.filtered += len(taken.filtered)
+      received.backfilled += granted
       self.intake = backfilled(self.intake, self.rules, granted)
     return taken.train
 
-  def _count_step(self, shards: list, received: dict) -> None:
+  def _count_step(self, shards: list, received: Arrivals) -> None:
     self.counters.unique_samples_trained += sum(s.num_samples for s in shards)
-    self.counters.samples_planned += self.config.samples_per_step + (received["backfilled"]
-                                                                        - received["filtered"]) * self.config.group_size
-    self.counters.groups_filtered += received["filtered"]
-    self.counters.groups_backfilled += received["backfilled"]
+    self.counters.samples_planned += self.config.samples_per_step + (received.backfilled
+                                                                        - received.filtered) * self.config.group_size
+    self.counters.groups_filtered += received.filtered
+    self.counters.groups_backfilled += received.backfilled
 
   def _accumulate(self, shard: SampleShard, step: int, clock) -> None:
     begin = clock()
