@@ -13,7 +13,8 @@ from flax import nnx
 from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import Buckets, MicroBatcher, Scoring, Trainer, compute_advantages, kl_penalized_rewards
+from streamrl_jax.training import (Buckets, MicroBatcher, ObjectiveConfig, Scoring, Trainer, compute_advantages,
+                                   kl_penalized_rewards)
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
@@ -52,29 +53,30 @@ def _merger(launcher):
   return launcher.jit(lora.merge, static_argnums=2)
 
 
-def precompile(trainer: Trainer, batcher: MicroBatcher, state, config):
-  """`state` after compiling every micro-batch shape the run's steps can send (`TrainerConfig.precompile`)."""
-  width = config.sampler.engine.max_prompt_length + config.max_new_tokens
+def precompile(trainer: Trainer, batcher: MicroBatcher, state, chunk_rows: int, width: int):
+  """`state` after compiling every micro-batch shape the run's steps can send (`TrainerConfig.precompile`): packed
+  calls, or calls of `chunk_rows` samples of up to `width` tokens."""
   if batcher.pack_length:
     return trainer.precompile_packed(state, batcher.chunk_tokens, batcher.pack_length)
-  return trainer.precompile(state, config.trainer.chunk_rows, width)
+  return trainer.precompile(state, chunk_rows, width)
 
 
-def shard_batch(trainer: Trainer, config, shard: SampleShard, step: int) -> dict:
+def shard_batch(trainer: Trainer, objective: ObjectiveConfig, advantage: str, shard: SampleShard, step: int) -> dict:
   """`shard`'s micro-batch for the trainer at `step` (the version it holds): with each token's owner in a trainer of
   several processes, and the tokens older weights sampled."""
-  return shard.train_batch(shard_advantages(trainer, config, shard), owned=jax.process_count() > 1, step=step)
+  advantages = shard_advantages(trainer, objective, advantage, shard)
+  return shard.train_batch(advantages, owned=jax.process_count() > 1, step=step)
 
 
-def shard_advantages(trainer: Trainer, config, shard: SampleShard) -> np.ndarray:
-  """The advantages of `shard`'s samples; with a KL penalty in the reward, of r - coef * sum_t KL(sampler ||
-  reference)."""
-  rewards, objective = shard.rewards, config.trainer.objective
+def shard_advantages(trainer: Trainer, objective: ObjectiveConfig, advantage: str, shard: SampleShard) -> np.ndarray:
+  """The advantages (estimator `advantage`) of `shard`'s samples; with a KL penalty in the reward, of r - coef *
+  sum_t KL(sampler || reference)."""
+  rewards = shard.rewards
   if objective.kl_coef > 0 and objective.kl_in_reward:
     ref = trainer.reference_logprobs(shard.tokens, shard.valid)
     rewards = np.asarray(kl_penalized_rewards(rewards, shard.logprobs, ref, shard.loss_mask,
                                               objective.kl_coef, objective.kl_estimator), np.float32)
-  return compute_advantages(config.advantage, rewards, shard.group_ids)
+  return compute_advantages(advantage, rewards, shard.group_ids)
 
 
 def packing(config, graphdef, params, mesh) -> dict:

@@ -85,7 +85,7 @@ class TrainerWorker:
     self.checkpointer = checkpointer
     self.batcher = MicroBatcher(self.trainer, chunk_rows=config.trainer.chunk_rows,
                                 **(packing(config, graphdef, params, mesh) if config.trainer.packing else {}))
-    self.counters = _counters(config, self.state.params)
+    self.counters = _counters(config.precision.on_trainer.precision, self.state.params)
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self.rules, self.intake = IntakeRules.of(config), IntakeState()  # what it does with each arriving shard
@@ -106,7 +106,8 @@ class TrainerWorker:
     none); `aux()`: extra state to checkpoint; `probe()`: extra figures for each row (memory, queue depth). A follower
     arm's `skip(step)` says why it skips a step (None: it trains it); its `get_shard` may raise `StepSkipped`."""
     if self.config.trainer.precompile:
-      self.state = precompile(self.trainer, self.batcher, self.state, self.config)
+      self.state = precompile(self.trainer, self.batcher, self.state, self.config.trainer.chunk_rows,
+                              self.config.sampler.engine.cache_length)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
     release_free_memory()  # the holes that loading and placing the weights left in the heap, before the first step
@@ -286,7 +287,8 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
-      self.state = self.batcher.add(self.state, shard_batch(self.trainer, self.config, shard, step))
+      batch = shard_batch(self.trainer, self.config.trainer.objective, self.config.advantage, shard, step)
+      self.state = self.batcher.add(self.state, batch)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts["samples_trained"] += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
@@ -300,9 +302,9 @@ def _restored(state, checkpointer) -> tuple:
   return state, int(extra["next_step"])
 
 
-def _counters(config, params) -> TrainerCounters:
-  """The worker's counters at its start, with the bytes of one weight version on the wire."""
-  return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, config.precision.on_trainer.precision)))
+def _counters(precision: str, params) -> TrainerCounters:
+  """The worker's counters at its start, with the bytes of one weight version on the wire (sent in `precision`)."""
+  return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, precision)))
 
 
 @dataclasses.dataclass(slots=True, eq=False)
