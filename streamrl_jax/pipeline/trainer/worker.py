@@ -90,7 +90,7 @@ class TrainerWorker:
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self.rules, self.intake = IntakeRules.of(config), IntakeState()  # what it does with each arriving shard
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
-    self._step_counts: dict = {}  # counters of the step being trained, added to `counters` once it is (a step cut
+    self._step_counts = StepCounts()  # counters of the step being trained, added to `counters` once it is (a step cut
     # short by a stop leaves no count behind: its samples are trained again after a resume)
     self.phase_clock = PhaseClock(TRAINER_PHASES)  # the training thread's seconds, by phase: each row carries them
 
@@ -230,7 +230,7 @@ class TrainerWorker:
     groups filtered and backfilled)."""
     shards, waited = [], 0.0
     received = Arrivals()
-    self._step_counts = dict(samples_trained=0, stale_samples=0)
+    self._step_counts = StepCounts()
     self.intake, early = begin(self.intake, self.rules, step)
     while self.intake.needed > 0:
       if early:
@@ -286,11 +286,11 @@ class TrainerWorker:
     begin = clock()
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
-      self._step_counts["stale_samples"] += int(np.sum(stale > self.spec.max_lag))
+      self._step_counts.stale_samples += int(np.sum(stale > self.spec.max_lag))
       batch = shard_batch(self.trainer, self.config.trainer.objective, self.config.advantage, shard, step)
       self.state = self.batcher.add(self.state, batch)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
-    self._step_counts["samples_trained"] += shard.num_samples
+    self._step_counts.samples_trained += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
 
@@ -305,6 +305,14 @@ def _restored(state, checkpointer) -> tuple:
 def _counters(precision: str, params) -> TrainerCounters:
   """The worker's counters at its start, with the bytes of one weight version on the wire (sent in `precision`)."""
   return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, precision)))
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class StepCounts(Counters):
+  """What the step being trained counted so far: the run's counters take them once the step is taken whole."""
+
+  samples_trained: int = 0
+  stale_samples: int = 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
