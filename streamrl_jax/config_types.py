@@ -78,12 +78,12 @@ def _conform(value, hint):
   return value
 
 
-def _literal(text: str):
-  """The Python literal `text` spells ('1e-4' -> 0.0001), or _NO."""
+def literal_value(text: str) -> tuple[bool, object]:
+  """(True, the Python literal `text` spells: '1e-4' -> 0.0001), or (False, None) when it spells none."""
   try:
-    return ast.literal_eval(text)
+    return True, ast.literal_eval(text)
   except (ValueError, SyntaxError):
-    return _NO
+    return False, None
 
 
 def checked(cls, name: str, value):
@@ -92,8 +92,8 @@ def checked(cls, name: str, value):
   out = _conform(value, hint)
   if out is _NO:
     given = type(value).__name__
-    unquoted = _literal(value) if isinstance(value, str) else _NO
+    spelt, unquoted = literal_value(value) if isinstance(value, str) else (False, None)
     hint_text = (f" (without its quotes: --set {cls.__name__}.{name}={value})"
-                 if unquoted is not _NO and _conform(unquoted, hint) is not _NO else "")
+                 if spelt and _conform(unquoted, hint) is not _NO else "")
     raise ConfigError(f"{cls.__name__}.{name} = {value!r}: expected {type_name(hint)}, got {given}{hint_text}")
   return out

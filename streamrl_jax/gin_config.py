@@ -6,7 +6,6 @@ Only this module knows gin; the dataclasses stay plain. A gin file writes e.g.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import io
@@ -21,7 +20,7 @@ import gin
 
 from streamrl_jax.arms.config import ArmsConfig, arms_from_configs
 from streamrl_jax.config_listing import render
-from streamrl_jax.config_types import ConfigError, checked
+from streamrl_jax.config_types import ConfigError, checked, literal_value
 from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig, GKEPortsConfig, GKESamplersConfig, GKETrainerConfig
@@ -72,6 +71,7 @@ NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConf
 _KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
 _BARE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)  # `name = value`: a gin macro
 _MACRO_USE = re.compile(r"%([A-Za-z_][A-Za-z0-9_]*)")
+_INCLUDE = re.compile(r"^\s*include\s+['\"]([^'\"]+)['\"]", re.MULTILINE)
 
 
 def check_keys(config_files=(), bindings=()) -> None:
@@ -79,13 +79,24 @@ def check_keys(config_files=(), bindings=()) -> None:
   names are understood), of no class at all, of a key that moved or is derived, or of a nested config (bound
   through its own class's keys)."""
   sources = [(f"--set {b!r}", b) for b in bindings] + [(str(f), Path(f).read_text()) for f in config_files]
-  used_macros = {m for _, text in sources for m in _MACRO_USE.findall(text)}
+  included = [Path(f).read_text() for path in config_files for f in _includes(Path(path))]
+  used_macros = {m for text in [*(t for _, t in sources), *included] for m in _MACRO_USE.findall(text)}
   for where, text in sources:
     for name in _BARE.findall(text):
       if name not in used_macros:  # gin reads `name = v` as a macro: unused, it binds nothing
         raise ConfigError(f"{name}: a binding names its config class, Class.key=value{_hint('', name)} ({where})")
     for name, field in _KEY.findall(text):
       _check_key(name, field, where)
+
+
+def _includes(path: Path, seen: frozenset = frozenset()) -> list[Path]:
+  """The files `path` includes (`include 'x.gin'`, found beside it), and theirs."""
+  out = []
+  for name in _INCLUDE.findall(path.read_text()):
+    found = path.parent / name
+    if found.is_file() and found not in seen:
+      out += [found, *_includes(found, seen | {found})]
+  return out
 
 
 def _check_key(name: str, field: str, where: str) -> None:
@@ -187,11 +198,7 @@ def _quoted_bare_word(binding: str) -> str:
 
 
 def _is_literal(text: str) -> bool:
-  try:
-    ast.literal_eval(text)
-  except (ValueError, SyntaxError):
-    return False
-  return True
+  return literal_value(text)[0]
 
 
 def _type_name(hint) -> str:
@@ -306,7 +313,7 @@ def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, b
     return config
   parsed = []
   try:
-    for path in arm_files:
+    for path in map(_found, map(str, arm_files)):
       parse(config_files, bindings, late_files=[path])
       parsed.append((Path(path).stem, *build_run()))
   finally:

@@ -104,3 +104,25 @@ def test_a_trl_dataset_row_is_told_which_key_reads_its_prompt(tmp_path, row, say
   with pytest.raises(ValueError, match=re.escape(says)) as err:
     PromptFile(path, "question")
   assert "rows.jsonl, row 1" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_macro_defined_in_a_file_and_read_in_the_file_it_includes_is_kept(tmp_path):
+  (tmp_path / "inner.gin").write_text("PipelineConfig.steps = %STEPS\n")
+  outer = tmp_path / "outer.gin"
+  outer.write_text("STEPS = 5\ninclude 'inner.gin'\n")
+  gin_config.parse([outer])
+  assert gin_config.build_run()[0].steps == 5
+  gin_config.parse()
+
+
+def test_an_arm_file_is_found_by_the_short_name_its_hint_gives(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  arm = sorted((ROOT / "configs" / "arms").glob("*.gin"))[0]
+  short = f"arms/{arm.stem}"
+  with pytest.raises(gin_config.ConfigError, match=rf"--arms {short}x: no such file; did you mean {short} \("):
+    gin_config.parse([], [], late_files=[gin_config._found(f"{short}x")])
+  gin_config.parse(gin_config.run_files([]))
+  config, job = gin_config.build_run()
+  with_arm = gin_config.with_arms(config, job, [short], gin_config.run_files([]), [])
+  assert [a.name for a in with_arm.arms.followers] == [arm.stem]
+  gin_config.parse()

@@ -4,9 +4,10 @@
 Only the files this decoder reads (config, tokenizer, generation config, safetensors and their index) are fetched,
 through huggingface_hub into its standard cache, the one transformers and vLLM share: `HF_HUB_CACHE`, else
 `HF_HOME/hub`, read when a model is resolved. `HF_HUB_OFFLINE=1` reads the cache alone and opens no connection;
-without it, the Hub's endpoint (`HF_ENDPOINT`) is probed once per process (a TCP connection, `PROBE_TIMEOUT` seconds;
-no probe behind a proxy), and where it cannot be reached the cache is read alone, or the model refused at once in one
-line rather than after huggingface_hub's retries (about 25 s). `HF_TOKEN` reaches gated and private models.
+without it, the Hub's endpoint (`HF_ENDPOINT`) is probed first (a TCP connection within `PROBE_TIMEOUT` seconds,
+again after `PROBE_AGAIN_S` when it failed; no probe behind a proxy), and where it cannot be reached the cache is
+read alone, or the model refused at once in one line rather than after huggingface_hub's retries (about 25 s).
+`HF_TOKEN` reaches gated and private models.
 config.json comes first, so a model of an architecture this decoder does not implement is refused before its weights
 are downloaded. `streamrl launch local` pins a Hub id to its commit (`pinned`) before it starts the trainer and
 samplers, so all of them read one snapshot.
@@ -20,6 +21,7 @@ import os
 import re
 import socket
 import threading
+import time
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -32,9 +34,10 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 COMMIT = re.compile(r"[0-9a-f]{40}")
 _TRUE = ("1", "ON", "YES", "TRUE")
 OFFLINE = "HF_HUB_OFFLINE is set"
-PROBE_TIMEOUT = 3.0  # seconds for the name lookup and TCP connection to the Hub's endpoint, together
+PROBE_TIMEOUT = 5.0  # seconds for the name lookup and TCP connection to the Hub's endpoint, together
+PROBE_AGAIN_S = 60.0  # an endpoint found unreachable is probed again after this long (a blip does not last)
 _PROXIES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-_probed: dict[str, str | None] = {}  # endpoint -> why it cannot be reached (None: it can), once per process
+_probed: dict[str, tuple[str | None, float]] = {}  # endpoint -> (why it cannot be reached (None: it can), when)
 
 
 class HubError(OSError):
@@ -73,13 +76,13 @@ def endpoint() -> str:
 
 
 def unreachable(url: str) -> str | None:
-  """Why the Hub endpoint `url` cannot be reached, in words (None: it can, or a proxy decides); probed once per
-  process."""
+  """Why the Hub endpoint `url` cannot be reached, in words (None: it can, or a proxy decides); a reachable endpoint
+  is probed once per process, an unreachable one again after `PROBE_AGAIN_S`."""
   if any(os.environ.get(name) for name in _PROXIES):
     return None  # httpx connects through the proxy, which alone knows whether the Hub is reachable: no probe here
-  if url not in _probed:
-    _probed[url] = _probe(url)
-  return _probed[url]
+  if url not in _probed or (_probed[url][0] is not None and time.monotonic() - _probed[url][1] > PROBE_AGAIN_S):
+    _probed[url] = (_probe(url), time.monotonic())
+  return _probed[url][0]
 
 
 def _probe(url: str, timeout: float = PROBE_TIMEOUT) -> str | None:
@@ -184,8 +187,8 @@ def hub_dataset(url: str) -> Path:
   return path
 
 
-# Past the probe, huggingface_hub 2.4 still retries a failed lookup of a file not in the cache 5 times (1 + 2 + 4 + 8 +
-# 8 s; file_download.py `hf_hub_download`, "No local file found. Retrying..", then utils/_http.py `http_backoff`,
+# Past the probe, huggingface_hub (2.4 here) still retries a failed lookup of a file not in the cache 5 times
+# (1 + 2 + 4 + 8 + 8 s; file_download.py `hf_hub_download`, "No local file found. Retrying..", then utils/_http.py `http_backoff`,
 # max_retries=5) and exposes no argument or variable to lower that: left as it is, for a network that connects.
 def _download(repo, revision, cache, local, filename, url=None, repo_type: str = "model") -> str:
   from huggingface_hub import hf_hub_download

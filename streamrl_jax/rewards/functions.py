@@ -25,7 +25,7 @@ class RewardFunctionError(ValueError):
 
 def load_function(spec: str):
   """The callable at `spec` ('package.module:function' or 'path/to/file.py:function'), imported once per process; a
-  file's own folder goes first on `sys.path`, so it imports the modules beside it."""
+  file's own folder goes on `sys.path` (last), so it imports the modules beside it."""
   if spec in _LOADED:
     return _LOADED[spec]
   where, _, name = spec.rpartition(":")
@@ -56,8 +56,8 @@ def _load_file(spec: str, path: Path):
   if module_name in sys.modules:
     return sys.modules[module_name]
   folder = str(path.resolve().parent)
-  if folder not in sys.path:  # its neighbours import as they would were it run as a script (first on the path)
-    sys.path.insert(0, folder)
+  if folder not in sys.path:  # its neighbours import (last on the path: it shadows no installed package)
+    sys.path.append(folder)
   module_spec = importlib.util.spec_from_file_location(module_name, path)
   module = importlib.util.module_from_spec(module_spec)
   sys.modules[module_name] = module

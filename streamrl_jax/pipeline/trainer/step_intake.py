@@ -96,7 +96,8 @@ def take(state: IntakeState, rules: IntakeRules, shard: SampleShard) -> tuple[In
   state = dataclasses.replace(state, needed=state.needed - shard.num_samples, taken=state.taken | set(shard.keys()))
   filtered = tuple(equal_reward_groups(shard)) if rules.dynamic_sampling else ()
   train = shard.take(np.flatnonzero(~np.isin(shard.group_ids, filtered))) if filtered else shard
-  return state, Taken(train if train.num_samples else None, shard, "", duplicates, False, stale, filtered)
+  return state, Taken(train=train if train.num_samples else None, arrived=shard, duplicates=duplicates,
+                      regenerate=stale, filtered=filtered)
 
 
 def backfilled(state: IntakeState, rules: IntakeRules, granted: int) -> IntakeState:
