@@ -188,8 +188,9 @@ def hub_dataset(url: str) -> Path:
 
 
 # Past the probe, huggingface_hub (2.4 here) still retries a failed lookup of a file not in the cache 5 times
-# (1 + 2 + 4 + 8 + 8 s; file_download.py `hf_hub_download`, "No local file found. Retrying..", then utils/_http.py `http_backoff`,
-# max_retries=5) and exposes no argument or variable to lower that: left as it is, for a network that connects.
+# (1 + 2 + 4 + 8 + 8 s; file_download.py `hf_hub_download`, "No local file found. Retrying..", then
+# utils/_http.py `http_backoff`, max_retries=5) and exposes no argument or variable to lower that: left as it is,
+# for a network that connects.
 def _download(repo, revision, cache, local, filename, url=None, repo_type: str = "model") -> str:
   from huggingface_hub import hf_hub_download
 
