@@ -251,8 +251,8 @@ class TrainerWorker:
     if not self.streamed:
       for shard in shards:
         self._accumulate(shard, step, clock)
-    for key, count in self._step_counts.items():  # the step taken whole: its counts are the run's
-      self.counters.add(key, count)
+    self.counters.samples_trained += self._step_counts.samples_trained  # the step taken whole: the run's counts
+    self.counters.stale_samples += self._step_counts.stale_samples
     return shards, waited, received
 
   def _applied(self, taken: Taken, shard: SampleShard, step: int, controller: TrainerControl,
@@ -307,9 +307,10 @@ def _counters(precision: str, params) -> TrainerCounters:
   return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, precision)))
 
 
-@dataclasses.dataclass(slots=True, eq=False)
-class StepCounts(Counters):
-  """What the step being trained counted so far: the run's counters take them once the step is taken whole."""
+@dataclasses.dataclass(slots=True)
+class StepCounts:
+  """What the step being trained counted so far (the run's `TrainerCounters` of the same names take them once the
+  step is taken whole: a step cut short by a stop leaves no count behind)."""
 
   samples_trained: int = 0
   stale_samples: int = 0
