@@ -9,6 +9,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models.precision import SamplerPrecision
 from streamrl_jax.modes import MODES, ModeSpec
 from streamrl_jax.pipeline.controller.config import ControllerConfig
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
 from streamrl_jax.training import ADVANTAGES, TrainerConfig
@@ -124,3 +125,11 @@ class PipelineConfig:
   @property
   def spec(self) -> ModeSpec:
     return ModeSpec.of(self.mode, self.staleness)
+
+  @property
+  def shape(self) -> RunShape:
+    """What every part must agree on, handed to each part beside its own config."""
+    sampler = self.sampler
+    return RunShape(self.mode, self.steps, self.prompts_per_step, self.group_size, self.max_new_tokens,
+                    sampler.engine.max_prompt_length, self.staleness, self.seed, self.temperature, sampler.top_k,
+                    sampler.top_p, sampler.min_p, self.advantage, tuple(sampler.reward.names), self.backfill_per_step)
