@@ -3,7 +3,7 @@ and 8 KV heads of 128, MLP 3,072, vocabulary 151,936, tied embeddings; random we
 `streamrl train` for two async RL steps (2 prompts x 4 samples x 16 new tokens, the arithmetic task; no warm-up, one
 held-out prompt), as a user runs it: one process, its CPU devices its own.
 
-Prints `qwen3_0p6b_step_s` (the second step's wall seconds, `step_wall_s`: the first compiles), `qwen3_0p6b_first_step_s`,
+Prints `qwen3_0p6b_step_s` (the second step's wall seconds, `step_s`: the first compiles), `qwen3_0p6b_first_step_s`,
 `qwen3_0p6b_peak_rss_mb` (the run's processes summed: process_memory.py) and `families_supported` (the architectures
 config.json may name); beside them the same run with the sampler's weights in bfloat16 (`SamplerConfig.precision`:
 an async run holds up to three sampler versions, the one decoding, the newest landed and one landing),
@@ -93,12 +93,12 @@ def main() -> None:
   rows = run["rows"]
   out = {"workload": f"Qwen3-0.6B-shaped ({SHAPE['num_layers']} layers, hidden {SHAPE['hidden_size']}), random "
                      f"weights, float32; {WORK}", "quick": QUICK, "parameters": params,
-         "qwen3_0p6b_first_step_s": round(rows[0]["step_wall_s"], 2),
-         "qwen3_0p6b_step_s": round(rows[-1]["step_wall_s"], 2), "qwen3_0p6b_peak_rss_mb": run["peak_rss_mb"],
+         "qwen3_0p6b_first_step_s": round(rows[0]["step_s"], 2),
+         "qwen3_0p6b_step_s": round(rows[-1]["step_s"], 2), "qwen3_0p6b_peak_rss_mb": run["peak_rss_mb"],
          "qwen3_0p6b_peak_processes": run["peak_processes"], "qwen3_0p6b_run_s": run["seconds"],
          "qwen3_0p6b_trainer_s": {k.split("/", 1)[1]: round(v, 2) for k, v in rows[-1].items()
                                   if k.startswith("trainer_s/")},
-         "qwen3_0p6b_bf16_sampler_step_s": round(bf16["rows"][-1]["step_wall_s"], 2),
+         "qwen3_0p6b_bf16_sampler_step_s": round(bf16["rows"][-1]["step_s"], 2),
          "qwen3_0p6b_bf16_sampler_peak_rss_mb": bf16["peak_rss_mb"],
          "families_supported": len(ARCHITECTURES), "families": sorted(ARCHITECTURES)}
   print(json.dumps(out))

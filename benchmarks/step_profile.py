@@ -8,8 +8,8 @@ says little. TRL (`trl_grpo.py`, the `[bench]` extra) runs in the first round wi
 default) and off, and with bfloat16 autocast where torch's bfloat16 products beat its float32 ones on this CPU; the
 later rounds run its fastest setting. Step ratios are against TRL's fastest, memory against its leanest.
 
-Per mode: the steady step (median gap between rows after the first two, `step_wall_s`), the median seconds of each
-trainer and sampler phase, `accounted_frac` (the trainer's named phases over its wall step; the sampler's beside
+Per mode: the steady step (median gap between rows after the first two: the sum of `trainer_s/<phase>`), the
+median seconds of each trainer and sampler phase, `accounted_frac` (the trainer's named phases over its wall step; the sampler's beside
 it), `whole_step_mfu` (8 x parameters x trained tokens over the steady step: 6 N to train each token, 2 N to generate
 it) and `trainer_mfu` (6 x parameters x trained tokens over the median forward and backward seconds; colocated's,
 where the trainer has the machine to itself; async's beside it). Every MFU divides by the peak of the dtype the run
@@ -72,11 +72,12 @@ def _profile(mode: str, workdir: Path, host_devices: int | None) -> dict:
   median = lambda key: statistics.median(r[key] for r in steady)  # noqa: E731
   phases = lambda side: sorted({k.split("/", 1)[1]  # noqa: E731
                                 for r in steady for k in r if k.startswith(f"{side}_s/")})
-  wall = sum(r["step_wall_s"] for r in steady)
-  trainer_named = sum(r["step_wall_s"] - r["trainer_s/other"] for r in steady)
+  gap = lambda r: sum(r[f"trainer_s/{p}"] for p in phases("trainer"))  # noqa: E731  (the gap since the last row)
+  wall = sum(gap(r) for r in steady)
+  trainer_named = sum(gap(r) - r["trainer_s/other"] for r in steady)
   sampler_total = sum(r[f"sampler_s/{p}"] for r in steady for p in phases("sampler"))
   sampler_named = sampler_total - sum(r["sampler_s/other"] for r in steady)
-  step = median("step_wall_s")
+  step = statistics.median(gap(r) for r in steady)
   flops = 8 * parameters * median("train_tokens")
   return dict(step_s=round(step, 2), steps=len(rows), parameters=parameters, compute_dtype=dtype,
               train_tokens=median("train_tokens"),

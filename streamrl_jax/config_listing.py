@@ -12,8 +12,12 @@ import io
 import re
 import textwrap
 import tokenize
+from typing import TYPE_CHECKING
 
 from streamrl_jax.config_types import field_types, type_name
+
+if TYPE_CHECKING:  # any dataclass instance (typeshed's name; not importable at run time)
+  from _typeshed import DataclassInstance
 
 
 @functools.cache
@@ -65,7 +69,7 @@ def _sections(configs) -> list[tuple[type, dict, str]]:
   each class once."""
   seen, out = set(), []
 
-  def visit(config):
+  def visit(config: DataclassInstance | tuple[type, dict, str]) -> None:
     cls, values, note = config if isinstance(config, tuple) else (type(config), _plain(config), "")
     if cls in seen:
       return
@@ -80,7 +84,7 @@ def _sections(configs) -> list[tuple[type, dict, str]]:
   return out
 
 
-def _plain(config) -> dict:
+def _plain(config: DataclassInstance) -> dict:
   """{field: value} of a config's fields that are not configs themselves."""
   values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if "bound_by" not in f.metadata}
   return {k: v for k, v in values.items() if not dataclasses.is_dataclass(v)}

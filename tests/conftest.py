@@ -12,6 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # compute_dtype='auto' computes in float32 here without timing this machine (models/dtype_probe.py; its own tests
 # measure): the suite's numbers do not depend on which CPU it lands on
 os.environ.setdefault("STREAMRL_PROBE_DTYPE", "float32")
+# a metrics row key missing from docs/metrics.md's table fails the run (records/metric_table.py), here and in the
+# processes tests start
+os.environ.setdefault("STREAMRL_STRICT_METRICS", "1")
 # One persistent XLA compilation cache for the session, shared with the processes that tests start: the same
 # tiny shapes compile once, not once per test and process.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:

@@ -8,6 +8,7 @@ from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_client import FlightConnection, FlightSampleSender
 from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
 from streamrl_jax.tasks import ArithmeticTask
+from tests.pipeline_setup import controller_setup
 from tests.wire_samples import VOCAB
 
 
@@ -18,7 +19,7 @@ SETTINGS = {"PipelineConfig.mode": "'stream'"}
 
 
 def make_server(capacity=8, tls=None, precision=None, **kwargs):
-  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
+  controller = Controller(controller_setup(CONFIG), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
                           terms=JoinTerms(SETTINGS))
   queue, store = SampleQueue(capacity), HostWeightStore(precision=precision)
   server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=queue, weights=store,

@@ -175,7 +175,7 @@ def test_arm_names_and_settings_are_checked():
   uncorrected = ObjectiveConfig(objective="reinforce", correction="none")
   config = PipelineConfig(arms=ArmsConfig(followers=(ArmConfig("pg", objective=uncorrected),
                                 ArmConfig("ok", objective=ObjectiveConfig(objective="reinforce")))))
-  advice = arm_advice(config)
+  advice = arm_advice(config.arms)
   assert len(advice) == 1 and advice[0].startswith("arm 'pg': ObjectiveConfig.correction='none' with old_logprobs=")
 
 

@@ -36,7 +36,7 @@ CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, mesh=
 
 def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
   settings = flat_settings(CONFIG, JOB)
-  arms = RemoteArms(CONFIG, "run-a", 0, settings)
+  arms = RemoteArms(CONFIG.shape, CONFIG.arms, "run-a", 0, settings)
   assert arms.join(ArmJoin("rloo", "", settings)).run_id == "run-a"
   with pytest.raises(BadMessage, match=r"arm 'x' is not an arm of this run \(its arms: \['rloo'\]\)"):
     arms.join(ArmJoin("x", "", settings))

@@ -28,6 +28,7 @@ from streamrl_jax.streaming.weight_chunks import manifest_of, part_indices
 from streamrl_jax.streaming.weight_relay import RelayRefused, RelayServer, RelayStore
 
 from tests import shaped_links
+from tests.pipeline_setup import controller_setup
 from tests.weight_nodes import run_broadcast
 
 
@@ -266,7 +267,8 @@ def test_a_relay_store_keeps_chunks_in_order_and_skips_what_it_holds():
 
 def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
   events = []
-  controller = Controller(PipelineConfig(), None, None, start_step=0, terms=JoinTerms(site="a"), on_event=events.append)
+  controller = Controller(controller_setup(PipelineConfig()), None, None, start_step=0, terms=JoinTerms(site="a"),
+                          on_event=events.append)
   ids = [controller.register(Register(name, {}, site=site, relay=relay)).sampler_id
          for name, site, relay in [("s0", "a", "10.0.0.1:5"), ("s1", "a", "10.0.0.2:5"), ("s2", "b", ""),
                                    ("s3", "b", "10.0.0.4:5")]]
@@ -282,7 +284,7 @@ def test_the_controller_hands_out_one_tree_per_version_and_draws_it():
 
 
 def test_version_info_names_the_parent_relay_over_flight(trainer_server):
-  controller = Controller(PipelineConfig(), None, None, start_step=0, terms=JoinTerms(site="a"))
+  controller = Controller(controller_setup(PipelineConfig()), None, None, start_step=0, terms=JoinTerms(site="a"))
   server = TrainerFlightServer("127.0.0.1", 0, controller=controller, samples=SampleQueue(1),
                                weights=trainer_server.weights, limits=ServerLimits(1))
   try:

@@ -9,6 +9,7 @@ from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
+from tests.pipeline_setup import controller_setup
 
 
 class ScriptedRanker:
@@ -29,7 +30,7 @@ class ScriptedRanker:
 def leases_of_step_0(policy: str, samplers: int = 2) -> list:
   config = PipelineConfig(mode="stream", steps=2, prompts_per_step=10, group_size=2, max_new_tokens=8,
                           scheduling=SchedulingConfig(policy=policy))
-  controller = Controller(config, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
+  controller = Controller(controller_setup(config), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0,
                           ranker=ScriptedRanker())
   ids = [controller.register(Register(f"s{i}", {})).sampler_id for i in range(samplers)]
   controller.published(Published(0))

@@ -18,6 +18,7 @@ from streamrl_jax.pipeline.controller.weight_trees import WeightTrees
 from streamrl_jax.pipeline.trainer.control import FollowerControl, TrainerControl
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
+from tests.pipeline_setup import controller_setup
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
 FILTERED = dataclasses.replace(CONFIG, controller=dataclasses.replace(CONFIG.controller, dynamic_sampling=True,
@@ -118,7 +119,8 @@ def test_groups_leased_again_after_a_loss_are_announced_once_when_first_delivere
 # ---- the step plans ------------------------------------------------------------------------------
 def make_plans(config=CONFIG) -> tuple[StepPlans, Leases, Timeline]:
   timeline = Timeline()
-  plans = StepPlans(config, ArithmeticTask(max_digits=2), CharTokenizer(), timeline, start_step=0)
+  plans = StepPlans(config.shape, config.scheduling, config.sampler.engine.num_slots, ArithmeticTask(max_digits=2),
+                    CharTokenizer(), timeline, start_step=0)
   return plans, Leases(timeline), timeline
 
 
@@ -205,8 +207,8 @@ def test_a_tree_without_relays_is_not_drawn():
 
 # ---- the trainer's side: TrainerControl ----------------------------------------------------------
 def test_the_controller_and_the_follower_answer_the_same_protocol():
-  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
-  follower = FollowerControl(FILTERED)
+  controller = Controller(controller_setup(CONFIG), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
+  follower = FollowerControl(FILTERED.shape)
   assert isinstance(controller, TrainerControl) and isinstance(follower, TrainerControl)
   assert follower.step_trained(StepTrained(0, 1.0)).metrics()["sampler_instances"] == 1
   assert follower.regenerate(Regenerate(0, (1,))) == follower.published(Published(1))
@@ -218,7 +220,7 @@ def test_the_controller_and_the_follower_answer_the_same_protocol():
 
 def test_the_controller_hands_a_step_summary_out_once_and_retargets_from_it():
   config = dataclasses.replace(CONFIG, scheduling=SchedulingConfig(instances=1, max_instances=4, elastic=True))
-  controller = Controller(config, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
+  controller = Controller(controller_setup(config), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
   sampler = controller.register(Register("s", {})).sampler_id
   controller.published(Published(0))
   given = controller.lease(LeaseRequest(sampler, 0.0)).lease
@@ -245,7 +247,7 @@ def test_messages_name_a_step_as_its_metrics_row_does():
                                                            lost_sampler="s0", since_lost_s=1.0))
   with pytest.raises(BadShard, match="group 7 of step 1 carries sample indices"):
     shard_groups(group_shard([5, 6], step=0), group_size=3)
-  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
+  controller = Controller(controller_setup(CONFIG), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
   sampler = controller.register(Register("s", {})).sampler_id
   with pytest.raises(BadMessage, match="lease -1 of step 1, which it does not hold"):
     controller.report(report(sampler, lease(0, [0, 1])))

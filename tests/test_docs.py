@@ -8,6 +8,8 @@ import importlib.util
 import re
 from pathlib import Path
 
+from streamrl_jax.records import metric_table
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "launchers" / "README.md"]
 
@@ -134,3 +136,36 @@ def test_every_class_attribute_and_module_name_the_docs_give_exists():
   dangling = {page.relative_to(ROOT).as_posix(): found for page in PAGES
               if (found := dangling_names(page.read_text(), classes))}
   assert not dangling
+
+
+# Backticked names of other projects' code that the docs cite (they name nothing here).
+ELSEWHERE = {"named_jit", "update_fn", "individual_dot"}
+OWN = ("test_docs.py", "test_metric_table.py")  # tests that spell out unknown names on purpose
+
+
+def _code_words() -> set[str]:
+  """Every identifier and metric key (`reward/task`) in the repository's code, configs and notebooks."""
+  words = set()
+  for ext in ("py", "gin", "toml", "ipynb", "yaml", "sh"):
+    for path in ROOT.rglob(f"*.{ext}"):
+      if not {".venv", ".git", "node_modules"} & set(path.relative_to(ROOT).parts) and path.name not in OWN:
+        words |= set(re.findall(r"[A-Za-z_][\w/]*", path.read_text(errors="ignore")))
+  return words
+
+
+def unknown_identifiers(text: str, words: set[str]) -> list[str]:
+  """The page's backticked snake_case identifiers and metric keys (`a_b`, `trainer_s/optimizer`) that appear
+  nowhere in `words`, nor as a row key of the metrics table."""
+  text = re.sub(r"```.*?```", "", text, flags=re.S)
+  found = re.findall(r"`([a-z][a-z0-9]*_[a-z0-9_]+(?:/[a-z0-9_]+)?)`", text)
+  return sorted({w for w in found if w not in words and w not in ELSEWHERE and metric_table.unlisted({w: 0})
+                 and not (ROOT / w).exists()})  # (a path of the repository)
+
+
+def test_every_identifier_and_metric_key_the_docs_give_exists():
+  assert unknown_identifiers("`step_s` `max_token_staleness` `reward/task` `trainer_s/optimizer` `kl_mean`",
+                             {"step_s", "kl_mean"}) == ["max_token_staleness"]
+  words = _code_words()
+  unknown = {page.relative_to(ROOT).as_posix(): found for page in PAGES
+             if (found := unknown_identifiers(page.read_text(), words))}
+  assert not unknown

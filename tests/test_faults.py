@@ -26,6 +26,7 @@ from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
+from tests.pipeline_setup import controller_setup
 from tests.processes import FAULTS, TIMEOUT_S, Programs, alive, check_each_step_once
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
@@ -41,7 +42,8 @@ class Clock:
 
 def make_controller(clock, **kwargs) -> Controller:
   config = dataclasses.replace(CONFIG, controller=ControllerConfig(lease_timeout_s=5.0))
-  return Controller(config, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, clock=clock, **kwargs)
+  return Controller(controller_setup(config), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0, clock=clock,
+                    **kwargs)
 
 
 def groups(step: int, group_ids, completion: int = 5) -> SampleShard:
@@ -171,14 +173,15 @@ def shard_of(step, group_ids, sample_indices, width=4) -> SampleShard:
 
 
 def test_the_trainer_refuses_a_sample_its_step_did_not_plan():
+  rules = IntakeRules.of(CONFIG.shape)
   assert re.search(r"step 2 received sample \(group 8, index 1\).*groups 4..7",
-                   refusal(shard_of(1, [4, 8], [0, 1]), IntakeRules.of(CONFIG)))
-  assert refusal(shard_of(1, [4, 7], [0, 1]), IntakeRules.of(CONFIG)) is None
-  assert "index 2" in refusal(shard_of(1, [4, 4], [0, 2]), IntakeRules.of(CONFIG))  # group_size 2: indices 0 and 1
-  assert "holds a sample twice" in refusal(shard_of(1, [4, 4], [1, 1]), IntakeRules.of(CONFIG))
-  assert "a shard of step 8; the run has 3 steps" in refusal(shard_of(7, [28, 28], [0, 1]), IntakeRules.of(CONFIG))
+                   refusal(shard_of(1, [4, 8], [0, 1]), rules))
+  assert refusal(shard_of(1, [4, 7], [0, 1]), rules) is None
+  assert "index 2" in refusal(shard_of(1, [4, 4], [0, 2]), rules)  # group_size 2: indices 0 and 1
+  assert "holds a sample twice" in refusal(shard_of(1, [4, 4], [1, 1]), rules)
+  assert "a shard of step 8; the run has 3 steps" in refusal(shard_of(7, [28, 28], [0, 1]), rules)
   mixed = SampleShard(**{**shard_of(1, [4, 4], [0, 1]).__dict__, "steps": np.array([1, 2])})
-  assert "mixes samples of steps [2, 3]" in refusal(mixed, IntakeRules.of(CONFIG))  # as rows number them
+  assert "mixes samples of steps [2, 3]" in refusal(mixed, rules)  # as rows number them
 
 
 # ---- the programs (started and killed by `tests.processes.Programs`) -------------------------------------

@@ -19,7 +19,7 @@ from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups as _equal_reward_groups
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.run_hooks import RunHooks
-from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, controller_setup, run, sampler_setup
 from tests.wire_samples import group_shard
 
 
@@ -98,7 +98,7 @@ def test_dynamic_sampling_trains_no_equal_reward_group_and_fills_the_step(dynami
   assert all(m["equal_reward_groups_trained"] == 0 for m in metrics)
   assert sum(m["groups_filtered"] for m in metrics) > 0 and sum(m["groups_backfilled"] for m in metrics) > 0
   for m in metrics:
-    assert m["groups_backfilled"] == backfill_count(filtered_config(), 0, m["groups_filtered"])
+    assert m["groups_backfilled"] == backfill_count(filtered_config().shape, 0, m["groups_filtered"])
     assert m["prompts_leased"] == 4 + m["groups_backfilled"]
   counters = filtered.counters
   trained_groups = sum(4 + m["groups_backfilled"] - m["groups_filtered"] for m in metrics)
@@ -130,7 +130,7 @@ def test_dynamic_sampling_resumes_exactly_and_filters_alike_in_colocated_mode(tm
 
 
 def test_backfill_prompts_and_ids_are_fixed_by_seed_and_step():
-  config, task = filtered_config(), DigitTask(max_digits=3)
+  config, task = filtered_config().shape, DigitTask(max_digits=3)
   assert backfill_prompts(config, task, 2, 0, 3) == backfill_prompts(config, task, 2, 0, 1) + \
       backfill_prompts(config, task, 2, 1, 2)
   assert backfill_prompts(config, task, 2, 0, 3) != backfill_prompts(config, task, 1, 0, 3)
@@ -138,14 +138,14 @@ def test_backfill_prompts_and_ids_are_fixed_by_seed_and_step():
   assert list(planned) == [7, 8, 9, 10] and list(extra) == [11, 12, 13]
   assert step_group_ids(dataclasses.replace(config, steps=50), 1) == (planned, extra)  # whatever the run's length
   assert [backfill_count(config, used, 2) for used in range(5)] == [2, 2, 1, 0, 0]
-  assert step_group_ids(BASE, 1)[1] == range(12, 12)  # off: no backfill ids
+  assert step_group_ids(BASE.shape, 1)[1] == range(12, 12)  # off: no backfill ids
 
 
 def test_the_trainer_refuses_groups_outside_the_plan_naming_the_backfill_range():
   shard = group_shard([5, 6], step=1, group=20)
-  assert "backfill groups 11..13" in refusal(shard, IntakeRules.of(filtered_config()))
-  assert refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(filtered_config())) is None
-  assert "groups 4..7, indices" in refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(BASE))
+  assert "backfill groups 11..13" in refusal(shard, IntakeRules.of(filtered_config().shape))
+  assert refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(filtered_config().shape)) is None
+  assert "groups 4..7, indices" in refusal(group_shard([5, 6], step=1, group=12), IntakeRules.of(BASE.shape))
 
 
 def test_equal_reward_groups_by_hand():
@@ -174,7 +174,8 @@ def test_a_group_with_a_token_past_the_staleness_bound_is_generated_again():
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
   config = dataclasses.replace(BASE, mode="async").resolved("float32")  # step 2 takes tokens of version 1 or newer
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+  worker = TrainerWorker(trainer_setup(config), graphdef, params,
+                         mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
 
   def group(g, oldest):
     shard = group_shard([9, 10, 11, 12], step=2, group=g)
@@ -227,7 +228,8 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
   config = dataclasses.replace(BASE, mode=mode, steps=2).resolved("float32")
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
-  worker = TrainerWorker(config, graphdef, params, mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
+  worker = TrainerWorker(trainer_setup(config), graphdef, params,
+                         mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1)))
 
   def group(step, g, empty):
     shard = group_shard([9, 10, 11, 12], step=step, group=g)
@@ -292,7 +294,7 @@ def worker_parts():
   mesh = mesh_from_devices(jax.devices()[:1], MeshShape(1, 1, 1))
 
   def make():
-    worker = SamplerWorker(config, graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh)
+    worker = SamplerWorker(sampler_setup(config), graphdef, MODEL, TOKENIZER, DigitTask(max_digits=3), mesh)
     worker.weights = _Weights(params)
     return worker
   return make
@@ -303,13 +305,13 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
   from streamrl_jax.pipeline.controller import Controller
   config = dataclasses.replace(BASE, steps=1)
   reference = worker_parts()
-  controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
+  controller = Controller(controller_setup(config), DigitTask(max_digits=3), TOKENIZER, start_step=0)
   controller.published(Published(0))
   reference.register(controller)
   whole = _Sink(controller, reference, 4)  # stops after the step's 4 groups
   reference.serve(controller, whole, reference.weights, whole.stop)
 
-  controller = Controller(config, DigitTask(max_digits=3), TOKENIZER, start_step=0)
+  controller = Controller(controller_setup(config), DigitTask(max_digits=3), TOKENIZER, start_step=0)
   controller.published(Published(0))
   first, second = worker_parts(), worker_parts()
   first.register(controller)
@@ -346,7 +348,7 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
 def test_partials_a_leaving_sampler_may_hand_back_by_hand():
   from streamrl_jax.pipeline.step_plan import partial_problem
   from streamrl_jax.types import Rollout
-  config = BASE  # group_size 4, max_new_tokens 12
+  config = BASE.shape  # group_size 4, max_new_tokens 12
 
   def p(group=5, index=0, n=3, finished=False):
     return Rollout(group, index, (1,) * n, (-1.0,) * n, (0,) * n, finished=finished)

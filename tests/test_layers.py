@@ -8,8 +8,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "streamrl_jax"
 # Floors, lowest first: a module may import from its own floor or below, never above.
 FLOORS = (
-    ("types", "messages", "message_codec", "pytrees", "registry", "settings", "meshes", "modes", "resources",
-     "stopping", "faults", "launch",
+    ("types", "messages", "message_codec", "pytrees", "registry", "settings", "meshes", "modes", "run_shape",
+     "resources", "stopping", "faults", "launch",
      "host_memory", "config_types", "config_listing", "phase_clock", "logs", "counters",
      "truncation", "trl_names"),  # plain records and helpers
     ("models", "tasks", "envs", "rewards"),  # the decoder, tokenizers, prompt datasets, environments, reward functions

@@ -381,5 +381,6 @@ def test_the_trainer_refuses_shards_scored_by_another_reward_config():
   shard = group_shard([5, 6], step=0, group=1, functions=2)
   two_functions = RewardConfig(functions=("m:a", "m:b"))
   two = dataclasses.replace(BASE, sampler=dataclasses.replace(BASE.sampler, reward=two_functions))
-  assert refusal(shard, IntakeRules.of(two)) is None
-  assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in refusal(shard, IntakeRules.of(BASE))
+  assert refusal(shard, IntakeRules.of(two.shape)) is None
+  one = IntakeRules.of(BASE.shape)
+  assert "holds 2 reward values a sample; this run's RewardConfig has 1 (task)" in refusal(shard, one)

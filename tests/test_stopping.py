@@ -91,7 +91,7 @@ def test_a_hold_waits_until_its_file_is_removed_and_then_goes_on(tmp_path):
 def test_a_step_still_waiting_after_the_grace_is_abandoned_and_not_before():
   now = [0.0]
   stop = StopRequest(clock=lambda: now[0])
-  worker = SimpleNamespace(stop=stop, config=SimpleNamespace(trainer=SimpleNamespace(stop_grace_s=10.0)),
+  worker = SimpleNamespace(stop=stop, config=SimpleNamespace(stop_grace_s=10.0),  # the worker's TrainerConfig
                            checkpointer=None, _progress=lambda what: None)
   worker._stopped = lambda abandoned_step=None: TrainerWorker._stopped(worker, abandoned_step)
   calls = []

@@ -26,6 +26,7 @@ from streamrl_jax.streaming.sample_schema import (BadSampleBatch, SampleEnvelope
                                                   batch_to_shard, shard_to_batch)
 from streamrl_jax.tasks import ArithmeticTask
 from tests.flight_setup import SETTINGS, leased_sender, serving
+from tests.pipeline_setup import controller_setup
 from tests.wire_samples import VOCAB, _replace_column, group_shard
 
 LIMITS = WireLimits(VOCAB, max_tokens=24, max_rows=8)
@@ -86,7 +87,7 @@ def test_3_samples_longer_or_more_than_the_run_allows_are_refused():
 
 # ---- 4: the lease rules --------------------------------------------------------------------------
 def two_samplers():
-  controller = Controller(CONFIG, ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
+  controller = Controller(controller_setup(CONFIG), ArithmeticTask(max_digits=2), CharTokenizer(), start_step=0)
   a, b = (controller.register(Register(name, {})).sampler_id for name in ("a", "b"))
   controller.published(Published(0))
   leases = [controller.lease(LeaseRequest(s, 0.0)).lease for s in (a, b)]
@@ -117,8 +118,8 @@ def test_4_shards_outside_the_senders_leases_or_not_whole_groups_are_refused():
 def take_step(shards, step=1):
   """`TrainerWorker._take_step` on a stand-in worker that records what it would train."""
   trained = []
-  worker = SimpleNamespace(config=CONFIG, spec=CONFIG.spec, streamed=CONFIG.spec.streamed,
-                           rules=IntakeRules.of(CONFIG), intake=IntakeState(),
+  worker = SimpleNamespace(config=CONFIG.trainer, shape=CONFIG.shape, spec=CONFIG.spec, streamed=CONFIG.spec.streamed,
+                           rules=IntakeRules.of(CONFIG.shape), intake=IntakeState(),
                            refusals=[], phase_clock=PhaseClock(TRAINER_PHASES),
                            counters=TrainerCounters(),
                            _accumulate=lambda shard, step, clock: trained.append(shard))

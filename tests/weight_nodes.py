@@ -42,14 +42,15 @@ def say(**fields) -> None:
 
 def trainer(args) -> None:
   from streamrl_jax.pipeline.config import PipelineConfig
-  from streamrl_jax.pipeline.controller import Controller, JoinTerms
+  from streamrl_jax.pipeline.controller import Controller, ControllerSetup, JoinTerms
   from streamrl_jax.pipeline.controller.config import ControllerConfig
   from streamrl_jax.streaming.flight_config import parse_address
   from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
   from streamrl_jax.streaming.queue import SampleQueue
   events = []
   config = PipelineConfig(controller=ControllerConfig(weight_fanout=args.fanout))
-  controller = Controller(config, None, None, start_step=0, terms=JoinTerms(site=args.site), on_event=events.append)
+  setup = ControllerSetup(config.shape, config.controller, config.scheduling, config.sampler.engine.num_slots)
+  controller = Controller(setup, None, None, start_step=0, terms=JoinTerms(site=args.site), on_event=events.append)
   store = HostWeightStore(keep=2)
   server = TrainerFlightServer(*parse_address(args.listen, "--listen"), controller=controller, samples=SampleQueue(1),
                                weights=store, limits=ServerLimits(1))

@@ -10,7 +10,7 @@ from streamrl_jax.agents.program import POLICY_MODEL
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.agents.rollouts import AgentRollouts, scored_text, serving_for
 from streamrl_jax.rewards import RewardScorer
-from streamrl_jax.sampling import StreamingSampler, make_engine
+from streamrl_jax.sampling import SamplerConfig, StreamingSampler, make_engine
 from streamrl_jax.serving.app import ServedModel
 from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.serving.config import ServeConfig
@@ -20,19 +20,21 @@ from streamrl_jax.tasks.rows import draw, question, verifier
 EVAL_WAIT_S = 1.0
 
 
-def agent_completions(model, tokenizer, task, config, prompts: int, seed: int) -> list[tuple[str, str, float]]:
+def agent_completions(model, tokenizer, task, sampler: SamplerConfig, max_new_tokens: int, prompts: int,
+                      seed: int) -> list[tuple[str, str, float]]:
   """(prompt, the agent's answer or last reply, reward) of one greedy episode per held-out prompt (drawn with
-  their own seed, as `greedy_completions` draws them); a failed episode scores 0."""
+  their own seed, as `greedy_completions` draws them), with `sampler`'s engine, agent program and rewards and the run's
+  `max_new_tokens` (each reply's and each episode's bound); a failed episode scores 0."""
   import secrets
 
   graphdef, params = nnx.split(model)
-  sampler = StreamingSampler([make_engine(graphdef, model.config, config.sampler.engine, single_device_mesh())], params)
+  engine = StreamingSampler([make_engine(graphdef, model.config, sampler.engine, single_device_mesh())], params)
   bridge = RequestBridge()
-  served = ServedModel(POLICY_MODEL, tokenizer, config.sampler.engine.max_prompt_length, config.max_new_tokens)
+  served = ServedModel(POLICY_MODEL, tokenizer, sampler.engine.max_prompt_length, max_new_tokens)
   server = serving_for(ServeConfig(port=0, api_key=secrets.token_hex(16), max_requests=4096, temperature=0.0),
                        served, bridge)
-  loop = GenerationLoop(sampler, bridge)
-  agents = AgentRollouts(config.sampler.env, server, config.max_new_tokens)
+  loop = GenerationLoop(engine, bridge)
+  agents = AgentRollouts(sampler.env, server, max_new_tokens)
   rng = np.random.default_rng(10_000 + seed)
   items = [draw(task, rng) for _ in range(prompts)]
   results = {}
@@ -47,7 +49,7 @@ def agent_completions(model, tokenizer, task, config, prompts: int, seed: int) -
     server.stop()
     loop.stop()
   out = []
-  with RewardScorer(config.sampler.reward, builtin=verifier(task)) as scorer:
+  with RewardScorer(sampler.reward, builtin=verifier(task)) as scorer:
     for i, (prompt, row) in enumerate(items):
       text, env_reward, failure = scored_text(results[i])
       if failure:

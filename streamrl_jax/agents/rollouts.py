@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 
 from streamrl_jax.counters import Counters
+from streamrl_jax.envs import EnvConfig
 from streamrl_jax.agents.program import FAILED, POLICY_MODEL, TIMED_OUT, run_group
 from streamrl_jax.rewards.scorer import Score, worker_pool
 from streamrl_jax.sampling.config import SamplerConfig
@@ -90,7 +91,7 @@ class AgentCounters(Counters):
 class AgentRollouts:
   """The episodes of the leases in hand. `start` a group, `finished()` the episodes that ended."""
 
-  def __init__(self, env_config, server: ServerThread, budget: int):
+  def __init__(self, env_config: EnvConfig, server: ServerThread, budget: int):
     from streamrl_jax.agents.program import load_agent
 
     load_agent(env_config.agent)  # refuses a missing or wrong function here, in one line

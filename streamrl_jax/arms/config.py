@@ -15,8 +15,9 @@ import dataclasses
 import re
 
 from streamrl_jax.config_types import ConfigError
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.settings import flat_settings
-from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig
+from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 # Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
 ARM_KEYS = ("PipelineConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
@@ -74,20 +75,28 @@ def stream_settings(settings: dict) -> dict:
   return {k: v for k, v in settings.items() if not k.startswith(ARM_KEYS)}
 
 
-def arm_pipeline(config, arm: ArmConfig):
-  """The lead's `PipelineConfig` as a follower runs it: the arm's advantage, objective, optimizer and seed; no
-  arms of its own; no stall limit (a follower waits on the lead, whose own watch stops the run)."""
-  trainer = dataclasses.replace(config.trainer, objective=arm.objective, optimizer=arm.optimizer, step_timeout_s=0.0)
-  return dataclasses.replace(config, advantage=arm.advantage, seed=arm.seed, trainer=trainer,
-                             arms=dataclasses.replace(config.arms, followers=(), lead_name=arm.name))
+def arm_trainer(trainer: TrainerConfig, arm: ArmConfig) -> TrainerConfig:
+  """The lead's `TrainerConfig` as follower `arm` runs it: the arm's objective and optimizer; no stall limit (a
+  follower waits on the lead, whose own watch stops the run)."""
+  return dataclasses.replace(trainer, objective=arm.objective, optimizer=arm.optimizer, step_timeout_s=0.0)
 
 
-def arm_advice(config) -> list[str]:
+def arm_shape(shape: RunShape, arm: ArmConfig) -> RunShape:
+  """The lead's `RunShape` as follower `arm` runs it: the arm's advantage estimator and seed."""
+  return dataclasses.replace(shape, advantage=arm.advantage, seed=arm.seed)
+
+
+def lead_arm(arms: ArmsConfig, trainer: TrainerConfig, shape: RunShape) -> ArmConfig:
+  """The lead's own trainer as an arm (`ArmsConfig.lead_name`): what it trains with, beside its followers."""
+  return ArmConfig(arms.lead_name, shape.advantage, trainer.objective, trainer.optimizer, shape.seed)
+
+
+def arm_advice(arms: ArmsConfig) -> list[str]:
   """A warning per follower whose objective ignores the behaviour (sampler) probabilities: its samples come from
   the lead's policy, and the mismatch then goes uncorrected every step."""
   return [f"arm {arm.name!r}: ObjectiveConfig.correction='none' with old_logprobs={arm.objective.old_logprobs!r} "
           f"ignores the sampler's probabilities, but a follower trains on the lead's samples (off-policy): a "
-          f"correction ('token_tis', the default) weighs each token by them" for arm in config.arms.followers
+          f"correction ('token_tis', the default) weighs each token by them" for arm in arms.followers
           if not arm.objective.corrected]
 
 

@@ -17,11 +17,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource
-from streamrl_jax.arms.config import arm_pipeline
+from streamrl_jax.arms.config import ArmConfig, ArmsConfig, arm_shape, arm_trainer
 from streamrl_jax.messages import row_step
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.trainer.control import FollowerControl
-from streamrl_jax.pipeline.trainer.worker import TrainerWorker
+from streamrl_jax.pipeline.trainer.worker import TrainerSetup, TrainerWorker
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import QueueClosed
 
 _log = logging.getLogger(__name__)
@@ -48,11 +49,16 @@ def arm_row(row: dict, name: str, source: FollowerSource) -> dict:
   return row
 
 
-def feed_capacity(config) -> int:
-  """Samples a follower's feed holds: its lag bound's steps, the lead's staleness window's, and one step of
-  slack, each with its backfill."""
-  per_step = (config.prompts_per_step + config.backfill_per_step) * config.group_size
-  return (config.arms.max_lag + config.spec.max_lag + 2) * per_step
+def feed_capacity(shape: RunShape, arms: ArmsConfig) -> int:
+  """Samples a follower's feed holds: its lag bound's steps (`arms.max_lag`), the lead's staleness window's, and one
+  step of slack, each with its backfill."""
+  per_step = (shape.prompts_per_step + shape.backfill_per_step) * shape.group_size
+  return (arms.max_lag + shape.spec.max_lag + 2) * per_step
+
+
+def arm_setup(setup: TrainerSetup, arm: ArmConfig) -> TrainerSetup:
+  """The lead's trainer setup as follower `arm` trains: its own trainer config and advantage estimator and seed."""
+  return dataclasses.replace(setup, trainer=arm_trainer(setup.trainer, arm), shape=arm_shape(setup.shape, arm))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,30 +74,30 @@ class ArmsStart:
 
 
 class _Arm:
-  """One follower: its worker, feed, source and thread, and how it ended."""
+  """One follower, `name`: its worker (of `setup`), feed, source and thread, and how it ended."""
 
-  def __init__(self, config, graphdef, params, mesh, start: ArmsStart):
-    self.config, self.name = config, config.arms.lead_name
+  def __init__(self, name: str, setup: TrainerSetup, arms: ArmsConfig, graphdef, params, mesh, start: ArmsStart):
+    self.name = name
     checkpointer, on_step = (start.outputs or {}).get(self.name, (None, None))
     resume = start.resume and checkpointer is not None and checkpointer.latest_step() is not None
-    self.worker = TrainerWorker(config, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
+    self.worker = TrainerWorker(setup, graphdef, params, mesh, checkpointer=checkpointer, resume=resume,
                                 streamed=False)
-    self.feed = ArmFeed(feed_capacity(config))
-    self.source = FollowerSource(self.feed, config.arms.max_lag, start.first_step)
+    self.feed = ArmFeed(feed_capacity(setup.shape, arms))
+    self.source = FollowerSource(self.feed, arms.max_lag, start.first_step)
     self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, start.periodic_eval
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
   def _row(self, row: dict) -> None:
     arm_row(row, self.name, self.source)
     if self.periodic_eval is not None:
-      self.periodic_eval.add(row, lambda: jax.device_get(self.worker.policy_params()), self.config)
+      self.periodic_eval.add(row, lambda: jax.device_get(self.worker.policy_params()))
     if self.on_step is not None:
       self.on_step(row)
 
   def _run(self) -> None:
     start = time.monotonic()
     try:
-      self.metrics = self.worker.run(FollowerControl(self.config), self.source.get, NoPublisher(),
+      self.metrics = self.worker.run(FollowerControl(self.worker.shape), self.source.get, NoPublisher(),
                                      clock=lambda: time.monotonic() - start, on_step=self._row, skip=self.source.skip)
     except QueueClosed:  # the lead stopped before this follower's last step: it ends at its last whole step
       pass
@@ -118,12 +124,13 @@ class _Arm:
 
 
 class Followers:
-  """The follower arms: `start` their threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
+  """The follower arms of `arms`, each trained as the lead's `setup` with its own trainer settings: `start` their
+  threads, let `fanout` tap the lead's shard source and rows, then `finish`."""
 
-  def __init__(self, config, graphdef, params, meshes: list, start: ArmsStart):
-    self.arms = [_Arm(arm_pipeline(config, arm), graphdef, params, mesh, start)
-                 for arm, mesh in zip(config.arms.followers, meshes)]
-    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, config.arms.lead_name)
+  def __init__(self, setup: TrainerSetup, arms: ArmsConfig, graphdef, params, meshes: list, start: ArmsStart):
+    self.arms = [_Arm(arm.name, arm_setup(setup, arm), arms, graphdef, params, mesh, start)
+                 for arm, mesh in zip(arms.followers, meshes)]
+    self.fanout = Fanout({arm.name: arm.feed for arm in self.arms}, arms.lead_name)
 
   def start(self) -> None:
     for arm in self.arms:
@@ -157,8 +164,10 @@ def spare_devices(devices, *meshes) -> list:
   return [d for d in (jax.devices() if devices is None else devices) if d.id not in used]
 
 
-def make_followers(config, graphdef, params, trainer_mesh, spare: list, start: ArmsStart) -> Followers | None:
-  """The run's `Followers` (None without arms), on meshes by `follower_meshes`, starting at `start`."""
-  if not config.arms.followers:
+def make_followers(setup: TrainerSetup, arms: ArmsConfig, graphdef, params, trainer_mesh, spare: list,
+                   start: ArmsStart) -> Followers | None:
+  """The run's `Followers` of `arms` (None without arms; `setup`: the lead's trainer), on meshes by
+  `follower_meshes`, starting at `start`."""
+  if not arms.followers:
     return None
-  return Followers(config, graphdef, params, follower_meshes(trainer_mesh, spare, len(config.arms.followers)), start)
+  return Followers(setup, arms, graphdef, params, follower_meshes(trainer_mesh, spare, len(arms.followers)), start)

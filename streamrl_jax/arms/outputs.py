@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -14,8 +15,8 @@ from pathlib import Path
 from flax import nnx
 
 from streamrl_jax.models import save_hf
-from streamrl_jax.arms.config import arm_pipeline
-from streamrl_jax.records.metrics_log import evaluations, open_metrics, read_metrics
+from streamrl_jax.arms.config import ArmConfig, ArmsConfig
+from streamrl_jax.records.metrics_log import append_row, evaluations, open_metrics, read_metrics
 from streamrl_jax.records.pictures import write_curves_png
 from streamrl_jax.records.run_record import ARMS_DIR
 
@@ -26,23 +27,22 @@ def arm_dir(workdir: Path, name: str) -> Path:
   return Path(workdir) / ARMS_DIR / name
 
 
-def describe_arm(config) -> dict:
+def describe_arm(arm: ArmConfig) -> dict:
   """What an arm trains with, as arm.json and the comparison's table show it."""
-  return dict(arm=config.arms.lead_name, advantage=config.advantage, objective=config.trainer.objective.objective,
-              learning_rate=config.trainer.optimizer.learning_rate, aggregation=config.trainer.objective.aggregation,
-              seed=config.seed)
+  return dict(arm=arm.name, advantage=arm.advantage, objective=arm.objective.objective,
+              learning_rate=arm.optimizer.learning_rate, aggregation=arm.objective.aggregation, seed=arm.seed)
 
 
 @contextlib.contextmanager
-def arm_outputs(workdir: Path, config, resume: bool):
-  """{arm name: (checkpointer, on_step)} for every follower arm; on_step appends its rows to its metrics.jsonl. A
+def arm_outputs(workdir: Path, arms: ArmsConfig, resume: bool):
+  """{arm name: (checkpointer, on_step)} for every follower of `arms`; on_step appends its rows to its metrics.jsonl. A
   resumed arm's rows after its own checkpoint are dropped first (they are trained again). Checkpoints are waited
   for and closed on the way out."""
   from streamrl_jax.training.checkpoint import Checkpointer
 
   outputs, files = {}, []
   try:
-    for arm in config.arms.followers:
+    for arm in arms.followers:
       directory = arm_dir(workdir, arm.name)
       directory.mkdir(parents=True, exist_ok=True)
       checkpointer = Checkpointer(directory / "checkpoints", max_to_keep=2)
@@ -51,10 +51,10 @@ def arm_outputs(workdir: Path, config, resume: bool):
         checkpointer.close()
         raise ValueError(f"arm {arm.name!r}: {directory / 'checkpoints'} holds checkpoints up to step {latest}; "
                          "continue them with --resume or start afresh in another --workdir")
-      (directory / "arm.json").write_text(json.dumps(describe_arm(arm_pipeline(config, arm)), indent=1))
+      (directory / "arm.json").write_text(json.dumps(describe_arm(arm), indent=1))
       out = open_metrics(directory, latest if resume else None)
       files.append(out)
-      outputs[arm.name] = (checkpointer, _appender(out))
+      outputs[arm.name] = (checkpointer, functools.partial(append_row, out))
     yield outputs
   finally:
     for out in files:
@@ -64,17 +64,11 @@ def arm_outputs(workdir: Path, config, resume: bool):
       checkpointer.close()
 
 
-def _appender(out):
-  def on_step(row: dict) -> None:
-    out.write(json.dumps(row) + "\n")
-    out.flush()
-  return on_step
-
-
 @dataclasses.dataclass(frozen=True)
 class HeldOut:
-  """The lead's held-out evaluation, as an arm's end applies it: `evaluate(model, tokenizer, task, config, prompts,
-  seed, record)` (the job's greedy accuracy) on `prompts` prompts of the held-out `task`, drawn with `seed`."""
+  """The lead's held-out evaluation, as an arm's end applies it: `evaluate(model, tokenizer, task, prompts=,
+  seed=, record=)` (the job's greedy accuracy, the run's sampling settings bound where it is built: every arm
+  shares them) on `prompts` prompts of the held-out `task`, drawn with `seed`."""
 
   tokenizer: object
   task: object
@@ -82,38 +76,40 @@ class HeldOut:
   seed: int
   evaluate: Callable
 
-  def accuracy(self, model, config, record: Path) -> float:
-    return self.evaluate(model, self.tokenizer, self.task, config, self.prompts, self.seed, record)
+  def accuracy(self, model, record: Path) -> float:
+    return self.evaluate(model, self.tokenizer, self.task, prompts=self.prompts, seed=self.seed, record=record)
 
 
-def finish_arms(result, model, config, workdir: Path, before: float, held_out: HeldOut) -> dict:
-  """Each follower's trained policy evaluated on the held-out prompts and saved; its curves and summary.json
-  written. Returns {arm name: summary}."""
+def finish_arms(result, model, arms: ArmsConfig, steps: int, workdir: Path, before: float, held_out: HeldOut) -> dict:
+  """Each follower's (of `arms`, in a run of `steps`) trained policy evaluated on the held-out prompts and saved; its
+  curves and summary.json written. Returns {arm name: summary}."""
   graphdef, _ = nnx.split(model)
-  arms, summaries = {arm.name: arm for arm in config.arms.followers}, {}
+  by_name, summaries = {arm.name: arm for arm in arms.followers}, {}
   for name, arm in result.arms.items():
     if arm.params is None:
       _log.warning(f"arm {name!r} failed during the run: not evaluated; `--resume` continues it from "
                    f"{arm_dir(workdir, name) / 'checkpoints'}")
       continue
-    summaries[name] = finish_arm(arm_dir(workdir, name), arm_pipeline(config, arms[name]),
-                                 nnx.merge(graphdef, arm.params), arm.counters, before, held_out)
+    summaries[name] = finish_arm(arm_dir(workdir, name), by_name[name], steps, nnx.merge(graphdef, arm.params),
+                                 arm.counters, before, held_out)
   return summaries
 
 
-def finish_arm(directory: Path, config, trained, counters: dict, before: float | None, held_out: HeldOut) -> dict:
-  """One follower's end: its trained model evaluated and saved to DIRECTORY/final_model, its curves drawn and its
-  summary.json written (`before`: the held-out accuracy of the policy every arm started from, None if unknown)."""
-  name = config.arms.lead_name
-  after = held_out.accuracy(trained, config, directory / "eval_after.jsonl")
+def finish_arm(directory: Path, arm: ArmConfig, steps: int, trained, counters: dict, before: float | None,
+               held_out: HeldOut) -> dict:
+  """Follower `arm`'s end (a run of `steps`): its trained model evaluated and saved to DIRECTORY/final_model, its
+  curves drawn and its summary.json written (`before`: the held-out accuracy of the policy every arm started from,
+  None if unknown)."""
+  name = arm.name
+  after = held_out.accuracy(trained, directory / "eval_after.jsonl")
   change = f" ({after - before:+.3f})" if before is not None else ""
   _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
             f"{counters.get('arm_steps_skipped', 0)} steps skipped")
   save_hf(trained, directory / "final_model")
   rows = read_metrics(directory)
-  write_curves_png(rows, evaluations(rows, before, after, config.steps), directory / "curves.png",
-                   title=f"arm {name}: {config.advantage}, {config.trainer.objective.objective}")
-  summary = dict(describe_arm(config), accuracy_before=before, accuracy_after=after, steps=len(rows),
+  write_curves_png(rows, evaluations(rows, before, after, steps), directory / "curves.png",
+                   title=f"arm {name}: {arm.advantage}, {arm.objective.objective}")
+  summary = dict(describe_arm(arm), accuracy_before=before, accuracy_after=after, steps=len(rows),
                  counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})
   (directory / "summary.json").write_text(json.dumps(summary, indent=2))
   return summary

@@ -12,6 +12,7 @@ workdir trains every sample it had not saved, and none twice. Its outputs are th
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -26,12 +27,14 @@ from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, Version
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.arms.feed import ArmFeed, FollowerSource
 from streamrl_jax.arms.outputs import HeldOut, describe_arm, finish_arm
-from streamrl_jax.arms.config import arm_pipeline
-from streamrl_jax.arms.followers import NoPublisher, arm_row, feed_capacity
-from streamrl_jax.records.metrics_log import PeriodicEval, open_metrics
+from streamrl_jax.arms.config import ArmConfig
+from streamrl_jax.arms.followers import NoPublisher, arm_row, arm_setup, feed_capacity
+from streamrl_jax.records.metrics_log import PeriodicEval, append_row, open_metrics
 from streamrl_jax.records.run_record import RUN_ID_FILE
+from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.trainer.control import FollowerControl
 from streamrl_jax.pipeline.train_job import evaluate
+from streamrl_jax.pipeline.parts import trainer_setup
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.pytrees import unflatten_like
 from streamrl_jax.training.checkpoint import Checkpointer
@@ -115,7 +118,7 @@ class _StreamReader:
     return self.connection.action(ArmPoll(self.name, self.run_id, self.saved.get()), ArmState)
 
 
-def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None,
+def follow_lead(config: PipelineConfig, job, arm_name: str, *, connect: str, workdir: Path, tls=None, devices=None,
                 flight_config: FlightConfig = FlightConfig()) -> dict:
   """Runs follower arm `arm_name` of `config.arms.followers` against the lead at `connect` until the lead's stream ends;
   returns the arm's summary (also WORKDIR/summary.json). `flight_config`: call deadlines and how long to keep
@@ -123,11 +126,11 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
   arm = next((a for a in config.arms.followers if a.name == arm_name), None)
   if arm is None:
     raise ValueError(f"arm {arm_name!r} is not among --arms ({[a.name for a in config.arms.followers]})")
-  arm_config, workdir = arm_pipeline(config.resolved(job.dtype()), arm), Path(workdir)  # 'auto': float32 weights
+  lead, workdir = config.resolved(job.dtype()), Path(workdir)  # 'auto': float32 weights
   workdir.mkdir(parents=True, exist_ok=True)
   connection = FlightConnection(connect, tls=tls, timeout_s=flight_config.call_timeout_s,
                                 retry_s=flight_config.connect_retry_s, peer="the lead trainer")
-  joined = _join(connection, config, job, arm_config, workdir)
+  joined = _join(connection, config, job, arm, workdir)
   base = Checkpointer(workdir / "checkpoints", max_to_keep=2)
   resumed_at = base.latest_step()
   saved = _Saved(resumed_at or 0)
@@ -137,20 +140,21 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
     params = _lead_weights(connection, params, joined.start_step)
   start = f"resuming after its step {resumed_at}" if resumed_at else f"starting at step {row_step(joined.start_step)}"
   _log.info(f"arm {arm.name!r}: joined run {joined.run_id}; {start}")
-  worker = TrainerWorker(arm_config, graphdef, params, role_mesh(config.mesh, "trainer", devices),
+  mesh = role_mesh(config.mesh, "trainer", devices)
+  worker = TrainerWorker(arm_setup(trainer_setup(lead), arm), graphdef, params, mesh,
                          checkpointer=_CommittingCheckpointer(base, saved), resume=resumed_at is not None,
                          streamed=False)
-  feed = ArmFeed(feed_capacity(config))
+  feed = ArmFeed(feed_capacity(config.shape, config.arms))
   reader = _StreamReader(connection, arm.name, joined.run_id, feed, saved,
                          WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size,
                                            model.config))
   source = FollowerSource(feed, config.arms.max_lag, first_step=joined.start_step)
   heldout = job.make_task(tokenizer, "eval")
-  periodic = PeriodicEval(job.eval_every, lambda p, c: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, c,
-                                                                job.eval_prompts, job.seed)) if job.eval_every else None
+  periodic = PeriodicEval(job.eval_every, lambda p: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, lead,
+                                                             job.eval_prompts, job.seed)) if job.eval_every else None
   reader.thread.start()
   try:
-    completed = _train(worker, arm_config, source, reader, open_metrics(workdir, resumed_at), periodic)
+    completed = _train(worker, arm.name, source, reader, open_metrics(workdir, resumed_at), periodic)
     base.wait()
     saved.set(config.steps if completed else base.latest_step() or 0)  # every step trained and saved, or skipped
     reader.halt.set()
@@ -160,41 +164,40 @@ def follow_lead(config, job, arm_name: str, *, connect: str, workdir: Path, tls=
     connection.close()
     base.wait()
     base.close()
-  return finish_arm(workdir, arm_config, nnx.merge(graphdef, worker.policy_params()),
+  return finish_arm(workdir, arm, config.steps, nnx.merge(graphdef, worker.policy_params()),
                     dict(worker.counters, **source.counters), _accuracy_before(workdir),
-                    HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, evaluate))
+                    HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, functools.partial(evaluate, config=lead)))
 
 
-def _join(connection: FlightConnection, config, job, arm_config, workdir: Path) -> ArmJoined:
+def _join(connection: FlightConnection, config: PipelineConfig, job, arm: ArmConfig, workdir: Path) -> ArmJoined:
   """Joins the lead's run (its id kept in WORKDIR, its settings checked by the lead) and describes the arm there."""
   id_file = workdir / RUN_ID_FILE
-  joined = connection.action(ArmJoin(arm_config.arms.lead_name, id_file.read_text().strip() if id_file.exists() else "",
+  joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
                                      flat_settings(config, job)), ArmJoined)
   id_file.write_text(joined.run_id)
-  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm_config), indent=1))
+  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm), indent=1))
   return joined
 
 
-def _train(worker: TrainerWorker, arm_config, source: FollowerSource, reader: _StreamReader, metrics,
+def _train(worker: TrainerWorker, name: str, source: FollowerSource, reader: _StreamReader, metrics,
            periodic: PeriodicEval | None) -> bool:
-  """Trains the arm's steps as the lead's stream brings them, each row into `metrics` (an open metrics file);
+  """Trains arm `name`'s steps as the lead's stream brings them, each row into `metrics` (an open metrics file);
   whether every step was trained (False: the lead's stream ended first)."""
-  start, name = time.monotonic(), arm_config.arms.lead_name
+  start = time.monotonic()
   with metrics as out:
     def on_step(row: dict) -> None:
       arm_row(row, name, source)
       if periodic is not None:
-        periodic.add(row, lambda: jax.device_get(worker.policy_params()), arm_config)
-      out.write(json.dumps(row) + "\n")
-      out.flush()
+        periodic.add(row, lambda: jax.device_get(worker.policy_params()))
+      append_row(out, row)
     try:
-      worker.run(FollowerControl(arm_config), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
+      worker.run(FollowerControl(worker.shape), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
                  on_step=on_step, skip=source.skip)
       return True
     except QueueClosed:
       if reader.error is not None:
         raise reader.error
-      _log.warning(f"arm {name!r}: the lead's stream ended before step {arm_config.steps}")
+      _log.warning(f"arm {name!r}: the lead's stream ended before step {worker.shape.steps}")
   return False
 
 

@@ -18,8 +18,9 @@ from collections.abc import Callable
 
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, BadMessage, quote
 from streamrl_jax.arms.feed import ArmFeed, Fanout
-from streamrl_jax.arms.config import stream_settings
+from streamrl_jax.arms.config import ArmsConfig, stream_settings
 from streamrl_jax.arms.followers import feed_capacity
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
 
 _log = logging.getLogger(__name__)
@@ -30,15 +31,15 @@ GONE_S = 60.0  # at the end: a follower not heard from for this long is not wait
 
 
 class RemoteArms:
-  """The follower programs' streams on the lead: `fanout` taps the lead's shard source and rows as `Followers`'
-  does; `join`, `poll` and `read` answer the Flight server; `finish` at the end."""
+  """The follower programs' streams on the lead (a run of `shape`, its `arms`): `fanout` taps the lead's shard
+  source and rows as `Followers`' does; `join`, `poll` and `read` answer the Flight server; `finish` at the end."""
 
-  def __init__(self, config, run_id: str, start_step: int, settings: dict,
+  def __init__(self, shape: RunShape, arms: ArmsConfig, run_id: str, start_step: int, settings: dict,
                clock: Callable[[], float] = time.monotonic):
-    self.run_id, self.start_step, self.steps = run_id, start_step, config.steps
+    self.run_id, self.start_step, self.steps = run_id, start_step, shape.steps
     self.settings, self.clock = stream_settings(settings), clock
-    self.feeds = {arm.name: ArmFeed(feed_capacity(config), retain=True) for arm in config.arms.followers}
-    self.fanout = Fanout(self.feeds, config.arms.lead_name)
+    self.feeds = {arm.name: ArmFeed(feed_capacity(shape, arms), retain=True) for arm in arms.followers}
+    self.fanout = Fanout(self.feeds, arms.lead_name)
     self._heard: dict[str, float] = {}  # arm -> when it last joined or polled
     self._lock = threading.Lock()
 

@@ -15,8 +15,12 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from streamrl_jax.config_types import ConfigError
+
+if TYPE_CHECKING:  # the command imports jax (through the config) only when it runs
+  from streamrl_jax.pipeline.config import PipelineConfig
 
 _log = logging.getLogger(__name__)
 
@@ -158,7 +162,7 @@ def cmd_trainer(args) -> int:
   return run_training(args, config, job, runner, "streamrl trainer")
 
 
-def check_lora_base(config, job) -> None:
+def check_lora_base(config: PipelineConfig, job) -> None:
   """With LoRA across processes every sampler loads the base itself (the trainer sends adapters only): a base the
   trainer changes before RL (the demo model's warm-up) is refused, in the trainer and in each sampler."""
   if config.trainer.lora.enabled and not job.model and job.warmup_steps > 0:
@@ -167,7 +171,7 @@ def check_lora_base(config, job) -> None:
                       "pretrained JobConfig.model")
 
 
-def lora_base(config, job):
+def lora_base(config: PipelineConfig, job):
   """With LoRA, the base a sampler merges each version's adapters into, loaded as the trainer loads it."""
   if not config.trainer.lora.enabled:
     return None

@@ -12,8 +12,12 @@ import json
 import logging
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from streamrl_jax import logs
+
+if TYPE_CHECKING:  # the command imports jax (through the config) only when it runs
+  from streamrl_jax.pipeline.config import PipelineConfig
 
 
 def arms_arg(parser) -> None:
@@ -34,7 +38,7 @@ def cmd_train(args) -> int:
   return run_training(args, config, job, run_pipeline, "streamrl train")
 
 
-def run_training(args, config, job, runner, prog: str) -> int:
+def run_training(args, config: PipelineConfig, job, runner, prog: str) -> int:
   """`train_with_progress` with the run's first line, a stopped run's advice (exit 130) and the summary line."""
   import jax
 
@@ -54,7 +58,8 @@ def run_training(args, config, job, runner, prog: str) -> int:
   return 0
 
 
-def train_with_progress(config, job, workdir, runner, *, resume: bool | str = False, role: str = "train") -> dict:
+def train_with_progress(config: PipelineConfig, job, workdir, runner, *, resume: bool | str = False,
+                        role: str = "train") -> dict:
   """`train_job` with a progress bar (process 0 of the trainer only, from the first RL step on: a resumed run's
   starts at the steps already trained; closed once the last step is trained, before the result lines) and Ctrl-C
   or SIGTERM as a stop request (`RunStopped`, after the step in progress); returns the run's summary."""

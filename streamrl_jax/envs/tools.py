@@ -13,6 +13,7 @@ import numpy as np
 
 from streamrl_jax.counters import Counters
 from streamrl_jax.envs.base import Environment, Observation
+from streamrl_jax.envs.config import EnvConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +99,7 @@ class ToolRunner:
     self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def make_tools(config, tokenizer) -> ToolRunner | None:
+def make_tools(config: EnvConfig, tokenizer) -> ToolRunner | None:
   """The tool runner of an `EnvConfig`, or None without an environment."""
   if not config.environment:
     return None

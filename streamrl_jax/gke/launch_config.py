@@ -12,7 +12,7 @@ NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 MAX_NAME = 24  # pod host names are NAME-trainer-trainer-J-P and must stay within a 63-character DNS label
 
 
-def _at_least(config, minimum: int, *keys: str) -> None:
+def _at_least(config: GKETrainerConfig | GKESamplersConfig | GKEConfig, minimum: int, *keys: str) -> None:
   for key in keys:
     if getattr(config, key) < minimum:
       raise ValueError(f"{type(config).__name__}.{key} must be >= {minimum}")

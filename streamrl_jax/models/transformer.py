@@ -257,6 +257,6 @@ class ValueModel(nnx.Module):
     return (hidden @ self.value_head[...].astype(hidden.dtype)).astype(jnp.float32)
 
 
-def abstract_model(model_config):
+def abstract_model(model_config: ModelConfig):
   """(graphdef, parameter structure without values) of a model config."""
   return nnx.split(nnx.eval_shape(lambda: Transformer(model_config, rngs=nnx.Rngs(0))))

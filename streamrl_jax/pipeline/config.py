@@ -13,6 +13,7 @@ from streamrl_jax.run_shape import RunShape
 from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling.config import SchedulingConfig
 from streamrl_jax.training import ADVANTAGES, TrainerConfig
+from streamrl_jax.training.packing import packed_length
 ENGINE_DEFAULT_NEW_TOKENS = EngineConfig().max_new_tokens
 # Keys a run derives from another (set once there; gin refuses them, listings show them as comments).
 DERIVED_KEYS = {"EngineConfig.max_new_tokens": "PipelineConfig.max_new_tokens"}
@@ -101,8 +102,7 @@ class PipelineConfig:
   @property
   def packed_length(self) -> int:
     """Packed trainer rows' length: `TrainerConfig.pack_length`, or the longest sample rounded up to a multiple of 8."""
-    longest = self.sampler.engine.max_prompt_length + self.max_new_tokens
-    return self.trainer.pack_length or -(-longest // 8) * 8
+    return packed_length(self.trainer, self.shape)
 
   @property
   def precision(self) -> SamplerPrecision:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from streamrl_jax.meshes import role_mesh_shape
+from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
 from streamrl_jax.settings import renamed
@@ -122,7 +123,7 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
                      f"{config.sampler.engine.max_stop_tokens}: set it to {len(stops)}")
 
 
-def check_activation_budget(config: PipelineConfig, model_config) -> None:
+def check_activation_budget(config: PipelineConfig, model_config: ModelConfig) -> None:
   """An explicit `TrainerConfig.activation_budget_mb` holds at least one packed row of activations (the
   automatic one is checked against the device when the trainer starts)."""
   if config.trainer.packing and config.trainer.activation_budget_mb:
@@ -137,7 +138,7 @@ RUNTIME_BYTES = 1 << 30  # a JAX process's own resident memory (libraries, compi
 PRECISION_BYTES = {"float32": 4, "bfloat16": 2, "int8": 4}
 
 
-def host_memory_parts(config: PipelineConfig, model_config, role: str) -> dict[str, int]:
+def host_memory_parts(config: PipelineConfig, model_config: ModelConfig, role: str) -> dict[str, int]:
   """The host memory a CPU run of `role` ("train": both sides in one program; "trainer"; "sampler") holds, in
   bytes by part: the trainer's state (parameters, summed float32 gradient, two Adam moments; a frozen reference
   with a KL penalty; with LoRA the frozen base and the adapters' state), one trainer call's temporaries (its
@@ -178,7 +179,7 @@ def available_host_bytes() -> int:
   return 0
 
 
-def check_host_memory(config: PipelineConfig, model_config, role: str, available: int) -> None:
+def check_host_memory(config: PipelineConfig, model_config: ModelConfig, role: str, available: int) -> None:
   """A CPU run whose estimate (`host_memory_parts`) exceeds the `available` bytes is refused before anything is
   built, with the estimate by part: said at start, not an out-of-memory kill an hour in. 0: not known, no check."""
   parts = host_memory_parts(config, model_config, role)
@@ -192,7 +193,8 @@ def check_host_memory(config: PipelineConfig, model_config, role: str, available
                      "SamplerConfig.precision='bfloat16'")
 
 
-def check_lora(config: PipelineConfig, model_config, base_name: str, read_adapter: bool = True) -> PipelineConfig:
+def check_lora(config: PipelineConfig, model_config: ModelConfig, base_name: str,
+               read_adapter: bool = True) -> PipelineConfig:
   """`config` with LoRA resolved (`peft_io.resolve`: an `init_from` adapter checked against the base, its rank,
   alpha and targets taken where LoraConfig.rank is unset), and the rank checked against the model's projections:
   one-line errors before anything is built. `read_adapter=False`: a sampler, which never reads the adapter."""

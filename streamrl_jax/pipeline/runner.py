@@ -34,6 +34,7 @@ from streamrl_jax.arms.followers import ArmsStart, make_followers, spare_devices
 from streamrl_jax.pipeline.sampler.worker import SamplerWorker
 from streamrl_jax.pipeline.trainer.session import (RunResult, SamplersSide, initial_weights_donated, make_ranker,
                                                    train_session)
+from streamrl_jax.pipeline.parts import controller_setup, sampler_setup, trainer_setup
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.rewards import RewardError
 from streamrl_jax.streaming import QueueClosed, SampleQueue, WeightSync
@@ -59,20 +60,23 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
-  trainer = TrainerWorker(config, graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
-                          stop=hooks.stop)
+  trainer = TrainerWorker(trainer_setup(config), graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer,
+                          resume=hooks.resume, stop=hooks.stop)
   ranker = make_ranker(config.scheduling, sampler_mesh, hooks.checkpointer, hooks.resume)
-  controller = Controller(config, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
+  setup = controller_setup(config)
+  controller = Controller(setup, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
   queue = SampleQueue(config.trainer.queue_capacity)
   lora_base = dict(base=params,
                    lora_scale=config.trainer.lora.scale) if config.trainer.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
-  followers = make_followers(config, graphdef, params, trainer_mesh, spare_devices(devices, sampler_mesh, trainer_mesh),
+  followers = make_followers(trainer.setup, config.arms, graphdef, params, trainer_mesh,
+                             spare_devices(devices, sampler_mesh, trainer_mesh),
                              ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
-  sampler = SamplerWorker(config, graphdef, model.config, tokenizer, task, sampler_mesh)
+  sampler = SamplerWorker(sampler_setup(config), graphdef, model.config,
+                          tokenizer, task, sampler_mesh)
   if hooks.donate_model:
-    initial_weights_donated(config, initial, trainer)
+    initial_weights_donated(config.arms, initial, trainer)
   thread, get_shard, halt, errors = _sampler_thread(sampler, controller, queue, sync)
 
   def teardown() -> None:

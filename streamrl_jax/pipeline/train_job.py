@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -25,10 +26,10 @@ from streamrl_jax.models.peft_io import save_adapter
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.records import run_record
 from streamrl_jax.arms.outputs import HeldOut, arm_outputs, describe_arm, finish_arms
-from streamrl_jax.arms.config import arm_advice
+from streamrl_jax.arms.config import arm_advice, lead_arm
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.job_config import JobConfig
-from streamrl_jax.records.metrics_log import (PeriodicEval, WandbRun, add_row, evaluations, open_metrics,
+from streamrl_jax.records.metrics_log import (PeriodicEval, WandbRun, add_row, append_row, evaluations, open_metrics,
                                               read_metrics, tensorboard_writer)
 from streamrl_jax.records.pictures import write_chrome_trace, write_curves_png, write_timeline_png
 from streamrl_jax.pipeline.run_hooks import RunHooks
@@ -85,7 +86,7 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
   (prompt, completion, reward) is written there as JSON lines."""
   if config.sampler.env.agent:  # each prompt one episode of the agent program, the policy served greedily
     from streamrl_jax.agents.evaluation import agent_completions
-    rows = agent_completions(model, tokenizer, task, config, prompts, seed)
+    rows = agent_completions(model, tokenizer, task, config.sampler, config.max_new_tokens, prompts, seed)
   else:
     rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
   if record is not None:
@@ -179,15 +180,15 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
     _log.info(f"resuming from the checkpoint of step {resumed_at}")
   record = run_record.RunRecord(workdir, resumed_at) if leader else None
   in_process_arms = bool(config.arms.followers) and not config.arms.programs
-
   if config.arms.followers and leader:
-    (workdir / "arm.json").write_text(json.dumps(describe_arm(config), indent=1))  # the lead's, for `compare`
+    lead = lead_arm(config.arms, config.trainer, config.shape)
+    (workdir / "arm.json").write_text(json.dumps(describe_arm(lead), indent=1))  # the lead's, for `compare`
   if control.on_start is not None:
     control.on_start(resumed_at or 0)
   with _wandb_run(workdir, job, settings, leader) as wandb_run:
     with (_step_outputs(workdir, resumed_at, control.progress, record, job.report_to, wandb_run) if leader
           else contextlib.nullcontext()) as on_step, \
-         (arm_outputs(workdir, config, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
+         (arm_outputs(workdir, config.arms, bool(resume)) if in_process_arms else contextlib.nullcontext()) as arms:
       try:
         hooks = RunHooks(checkpointer, resume, control.stop, on_step, record.end if leader else None,
                          donate_model=True, **_run_kwargs(config, job, (model, tokenizer, heldout), workdir, arms))
@@ -204,7 +205,7 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
       raise RunStopped(checkpointer.latest_step())
     if not leader:
       return {}
-    held_out = HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, evaluate)
+    held_out = HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, functools.partial(evaluate, config=config))
     summary = _finish(config, job, model, held_out, result, workdir, before, record.segments)
     if wandb_run is not None:
       wandb_run.pictures(workdir, summary["steps"])
@@ -224,7 +225,7 @@ def _write_run_files(workdir: Path, config: PipelineConfig, job: JobConfig, sett
 
 def _run_kwargs(config: PipelineConfig, job: JobConfig, evaluated: tuple, workdir: Path, arms) -> dict:
   """The run's hooks for periodic evaluation (`evaluated`: model, tokenizer, held-out task) and arms."""
-  kwargs = {"periodic_eval": _periodic_eval(*evaluated, job)} if job.eval_every else {}
+  kwargs = {"periodic_eval": _periodic_eval(config, *evaluated, job)} if job.eval_every else {}
   if config.arms.followers and config.arms.programs:  # the follower programs must belong to this run
     return dict(kwargs, run_id=run_record.run_id(workdir))
   return dict(kwargs, arm_outputs=arms) if arms else kwargs
@@ -238,11 +239,12 @@ def _resolved_resume(workdir: Path, settings: dict, resume: bool | str, latest: 
   return resolved
 
 
-def _periodic_eval(model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
-  """`JobConfig.eval_every`'s evaluation: greedy accuracy on the held-out prompts of any policy of this model."""
+def _periodic_eval(config: PipelineConfig, model, tokenizer, heldout, job: JobConfig) -> PeriodicEval:
+  """`JobConfig.eval_every`'s evaluation: greedy accuracy on the held-out prompts of any policy of this model (the
+  lead's or an arm's: arms share `config`'s sampling settings)."""
   graphdef, _ = nnx.split(model)
 
-  def accuracy(params, config) -> float:
+  def accuracy(params) -> float:
     return evaluate(nnx.merge(graphdef, params), tokenizer, heldout, config, job.eval_prompts, job.seed)
   return PeriodicEval(job.eval_every, accuracy)
 
@@ -259,7 +261,7 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str):
                      f"{jax.process_count()}")
   if advice := preflight.correction_advice(config):
     _log.warning(advice)
-  for advice in arm_advice(config):
+  for advice in arm_advice(config.arms):
     _log.warning(advice)
   if config.arms.followers and config.arms.programs and role == "train":
     raise ValueError("ArmsConfig.programs: follower programs read their streams from a trainer program's "
@@ -311,7 +313,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   segment of a resumed run); returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
-  after = held_out.accuracy(trained, config, workdir / "eval_after.jsonl")
+  after = held_out.accuracy(trained, workdir / "eval_after.jsonl")
   _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
   save_hf(trained, workdir / "final_model")
   if result.adapters is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
@@ -323,7 +325,7 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   whole = run_record.arm_totals(segments)  # each arm's counters over the run's segments, not this one's alone
   result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
                                              for n, a in result.arms.items()})
-  arms = finish_arms(result, model, config, workdir, before, held_out)
+  arms = finish_arms(result, model, config.arms, config.steps, workdir, before, held_out)
   by_arm = {"arm": config.arms.lead_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
   summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), **by_arm)
@@ -376,8 +378,7 @@ def _step_outputs(workdir: Path, resumed_at: int | None, progress, record: run_r
     writer = tensorboard_writer(workdir, read_metrics(workdir)) if "tensorboard" in report_to else None
 
     def on_step(m):
-      out.write(json.dumps(m) + "\n")
-      out.flush()
+      append_row(out, m)
       if writer is not None:
         add_row(writer, m)
       if wandb_run is not None:

@@ -10,19 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
+from streamrl_jax.records.metric_table import check_row
+
 
 @dataclasses.dataclass(frozen=True)
 class PeriodicEval:
-  """Held-out accuracy every `every` RL steps, of the policy whose row it is: `evaluate(params, config)` (host
-  parameters, that policy's config) gives it, and the row gets `heldout_accuracy`."""
+  """Held-out accuracy every `every` RL steps, of the policy whose row it is: `evaluate(params)` (host parameters;
+  the run's sampling settings, which every arm shares, bound where it is built) gives it, and the row gets
+  `heldout_accuracy`."""
 
   every: int
-  evaluate: Callable
+  evaluate: Callable[[object], float]
 
-  def add(self, row: dict, params: Callable[[], object], config) -> None:
+  def add(self, row: dict, params: Callable[[], object]) -> None:
     """Adds `heldout_accuracy` to `row` when its step is due; `params()` is asked only then."""
     if self.every and row["step"] % self.every == 0:
-      row["heldout_accuracy"] = float(self.evaluate(params(), config))
+      row["heldout_accuracy"] = float(self.evaluate(params()))
 
 
 def evaluations(rows: list[dict], before: float | None, after: float | None, steps: int) -> list[tuple[int, float]]:
@@ -49,6 +52,12 @@ def open_metrics(directory: Path, resumed_at: int | None) -> IO[str]:
     kept = [m for m in read_metrics(directory) if m["step"] <= resumed_at]
     path.write_text("".join(json.dumps(m) + "\n" for m in kept))
   return path.open("a" if resumed_at is not None else "w")
+
+
+def append_row(out: IO[str], row: dict) -> None:
+  """`row` (its keys checked against the metrics table) as a line of an open metrics.jsonl, flushed."""
+  out.write(json.dumps(check_row(row)) + "\n")
+  out.flush()
 
 
 def tensorboard_writer(directory: Path, rows: list[dict]):

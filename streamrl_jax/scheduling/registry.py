@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
 from streamrl_jax.registry import Registry
-from streamrl_jax.scheduling.policies import (DispatchPlan, fifo_order, longest_first_admission, random_dispatch,
-                                              skew_aware_dispatch)
+from streamrl_jax.scheduling.policies import (DispatchPlan, PTLCurve, fifo_order, longest_first_admission,
+                                              random_dispatch, skew_aware_dispatch)
 
 # (scheduling config, predicted lengths, recent realised lengths, instances, slots per instance, seed) -> plan
 PlanFn = Callable[..., DispatchPlan]
@@ -31,11 +32,21 @@ class SchedulingPolicy:
 SCHEDULING_POLICIES = Registry("scheduling policy")
 
 
-def _random_plan(config, predicted, history, instances: int, slots: int, seed: int) -> DispatchPlan:
+class PlanConfig(Protocol):
+  """What a plan reads of its `SchedulingConfig`: a protocol, since `scheduling.config` imports this registry."""
+
+  @property
+  def alpha(self) -> float: ...
+
+  @property
+  def curve(self) -> PTLCurve: ...
+
+
+def _random_plan(config: PlanConfig, predicted, history, instances: int, slots: int, seed: int) -> DispatchPlan:
   return random_dispatch(len(predicted), instances, slots, seed)
 
 
-def _skew_aware_plan(config, predicted, history, instances: int, slots: int, seed: int) -> DispatchPlan:
+def _skew_aware_plan(config: PlanConfig, predicted, history, instances: int, slots: int, seed: int) -> DispatchPlan:
   """The long-tail and rest mean lengths come from `history` (P90 and P50 of recent realised lengths) when
   there is any, else from the predictions themselves."""
   history = np.asarray(history, float)

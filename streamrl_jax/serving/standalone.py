@@ -5,12 +5,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.serving.app import ServedModel
 
 _log = logging.getLogger(__name__)
 
 
-def load_served_model(spec: str, engine_config, *, dtype: str = "float32", seed: int = 0, name: str = ""):
+def load_served_model(spec: str, engine_config: EngineConfig, *, dtype: str = "float32", seed: int = 0, name: str = ""):
   """(`ServedModel`, `StreamingSampler`) of `spec` (a catalog name, a .gguf file or a Hugging Face directory) on
   this process's first device, with its weights as version 0."""
   import jax

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from streamrl_jax.modes import MODES, ModeSpec
-from streamrl_jax.sim.pipeline import simulate, simulate_elastic
+from streamrl_jax.sim.pipeline import SimConfig, simulate, simulate_elastic
 from streamrl_jax.sim.preset_names import SCALING, SCALING_MODELS
 from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset, scaling_preset
 from streamrl_jax.sim.scaling import scaling_results
@@ -90,7 +90,7 @@ def _scaling_plot(out: Path, results: dict) -> None:
   plt.close(fig)
 
 
-def _settings(config) -> dict:
+def _settings(config: SimConfig) -> dict:
   """The config for results.json: numbers and strings as they are, its parts (batch, sampler, trainer, sync) as
   objects of their own, anything else as its text."""
   plain = lambda v: v if isinstance(v, (int, float, str)) else str(v)  # noqa: E731
@@ -99,7 +99,7 @@ def _settings(config) -> dict:
           for k, v in dataclasses.asdict(config).items()}
 
 
-def _cost_per_hour(config, mode: str, ladder: dict) -> float:
+def _cost_per_hour(config: SimConfig, mode: str, ladder: dict) -> float:
   """Relative cost per hour of the devices a mode holds (H20 = 1.00, H800 = 2.85)."""
   if ModeSpec.of(mode, config.staleness).shared_mesh:
     return config.total_devices * config.trainer.hardware.cost_per_hour

@@ -17,6 +17,7 @@ import dataclasses
 import numpy as np
 import pyarrow as pa
 
+from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.streaming.shard import ROUTES_DTYPE, SampleShard
 
@@ -59,7 +60,8 @@ class WireLimits:
   routes: tuple[int, int, int] = (0, 0, 0)  # a mixture's (sparse layers, k, experts); zeros: a dense model
 
   @classmethod
-  def of_run(cls, engine: EngineConfig, samples_per_step: int, vocab_size: int, model_config=None) -> WireLimits:
+  def of_run(cls, engine: EngineConfig, samples_per_step: int, vocab_size: int,
+             model_config: ModelConfig | None = None) -> WireLimits:
     """A run's limits: its engine's longest prompt and completion, a step's samples, its model's routes."""
     routes = (0, 0, 0)
     if model_config is not None and model_config.num_experts:

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.training.host_batch import pad_rows
+from streamrl_jax.run_shape import RunShape
+from streamrl_jax.training.config import TrainerConfig
 
 TRIM_MULTIPLE = 8  # a packed chunk's last piece is trimmed to a multiple of this many columns ...
 TRIM_WIDTHS = 4  # ... and of a quarter of the row: few trimmed shapes (each a compiled program of its own)
@@ -109,7 +112,7 @@ def trimmed_call(chunk: dict) -> dict:
   return {k: v[:, :width] for k, v in chunk.items()} if 2 * width > length and width < length else chunk
 
 
-def activation_bytes_per_token(model_config, length: int, trainer=None, platform: str = "cpu",
+def activation_bytes_per_token(model_config: ModelConfig, length: int, trainer=None, platform: str = "cpu",
                                reference: bool = False) -> int:
   """A float32 accumulation's activation memory per token (XLA's temporaries less the gradient buffer), an
   upper bound fitted to `compiled.memory_analysis()` on this CPU (tests/test_logprobs.py checks it):
@@ -136,7 +139,7 @@ def activation_bytes_per_token(model_config, length: int, trainer=None, platform
   return 4 * (live + vocab + (chunk if reference else 0))
 
 
-def call_bytes(model_config, tokens: int, length: int, trainer=None, platform: str = "cpu",
+def call_bytes(model_config: ModelConfig, tokens: int, length: int, trainer=None, platform: str = "cpu",
                reference: bool = False) -> int:
   """A trainer call's temporaries for `tokens` tokens in rows of `length`: the float32 gradient it computes before
   adding it to the running sum, and the activations (`activation_bytes_per_token`)."""
@@ -150,8 +153,8 @@ def call_bytes(model_config, tokens: int, length: int, trainer=None, platform: s
 CPU_ACTIVATION_BYTES = 1 << 30
 
 
-def auto_budget(model_config, length: int, trainer=None, platform: str = "cpu", reference: bool = False,
-                device_limit: int = 0) -> int:
+def auto_budget(model_config: ModelConfig, length: int, trainer=None, platform: str = "cpu",
+                reference: bool = False, device_limit: int = 0) -> int:
   """The budget of a call when `TrainerConfig.activation_budget_mb` is 0: 40% of `device_limit` (the mesh's
   devices' memory), or without one (the CPU) the gradient plus `CPU_ACTIVATION_BYTES`, or plus one packed row's
   activations where a row needs more (a larger model always has a call that fits)."""
@@ -162,7 +165,7 @@ def auto_budget(model_config, length: int, trainer=None, platform: str = "cpu", 
   return max(gradient + CPU_ACTIVATION_BYTES, one_row)
 
 
-def chunk_tokens_for(model_config, length: int, wanted: int, memory_bytes: int, trainer=None,
+def chunk_tokens_for(model_config: ModelConfig, length: int, wanted: int, memory_bytes: int, trainer=None,
                      platform: str = "cpu", reference: bool = False) -> int:
   """Tokens per trainer call (padding included): `wanted`, within `memory_bytes` of a call's temporaries
   (`call_bytes`), a whole number of packed rows of `length`. A budget that cannot hold one row is refused, naming the
@@ -227,3 +230,8 @@ def pack_rows(batch: dict, length: int, plan: list | None = None) -> dict:
       out["segment_ids"][target, offset:offset + count] = segment
       offset += count
   return out
+
+
+def packed_length(config: TrainerConfig, shape: RunShape) -> int:
+  """Packed trainer rows' length: `TrainerConfig.pack_length`, or the longest sample rounded up to a multiple of 8."""
+  return config.pack_length or -(-shape.longest // 8) * 8

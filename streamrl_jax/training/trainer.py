@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
-from streamrl_jax.models import DEFAULT_RULES, logical_spec, state_shardings
+from streamrl_jax.models import DEFAULT_RULES, ModelConfig, logical_spec, state_shardings
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
                                              zero_sums)
@@ -165,7 +165,7 @@ class Trainer:
   def place(self, params):
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
 
-  def _placement(self, model_config) -> ExpertPlacement | None:
+  def _placement(self, model_config: ModelConfig) -> ExpertPlacement | None:
     """The experts split over their mesh axis where it has several devices and divides them (each device computes
     its own experts' rows); None: every expert on every device (the rules replicate them too)."""
     axis = self.rules["expert"]

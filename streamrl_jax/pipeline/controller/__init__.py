@@ -2,6 +2,6 @@
 summaries (`plans`), the weight broadcast trees (`weight_trees`), the door's shard check (`door`) and the
 timeline of events and counters (`timeline`); `core.Controller` holds the lock and routes each message to them."""
 
-from streamrl_jax.pipeline.controller.core import MAX_LEASE_WAIT_S, Controller, JoinTerms
+from streamrl_jax.pipeline.controller.core import MAX_LEASE_WAIT_S, Controller, ControllerSetup, JoinTerms
 
-__all__ = ["MAX_LEASE_WAIT_S", "Controller", "JoinTerms"]
+__all__ = ["MAX_LEASE_WAIT_S", "Controller", "ControllerSetup", "JoinTerms"]

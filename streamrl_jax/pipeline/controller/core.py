@@ -20,6 +20,7 @@ from streamrl_jax.messages import (Ack, Backfill, Backfilled, BadMessage, Delive
                                    LeaseReply, LeaseRequest, Leave, Published, Regenerate, Register, Registered,
                                    SamplerWait, SamplerWaitQuery, StepReport, StepSummary, StepSummaryRequest,
                                    StepTrained, row_step)
+from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.controller.door import Door
 from streamrl_jax.pipeline.controller.leases import Leases
 from streamrl_jax.pipeline.controller.plans import StepPlans
@@ -28,6 +29,8 @@ from streamrl_jax.pipeline.controller.timeline import Timeline
 from streamrl_jax.pipeline.controller.weight_trees import WeightTrees
 from streamrl_jax.pipeline.step_plan import partial_problem
 from streamrl_jax.pipeline.watchdog import Watchdog
+from streamrl_jax.run_shape import RunShape
+from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.types import Rollout
 
 MAX_LEASE_WAIT_S = 30.0
@@ -43,24 +46,36 @@ class JoinTerms:
   data_endpoints: tuple[str, ...] = ()  # each trainer process's sample door, by process (empty: this server's alone)
 
 
+@dataclasses.dataclass(frozen=True)
+class ControllerSetup:
+  """What a controller is built from: the run's shape and the configs of the parts it plans and watches."""
+
+  shape: RunShape  # the run's steps, prompts, groups, seed and lengths
+  controller: ControllerConfig  # the heartbeat, the lease timeout, the summary wait, the weight tree's fan-out
+  scheduling: SchedulingConfig  # the dispatch policy that cuts a step's prompts, and the instance counts
+  num_slots: int  # the sampler engine's slots (`EngineConfig.num_slots`): a lease's prompts fill them by groups
+
+
 class Controller:
   """Routes the control messages to its parts under one lock; thread-safe."""
 
-  def __init__(self, config, task, tokenizer, *, start_step: int, terms: JoinTerms = JoinTerms(), ranker=None,
-               on_event: Callable[[dict], None] | None = None, clock: Callable[[], float] = time.monotonic):
-    """`config.controller` (a `ControllerConfig`) holds the heartbeat, the lease timeout, how long a step's
+  def __init__(self, setup: ControllerSetup, task, tokenizer, *, start_step: int, terms: JoinTerms = JoinTerms(),
+               ranker=None, on_event: Callable[[dict], None] | None = None,
+               clock: Callable[[], float] = time.monotonic):
+    """`setup.controller` (a `ControllerConfig`) holds the heartbeat, the lease timeout, how long a step's
     summary is waited for (`sampler_timeout_s`) and the weight tree's fan-out."""
-    self.config, self.settings, self.start_step = config, dict(terms.settings or {}), start_step
+    self.shape, self.settings, self.start_step = setup.shape, dict(terms.settings or {}), start_step
     self.data_endpoints = tuple(terms.data_endpoints)
-    control = config.controller
+    control = setup.controller
     self.heartbeat_s, self.summary_timeout_s = control.heartbeat_s, control.sampler_timeout_s
     self.timeline = Timeline(on_event)
-    self.roster = Roster(config.scheduling, self.timeline, lease_timeout_s=control.lease_timeout_s, clock=clock)
+    self.roster = Roster(setup.scheduling, self.timeline, lease_timeout_s=control.lease_timeout_s, clock=clock)
     self.leases = Leases(self.timeline)
-    self.plans = StepPlans(config, task, tokenizer, self.timeline, start_step=start_step, ranker=ranker)
+    self.plans = StepPlans(setup.shape, setup.scheduling, setup.num_slots, task, tokenizer, self.timeline,
+                           start_step=start_step, ranker=ranker)
     self.trees = WeightTrees(self.timeline, site=terms.site, fanout=control.weight_fanout)
     self._cond, self._clock = threading.Condition(), clock  # the clock: when samplers were last heard from
-    self.door = Door(config.group_size, self.roster, self.leases, self.plans, self.timeline, self._cond)
+    self.door = Door(setup.shape.group_size, self.roster, self.leases, self.plans, self.timeline, self._cond)
     self._watchdog: Watchdog | None = None
     self.counters, self.events, self.busy = self.timeline.counters, self.timeline.events, self.timeline.busy
 
@@ -78,7 +93,7 @@ class Controller:
       self.timeline.event("sampler_joined", sampler=message.name, sampler_id=sampler_id,
                           next_step=self.plans.next_step, site=message.site, relay=message.relay)
       self._cond.notify_all()
-    return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.config.steps,
+    return Registered(sampler_id=sampler_id, start_step=self.start_step, steps=self.shape.steps,
                       heartbeat_s=self.heartbeat_s, data_endpoints=self.data_endpoints)
 
   def lease(self, message: LeaseRequest) -> LeaseReply:
@@ -147,7 +162,7 @@ class Controller:
     without them when it is declared lost)."""
     with self._cond:
       if message.sampler_id in self.roster:
-        problem = partial_problem(self.config, self.leases.open_groups(message.sampler_id), message.partials)
+        problem = partial_problem(self.shape, self.leases.open_groups(message.sampler_id), message.partials)
         if problem:
           raise BadMessage(f"sampler {message.sampler_id} hands back {problem}")
         self._drop(message.sampler_id, lost=False, partials=message.partials)

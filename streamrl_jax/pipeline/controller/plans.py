@@ -17,16 +17,20 @@ from streamrl_jax.messages import Lease, StepReport, StepSummary
 from streamrl_jax.pipeline.controller.timeline import Timeline
 from streamrl_jax.pipeline.step_plan import (StepPlan, backfill_count, backfill_prompts, cut_prompts, min_version,
                                              step_group_ids, step_leases, step_prompts)
-from streamrl_jax.scheduling import lengths_from_scores, ranking_metrics
+from streamrl_jax.run_shape import RunShape
+from streamrl_jax.scheduling import SchedulingConfig, lengths_from_scores, ranking_metrics
 from streamrl_jax.tasks.rows import prompt_tokens
 from streamrl_jax.types import Rollout
 
 
 class StepPlans:
-  """Plans by step from `start_step`, for `config.steps`; the ranker (or None) scores each step's prompts."""
+  """Plans by step from `start_step`, for `shape.steps`; the ranker (or None) scores each step's prompts, and a
+  step's prompts are cut into leases by `scheduling`'s dispatch policy over engines of `num_slots` slots."""
 
-  def __init__(self, config, task, tokenizer, timeline: Timeline, *, start_step: int, ranker=None):
-    self.config, self.task, self.tokenizer, self.ranker = config, task, tokenizer, ranker
+  def __init__(self, shape: RunShape, scheduling: SchedulingConfig, num_slots: int, task, tokenizer,
+               timeline: Timeline, *, start_step: int, ranker=None):
+    self.shape, self.scheduling, self.num_slots = shape, scheduling, num_slots
+    self.task, self.tokenizer, self.ranker = task, tokenizer, ranker
     self.start_step, self._timeline = start_step, timeline
     self._version = -1  # nothing published yet
     self._next_step = start_step
@@ -51,7 +55,7 @@ class StepPlans:
       if self._plans[step].unleased:
         return self._plans[step].unleased.pop(0)
     step = self._next_step
-    if step >= self.config.steps or self._version < self._min_version(step):
+    if step >= self.shape.steps or self._version < self._min_version(step):
       return None
     self._plans[step] = self._plan(step, parts, instances)
     self._next_step += 1
@@ -92,12 +96,12 @@ class StepPlans:
     """Dynamic sampling: as many more prompts of `step` as its backfill bound still allows for the `filtered`
     groups, in one more lease; returns how many (an event records the filtered groups)."""
     plan = self._plans.get(step)
-    count = 0 if plan is None else backfill_count(self.config, plan.backfilled, len(filtered))
+    count = 0 if plan is None else backfill_count(self.shape, plan.backfilled, len(filtered))
     self._timeline.event("groups_filtered", step=step, group_ids=list(filtered), backfilled=count)
     if count <= 0:
       return 0
-    drawn = backfill_prompts(self.config, self.task, step, plan.backfilled, count)
-    ids = step_group_ids(self.config, step)[1][plan.backfilled:plan.backfilled + count]
+    drawn = backfill_prompts(self.shape, self.task, step, plan.backfilled, count)
+    ids = step_group_ids(self.shape, step)[1][plan.backfilled:plan.backfilled + count]
     self._hand_out(step, ids, drawn, instances)
     plan.backfilled += count
     self._timeline.count(prompts_backfilled=count)
@@ -108,9 +112,9 @@ class StepPlans:
     plan = self._plans.get(step)
     if plan is None:
       return
-    planned, extra = step_group_ids(self.config, step)
+    planned, extra = step_group_ids(self.shape, step)
     drawn = [(plan.prompts[g - planned.start], plan.rows[g - planned.start]) if g in planned else
-             backfill_prompts(self.config, self.task, step, g - extra.start, 1)[0] for g in group_ids]
+             backfill_prompts(self.shape, self.task, step, g - extra.start, 1)[0] for g in group_ids]
     for g in group_ids:
       plan.delivered.pop(g, None)
     self._hand_out(step, group_ids, drawn, instances)
@@ -138,40 +142,40 @@ class StepPlans:
     plan.summary = None
 
   def _min_version(self, step: int) -> int:
-    return min_version(self.start_step, step, self.config.spec.max_lag)
+    return min_version(self.start_step, step, self.shape.spec.max_lag)
 
   def _plan(self, step: int, parts: int, instances: int) -> StepPlan:
-    config = self.config
-    drawn = step_prompts(config, self.task, step)
+    shape = self.shape
+    drawn = step_prompts(shape, self.task, step)
     prompts, rows = [p for p, _ in drawn], [r for _, r in drawn]
     encoded = [prompt_tokens(self.task, self.tokenizer, p) for p in prompts]
     scores, predicted, quantiles, history = None, (), (), ()
     if self.ranker is not None:
       history = self.ranker.history_lengths
       scores = self.ranker.scores(encoded)
-      predicted = tuple(float(x) for x in lengths_from_scores(scores, history, default=config.max_new_tokens / 2))
+      predicted = tuple(float(x) for x in lengths_from_scores(scores, history, default=shape.max_new_tokens / 2))
       if history.size:
         quantiles = tuple(float(x) for x in np.percentile(history, np.arange(101)))
-    cuts = cut_prompts(config, step, predicted, history, parts=parts)
+    cuts = cut_prompts(shape, self.scheduling, self.num_slots, step, predicted, history, parts=parts)
     plan = StepPlan(prompts, rows, encoded, scores, [], 0)
-    plan.unleased = step_leases(config, step, plan, cuts, predicted, quantiles, self._min_version(step), instances)
+    plan.unleased = step_leases(shape, step, plan, cuts, predicted, quantiles, self._min_version(step), instances)
     plan.leases = len(plan.unleased)
     return plan
 
   def _summarise_if_done(self, step: int) -> None:
     plan = self._plans[step]
     if len(plan.reports) == plan.leases:
-      plan.summary = summarise(self.config, self.ranker, step, plan)
+      plan.summary = summarise(self.shape, self.ranker, step, plan)
 
 
-def summarise(config, ranker, step: int, plan: StepPlan) -> StepSummary:
+def summarise(shape: RunShape, ranker, step: int, plan: StepPlan) -> StepSummary:
   """The step's summary from its reports; the ranker (once a step) learns the realised lengths of the planned
   groups and its figures are added."""
   reports = list(plan.reports.values())
   by_group = dict(plan.delivered)  # groups of a lease handed back: their length as delivered
   by_group.update({g: length for lease_id, r in plan.reports.items()
                    for g, length in zip(plan.reported_groups[lease_id], r.lengths)})
-  planned = step_group_ids(config, step)[0]  # the ranker scored these; backfilled ones are apart
+  planned = step_group_ids(shape, step)[0]  # the ranker scored these; backfilled ones are apart
   lengths = np.asarray([by_group[k] for k in sorted(by_group) if k in planned])
   figures = {}
   if ranker is not None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from streamrl_jax.envs import EnvConfig
 from streamrl_jax.messages import Lease
 from streamrl_jax.agents.rollouts import AgentRollouts, Failure, episode_sample, failure_score, scored_text
 from streamrl_jax.rewards.scorer import RewardError
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.tasks.rows import question
 
 _log = logging.getLogger(__name__)
@@ -17,20 +19,21 @@ AGENT_FAILURES_SHOWN = 3  # failed episodes named in the log (the rest are count
 
 
 class LeaseEpisodes:
-  """The episodes of the leases in hand; the agent workers start with the first and stop with `close`."""
+  """The episodes of the leases in hand; the agent workers start with the first and stop with `close`. `env` names
+the agent program; each episode has the run's `max_new_tokens` and a prompt `group_size` episodes."""
 
-  def __init__(self, config, task, name: str):
-    self.config, self.task, self.name = config, task, name
+  def __init__(self, env: EnvConfig, shape: RunShape, task, name: str):
+    self.env, self.shape, self.task, self.name = env, shape, task, name
     self.agents: AgentRollouts | None = None
     self._failed: list = []  # (scorer key, Score) of failed episodes, sent out with the scored samples
 
   def start(self, lease: Lease, rows: list, server) -> None:
     """Starts `group_size` episodes of the agent program per leased prompt, against `server`."""
     if self.agents is None:
-      self.agents = AgentRollouts(self.config.sampler.env, server, self.config.max_new_tokens)
+      self.agents = AgentRollouts(self.env, server, self.shape.max_new_tokens)
     for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
       self.agents.start((lease.lease_id, group_id), {"prompt": question(self.task, prompt), **row.fields},
-                        self.config.group_size)
+                        self.shape.group_size)
 
   def finished(self, runs: dict, stop_id: int, version: int):
     """Each finished episode of a lease in hand (`runs`, by lease id) as (its run, its sample, the text its reward
@@ -50,8 +53,8 @@ class LeaseEpisodes:
   def failed(self, key: tuple, failure: Failure, where: str, functions: int) -> None:
     """An episode that failed (`failure`: its kind and why) is scored 0 by each of the `functions` and counted; with
     `EnvConfig.agent_on_error='stop'` it stops the run (`RewardError`)."""
-    message = f"agent {self.config.sampler.env.agent!r} {failure.why} on {where}"
-    if self.config.sampler.env.agent_on_error == "stop":
+    message = f"agent {self.env.agent!r} {failure.why} on {where}"
+    if self.env.agent_on_error == "stop":
       raise RewardError(f"{message} (EnvConfig.agent_on_error='stop'; 'zero' scores such episodes 0 and counts "
                         "them in reward_errors)")
     failed = self.agents.counters.agent_failures + self.agents.counters.agent_timeouts

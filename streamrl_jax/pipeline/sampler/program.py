@@ -12,9 +12,10 @@ import threading
 
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.messages import Heartbeat
-from streamrl_jax.models import abstract_model, lora
+from streamrl_jax.models import ModelConfig, abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.parts import sampler_setup
 from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
 from streamrl_jax.pipeline.sampler.routing import RoutedSender
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl,
@@ -52,7 +53,7 @@ SESSION_STATS = ("sessions", "weights_fetches", "weights_bytes", "weights_fetch_
                  "weights_relay_fallbacks")
 
 
-def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoint: SamplerEndpoint,
+def run_sampler(config: PipelineConfig, model_config: ModelConfig, tokenizer, task, *, endpoint: SamplerEndpoint,
                 stop: threading.Event | None = None, devices=None, base_params=None) -> dict:
   """The sampler program's run: takes leases from the trainer at `endpoint.connect` until it says the run is over.
   When the trainer no longer knows it (declared lost, or restarted), it drops the lease in hand, registers again and
@@ -72,8 +73,8 @@ def run_sampler(config: PipelineConfig, model_config, tokenizer, task, *, endpoi
   graphdef, abstract = abstract_model(model_config)
   weights = _landing(config, graphdef, abstract, mesh, base_params)
   base_params = None  # a LoRA landing holds the base on the mesh; the host copy goes
-  worker = SamplerWorker(config, graphdef, model_config, tokenizer, task, mesh,
-                         role=SamplerRole(name, e.settings, e.serve, tls if e.serve is not None else None))
+  worker = SamplerWorker(sampler_setup(config), graphdef, model_config,
+                         tokenizer, task, mesh, role=SamplerRole(name, e.settings, e.serve, tls if e.serve else None))
   sender = RoutedSender(connection, functools.partial(dial, peer="a trainer process's sample door",
                                                       tls_name=connect.rpartition(":")[0] if tls else None))
   stats, relay = dict.fromkeys(SESSION_STATS, 0), None

@@ -17,6 +17,7 @@ import time
 import numpy as np
 
 from streamrl_jax.envs import make_tools
+from streamrl_jax.models import ModelConfig
 from streamrl_jax.messages import (SAMPLER_PHASES, Lease, LeaseReply, LeaseRequest, Leave, Register, RejoinRequired,
                                    StepReport, WeightUpdate, row_step)
 from streamrl_jax.phase_clock import PhaseClock
@@ -26,7 +27,9 @@ from streamrl_jax.pipeline.sampler.episodes import LeaseEpisodes
 from streamrl_jax.pipeline.sampler.groups import GroupCollector
 from streamrl_jax.resources import resident_mb
 from streamrl_jax.rewards import RewardScorer
-from streamrl_jax.sampling import StreamingSampler
+from streamrl_jax.run_shape import RunShape
+from streamrl_jax.sampling import SamplerConfig, StreamingSampler
+from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks.rows import Row, question, verifier
 from streamrl_jax.types import Rollout, Sample
 
@@ -49,6 +52,15 @@ class SamplerRole:
   settings: dict | None = None
   serve: object = None
   serve_tls: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSetup:
+  """What a sampler worker is built from beside its model: its side's config, the dispatch policy, the run's shape."""
+
+  sampler: SamplerConfig  # the engine, in flight, the rewards, the environment or agent program
+  scheduling: SchedulingConfig  # how requests are dispatched and admitted, and the engine instances
+  shape: RunShape  # the run's mode, group size, lengths, sampling and seed
 
 
 @dataclasses.dataclass
@@ -81,15 +93,17 @@ class _LeaseRun:
 class SamplerWorker:
   """Leases in, shards and step reports out."""
 
-  def __init__(self, config, graphdef, model_config, tokenizer, task, mesh, *, role: SamplerRole = SamplerRole()):
+  def __init__(self, setup: SamplerSetup, graphdef, model_config: ModelConfig, tokenizer, task, mesh, *,
+               role: SamplerRole = SamplerRole()):
     """With an agent program (`EnvConfig.agent`) a server is started on a free local port anyway, for the agents."""
-    self.config, self.spec, self.tokenizer, self.task = config, config.spec, tokenizer, task
+    sampler = self.sampler_config = setup.sampler  # (`self.sampler`: the streaming sampler, once weights came)
+    self.shape, self.spec, self.tokenizer, self.task = setup.shape, setup.shape.spec, tokenizer, task
     self.name, self.settings = role.name, dict(role.settings or {})
-    self.engines = InstanceEngines(config, graphdef, model_config, mesh)
-    self.admission = config.scheduling.scheduling_policy.admission
-    self.scorer = RewardScorer(config.sampler.reward, builtin=verifier(task))
-    self.bridge, self.server = sampler_server(config.sampler, role.serve, tokenizer, role.serve_tls, role.name)
-    self.episodes = LeaseEpisodes(config, task, role.name)
+    self.engines = InstanceEngines(setup.scheduling, sampler.engine, graphdef, model_config, mesh)
+    self.admission = setup.scheduling.scheduling_policy.admission
+    self.scorer = RewardScorer(sampler.reward, builtin=verifier(task))
+    self.bridge, self.server = sampler_server(sampler, role.serve, tokenizer, role.serve_tls, role.name)
+    self.episodes = LeaseEpisodes(sampler.env, setup.shape, task, role.name)
     self.phase_clock = PhaseClock(SAMPLER_PHASES)  # the serving thread's seconds, by phase: each report carries them
     self.reset()
 
@@ -166,7 +180,7 @@ class SamplerWorker:
     """Leaves the run, handing back what a stopped sampler has begun of its leases."""
     try:
       served = self.bridge.request_ids if self.bridge is not None else frozenset()
-      partials = _partials(self.sampler, runs, bool(self.config.sampler.env.agent),
+      partials = _partials(self.sampler, runs, bool(self.sampler_config.env.agent),
                            served) if outcome == "stopped" else ()
       control.leave(Leave(self.sampler_id, partials=partials))
     except ConnectionError:  # the trainer is gone already: nothing to hand back
@@ -211,7 +225,7 @@ class SamplerWorker:
     request admitted (asked at most every LEASE_REPOLL_S while rows run)."""
     if not runs:
       return True
-    return (self.config.sampler.in_flight and len(runs) == 1 and self.sampler.num_pending == 0
+    return (self.sampler_config.in_flight and len(runs) == 1 and self.sampler.num_pending == 0
             and time.perf_counter() - polled >= LEASE_REPOLL_S)
 
   def reset(self) -> None:
@@ -229,33 +243,32 @@ class SamplerWorker:
   def _take_weights(self, update: WeightUpdate) -> None:
     if self.sampler is None:
       self.sampler = StreamingSampler(self.engines.first(), update.params, version=update.version,
-                                      admission=self.admission, seed=self.config.seed,
-                                      tools=make_tools(self.config.sampler.env, self.tokenizer), clock=self.phase_clock)
+                                      admission=self.admission, seed=self.shape.seed,
+                                      tools=make_tools(self.sampler_config.env, self.tokenizer), clock=self.phase_clock)
       if self.bridge is not None:
         self.bridge.version = update.version
     elif update.version > self.sampler.version:
       self.sampler.update_params(update.params, update.version,
-                                 recompute=self.config.sampler.in_flight_cache == "recompute")
+                                 recompute=self.sampler_config.in_flight_cache == "recompute")
 
   def _start(self, lease: Lease, wait_s: float, samples) -> _LeaseRun:
     """Submits a lease's requests (group_size per prompt; samples begun elsewhere resume after their tokens,
     finished ones are scored as they are) and returns what tracks it until it is reported."""
-    collector = GroupCollector(self.config.group_size,
-                               self.config.sampler.engine.max_prompt_length + self.config.max_new_tokens)
+    collector = GroupCollector(self.shape.group_size, self.shape.longest)
     rows = [Row.from_json(r) for r in lease.rows] if lease.rows else [Row()] * len(lease.prompts)
     for group_id, prompt, row in zip(lease.group_ids, lease.prompts, rows):
       collector.expect(group_id, prompt, lease.step, row)
     self.engines.target = lease.instances
     self.engines.apply_elastic(self.sampler)
     run = _LeaseRun(lease, collector, wait_s, time.perf_counter(), time.time(),
-                    np.zeros(len(lease.prompts)), len(lease.prompts) * self.config.group_size)
+                    np.zeros(len(lease.prompts)), len(lease.prompts) * self.shape.group_size)
     if len(lease.prompt_tokens) != len(lease.prompts):
       raise ValueError(f"lease {lease.lease_id} carries {len(lease.prompt_tokens)} prompts' token ids for "
                        f"{len(lease.prompts)} prompts: a controller of another streamrl_jax version?")
-    if self.config.sampler.env.agent:
+    if self.sampler_config.env.agent:
       self.episodes.start(lease, rows, self.server)
     else:
-      submit_lease(self.config, self.sampler, self.engines, lease, lease.prompt_tokens, self.tokenizer.stop_ids)
+      submit_lease(self.shape, self.sampler, self.engines, lease, lease.prompt_tokens, self.tokenizer.stop_ids)
     for rollout in (p for p in lease.partials if p.finished):
       i = run.index_of[rollout.group_id]
       self._collect(run, Sample.of_rollout(rollout, lease.prompt_tokens[i], self.tokenizer.stop_ids), samples)
@@ -265,7 +278,7 @@ class SamplerWorker:
                failure: Failure | None = None) -> None:
     """A finished sample into its lease's collector, and to the scorer (`text`: what the reward functions score,
     default its completion's text). An agent episode that failed (`failure`: why) is scored 0 and counted."""
-    run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.config.group_size
+    run.lengths[run.index_of[sample.group_id]] += sample.num_tokens / self.shape.group_size
     group = run.collector.add(sample)
     where = (f"{group.row.where or 'prompt ' + repr(group.prompt[:40])}, step {row_step(run.lease.step)}, group "
              f"{sample.group_id}, sample {sample.sample_index}")
@@ -290,7 +303,7 @@ class SamplerWorker:
       if shard is not None:
         with self.phase_clock.phase("send"):
           samples.put(shard)
-        run.left -= self.config.group_size
+        run.left -= self.shape.group_size
 
   def _decode(self, runs: dict, samples, weights) -> None:
     """One driver step: newer weights first (async: between decode calls), then each finished sample to its
@@ -302,7 +315,7 @@ class SamplerWorker:
         latest = weights.latest()
         if latest is not None and latest.version > sampler.version:
           sampler.update_params(latest.params, latest.version,
-                                recompute=self.config.sampler.in_flight_cache == "recompute")
+                                recompute=self.sampler_config.in_flight_cache == "recompute")
     bridge = self.bridge
     if bridge is not None:
       bridge.pump(sampler)
@@ -322,7 +335,7 @@ class SamplerWorker:
 
   def _report(self, control, run: _LeaseRun) -> None:
     """The lease's step report, once its last group is out."""
-    reply = control.report(run.report(self.sampler_id, self.config.group_size, len(self.sampler.instance_ids),
+    reply = control.report(run.report(self.sampler_id, self.shape.group_size, len(self.sampler.instance_ids),
                                       tuple(self.phase_clock.take().values())))
     if reply.rejoin:
       raise RejoinRequired(f"{self.name}: the trainer took lease {run.lease.lease_id} from sampler {self.sampler_id}")

@@ -9,6 +9,7 @@ from typing import Protocol, runtime_checkable
 from streamrl_jax.messages import (Ack, Backfill, Backfilled, Published, Regenerate, SamplerWait, SamplerWaitQuery,
                                    StepSummary, StepSummaryRequest, StepTrained)
 from streamrl_jax.pipeline.step_plan import backfill_count
+from streamrl_jax.run_shape import RunShape
 
 
 @runtime_checkable
@@ -39,8 +40,8 @@ class FollowerControl:
   """`TrainerControl` on a trainer process other than 0: backfill counts by the controller's own rule (the
   shards, hence the filtered groups, are the same); every other answer is neutral."""
 
-  def __init__(self, config):
-    self.config = config
+  def __init__(self, shape: RunShape):
+    self.shape = shape
     self._backfilled: dict[int, int] = {}  # step -> prompts added
 
   def published(self, message: Published) -> Ack:
@@ -57,7 +58,7 @@ class FollowerControl:
 
   def backfill(self, message: Backfill) -> Backfilled:
     used = self._backfilled.get(message.step, 0)
-    count = backfill_count(self.config, used, len(message.filtered))
+    count = backfill_count(self.shape, used, len(message.filtered))
     self._backfilled[message.step] = used + count
     return Backfilled(count)
 

@@ -13,6 +13,8 @@ import jax
 
 from streamrl_jax.distributed import advertised_host, coordinator_host, gather_text
 from streamrl_jax.pipeline.trainer.intake import FlightDoor, ProcessIntake
+from streamrl_jax.pipeline.trainer.worker import TrainerSetup
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_client import FlightConnection
 from streamrl_jax.streaming.flight_config import parse_address
@@ -22,31 +24,33 @@ from streamrl_jax.streaming.sample_schema import WireLimits
 
 class SampleDoors:
   """The trainer's sample doors seen from one process: `endpoints` (every door by process, "" for process 0's: the
-  address samplers register with), this process's `server` and `queue` when it is not process 0."""
+  address samplers register with), this process's `server` and `queue` when it is not process 0; of a run of
+  `shape`."""
 
-  def __init__(self, config, endpoint, server=None, queue=None, endpoints: tuple[str, ...] = ()):
-    self.config, self.endpoint = config, endpoint
+  def __init__(self, shape: RunShape, endpoint, server=None, queue=None, endpoints: tuple[str, ...] = ()):
+    self.shape, self.endpoint = shape, endpoint
     self.server, self.queue, self.endpoints = server, queue, endpoints
     self.connection: FlightConnection | None = None
 
   @classmethod
-  def open(cls, config, wire: WireLimits, endpoint) -> SampleDoors:
-    """Every process other than 0 opens its door; the processes learn each other's (collective)."""
-    process, processes = jax.process_index(), jax.process_count()
+  def open(cls, setup: TrainerSetup, wire: WireLimits, endpoint) -> SampleDoors:
+    """Every process other than 0 opens its door (a queue of `TrainerConfig.queue_capacity`, weight pieces in the
+    samplers' precision); the processes learn each other's (collective)."""
+    process, processes, shape = jax.process_index(), jax.process_count(), setup.shape
     if processes == 1:
-      return cls(config, endpoint)
+      return cls(shape, endpoint)
     server = queue = None
     if process:
       host, _ = parse_address(endpoint.listen, "--listen")
-      queue = SampleQueue(config.trainer.queue_capacity)
+      queue = SampleQueue(setup.trainer.queue_capacity)
       limits = ServerLimits(wire, owner=(process, processes),
                             chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20)
-      server = TrainerFlightServer(host, 0, controller=FlightDoor(None, config.group_size), samples=queue,
-                                   weights=HostWeightStore(precision=config.precision, pieces=True), limits=limits,
+      server = TrainerFlightServer(host, 0, controller=FlightDoor(None, shape.group_size), samples=queue,
+                                   weights=HostWeightStore(precision=setup.precision, pieces=True), limits=limits,
                                    tls=endpoint.tls)
       server.address = f"{advertised_host(host)}:{server.port}"
     addresses = gather_text(server.address if server else "")
-    return cls(config, endpoint, server, queue, ("",) + tuple(addresses[1:]))
+    return cls(shape, endpoint, server, queue, ("",) + tuple(addresses[1:]))
 
   def connect(self, control_address: str | None) -> None:
     """Process 0 tells the others its server's port (`control_address`; None on the others), where their doors ask
@@ -65,8 +69,7 @@ class SampleDoors:
     """The processes' shared view of the samples (None for a trainer of one process); `queue`: process 0's."""
     if not self.endpoints:
       return None
-    return ProcessIntake(queue if queue is not None else self.queue, len(self.config.sampler.reward.names),
-                         door_bytes)
+    return ProcessIntake(queue if queue is not None else self.queue, len(self.shape.reward_names), door_bytes)
 
   def close(self) -> None:
     if self.server is not None:

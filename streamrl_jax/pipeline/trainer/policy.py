@@ -12,30 +12,32 @@ from flax import nnx
 
 from streamrl_jax.models import lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import (Buckets, MicroBatcher, ObjectiveConfig, Scoring, Trainer, compute_advantages,
-                                   kl_penalized_rewards)
+from streamrl_jax.training import (Buckets, MicroBatcher, ObjectiveConfig, Scoring, Trainer, TrainerConfig,
+                                   compute_advantages, kl_penalized_rewards)
 from streamrl_jax.training.logprobs import Truncation
-from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
+from streamrl_jax.training.packing import auto_budget, chunk_tokens_for, packed_length
 
 
-def make_trainer(config, graphdef, params, mesh, resume: bool) -> tuple[Trainer, object]:
-  """(the `Trainer` on `mesh`, the parameters it trains). With a KL penalty, the initial policy stays frozen on the
-  trainer mesh as the reference. With LoRA the state holds the adapters alone (loaded from `LoraConfig.init_from`
-  unless `resume`: a resume restores them from its checkpoint); the base is frozen on the mesh, and it is the
-  reference."""
-  adapters, base = (config.trainer.lora if config.trainer.lora.enabled else None), None
+def make_trainer(config: TrainerConfig, shape: RunShape, expert_axis: str, graphdef, params, mesh,
+                 resume: bool) -> tuple[Trainer, object]:
+  """(the `Trainer` of `config` on `mesh`, the parameters it trains), scoring tokens as `shape` samples them; MoE
+  token buckets over `expert_axis`. With a KL penalty, the initial policy stays frozen on the trainer mesh as the
+  reference. With LoRA the state holds the adapters alone (loaded from `LoraConfig.init_from` unless `resume`: a
+  resume restores them from its checkpoint); the base is frozen on the mesh, and it is the reference."""
+  adapters, base = (config.lora if config.lora.enabled else None), None
   if adapters:
     arrays = None
     if adapters.init_from and not resume:
       loaded, arrays = load_adapter(adapters.init_from, nnx.merge(graphdef, params).config)
       check_matches(adapters, loaded)
     graphdef, params, base = lora.adapt(graphdef, params, adapters, arrays)
-  reference = params if config.trainer.objective.kl_coef > 0 and not adapters else None
-  trainer = Trainer(graphdef, config.trainer.optimizer, config.trainer.objective, mesh, config=config.trainer,
-                    scoring=Scoring(config.temperature, reference, base,
-                                    Truncation(config.sampler.top_k, config.sampler.top_p, config.sampler.min_p)),
-                    buckets=Buckets(expert_axis=config.mesh.expert_axis))
+  reference = params if config.objective.kl_coef > 0 and not adapters else None
+  truncation = Truncation(shape.top_k, shape.top_p, shape.min_p)
+  trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, config=config,
+                    scoring=Scoring(shape.temperature, reference, base, truncation),
+                    buckets=Buckets(expert_axis=expert_axis))
   return trainer, params
 
 
@@ -79,21 +81,21 @@ def shard_advantages(trainer: Trainer, objective: ObjectiveConfig, advantage: st
   return compute_advantages(advantage, rewards, shard.group_ids)
 
 
-def packing(config, graphdef, params, mesh) -> dict:
+def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:
   """MicroBatcher settings for packed rows: the row length, and the tokens (padding included) per call (a whole
   step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
   trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
   activations."""
-  length = config.packed_length
-  step_tokens = config.samples_per_step * length
-  wanted = config.trainer.chunk_tokens or (step_tokens // 4 if config.spec.streamed and not config.spec.max_lag
-                                   else step_tokens)
+  length = packed_length(config, shape)
+  step_tokens = shape.samples_per_step * length
+  spec = shape.spec
+  wanted = config.chunk_tokens or (step_tokens // 4 if spec.streamed and not spec.max_lag else step_tokens)
   model_config = nnx.merge(graphdef, params).config
-  reference, platform = config.trainer.objective.kl_coef > 0, mesh.devices.flat[0].platform
-  budget = config.trainer.activation_budget_mb << 20
+  reference, platform = config.objective.kl_coef > 0, mesh.devices.flat[0].platform
+  budget = config.activation_budget_mb << 20
   if not budget:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
     limit = (local[0].memory_stats() or {}).get("bytes_limit", 0) * mesh.devices.size
-    budget = auto_budget(model_config, length, config.trainer, platform, reference, limit)
-  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config.trainer,
+    budget = auto_budget(model_config, length, config, platform, reference, limit)
+  return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config,
                                                                 platform, reference))

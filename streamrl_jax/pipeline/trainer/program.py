@@ -21,6 +21,7 @@ from streamrl_jax.meshes import local_mesh, role_mesh
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
+from streamrl_jax.pipeline.parts import controller_setup, trainer_setup
 from streamrl_jax.arms.followers import ArmsStart, make_followers, spare_devices
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.trainer.control import FollowerControl
@@ -70,23 +71,23 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   if jax.process_count() > 1:  # every process starts from process 0's weights
     params = multihost_utils.broadcast_one_to_all(params)
   mesh = role_mesh(config.mesh, "trainer", devices)
-  trainer = TrainerWorker(config, graphdef, params, mesh, checkpointer=hooks.checkpointer, resume=hooks.resume,
-                          stop=hooks.stop if is_leader() else None)
+  trainer = TrainerWorker(trainer_setup(config), graphdef, params, mesh, checkpointer=hooks.checkpointer,
+                          resume=hooks.resume, stop=hooks.stop if is_leader() else None)
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
-    initial_weights_donated(config, nnx.state(model), trainer)
+    initial_weights_donated(config.arms, nnx.state(model), trainer)
   wire = WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size, model.config)
-  doors = SampleDoors.open(config, wire, endpoint)  # other processes' sample doors, before
+  doors = SampleDoors.open(trainer.setup, wire, endpoint)  # other processes' sample doors, before
   if not is_leader():
     with hooks.stop.deferred("process 0 stops") if hooks.stop is not None else contextlib.nullcontext():
       return _follow(config, trainer, ranker, doors)
-  controller = Controller(config, task, tokenizer, start_step=trainer.start_step,
+  controller = Controller(controller_setup(config), task, tokenizer, start_step=trainer.start_step,
                           terms=JoinTerms(settings, endpoint.site, doors.endpoints), ranker=ranker,
                           on_event=endpoint.on_event or (lambda e: _log.info(describe_event(e))))
   if config.arms.followers and config.arms.programs:
-    followers = RemoteArms(config, hooks.run_id, trainer.start_step, settings or {})
+    followers = RemoteArms(config.shape, config.arms, hooks.run_id, trainer.start_step, settings or {})
   else:
-    followers = make_followers(config, graphdef, params, mesh, spare_devices(devices, mesh),
+    followers = make_followers(trainer.setup, config.arms, graphdef, params, mesh, spare_devices(devices, mesh),
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   queue, store, server = _serve(config, controller, wire, endpoint, followers)
   doors.connect(server.address)
@@ -177,7 +178,7 @@ def _follow(config: PipelineConfig, trainer: TrainerWorker, ranker, doors: Sampl
     except IntakeStopped:
       raise RunStopped(trainer.checkpointer.latest_step() if trainer.checkpointer is not None else None) from None
   try:
-    trainer.run(FollowerControl(config), get, doors.server.weights, clock=time.monotonic, aux=ranker_aux(ranker))
+    trainer.run(FollowerControl(config.shape), get, doors.server.weights, clock=time.monotonic, aux=ranker_aux(ranker))
   finally:
     doors.close()
   if trainer.checkpointer is not None:

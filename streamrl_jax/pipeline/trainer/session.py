@@ -15,9 +15,10 @@ import jax
 from flax import nnx
 
 from streamrl_jax import launch
-from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.arms.followers import Followers
+from streamrl_jax.records.metric_table import check_row
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.run_hooks import RunHooks
@@ -37,6 +38,10 @@ class RunResult:
   timeline: dict  # name -> list of (start, end, label) busy intervals, seconds from the run's start
   adapters: nnx.State | None = None  # LoRA: the trained adapters (`params` then holds them merged into the base)
   arms: dict = dataclasses.field(default_factory=dict)  # follower arm name -> its own RunResult
+
+  def __post_init__(self):
+    for row in self.metrics:  # every key of a row is in the metrics table (docs/metrics.md)
+      check_row(row)
 
 
 def make_ranker(scheduling: SchedulingConfig, mesh, checkpointer=None, resume: bool = False) -> OnlineRanker | None:
@@ -148,7 +153,7 @@ def _arm_results(arms: dict, to_host: Callable) -> dict[str, RunResult]:
 def _evaluating(on_step, periodic_eval: PeriodicEval, trainer: TrainerWorker, to_host: Callable):
   """`on_step` whose due rows carry the lead's held-out accuracy, of its parameters after the row's step."""
   def row(m: dict) -> None:
-    periodic_eval.add(m, lambda: to_host(trainer.policy_params()), trainer.config)
+    periodic_eval.add(m, lambda: to_host(trainer.policy_params()))
     if on_step is not None:
       on_step(m)
   return row
@@ -161,11 +166,11 @@ def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:
   return to_host(trainer.policy_params()), adapters
 
 
-def initial_weights_donated(config: PipelineConfig, initial, trainer: TrainerWorker) -> None:
+def initial_weights_donated(arms: ArmsConfig, initial, trainer: TrainerWorker) -> None:
   """Frees the caller's initial weights once the trainer holds its copy (`launch.delete`): a run would otherwise
   keep a dead copy of the model to its end (on a CPU, SmolLM2's 0.5 GB of RAM). Kept where they stay in use:
-  LoRA's frozen base is the model's own arrays, and follower arms copy them when they start."""
-  if config.trainer.lora.enabled or config.arms.followers:
+  LoRA's frozen base is the model's own arrays, and follower arms (`arms.followers`) copy them when they start."""
+  if trainer.lora is not None or arms.followers:
     return
   jax.block_until_ready(trainer.state.params)
   launch.delete(initial)

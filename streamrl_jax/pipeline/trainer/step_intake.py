@@ -17,6 +17,7 @@ import numpy as np
 
 from streamrl_jax.messages import row_step
 from streamrl_jax.pipeline.step_plan import step_group_ids
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
 
 
@@ -37,10 +38,11 @@ class IntakeRules:
     return self.prompts_per_step * self.group_size
 
   @classmethod
-  def of(cls, config) -> IntakeRules:
-    """The rules of a pipeline config (read where the trainer is built)."""
-    return cls(config.steps, config.prompts_per_step, config.backfill_per_step, config.group_size,
-               config.spec.max_lag, config.controller.dynamic_sampling, tuple(config.sampler.reward.names))
+  def of(cls, shape: RunShape) -> IntakeRules:
+    """The rules of a run of `shape`; dynamic sampling is on exactly when it may backfill (`backfill_per_step` >= 1:
+    `ControllerConfig.backfill_limit` or `prompts_per_step`)."""
+    return cls(shape.steps, shape.prompts_per_step, shape.backfill_per_step, shape.group_size, shape.spec.max_lag,
+               shape.backfill_per_step > 0, shape.reward_names)
 
 
 @dataclasses.dataclass(frozen=True)

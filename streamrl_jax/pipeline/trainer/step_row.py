@@ -11,6 +11,7 @@ import numpy as np
 from streamrl_jax.messages import StepSummary, row_step
 from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups
 from streamrl_jax.phase_clock import accounted_frac
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
 
 
@@ -47,10 +48,10 @@ class Arrivals:
     self.timeouts += int(shard.reward_timeouts.sum())
 
 
-def step_row(config, step: int, shards: list, received: Arrivals, train: dict, times: StepTimes,
+def step_row(shape: RunShape, step: int, shards: list, received: Arrivals, train: dict, times: StepTimes,
              summary: StepSummary) -> dict:
-  """Step `step`'s metrics row: `shards` trained, `received` (every group that arrived, trained or filtered: see
-  `Arrivals`), the update's metrics `train`, its `times` and the samplers' `summary`."""
+  """Step `step`'s metrics row (a run of `shape`): `shards` trained, `received` (every group that arrived, trained
+  or filtered: see `Arrivals`), the update's metrics `train`, its `times` and the samplers' `summary`."""
   rewards = np.concatenate(received.rewards)  # every group that arrived, trained or filtered
   counts = [s.staleness_sum_max(step) for s in shards]
   tokens, stale_sum = sum(c[0] for c in counts), sum(c[1] for c in counts)
@@ -58,14 +59,14 @@ def step_row(config, step: int, shards: list, received: Arrivals, train: dict, t
   seconds = [v for _, v in sorted(times.weight_seconds.items())]
   flat = sum(len(equal_reward_groups(s)) for s in shards)
   parts = np.concatenate(received.parts).mean(axis=0)
-  by_function = {f"reward/{name}": float(v) for name, v in zip(config.sampler.reward.names, parts)}
+  by_function = {f"reward/{name}": float(v) for name, v in zip(shape.reward_names, parts)}
   wall = times.wall
   return dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
               reward_errors=received.errors, reward_timeouts=received.timeouts,
               accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
               staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token
               groups_filtered=received.filtered, groups_backfilled=received.backfilled,
-              prompts_leased=config.prompts_per_step + received.backfilled, equal_reward_groups_trained=flat,
+              prompts_leased=shape.prompts_per_step + received.backfilled, equal_reward_groups_trained=flat,
               env_tokens=sum(s.env_tokens for s in shards),
               trainer_idle_frac=min(1.0, times.waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, times.sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
@@ -81,6 +82,5 @@ def batch_metrics(before: dict, after: dict) -> dict:
 
 def phase_row(seconds: dict[str, float]) -> dict:
   """A row's `trainer_s/<phase>` seconds (the training thread's since the previous row: this step's checkpoint is in
-  the next row), `step_wall_s` (their sum) and `trainer_accounted_frac` (the share in a named phase)."""
-  return {**{f"trainer_s/{name}": s for name, s in seconds.items()}, "step_wall_s": sum(seconds.values()),
-          "trainer_accounted_frac": accounted_frac(seconds)}
+  the next row; their sum is the gap between the rows) and `trainer_accounted_frac` (the share in a named phase)."""
+  return {**{f"trainer_s/{name}": s for name, s in seconds.items()}, "trainer_accounted_frac": accounted_frac(seconds)}

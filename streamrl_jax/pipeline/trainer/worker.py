@@ -36,7 +36,7 @@ from streamrl_jax import launch
 from streamrl_jax.counters import Counters
 from streamrl_jax.faults import FaultPoints
 from streamrl_jax.host_memory import release_free_memory
-from streamrl_jax.models.precision import wire_bytes, wire_template
+from streamrl_jax.models.precision import SamplerPrecision, wire_bytes, wire_template
 from streamrl_jax.messages import (Backfill, Published, Regenerate, SamplerWaitQuery, StepSkipped, StepTrained,
                                    row_step)
 from streamrl_jax.phase_clock import PhaseClock
@@ -45,9 +45,10 @@ from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, pa
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
 from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_row
 from streamrl_jax.pipeline.watchdog import StallWatch
+from streamrl_jax.run_shape import RunShape
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import MicroBatcher
+from streamrl_jax.training import MicroBatcher, TrainerConfig
 
 _log = logging.getLogger(__name__)
 
@@ -68,27 +69,40 @@ def _agreed(stop: bool) -> bool:
   return bool(every(multihost_utils.broadcast_one_to_all, np.int32(stop)))
 
 
-class TrainerWorker:
-  """Steps from `start_step` to `config.steps`; `run` returns the per-step metrics."""
+@dataclasses.dataclass(frozen=True)
+class TrainerSetup:
+  """What a trainer worker is built from: its own config, the run's shape, and what it reads of the other parts'
+  configs (set where the parts are built)."""
 
-  def __init__(self, config, graphdef, params, mesh, *, checkpointer=None, resume: bool = False,
+  trainer: TrainerConfig  # the trainer's own config
+  shape: RunShape  # the run's shape
+  precision: SamplerPrecision  # the weights' precision for the samplers (the bytes of one version on the wire)
+  expert_axis: str  # the mesh's expert axis (`MeshConfig.expert_axis`)
+  cache_length: int  # the sampler engine's cache length: the sample width `TrainerConfig.precompile` compiles
+
+
+class TrainerWorker:
+  """Steps from `start_step` to `shape.steps`; `run` returns the per-step metrics."""
+
+  def __init__(self, setup: TrainerSetup, graphdef, params, mesh, *, checkpointer=None, resume: bool = False,
                stop: StopRequest | None = None, streamed: bool | None = None):
-    self.config, self.spec, self.stop = config, config.spec, stop
+    self.setup, self.config, self.shape, self.stop = setup, setup.trainer, setup.shape, stop  # config: the trainer's
+    self.spec = self.shape.spec
     # streamed: each shard is accumulated as it arrives (the mode's choice); a follower arm gathers its step first,
     # so that a step it skips midway leaves nothing behind
     self.streamed = self.spec.streamed if streamed is None else streamed
     self.faults = FaultPoints.of_trainer_process(jax.process_index(), stop)
-    self.lora = config.trainer.lora if config.trainer.lora.enabled else None
-    self.trainer, trained = make_trainer(config, graphdef, params, mesh, resume)
-    self.state = self.trainer.init_state(trained, seed=config.seed)
+    self.lora = self.config.lora if self.config.lora.enabled else None
+    self.trainer, trained = make_trainer(self.config, self.shape, setup.expert_axis, graphdef, params, mesh, resume)
+    self.state = self.trainer.init_state(trained, seed=self.shape.seed)
     self.state, self.start_step = _restored(self.state, checkpointer) if resume else (self.state, 0)
     self.checkpointer = checkpointer
-    self.batcher = MicroBatcher(self.trainer, chunk_rows=config.trainer.chunk_rows,
-                                **(packing(config, graphdef, params, mesh) if config.trainer.packing else {}))
-    self.counters = _counters(config.precision.on_trainer.precision, self.state.params)
+    packed = packing(self.config, self.shape, graphdef, params, mesh) if self.config.packing else {}
+    self.batcher = MicroBatcher(self.trainer, chunk_rows=self.config.chunk_rows, **packed)
+    self.counters = _counters(setup.precision.on_trainer.precision, self.state.params)
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
-    self.rules, self.intake = IntakeRules.of(config), IntakeState()  # what it does with each arriving shard
+    self.rules, self.intake = IntakeRules.of(self.shape), IntakeState()  # what it does with each arriving shard
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._step_counts = StepCounts()  # counters of the step being trained, added to `counters` once it is (a step cut
     # short by a stop leaves no count behind: its samples are trained again after a resume)
@@ -105,19 +119,17 @@ class TrainerWorker:
     """Publishes the start version, then trains every step. `get_shard(timeout)`: the next shard (TimeoutError if
     none); `aux()`: extra state to checkpoint; `probe()`: extra figures for each row (memory, queue depth). A follower
     arm's `skip(step)` says why it skips a step (None: it trains it); its `get_shard` may raise `StepSkipped`."""
-    if self.config.trainer.precompile:
-      self.state = precompile(self.trainer, self.batcher, self.state, self.config.trainer.chunk_rows,
-                              self.config.sampler.engine.cache_length)
+    if self.config.precompile:
+      self.state = precompile(self.trainer, self.batcher, self.state, self.config.chunk_rows, self.setup.cache_length)
     weights.publish(self.state.params, self.start_step)
     controller.published(Published(self.start_step))
     release_free_memory()  # the holes that loading and placing the weights left in the heap, before the first step
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
-    watch = StallWatch(self.config.trainer.step_timeout_s, _log.error, time.monotonic) if \
-        self.config.trainer.step_timeout_s else None
+    watch = StallWatch(self.config.step_timeout_s, _log.error, time.monotonic) if self.config.step_timeout_s else None
     self._progress = watch.progress if watch is not None else self._progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
-      for step in range(self.start_step, self.config.steps):
+      for step in range(self.start_step, self.shape.steps):
         if skip is not None and skip(step) is not None:
           continue
         try:
@@ -159,7 +171,7 @@ class TrainerWorker:
     train_metrics.update(batch_metrics(before, self.batcher.counters))
     summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
-    if step + 1 < self.config.steps:  # the last step's weights go to no sampler: no step is left to sample
+    if step + 1 < self.shape.steps:  # the last step's weights go to no sampler: no step is left to sample
       with self.phase_clock.phase("weight_send"):
         weights.publish(self.state.params, step + 1)
     self.faults.hit("publish", step + 1)
@@ -170,7 +182,7 @@ class TrainerWorker:
     end = clock()
     sampler_idle = controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9)
     times = StepTimes(waited, end - last_end, train_s, sampler_idle, weights.seconds)
-    return step_row(self.config, step, shards, received, train_metrics, times, summary), end
+    return step_row(self.shape, step, shards, received, train_metrics, times, summary), end
 
   def _await_checkpoint(self, clock) -> float:
     """Waits until the last step's save (in the background) has read what the update will donate; its seconds."""
@@ -191,7 +203,7 @@ class TrainerWorker:
         on_step(row)
     self.faults.hit("row", step + 1)
     stopping = _agreed(self.stop is not None and self.stop.requested)
-    if self.checkpointer is not None and self.checkpointer.due(step + 1, step + 1 == self.config.steps or stopping):
+    if self.checkpointer is not None and self.checkpointer.due(step + 1, step + 1 == self.shape.steps or stopping):
       # after the step's metrics row: a resume never lacks a trained step's row; numbered by RL step (a step whose
       # groups dynamic sampling all filtered makes no optimizer step)
       with self.phase_clock.phase("checkpoint"):
@@ -201,7 +213,7 @@ class TrainerWorker:
     self._progress(f"the end of step {row_step(step)}")
     if self.spec.shared_mesh:  # the sampler's next step (it needs this version) takes the mesh once we are done
       controller.published(Published(step + 1))
-    if (stopping or _agreed(self.stop is not None and self.stop.requested)) and step + 1 < self.config.steps:
+    if (stopping or _agreed(self.stop is not None and self.stop.requested)) and step + 1 < self.shape.steps:
       raise self._stopped()  # asked before the step's end, or during its save
     return row
 
@@ -221,7 +233,7 @@ class TrainerWorker:
         self._progress(f"a shard of step {row_step(step)} arrived")
         return shard
       except TimeoutError:
-        if self.stop is not None and self.stop.overdue(self.config.trainer.stop_grace_s):
+        if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
           raise self._stopped(abandoned_step=row_step(step)) from None
 
   def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
@@ -277,8 +289,8 @@ class TrainerWorker:
 
   def _count_step(self, shards: list, received: Arrivals) -> None:
     self.counters.unique_samples_trained += sum(s.num_samples for s in shards)
-    self.counters.samples_planned += self.config.samples_per_step + (received.backfilled
-                                                                        - received.filtered) * self.config.group_size
+    self.counters.samples_planned += self.shape.samples_per_step + (received.backfilled
+                                                                       - received.filtered) * self.shape.group_size
     self.counters.groups_filtered += received.filtered
     self.counters.groups_backfilled += received.backfilled
 
@@ -287,7 +299,7 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts.stale_samples += int(np.sum(stale > self.spec.max_lag))
-      batch = shard_batch(self.trainer, self.config.trainer.objective, self.config.advantage, shard, step)
+      batch = shard_batch(self.trainer, self.config.objective, self.shape.advantage, shard, step)
       self.state = self.batcher.add(self.state, batch)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts.samples_trained += shard.num_samples

@@ -1,0 +1,26 @@
+"""How a run's whole config splits into what each part is built from: the one place the runner, the programs and
+the tests take a part's setup from (`PipelineConfig` goes no further down)."""
+
+from __future__ import annotations
+
+from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.pipeline.controller import ControllerSetup
+from streamrl_jax.pipeline.sampler.worker import SamplerSetup
+from streamrl_jax.pipeline.trainer.worker import TrainerSetup
+
+
+def trainer_setup(config: PipelineConfig) -> TrainerSetup:
+  """A trainer worker's: its own config, the run's shape, the samplers' weight precision (`config` resolved first:
+  `PipelineConfig.resolved`), the mesh's expert axis and the engine's cache length (the width it precompiles)."""
+  return TrainerSetup(config.trainer, config.shape, config.precision, config.mesh.expert_axis,
+                      config.sampler.engine.cache_length)
+
+
+def controller_setup(config: PipelineConfig) -> ControllerSetup:
+  """The controller's: the run's shape, its own config, the scheduling policy and the engine's slots."""
+  return ControllerSetup(config.shape, config.controller, config.scheduling, config.sampler.engine.num_slots)
+
+
+def sampler_setup(config: PipelineConfig) -> SamplerSetup:
+  """A sampler worker's: its side's config, the scheduling policy and the run's shape."""
+  return SamplerSetup(config.sampler, config.scheduling, config.shape)

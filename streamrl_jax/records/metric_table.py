@@ -1,0 +1,140 @@
+"""Every key a run's metrics row may hold, with its type, the part that writes it and its meaning: the one table
+docs/metrics.md shows (generated: `python -m streamrl_jax.records.metric_table`), and the check each row passes
+(`check_row`: a key not listed is logged; with STREAMRL_STRICT_METRICS=1, as the tests run, it is an error)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import os
+
+_log = logging.getLogger(__name__)
+STRICT_ENV = "STREAMRL_STRICT_METRICS"
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+  """One row key: `name` (a `<part>` in it stands for any name, e.g. a reward function's), its type, the part that
+  writes it (`owner`) and what it means."""
+
+  name: str
+  kind: str
+  owner: str
+  meaning: str
+
+  @property
+  def prefix(self) -> str | None:
+    """The fixed part before a `<...>` placeholder, or None for a plain name."""
+    return self.name.split("<")[0] if "<" in self.name else None
+
+
+STEP, UPDATE, CORRECTIONS, SAMPLERS = "step row", "update", "corrections", "samplers"
+METRICS = (
+    Metric("step", "int", STEP, "the RL step (1-based); the weights after it are version `step`"),
+    Metric("time", "float", STEP, "Unix time the row was made"),
+    Metric("reward_mean", "float", STEP, "mean reward of every sample that arrived for the step (filtered groups too)"),
+    Metric("reward/<function>", "float", STEP, "mean score of one reward function (`task`: the task's own verifier)"),
+    Metric("reward_errors", "int", STEP, "reward calls that raised or returned no number (scored 0)"),
+    Metric("reward_timeouts", "int", STEP, "reward calls past their limit (scored 0)"),
+    Metric("accuracy", "float", STEP, "share of the step's arrived samples with reward >= 1"),
+    Metric("samples_per_s", "float", STEP, "samples that arrived per second of the step's wall time"),
+    Metric("staleness_mean", "float", STEP, "versions the sampling weights lagged, per trained token"),
+    Metric("staleness_max", "int", STEP, "the most versions a trained token's weights lagged"),
+    Metric("groups_filtered", "int", STEP, "dynamic sampling: equal-reward groups not trained"),
+    Metric("groups_backfilled", "int", STEP, "dynamic sampling: prompts leased in their place"),
+    Metric("prompts_leased", "int", STEP, "prompts leased for the step (planned and backfilled)"),
+    Metric("equal_reward_groups_trained", "int", STEP, "trained groups whose rewards are all equal (no signal)"),
+    Metric("env_tokens", "int", STEP, "trained tokens an environment wrote (masked out of the loss)"),
+    Metric("trainer_idle_frac", "float", STEP, "share of the step the trainer waited for samples"),
+    Metric("sampler_idle_frac", "float", STEP, "the samplers' idle share of the run so far"),
+    Metric("weight_sync_s", "float", STEP, "seconds the last version's weights took to send"),
+    Metric("step_s", "float", STEP, "wall seconds from the previous step's end to this one's"),
+    Metric("train_s", "float", STEP, "seconds of the step's accumulation and update"),
+    Metric("train_calls", "int", STEP, "the trainer's calls (micro-batches) this step"),
+    Metric("train_tokens", "int", STEP, "real tokens (prompt and completion) the trainer's calls held"),
+    Metric("train_padding_frac", "float", STEP, "share of the calls' tokens that were padding"),
+    Metric("trainer_s/<phase>", "float", STEP, "the training thread's seconds in a phase since the previous row"),
+    Metric("trainer_accounted_frac", "float", STEP, "share of the training thread's seconds in a named phase"),
+    Metric("update_skipped", "float", STEP, "1 when the step had no update (no token to train)"),
+    Metric("empty_step", "float", STEP, "1 when every completion was empty or every episode failed"),
+    Metric("loss", "float", UPDATE, "the objective's value, per its aggregation"),
+    Metric("grad_norm", "float", UPDATE, "global gradient norm before clipping"),
+    Metric("learning_rate", "float", UPDATE, "the learning rate of the update"),
+    Metric("tokens", "float", UPDATE, "loss tokens (completion tokens the policy wrote) the update trained"),
+    Metric("clip_frac", "float", UPDATE, "share of loss tokens whose ratio was clipped"),
+    Metric("kl", "float", UPDATE, "per-token KL to the reference (0 without one)"),
+    Metric("entropy", "float", UPDATE, "per-token entropy of the policy"),
+    Metric("logprob_mismatch_kl", "float", UPDATE, "per-token KL between the sampler's and the trainer's "
+           "log-probabilities of the sampled tokens"),
+    Metric("logprob_mismatch_max", "float", UPDATE, "the largest |sampler - trainer| log-probability of a token"),
+    Metric("objective_terms", "float", UPDATE, "mixture of experts: the objective's extra terms' part of the loss"),
+    Metric("router_agreement", "float", UPDATE, "mixture of experts: share of routes the trainer chose as the "
+           "sampler did (NaN when none was recorded)"),
+    Metric("correction_masked_token_frac", "float", CORRECTIONS, "share of tokens the corrections masked"),
+    Metric("correction_masked_sequence_frac", "float", CORRECTIONS, "share of sequences the corrections masked"),
+    Metric("correction_truncated_token_frac", "float", CORRECTIONS, "share of tokens whose weight was truncated"),
+    Metric("support_mismatch_frac", "float", CORRECTIONS, "share of tokens drawn outside the trainer's rebuilt "
+           "top-k/top-p support"),
+    Metric("is_ratio_q05", "float", CORRECTIONS, "5% quantile of pi / mu over the step's tokens"),
+    Metric("is_ratio_q50", "float", CORRECTIONS, "median of pi / mu"),
+    Metric("is_ratio_q95", "float", CORRECTIONS, "95% quantile of pi / mu"),
+    Metric("logprob_mismatch_kl_compute", "float", CORRECTIONS, "the mismatch KL of tokens the trained weights "
+           "sampled (NaN when none)"),
+    Metric("logprob_mismatch_kl_staleness", "float", CORRECTIONS, "the mismatch KL of tokens older weights sampled "
+           "(NaN when none)"),
+    Metric("generation_s", "float", SAMPLERS, "seconds the step's generation took, its slowest sampler's"),
+    Metric("sampler_instances", "int", SAMPLERS, "sampler engines that worked on the step"),
+    Metric("sampler_processes", "int", SAMPLERS, "sampler processes that worked on the step"),
+    Metric("sampler_rss_mb", "float", SAMPLERS, "the largest sampler process's resident memory"),
+    Metric("template_prefix_mismatch", "int", SAMPLERS, "agent turns whose chat template did not extend the "
+           "previous turn's tokens"),
+    Metric("sampler_s/<phase>", "float", SAMPLERS, "the samplers' seconds in a phase, added up"),
+    Metric("sampler_accounted_frac", "float", SAMPLERS, "share of the samplers' seconds in a named phase"),
+    Metric("ranker_<figure>", "float", "ranker", "with a length ranker: `recall_top20`, `recall_top10`, `recall_top5` "
+           "(share of the longest 20/10/5% it put in its top 20/10/5%), `spearman` (rank correlation of predicted "
+           "and realised lengths), `train_steps` (its online training steps so far)"),
+    Metric("rss_mb", "float", "trainer process", "the trainer process's resident memory"),
+    Metric("queue_depth", "int", "trainer process", "samples in the trainer's queue at the row"),
+    Metric("queue_max_depth", "int", "trainer process", "the most samples the queue held so far"),
+    Metric("heldout_accuracy", "float", "evaluation", "held-out accuracy (`JobConfig.eval_every`)"),
+    Metric("arm", "str", "arms", "the follower arm whose row it is"),
+    Metric("arm_policy_divergence", "float", "arms", "the arm's KL to the sampling policy (its "
+           "`logprob_mismatch_kl`)"),
+    Metric("arm_lag", "int", "arms", "steps the arm is behind the lead"),
+    Metric("arm_steps_skipped", "int", "arms", "steps the arm did not train so far"),
+    Metric("arm_samples_skipped", "int", "arms", "samples the arm did not train so far"),
+)
+_NAMES = frozenset(m.name for m in METRICS if m.prefix is None)
+_PREFIXES = tuple(m.prefix for m in METRICS if m.prefix is not None)
+
+
+def unlisted(row: dict) -> list[str]:
+  """The keys of `row` the table does not list."""
+  return [k for k in row if k not in _NAMES and not k.startswith(_PREFIXES)]
+
+
+def check_row(row: dict) -> dict:
+  """`row`, after checking its keys: one not listed is logged once (an error under STREAMRL_STRICT_METRICS=1)."""
+  if missing := unlisted(row):
+    if os.environ.get(STRICT_ENV) == "1":
+      raise ValueError(f"metrics row keys {missing} are not in streamrl_jax/records/metric_table.py (docs/metrics.md)")
+    for key in missing:
+      _warn_once(key)
+  return row
+
+
+@functools.cache
+def _warn_once(key: str) -> None:
+  _log.warning("metrics row key %r is not in the metrics table (docs/metrics.md)", key)
+
+
+def markdown() -> str:
+  """The table as docs/metrics.md holds it."""
+  lines = ["| key | type | written by | meaning |", "|---|---|---|---|"]
+  lines += [f"| `{m.name}` | {m.kind} | {m.owner} | {m.meaning} |" for m in METRICS]
+  return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+  print(markdown(), end="")
