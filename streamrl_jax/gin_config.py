@@ -21,10 +21,10 @@ import gin
 from streamrl_jax.arms.config import ArmsConfig, arms_from_configs
 from streamrl_jax.config_listing import render
 from streamrl_jax.config_types import ConfigError, checked, literal_value
-from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.envs.config import EnvConfig
 from streamrl_jax.gke.launch_config import GKEConfig, GKEPortsConfig, GKESamplersConfig, GKETrainerConfig
 from streamrl_jax.meshes import MeshConfig
+from streamrl_jax.models.hub import parse_hub_id, pinned
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
@@ -32,6 +32,7 @@ from streamrl_jax.pipeline.job_config import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
+from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
@@ -279,8 +280,6 @@ def _shipped_configs() -> list[str]:
 def pinned_hub_model(config_files, bindings) -> list[str]:
   """`bindings` with `JobConfig.model` pinned to its commit where it is a Hub id (`hub.pinned`, fetched once into
   the cache): processes started from them read one snapshot, however the Hub's branch moves while they start."""
-  from streamrl_jax.models.hub import parse_hub_id, pinned
-
   parse(run_files(config_files), bindings)
   model = build_job().model
   if not parse_hub_id(model) or Path(model).exists():

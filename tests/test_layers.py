@@ -105,3 +105,33 @@ def test_no_package_loads_its_names_lazily():
   lazy = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("__init__.py")
           if any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in ast.parse(p.read_text()).body)]
   assert not lazy
+
+
+# The command line loads a command's parts when it runs: `streamrl --help` stays light, and a command sets the host
+# device count before jax is imported. Everywhere else imports sit at the module's top, in the drawing above.
+LAZY_IMPORTS_ALLOWED = ("cli.py", "commands/", "__init__.py")  # (the last: the package's own, `streamrl_jax.train`)
+
+
+def imports_in_functions(source: str, package: str) -> list[str]:
+  """`function: module` for each import of another of the package's top-level parts inside a function."""
+  out = []
+  for fn in ast.walk(ast.parse(source)):
+    if isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+      for node in ast.walk(fn):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        out += [f"{fn.name}: {name}" for name in names
+                if name.startswith("streamrl_jax.") and name.split(".")[1] != package]
+  return out
+
+
+def test_no_function_imports_another_part():
+  assert imports_in_functions("def f():\n  from streamrl_jax.models import x\n  from streamrl_jax.sim.y import z\n"
+                              "  import numpy\n", "sim") == ["f: streamrl_jax.models"]
+  found = {}
+  for path in sorted(PACKAGE.rglob("*.py")):
+    module = path.relative_to(PACKAGE).as_posix()
+    if not module.startswith(LAZY_IMPORTS_ALLOWED):
+      if lazy := imports_in_functions(path.read_text(), module.split("/")[0].removesuffix(".py")):
+        found[module] = lazy
+  assert found == {}

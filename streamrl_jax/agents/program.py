@@ -13,6 +13,8 @@ import asyncio
 import inspect
 import math
 
+from streamrl_jax.rewards.functions import RewardFunctionError, load_function
+
 EPISODE_HEADER = "x-streamrl-episode"  # the header that tags a request with its episode
 POLICY_MODEL = "policy"  # the model name an agent asks the sampler's server for
 
@@ -22,8 +24,6 @@ REWARD, ANSWER, FAILED, TIMED_OUT = "reward", "answer", "failed", "timed out"
 def load_agent(spec: str):
   """The agent function at `spec` ('package.module:function' or 'path/to/file.py:function'), checked to be an
   `async def` of two parameters (client, prompt_row)."""
-  from streamrl_jax.rewards.functions import RewardFunctionError, load_function
-
   try:
     fn = load_function(spec)
   except RewardFunctionError as err:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from flax import nnx
 
-from streamrl_jax.models import save_hf
 from streamrl_jax.arms.config import ArmConfig, ArmsConfig
+from streamrl_jax.models import save_hf
 from streamrl_jax.records.metrics_log import append_row, evaluations, open_metrics, read_metrics
 from streamrl_jax.records.pictures import write_curves_png
 from streamrl_jax.records.run_record import ARMS_DIR
+from streamrl_jax.training.checkpoint import Checkpointer
 
 _log = logging.getLogger(__name__)
 
@@ -38,8 +39,6 @@ def arm_outputs(workdir: Path, arms: ArmsConfig, resume: bool):
   """{arm name: (checkpointer, on_step)} for every follower of `arms`; on_step appends its rows to its metrics.jsonl. A
   resumed arm's rows after its own checkpoint are dropped first (they are trained again). Checkpoints are waited
   for and closed on the way out."""
-  from streamrl_jax.training.checkpoint import Checkpointer
-
   outputs, files = {}, []
   try:
     for arm in arms.followers:

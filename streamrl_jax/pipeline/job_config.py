@@ -9,6 +9,7 @@ import dataclasses
 from flax import nnx
 
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer, load_hf, load_tokenizer, read_hf_config
+from streamrl_jax.models.catalog import resolve_model
 from streamrl_jax.models.config import COMPUTE_DTYPES
 from streamrl_jax.models.dtype_probe import DtypeChoice, ProductShapes, choose_compute_dtype
 from streamrl_jax.tasks.config import NEEDS_A_PRETRAINED_MODEL, TaskConfig
@@ -65,8 +66,6 @@ class JobConfig:
 
   def model_path(self):
     """The pretrained model's Hugging Face directory (fetched and converted on first use)."""
-    from streamrl_jax.models.catalog import resolve_model
-
     return resolve_model(self.model)
 
   def make_task(self, tokenizer=None, split: str = "train"):

@@ -14,13 +14,19 @@ from pathlib import Path
 
 import numpy as np
 
+from streamrl_jax.envs.catalog import make_environment
+from streamrl_jax.envs.tools import stop_token_ids
 from streamrl_jax.meshes import role_mesh_shape
+from streamrl_jax.models import lora
 from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.kv_cache import kv_cache_bytes
+from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.rewards import RewardConfig, check_signature
 from streamrl_jax.settings import renamed
 from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 from streamrl_jax.training.corrections import CORRECTIONS
+from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns, and
@@ -112,9 +118,6 @@ def check_stops(config: PipelineConfig, tokenizer) -> None:
   `EngineConfig.max_stop_tokens`."""
   stops = set(tokenizer.stop_ids)
   if config.sampler.env.environment:
-    from streamrl_jax.envs.catalog import make_environment
-    from streamrl_jax.envs.tools import stop_token_ids
-
     stops |= set(stop_token_ids(tokenizer, make_environment(config.sampler.env.environment,
                                                             max_turns=config.sampler.env.max_turns).stop))
   if len(stops) > config.sampler.engine.max_stop_tokens:
@@ -127,8 +130,6 @@ def check_activation_budget(config: PipelineConfig, model_config: ModelConfig) -
   """An explicit `TrainerConfig.activation_budget_mb` holds at least one packed row of activations (the
   automatic one is checked against the device when the trainer starts)."""
   if config.trainer.packing and config.trainer.activation_budget_mb:
-    from streamrl_jax.training.packing import chunk_tokens_for
-
     chunk_tokens_for(model_config, config.packed_length, config.packed_length,
                      config.trainer.activation_budget_mb << 20, config.trainer, reference=config.trainer.objective.kl_coef > 0)
 
@@ -144,10 +145,6 @@ def host_memory_parts(config: PipelineConfig, model_config: ModelConfig, role: s
   with a KL penalty; with LoRA the frozen base and the adapters' state), one trainer call's temporaries (its
   activation budget), the sampler's weights at their precision (with LoRA beside its float32 base) and its KV
   cache, and the runtime. What `check_host_memory` compares with the machine."""
-  from streamrl_jax.models import lora
-  from streamrl_jax.models.kv_cache import kv_cache_bytes
-  from streamrl_jax.training.packing import auto_budget
-
   params = model_config.param_count()
   weight = np.dtype(model_config.weight_dtype).itemsize
   parts = {"runtime": RUNTIME_BYTES}
@@ -198,9 +195,6 @@ def check_lora(config: PipelineConfig, model_config: ModelConfig, base_name: str
   """`config` with LoRA resolved (`peft_io.resolve`: an `init_from` adapter checked against the base, its rank,
   alpha and targets taken where LoraConfig.rank is unset), and the rank checked against the model's projections:
   one-line errors before anything is built. `read_adapter=False`: a sampler, which never reads the adapter."""
-  from streamrl_jax.models import lora
-  from streamrl_jax.models.peft_io import resolve
-
   if not config.trainer.lora.enabled:
     return config
   resolved = resolve(config.trainer.lora, model_config, base_name, read=read_adapter or not config.trainer.lora.rank)

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from streamrl_jax.agents.evaluation import agent_completions
 from streamrl_jax.config_listing import render
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.meshes import single_device_mesh
@@ -41,6 +42,7 @@ from streamrl_jax.envs import make_tools
 from streamrl_jax.rewards import RewardScorer
 from streamrl_jax.tasks import draw, prompt_tokens, question, verifier
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
+from streamrl_jax.training.checkpoint import Checkpointer
 from streamrl_jax.types import SamplingParams
 
 _log = logging.getLogger(__name__)
@@ -85,7 +87,6 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
   """Greedy accuracy on held-out prompts (their own seed, never used for training); with `record`, every
   (prompt, completion, reward) is written there as JSON lines."""
   if config.sampler.env.agent:  # each prompt one episode of the agent program, the policy served greedily
-    from streamrl_jax.agents.evaluation import agent_completions
     rows = agent_completions(model, tokenizer, task, config.sampler, config.max_new_tokens, prompts, seed)
   else:
     rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
@@ -146,8 +147,6 @@ def train_job(config: PipelineConfig, job: JobConfig, workdir: str | Path, resum
   runs this; only process 0 evaluates and writes files. However the job stops early (`control.stop`,
   KeyboardInterrupt), it raises `RunStopped` naming the checkpoint on disk once the last save has committed.
   A resumed run's outputs cover the whole run (`run_record`)."""
-  from streamrl_jax.training.checkpoint import Checkpointer
-
   workdir = preflight.check_workdir(workdir)
   checkpointer = Checkpointer(workdir / "checkpoints", max_to_keep=2, every=job.checkpoint_every)
   try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.envs.config import EnvConfig
+from streamrl_jax.models.precision import PRECISIONS, QUANTIZE_ON
 from streamrl_jax.rewards.config import RewardConfig
 
 IN_FLIGHT_CACHE = ("keep", "recompute")
@@ -154,8 +155,6 @@ class SamplerConfig:
   env: EnvConfig = EnvConfig()  # multi-turn: the environment or agent program the samples play
 
   def __post_init__(self):
-    from streamrl_jax.models.precision import PRECISIONS, QUANTIZE_ON
-
     if self.precision not in ("auto", *PRECISIONS):
       raise ValueError(f"SamplerConfig.precision={self.precision!r}; known: {['auto', *PRECISIONS]}")
     if self.quantize_on not in QUANTIZE_ON:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from streamrl_jax.meshes import single_device_mesh
+from streamrl_jax.models import load_hf, load_tokenizer
+from streamrl_jax.models.catalog import resolve_model
+from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.sampling.config import EngineConfig
 from streamrl_jax.serving.app import ServedModel
 
@@ -17,11 +21,6 @@ def load_served_model(spec: str, engine_config: EngineConfig, *, dtype: str = "f
   import jax
   import jax.numpy as jnp
   from flax import nnx
-
-  from streamrl_jax.meshes import single_device_mesh
-  from streamrl_jax.models import load_hf, load_tokenizer
-  from streamrl_jax.models.catalog import resolve_model
-  from streamrl_jax.sampling import StreamingSampler, make_engine
 
   path = resolve_model(spec)
   model, tokenizer = load_hf(path, dtype=jnp.dtype(dtype)), load_tokenizer(path)

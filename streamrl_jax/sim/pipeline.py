@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from streamrl_jax.modes import MODES, ModeSpec
-from streamrl_jax.scheduling import ptl_at, random_dispatch, skew_aware_dispatch
+from streamrl_jax.scheduling import elastic_decision, ptl_at, random_dispatch, skew_aware_dispatch
 from streamrl_jax.scheduling.broadcast import TreeMember, broadcast_seconds, broadcast_tree
 from streamrl_jax.sim.dataplane import (SimDataPlaneConfig, gather_seconds, gradient_seconds, publish_links,
                                         received_times, shard_broadcast_seconds)
@@ -287,8 +287,6 @@ def simulate_elastic(config: SimConfig, *, hysteresis: float = 0.05) -> dict:
   """Disaggregated iterations while output lengths drift; before each iteration the elastic policy adds
   or removes one sampler instance (of `tensor_parallel` devices) from estimates of T_gen at S - tp, S and
   S + tp and of T_train. Returns the sampler devices and stage times per iteration."""
-  from streamrl_jax.scheduling import elastic_decision
-
   rng = np.random.default_rng(config.seed)
   sampler, unit = config.sampler_devices, config.tensor_parallel
   history = []

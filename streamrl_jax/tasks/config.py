@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from streamrl_jax.models.hub import prompt_source
 from streamrl_jax.tasks.arithmetic import ArithmeticTask
 from streamrl_jax.tasks.chat import ChatTask
 from streamrl_jax.tasks.countdown import CountdownTask
@@ -54,8 +55,6 @@ class TaskConfig:
     """The task's prompts and rewards; `split="eval"` draws held-out prompts where the task has a split.
     With `chat`, prompts go into `tokenizer`'s chat template (that of `model`, named in an error)."""
     if self.name == "file":
-      from streamrl_jax.models.hub import prompt_source
-
       if split == "eval" and self.eval_file:
         source = PromptFile(prompt_source(self.eval_file), self.prompt_key)
       else:
