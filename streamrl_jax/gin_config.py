@@ -18,7 +18,8 @@ from pathlib import Path
 
 import gin
 
-from streamrl_jax.arms.config import ArmsConfig, arms_from_configs
+from streamrl_jax.arm_files import arms_from_configs
+from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_listing import render
 from streamrl_jax.config_types import ConfigError, checked, literal_value
 from streamrl_jax.envs.config import EnvConfig
@@ -306,7 +307,7 @@ def build_job() -> JobConfig:
 
 def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, bindings) -> PipelineConfig:
   """`config` (the lead) with a follower arm per file of `arm_files` (`--arms`), each parsed over the run's files
-  and bindings and named by its file's stem (`arms.config.arms_from_configs` checks what they change). The
+  and bindings and named by its file's stem (`arm_files.arms_from_configs` checks what they change). The
   run's own bindings are parsed again at the end."""
   if not arm_files:
     return config

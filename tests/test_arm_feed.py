@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.messages import StepSkipped
-from streamrl_jax.arms.config import ArmConfig, arm_advice, arms_from_configs, check_arm_names
+from streamrl_jax.arm_files import arms_from_configs
+from streamrl_jax.arms.config import ArmConfig, arm_advice, check_arm_names
 from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline import PipelineConfig

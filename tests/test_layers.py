@@ -16,7 +16,7 @@ FLOORS = (
     ("training", "streaming", "scheduling", "sampling", "serving", "agents", "sim", "distributed", "gke",
      "records"),  # the parts (agent programs beside the server they speak to), and what a run leaves in its workdir
     ("pipeline", "arms"),  # workers, controller, sessions, programs, the training job; algorithm arms
-    ("gin_config",),  # the config layer binds every part's config
+    ("gin_config", "arm_files"),  # the config layer binds every part's config and reads arm files
     ("commands", "cli"),  # the `streamrl` command
 )
 

@@ -12,8 +12,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "streamrl_jax"
 # pipeline config.
 BUILDERS = ("pipeline/config.py", "pipeline/__init__.py", "pipeline/parts.py", "pipeline/runner.py",
             "pipeline/train_job.py", "pipeline/preflight.py", "pipeline/sampler/program.py",
-            "pipeline/trainer/program.py", "arms/program.py", "agents/program.py", "gin_config.py", "config_listing.py",
-            "cli.py", "commands/")
+            "pipeline/trainer/program.py", "arms/program.py", "agents/program.py", "gin_config.py", "arm_files.py",
+            "config_listing.py", "cli.py", "commands/")
 
 
 def _config_parameters(tree: ast.AST):

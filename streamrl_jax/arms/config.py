@@ -4,8 +4,8 @@ The run's own config is the lead arm: the samplers generate with its weights. Ea
 the same initial policy on every sample the lead receives, with its own advantage estimator, objective and
 optimizer; everything that shapes the stream (model, task, batch, sampling, rewards) is the lead's. An arm is
 written as a gin file (`streamrl ... --arms configs/arms/*.gin`), named by its file, holding only the keys it
-changes; `arms_from_configs` turns parsed files into `ArmConfig`s and refuses, naming the arm, what cannot share
-a stream. A follower trains off-policy by construction (the lead's weights sampled), so its objective should
+changes; the config layer turns parsed files into `ArmConfig`s (`arm_files.arms_from_configs`) and refuses, naming
+the arm, what cannot share a stream. A follower trains off-policy by construction (the lead's weights sampled), so its objective should
 weigh each token by the behaviour probabilities: `arm_advice` warns of one that does not.
 """
 
@@ -16,7 +16,6 @@ import re
 
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.run_shape import RunShape
-from streamrl_jax.settings import flat_settings
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 # Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
@@ -98,38 +97,3 @@ def arm_advice(arms: ArmsConfig) -> list[str]:
           f"ignores the sampler's probabilities, but a follower trains on the lead's samples (off-policy): a "
           f"correction ('token_tis', the default) weighs each token by them" for arm in arms.followers
           if not arm.objective.corrected]
-
-
-def arms_from_configs(lead, lead_job, parsed: list[tuple[str, object, object]], model_specs=None) -> tuple:
-  """`ArmConfig`s of arm files parsed over the lead's configs: `parsed` holds (name, PipelineConfig, JobConfig)
-  per file. A key outside `ARM_KEYS` set differently from the lead is refused naming the arm and the key; a model
-  of another shape or tokenizer says which. `model_specs(job)` gives (ModelConfig, tokenizer) to compare."""
-  lead_settings = stream_settings(flat_settings(lead, lead_job))
-  arms = []
-  for name, config, job in parsed:
-    if job.model != lead_job.model or job.hidden_size != lead_job.hidden_size or job.num_layers != lead_job.num_layers:
-      raise ConfigError(_model_difference(name, lead_job, job, model_specs))
-    settings = stream_settings(flat_settings(config, job))
-    for key in sorted(settings):
-      if settings[key] != lead_settings.get(key):
-        raise ConfigError(f"arm {name!r}: {key}={settings[key]} differs from the lead's ({lead_settings.get(key)}); "
-                          f"arms share one stream and may only change "
-                          f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in ARM_KEYS)}")
-    arms.append(ArmConfig(name=name, advantage=config.advantage, objective=config.trainer.objective,
-                          optimizer=config.trainer.optimizer, seed=config.seed))
-  check_arm_names(lead.arms.lead_name, arms)
-  return tuple(arms)
-
-
-def _model_difference(name: str, lead_job, job, model_specs) -> str:
-  """One line naming how an arm's model differs from the lead's (shape, tokenizer, or only its weights)."""
-  given = f"arm {name!r}: JobConfig.model={job.model!r}, the lead's {lead_job.model!r}"
-  if model_specs is not None:
-    (lead_model, lead_tok), (model, tok) = model_specs(lead_job), model_specs(job)
-    if lead_model != model:
-      diff = next(f.name for f in dataclasses.fields(model) if getattr(model, f.name) != getattr(lead_model, f.name))
-      return (f"{given}: the models differ in shape ({diff} {getattr(model, diff)} vs {getattr(lead_model, diff)}); "
-              "every arm trains a copy of the lead's initial policy")
-    if type(tok) is not type(lead_tok) or tok.vocab_size != lead_tok.vocab_size:
-      return f"{given}: the tokenizers differ; arms train on one stream of token ids, so one tokenizer"
-  return f"{given}: every arm starts from the lead's initial checkpoint; leave JobConfig.model to the lead"
