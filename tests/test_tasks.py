@@ -10,6 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from streamrl_jax.models import CharTokenizer
+from streamrl_jax.tasks.heldout import accuracy, evaluation_where, heldout_prompts
+from streamrl_jax.tasks.rows import Row, draw
 from streamrl_jax.tasks import (ArithmeticTask, CountdownTask, FileTask, PromptFile, arithmetic_reward, countdown_reward,
                                 digit_count_probabilities, numeric_answer_reward, prompt_iterator, worked_solution)
 
@@ -176,3 +178,14 @@ def test_each_built_in_tasks_row_holds_the_fields_it_lists_and_its_answer_is_rig
   assert cli.main(["tasks"]) == 0
   printed = capsys.readouterr().out
   assert all(f"{t.name}: prompt {t.prompt!r}" in printed for t in built_in_tasks())
+
+
+def test_the_held_out_evaluation_draws_its_own_prompts_and_counts_a_reward_of_one_as_correct():
+  task = ArithmeticTask(max_digits=2)
+  rng = np.random.default_rng(10_000 + 3)
+  assert heldout_prompts(task, 4, seed=3) == [draw(task, rng) for _ in range(4)]
+  training = np.random.default_rng(3)
+  assert heldout_prompts(task, 4, seed=3) != [draw(task, training) for _ in range(4)]
+  assert accuracy([0.5, 1.0, 2.0, 0.999]) == 0.5 and accuracy(np.array([1.0], np.float32)) == 1.0
+  assert evaluation_where("What is 2+3?", Row()) == "prompt 'What is 2+3?' (evaluation)"
+  assert evaluation_where("q", Row("data.jsonl row 4")) == "data.jsonl row 4 (evaluation)"

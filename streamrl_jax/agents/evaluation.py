@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 from flax import nnx
 
 from streamrl_jax.agents.program import POLICY_MODEL
@@ -15,7 +14,8 @@ from streamrl_jax.serving.app import ServedModel
 from streamrl_jax.serving.bridge import RequestBridge
 from streamrl_jax.serving.config import ServeConfig
 from streamrl_jax.serving.server import GenerationLoop
-from streamrl_jax.tasks.rows import draw, question, verifier
+from streamrl_jax.tasks.heldout import evaluation_where, heldout_prompts
+from streamrl_jax.tasks.rows import question, verifier
 
 EVAL_WAIT_S = 1.0
 
@@ -35,8 +35,7 @@ def agent_completions(model, tokenizer, task, sampler: SamplerConfig, max_new_to
                        served, bridge)
   loop = GenerationLoop(engine, bridge)
   agents = AgentRollouts(sampler.env, server, max_new_tokens)
-  rng = np.random.default_rng(10_000 + seed)
-  items = [draw(task, rng) for _ in range(prompts)]
+  items = heldout_prompts(task, prompts, seed)
   results = {}
   try:
     for i, (prompt, row) in enumerate(items):
@@ -55,6 +54,6 @@ def agent_completions(model, tokenizer, task, sampler: SamplerConfig, max_new_to
       if failure:
         out.append((prompt, f"(the agent failed: {failure})", 0.0))
         continue
-      where = f"{row.where or 'prompt ' + repr(prompt[:40])} (evaluation)"
-      out.append((prompt, text, scorer.score(question(task, prompt), text, row.fields, where).total + env_reward))
+      score = scorer.score(question(task, prompt), text, row.fields, evaluation_where(prompt, row))
+      out.append((prompt, text, score.total + env_reward))
   return out

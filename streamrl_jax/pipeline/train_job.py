@@ -40,7 +40,8 @@ from streamrl_jax.settings import flat_settings
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.envs import make_tools
 from streamrl_jax.rewards import RewardScorer
-from streamrl_jax.tasks import draw, prompt_tokens, question, verifier
+from streamrl_jax.tasks import prompt_tokens, question, verifier
+from streamrl_jax.tasks.heldout import accuracy, evaluation_where, heldout_prompts
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Trainer
 from streamrl_jax.training.checkpoint import Checkpointer
 from streamrl_jax.types import SamplingParams
@@ -92,7 +93,7 @@ def evaluate(model, tokenizer, task, config: PipelineConfig, prompts: int, seed:
     rows = greedy_completions(model, tokenizer, task, config, prompts, seed)
   if record is not None:
     record.write_text("".join(json.dumps(dict(prompt=p, completion=c, reward=r)) + "\n" for p, c, r in rows))
-  return float(np.mean(np.asarray([r for _, _, r in rows]) >= 1.0))
+  return accuracy([r for _, _, r in rows])
 
 
 def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: int, seed: int) -> list:
@@ -103,16 +104,14 @@ def greedy_completions(model, tokenizer, task, config: PipelineConfig, prompts: 
   engine = make_engine(graphdef, model.config, config.sampler.engine, mesh)
   tools = make_tools(config.sampler.env, tokenizer)
   sampler = StreamingSampler([engine], params, tools=tools)
-  rng = np.random.default_rng(10_000 + seed)
-  items = [draw(task, rng) for _ in range(prompts)]
+  items = heldout_prompts(task, prompts, seed)
   knobs = SamplingParams(temperature=0.0, max_new_tokens=config.max_new_tokens, stop_token_ids=tokenizer.stop_ids)
   ids = {sampler.submit(prompt_tokens(task, tokenizer, p), knobs)[0]: (p, row) for p, row in items}
   out = {}
   with RewardScorer(config.sampler.reward, builtin=verifier(task)) as scorer:
     for sample in sampler.stream():
       (prompt, row), text = ids[sample.request_id], tokenizer.decode(sample.tokens)
-      scorer.submit(sample.request_id, question(task, prompt), text, row.fields,
-                    f"{row.where or 'prompt ' + repr(prompt[:40])} (evaluation)")
+      scorer.submit(sample.request_id, question(task, prompt), text, row.fields, evaluation_where(prompt, row))
       out[sample.request_id] = (prompt, text, sample.env_reward)
     while scorer.pending:
       scorer.wait(1.0)
@@ -243,9 +242,9 @@ def _periodic_eval(config: PipelineConfig, model, tokenizer, heldout, job: JobCo
   lead's or an arm's: arms share `config`'s sampling settings)."""
   graphdef, _ = nnx.split(model)
 
-  def accuracy(params) -> float:
+  def held_out_accuracy(params) -> float:
     return evaluate(nnx.merge(graphdef, params), tokenizer, heldout, config, job.eval_prompts, job.seed)
-  return PeriodicEval(job.eval_every, accuracy)
+  return PeriodicEval(job.eval_every, held_out_accuracy)
 
 
 def _preflight(config: PipelineConfig, job: JobConfig, role: str):

@@ -13,6 +13,7 @@ from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups
 from streamrl_jax.phase_clock import accounted_frac
 from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
+from streamrl_jax.tasks.heldout import accuracy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ def step_row(shape: RunShape, step: int, shards: list, received: Arrivals, train
   wall = times.wall
   return dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
               reward_errors=received.errors, reward_timeouts=received.timeouts,
-              accuracy=float(np.mean(rewards >= 1.0)), samples_per_s=len(rewards) / max(wall, 1e-9),
+              accuracy=accuracy(rewards), samples_per_s=len(rewards) / max(wall, 1e-9),
               staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token
               groups_filtered=received.filtered, groups_backfilled=received.backfilled,
               prompts_leased=shape.prompts_per_step + received.backfilled, equal_reward_groups_trained=flat,
