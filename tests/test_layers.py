@@ -135,3 +135,26 @@ def test_no_function_imports_another_part():
       if lazy := imports_in_functions(path.read_text(), module.split("/")[0].removesuffix(".py")):
         found[module] = lazy
   assert found == {}
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+  """Every module `start` imports, directly or through others."""
+  seen, todo = set(), [start]
+  while todo:
+    for nxt in graph.get(todo.pop(), ()):
+      if nxt not in seen:
+        seen.add(nxt)
+        todo.append(nxt)
+  return seen
+
+
+def test_arms_stand_on_the_trainer_worker_and_nothing_below_it_knows_arms():
+  """The arms' parts (all but their program, which builds a run) reach into `pipeline/` only for the trainer
+  worker and its control protocol; nothing those import comes back to `arms/`, so the two packages meet one way."""
+  assert reachable({"a": {"b"}, "b": {"c"}, "c": set()}, "a") == {"b", "c"}
+  graph = import_graph()
+  arms = {m for m in graph if m.startswith("streamrl_jax.arms")}
+  used = {t for m in arms - {"streamrl_jax.arms.program"} for t in graph[m] if t.startswith("streamrl_jax.pipeline")}
+  assert used <= {"streamrl_jax.pipeline.trainer.worker", "streamrl_jax.pipeline.trainer.control"}, used
+  below = set().union(*(reachable(graph, m) | {m} for m in used))
+  assert not below & arms, sorted(below & arms)
