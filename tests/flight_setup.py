@@ -8,7 +8,7 @@ from streamrl_jax.streaming import SampleQueue
 from streamrl_jax.streaming.flight_client import FlightConnection, FlightSampleSender
 from streamrl_jax.streaming.flight_server import HostWeightStore, ServerLimits, TrainerFlightServer
 from streamrl_jax.tasks import ArithmeticTask
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 from tests.wire_samples import VOCAB
 
 

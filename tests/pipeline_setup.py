@@ -5,7 +5,6 @@ from flax import nnx
 from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import CharTokenizer, ModelConfig, Transformer
 from streamrl_jax.pipeline import PipelineConfig
-from streamrl_jax.pipeline.parts import controller_setup, sampler_setup  # noqa: F401  (the tests take them here)
 from streamrl_jax.pipeline.runner import run_pipeline
 from streamrl_jax.sampling import EngineConfig
 from streamrl_jax.sampling import SamplerConfig

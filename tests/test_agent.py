@@ -19,7 +19,8 @@ from streamrl_jax.models import Transformer
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.pipeline.sampler.worker import SamplerRole, SamplerWorker
 from tests.agent_programs import OBSERVATION
-from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, controller_setup, sampler_setup
+from streamrl_jax.pipeline.parts import controller_setup, sampler_setup
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask
 from tests.serving_setup import leaks
 from tests.test_inflight_pipeline import _Weights
 

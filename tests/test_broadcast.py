@@ -28,7 +28,7 @@ from streamrl_jax.streaming.weight_chunks import manifest_of, part_indices
 from streamrl_jax.streaming.weight_relay import RelayRefused, RelayServer, RelayStore
 
 from tests import shaped_links
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 from tests.weight_nodes import run_broadcast
 
 

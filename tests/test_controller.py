@@ -9,7 +9,7 @@ from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 
 
 class ScriptedRanker:

@@ -18,7 +18,7 @@ from streamrl_jax.pipeline.controller.weight_trees import WeightTrees
 from streamrl_jax.pipeline.trainer.control import FollowerControl, TrainerControl
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.tasks import ArithmeticTask
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
 FILTERED = dataclasses.replace(CONFIG, controller=dataclasses.replace(CONFIG.controller, dynamic_sampling=True,

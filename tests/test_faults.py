@@ -26,7 +26,7 @@ from streamrl_jax.pipeline.controller.config import ControllerConfig
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 from tests.processes import FAULTS, TIMEOUT_S, Programs, alive, check_each_step_once
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)

@@ -19,8 +19,8 @@ from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups as _equal_reward_groups
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.run_hooks import RunHooks
-from streamrl_jax.pipeline.parts import trainer_setup
-from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, controller_setup, run, sampler_setup
+from streamrl_jax.pipeline.parts import controller_setup, sampler_setup, trainer_setup
+from tests.pipeline_setup import BASE, MODEL, TOKENIZER, DigitTask, run
 from tests.wire_samples import group_shard
 
 

@@ -26,7 +26,7 @@ from streamrl_jax.streaming.sample_schema import (BadSampleBatch, SampleEnvelope
                                                   batch_to_shard, shard_to_batch)
 from streamrl_jax.tasks import ArithmeticTask
 from tests.flight_setup import SETTINGS, leased_sender, serving
-from tests.pipeline_setup import controller_setup
+from streamrl_jax.pipeline.parts import controller_setup
 from tests.wire_samples import VOCAB, _replace_column, group_shard
 
 LIMITS = WireLimits(VOCAB, max_tokens=24, max_rows=8)
