@@ -90,7 +90,7 @@ def run(name: str, config, job, warm: Path, root: Path) -> dict:
 
 def main() -> dict:
   from streamrl_jax.models import save_hf
-  from streamrl_jax.pipeline.train_job import supervised_warmup
+  from streamrl_jax.job.warmup import supervised_warmup
 
   config, job, with_arms = configs()
   model, tokenizer, _ = job.load_model()

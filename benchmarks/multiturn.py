@@ -48,7 +48,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")  
 def configs():
   from streamrl_jax.pipeline.config import PipelineConfig
   from streamrl_jax.envs import EnvConfig
-  from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.job.config import JobConfig
   from streamrl_jax.tasks.config import TaskConfig
   from streamrl_jax.sampling.engine import EngineConfig
   from streamrl_jax.sampling.config import SamplerConfig

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.models import CharTokenizer  # noqa: E402
 from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
-from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
+from streamrl_jax.job.warmup import supervised_warmup  # noqa: E402
 from streamrl_jax.models import Transformer  # noqa: E402
 from flax import nnx  # noqa: E402
 

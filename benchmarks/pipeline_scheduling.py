@@ -27,7 +27,7 @@ from flax import nnx  # noqa: E402
 from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
 from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
-from streamrl_jax.pipeline.train_job import supervised_warmup  # noqa: E402
+from streamrl_jax.job.warmup import supervised_warmup  # noqa: E402
 from streamrl_jax.scheduling import SchedulingConfig  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -44,7 +44,7 @@ from streamrl_jax import gin_config
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer, save_hf
 from streamrl_jax.models.precision import PRECISIONS, SamplerPrecision, decode, encode, landing, wire_bytes
-from streamrl_jax.pipeline.train_job import supervised_warmup
+from streamrl_jax.job.warmup import supervised_warmup
 from streamrl_jax.pytrees import flatten_with_names, unflatten_like
 from streamrl_jax.sampling import StreamingSampler, make_engine
 from streamrl_jax.streaming.flight_client import FlightConnection, fetch_weights
@@ -146,7 +146,7 @@ def mismatch(model, tokenizer, task, engine_config, max_new: int, prompts: int =
     ids, valid, mu, mask = (np.zeros((len(samples), width), d) for d in (np.int32, bool, np.float32, bool))
     for row, s in enumerate(samples):
       p, c = len(s.prompt_tokens), s.num_tokens
-      ids[row, :p + c] = list(s.prompt_tokens) + list(s.tokens)
+      ids[row, :p + c] = list(s.prompt_tokens) + list(s.completion_tokens)
       valid[row, :p + c], mask[row, p:p + c], mu[row, p:p + c] = True, True, s.logprobs
     pi = np.asarray(forward(params, jnp.asarray(ids), jnp.asarray(valid)))
     d = (pi - mu)[mask]

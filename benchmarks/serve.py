@@ -133,7 +133,7 @@ def serving_figures() -> dict:
         seconds, tokens, ids = asyncio.run(served(server.base_url, chats))
       finally:
         loop.stop()
-      exact &= sorted(map(tuple, ids)) == sorted(tuple(s.tokens.tolist()) for s in samples)
+      exact &= sorted(map(tuple, ids)) == sorted(tuple(s.completion_tokens.tolist()) for s in samples)
       if round_:
         rates["served"].append(tokens / seconds)
       print(f"round {round_}: in process {rates['inprocess'][-1:]}, served {rates['served'][-1:]} tokens/s",

@@ -144,7 +144,7 @@ class Peaks:
 def model_shapes():
   """The product shapes of the model the runs train: SmolLM2-135M's, or the demo decoder's in a quick run."""
   from streamrl_jax.models.dtype_probe import ProductShapes
-  from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.job.config import JobConfig
 
   if QUICK:
     from streamrl_jax.models import CharTokenizer

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from streamrl_jax.arms.config import ARM_KEYS, ArmConfig, check_arm_names, stream_settings
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline.config import PipelineConfig
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.settings import flat_settings
 
 

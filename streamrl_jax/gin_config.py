@@ -29,7 +29,7 @@ from streamrl_jax.models.hub import parse_hub_id, pinned
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig

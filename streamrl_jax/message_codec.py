@@ -1,6 +1,7 @@
 """The JSON codec of the control messages (`messages`): `{"@type": name, ...fields}` on the wire; decoding checks the
 type name, the field names, each field's type and its bounds (`LIMITS`), and raises `BadMessage` naming the first
-problem. No pickle. A message is at most `MAX_MESSAGE_BYTES`; every number finite and within 64 bits."""
+problem. No pickle. A message is at most `MAX_MESSAGE_BYTES`; every number finite and within 64 bits. Only a field
+annotated `X | None` may be null (JSON `null` is None, e.g. `Rollout.loss_mask`: every token the model's)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ LIMITS = {
     "StepReport.template_prefix_mismatch": (0, 1 << 40), "StepSummary.template_prefix_mismatch": (0, 1 << 40),
     "Registered.heartbeat_s": (0.0, 1e6), "Registered.data_endpoints": 256,
     "Delivery.group_ids": (0, 1 << 62), "Delivery.lengths": (0.0, 1e9), "DeliveryStatus.status": 16,
-    "DeliveryStatus.reason": 600, "Rollout.tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
+    "DeliveryStatus.reason": 600, "Rollout.completion_tokens": (0, (1 << 31) - 1), "Rollout.logprobs": (-1000.0, 1e-3),
     "Rollout.versions": (0, 1 << 62), "Rollout.sample_index": (0, 1 << 20), "Rollout.group_id": (0, 1 << 62),
     "Lease.prompt_tokens": (0, (1 << 31) - 1),
     "Published.version": (-1, 1 << 62), "StepTrained.step": (0, 1 << 62), "StepTrained.train_s": (0.0, 1e7),
@@ -106,7 +107,7 @@ def _from_json(obj, where: str):
 
 
 def _check_limit(value, limit, where: str) -> None:
-  if limit is None:
+  if limit is None or value is None:  # None: an optional field left out (its type was checked)
     return
   if isinstance(value, tuple):
     for i, v in enumerate(value):

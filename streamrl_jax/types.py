@@ -41,26 +41,27 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-  """One sample's generation as it travels: its tokens so far (or all of them, `finished`), each with its
-  log-probability, the policy version that sampled it and whether the model wrote it (`loss_mask`; empty: every
-  token the model's). The one record of a rollout between the driver, the wire and back: handed over by a
-  sampler that leaves, resumed after its last token by the next, or (finished) scored as it is."""
+  """One sample's generation as it travels: its completion's tokens so far (or all of them, `finished`; never the
+  prompt), each with its log-probability, the policy version that sampled it and whether the model wrote it
+  (`loss_mask`; None: every token the model's). The one record of a rollout between the driver, the wire and back:
+  handed over by a sampler that leaves, resumed after its last token by the next, or (finished) scored as it is."""
 
   group_id: int
   sample_index: int
-  tokens: tuple[int, ...]
-  logprobs: tuple[float, ...]
-  versions: tuple[int, ...]
-  loss_mask: tuple[bool, ...] = ()
+  completion_tokens: tuple[int, ...]  # the completion's token ids so far (the prompt is not here)
+  logprobs: tuple[float, ...]  # one per completion token, under the distribution it was sampled from
+  versions: tuple[int, ...]  # one per completion token: the policy version that sampled it
+  loss_mask: tuple[bool, ...] | None = None  # one per completion token, False: an environment's; None: all True
   finished: bool = False
 
   def __post_init__(self):
-    if not len(self.tokens) == len(self.logprobs) == len(self.versions):
-      raise ValueError(f"Rollout of group {self.group_id}: {len(self.tokens)} tokens, {len(self.logprobs)} "
+    n = len(self.completion_tokens)
+    if not n == len(self.logprobs) == len(self.versions):
+      raise ValueError(f"Rollout of group {self.group_id}: {n} completion tokens, {len(self.logprobs)} "
                        f"log-probabilities and {len(self.versions)} versions; one of each per token")
-    if self.loss_mask and len(self.loss_mask) != len(self.tokens):
-      raise ValueError(f"Rollout of group {self.group_id}: {len(self.loss_mask)} loss-mask entries for "
-                       f"{len(self.tokens)} tokens")
+    if self.loss_mask is not None and len(self.loss_mask) != n:
+      raise ValueError(f"Rollout of group {self.group_id}: {len(self.loss_mask)} loss-mask entries for {n} "
+                       "completion tokens (one per token; None: every token the model's)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +79,16 @@ class Request:
 
 @dataclasses.dataclass(frozen=True)
 class Sample:
-  """A finished generation, emitted the moment its last token is sampled."""
+  """A finished generation, emitted the moment its last token is sampled. `completion_tokens` and the per-token
+  fields (logprobs, versions, loss_mask) are the completion's only; the prompt's ids are `prompt_tokens`."""
 
   request_id: int
   group_id: int
   sample_index: int
   prompt_tokens: np.ndarray  # int32 [prompt_len]
-  tokens: np.ndarray  # int32 [n]: the completion's token ids
+  completion_tokens: np.ndarray  # int32 [n]: the completion's token ids (the prompt's are `prompt_tokens`)
   logprobs: np.ndarray  # float32 [n], under the sampling distribution used for each token
-  versions: np.ndarray  # int32 [n]: the policy version that sampled each token
+  versions: np.ndarray  # int64 [n]: the policy version that sampled each token
   finish_reason: str
   first_version: int  # the oldest policy version among its tokens' (the first token's, unless handed over)
   last_version: int  # ... and the newest
@@ -102,21 +104,21 @@ class Sample:
 
   @property
   def num_tokens(self) -> int:
-    return len(self.tokens)
+    return len(self.completion_tokens)
 
   def rollout(self) -> Rollout:
     """This sample as a finished `Rollout` (to hand over with its group)."""
-    mask = () if self.loss_mask is None else tuple(bool(m) for m in self.loss_mask)
-    return Rollout(self.group_id, self.sample_index, tuple(self.tokens.tolist()),
+    mask = None if self.loss_mask is None else tuple(bool(m) for m in self.loss_mask)
+    return Rollout(self.group_id, self.sample_index, tuple(self.completion_tokens.tolist()),
                    tuple(self.logprobs.tolist()), tuple(self.versions.tolist()), mask, finished=True)
 
   @classmethod
   def of_rollout(cls, rollout: Rollout, prompt_tokens, stop_ids) -> Sample:
     """A finished rollout handed over by another sampler, as a sample (its timings were not measured here)."""
-    reason = FINISH_STOP if rollout.tokens[-1] in stop_ids else FINISH_LENGTH
+    reason = FINISH_STOP if rollout.completion_tokens[-1] in stop_ids else FINISH_LENGTH
     return cls(request_id=-1, group_id=rollout.group_id, sample_index=rollout.sample_index,
                prompt_tokens=np.asarray(prompt_tokens, np.int32),
-               tokens=np.asarray(rollout.tokens, np.int32),
-               logprobs=np.asarray(rollout.logprobs, np.float32), versions=np.asarray(rollout.versions, np.int32),
+               completion_tokens=np.asarray(rollout.completion_tokens, np.int32),
+               logprobs=np.asarray(rollout.logprobs, np.float32), versions=np.asarray(rollout.versions, np.int64),
                finish_reason=reason, first_version=min(rollout.versions), last_version=max(rollout.versions),
-               loss_mask=np.asarray(rollout.loss_mask, bool) if rollout.loss_mask else None)
+               loss_mask=None if rollout.loss_mask is None else np.asarray(rollout.loss_mask, bool))

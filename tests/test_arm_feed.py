@@ -13,7 +13,7 @@ from streamrl_jax.arms.config import ArmConfig, arm_advice, check_arm_names
 from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline import PipelineConfig
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 from tests.wire_samples import group_shard

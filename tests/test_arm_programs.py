@@ -18,7 +18,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.arms.config import ArmsConfig
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.sampler.program import SamplerEndpoint, run_sampler
@@ -56,13 +56,15 @@ def test_a_follower_program_restarts_from_its_checkpoint_and_trains_each_sample_
   task, settings = DigitTask(max_digits=3), flat_settings(CONFIG, JOB)
   workdir, errors, outcomes = tmp_path / "arms" / "rloo", [], {}
   fail = {"at": 2}
-  real_row = follower_program.arm_row
+  real_parts = follower_program.arm_parts
 
-  def failing_row(row, name, source):  # the first follower program dies writing its step 2
-    if row["step"] == fail["at"]:
-      raise RuntimeError("injected: the follower dies")
-    return real_row(row, name, source)
-  monkeypatch.setattr(follower_program, "arm_row", failing_row)
+  def failing_parts(name, source, periodic, params):  # the first follower program dies writing its step 2
+    def dying(row):
+      if row["step"] == fail["at"]:
+        raise RuntimeError("injected: the follower dies")
+      return {}
+    return (dying, *real_parts(name, source, periodic, params))
+  monkeypatch.setattr(follower_program, "arm_parts", failing_parts)
 
   def follow(**kwargs):
     return follower_program.follow_lead(CONFIG, JOB, "rloo", devices=jax.devices()[6:8], flight_config=FAST,

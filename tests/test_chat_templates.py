@@ -299,7 +299,8 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
   sampler and evaluation use are transformers' ids for the same question, and evaluation stops on every stop id."""
   import numpy as np
 
-  from streamrl_jax.pipeline import train_job
+  from streamrl_jax.job import evaluation
+  from streamrl_jax.job.config import JobConfig
   from streamrl_jax.pipeline.config import PipelineConfig
   from streamrl_jax.tasks import draw, prompt_tokens, question
   from tests.gguf_files import write_gguf
@@ -321,9 +322,9 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
     def stream(self):
       return iter(())
 
-  monkeypatch.setattr(train_job, "StreamingSampler", Recorder)
+  monkeypatch.setattr(evaluation, "StreamingSampler", Recorder)
   for chat in (False, True):
-    job = train_job.JobConfig(model=str(gguf), task=TaskConfig(name="file", prompt_file=str(rows), chat=chat,
+    job = JobConfig(model=str(gguf), task=TaskConfig(name="file", prompt_file=str(rows), chat=chat,
                                                                system_prompt="Be brief." if chat else ""))
     model, tokenizer, _ = job.load_model()
     theirs = _theirs(job.model_path())
@@ -338,7 +339,8 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
       assert ids[0] == 1 and ids[1] != 1  # one BOS (<|im_start|>): the post-processor's, or the template's
       expected.append(ids)
     submitted.clear()
-    train_job.greedy_completions(model, tokenizer, task, PipelineConfig(), 2, seed=0)
+    run = PipelineConfig()
+    evaluation.greedy_completions(model, tokenizer, task, run.sampler, run.max_new_tokens, 2, seed=0)
     assert [ids for ids, _ in submitted] == expected
     assert all(stops == tokenizer.stop_ids for _, stops in submitted)
 

@@ -13,7 +13,7 @@ import pytest
 from streamrl_jax import cli, gin_config
 from streamrl_jax.config_listing import field_help
 from streamrl_jax.config_types import ConfigError, checked, type_name
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.scheduling import SchedulingConfig
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.sim.preset_names import PRESETS

@@ -11,7 +11,7 @@ from streamrl_jax.models import dtype_probe
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.dtype_probe import PROBE_ENV, ProductShapes, choose_compute_dtype
 from streamrl_jax.pipeline import PipelineConfig
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.sampling.config import SamplerConfig
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,

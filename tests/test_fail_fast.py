@@ -13,7 +13,7 @@ import pytest
 from streamrl_jax import cli, gin_config
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.pipeline import preflight
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from tests.checkpoints import word_checkpoint
 
 COMPILE_EVENTS = []

@@ -15,7 +15,7 @@ from streamrl_jax import cli
 from streamrl_jax.models import load_hf, load_tokenizer
 from streamrl_jax.models.catalog import base_model_id, resolve_model
 from streamrl_jax.models.hub import HubError, hub_dataset, parse_hub_id
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.tasks.files import PromptFile
 from tests.checkpoints import hub_layout, word_checkpoint, write_parquet

@@ -36,10 +36,10 @@ def setup(hf_dirs, request):
 
 def token_logprobs(graphdef, params, sample) -> np.ndarray:
   """log pi(token) of each completion token under `params`, from one full forward."""
-  full = np.concatenate([sample.prompt_tokens, sample.tokens])
+  full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
   logp = jax.nn.log_softmax(nnx.merge(graphdef, params)(jnp.asarray(full[None, :-1]))[0])
   n = len(sample.prompt_tokens)
-  return np.asarray(logp[n - 1:])[np.arange(sample.num_tokens), sample.tokens]
+  return np.asarray(logp[n - 1:])[np.arange(sample.num_tokens), sample.completion_tokens]
 
 
 def run_with_update(engine, params, new_params, *, recompute: bool, sampling=SAMPLED, before: int = 6):
@@ -78,7 +78,7 @@ def test_kept_cache_continues_without_prefill_and_differs_from_recompute_after_t
   assert kept_sampler.counters["recomputed"] == 0
   for a, b in zip(kept, recomputed):
     np.testing.assert_array_equal(a.versions, b.versions)
-    np.testing.assert_array_equal(a.tokens[:7], b.tokens[:7])
+    np.testing.assert_array_equal(a.completion_tokens[:7], b.completion_tokens[:7])
     np.testing.assert_allclose(a.logprobs[:7], token_logprobs(graphdef, params, a)[:7], atol=2e-5)
     # the first token after the update attends over the old cache: not the new weights' own forward
     assert abs(a.logprobs[7] - token_logprobs(graphdef, new, a)[7]) > 1e-4
@@ -99,14 +99,14 @@ def test_a_partial_rollout_resumed_elsewhere_equals_one_never_interrupted(setup,
   for _ in range(12):
     assert not first.step()
   handed = first.in_flight_progress()
-  assert [len(p.tokens) for _, p in handed] == [13, 13]
+  assert [len(p.completion_tokens) for _, p in handed] == [13, 13]
   second = StreamingSampler([engine], params, seed=9)  # another sampler: no state shared but the weights
   for request, progress in handed:
     second.submit(request.prompt_tokens, request.params, group_id=request.group_id, progress=progress)
   assert second.counters["resumed_partial"] == 2
   resumed = {s.group_id: s for s in second.stream()}
   for g in whole:
-    np.testing.assert_array_equal(resumed[g].tokens, whole[g].tokens)
+    np.testing.assert_array_equal(resumed[g].completion_tokens, whole[g].completion_tokens)
     np.testing.assert_allclose(resumed[g].logprobs, whole[g].logprobs, atol=2e-5)
 
 

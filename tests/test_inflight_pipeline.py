@@ -227,6 +227,7 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   so in a warning line and its metrics row, and the next step trains as usual."""
   from streamrl_jax.meshes import MeshShape, mesh_from_devices
   from streamrl_jax.pipeline.trainer.worker import TrainerWorker
+  from streamrl_jax.records.metric_table import join_row
   config = dataclasses.replace(BASE, mode=mode, steps=2).resolved("float32")
   graphdef, params = nnx.split(Transformer(MODEL, rngs=nnx.Rngs(0)))
   worker = TrainerWorker(trainer_setup(config), graphdef, params,
@@ -241,14 +242,15 @@ def test_a_step_whose_samples_hold_no_token_to_train_is_counted_and_skipped(mode
   before = jax.device_get(worker.state.params)
   control, weights = _StepControl(), _Publisher()
   arriving = [group(0, g, empty=True) for g in range(4)]
-  row, _ = worker._train_step(0, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)
+  parts, _ = worker._train_step(0, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)
+  row = join_row(parts)  # the step's row as `_finish_step` joins it
   assert "warning: step 1: its 16 samples hold no token to train" in capsys.readouterr().err
   assert row["empty_step"] == 1.0 and row["update_skipped"] == 1.0 and worker.counters["empty_steps"] == 1
   assert all(np.isfinite(v) for v in row.values() if isinstance(v, float)) and row["staleness_max"] == 0
   assert int(worker.state.step) == 0 and not worker.batcher.pending_rows and weights.versions == [1]
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(worker.state.params), before)
   arriving = [group(1, g, empty=g == 4) for g in range(4, 8)]  # the next step trains, its empty group adds nothing
-  row, _ = worker._train_step(1, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)
+  row = join_row(worker._train_step(1, control, lambda timeout: arriving.pop(0), weights, lambda: 0.0, 0.0)[0])
   assert row["empty_step"] == 0.0 and "update_skipped" not in row and int(worker.state.step) == 1
   assert row["tokens"] == sum(int(group(1, g, g == 4).loss_mask.sum()) for g in range(4, 8))
   assert worker.counters["empty_steps"] == 1

@@ -227,7 +227,7 @@ def test_separate_programs_sync_adapters_over_flight(tmp_path):
   """`streamrl launch local` with LoRA, started from a PEFT adapter (`LoraConfig.init_from`): the sampler program
   loads the base itself, every version over Flight is the adapters' bytes, and the run leaves a PEFT adapter (the
   initial one moved by at most Adam's steps) whose merge into the base is its final model."""
-  from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.job.config import JobConfig
 
   from tests.processes import finish, launch, write_config
 
@@ -259,7 +259,7 @@ def test_separate_programs_sync_adapters_over_flight(tmp_path):
 
 def test_lora_across_processes_refuses_a_warmed_demo_base():
   from streamrl_jax.commands.roles import check_lora_base
-  from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.job.config import JobConfig
 
   with pytest.raises(ConfigError, match="set JobConfig.warmup_steps = 0"):
     check_lora_base(dataclasses.replace(PIPELINE, trainer=dataclasses.replace(PIPELINE.trainer, lora=ALL)),

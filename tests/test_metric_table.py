@@ -75,3 +75,23 @@ def test_docs_show_the_generated_table():
   text = (ROOT / "docs" / "metrics.md").read_text()
   assert metric_table.markdown() in text, "docs/metrics.md: regenerate the table with " \
                                           "`python -m streamrl_jax.records.metric_table`"
+
+
+def test_a_row_is_joined_from_parts_each_writing_only_its_own_keys(monkeypatch):
+  """`join_row`: a new row from each part's keys; another part's key, a key twice, an unlisted key are refused."""
+  from streamrl_jax.records.metric_table import ARMS, EVALUATION, STEP, UPDATE, join_row, owner_of
+
+  monkeypatch.setenv(metric_table.STRICT_ENV, "1")
+  base = join_row({STEP: {"step": 3, "trainer_s/optimizer": 0.5}, UPDATE: {"loss": 1.0}})
+  assert base == {"step": 3, "trainer_s/optimizer": 0.5, "loss": 1.0}
+  row = join_row({ARMS: {"arm": "b"}, EVALUATION: {"heldout_accuracy": 0.25}}, base)
+  assert row == {**base, "arm": "b", "heldout_accuracy": 0.25} and "arm" not in base  # base untouched
+  assert owner_of("reward/task") == STEP and owner_of("is_ratio_q50") == UPDATE and owner_of("nope") is None
+  with pytest.raises(ValueError, match="'loss' is the update's .* but the arms wrote it"):
+    join_row({ARMS: {"loss": 2.0}}, base)
+  with pytest.raises(ValueError, match="'step' was written twice"):
+    join_row({STEP: {"step": 4}}, base)
+  with pytest.raises(ValueError, match="'not_a_metric' .* is not in"):
+    join_row({STEP: {"not_a_metric": 1}})
+  monkeypatch.setenv(metric_table.STRICT_ENV, "0")
+  assert join_row({ARMS: {"loss": 2.0}}, base)["loss"] == 2.0  # logged, not fatal, outside the suite

@@ -97,12 +97,12 @@ def test_a_row_extended_in_flight_decodes_as_one_prefilled_with_the_whole_histor
   prompt = TOKENIZER.encode("12*34=")
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
   plain, _ = run_episode(engine, params, prompt, greedy)
-  tokens = plain.tokens.tolist()
+  tokens = plain.completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])  # a token first seen at i >= 2
   observation = TOKENIZER.encode("408")
   tools = FixedTools(tokens[j], observation)
   extended, sampler = run_episode(engine, params, prompt, greedy, tools)
-  got = extended.tokens.tolist()
+  got = extended.completion_tokens.tolist()
   assert got[:j + 1] == tokens[:j + 1] and got[j + 1:j + 4] == observation and sampler.counters["extend_calls"] == 1
   assert extended.loss_mask.tolist() == [True] * (j + 1) + [False] * 3 + [True] * (len(got) - j - 4)
   assert extended.logprobs[j + 1:j + 4].tolist() == [0.0] * 3
@@ -110,7 +110,7 @@ def test_a_row_extended_in_flight_decodes_as_one_prefilled_with_the_whole_histor
   reference, _ = run_episode(engine, params, np.asarray(prompt + got[:j + 4]),
                       dict(greedy, max_new_tokens=len(got) - j - 4, stop_token_ids=(TOKENIZER.eos_id, tokens[j])))
   after = got[j + 4:]
-  assert reference.tokens.tolist()[:len(after)] == after and len(after) >= 1
+  assert reference.completion_tokens.tolist()[:len(after)] == after and len(after) >= 1
 
 
 def test_an_episode_replays_identically_from_its_seed(engine_and_params):
@@ -123,7 +123,7 @@ def test_an_episode_replays_identically_from_its_seed(engine_and_params):
       sampler = StreamingSampler([engine], params, tools=runner, seed=11)
       for g in range(6):
         sampler.submit(TOKENIZER.encode(f"{g}3*4{g}="), SamplingParams(**knobs), group_id=g)
-      runs.append({s.group_id: (s.tokens.tolist(), None if s.loss_mask is None else s.loss_mask.tolist(),
+      runs.append({s.group_id: (s.completion_tokens.tolist(), None if s.loss_mask is None else s.loss_mask.tolist(),
                                 s.finish_reason) for s in sampler.stream()})
       assert sampler.counters["tool_calls"] >= 1, "the random model made no call: pick another seed"
     assert runs[0] == runs[1]
@@ -134,27 +134,27 @@ def test_an_episode_replays_identically_from_its_seed(engine_and_params):
 def test_a_row_waiting_on_a_tool_never_holds_up_the_other_rows(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
-  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].tokens.tolist()
+  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
   tools = HeldTools(a[j], TOKENIZER.encode("408"))
   sampler = StreamingSampler([engine], params, tools=tools)
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=0)
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
   finished = steps_until(sampler, [], lambda done: done)  # the call stays unanswered: b decodes to its end
-  assert [s.group_id for s in finished] == [1] and finished[0].tokens.tolist() == b
+  assert [s.group_id for s in finished] == [1] and finished[0].completion_tokens.tolist() == b
   assert len(tools.calls) == 1 and sampler.num_in_flight == 1  # row a, paused on its call
   tools.release()
   finished = steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
-  assert finished[1].tokens.tolist()[:j + 4] == a[:j + 1] + TOKENIZER.encode("408")
+  assert finished[1].completion_tokens.tolist()[:j + 4] == a[:j + 1] + TOKENIZER.encode("408")
 
 
 # ---- masks in samples and in the gradient ----------------------------------------------------------
 def test_tool_tokens_carry_loss_mask_zero_into_the_shard(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   sample, _ = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))
   shard = samples_to_shard([sample], [Score(1.0, (1.0,))], width=40, step=0)
@@ -218,8 +218,8 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   one = make_engine(engine.graphdef, MODEL, dataclasses.replace(engine.config, num_slots=1, kv_pages=16),
                     single_device_mesh())
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
-  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].tokens.tolist()
+  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
   unparked = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(a[j], [5, 6, 7]))[0]
   tools = HeldTools(a[j], [5, 6, 7])
@@ -228,11 +228,11 @@ def test_a_parked_row_gives_its_slot_to_a_queued_request_and_comes_back_the_same
   sampler.submit(TOKENIZER.encode("5*6="), SamplingParams(**greedy), group_id=1)
   finished = steps_until(sampler, [], lambda done: done)
   assert sampler.counters["parked"] == 1 and [s.group_id for s in finished] == [1]
-  assert finished[0].tokens.tolist() == b
+  assert finished[0].completion_tokens.tolist() == b
   tools.release()
   finished = steps_until(sampler, finished, lambda done: not sampler.has_work())
   assert [s.group_id for s in finished] == [1, 0]
-  assert finished[1].tokens.tolist() == unparked.tokens.tolist()
+  assert finished[1].completion_tokens.tolist() == unparked.completion_tokens.tolist()
   assert finished[1].loss_mask.tolist() == unparked.loss_mask.tolist()
 
 
@@ -278,7 +278,7 @@ class _Raising:
 def test_a_failing_environment_ends_its_episode_not_the_sampler(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   runner = ToolRunner(_Raising(), TOKENIZER)
   runner.stop_ids = (tokens[j],)
@@ -286,7 +286,7 @@ def test_a_failing_environment_ends_its_episode_not_the_sampler(engine_and_param
     sample, sampler = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, runner)
   finally:
     runner.close()
-  assert sample.finish_reason == "turns" and sample.tokens.tolist() == tokens[:j + 1]
+  assert sample.finish_reason == "turns" and sample.completion_tokens.tolist() == tokens[:j + 1]
   assert sampler.counters["tool_calls"] == 1
 
 
@@ -294,14 +294,14 @@ def test_a_handed_over_rollout_starts_its_episode_on_the_new_sampler(engine_and_
   from streamrl_jax.types import Rollout
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   whole = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))[0]
   sampler = StreamingSampler([engine], params, tools=FixedTools(tokens[j], [5, 6]))
   sampler.submit(TOKENIZER.encode("12*34="), SamplingParams(**greedy), group_id=7,
                  progress=Rollout(7, 0, tuple(tokens[:2]), tuple(whole.logprobs[:2].tolist()), (0, 0)))
   (resumed,) = list(sampler.stream())
-  assert resumed.tokens.tolist() == whole.tokens.tolist()
+  assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
   assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
 
 

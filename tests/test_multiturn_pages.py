@@ -60,13 +60,13 @@ class _RefusingOnce:
 def test_a_row_refused_room_for_its_tool_tokens_resumes_to_the_same_episode(engine_and_params):
   engine, params = engine_and_params
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=24, stop_token_ids=(TOKENIZER.eos_id,))
-  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
+  tokens = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(tokens)) if tokens[i] not in tokens[:i])
   whole = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))[0]
   refusing = _RefusingOnce(engine)
   resumed, sampler = run_episode(refusing, params, TOKENIZER.encode("12*34="), greedy, FixedTools(tokens[j], [5, 6]))
   assert refusing.refusals == 1 and sampler.counters["preempted"] == 1
-  assert resumed.tokens.tolist() == whole.tokens.tolist()
+  assert resumed.completion_tokens.tolist() == whole.completion_tokens.tolist()
   assert resumed.loss_mask.tolist() == whole.loss_mask.tolist()
   np.testing.assert_allclose(resumed.logprobs, whole.logprobs, atol=1e-5)
 
@@ -87,8 +87,8 @@ def test_an_episode_ending_while_parked_gives_its_memory_back(engine_and_params)
   engine, params = engine_and_params
   one = _paged(engine, num_slots=1, kv_pages=16)
   greedy = dict(temperature=1.0, top_k=1, max_new_tokens=20, stop_token_ids=(TOKENIZER.eos_id,))
-  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].tokens.tolist()
-  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].tokens.tolist()
+  a = run_episode(engine, params, TOKENIZER.encode("12*34="), greedy)[0].completion_tokens.tolist()
+  b = run_episode(engine, params, TOKENIZER.encode("5*6="), greedy)[0].completion_tokens.tolist()
   j = next(i for i in range(2, len(a)) if a[i] not in a[:i] and a[i] not in b)
   tools = _HeldEnding(a[j], [])
   sampler = StreamingSampler([one], params, tools=tools)

@@ -49,7 +49,7 @@ def generate_all(engine, params, requests=REQUESTS):
 
 def assert_same_samples(paged: dict, contiguous: dict) -> None:
   for rid, sample in contiguous.items():
-    np.testing.assert_array_equal(paged[rid].tokens, sample.tokens, err_msg=f"request {rid}")
+    np.testing.assert_array_equal(paged[rid].completion_tokens, sample.completion_tokens, err_msg=f"request {rid}")
     np.testing.assert_allclose(paged[rid].logprobs, sample.logprobs, atol=2e-4, err_msg=f"request {rid}")
 
 
@@ -72,7 +72,7 @@ def test_paged_greedy_equals_contiguous_with_shared_prompts_and_mixed_lengths(mo
   engine = make_engine(graphdef, MODEL, PAGED, mesh)
   paged, sampler = generate_all(engine, params)
   assert_same_samples(paged, contiguous)
-  assert [len(paged[r].tokens) for r in sorted(paged)] == [n for _, n in REQUESTS]
+  assert [len(paged[r].completion_tokens) for r in sorted(paged)] == [n for _, n in REQUESTS]
   assert engine.counters["preempted"] == 0 and pool_is_empty(sampler)
 
 
@@ -93,7 +93,7 @@ def test_a_group_prompt_is_prefilled_once_and_its_pages_shared(model_parts):
   contiguous = StreamingSampler([make_engine(graphdef, MODEL, CONTIGUOUS, mesh)], params)
   contiguous.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=6, num_samples=4), group_id=7)
   for s in contiguous.stream():  # the same keys: the same samples as four separate prefills
-    np.testing.assert_array_equal(samples[s.sample_index].tokens, s.tokens)
+    np.testing.assert_array_equal(samples[s.sample_index].completion_tokens, s.completion_tokens)
   assert pool_is_empty(sampler) and len(group) == 4
 
 
@@ -146,7 +146,7 @@ def test_the_prefix_cache_serves_a_group_across_calls_but_never_across_weight_ve
   contiguous = StreamingSampler([make_engine(graphdef, MODEL, CONTIGUOUS, mesh)], params)
   contiguous.submit(prompt, SamplingParams(temperature=1.0, max_new_tokens=5, num_samples=4), group_id=1)
   for s in contiguous.stream():  # the cached prompt gives the samples four separate prefills give
-    np.testing.assert_array_equal({**first, **later}[s.sample_index].tokens, s.tokens)
+    np.testing.assert_array_equal({**first, **later}[s.sample_index].completion_tokens, s.completion_tokens)
   other = jax.tree.map(lambda x: x * 1.5, params)
   sampler.update_params(other, version=1)
   sampler.submit(prompt, knobs, group_id=2)

@@ -9,7 +9,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, Transformer
-from streamrl_jax.pipeline.job_config import JobConfig
+from streamrl_jax.job.config import JobConfig
 from streamrl_jax.models.precision import (SamplerPrecision, channel_axes, decode, encode, landing, to_wire,
                                            wire_bytes)
 from streamrl_jax.pytrees import flatten_with_names

@@ -54,7 +54,7 @@ def test_both_engines_record_the_routes_a_full_forward_chooses(layout):
   samples = sample_all(graphdef, params, CONFIG, layout)
   trace = jax.jit(lambda p, t: nnx.merge(graphdef, p).hidden_and_routing(t)[1].experts)
   for s in samples:
-    tokens = np.concatenate([s.prompt_tokens, s.tokens])
+    tokens = np.concatenate([s.prompt_tokens, s.completion_tokens])
     assert s.routes.shape == (len(tokens), 2, 2) and s.routes.dtype == np.int16
     assert not s.routes[-1].any() and (s.routes[:-1] > 0).all()  # the last token: no step read it
     own = np.sort(np.asarray(trace(params, jnp.asarray(tokens[None])))[0], axis=-1)

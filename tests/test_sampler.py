@@ -47,7 +47,7 @@ def test_greedy_matches_argmax_loop_and_transformers(setup):
       tokens[0, n] = int(jnp.argmax(forward(state, tokens)[0, n - 1]))
     with torch.no_grad():
       ref = hf_model.generate(torch.tensor([prompt]), max_new_tokens=32, min_new_tokens=32, do_sample=False)
-    got = samples[request_id].tokens
+    got = samples[request_id].completion_tokens
     np.testing.assert_array_equal(got, tokens[0, len(prompt):])
     np.testing.assert_array_equal(got, ref[0, len(prompt):].numpy())
     assert samples[request_id].finish_reason == "length"
@@ -61,10 +61,10 @@ def test_logprobs_equal_full_forward_log_softmax(setup):
   samples = run_all(sampler)
   assert max(s.num_tokens for s in samples.values()) == 60
   for sample in samples.values():
-    full = np.concatenate([sample.prompt_tokens, sample.tokens])
+    full = np.concatenate([sample.prompt_tokens, sample.completion_tokens])
     logp = jax.nn.log_softmax(model(jnp.asarray(full[None, :-1]))[0])
     n = len(sample.prompt_tokens)
-    expected = np.asarray(logp[n - 1:, :])[np.arange(len(sample.tokens)), sample.tokens]
+    expected = np.asarray(logp[n - 1:, :])[np.arange(len(sample.completion_tokens)), sample.completion_tokens]
     np.testing.assert_allclose(sample.logprobs, expected, atol=1e-5)
 
 
@@ -87,8 +87,8 @@ def test_sampling_is_reproducible_whatever_the_slot(setup):
   crowded = StreamingSampler([engine], params, seed=7)
   crowded.submit(PROMPTS[0], SamplingParams(max_new_tokens=5, num_samples=3), group_id=1)  # occupy slots 0-2
   crowded.submit(PROMPTS[2], knobs, group_id=42)
-  a = {(s.group_id, s.sample_index): s.tokens for s in alone.stream()}
-  b = {(s.group_id, s.sample_index): s.tokens for s in crowded.stream()}
+  a = {(s.group_id, s.sample_index): s.completion_tokens for s in alone.stream()}
+  b = {(s.group_id, s.sample_index): s.completion_tokens for s in crowded.stream()}
   for key in a:
     np.testing.assert_array_equal(a[key], b[key])
   assert not np.array_equal(a[(42, 0)], a[(42, 1)])  # the two group members differ
@@ -107,20 +107,20 @@ def test_weight_swap_mid_generation_changes_tokens_and_is_recorded(setup):
   swapped.update_params(scaled, version=1)
   sample = next(swapped.stream())
   assert (sample.first_version, sample.last_version) == (0, 1)
-  np.testing.assert_array_equal(sample.tokens[:6], unchanged.tokens[:6])
-  assert not np.array_equal(sample.tokens[6:], unchanged.tokens[6:])
+  np.testing.assert_array_equal(sample.completion_tokens[:6], unchanged.completion_tokens[:6])
+  assert not np.array_equal(sample.completion_tokens[6:], unchanged.completion_tokens[6:])
 
 
 def test_stop_tokens_end_a_request(setup):
   engine, params, _, _ = setup
   sampler = StreamingSampler([engine], params)
   sampler.submit(PROMPTS[0], GREEDY)
-  free_run = next(sampler.stream()).tokens
+  free_run = next(sampler.stream()).completion_tokens
   stop = int(free_run[4])
   sampler.submit(PROMPTS[0], SamplingParams(temperature=0.0, max_new_tokens=32, stop_token_ids=(stop,)))
   sample = next(sampler.stream())
   first = list(free_run).index(stop)
-  np.testing.assert_array_equal(sample.tokens, free_run[:first + 1])
+  np.testing.assert_array_equal(sample.completion_tokens, free_run[:first + 1])
   assert sample.finish_reason == "stop"
 
 
@@ -163,7 +163,7 @@ def test_several_instances_return_every_request_once(setup, hf_dirs):
   single = StreamingSampler([engine], params)
   single.submit(PROMPTS[2], SamplingParams(temperature=0.0, max_new_tokens=29))
   by_id = {s.request_id: s for s in samples}
-  np.testing.assert_array_equal(by_id[ids[8]].tokens, next(single.stream()).tokens)
+  np.testing.assert_array_equal(by_id[ids[8]].completion_tokens, next(single.stream()).completion_tokens)
 
 
 def test_bad_input_gets_clear_errors(setup):
@@ -233,7 +233,7 @@ def test_instances_join_and_retire_mid_stream_without_losing_samples(setup):
   for wave in (0, 100):
     for i, k in enumerate(knobs):
       reference.submit(PROMPTS[i % 3], k, group_id=wave + i)
-  expected = {s.group_id: s.tokens for s in reference.stream()}
+  expected = {s.group_id: s.completion_tokens for s in reference.stream()}
 
   sampler = StreamingSampler([engine], params, seed=7)
   for i, k in enumerate(knobs):
@@ -254,7 +254,7 @@ def test_instances_join_and_retire_mid_stream_without_losing_samples(setup):
   assert len(samples) == len(got) == 24
   assert {s.instance for s in samples} == {0, added}
   for group, tokens in expected.items():
-    np.testing.assert_array_equal(got[group].tokens, tokens)
+    np.testing.assert_array_equal(got[group].completion_tokens, tokens)
 
 
 def test_an_idle_instance_swaps_to_an_engine_with_fewer_slots(setup):
@@ -266,7 +266,7 @@ def test_an_idle_instance_swaps_to_an_engine_with_fewer_slots(setup):
   reference = StreamingSampler([engine], params, seed=5)
   for i in range(3):
     reference.submit(PROMPTS[i], knobs, group_id=i)
-  expected = {s.group_id: s.tokens for s in reference.stream()}
+  expected = {s.group_id: s.completion_tokens for s in reference.stream()}
   sampler = StreamingSampler([engine], params, seed=5)
   sampler.submit(PROMPTS[0], knobs, group_id=0)
   with pytest.raises(ValueError, match="instance 0 is busy"):
@@ -279,7 +279,7 @@ def test_an_idle_instance_swaps_to_an_engine_with_fewer_slots(setup):
   assert sampler.num_in_flight == 2  # the small engine's two slots
   samples = first + list(sampler.stream())
   for s in samples:
-    np.testing.assert_array_equal(s.tokens, expected[s.group_id])
+    np.testing.assert_array_equal(s.completion_tokens, expected[s.group_id])
 
 
 def test_measure_ptl_curve_times_a_full_engine(setup):

@@ -48,7 +48,7 @@ def served(model_dir):
       sampler.submit(prompt, SamplingParams(temperature=0.0, max_new_tokens=GREEDY_TOKENS,
                                             stop_token_ids=tokenizer.stop_ids))
       (sample,) = list(sampler.stream())
-      reference[key] = (list(prompt), sample.tokens.tolist())
+      reference[key] = (list(prompt), sample.completion_tokens.tolist())
   with running_server(model_dir, before_start=generate_in_process) as (service, sampler, server, loop):
     yield service, sampler, server, reference, loop
 

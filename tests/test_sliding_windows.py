@@ -31,7 +31,7 @@ def greedy(directory, config: EngineConfig):
   sampler = StreamingSampler([engine], params)
   ids = [sampler.submit(p, GREEDY)[0] for p in PROMPTS]
   samples = {s.request_id: s for s in sampler.stream()}
-  return [samples[i].tokens for i in ids], engine, sampler
+  return [samples[i].completion_tokens for i in ids], engine, sampler
 
 
 def theirs(hf_model, prompt, n=24):

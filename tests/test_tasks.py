@@ -146,7 +146,7 @@ def test_chat_task_wraps_prompts_and_rewards_the_question():
 
 
 def test_job_config_refuses_real_tasks_without_a_model():
-  from streamrl_jax.pipeline.job_config import JobConfig
+  from streamrl_jax.job.config import JobConfig
   from streamrl_jax.tasks.config import TaskConfig
 
   for bad, key in ((dict(name="sums"), "needs a pretrained model"), (dict(chat=True), "TaskConfig.chat needs")):

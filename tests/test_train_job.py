@@ -56,19 +56,19 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
 
 
 def test_resume_without_a_checkpoint_fails_before_any_work(tmp_path, capsys, monkeypatch):
-  from streamrl_jax.pipeline import train_job
-  monkeypatch.setattr(train_job, "supervised_warmup", lambda *a, **k: pytest.fail("warmed up before the check"))
+  from streamrl_jax.job import warmup
+  monkeypatch.setattr(warmup, "supervised_warmup", lambda *a, **k: pytest.fail("warmed up before the check"))
   assert cli.main(["train", "--workdir", str(tmp_path), "--resume"]) == 2
   err = capsys.readouterr().err
   assert "no checkpoint" in err and err.count("\n") == 1 and "%|" not in err
 
 
 def test_a_run_stopped_before_any_checkpoint_does_not_advise_resume(tmp_path, capsys, monkeypatch):
-  from streamrl_jax.pipeline import train_job
+  from streamrl_jax.job import warmup
 
   def interrupted(*args, **kwargs):
     raise KeyboardInterrupt
-  monkeypatch.setattr(train_job, "supervised_warmup", interrupted)  # Ctrl-C during the warm-up
+  monkeypatch.setattr(warmup, "supervised_warmup", interrupted)  # Ctrl-C during the warm-up
   assert cli.main(["train", "--workdir", str(tmp_path), "--set", "JobConfig.eval_prompts=2"]) == 130
   err = capsys.readouterr().err
   assert "no step was checkpointed, so there is nothing to resume" in err and "--resume" not in err

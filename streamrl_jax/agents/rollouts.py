@@ -178,8 +178,8 @@ def episode_sample(result: EpisodeResult, group_id: int, prompt_tokens, stop_id:
   else:
     prompt, ids, logprobs, versions, mask, reason = t.prompt_tokens, t.tokens, t.logprobs, t.versions, t.loss_mask, t.finish_reason
   return Sample(request_id=-1, group_id=group_id, sample_index=result.index,
-                prompt_tokens=np.asarray(prompt, np.int32), tokens=np.asarray(ids, np.int32),
-                logprobs=np.asarray(logprobs, np.float32), versions=np.asarray(versions, np.int32),
+                prompt_tokens=np.asarray(prompt, np.int32), completion_tokens=np.asarray(ids, np.int32),
+                logprobs=np.asarray(logprobs, np.float32), versions=np.asarray(versions, np.int64),
                 finish_reason=reason or FINISH_STOP, first_version=min(versions), last_version=max(versions),
                 loss_mask=np.asarray(mask, bool))
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from streamrl_jax.counters import Counters
 from streamrl_jax.messages import StepSkipped, row_step
+from streamrl_jax.records.metric_table import ARMS
 from streamrl_jax.streaming import QueueClosed, SampleShard
 
 
@@ -146,10 +147,13 @@ class Fanout:
       return shard
     return get
 
+  def lead_part(self, row: dict) -> dict:
+    """The lead's row part (`metric_table.join_row`): its arm's name and its own policy divergence."""
+    return {ARMS: dict(arm=self.lead_name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0))}
+
   def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
-    """The lead's `on_step`: its rows named by arm, with its own policy divergence; the feeds learn its progress."""
+    """The lead's `on_step`: the feeds learn its progress from each row."""
     def row(m: dict) -> None:
-      m.update(arm=self.lead_name, arm_policy_divergence=m.get("logprob_mismatch_kl", 0.0))
       self.lead_trained(m["step"])
       if on_step is not None:
         on_step(m)

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 from streamrl_jax.arms.feed import ArmFeed, Fanout, FollowerSource
 from streamrl_jax.arms.config import ArmConfig, ArmsConfig, arm_shape, arm_trainer
 from streamrl_jax.messages import row_step
+from streamrl_jax.records.metric_table import ARMS
 from streamrl_jax.records.metrics_log import PeriodicEval
 from streamrl_jax.pipeline.trainer.control import FollowerControl
 from streamrl_jax.pipeline.trainer.worker import TrainerSetup, TrainerWorker
@@ -40,13 +42,16 @@ class NoPublisher:
     pass
 
 
-def arm_row(row: dict, name: str, source: FollowerSource) -> dict:
-  """A follower's metrics row with its arm keys: its name, its policy's divergence from the sampler's
-  (`logprob_mismatch_kl`), how far behind the lead it is, its skips so far; its step's samples are then its own."""
-  source.trained(row["step"] - 1)
-  row.update(arm=name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0), arm_lag=source.lag(row["step"]),
-             **source.counters)
-  return row
+def arm_parts(name: str, source: FollowerSource, periodic: PeriodicEval | None,
+              params: Callable[[], object]) -> tuple[Callable[[dict], dict], ...]:
+  """A follower's row parts (`metric_table.join_row`): its arm keys (its name, its policy's divergence from the
+  sampler's (`logprob_mismatch_kl`), how far behind the lead it is, its skips so far; its step's samples are then its
+  own), and with `periodic` the held-out accuracy of its policy `params()`."""
+  def arm_part(row: dict) -> dict:
+    source.trained(row["step"] - 1)
+    return {ARMS: dict(arm=name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0),
+                       arm_lag=source.lag(row["step"]), **source.counters)}
+  return (arm_part,) if periodic is None else (arm_part, periodic.row_part(params))
 
 
 def feed_capacity(shape: RunShape, arms: ArmsConfig) -> int:
@@ -87,18 +92,13 @@ class _Arm:
     self.on_step, self.metrics, self.error, self.periodic_eval = on_step, [], None, start.periodic_eval
     self.thread = threading.Thread(target=self._run, daemon=True, name=f"arm-{self.name}")
 
-  def _row(self, row: dict) -> None:
-    arm_row(row, self.name, self.source)
-    if self.periodic_eval is not None:
-      self.periodic_eval.add(row, lambda: jax.device_get(self.worker.policy_params()))
-    if self.on_step is not None:
-      self.on_step(row)
-
   def _run(self) -> None:
     start = time.monotonic()
     try:
+      parts = arm_parts(self.name, self.source, self.periodic_eval, lambda: jax.device_get(self.worker.policy_params()))
       self.metrics = self.worker.run(FollowerControl(self.worker.shape), self.source.get, NoPublisher(),
-                                     clock=lambda: time.monotonic() - start, on_step=self._row, skip=self.source.skip)
+                                     clock=lambda: time.monotonic() - start, on_step=self.on_step, row_parts=parts,
+                                     skip=self.source.skip)
     except QueueClosed:  # the lead stopped before this follower's last step: it ends at its last whole step
       pass
     except BaseException as err:  # the lead and the other arms go on

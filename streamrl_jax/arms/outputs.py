@@ -5,19 +5,17 @@ curves.png and summary.json. The lead's are the run's own, in WORKDIR. `streamrl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 
 from flax import nnx
 
 from streamrl_jax.arms.config import ArmConfig, ArmsConfig
-from streamrl_jax.models import save_hf
+from streamrl_jax.job.evaluation import HeldOut
 from streamrl_jax.records.metrics_log import append_row, evaluations, open_metrics, read_metrics
 from streamrl_jax.records.pictures import write_curves_png
+from streamrl_jax.records.run_files import EVAL_AFTER, save_final, write_arm, write_summary
 from streamrl_jax.records.run_record import ARMS_DIR
 from streamrl_jax.training.checkpoint import Checkpointer
 
@@ -50,7 +48,7 @@ def arm_outputs(workdir: Path, arms: ArmsConfig, resume: bool):
         checkpointer.close()
         raise ValueError(f"arm {arm.name!r}: {directory / 'checkpoints'} holds checkpoints up to step {latest}; "
                          "continue them with --resume or start afresh in another --workdir")
-      (directory / "arm.json").write_text(json.dumps(describe_arm(arm), indent=1))
+      write_arm(directory, describe_arm(arm))
       out = open_metrics(directory, latest if resume else None)
       files.append(out)
       outputs[arm.name] = (checkpointer, functools.partial(append_row, out))
@@ -61,22 +59,6 @@ def arm_outputs(workdir: Path, arms: ArmsConfig, resume: bool):
     for checkpointer, _ in outputs.values():
       checkpointer.wait()
       checkpointer.close()
-
-
-@dataclasses.dataclass(frozen=True)
-class HeldOut:
-  """The lead's held-out evaluation, as an arm's end applies it: `evaluate(model, tokenizer, task, prompts=,
-  seed=, record=)` (the job's greedy accuracy, the run's sampling settings bound where it is built: every arm
-  shares them) on `prompts` prompts of the held-out `task`, drawn with `seed`."""
-
-  tokenizer: object
-  task: object
-  prompts: int
-  seed: int
-  evaluate: Callable
-
-  def accuracy(self, model, record: Path) -> float:
-    return self.evaluate(model, self.tokenizer, self.task, prompts=self.prompts, seed=self.seed, record=record)
 
 
 def finish_arms(result, model, arms: ArmsConfig, steps: int, workdir: Path, before: float, held_out: HeldOut) -> dict:
@@ -100,15 +82,15 @@ def finish_arm(directory: Path, arm: ArmConfig, steps: int, trained, counters: d
   curves drawn and its summary.json written (`before`: the held-out accuracy of the policy every arm started from,
   None if unknown)."""
   name = arm.name
-  after = held_out.accuracy(trained, directory / "eval_after.jsonl")
+  after = held_out.accuracy(trained, directory / EVAL_AFTER)
   change = f" ({after - before:+.3f})" if before is not None else ""
   _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
             f"{counters.get('arm_steps_skipped', 0)} steps skipped")
-  save_hf(trained, directory / "final_model")
+  save_final(directory, trained)
   rows = read_metrics(directory)
   write_curves_png(rows, evaluations(rows, before, after, steps), directory / "curves.png",
                    title=f"arm {name}: {arm.advantage}, {arm.objective.objective}")
   summary = dict(describe_arm(arm), accuracy_before=before, accuracy_after=after, steps=len(rows),
                  counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})
-  (directory / "summary.json").write_text(json.dumps(summary, indent=2))
+  write_summary(directory, summary)
   return summary

@@ -12,7 +12,6 @@ workdir trains every sample it had not saved, and none twice. Its outputs are th
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import threading
@@ -26,14 +25,15 @@ from flax import nnx
 from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, VersionInfo, VersionQuery, row_step
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.arms.feed import ArmFeed, FollowerSource
-from streamrl_jax.arms.outputs import HeldOut, describe_arm, finish_arm
+from streamrl_jax.arms.outputs import describe_arm, finish_arm
+from streamrl_jax.job.evaluation import HeldOut
 from streamrl_jax.arms.config import ArmConfig
-from streamrl_jax.arms.followers import NoPublisher, arm_row, arm_setup, feed_capacity
+from streamrl_jax.arms.followers import NoPublisher, arm_parts, arm_setup, feed_capacity
 from streamrl_jax.records.metrics_log import PeriodicEval, append_row, open_metrics
-from streamrl_jax.records.run_record import RUN_ID_FILE
+from streamrl_jax.records.run_files import read_accuracy_before, write_arm
+from streamrl_jax.records.run_record import RUN_ID_FILE, write_run_id
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.trainer.control import FollowerControl
-from streamrl_jax.pipeline.train_job import evaluate
 from streamrl_jax.pipeline.parts import trainer_setup
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
 from streamrl_jax.pytrees import unflatten_like
@@ -149,9 +149,10 @@ def follow_lead(config: PipelineConfig, job, arm_name: str, *, connect: str, wor
                          WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size,
                                            model.config))
   source = FollowerSource(feed, config.arms.max_lag, first_step=joined.start_step)
-  heldout = job.make_task(tokenizer, "eval")
-  periodic = PeriodicEval(job.eval_every, lambda p: evaluate(nnx.merge(graphdef, p), tokenizer, heldout, lead,
-                                                             job.eval_prompts, job.seed)) if job.eval_every else None
+  held_out = HeldOut(tokenizer, job.make_task(tokenizer, "eval"), lead.sampler, lead.max_new_tokens, job.eval_prompts,
+                     job.seed)
+  periodic = (PeriodicEval(job.eval_every, lambda p: held_out.accuracy(nnx.merge(graphdef, p))) if job.eval_every
+              else None)
   reader.thread.start()
   try:
     completed = _train(worker, arm.name, source, reader, open_metrics(workdir, resumed_at), periodic)
@@ -165,8 +166,8 @@ def follow_lead(config: PipelineConfig, job, arm_name: str, *, connect: str, wor
     base.wait()
     base.close()
   return finish_arm(workdir, arm, config.steps, nnx.merge(graphdef, worker.policy_params()),
-                    dict(worker.counters, **source.counters), _accuracy_before(workdir),
-                    HeldOut(tokenizer, heldout, job.eval_prompts, job.seed, functools.partial(evaluate, config=lead)))
+                    dict(worker.counters, **source.counters),
+                    read_accuracy_before(workdir.parent.parent), held_out)  # the lead's, when WORKDIR/arms/NAME
 
 
 def _join(connection: FlightConnection, config: PipelineConfig, job, arm: ArmConfig, workdir: Path) -> ArmJoined:
@@ -174,8 +175,8 @@ def _join(connection: FlightConnection, config: PipelineConfig, job, arm: ArmCon
   id_file = workdir / RUN_ID_FILE
   joined = connection.action(ArmJoin(arm.name, id_file.read_text().strip() if id_file.exists() else "",
                                      flat_settings(config, job)), ArmJoined)
-  id_file.write_text(joined.run_id)
-  (workdir / "arm.json").write_text(json.dumps(describe_arm(arm), indent=1))
+  write_run_id(workdir, joined.run_id)
+  write_arm(workdir, describe_arm(arm))
   return joined
 
 
@@ -185,26 +186,16 @@ def _train(worker: TrainerWorker, name: str, source: FollowerSource, reader: _St
   whether every step was trained (False: the lead's stream ended first)."""
   start = time.monotonic()
   with metrics as out:
-    def on_step(row: dict) -> None:
-      arm_row(row, name, source)
-      if periodic is not None:
-        periodic.add(row, lambda: jax.device_get(worker.policy_params()))
-      append_row(out, row)
+    parts = arm_parts(name, source, periodic, lambda: jax.device_get(worker.policy_params()))
     try:
       worker.run(FollowerControl(worker.shape), source.get, NoPublisher(), clock=lambda: time.monotonic() - start,
-                 on_step=on_step, skip=source.skip)
+                 on_step=lambda row: append_row(out, row), row_parts=parts, skip=source.skip)
       return True
     except QueueClosed:
       if reader.error is not None:
         raise reader.error
       _log.warning(f"arm {name!r}: the lead's stream ended before step {worker.shape.steps}")
   return False
-
-
-def _accuracy_before(workdir: Path):
-  """The lead's held-out accuracy before training, when `workdir` is its WORKDIR/arms/NAME (else None)."""
-  before_file = workdir.parent.parent / "accuracy_before.json"
-  return json.loads(before_file.read_text())["accuracy"] if before_file.exists() else None
 
 
 def _lead_weights(connection: FlightConnection, template, version: int):

@@ -9,7 +9,6 @@ WORKDIR/settings.json; a resume that changes one the checkpoint depends on is re
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -22,13 +21,13 @@ from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.kv_cache import kv_cache_bytes
 from streamrl_jax.models.peft_io import resolve
 from streamrl_jax.pipeline.config import PipelineConfig
+from streamrl_jax.records.run_files import read_settings
 from streamrl_jax.rewards import RewardConfig, check_signature
 from streamrl_jax.settings import renamed
 from streamrl_jax.tasks import FileTask, draw, prompt_tokens, question
 from streamrl_jax.training.corrections import CORRECTIONS
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
-SETTINGS_FILE = "settings.json"
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns, and
 # what the machine it runs on makes of 'auto' ("resolved.": the weights are float32 whatever the compute dtype).
 CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "TrainerConfig.stop_grace_s", "TrainerConfig.step_timeout_s",
@@ -62,9 +61,9 @@ def check_resume(workdir: Path, settings: dict[str, str], resume: bool | str, la
   if not resume and latest_step is not None:
     raise ValueError(f"{workdir} holds checkpoints up to step {latest_step}: continue them with --resume, or start "
                      f"afresh in another --workdir (or delete {checkpoints} yourself)")
-  saved_file = workdir / SETTINGS_FILE
-  if resume and saved_file.exists():
-    saved = renamed(json.loads(saved_file.read_text()))
+  saved = read_settings(workdir) if resume else None
+  if saved is not None:
+    saved = renamed(saved)
     changed = sorted(k for k in saved.keys() | settings.keys()
                      if saved.get(k) != settings.get(k) and not k.startswith(CHANGEABLE_ON_RESUME))
     if changed:
@@ -72,10 +71,6 @@ def check_resume(workdir: Path, settings: dict[str, str], resume: bool | str, la
       raise ValueError(f"--resume: the checkpoint in {checkpoints} was made with other settings ({listed}); put them "
                        "back, or start afresh in another --workdir")
   return bool(resume)
-
-
-def write_settings(workdir: Path, settings: dict[str, str]) -> None:
-  (workdir / SETTINGS_FILE).write_text(json.dumps(settings, indent=1, sort_keys=True))
 
 
 def check_devices(config: PipelineConfig, role: str, num_devices: int) -> None:

@@ -115,9 +115,9 @@ def partial_problem(shape: RunShape, held: set, partials: Sequence[Rollout]) -> 
     longest = shape.max_new_tokens if p.finished else shape.max_new_tokens - 1
     problem = ("is not of a lease it holds" if p.group_id not in held else
                "is not in the group" if p.sample_index >= shape.group_size else
-               "is there twice" if key in seen else "has no tokens" if not p.tokens else
-               f"has {len(p.tokens)} tokens, more than max_new_tokens={shape.max_new_tokens} allows"
-               if len(p.tokens) > longest else None)
+               "is there twice" if key in seen else "has no tokens" if not p.completion_tokens else
+               f"has {len(p.completion_tokens)} tokens, more than max_new_tokens={shape.max_new_tokens} allows"
+               if len(p.completion_tokens) > longest else None)
     if problem:
       return f"sample {p.sample_index} of group {p.group_id}, which {problem}"
     seen.add(key)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from streamrl_jax.records.metrics_log import evaluations, read_metrics
 from streamrl_jax.records.pictures import pyplot
+from streamrl_jax.records.run_files import ARM_FILE, SUMMARY_FILE, read_accuracy_before
 from streamrl_jax.records.run_record import ARMS_DIR
 
 TAIL = 5  # steps averaged for the table's "last" figures
@@ -43,7 +44,7 @@ def read_arms(run_dir: Path) -> list[ArmRecord]:
   run_dir = Path(run_dir)
   if not (run_dir / "metrics.jsonl").exists():
     raise FileNotFoundError(f"{run_dir}: no metrics.jsonl (not a run's workdir, or no step trained yet)")
-  before = _read_json(run_dir / "accuracy_before.json").get("accuracy")
+  before = read_accuracy_before(run_dir)
   lead_rows = read_metrics(run_dir)
   lead = _record(run_dir, lead_rows[0].get("arm", "lead") if lead_rows else "lead", lead_rows, before)
   followers = sorted((p for p in (run_dir / ARMS_DIR).glob("*") if p.is_dir()), key=lambda p: p.name)
@@ -51,8 +52,8 @@ def read_arms(run_dir: Path) -> list[ArmRecord]:
 
 
 def _record(directory: Path, name: str, rows: list, before: float | None) -> ArmRecord:
-  summary = _read_json(directory / "summary.json")
-  return ArmRecord(name, _read_json(directory / "arm.json"), rows, before, summary.get("accuracy_after"))
+  summary = _read_json(directory / SUMMARY_FILE)
+  return ArmRecord(name, _read_json(directory / ARM_FILE), rows, before, summary.get("accuracy_after"))
 
 
 def _read_json(path: Path) -> dict:

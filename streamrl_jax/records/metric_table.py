@@ -29,7 +29,10 @@ class Metric:
     return self.name.split("<")[0] if "<" in self.name else None
 
 
-STEP, UPDATE, CORRECTIONS, SAMPLERS = "step row", "update", "corrections", "samplers"
+# the parts that write a row: each hands its keys in as one part of `join_row`, and a key belongs to one of them
+STEP, UPDATE, SAMPLERS = "step row", "update", "samplers"  # the trainer's step; its update; the samplers' summary
+PROCESS, EVALUATION, ARMS = "trainer process", "evaluation", "arms"  # memory and queue; held-out accuracy; an arm's
+CORRECTIONS = UPDATE  # the off-policy corrections' figures are the update's
 METRICS = (
     Metric("step", "int", STEP, "the RL step (1-based); the weights after it are version `step`"),
     Metric("time", "float", STEP, "Unix time the row was made"),
@@ -91,22 +94,23 @@ METRICS = (
            "previous turn's tokens"),
     Metric("sampler_s/<phase>", "float", SAMPLERS, "the samplers' seconds in a phase, added up"),
     Metric("sampler_accounted_frac", "float", SAMPLERS, "share of the samplers' seconds in a named phase"),
-    Metric("ranker_<figure>", "float", "ranker", "with a length ranker: `recall_top20`, `recall_top10`, `recall_top5` "
+    Metric("ranker_<figure>", "float", SAMPLERS, "with a length ranker: `recall_top20`, `recall_top10`, `recall_top5` "
            "(share of the longest 20/10/5% it put in its top 20/10/5%), `spearman` (rank correlation of predicted "
            "and realised lengths), `train_steps` (its online training steps so far)"),
-    Metric("rss_mb", "float", "trainer process", "the trainer process's resident memory"),
-    Metric("queue_depth", "int", "trainer process", "samples in the trainer's queue at the row"),
-    Metric("queue_max_depth", "int", "trainer process", "the most samples the queue held so far"),
-    Metric("heldout_accuracy", "float", "evaluation", "held-out accuracy (`JobConfig.eval_every`)"),
-    Metric("arm", "str", "arms", "the follower arm whose row it is"),
-    Metric("arm_policy_divergence", "float", "arms", "the arm's KL to the sampling policy (its "
+    Metric("rss_mb", "float", PROCESS, "the trainer process's resident memory"),
+    Metric("queue_depth", "int", PROCESS, "samples in the trainer's queue at the row"),
+    Metric("queue_max_depth", "int", PROCESS, "the most samples the queue held so far"),
+    Metric("heldout_accuracy", "float", EVALUATION, "held-out accuracy (`JobConfig.eval_every`)"),
+    Metric("arm", "str", ARMS, "the follower arm whose row it is"),
+    Metric("arm_policy_divergence", "float", ARMS, "the arm's KL to the sampling policy (its "
            "`logprob_mismatch_kl`)"),
-    Metric("arm_lag", "int", "arms", "steps the arm is behind the lead"),
-    Metric("arm_steps_skipped", "int", "arms", "steps the arm did not train so far"),
-    Metric("arm_samples_skipped", "int", "arms", "samples the arm did not train so far"),
+    Metric("arm_lag", "int", ARMS, "steps the arm is behind the lead"),
+    Metric("arm_steps_skipped", "int", ARMS, "steps the arm did not train so far"),
+    Metric("arm_samples_skipped", "int", ARMS, "samples the arm did not train so far"),
 )
 _NAMES = frozenset(m.name for m in METRICS if m.prefix is None)
 _PREFIXES = tuple(m.prefix for m in METRICS if m.prefix is not None)
+_OWNERS = {m.name: m.owner for m in METRICS if m.prefix is None}
 
 
 def unlisted(row: dict) -> list[str]:
@@ -117,16 +121,43 @@ def unlisted(row: dict) -> list[str]:
 def check_row(row: dict) -> dict:
   """`row`, after checking its keys: one not listed is logged once (an error under STREAMRL_STRICT_METRICS=1)."""
   if missing := unlisted(row):
-    if os.environ.get(STRICT_ENV) == "1":
-      raise ValueError(f"metrics row keys {missing} are not in streamrl_jax/records/metric_table.py (docs/metrics.md)")
-    for key in missing:
-      _warn_once(key)
+    _refuse(f"metrics row keys {missing} are not in streamrl_jax/records/metric_table.py (docs/metrics.md)")
   return row
 
 
+def owner_of(key: str) -> str | None:
+  """The part that writes `key` (None: not listed)."""
+  return _OWNERS.get(key) or next((m.owner for m in METRICS if m.prefix and key.startswith(m.prefix)), None)
+
+
+def join_row(parts: dict[str, dict], row: dict | None = None) -> dict:
+  """A new row: `row`'s keys (default none) and each part's, `parts` by the part that writes them ({STEP: {...},
+  UPDATE: {...}}). A key the table gives to another part, one already in the row, or one not listed is logged once
+  (an error under STREAMRL_STRICT_METRICS=1): no part writes another's key, and none edits a row in place."""
+  out = dict(row or {})
+  for part, values in parts.items():
+    for key, value in values.items():
+      owner = owner_of(key)
+      if owner is None:
+        _refuse(f"metrics row key {key!r} (from the {part}) is not in streamrl_jax/records/metric_table.py "
+                "(docs/metrics.md)")
+      elif owner != part:
+        _refuse(f"metrics row key {key!r} is the {owner}'s (records/metric_table.py), but the {part} wrote it")
+      if key in out:
+        _refuse(f"metrics row key {key!r} was written twice (the second time by the {part})")
+      out[key] = value
+  return out
+
+
+def _refuse(problem: str) -> None:
+  if os.environ.get(STRICT_ENV) == "1":
+    raise ValueError(problem)
+  _warn_once(problem)
+
+
 @functools.cache
-def _warn_once(key: str) -> None:
-  _log.warning("metrics row key %r is not in the metrics table (docs/metrics.md)", key)
+def _warn_once(problem: str) -> None:
+  _log.warning(problem)
 
 
 def markdown() -> str:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
-from streamrl_jax.records.metric_table import check_row
+from streamrl_jax.records.metric_table import EVALUATION, check_row
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,10 +22,13 @@ class PeriodicEval:
   every: int
   evaluate: Callable[[object], float]
 
-  def add(self, row: dict, params: Callable[[], object]) -> None:
-    """Adds `heldout_accuracy` to `row` when its step is due; `params()` is asked only then."""
-    if self.every and row["step"] % self.every == 0:
-      row["heldout_accuracy"] = float(self.evaluate(params()))
+  def row_part(self, params: Callable[[], object]) -> Callable[[dict], dict]:
+    """A row part (`metric_table.join_row`): `heldout_accuracy` of the policy `params()` gives, on the rows whose step
+    is due; `params()` is asked only then."""
+    def part(row: dict) -> dict:
+      due = self.every and row["step"] % self.every == 0
+      return {EVALUATION: {"heldout_accuracy": float(self.evaluate(params()))}} if due else {}
+    return part
 
 
 def evaluations(rows: list[dict], before: float | None, after: float | None, steps: int) -> list[tuple[int, float]]:

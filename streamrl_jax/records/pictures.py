@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from streamrl_jax.records.metrics_log import evaluations, read_metrics
+from streamrl_jax.records.run_record import whole_timeline
+
 COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a", "resume": "#d62"}
 MARKS = ("sync", "resume")  # lanes drawn as vertical lines across the others
 FEW_POINTS = 5  # a curve's series with fewer points is drawn as labelled points, not a line (`_series`)
@@ -136,3 +139,20 @@ def write_chrome_trace(timeline: dict, path: str | Path) -> None:
       events.append({"name": label, "ph": "X", "pid": 0, "tid": tid, "ts": start * 1e6,
                      "dur": max(end - start, 0.0) * 1e6})
   Path(path).write_text(json.dumps({"traceEvents": events}))
+
+
+def write_run_curves(workdir: Path, mode: str, steps: int, before: float, after: float | None = None) -> None:
+  """WORKDIR/curves.png from metrics.jsonl and the held-out evaluations (before RL at step 0, every
+  `JobConfig.eval_every` steps, after at the end) of a run of `steps` steps in `mode`."""
+  metrics = read_metrics(workdir)
+  write_curves_png(metrics, evaluations(metrics, before, after, steps), Path(workdir) / "curves.png",
+                   title=f"mode {mode}, {steps} steps")
+
+
+def write_run_pictures(workdir: Path, mode: str, steps: int, before: float, segments: list[dict],
+                       after: float | None = None) -> None:
+  """curves.png, timeline.png and trace.json of the run so far, every segment of it (`run_record`)."""
+  write_run_curves(workdir, mode, steps, before, after)
+  timeline = whole_timeline(segments)
+  write_timeline_png(timeline, Path(workdir) / "timeline.png", title=f"mode {mode}")
+  write_chrome_trace(timeline, Path(workdir) / "trace.json")

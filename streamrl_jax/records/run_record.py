@@ -29,6 +29,11 @@ def run_id(workdir: Path) -> str:
   return path.read_text().strip()
 
 
+def write_run_id(directory: Path, value: str) -> None:
+  """Keeps the id of the run a follower arm's program joined (WORKDIR/run_id of its own workdir)."""
+  (Path(directory) / RUN_ID_FILE).write_text(value)
+
+
 def begin(workdir: Path, resumed_at: int | None) -> list[dict]:
   """The segments of a run that starts now: none before it on a fresh start; on a resume from the checkpoint of
   step `resumed_at`, those on record before it (none for a workdir written before this record existed)."""

@@ -1,5 +1,5 @@
 """One request's progress while it is in flight: on a slot, parked off it on a tool, or preempted and queued
-again. Its tokens so far leave as a `Rollout` (handed over) or, finished, as a `Sample`."""
+again. Its completion so far leaves as a `Rollout` (handed over) or, finished, as a `Sample`."""
 
 from __future__ import annotations
 
@@ -13,11 +13,12 @@ from streamrl_jax.types import Request, Rollout, Sample, SamplingParams
 
 @dataclasses.dataclass
 class InFlight:
-  """One request's tokens so far and where its row stands."""
+  """One request's completion so far and where its row stands. `completion_tokens` and the per-token lists after it
+  (logprobs, versions, loss_mask) are the completion's only; the prompt is `request.prompt_tokens`."""
 
   request: Request
   admit_time: float
-  tokens: list = dataclasses.field(default_factory=list)
+  completion_tokens: list = dataclasses.field(default_factory=list)  # the completion's token ids so far
   logprobs: list = dataclasses.field(default_factory=list)
   versions: list = dataclasses.field(default_factory=list)  # the policy version of each token
   first: object = None  # ((token, logprob, done) device arrays of its prefill call, its row), read at the next sync
@@ -25,42 +26,46 @@ class InFlight:
   resumed: bool = False  # admitted again after a preemption: its first token is one it had already
   loss_mask: list = dataclasses.field(default_factory=list)  # per token: the model's (True) or an environment's
   env_state: object = None  # multi-turn: the environment's state of this episode
-  turn_start: int = 0  # multi-turn: where the model's current turn began in `tokens`
+  turn_start: int = 0  # multi-turn: where the model's current turn began in `completion_tokens`
   waiting: object = None  # multi-turn: the Future of the tool call the row is paused on
   env_reward: float = 0.0
-  # a mixture of experts: per position of prompt + tokens, the experts + 1 [sparse layers, k] a step routed it to
+  # a mixture of experts: per position of prompt + completion, the experts + 1 [sparse layers, k] a step routed it to
   # (None: not recorded yet); `routes_at` is (first position, count) of those its pending `first` call holds
   routes: list = dataclasses.field(default_factory=list)
   routes_at: tuple = (0, 0)
 
   @classmethod
   def resuming(cls, request: Request, now: float, progress: Rollout) -> InFlight:
-    """A partial rollout handed over: it goes on after its tokens so far, which keep their log-probabilities,
-    versions and loss mask."""
-    return cls(request, now, list(progress.tokens), list(progress.logprobs), list(progress.versions),
-               loss_mask=list(progress.loss_mask) or [True] * len(progress.tokens))
+    """A partial rollout handed over: it goes on after its completion tokens so far, which keep their
+    log-probabilities, versions and loss mask (None: every one the model's)."""
+    done = progress.completion_tokens
+    mask = [True] * len(done) if progress.loss_mask is None else list(progress.loss_mask)
+    return cls(request, now, list(done), list(progress.logprobs), list(progress.versions), loss_mask=mask)
 
   def prefill_input(self) -> tuple[np.ndarray, tuple[int, int]]:
-    """(tokens to prefill, resume) to admit it again: its prompt and tokens so far but its last, which is the
-    next input (resume = (that token, tokens generated))."""
-    so_far = np.asarray(self.tokens[:-1], np.int32)
-    return np.concatenate([self.request.prompt_tokens, so_far]), (self.tokens[-1], len(self.tokens))
+    """(tokens to prefill, resume) to admit it again: its prompt and completion so far but its last token, which
+    is the next input (resume = (that token, tokens generated))."""
+    done = self.completion_tokens
+    so_far = np.asarray(done[:-1], np.int32)
+    return np.concatenate([self.request.prompt_tokens, so_far]), (done[-1], len(done))
 
   @property
   def remaining(self) -> int:
     """Tokens it may still sample (its first, sampled but not read yet, counted as sampled)."""
-    return self.request.params.max_new_tokens - len(self.tokens) - (self.first is not None and not self.resumed)
+    return (self.request.params.max_new_tokens - len(self.completion_tokens)
+            - (self.first is not None and not self.resumed))
 
   def add(self, token, logprob, version: int) -> None:
     """Records one token the model sampled."""
-    self.tokens.append(int(token))
+    self.completion_tokens.append(int(token))
     self.logprobs.append(float(logprob))
     self.versions.append(version)
     self.loss_mask.append(True)
 
   def place_routes(self, start: int, experts: np.ndarray) -> None:
     """Records the experts [count, sparse layers, k] (ids, as an engine gives them; -1: not computed) that a call
-    routed positions `start`.. of prompt + tokens to; a later call's routes of a position replace an earlier one's."""
+    routed positions `start`.. of prompt + completion to; a later call's routes of a position replace an earlier
+    one's."""
     end = start + len(experts)
     if len(self.routes) < end:
       self.routes.extend([None] * (end - len(self.routes)))
@@ -74,11 +79,12 @@ class InFlight:
     return prompt if len(prompt) == len(self.request.prompt_tokens) and all(r is not None for r in prompt) else None
 
   def _routes_array(self) -> np.ndarray | None:
-    """[prompt + tokens, sparse layers, k] of the recorded routes (0 where none), or None without any."""
+    """[prompt + completion, sparse layers, k] of the recorded routes (0 where none), or None without any."""
     recorded = [r for r in self.routes if r is not None]
     if not recorded:
       return None
-    out = np.zeros((len(self.request.prompt_tokens) + len(self.tokens),) + recorded[0].shape, ROUTES_DTYPE)
+    length = len(self.request.prompt_tokens) + len(self.completion_tokens)
+    out = np.zeros((length,) + recorded[0].shape, ROUTES_DTYPE)
     for position, r in enumerate(self.routes[:len(out)]):
       if r is not None:
         out[position] = r
@@ -86,17 +92,17 @@ class InFlight:
 
   def observe(self, tokens, version: int) -> None:
     """Records an environment's tokens (loss mask 0); the model's next turn starts after them."""
-    self.tokens.extend(tokens)
+    self.completion_tokens.extend(tokens)
     self.logprobs.extend([0.0] * len(tokens))
     self.versions.extend([version] * len(tokens))
     self.loss_mask.extend([False] * len(tokens))
-    self.turn_start = len(self.tokens)
+    self.turn_start = len(self.completion_tokens)
 
   def rollout(self) -> Rollout:
-    """Its tokens so far as a `Rollout`; an episode with an environment's tokens gives none (its environment's
-    state stays here, so it starts again elsewhere)."""
+    """Its completion so far as a `Rollout` (loss mask None: every token the model's); an episode with an
+    environment's tokens gives none (its environment's state stays here, so it starts again elsewhere)."""
     request, keep = self.request, all(self.loss_mask) and self.waiting is None
-    return Rollout(request.group_id, request.sample_index, tuple(self.tokens) if keep else (),
+    return Rollout(request.group_id, request.sample_index, tuple(self.completion_tokens) if keep else (),
                    tuple(self.logprobs) if keep else (), tuple(self.versions) if keep else ())
 
   def sample(self, reason: str, instance: int, now: float) -> Sample:
@@ -104,8 +110,8 @@ class InFlight:
     request = self.request
     return Sample(
         request_id=request.request_id, group_id=request.group_id, sample_index=request.sample_index,
-        prompt_tokens=request.prompt_tokens, tokens=np.asarray(self.tokens, np.int32),
-        logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int32),
+        prompt_tokens=request.prompt_tokens, completion_tokens=np.asarray(self.completion_tokens, np.int32),
+        logprobs=np.asarray(self.logprobs, np.float32), versions=np.asarray(self.versions, np.int64),
         finish_reason=reason, first_version=min(self.versions), last_version=max(self.versions), instance=instance,
         submit_time=request.submit_time, admit_time=self.admit_time, finish_time=now,
         loss_mask=None if all(self.loss_mask) else np.asarray(self.loss_mask, bool), env_reward=self.env_reward,
@@ -113,10 +119,11 @@ class InFlight:
 
 
 def check_resumable(progress: Rollout, params: SamplingParams) -> None:
-  """Raises unless `progress` (some tokens) is a partial rollout that `params` can go on from."""
+  """Raises unless `progress` (some completion tokens) is a partial rollout that `params` can go on from."""
   if params.num_samples != 1:
     raise ValueError(f"a partial rollout resumes one sample; got num_samples={params.num_samples}")
-  if len(progress.tokens) >= params.max_new_tokens or progress.tokens[-1] in params.stop_token_ids:
-    raise ValueError(f"a partial rollout of {len(progress.tokens)} tokens (last {progress.tokens[-1]}) is "
+  done = progress.completion_tokens
+  if len(done) >= params.max_new_tokens or done[-1] in params.stop_token_ids:
+    raise ValueError(f"a partial rollout of {len(done)} tokens (last {done[-1]}) is "
                      f"finished already (max_new_tokens={params.max_new_tokens}, stop ids "
                      f"{list(params.stop_token_ids)}): nothing to resume")

@@ -66,7 +66,7 @@ class Instance:
   def release_decoding(self) -> list[int]:
     """Gives back the memory of every decoding row with tokens (not one waiting on a tool): their cache is to be
     computed again; returns their slots, the rows still on them."""
-    slots = [s for s, f in self.slots.items() if f.tokens and f.waiting is None]
+    slots = [s for s, f in self.slots.items() if f.completion_tokens and f.waiting is None]
     for slot in slots:
       self.state = self.engine.release(self.state, slot)
     return slots
@@ -77,7 +77,8 @@ class Instance:
     paused on a tool grow no further."""
     if not self.slots:
       return []
-    progress = {s: len(f.tokens) if f.first is None else 1 << 30 for s, f in self.slots.items() if f.waiting is None}
+    progress = {s: len(f.completion_tokens) if f.first is None else 1 << 30 for s, f in self.slots.items()
+                if f.waiting is None}
     self.state, preempted = self.engine.make_room(self.state, progress)
     return preempted
 

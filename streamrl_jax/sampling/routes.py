@@ -44,4 +44,5 @@ class RouteBook:
     """Step `step`'s experts (`routes` [steps, slots, sparse layers, k]; None: a dense model) of the token it fed
     `slot`'s row: the row's last."""
     if routes is not None:
-      flight.place_routes(len(flight.request.prompt_tokens) + len(flight.tokens) - 1, routes[step, slot][None])
+      last = len(flight.request.prompt_tokens) + len(flight.completion_tokens) - 1
+      flight.place_routes(last, routes[step, slot][None])

@@ -84,12 +84,12 @@ class StreamingSampler:
     this); otherwise the least loaded instance takes them. Samples are reproducible from (seed,
     group_id, sample_index), on any instance; sample indices start at `first_sample_index` (a group
     may be submitted one sample at a time). `progress` (one sample only) resumes a partial rollout after
-    its tokens so far, which keep their log-probabilities, versions and loss mask. `first` puts them at the front
-    of their queue (ahead of requests already waiting: served requests of a higher priority).
+    its completion tokens so far, which keep their log-probabilities, versions and loss mask. `first` puts them at
+    the front of their queue (ahead of requests already waiting: served requests of a higher priority).
     """
     prompt = np.asarray(prompt, np.int32).reshape(-1)
     params = self._turns.with_stops(params) if self._turns is not None else params
-    resuming = progress is not None and bool(progress.tokens)
+    resuming = progress is not None and bool(progress.completion_tokens)
     if resuming:
       check_resumable(progress, params)
     target = self._set.get(instance) if instance is not None else self._set.least_loaded()
@@ -125,7 +125,7 @@ class StreamingSampler:
         self._requeue(inst, inst.release_decoding(), "recomputed")
 
   def in_flight_progress(self) -> list[tuple[Request, Rollout]]:
-    """Every queued or running request with its tokens so far (a partial rollout to hand over when the
+    """Every queued or running request with its completion so far (a partial rollout to hand over when the
     sampler stops), in submission order."""
     held = self._admitter.held()
     flights = {**self._set.rows(), **held}
@@ -143,11 +143,11 @@ class StreamingSampler:
     return dropped
 
   def progress(self, seen: dict[int, int]) -> dict[int, tuple[list[int], list[float], list[int]]]:
-    """Request id -> (tokens, log-probabilities, versions) sampled after the first `seen[id]`, copied, of each
-    request in `seen` that has new ones (on a slot, parked or held to resume; a queued fresh one has none yet)."""
+    """Request id -> (completion tokens, log-probabilities, versions) sampled after the first `seen[id]`, copied, of
+    each request in `seen` with new ones (on a slot, parked or held to resume; a queued fresh one has none yet)."""
     flights = {**self._admitter.held(), **self._set.rows()}
-    return {i: (f.tokens[n:], f.logprobs[n:], f.versions[n:]) for i, n in seen.items()
-            if (f := flights.get(i)) is not None and len(f.tokens) > n}
+    return {i: (f.completion_tokens[n:], f.logprobs[n:], f.versions[n:]) for i, n in seen.items()
+            if (f := flights.get(i)) is not None and len(f.completion_tokens) > n}
 
   # ---- instances ----------------------------------------------------------------------------
   @property
@@ -291,7 +291,7 @@ class StreamingSampler:
       inst.free(slot)
     finished.append(flight.sample(reason, inst.index, now))
     self.counters.finished += 1
-    self.counters.generated_tokens += len(flight.tokens)
+    self.counters.generated_tokens += len(flight.completion_tokens)
 
   def stream(self) -> Iterator[Sample]:
     """Yields every sample as it finishes until no request is queued or in flight."""

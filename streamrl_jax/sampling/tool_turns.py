@@ -35,9 +35,9 @@ class ToolTurns:
 
   def call(self, flight: InFlight, token: int) -> bool:
     """Pauses a row that stopped on a tool's stop token, with room left, on the tool's call; False if not."""
-    if int(token) not in self._stops or len(flight.tokens) >= flight.request.params.max_new_tokens:
+    if int(token) not in self._stops or len(flight.completion_tokens) >= flight.request.params.max_new_tokens:
       return False
-    flight.waiting = self.tools.submit(flight.env_state, flight.tokens[flight.turn_start:])
+    flight.waiting = self.tools.submit(flight.env_state, flight.completion_tokens[flight.turn_start:])
     self.counters.tool_calls += 1
     return True
 
@@ -59,7 +59,8 @@ class ToolTurns:
     slots, chunks, places, unparked = [], [], [], []
     for slot, flight, place in self._returned(inst):
       result = flight.waiting.result()
-      ends = result.done or len(result.tokens) >= flight.request.params.max_new_tokens - len(flight.tokens)
+      room = flight.request.params.max_new_tokens - len(flight.completion_tokens)
+      ends = result.done or len(result.tokens) >= room
       if slot is None and not ends:
         if not free:
           continue  # no slot yet: it keeps its place among the parked
@@ -77,7 +78,7 @@ class ToolTurns:
         finish(slot, flight, FINISH_TURNS if result.done else FINISH_LENGTH)
         continue
       slots.append(slot)
-      chunks.append([flight.tokens[-1], *result.tokens])  # the stop token, then the tool's tokens
+      chunks.append([flight.completion_tokens[-1], *result.tokens])  # the stop token, then the tool's tokens
       flight.observe(result.tokens, version)
       flight.cache_end += len(result.tokens) + 1
       self.counters.tool_tokens += len(result.tokens)
@@ -108,7 +109,8 @@ class ToolTurns:
         flight = inst.slots[slot]
         flight.first = first
         # a mixture's routes of the appended tokens: the chunk ends at the row's last token
-        flight.routes_at = (len(flight.request.prompt_tokens) + len(flight.tokens) - len(chunk), len(chunk))
+        end = len(flight.request.prompt_tokens) + len(flight.completion_tokens)
+        flight.routes_at = (end - len(chunk), len(chunk))
     return refused
 
   def park_waiting(self, inst: Instance) -> None:

@@ -169,7 +169,7 @@ class _Run:
       elif isinstance(event, Finished):
         sample = event.sample
         reason = "length" if sample.finish_reason == "length" else "stop"
-        choice.finish(reason, sample.tokens.tolist(), sample.logprobs.tolist(),
+        choice.finish(reason, sample.completion_tokens.tolist(), sample.logprobs.tolist(),
                       sample.versions.tolist())
       yield event.choice
 

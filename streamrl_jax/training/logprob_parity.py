@@ -26,13 +26,13 @@ LAYOUTS = ("alone", "padded", "packed")
 
 
 def _rows(samples: list, width: int) -> dict:
-  """tokens, valid, loss_mask and the sampler's logprobs of `samples` (each with prompt_tokens, tokens, logprobs),
-  right-padded to `width`."""
+  """tokens (prompt + completion), valid, loss_mask and the sampler's logprobs of `samples` (each with
+  prompt_tokens, completion_tokens, logprobs), right-padded to `width`."""
   out = {k: np.zeros((len(samples), width), d) for k, d in (("tokens", np.int32), ("valid", bool),
                                                               ("loss_mask", bool), ("logprobs", np.float32))}
   for row, s in enumerate(samples):
-    p, c = len(s.prompt_tokens), len(s.tokens)
-    out["tokens"][row, :p + c] = list(s.prompt_tokens) + list(s.tokens)
+    p, c = len(s.prompt_tokens), len(s.completion_tokens)
+    out["tokens"][row, :p + c] = list(s.prompt_tokens) + list(s.completion_tokens)
     out["valid"][row, :p + c], out["loss_mask"][row, p:p + c] = True, True
     out["logprobs"][row, p:p + c] = s.logprobs
   return out
@@ -55,10 +55,10 @@ def max_abs_gaps(graphdef, params, samples: list, temperature: float, config: Tr
                  truncation: Truncation = Truncation()) -> dict[str, float]:
   """{layout: the largest |trainer - sampler| log-probability over every completion token} for `LAYOUTS`, the
   samples drawn with `truncation`'s top-k and top-p."""
-  longest = max(len(s.prompt_tokens) + len(s.tokens) for s in samples)
+  length = lambda s: len(s.prompt_tokens) + len(s.completion_tokens)  # noqa: E731
+  longest = max(length(s) for s in samples)
   score = lambda batch: trainer_logprobs(graphdef, params, batch, temperature, config, truncation)  # noqa: E731
-  gaps = {"alone": max(_gap(score(b), b) for b in (_rows([s], len(s.prompt_tokens) + len(s.tokens))
-                                                      for s in samples))}
+  gaps = {"alone": max(_gap(score(b), b) for b in (_rows([s], length(s)) for s in samples))}
   padded = _rows(samples, -(-longest // 16) * 16 + 16)  # a bucket past the longest: every row has padding
   gaps["padded"] = _gap(score(padded), padded)
   packed = pack_rows(padded, 2 * longest)

@@ -25,10 +25,10 @@ def samples_to_shard(samples: list[Sample], scores: list[Score], width: int, ste
   routed = next((s.routes for s in samples if s.routes is not None), None)
   routes = None if routed is None else np.zeros((n, width) + routed.shape[1:], ROUTES_DTYPE)
   for row, s in enumerate(samples):
-    p, c = len(s.prompt_tokens), len(s.tokens)
+    p, c = len(s.prompt_tokens), len(s.completion_tokens)
     if p + c > width:
       raise ValueError(f"sample {s.request_id}: {p + c} tokens exceed the shard width {width}")
-    tokens[row, :p], tokens[row, p:p + c] = s.prompt_tokens, s.tokens
+    tokens[row, :p], tokens[row, p:p + c] = s.prompt_tokens, s.completion_tokens
     valid[row, :p + c] = True
     loss_mask[row, p:p + c] = True if s.loss_mask is None else s.loss_mask  # an environment's tokens: False
     logprobs[row, p:p + c] = s.logprobs

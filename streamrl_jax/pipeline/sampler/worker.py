@@ -287,7 +287,7 @@ class SamplerWorker:
       self.episodes.failed(key, failure, where, len(self.scorer.names))
       return
     with self.phase_clock.phase("reward"):
-      text = self.tokenizer.decode(sample.tokens) if text is None else text
+      text = self.tokenizer.decode(sample.completion_tokens) if text is None else text
       self.scorer.submit(key, question(self.task, group.prompt), text, group.row.fields, where)
 
   def _send_scored(self, runs: dict, samples) -> None:
@@ -363,9 +363,9 @@ def _partials(sampler, runs: dict, agents: bool = False, served: frozenset = fro
   for request, rollout in sampler.in_flight_progress():
     if request.request_id in served or rollout.group_id not in leased:
       continue
-    if rollout.tokens and len(rollout.tokens) <= budget:
+    if rollout.completion_tokens and len(rollout.completion_tokens) <= budget:
       out.append(rollout)
-      budget -= len(rollout.tokens)
+      budget -= len(rollout.completion_tokens)
   for run in runs.values():
     for sample in run.collector.held():
       if sample.env_reward:

@@ -18,8 +18,7 @@ from streamrl_jax import launch
 from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.pipeline.controller import Controller
 from streamrl_jax.arms.followers import Followers
-from streamrl_jax.records.metric_table import check_row
-from streamrl_jax.records.metrics_log import PeriodicEval
+from streamrl_jax.records.metric_table import PROCESS, check_row
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.run_hooks import RunHooks
 from streamrl_jax.pipeline.trainer.worker import TrainerWorker
@@ -70,12 +69,13 @@ def timeline_of(trainer: TrainerWorker, controller: Controller, start_epoch: flo
   return {**lanes, **trainer.timeline}
 
 
-def memory_probe(queue: SampleQueue) -> Callable[[], dict]:
-  """Per-step figures of this process's memory and the sample queue's depth (now, and the most so far)."""
-  def probe() -> dict:
+def memory_part(queue: SampleQueue) -> Callable[[dict], dict]:
+  """A row part (`metric_table.join_row`): this process's memory and the sample queue's depth (now, and the most so
+  far)."""
+  def part(row: dict) -> dict:
     stats = queue.stats()
-    return dict(rss_mb=resident_mb(), queue_depth=stats["depth"], queue_max_depth=stats["max_depth"])
-  return probe
+    return {PROCESS: dict(rss_mb=resident_mb(), queue_depth=stats["depth"], queue_max_depth=stats["max_depth"])}
+  return part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,19 +103,20 @@ def train_session(trainer: TrainerWorker, controller: Controller, weights, queue
   stop or failure: only their step in progress). `hooks.periodic_eval` (one process only): the lead's held-out
   accuracy on the rows it is due."""
   start_epoch = time.time()
-  get_shard, on_step, to_host = side.get_shard, hooks.on_step, side.to_host
-  if hooks.periodic_eval is not None:
-    on_step = _evaluating(on_step, hooks.periodic_eval, trainer, to_host)
+  get_shard, on_step, to_host, parts = side.get_shard, hooks.on_step, side.to_host, [memory_part(queue)]
   if followers is not None:
     get_shard, on_step = followers.fanout.tap(get_shard), followers.fanout.lead_rows(on_step)
+    parts.append(followers.fanout.lead_part)
     followers.start()
+  if hooks.periodic_eval is not None:  # the lead's held-out accuracy, of its parameters after the row's step
+    parts.append(hooks.periodic_eval.row_part(lambda: to_host(trainer.policy_params())))
   side.start()
   if ranker is not None:
     ranker.start()
   completed, arms = False, {}
   try:
     metrics = trainer.run(controller, get_shard, weights, clock=lambda: time.time() - start_epoch, on_step=on_step,
-                          aux=ranker_aux(ranker), probe=memory_probe(queue))
+                          aux=ranker_aux(ranker), row_parts=tuple(parts))
     completed = True
   finally:
     try:
@@ -148,15 +149,6 @@ def _arm_results(arms: dict, to_host: Callable) -> dict[str, RunResult]:
     results[name] = RunResult(arm_params, arm_metrics, arm_counters, {"trainer": worker.timeline["trainer"]},
                               arm_adapters)
   return results
-
-
-def _evaluating(on_step, periodic_eval: PeriodicEval, trainer: TrainerWorker, to_host: Callable):
-  """`on_step` whose due rows carry the lead's held-out accuracy, of its parameters after the row's step."""
-  def row(m: dict) -> None:
-    periodic_eval.add(m, lambda: to_host(trainer.policy_params()))
-    if on_step is not None:
-      on_step(m)
-  return row
 
 
 def trained_params(trainer: TrainerWorker, to_host: Callable) -> tuple:

@@ -11,6 +11,7 @@ import numpy as np
 from streamrl_jax.messages import StepSummary, row_step
 from streamrl_jax.pipeline.trainer.step_intake import equal_reward_groups
 from streamrl_jax.phase_clock import accounted_frac
+from streamrl_jax.records.metric_table import SAMPLERS, STEP, UPDATE
 from streamrl_jax.run_shape import RunShape
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks.heldout import accuracy
@@ -49,10 +50,12 @@ class Arrivals:
     self.timeouts += int(shard.reward_timeouts.sum())
 
 
-def step_row(shape: RunShape, step: int, shards: list, received: Arrivals, train: dict, times: StepTimes,
-             summary: StepSummary) -> dict:
-  """Step `step`'s metrics row (a run of `shape`): `shards` trained, `received` (every group that arrived, trained
-  or filtered: see `Arrivals`), the update's metrics `train`, its `times` and the samplers' `summary`."""
+def step_parts(shape: RunShape, step: int, shards: list, received: Arrivals, update: dict, own: dict,
+               times: StepTimes, summary: StepSummary) -> dict[str, dict]:
+  """Step `step`'s metrics row as its parts (`metric_table.join_row`), in a run of `shape`: the step's own figures
+  from `shards` trained, `received` (every group that arrived, trained or filtered: see `Arrivals`), its `times` and
+  `own` (the batcher's and the worker's: calls, tokens, skipped update); the update's metrics `update`; the samplers'
+  `summary`."""
   rewards = np.concatenate(received.rewards)  # every group that arrived, trained or filtered
   counts = [s.staleness_sum_max(step) for s in shards]
   tokens, stale_sum = sum(c[0] for c in counts), sum(c[1] for c in counts)
@@ -62,7 +65,7 @@ def step_row(shape: RunShape, step: int, shards: list, received: Arrivals, train
   parts = np.concatenate(received.parts).mean(axis=0)
   by_function = {f"reward/{name}": float(v) for name, v in zip(shape.reward_names, parts)}
   wall = times.wall
-  return dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
+  mine = dict(step=row_step(step), time=time.time(), reward_mean=float(rewards.mean()), **by_function,
               reward_errors=received.errors, reward_timeouts=received.timeouts,
               accuracy=accuracy(rewards), samples_per_s=len(rewards) / max(wall, 1e-9),
               staleness_mean=stale_sum / max(tokens, 1), staleness_max=stale_max,  # per trained token
@@ -71,7 +74,8 @@ def step_row(shape: RunShape, step: int, shards: list, received: Arrivals, train
               env_tokens=sum(s.env_tokens for s in shards),
               trainer_idle_frac=min(1.0, times.waited / max(wall, 1e-9)),
               sampler_idle_frac=min(1.0, times.sampler_idle), weight_sync_s=float(seconds[-1]) if seconds else 0.0,
-              step_s=wall, train_s=times.train_s, **summary.metrics(), **train)
+              step_s=wall, train_s=times.train_s, **own)
+  return {STEP: mine, UPDATE: update, SAMPLERS: summary.metrics()}
 
 
 def batch_metrics(before: dict, after: dict) -> dict:

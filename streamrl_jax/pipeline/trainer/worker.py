@@ -43,7 +43,8 @@ from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
-from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_row
+from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_parts
+from streamrl_jax.records.metric_table import STEP, join_row
 from streamrl_jax.pipeline.watchdog import StallWatch
 from streamrl_jax.run_shape import RunShape
 from streamrl_jax.stopping import RunStopped, StopRequest
@@ -114,11 +115,13 @@ class TrainerWorker:
 
   def run(self, controller: TrainerControl, get_shard: Callable[[float], SampleShard], weights, *,
           clock: Callable[[], float], on_step: Callable[[dict], None] | None = None,
-          aux: Callable[[], dict] | None = None, probe: Callable[[], dict] | None = None,
+          aux: Callable[[], dict] | None = None, row_parts: tuple[Callable[[dict], dict], ...] = (),
           skip: Callable[[int], str | None] | None = None) -> list[dict]:
     """Publishes the start version, then trains every step. `get_shard(timeout)`: the next shard (TimeoutError if
-    none); `aux()`: extra state to checkpoint; `probe()`: extra figures for each row (memory, queue depth). A follower
-    arm's `skip(step)` says why it skips a step (None: it trains it); its `get_shard` may raise `StepSkipped`."""
+    none); `aux()`: extra state to checkpoint; `row_parts`: each `part(row)` adds its part of each row (`join_row`:
+    memory and queue depth, held-out accuracy, an arm's keys), given the row so far; `on_step(row)` then sees it. A
+    follower arm's `skip(step)` says why it skips a step (None: it trains it); its `get_shard` may raise
+    `StepSkipped`."""
     if self.config.precompile:
       self.state = precompile(self.trainer, self.batcher, self.state, self.config.chunk_rows, self.setup.cache_length)
     weights.publish(self.state.params, self.start_step)
@@ -133,25 +136,26 @@ class TrainerWorker:
         if skip is not None and skip(step) is not None:
           continue
         try:
-          row, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)
+          parts, last_end = self._train_step(step, controller, get_shard, weights, clock, last_end)
         except StepSkipped:
           if skip is None:
             raise
           continue
-        metrics.append(self._finish_step(step, row, controller, on_step, aux, probe))
+        metrics.append(self._finish_step(step, parts, controller, on_step, aux, row_parts))
       return metrics
 
   def _train_step(self, step: int, controller: TrainerControl, get_shard, weights, clock,
                   last_end: float) -> tuple[dict, float]:
-    """Takes the step's shards, trains on them and publishes the new weights; returns the step's metrics row and
-    the time it ended."""
+    """Takes the step's shards, trains on them and publishes the new weights; returns the step's metrics row's
+    parts (`step_parts`) and the time it ended."""
     first_entry = len(self.timeline["trainer"])
     before = dict(self.batcher.counters)
     shards, waited, received = self._take_step(step, controller, get_shard, clock)
     begin = clock()
     empty = _drop_empty_step(self.batcher, shards, step)
     self.counters.empty_steps += empty
-    if self.batcher.rows_seen:
+    updated = self.batcher.rows_seen > 0
+    if updated:
       with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
         self.state = self.batcher.flush(self.state)
         jax.block_until_ready(self.state.sums)
@@ -159,16 +163,16 @@ class TrainerWorker:
       with self.phase_clock.phase("optimizer"):
         self.state, train_metrics = self.batcher.finish(self.state)
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
-      save_wait, train_metrics = 0.0, {"update_skipped": 1.0}
+      save_wait, train_metrics = 0.0, {}
       if not empty:
         _warn(f"step {row_step(step)}: dynamic sampling filtered every group (equal rewards in each) and nothing was "
               "left to backfill; the step is skipped, the weights unchanged")
-    train_metrics["empty_step"] = float(bool(empty))
+    own = {"empty_step": float(bool(empty)), **({} if updated else {"update_skipped": 1.0})}
     self._progress(f"the update of step {row_step(step)}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
     # this step's accumulate + update, not the wait for the last step's save
     train_s = sum(e - b for b, e, _ in self.timeline["trainer"][first_entry:]) - save_wait
-    train_metrics.update(batch_metrics(before, self.batcher.counters))
+    own.update(batch_metrics(before, self.batcher.counters))
     summary = controller.step_trained(StepTrained(step, train_s))  # before the weights go out: the next instance target
     sync_start = clock()
     if step + 1 < self.shape.steps:  # the last step's weights go to no sampler: no step is left to sample
@@ -182,7 +186,7 @@ class TrainerWorker:
     end = clock()
     sampler_idle = controller.sampler_wait(SamplerWaitQuery()).seconds / max(end, 1e-9)
     times = StepTimes(waited, end - last_end, train_s, sampler_idle, weights.seconds)
-    return step_row(self.shape, step, shards, received, train_metrics, times, summary), end
+    return step_parts(self.shape, step, shards, received, train_metrics, own, times, summary), end
 
   def _await_checkpoint(self, clock) -> float:
     """Waits until the last step's save (in the background) has read what the update will donate; its seconds."""
@@ -193,11 +197,12 @@ class TrainerWorker:
       self.checkpointer.wait()
     return clock() - start
 
-  def _finish_step(self, step: int, row: dict, controller: TrainerControl, on_step, aux, probe) -> dict:
-    """The step's metrics row, then its checkpoint; a stop request ends the run here (`RunStopped`)."""
-    if probe is not None:
-      row.update(probe())
-    row.update(phase_row(self.phase_clock.take()))
+  def _finish_step(self, step: int, parts: dict, controller: TrainerControl, on_step, aux, more) -> dict:
+    """The step's metrics row, joined from its parts and those `more` adds, then its checkpoint; a stop request ends
+    the run here (`RunStopped`)."""
+    row = join_row({**parts, STEP: {**parts[STEP], **phase_row(self.phase_clock.take())}})
+    for part in more:
+      row = join_row(part(row), row)
     if on_step is not None:
       with self.phase_clock.phase("row"):
         on_step(row)
