@@ -23,6 +23,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
+# Where the agent tests' program logs what it was served (tests/agent_programs.py), one file per pytest process. Set
+# before any process starts: agent workers fork from a server that keeps the environment it started with, which an
+# earlier test may have started.
+_agents = tempfile.mkdtemp(prefix="streamrl-test-agents-")
+atexit.register(shutil.rmtree, _agents, ignore_errors=True)
+os.environ["STREAMRL_TEST_AGENT_LOG"] = os.path.join(_agents, "agent.jsonl")
+
 import pytest  # noqa: E402
 
 # tests/sweep.py: which tests start threads or processes (STREAMRL_SWEEP_RECORD) and which failed (..._FAILED).

@@ -47,7 +47,8 @@ def _pytest(args: list[str], record: Path | None = None) -> tuple[int, list[str]
   with tempfile.NamedTemporaryFile("r", suffix=".txt") as failed:
     env = {k: v for k, v in os.environ.items() if k not in (RECORD_ENV, FAILED_ENV)}
     env.update({FAILED_ENV: failed.name, **({RECORD_ENV: str(record)} if record else {})})
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args,
+    # "-n 0": in this one process (the project's pytest options may spread tests over worker processes)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", *args,
                            "--deselect", SELF], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]

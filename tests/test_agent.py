@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -75,9 +76,9 @@ def _agent_config(agent: str, timeout: float = 60.0):
   return dataclasses.replace(BASE, steps=1, sampler=dataclasses.replace(BASE.sampler, env=env))
 
 
-def test_an_episode_becomes_one_sample_trained_only_on_the_tokens_the_policy_sampled(tmp_path, monkeypatch):
-  log = tmp_path / "agent.jsonl"
-  monkeypatch.setenv("STREAMRL_TEST_AGENT_LOG", str(log))
+def test_an_episode_becomes_one_sample_trained_only_on_the_tokens_the_policy_sampled():
+  log = Path(os.environ["STREAMRL_TEST_AGENT_LOG"])  # set by conftest, before any agent worker's process starts
+  log.unlink(missing_ok=True)
   _, shards = _run_one_step(_agent_config("two_turns"))
   episodes = [json.loads(line) for line in log.read_text().splitlines()]
   assert len(episodes) == GROUPS * BASE.group_size

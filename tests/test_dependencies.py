@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # distribution -> why it is needed though nothing of ours imports it
 USED_WITHOUT_IMPORT = {
     "accelerate": "transformers refuses to load a GGUF file without it (tests/test_gguf.py, benchmarks/real_model.py)",
+    "pytest-xdist": "pytest's `-n` (pyproject.toml's addopts): the tests spread over one worker process per core",
     "tensorboard": "the `tensorboard --logdir WORKDIR` command of the viz extra reads a run's event files",
 }
 REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^\]]*\])?\s*(.*)$")

@@ -25,7 +25,6 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from scipy import stats
 
 from streamrl_jax.counters import Counters
 from streamrl_jax import launch
@@ -143,6 +142,8 @@ def ranking_metrics(predicted: Sequence[float], actual: Sequence[float]) -> dict
   if predicted.shape != actual.shape or predicted.size < 2:
     raise ValueError(f"need two equal-length sequences of >= 2 values, got {predicted.shape} and {actual.shape}")
   out = {f"recall_top{round(f * 100)}": recall_at(predicted, actual, f) for f in RECALL_FRACTIONS}
+  from scipy import stats  # here, not at the top: scipy.stats takes ~0.7 s to import, and every program imports this
+
   rho = stats.spearmanr(predicted, actual).statistic if np.ptp(predicted) > 0 and np.ptp(actual) > 0 else 0.0
   out["spearman"] = float(rho)
   return out
@@ -154,6 +155,8 @@ def lengths_from_scores(scores: Sequence[float], history: Sequence[float], defau
   scores = np.asarray(scores, float)
   if len(history) == 0:
     return np.full(scores.shape, float(default))
+  from scipy import stats  # (see `ranking_metrics`)
+
   ranks = stats.rankdata(scores, method="average")
   return np.quantile(np.asarray(history, float), (ranks - 0.5) / len(scores))
 
