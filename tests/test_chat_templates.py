@@ -325,7 +325,7 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
   monkeypatch.setattr(evaluation, "StreamingSampler", Recorder)
   for chat in (False, True):
     job = JobConfig(model=str(gguf), task=TaskConfig(name="file", prompt_file=str(rows), chat=chat,
-                                                               system_prompt="Be brief." if chat else ""))
+                                                     system_prompt="Be brief." if chat else ""))
     model, tokenizer, _ = job.load_model()
     theirs = _theirs(job.model_path())
     task = job.make_task(tokenizer)

@@ -56,7 +56,7 @@ def test_notebook_is_valid_clean_and_parameterised(path):
 
 def test_notebooks_use_the_public_names():
   text = "\n".join(c.source for name in NOTEBOOKS for c in _read(COLAB / f"{name}.ipynb").cells)
-  for name in ("streamrl train", "streamrl simulate", "train_job", "run_pipeline", "load_hf", "save_hf",
+  for name in ("streamrl train", "streamrl simulate", "streamrl_jax.job", "run_pipeline", "load_hf", "save_hf",
                "load_tokenizer", "PromptFile", "OnlineRanker", "dispatch_requests", "run_preset", "balanced_split",
                "measure_ptl_curve"):
     assert name in text, name

@@ -14,6 +14,7 @@ from streamrl_jax import cli, gin_config
 from streamrl_jax.settings import flat_settings
 from streamrl_jax.pipeline import preflight
 from streamrl_jax.job.config import JobConfig
+from streamrl_jax.records import run_files
 from tests.checkpoints import word_checkpoint
 
 COMPILE_EVENTS = []
@@ -117,7 +118,7 @@ def test_mistakes_are_reported_before_any_model_or_compile(case, tmp_path, capsy
   elif before == "settings":
     fake_checkpoint(workdir)
     gin_config.parse()
-    preflight.write_settings(workdir, flat_settings(*gin_config.build_run()))  # the default hidden size, 64
+    run_files.write_settings(workdir, flat_settings(*gin_config.build_run()))  # the default hidden size, 64
   nothing_built.clear()
   fill = dict(prompts=prompt_file(tmp_path))
   for name in ("hf", "broken", "refusing", "badgen"):
@@ -135,14 +136,14 @@ def test_mistakes_are_reported_before_any_model_or_compile(case, tmp_path, capsy
 def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
   settings = {"PipelineConfig.steps": "10", "JobConfig.hidden_size": "64"}
   assert preflight.check_resume(tmp_path, settings, "auto", None) is False
-  preflight.write_settings(tmp_path, settings)
+  run_files.write_settings(tmp_path, settings)
   assert preflight.check_resume(tmp_path, {**settings, "PipelineConfig.steps": "20"}, "auto", 4) is True
   with pytest.raises(ValueError, match="JobConfig.hidden_size: 64 -> 32"):
     preflight.check_resume(tmp_path, {**settings, "JobConfig.hidden_size": "32"}, "auto", 4)
 
 
 def test_a_workdir_written_before_keys_moved_resumes_under_their_new_names(tmp_path):
-  preflight.write_settings(tmp_path, {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"})
+  run_files.write_settings(tmp_path, {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"})
   now = {"SamplerConfig.precision": "'int8'", "SamplerConfig.in_flight": "True"}
   assert preflight.check_resume(tmp_path, now, "auto", 4) is True
   with pytest.raises(ValueError, match="SamplerConfig.in_flight: True -> False"):

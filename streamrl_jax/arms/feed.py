@@ -133,8 +133,8 @@ class ArmFeed:
 
 class Fanout:
   """The lead's side: `offer` every shard the lead receives to every feed, `lead_trained` after each of the lead's
-  steps; `tap` and `lead_rows` wrap the lead's shard source and row callback to do both. Owned by the lead's
-  thread; it keeps nothing itself."""
+  steps; `tap` wraps the lead's shard source and `lead_part` is a part of the lead's rows, to do both. Owned by the
+  lead's thread; it keeps nothing itself."""
 
   def __init__(self, feeds: dict[str, ArmFeed], lead_name: str = "lead"):
     self.feeds, self.lead_name = feeds, lead_name
@@ -148,16 +148,10 @@ class Fanout:
     return get
 
   def lead_part(self, row: dict) -> dict:
-    """The lead's row part (`metric_table.join_row`): its arm's name and its own policy divergence."""
+    """The lead's row part (`metric_table.join_row`): its arm's name and its own policy divergence; the feeds learn
+    its progress from the row."""
+    self.lead_trained(row["step"])
     return {ARMS: dict(arm=self.lead_name, arm_policy_divergence=row.get("logprob_mismatch_kl", 0.0))}
-
-  def lead_rows(self, on_step: Callable[[dict], None] | None) -> Callable[[dict], None]:
-    """The lead's `on_step`: the feeds learn its progress from each row."""
-    def row(m: dict) -> None:
-      self.lead_trained(m["step"])
-      if on_step is not None:
-        on_step(m)
-    return row
 
   def offer(self, shard: SampleShard) -> None:
     for feed in self.feeds.values():

@@ -105,7 +105,7 @@ def train_session(trainer: TrainerWorker, controller: Controller, weights, queue
   start_epoch = time.time()
   get_shard, on_step, to_host, parts = side.get_shard, hooks.on_step, side.to_host, [memory_part(queue)]
   if followers is not None:
-    get_shard, on_step = followers.fanout.tap(get_shard), followers.fanout.lead_rows(on_step)
+    get_shard = followers.fanout.tap(get_shard)
     parts.append(followers.fanout.lead_part)
     followers.start()
   if hooks.periodic_eval is not None:  # the lead's held-out accuracy, of its parameters after the row's step

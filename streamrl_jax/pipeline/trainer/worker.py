@@ -201,10 +201,10 @@ class TrainerWorker:
     """The step's metrics row, joined from its parts and those `more` adds, then its checkpoint; a stop request ends
     the run here (`RunStopped`)."""
     row = join_row({**parts, STEP: {**parts[STEP], **phase_row(self.phase_clock.take())}})
-    for part in more:
-      row = join_row(part(row), row)
-    if on_step is not None:
-      with self.phase_clock.phase("row"):
+    with self.phase_clock.phase("row"):  # (a held-out evaluation when due is a part: its seconds are the row's)
+      for part in more:
+        row = join_row(part(row), row)
+      if on_step is not None:
         on_step(row)
     self.faults.hit("row", step + 1)
     stopping = _agreed(self.stop is not None and self.stop.requested)
