@@ -4,7 +4,7 @@ hand; and the pictures drawn from them."""
 import json
 
 from streamrl_jax.records import run_record
-from streamrl_jax.records.pictures import curves_figure, pyplot, write_curves_png, write_timeline_png
+from streamrl_jax.records.pictures import curves_figure, write_curves_png, write_timeline_png
 
 
 def test_a_fresh_start_forgets_an_old_record_and_a_resume_appends_to_it(tmp_path):
@@ -72,7 +72,6 @@ def test_the_curves_draw_what_their_labels_say_on_whole_steps():
     labels = ([line.get_label() for line in top.get_lines()], [line.get_label() for line in bottom.get_lines()])
     ticks = [t for t in bottom.get_xticks() if bottom.get_xlim()[0] <= t <= bottom.get_xlim()[1]]
     ylabel = bottom.get_ylabel()
-    pyplot().close(fig)
     return labels, ticks, ylabel
   two = [dict(step=s, reward_mean=0.5, loss=0.1, kl=0.0, **{"reward/sums": 0.5, "reward/format": 0.2}) for s in (1, 2)]
   (top, bottom), ticks, ylabel = drawn(two)
@@ -90,7 +89,6 @@ def test_few_points_are_drawn_as_labelled_points_and_many_as_a_line():
     top, middle, bottom = fig.axes
     styles = {line.get_label(): (line.get_linestyle(), line.get_marker()) for ax in fig.axes for line in ax.get_lines()}
     texts = [t.get_text() for t in middle.texts], [t.get_text() for t in bottom.texts]
-    pyplot().close(fig)
     return styles, texts
   two = [dict(step=s, reward_mean=0.5, loss=0.25 * s, kl=0.0) for s in (1, 2)]
   styles, (accuracy, losses) = drawn(two, [(0, 0.2), (2, 0.6)])  # before and after training

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 from streamrl_jax.records.metrics_log import evaluations, read_metrics
-from streamrl_jax.records.pictures import pyplot
+from streamrl_jax.records.pictures import figure
 from streamrl_jax.records.run_files import ARM_FILE, SUMMARY_FILE, read_accuracy_before
 from streamrl_jax.records.run_record import ARMS_DIR
 
@@ -86,8 +86,8 @@ def write_comparison_png(arms: list[ArmRecord], path: Path, steps: int | None = 
   """Three panels over RL steps, a colour per arm: the reward of the samples each trained on, its policy's
   divergence from the sampling policy, and its held-out accuracy (before RL, every `JobConfig.eval_every` steps,
   after)."""
-  plt = pyplot()
-  fig, (reward, divergence, accuracy) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+  fig = figure(figsize=(8, 8))
+  reward, divergence, accuracy = fig.subplots(3, 1, sharex=True)
   last = steps or max((arm.rows[-1]["step"] for arm in arms if arm.rows), default=1)
   for i, arm in enumerate(arms):
     color = f"C{i}"
@@ -111,4 +111,3 @@ def write_comparison_png(arms: list[ArmRecord], path: Path, steps: int | None = 
   reward.set_title("arms on one sample stream")
   fig.tight_layout()
   fig.savefig(path, dpi=110)
-  plt.close(fig)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO
@@ -67,15 +68,28 @@ def tensorboard_writer(directory: Path, rows: list[dict]):
   """A `tensorboardX.SummaryWriter` on DIRECTORY/tensorboard holding `rows` (`add_row`) and nothing else: the folder
   is written anew, so a resumed run shows each of its steps once (the steps lost to a crash are not left behind
   beside their second run), at the times the rows were written."""
-  from tensorboardX import SummaryWriter
-
   folder = Path(directory) / "tensorboard"
   shutil.rmtree(folder, ignore_errors=True)
-  writer = SummaryWriter(str(folder))
+  writer = _summary_writer_class()(str(folder))
   for row in rows:
     add_row(writer, row, flush=False)
   writer.flush()
   return writer
+
+
+def _summary_writer_class():
+  """tensorboardX's `SummaryWriter`, imported without torch: tensorboardX tries `import torch` at import only to accept
+  torch tensors as values (rows hold floats), which costs every run's process seconds and hundreds of MB where torch is
+  installed. Unless torch is loaded already, that one import is refused while tensorboardX loads."""
+  if "torch" in sys.modules:
+    from tensorboardX import SummaryWriter
+    return SummaryWriter
+  sys.modules["torch"] = None  # `import torch` raises ImportError: tensorboardX's fallback
+  try:
+    from tensorboardX import SummaryWriter
+  finally:
+    del sys.modules["torch"]
+  return SummaryWriter
 
 
 def add_row(writer, row: dict, flush: bool = True) -> None:

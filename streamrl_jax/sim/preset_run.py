@@ -12,6 +12,13 @@ from streamrl_jax.sim.preset_names import SCALING, SCALING_MODELS
 from streamrl_jax.sim.presets import ablation_ladder, balanced_split, expected_generation_s, preset, scaling_preset
 from streamrl_jax.sim.scaling import scaling_results
 
+
+def figure(**settings):
+  """A matplotlib `Figure` of its own (no pyplot: no global figure state)."""
+  from matplotlib.figure import Figure
+
+  return Figure(**settings)
+
 PLOTS = ("throughput_by_mode.png", "gantt.png", "generation_normalized.png")
 SCALING_PLOTS = ("scaling.png",)
 
@@ -67,11 +74,8 @@ def run_scaling(out: str | Path, seed: int = 0) -> dict:
 
 
 def _scaling_plot(out: Path, results: dict) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(7, 4))
+  fig = figure(figsize=(7, 4))
+  ax = fig.subplots()
   for (key, model), color in zip(results["models"].items(), ("#59c", "#c73")):
     for design, style in (("per_process", "-o"), ("central", "--s")):
       ax.plot(results["devices"], model[design]["normalized"], style, color=color, label=f"{key}, {design}")
@@ -87,7 +91,6 @@ def _scaling_plot(out: Path, results: dict) -> None:
   ax.legend()
   fig.tight_layout()
   fig.savefig(out / "scaling.png", dpi=120)
-  plt.close(fig)
 
 
 def _settings(config: SimConfig) -> dict:
@@ -109,11 +112,8 @@ def _cost_per_hour(config: SimConfig, mode: str, ladder: dict) -> float:
 
 
 def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: dict) -> None:
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-
-  fig, ax = plt.subplots(figsize=(6, 3.5))
+  fig = figure(figsize=(6, 3.5))
+  ax = fig.subplots()
   ladder = results["normalized_throughput"]
   ax.bar(list(ladder), list(ladder.values()), color=["#888", "#6a9", "#59c", "#c73"])
   ax.set_ylabel("throughput / colocated")
@@ -122,9 +122,9 @@ def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: d
     ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
   fig.tight_layout()
   fig.savefig(out / "throughput_by_mode.png", dpi=120)
-  plt.close(fig)
 
-  fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+  fig = figure(figsize=(8, 6))
+  axes = fig.subplots(2, 1, sharex=True)
   fig.suptitle("first iteration: instances (long-tail orange), trainer (green), weight sync (purple)")
   for ax, (title, tl) in zip(axes, [("colocated, random dispatch", colocated_timeline),
                                     ("async, skew-aware dispatch", async_timeline)]):
@@ -140,16 +140,15 @@ def _plots(out: Path, results: dict, async_timeline: dict, colocated_timeline: d
   axes[-1].set_xlabel("seconds in the first iteration")
   fig.tight_layout()
   fig.savefig(out / "gantt.png", dpi=120)
-  plt.close(fig)
 
-  fig, ax = plt.subplots(figsize=(5, 3.5))
+  fig = figure(figsize=(5, 3.5))
+  ax = fig.subplots()
   gen = results["generation_s_normalized_to_random"]
   ax.bar(list(gen), list(gen.values()), color=["#888", "#59c", "#6a9"])
   ax.set_ylabel("generation time / random+FIFO")
   ax.set_ylim(0, max(1.1, max(gen.values()) * 1.1))
   fig.tight_layout()
   fig.savefig(out / "generation_normalized.png", dpi=120)
-  plt.close(fig)
 
 
 def summary_lines(results: dict) -> list[str]:
