@@ -4,6 +4,7 @@ arm's end, a follower program's): greedy accuracy on prompts drawn with their ow
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 from flax import nnx
@@ -48,12 +49,19 @@ class HeldOut:
     return accuracy([r for _, _, r in rows])
 
 
+@functools.lru_cache(maxsize=4)
+def _engine(graphdef, model_config, config):
+  """One engine per model and engine config, kept: an evaluation after the first (every `JobConfig.eval_every` steps,
+  after RL, each arm's) runs the programs the first traced, rather than tracing and lowering a new engine's anew."""
+  return make_engine(graphdef, model_config, config, single_device_mesh())
+
+
 def greedy_completions(model, tokenizer, task, sampler: SamplerConfig, max_new_tokens: int, prompts: int,
                        seed: int) -> list[tuple[str, str, float]]:
   """(prompt, completion text, reward) of greedy decoding on `prompts` prompts drawn with their own seed, with
   `sampler`'s engine and tools, scored by its rewards."""
   graphdef, params = nnx.split(model)
-  engine = make_engine(graphdef, model.config, sampler.engine, single_device_mesh())
+  engine = _engine(graphdef, model.config, sampler.engine)
   tools = make_tools(sampler.env, tokenizer)
   streaming = StreamingSampler([engine], params, tools=tools)
   items = heldout_prompts(task, prompts, seed)
