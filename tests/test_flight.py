@@ -147,6 +147,31 @@ def test_weights_travel_in_chunks_onto_the_samplers_mesh():
     server.shutdown()
 
 
+def test_a_closed_receiver_leaves_its_long_poll_behind_and_fetches_nothing_more():
+  """`close` waits for a fetch under way, not for the long poll (a Flight call cannot be cancelled): the poll ends on
+  its own, finds the receiver closed, and neither fetches nor places the version it heard of."""
+  server, _, _, store = make_server()
+  connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
+  try:
+    template = {"w": np.zeros((4,), np.float32)}
+    receiver = FlightWeightReceiver(connection, template, None, poll_s=30.0)
+    store.publish({"w": np.ones((4,), np.float32)}, 0)
+    assert receiver.wait_for(0, timeout=30).version == 0
+    deadline = time.monotonic() + 30
+    while server.counters["actions"] < 2 and time.monotonic() < deadline:  # the poll for version 1 is under way
+      time.sleep(0.01)
+    assert server.counters["actions"] == 2
+    receiver.close()
+    assert receiver._thread.is_alive()  # still in its poll: close did not wait for it
+    store.publish({"w": np.full((4,), 2.0, np.float32)}, 1)  # the poll returns with version 1 ...
+    receiver._thread.join(30)
+    assert not receiver._thread.is_alive()
+    assert receiver.stats["fetches"] == 1 and receiver.latest().version == 0  # ... which is never fetched
+  finally:
+    connection.close()
+    server.shutdown()
+
+
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):
   certs = write_test_certificates(tmp_path)
   server, controller, queue, _ = make_server(tls=TLSFiles(str(certs["server_cert"]), str(certs["server_key"]),

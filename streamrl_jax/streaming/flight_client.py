@@ -314,6 +314,7 @@ class FlightWeightReceiver:
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
     self._held = LatestWeights(f"receiving weights from {connection.address} failed")
     self._stop = threading.Event()
+    self._fetching = threading.Lock()  # held while a version is fetched and placed (`close` waits for that alone)
     self.stats = dict(fetches=0, bytes=0, fetch_s=0.0, relay_fetches=0, relay_fallbacks=0)
     self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
     self._thread.start()
@@ -325,12 +326,15 @@ class FlightWeightReceiver:
         info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s,
                                                    sampler_id=self.sampler_id), VersionInfo,
                                       timeout=self.poll_s + self.connection.timeout_s)
-        if info.version > have:
-          try:
-            update = self.fetch(info.version, info.source)
-          except VersionGone:  # superseded between the query and the fetch: ask again
-            continue
-          self._held.offer(update)
+        with self._fetching:
+          if self._stop.is_set():  # closed during the poll: nothing more is fetched or placed
+            return
+          if info.version > have:
+            try:
+              update = self.fetch(info.version, info.source)
+            except VersionGone:  # superseded between the query and the fetch: ask again
+              continue
+            self._held.offer(update)
     except BaseException as err:  # surfaced by latest()/wait_for(), unless the receiver was closed
       self._held.fail(None if self._stop.is_set() else err)
 
@@ -380,9 +384,12 @@ class FlightWeightReceiver:
     return self._held.wait_for(version, timeout)
 
   def close(self) -> None:
+    """Stops the receiver: waits for a fetch under way, not for a long poll (up to `poll_s`; a Flight call cannot be
+    cancelled from here), which ends on its own and finds the receiver closed."""
     self._stop.set()
     for source in self._sources.values():
       source.close()
-    self._thread.join(timeout=self.poll_s + self.connection.timeout_s)
+    if self._fetching.acquire(timeout=self.poll_s + self.connection.timeout_s):
+      self._fetching.release()
     for source in self._sources.values():
       source.client.close()
