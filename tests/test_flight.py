@@ -14,7 +14,7 @@ from flax import nnx
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.messages import (BadMessage, Heartbeat, LeaseRequest, Published, Register, RejoinRequired, StepReport,
-                                   StepSummaryRequest)
+                                   StepSummaryRequest, VersionInfo, VersionQuery)
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.models.precision import SamplerPrecision, decode, encode, landing, to_wire, wire_bytes
 from streamrl_jax.streaming.flight_client import (FlightConnection, FlightControl, FlightSampleSender,
@@ -170,6 +170,29 @@ def test_a_closed_receiver_leaves_its_long_poll_behind_and_fetches_nothing_more(
   finally:
     connection.close()
     server.shutdown()
+
+
+def test_a_server_shutting_down_answers_the_long_polls_under_way_at_once():
+  """A Flight server's shutdown waits for the calls under way: a sampler's long poll for a newer version would hold it
+  for the poll's whole wait. The server ends every wait first: the poll answers with the newest version it holds."""
+  server, _, _, store = make_server()
+  connection = FlightConnection(server.address, timeout_s=60, retry_s=5)
+  answered = []
+  store.publish({"w": np.ones((4,), np.float32)}, 0)
+  poll = threading.Thread(target=lambda: answered.append(
+      connection.action(VersionQuery(min_version=1, wait_s=30.0), VersionInfo).version))
+  poll.start()
+  deadline = time.monotonic() + 30
+  while server.counters["actions"] < 1 and time.monotonic() < deadline:  # the poll has reached the server
+    time.sleep(0.01)
+  server.shutdown()
+  poll.join(60)
+  assert answered == [0]
+  later = threading.Thread(target=lambda: answered.append(store.wait_version(1, timeout=None)), daemon=True)
+  later.start()  # a wait with no limit returns at once once waits are ended (it would never return before)
+  later.join(60)
+  assert answered == [0, 0]
+  connection.close()
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(tmp_path):

@@ -95,6 +95,7 @@ class HostWeightStore:
     self._where: dict[int, dict] = {}  # version -> where each piece lies (pieces only)
     self._threads: list[threading.Thread] = []
     self._error: BaseException | None = None
+    self._waits_ended = False  # `end_waits`: the server is shutting down, a long poll answers at once
     self.seconds: dict[int, float] = {}
 
   def publish(self, params, version: int) -> None:
@@ -139,9 +140,17 @@ class HostWeightStore:
   def wait_version(self, min_version: int, timeout: float) -> int:
     """The newest stored version, after waiting up to `timeout` s for one >= `min_version`."""
     with self._cond:
-      self._cond.wait_for(lambda: self._error is not None or max(self._versions, default=-1) >= min_version, timeout)
+      self._cond.wait_for(lambda: self._error is not None or self._waits_ended
+                          or max(self._versions, default=-1) >= min_version, timeout)
       self._raise_error()
       return max(self._versions, default=-1)
+
+  def end_waits(self) -> None:
+    """Every long poll, under way or to come, answers at once with the newest version: a Flight server's shutdown
+    waits for the calls under way, which would otherwise hold it up to their whole wait."""
+    with self._cond:
+      self._waits_ended = True
+      self._cond.notify_all()
 
   def get(self, version: int) -> tuple[list, list]:
     """(manifest, host arrays) of a held version; KeyError once it is no longer held."""
@@ -221,6 +230,13 @@ class TrainerFlightServer(flight.FlightServerBase):
     self.arms = arms  # follower programs' streams (`pipeline.remote_arms.RemoteArms`), or None
     if arms is not None:
       self._handlers.update({ArmJoin: arms.join, ArmPoll: arms.poll})
+
+  def shutdown(self) -> None:
+    """Stops serving, once the calls under way have returned: the samplers' long polls for a newer version answer
+    at once (they would hold the shutdown up to their wait, 5 s a sampler, 30 s a follower arm's)."""
+    if self.weights is not None:
+      self.weights.end_waits()
+    super().shutdown()
 
   def _count(self, key: str, n: int = 1) -> None:
     with self._lock:
