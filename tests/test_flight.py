@@ -24,6 +24,7 @@ from streamrl_jax.streaming.sample_schema import SAMPLE_SCHEMA, SampleEnvelope, 
 from tests.wire_samples import VOCAB, group_shard
 from tests.tls_certs import write_test_certificates
 from tests.flight_setup import SETTINGS, leased_sender, make_server, serving
+from tests.processes import free_port
 
 
 @pytest.fixture
@@ -192,6 +193,28 @@ def test_a_server_shutting_down_answers_the_long_polls_under_way_at_once():
   later.start()  # a wait with no limit returns at once once waits are ended (it would never return before)
   later.join(60)
   assert answered == [0, 0]
+  connection.close()
+
+
+def test_a_call_retrying_against_a_trainer_gone_ends_when_its_session_does():
+  """A heartbeat (or a weight poll) that began as the trainer shut down retries for the connection's whole limit
+  (300 s by default), and the sampler's session waits for it; with the session's end as `abort` it ends at once."""
+  connection = FlightConnection(f"127.0.0.1:{free_port()}", timeout_s=5)  # nothing listens there
+  ended, raised = threading.Event(), []
+
+  def beat():
+    try:
+      FlightControl(connection).heartbeat(Heartbeat(1), abort=ended)
+    except ConnectionError as err:
+      raised.append(str(err))
+  beating = threading.Thread(target=beat, daemon=True)
+  beating.start()
+  deadline = time.monotonic() + 30
+  while connection.counters.flight_retries < 1 and time.monotonic() < deadline:  # it is retrying
+    time.sleep(0.01)
+  ended.set()
+  beating.join(60)
+  assert raised == [f"a call to {connection.address} abandoned: the session it served has ended"]
   connection.close()
 
 

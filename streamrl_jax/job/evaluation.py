@@ -14,7 +14,8 @@ from streamrl_jax.envs import make_tools
 from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.records.run_files import write_eval_rows
 from streamrl_jax.rewards import RewardScorer
-from streamrl_jax.sampling import SamplerConfig, StreamingSampler, make_engine
+from streamrl_jax.models import ModelConfig
+from streamrl_jax.sampling import EngineConfig, SamplerConfig, StreamingSampler, make_engine
 from streamrl_jax.tasks import prompt_tokens, question, verifier
 from streamrl_jax.tasks.heldout import accuracy, evaluation_where, heldout_prompts
 from streamrl_jax.types import SamplingParams
@@ -50,7 +51,7 @@ class HeldOut:
 
 
 @functools.lru_cache(maxsize=4)
-def _engine(graphdef, model_config, config):
+def _engine(graphdef, model_config: ModelConfig, config: EngineConfig):
   """One engine per model and engine config, kept: an evaluation after the first (every `JobConfig.eval_every` steps,
   after RL, each arm's) runs the programs the first traced, rather than tracing and lowering a new engine's anew."""
   return make_engine(graphdef, model_config, config, single_device_mesh())

@@ -85,14 +85,17 @@ class FlightConnection:
   def options(self, timeout: float | None = None) -> flight.FlightCallOptions:
     return flight.FlightCallOptions(timeout=timeout or self.timeout_s)
 
-  def call(self, fn, *, retry_s: float | None = None):
+  def call(self, fn, *, retry_s: float | None = None, abort: threading.Event | None = None):
     """fn() with retries while the server is unavailable (refusing connections, restarting, or asking for a
-    retry); raises TrainerUnreachable after `retry_s` seconds."""
+    retry); raises TrainerUnreachable after `retry_s` seconds, ConnectionError once the connection is closed or
+    `abort` is set (the session the call belongs to ended: a trainer that shut down is not waited for)."""
     limit = self.retry_s if retry_s is None else retry_s
     start, pause, said = time.monotonic(), 0.05, 0.0
     while True:
       if self._closed.is_set():
         raise ConnectionError(f"the connection to {self.address} is closed")
+      if abort is not None and abort.is_set():
+        raise ConnectionError(f"a call to {self.address} abandoned: the session it served has ended")
       self.counters.flight_calls += 1
       try:
         return fn()
@@ -106,7 +109,7 @@ class FlightConnection:
           _log.info(f"{self.peer} at {self.address} is not answering yet ({waited:.0f} s: {_message(err)}); "
                     f"retrying for up to {limit:.0f} s in all")
       self.counters.flight_retries += 1
-      self._closed.wait(pause)
+      (abort or self._closed).wait(pause)
       pause = min(2 * pause, 2.0)
 
   def _tls_hint(self, err: Exception) -> str:
@@ -117,7 +120,8 @@ class FlightConnection:
     return ("; the TLS handshake failed: the trainer must trust this sampler's --tls-cert (signed by the trainer's "
             "--tls-ca) and this sampler's --tls-ca must sign the trainer's certificate, for the host it dials")
 
-  def action(self, message, reply_type: type, timeout: float | None = None, retry_s: float | None = None):
+  def action(self, message, reply_type: type, timeout: float | None = None, retry_s: float | None = None,
+             abort: threading.Event | None = None):
     def once():
       action = flight.Action("control", encode_message(message))
       try:
@@ -125,7 +129,7 @@ class FlightConnection:
       except flight.FlightServerError as err:
         raise BadMessage(f"the trainer refused {type(message).__name__}: {_message(err)}") from None
       return decode_message(results[0].body.to_pybytes(), reply_type)
-    return self.call(once, retry_s=retry_s)
+    return self.call(once, retry_s=retry_s, abort=abort)
 
   def close(self) -> None:
     """Ends retries at once; calls under way run to their deadline."""
@@ -147,8 +151,9 @@ class FlightControl:
   def report(self, message: StepReport) -> Ack:
     return self.connection.action(message, Ack)
 
-  def heartbeat(self, message: Heartbeat) -> HeartbeatReply:
-    return self.connection.action(message, HeartbeatReply)
+  def heartbeat(self, message: Heartbeat, abort: threading.Event | None = None) -> HeartbeatReply:
+    """`abort`: the session's end, which ends the retries of a beat to a trainer that has gone."""
+    return self.connection.action(message, HeartbeatReply, abort=abort)
 
   def leave(self, message: Leave) -> Ack:
     """Best effort at the end of a run: a few seconds of retries, not the full connect limit."""
@@ -325,7 +330,7 @@ class FlightWeightReceiver:
         have = self._held.version
         info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s,
                                                    sampler_id=self.sampler_id), VersionInfo,
-                                      timeout=self.poll_s + self.connection.timeout_s)
+                                      timeout=self.poll_s + self.connection.timeout_s, abort=self._stop)
         with self._fetching:
           if self._stop.is_set():  # closed during the poll: nothing more is fetched or placed
             return

@@ -154,7 +154,7 @@ def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: thr
   cannot be reached, `rejoin` when it no longer knows this sampler."""
   try:
     while not ended.wait(period) and not stop.is_set():
-      reply = control.heartbeat(Heartbeat(sampler_id))
+      reply = control.heartbeat(Heartbeat(sampler_id), abort=ended)
       if reply.stop:
         stop.set()
       elif reply.rejoin:
