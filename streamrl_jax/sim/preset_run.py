@@ -19,6 +19,7 @@ def figure(**settings):
 
   return Figure(**settings)
 
+
 PLOTS = ("throughput_by_mode.png", "gantt.png", "generation_normalized.png")
 SCALING_PLOTS = ("scaling.png",)
 
