@@ -6,7 +6,9 @@ fixed before jax starts. `python -m tests.colocated_runs WORKDIR RUNS STEPS`"""
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from tests.xla_flags import xla_flags  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = xla_flags(devices=2)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import dataclasses  # noqa: E402

@@ -1,11 +1,14 @@
-"""Test setup: 8 forced host devices (set before jax is imported) and tiny Hugging Face models."""
+"""Test setup: 8 forced host devices and the cheapest code generation (set before jax is imported; tests/xla_flags.py)
+and tiny Hugging Face models."""
 
 import atexit
 import os
 import shutil
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from tests.xla_flags import xla_flags  # imports no jax
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(devices=8)).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -6,7 +6,9 @@ import os
 import sys
 import threading
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+from tests.xla_flags import xla_flags  # noqa: E402  (imports no jax)
+
+os.environ["XLA_FLAGS"] = xla_flags(devices=2)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from safetensors.numpy import load_file
 
+from tests.xla_flags import xla_flags
+
 
 TINY = """
 PipelineConfig.steps = {steps}
@@ -49,7 +51,7 @@ def train(workdir: Path, *args: str, env: dict | None = None, cwd: Path | None =
 
 
 def _streamrl(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS="", **(env or {}))  # each program forces its own host devices
+  env = dict(os.environ, XLA_FLAGS=xla_flags(), **(env or {}))  # each program forces its own host devices
   return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=cwd)
 
@@ -113,7 +115,7 @@ class Programs:
             else ["sampler", "--connect", self.address, "--name", name])
     log = (self.workdir / f"{name}.log").open("a")
     proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args, "--config", str(self.config), *extra],
-                            env=dict(os.environ, XLA_FLAGS="", **(env or {})), stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, XLA_FLAGS=xla_flags(), **(env or {})), stdout=log, stderr=subprocess.STDOUT,
                             text=True)
     self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
     return proc

@@ -24,6 +24,7 @@ from streamrl_jax.commands.launch_local import free_port
 from tests import jobset_api
 from tests.processes import TINY, alive, final_weights
 from tests.tls_certs import write_test_certificates
+from tests.xla_flags import xla_flags
 
 BASE = dict(image="us-docker.pkg.dev/proj/repo/streamrl:1", bucket="gs://my-bucket/runs")
 PLATFORM_CASES = {  # platform: (launch settings, trainer hosts, per host, sampler accelerators)
@@ -290,7 +291,7 @@ def test_the_rendered_containers_run_here(tmp_path, single_process_run):
   pods = [PodEnv(trainer, 0, i) for i in range(2)] + [PodEnv(samplers, j, 0) for j in range(2)]
   hosts = tmp_path / "hosts"
   hosts.write_text(Path("/etc/hosts").read_text() + "".join(f"127.0.0.1 {p.hostname()}\n" for p in pods))
-  local = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PATH": os.environ["PATH"]}
+  local = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": xla_flags(), "PATH": os.environ["PATH"]}
   procs = []
   try:
     for pod in pods:

@@ -17,6 +17,7 @@ from streamrl_jax.serving.bridge import Cancel, Finished, Generate, RequestBridg
 from streamrl_jax.serving.config import ServeConfig
 from streamrl_jax.types import SamplingParams
 from tests.serving_setup import API_KEY, MODEL, client, leaks, running_server, tiny_model_dir, wait_idle
+from tests.xla_flags import xla_flags
 
 try:  # the HTTP client the `openai` package is built on: httpx2 from openai 3, httpx before
   import httpx2 as httpx
@@ -292,7 +293,7 @@ def test_streamrl_serve_answers_the_openai_client_and_stops_cleanly_on_ctrl_c(mo
 
   import openai
 
-  env = dict(os.environ, STREAMRL_API_KEY="from-env", XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  env = dict(os.environ, STREAMRL_API_KEY="from-env", XLA_FLAGS=xla_flags(devices=1))
   proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "serve", "--model", str(model_dir), "--name",
                            MODEL, "--port", "0", "--slots", "2", "--max-prompt-tokens", "64", "--max-tokens", "8"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
