@@ -51,7 +51,7 @@ def train(workdir: Path, *args: str, env: dict | None = None, cwd: Path | None =
 
 
 def _streamrl(*args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS=xla_flags(), **(env or {}))  # each program forces its own host devices
+  env = {**os.environ, "XLA_FLAGS": xla_flags(), **(env or {})}  # each program forces its own host devices
   return subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args], env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, cwd=cwd)
 
@@ -115,8 +115,8 @@ class Programs:
             else ["sampler", "--connect", self.address, "--name", name])
     log = (self.workdir / f"{name}.log").open("a")
     proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", *args, "--config", str(self.config), *extra],
-                            env=dict(os.environ, XLA_FLAGS=xla_flags(), **(env or {})), stdout=log, stderr=subprocess.STDOUT,
-                            text=True)
+                            env={**os.environ, "XLA_FLAGS": xla_flags(), **(env or {})}, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
     self.procs[name], self.logs[name] = proc, self.workdir / f"{name}.log"
     return proc
 
