@@ -49,6 +49,19 @@ def _absolute(nodeid: str) -> str:
   return os.path.join(_running["root"], nodeid)
 
 
+# The files that keep a worker longest (`pytest --durations=0`, summed per file), longest first: pytest-xdist hands
+# files out in collection order (`--no-loadscope-reorder`), so these start first and the short ones fill in around
+# them, rather than one of them starting last and leaving the other workers idle while it runs.
+LONGEST_FILES = ("test_shipped_configs.py", "test_faults.py", "test_stopping.py", "test_programs.py",
+                 "test_pipeline.py", "test_colab.py", "test_trainer_processes.py", "test_paged_engine.py",
+                 "test_routing_replay.py", "test_kl.py", "test_gke.py", "test_launch.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests keep their order
+
+
 def pytest_runtest_logstart(nodeid, location):
   _running["test"] = _absolute(nodeid)
 
