@@ -15,7 +15,6 @@ import pytest
 from safetensors.numpy import load_file
 
 from tests.processes import finish, train
-from tests.xla_flags import COMPILE_FLAGS, DEFAULT, xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED_FOLDERS = ("configs", "examples")
@@ -105,9 +104,7 @@ def _train(run: ShippedRun, workdir: Path) -> str:
   """The run's `streamrl train` to its end; its output."""
   sets = [a for s in (*run.sets, f"PipelineConfig.steps={run.steps}") for a in ("--set", s)]
   arms = ["--arms", *run.arms] if run.arms else []
-  # SmolLM2's runs decode more than they compile: the default code generation (tests/xla_flags.py)
-  env = {"XLA_FLAGS": xla_flags(compile_flags=DEFAULT if run.smollm2 else COMPILE_FLAGS),
-         **(gsm8k_cache(workdir.parent / "hub") if run.gsm8k else {})}
+  env = gsm8k_cache(workdir.parent / "hub") if run.gsm8k else None
   code, out = finish(train(workdir, "--config", str(ROOT / run.config), *sets, *arms, env=env, cwd=ROOT), workdir,
                      timeout=900)
   assert code == 0, f"{run.config}: streamrl train exited {code}\n{out[-3000:]}"
