@@ -18,6 +18,7 @@ from streamrl_jax.training import host_batch
 from streamrl_jax.training.logprobs import (at_columns, chunked_scorer, chunked_token_logprobs, every_column,
                                            logits_scorer, scored_columns, token_logprobs, vocab_chunk)
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
+from tests.xla_flags import USERS_COMPILER
 
 
 def _numpy_reference(hidden, head, tokens, temperature):
@@ -186,7 +187,7 @@ def test_the_trainer_scores_only_the_loss_columns_with_the_same_gradient(monkeyp
     assert ("head_columns" in prepared) == skip
     results.append(jax.device_get(trainer.accumulate(state, batch)))
     lowered = trainer._accumulate.lower(state.params, (state.grad_sum, state.sums), prepared, trainer.frozen, None)
-    cost = lowered.compile().cost_analysis()
+    cost = lowered.compile(USERS_COMPILER).cost_analysis()
     flops.append((cost[0] if isinstance(cost, list) else cost)["flops"])
   for a, b in zip(jax.tree.leaves((results[0].grad_sum, results[0].sums)),
                   jax.tree.leaves((results[1].grad_sum, results[1].sums))):

@@ -16,6 +16,7 @@ from streamrl_jax.models.kv_cache import KVCache, kv_cache_bytes
 from streamrl_jax.models.layers import (MLP, apply_rope, cache_dtype, rope_inverse_frequencies, rows_first, scaled,
                                        take_rows, tokens_matmul)
 from streamrl_jax.training.logprobs import chunked_token_logprobs
+from tests.xla_flags import USERS_COMPILER
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
@@ -118,7 +119,7 @@ def _table_copies(gather, vocab: int = 4096, width: int = 64) -> list[str]:
       return (ids + gather(table, ids)[:, 0].astype(jnp.int32) + 1) % vocab
     return jax.lax.fori_loop(0, 4, body, ids)
   table = jnp.zeros((vocab, width), jnp.bfloat16)
-  hlo = jax.jit(run).lower(table, jnp.arange(8, dtype=jnp.int32)).compile().as_text()
+  hlo = jax.jit(run).lower(table, jnp.arange(8, dtype=jnp.int32)).compile(USERS_COMPILER).as_text()
   made = re.compile(rf"= \w+\[{vocab},{width}\]\S* (\w[\w-]*)\(")
   passing = {"parameter", "get-tuple-element", "tuple", "bitcast", "opt-barrier"}
   copies, fused = [], False

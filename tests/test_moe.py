@@ -15,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.models.moe import (ExpertPlacement, MoeMLP, load_balancing_loss, replayed, route, routed_experts)
+from tests.xla_flags import USERS_COMPILER
 
 H, I = 8, 6
 
@@ -188,7 +189,8 @@ def test_a_decode_step_multiplies_no_expert_it_did_not_route_to():
 
   def step(state, tokens, cache):
     return nnx.merge(graphdef, state).forward_with_cache(tokens, cache)[0]
-  text = jax.jit(step).lower(state, jnp.zeros((4, 1), jnp.int32), KVCache.init(config, 4, 8)).compile().as_text()
+  lowered = jax.jit(step).lower(state, jnp.zeros((4, 1), jnp.int32), KVCache.init(config, 4, 8))
+  text = lowered.compile(USERS_COMPILER).as_text()
   dots = [line for line in text.splitlines() if " dot(" in line]
   assert dots
   every_expert = [line for line in dots if f"f32[16,{H},{I}]" in line or f"f32[16,{I},{H}]" in line]

@@ -17,6 +17,7 @@ from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.training.logprobs import token_logprobs
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows, trainer_for
+from tests.xla_flags import USERS_COMPILER
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_the_update_neither_copies_nor_rewrites_the_summed_gradient(model_parts)
   graphdef, params = model_parts
   trainer = trainer_for(graphdef, mesh_devices=(0, 1), shape=MeshShape(1, 1, 1))  # one device: names kept
   state = trainer.accumulate(trainer.init_state(params), make_batch(8, seed=1))
-  hlo = trainer._apply.lower(state).compile().as_text()
+  hlo = trainer._apply.lower(state).compile(USERS_COMPILER).as_text()
   assert "state_grad_sum" in hlo  # the parameters' names, which the search below reads
   assert not re.findall(r"copy\(%state_grad_sum", hlo)
 
