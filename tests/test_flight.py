@@ -148,9 +148,10 @@ def test_weights_travel_in_chunks_onto_the_samplers_mesh():
     server.shutdown()
 
 
-def test_a_closed_receiver_leaves_its_long_poll_behind_and_fetches_nothing_more():
-  """`close` waits for a fetch under way, not for the long poll (a Flight call cannot be cancelled): the poll ends on
-  its own, finds the receiver closed, and neither fetches nor places the version it heard of."""
+def test_a_closed_receiver_waits_for_its_long_poll_and_fetches_nothing_more():
+  """`close` waits for the long poll under way (a Flight call cannot be cancelled, and a thread left in one as the
+  process exits aborts it): the poll ends when a version comes, finds the receiver closed, and neither fetches nor
+  places the version it heard of."""
   server, _, _, store = make_server()
   connection = FlightConnection(server.address, timeout_s=10, retry_s=5)
   try:
@@ -162,11 +163,13 @@ def test_a_closed_receiver_leaves_its_long_poll_behind_and_fetches_nothing_more(
     while server.counters["actions"] < 2 and time.monotonic() < deadline:  # the poll for version 1 is under way
       time.sleep(0.01)
     assert server.counters["actions"] == 2
-    receiver.close()
-    assert receiver._thread.is_alive()  # still in its poll: close did not wait for it
+    closing = threading.Thread(target=receiver.close)
+    closing.start()
+    assert receiver._stop.wait(30)
+    assert closing.is_alive() and receiver._thread.is_alive()  # close waits while the poll is under way
     store.publish({"w": np.full((4,), 2.0, np.float32)}, 1)  # the poll returns with version 1 ...
-    receiver._thread.join(30)
-    assert not receiver._thread.is_alive()
+    closing.join(30)
+    assert not closing.is_alive() and not receiver._thread.is_alive()
     assert receiver.stats["fetches"] == 1 and receiver.latest().version == 0  # ... which is never fetched
   finally:
     connection.close()

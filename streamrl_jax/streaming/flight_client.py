@@ -319,7 +319,6 @@ class FlightWeightReceiver:
     self._expected = {k: tuple(np.shape(v)) for k, v in flatten_with_names(template).items()}
     self._held = LatestWeights(f"receiving weights from {connection.address} failed")
     self._stop = threading.Event()
-    self._fetching = threading.Lock()  # held while a version is fetched and placed (`close` waits for that alone)
     self.stats = dict(fetches=0, bytes=0, fetch_s=0.0, relay_fetches=0, relay_fallbacks=0)
     self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
     self._thread.start()
@@ -331,15 +330,14 @@ class FlightWeightReceiver:
         info = self.connection.action(VersionQuery(min_version=have + 1, wait_s=self.poll_s,
                                                    sampler_id=self.sampler_id), VersionInfo,
                                       timeout=self.poll_s + self.connection.timeout_s, abort=self._stop)
-        with self._fetching:
-          if self._stop.is_set():  # closed during the poll: nothing more is fetched or placed
-            return
-          if info.version > have:
-            try:
-              update = self.fetch(info.version, info.source)
-            except VersionGone:  # superseded between the query and the fetch: ask again
-              continue
-            self._held.offer(update)
+        if self._stop.is_set():  # closed during the poll: nothing more is fetched or placed
+          return
+        if info.version > have:
+          try:
+            update = self.fetch(info.version, info.source)
+          except VersionGone:  # superseded between the query and the fetch: ask again
+            continue
+          self._held.offer(update)
     except BaseException as err:  # surfaced by latest()/wait_for(), unless the receiver was closed
       self._held.fail(None if self._stop.is_set() else err)
 
@@ -389,12 +387,12 @@ class FlightWeightReceiver:
     return self._held.wait_for(version, timeout)
 
   def close(self) -> None:
-    """Stops the receiver: waits for a fetch under way, not for a long poll (up to `poll_s`; a Flight call cannot be
-    cancelled from here), which ends on its own and finds the receiver closed."""
+    """Stops the receiver and waits for its thread: a long poll under way ends when a newer version comes or the
+    trainer shuts down (at most `poll_s`), and is not fetched. A Flight call cannot be cancelled from here, and a
+    thread left inside one when the process exits aborts it ("terminate called ... exception not rethrown")."""
     self._stop.set()
     for source in self._sources.values():
       source.close()
-    if self._fetching.acquire(timeout=self.poll_s + self.connection.timeout_s):
-      self._fetching.release()
+    self._thread.join(timeout=self.poll_s + self.connection.timeout_s)
     for source in self._sources.values():
       source.client.close()
