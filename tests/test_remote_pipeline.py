@@ -85,3 +85,30 @@ def test_colocated_is_one_program_and_a_sampler_is_one_process(capsys):
   assert cli.main(["sampler", "--connect", "127.0.0.1:1", "--coordinator", "127.0.0.1:2", "--num-processes", "2",
                    "--process-id", "0"]) == 2
   assert "a sampler runs in one process" in capsys.readouterr().err
+
+
+class _BeatUntilAborted:
+  """A control whose heartbeat retries against a trainer that is gone until the session's end abandons it."""
+
+  def __init__(self):
+    self.beating = threading.Event()
+
+  def heartbeat(self, message, abort=None):
+    self.beating.set()
+    abort.wait(30)
+    raise ConnectionError("a call abandoned: the session it served has ended")
+
+
+def test_a_beat_abandoned_at_the_sessions_end_neither_stops_the_sampler_nor_counts_as_an_error():
+  """A session ending for a rejoin (a restarted trainer no longer knows the sampler) while its heartbeat retried:
+  the sampler registers again rather than taking the abandoned beat for the run's end."""
+  from streamrl_jax.pipeline.sampler.program import _heartbeat
+
+  control, errors = _BeatUntilAborted(), []
+  stop, ended, rejoin = threading.Event(), threading.Event(), threading.Event()
+  beat = threading.Thread(target=_heartbeat, args=(control, 1, 0.01, stop, ended, rejoin, errors))
+  beat.start()
+  assert control.beating.wait(30)
+  ended.set()
+  beat.join(30)
+  assert not beat.is_alive() and not stop.is_set() and errors == []

@@ -151,7 +151,8 @@ def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, 
 def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: threading.Event, ended: threading.Event,
                rejoin: threading.Event, errors: list) -> None:
   """Beats every `period` s until the session ends; sets `stop` when the trainer says the run is over or
-  cannot be reached, `rejoin` when it no longer knows this sampler."""
+  cannot be reached, `rejoin` when it no longer knows this sampler. A beat cut short by the session's end (a rejoin,
+  the run's end) is neither an error nor a stop: the session's outcome decides."""
   try:
     while not ended.wait(period) and not stop.is_set():
       reply = control.heartbeat(Heartbeat(sampler_id), abort=ended)
@@ -161,6 +162,8 @@ def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: thr
         rejoin.set()
         return
   except BaseException as err:
-    if not stop.is_set() and not ended.is_set():  # a call cut short by the end of the run is no error
+    if ended.is_set():
+      return
+    if not stop.is_set():
       errors.append(err)
     stop.set()
