@@ -27,8 +27,7 @@ from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, refusal
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.tasks import ArithmeticTask
 from streamrl_jax.pipeline.parts import controller_setup
-from tests.processes import FAULTS, TIMEOUT_S, Programs, alive, check_each_step_once
-from tests.xla_flags import xla_flags
+from tests.processes import FAULTS, TIMEOUT_S, Programs, alive, check_each_step_once, launch
 
 CONFIG = PipelineConfig(mode="stream", steps=3, prompts_per_step=4, group_size=2, max_new_tokens=8)
 
@@ -353,10 +352,7 @@ def test_launch_local_adds_a_sampler_process_when_generation_lags(tmp_path):
   steps = 60  # about 50 s of steps after the first: time for the added process to start and take leases
   config.write_text(FAULTS.format(steps=steps, trainer_devices=1, mode="async").replace(
       "max_new_tokens = 8", "max_new_tokens = 192"))
-  proc = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "launch", "local", "--workdir", str(tmp_path),
-                           "--config", str(config), "--samplers", "1", "--max-samplers", "2"],
-                          env=dict(os.environ, XLA_FLAGS=xla_flags()), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+  proc = launch(tmp_path, "--config", str(config), "--samplers", "1", "--max-samplers", "2")
   try:
     out, _ = proc.communicate(timeout=TIMEOUT_S)
   finally:
