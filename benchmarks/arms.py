@@ -60,7 +60,7 @@ def configs():
   config = dataclasses.replace(config, mesh=MeshConfig(sampler_devices=2, trainer_devices=2))
   if WARMUP is not None:
     job = dataclasses.replace(job, warmup_steps=WARMUP)
-  grpo = ArmConfig("grpo", advantage=config.advantage, optimizer=config.trainer.optimizer, seed=config.seed,
+  grpo = ArmConfig("grpo", advantage=config.workflow.advantage, optimizer=config.trainer.optimizer, seed=config.seed,
                    objective=dataclasses.replace(config.trainer.objective, correction=("token_tis",)))
   return config, job, dataclasses.replace(config, arms=dataclasses.replace(config.arms, followers=(grpo, *rloo)))
 

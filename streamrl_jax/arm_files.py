@@ -30,7 +30,7 @@ def arms_from_configs(lead: PipelineConfig, lead_job: JobConfig, parsed: list[tu
         raise ConfigError(f"arm {name!r}: {key}={settings[key]} differs from the lead's ({lead_settings.get(key)}); "
                           f"arms share one stream and may only change "
                           f"{', '.join(k.rstrip('.') + ('.*' if k.endswith('.') else '') for k in ARM_KEYS)}")
-    arms.append(ArmConfig(name=name, advantage=config.advantage, objective=config.trainer.objective,
+    arms.append(ArmConfig(name=name, advantage=config.workflow.estimator, objective=config.trainer.objective,
                           optimizer=config.trainer.optimizer, seed=config.seed))
   check_arm_names(lead.arms.lead_name, arms)
   return tuple(arms)

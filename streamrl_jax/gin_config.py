@@ -40,6 +40,7 @@ from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfi
 from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.trl_names import trl_hint
+from streamrl_jax.workflow.config import WorkflowConfig
 
 log = logging.getLogger(__name__)
 CONFIG_DIRS = (Path(__file__).resolve().parent.parent / "configs",  # a checkout (pip install -e .)
@@ -57,7 +58,7 @@ def example_dir(name: str) -> Path:
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
                   CorrectionConfig, LoraConfig, ValueLossConfig, TrainerConfig, RankerConfig, SchedulingConfig,
-                  ControllerConfig, ArmsConfig,
+                  ControllerConfig, ArmsConfig, WorkflowConfig,
                   PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
                   GKEPortsConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
@@ -296,7 +297,7 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
                   lora=build(LoraConfig), value_loss=build(ValueLossConfig))
   parts = dict(mesh=build(MeshConfig), sampler=sampler, trainer=trainer,
                scheduling=build(SchedulingConfig, ranker=build(RankerConfig)), controller=build(ControllerConfig),
-               arms=build(ArmsConfig))
+               arms=build(ArmsConfig), workflow=build(WorkflowConfig))
   return build(PipelineConfig, **parts), build_job()
 
 

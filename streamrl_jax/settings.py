@@ -20,6 +20,7 @@ MOVED_KEYS = {
     "ObjectiveConfig.value_coef": "ValueLossConfig.coef",
     "ObjectiveConfig.value_clip": "ValueLossConfig.clip",
     "PipelineConfig.arm_name": "ArmsConfig.lead_name",
+    "PipelineConfig.advantage": "WorkflowConfig.advantage",
     "PipelineConfig.arm_max_lag": "ArmsConfig.max_lag",
     "PipelineConfig.arm_programs": "ArmsConfig.programs",
     "JobConfig.model_dir": "JobConfig.model",

@@ -44,8 +44,8 @@ TRL_NAMES = {
     "delta": TrlName(None, "two-sided clipping is not built; the closest is ObjectiveConfig.objective='aipo' with "
                      "ObjectiveConfig.aipo_rho"),
     "loss_type": TrlName("ObjectiveConfig.aggregation", "grpo: 'seq_mean_token_mean'; bnpo or dapo: 'token_mean'; "
-                         "dr_grpo: 'constant' with PipelineConfig.advantage='dr_grpo'"),
-    "scale_rewards": TrlName("PipelineConfig.advantage", "'grpo' scales by the group's std, 'dr_grpo' does not"),
+                         "dr_grpo: 'constant' with WorkflowConfig.advantage='dr_grpo'"),
+    "scale_rewards": TrlName("WorkflowConfig.advantage", "'grpo' scales by the group's std, 'dr_grpo' does not"),
     "importance_sampling_level": TrlName("ObjectiveConfig.objective", "'sequence' is objective='gspo'"),
     "vllm_importance_sampling_correction": TrlName("ObjectiveConfig.correction", "on by default ('token_tis')"),
     "vllm_importance_sampling_cap": TrlName("CorrectionConfig.tis_cap"),

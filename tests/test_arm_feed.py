@@ -13,6 +13,7 @@ from streamrl_jax.arms.config import ArmConfig, arm_advice, check_arm_names
 from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline import PipelineConfig
+from streamrl_jax.workflow import WorkflowConfig
 from streamrl_jax.job.config import JobConfig
 from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
@@ -182,7 +183,7 @@ def test_arm_names_and_settings_are_checked():
 
 def test_arm_files_may_change_only_their_trainer():
   lead, job = PipelineConfig(), JobConfig()
-  rloo = dataclasses.replace(lead, advantage="rloo", trainer=dataclasses.replace(lead.trainer,
+  rloo = dataclasses.replace(lead, workflow=WorkflowConfig(advantage="rloo"), trainer=dataclasses.replace(lead.trainer,
                                                                                  optimizer=OptimizerConfig(learning_rate=1e-3)))
   (arm,) = arms_from_configs(lead, job, [("rloo", rloo, job)])
   assert (arm.name, arm.advantage, arm.optimizer.learning_rate) == ("rloo", "rloo", 1e-3)

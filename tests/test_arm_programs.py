@@ -46,7 +46,7 @@ def test_the_lead_refuses_unknown_arms_other_runs_and_other_streams():
   with pytest.raises(BadMessage, match="arm 'rloo' runs another stream than the lead: 1 settings differ, first "
                                        "'PipelineConfig.group_size'"):
     arms.join(ArmJoin("rloo", "run-a", other))
-  own = dict(settings, **{"PipelineConfig.advantage": "'rloo'", "OptimizerConfig.learning_rate": "0.5"})
+  own = dict(settings, **{"WorkflowConfig.advantage": "'rloo'", "OptimizerConfig.learning_rate": "0.5"})
   assert arms.join(ArmJoin("rloo", "run-a", own)).steps == CONFIG.steps  # an arm's own keys may differ
   with pytest.raises(ValueError, match="ArmsConfig.programs: .* SamplerConfig.precision='float32' and no LoRA"):
     dataclasses.replace(CONFIG, sampler=dataclasses.replace(CONFIG.sampler, precision="int8"))
@@ -123,7 +123,7 @@ def test_launch_local_starts_a_follower_program_per_arm_in_the_leads_workdir(tmp
   from streamrl_jax.commands.launch_local import Supervisor, _check_arms, plan_children
 
   arm = tmp_path / "rloo.gin"
-  arm.write_text("PipelineConfig.advantage = 'rloo'\nObjectiveConfig.correction = 'token_tis'\n")
+  arm.write_text("WorkflowConfig.advantage = 'rloo'\nObjectiveConfig.correction = 'token_tis'\n")
   args = build_parser().parse_args(["launch", "local", "--workdir", str(tmp_path / "run"), "--arms", str(arm),
                                     "--set", "PipelineConfig.mode='stream'", "--set", "ArmsConfig.programs=True"])
   programs = _check_arms(args)

@@ -31,7 +31,7 @@ def arms_config(steps: int, arm_max_lag: int, *arms):
 
 
 def same_as_lead(name: str) -> ArmConfig:
-  return ArmConfig(name, advantage=BASE.advantage, objective=ObjectiveConfig(objective="ppo"),
+  return ArmConfig(name, advantage=BASE.workflow.advantage, objective=ObjectiveConfig(objective="ppo"),
                    optimizer=BASE.trainer.optimizer, seed=BASE.seed)
 
 

@@ -10,6 +10,7 @@ from flax import nnx
 from streamrl_jax.meshes import mesh_from_devices
 from streamrl_jax.models import Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer
+from streamrl_jax.workflow import WorkflowConfig
 from tests.pipeline_setup import BASE, MODEL, run
 from tests.trainer_setup import CONFIG, MESH_SHAPE, make_batch, mean_gradient, split_rows
 
@@ -85,7 +86,9 @@ def test_a_large_kl_coefficient_keeps_the_policy_closer_to_the_reference(in_rewa
   to `tests/test_objectives.py`."""
   free, sharp = free_run, SHARP
   kl = ObjectiveConfig(kl_coef=20.0, kl_in_reward=in_reward)
-  held = run("disaggregated", **{**sharp, "trainer": dataclasses.replace(sharp["trainer"], objective=kl)})
+  graph = WorkflowConfig(graph="kl_reference" if in_reward else "grpo")  # the KL in the reward is that graph's stage
+  held = run("disaggregated", **{**sharp, "trainer": dataclasses.replace(sharp["trainer"], objective=kl)},
+             workflow=graph)
   assert len(held.metrics) == sharp["steps"] and held.metrics[-1]["kl"] > 0
   if not in_reward:
     assert divergence_from_start(held.params) < 0.8 * divergence_from_start(free.params)

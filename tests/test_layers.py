@@ -14,8 +14,8 @@ FLOORS = (
      "truncation", "trl_names"),  # plain records and helpers
     ("models", "tasks", "envs", "rewards"),  # the decoder, tokenizers, prompt datasets, environments, reward functions
     ("training", "streaming", "scheduling", "sampling", "serving", "agents", "sim", "distributed", "gke",
-     "records", "job"),  # the parts (agent programs beside the server they speak to), what a run leaves in its
-    # workdir, and the job around the RL steps (warm-up, held-out evaluation)
+     "records", "job", "workflow"),  # the parts (agent programs beside the server they speak to), what a run leaves in
+    # its workdir, the job around the RL steps (warm-up, held-out evaluation), the step's graph of stages
     ("pipeline", "arms"),  # workers, controller, sessions, programs, the training job; algorithm arms
     ("gin_config", "arm_files"),  # the config layer binds every part's config and reads arm files
     ("commands", "cli"),  # the `streamrl` command

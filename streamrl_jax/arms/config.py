@@ -19,7 +19,7 @@ from streamrl_jax.run_shape import RunShape
 from streamrl_jax.training import ADVANTAGES, ObjectiveConfig, OptimizerConfig, TrainerConfig
 
 # Keys an arm may set differently from the lead: what its trainer does with the samples, not what is sampled.
-ARM_KEYS = ("PipelineConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
+ARM_KEYS = ("WorkflowConfig.advantage", "ObjectiveConfig.", "OptimizerConfig.", "PipelineConfig.seed")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 

@@ -7,13 +7,15 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import ControllerSetup
 from streamrl_jax.pipeline.sampler.worker import SamplerSetup
 from streamrl_jax.pipeline.trainer.worker import TrainerSetup
+from streamrl_jax.workflow.pools import pool_meshes
 
 
-def trainer_setup(config: PipelineConfig) -> TrainerSetup:
+def trainer_setup(config: PipelineConfig, spare: list = ()) -> TrainerSetup:
   """A trainer worker's: its own config, the run's shape, the samplers' weight precision (`config` resolved first:
-  `PipelineConfig.resolved`), the mesh's expert axis and the engine's cache length (the width it precompiles)."""
+  `PipelineConfig.resolved`), the mesh's expert axis, the engine's cache length (the width it precompiles), the step
+  graph and its own pools' meshes, cut from the `spare` devices (the program's that no mesh uses)."""
   return TrainerSetup(config.trainer, config.shape, config.precision, config.mesh.expert_axis,
-                      config.sampler.engine.cache_length)
+                      config.sampler.engine.cache_length, config.workflow, pool_meshes(config.workflow, list(spare)))
 
 
 def controller_setup(config: PipelineConfig) -> ControllerSetup:

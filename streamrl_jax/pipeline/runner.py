@@ -60,7 +60,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   graphdef, initial = nnx.split(model)
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
-  trainer = TrainerWorker(trainer_setup(config), graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer,
+  spare = spare_devices(devices, sampler_mesh, trainer_mesh)  # the run's own pools take them first, arms the rest
+  trainer = TrainerWorker(trainer_setup(config, spare), graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer,
                           resume=hooks.resume, stop=hooks.stop)
   ranker = make_ranker(config.scheduling, sampler_mesh, hooks.checkpointer, hooks.resume)
   setup = controller_setup(config)
@@ -71,7 +72,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,
                             **lora_base), config.precision)
   followers = make_followers(trainer.setup, config.arms, graphdef, params, trainer_mesh,
-                             spare_devices(devices, sampler_mesh, trainer_mesh),
+                             spare[trainer.setup.pool_devices:],
                              ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   sampler = SamplerWorker(sampler_setup(config), graphdef, model.config,
                           tokenizer, task, sampler_mesh)

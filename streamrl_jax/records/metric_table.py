@@ -61,6 +61,9 @@ METRICS = (
     Metric("trainer_accounted_frac", "float", STEP, "share of the training thread's seconds in a named phase"),
     Metric("update_skipped", "float", STEP, "1 when the step had no update (no token to train)"),
     Metric("empty_step", "float", STEP, "1 when every completion was empty or every episode failed"),
+    Metric("stage/<field>", "float", STEP, "mean of a float field a trainer stage of the step graph wrote, over the "
+           "samples (a token field: over the loss tokens); `distill`'s stage/advantages is minus the reverse KL to the "
+           "teacher per token"),
     Metric("loss", "float", UPDATE, "the objective's value, per its aggregation"),
     Metric("grad_norm", "float", UPDATE, "global gradient norm before clipping"),
     Metric("learning_rate", "float", UPDATE, "the learning rate of the update"),

@@ -23,34 +23,41 @@ class RewardFunctionError(ValueError):
   """A configured reward function that cannot be used: it does not import, is missing, or has the wrong signature."""
 
 
-def load_function(spec: str):
+def load_function(spec: str, what: str = "reward function"):
   """The callable at `spec` ('package.module:function' or 'path/to/file.py:function'), imported once per process; a
-  file's own folder goes on `sys.path` (last), so it imports the modules beside it."""
+  file's own folder goes on `sys.path` (last), so it imports the modules beside it. `what` names it in errors."""
+  fn = load_attribute(spec, what)
+  if not callable(fn):
+    raise RewardFunctionError(f"{what} {spec!r}: {spec.rpartition(':')[2]!r} is a {type(fn).__name__}, not a "
+                              f"function")
+  return fn
+
+
+def load_attribute(spec: str, what: str):
+  """What `spec` ('package.module:name' or 'path/to/file.py:name') names, imported as `load_function` does."""
   if spec in _LOADED:
     return _LOADED[spec]
   where, _, name = spec.rpartition(":")
   if where.endswith(".py") or "/" in where or "\\" in where:
-    module = _load_file(spec, Path(where).expanduser())
+    module = _load_file(spec, Path(where).expanduser(), what)
   else:
     try:
       module = importlib.import_module(where)
     except ModuleNotFoundError as err:
-      raise RewardFunctionError(f"reward function {spec!r}: module {err.name!r} not found "
+      raise RewardFunctionError(f"{what} {spec!r}: module {err.name!r} not found "
                                 f"(is it installed, or on PYTHONPATH?)") from None
     except Exception as err:  # noqa: BLE001 - the user's module failed while importing
-      raise RewardFunctionError(f"reward function {spec!r}: importing {where} raised {_describe(err)}") from err
+      raise RewardFunctionError(f"{what} {spec!r}: importing {where} raised {_describe(err)}") from err
   fn = getattr(module, name, None)
   if fn is None:
-    raise RewardFunctionError(f"reward function {spec!r}: {where} has no {name!r}")
-  if not callable(fn):
-    raise RewardFunctionError(f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a function")
+    raise RewardFunctionError(f"{what} {spec!r}: {where} has no {name!r}")
   _LOADED[spec] = fn
   return fn
 
 
-def _load_file(spec: str, path: Path):
+def _load_file(spec: str, path: Path, what: str):
   if not path.is_file():
-    raise RewardFunctionError(f"reward function {spec!r}: file {path} not found (relative paths start at "
+    raise RewardFunctionError(f"{what} {spec!r}: file {path} not found (relative paths start at "
                               f"{Path.cwd()})")
   module_name = "streamrl_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
   if module_name in sys.modules:
@@ -65,11 +72,11 @@ def _load_file(spec: str, path: Path):
     module_spec.loader.exec_module(module)
   except ModuleNotFoundError as err:
     del sys.modules[module_name]
-    raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {_describe(err)} (its own folder "
+    raise RewardFunctionError(f"{what} {spec!r}: importing {path} raised {_describe(err)} (its own folder "
                               f"{folder} is on the path; is {err.name!r} installed?)") from err
   except Exception as err:  # noqa: BLE001 - the user's file failed while importing
     del sys.modules[module_name]
-    raise RewardFunctionError(f"reward function {spec!r}: importing {path} raised {_describe(err)}") from err
+    raise RewardFunctionError(f"{what} {spec!r}: importing {path} raised {_describe(err)}") from err
   return module
 
 

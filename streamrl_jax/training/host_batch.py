@@ -69,3 +69,13 @@ def bucket(n: int, minimum: int) -> int:
   while size < n:
     size *= 2
   return size
+
+
+def padded_tokens(tokens, valid, min_rows: int, min_length: int) -> dict:
+  """`tokens` and `valid` zero-padded to the power-of-two buckets of (`min_rows`, `min_length`) that hold them: what a
+  frozen model scores (few compiled shapes)."""
+  rows, length = np.shape(tokens)
+  shape = (bucket(rows, min_rows), bucket(length, min_length))
+  padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
+  padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
+  return padded

@@ -26,7 +26,8 @@ from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
                                              zero_sums)
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.host_batch import BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call
+from streamrl_jax.training.host_batch import (BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call,
+                                            padded_tokens)
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
@@ -303,10 +304,8 @@ class Trainer:
     if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
     rows, length = np.shape(tokens)
-    shape = (bucket(rows, self.min_rows), bucket(length, self.min_length))
-    padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
-    padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
-    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+    padded = padded_tokens(tokens, valid, self.min_rows, self.min_length)
+    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), padded["tokens"].shape, self.mesh, self.rules))
     out = self._reference(self.frozen, launch.put(padded, sharding))
     return np.asarray(out)[:rows, :length]
 

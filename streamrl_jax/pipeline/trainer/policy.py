@@ -1,23 +1,22 @@
 """The trainer worker's policy: its `Trainer` (with LoRA, the adapters over a frozen base; with a KL penalty, the
-frozen reference), the settings of packed micro-batches, the compiles done before the first step, and a shard's
-advantages."""
+frozen reference), the settings of packed micro-batches, the compiles done before the first step, and its flow of the
+step graph (a shard's advantages)."""
 
 from __future__ import annotations
 
 import functools
 
 import jax
-import numpy as np
 from flax import nnx
 
-from streamrl_jax.models import lora
+from streamrl_jax.models import ModelConfig, lora
 from streamrl_jax.models.peft_io import check_matches, load_adapter
 from streamrl_jax.run_shape import RunShape
-from streamrl_jax.streaming import SampleShard
-from streamrl_jax.training import (Buckets, MicroBatcher, ObjectiveConfig, Scoring, Trainer, TrainerConfig,
-                                   compute_advantages, kl_penalized_rewards)
+from streamrl_jax.training import Buckets, MicroBatcher, Scoring, Trainer, TrainerConfig
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for, packed_length
+from streamrl_jax.workflow.flow import StageFlow
+from streamrl_jax.workflow.pools import trainer_flow
 
 
 def make_trainer(config: TrainerConfig, shape: RunShape, expert_axis: str, graphdef, params, mesh,
@@ -63,22 +62,15 @@ def precompile(trainer: Trainer, batcher: MicroBatcher, state, chunk_rows: int, 
   return trainer.precompile(state, chunk_rows, width)
 
 
-def shard_batch(trainer: Trainer, objective: ObjectiveConfig, advantage: str, shard: SampleShard, step: int) -> dict:
-  """`shard`'s micro-batch for the trainer at `step` (the version it holds): with each token's owner in a trainer of
-  several processes, and the tokens older weights sampled."""
-  advantages = shard_advantages(trainer, objective, advantage, shard)
-  return shard.train_batch(advantages, owned=jax.process_count() > 1, step=step)
-
-
-def shard_advantages(trainer: Trainer, objective: ObjectiveConfig, advantage: str, shard: SampleShard) -> np.ndarray:
-  """The advantages (estimator `advantage`) of `shard`'s samples; with a KL penalty in the reward, of r - coef *
-  sum_t KL(sampler || reference)."""
-  rewards = shard.rewards
-  if objective.kl_coef > 0 and objective.kl_in_reward:
-    ref = trainer.reference_logprobs(shard.tokens, shard.valid)
-    rewards = np.asarray(kl_penalized_rewards(rewards, shard.logprobs, ref, shard.loss_mask,
-                                              objective.kl_coef, objective.kl_estimator), np.float32)
-  return compute_advantages(advantage, rewards, shard.group_ids)
+def make_flow(setup, trainer: Trainer, model_config: ModelConfig, mesh) -> StageFlow:
+  """The trainer's flow of the run's step graph (`setup`: the worker's `TrainerSetup`): its stages on the trainer's
+  `mesh` and the run's own pools (`setup.pools`: name -> mesh), the reference its trainer's, a teacher on its
+  stage's pool."""
+  shape, config = setup.shape, setup.trainer
+  reference = trainer.reference_logprobs if trainer.has_reference else None
+  return trainer_flow(setup.workflow, config, shape.advantage, (shape.temperature, Truncation(shape.top_k, shape.top_p,
+                      shape.min_p)), {"trainer": mesh, **setup.pools}, (model_config.vocab_size, model_config.dtype),
+                      reference)
 
 
 def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:

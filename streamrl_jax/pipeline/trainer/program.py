@@ -68,10 +68,10 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   config = config.resolved(model.config.dtype)  # SamplerConfig.precision='auto': the weights in the model's dtype
   _check(config)
   graphdef, params = nnx.split(model)
-  if jax.process_count() > 1:  # every process starts from process 0's weights
-    params = multihost_utils.broadcast_one_to_all(params)
+  params = multihost_utils.broadcast_one_to_all(params) if jax.process_count() > 1 else params  # process 0's weights
   mesh = role_mesh(config.mesh, "trainer", devices)
-  trainer = TrainerWorker(trainer_setup(config), graphdef, params, mesh, checkpointer=hooks.checkpointer,
+  spare = spare_devices(devices, mesh)  # the run's own pools take them first, arms the rest
+  trainer = TrainerWorker(trainer_setup(config, spare), graphdef, params, mesh, checkpointer=hooks.checkpointer,
                           resume=hooks.resume, stop=hooks.stop if is_leader() else None)
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
@@ -87,7 +87,7 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   if config.arms.followers and config.arms.programs:
     followers = RemoteArms(config.shape, config.arms, hooks.run_id, trainer.start_step, settings or {})
   else:
-    followers = make_followers(trainer.setup, config.arms, graphdef, params, mesh, spare_devices(devices, mesh),
+    followers = make_followers(trainer.setup, config.arms, graphdef, params, mesh, spare[trainer.setup.pool_devices:],
                                ArmsStart(trainer.start_step, hooks.resume, hooks.arm_outputs, hooks.periodic_eval))
   queue, store, server = _serve(config, controller, wire, endpoint, followers)
   doors.connect(server.address)

@@ -25,11 +25,13 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 from tqdm import tqdm
 
 from streamrl_jax import launch
@@ -41,7 +43,7 @@ from streamrl_jax.messages import (Backfill, Published, Regenerate, SamplerWaitQ
                                    row_step)
 from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.trainer.control import TrainerControl
-from streamrl_jax.pipeline.trainer.policy import make_trainer, merged_policy, packing, precompile, shard_batch
+from streamrl_jax.pipeline.trainer.policy import make_flow, make_trainer, merged_policy, packing, precompile
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
 from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_parts
 from streamrl_jax.records.metric_table import STEP, join_row
@@ -50,6 +52,8 @@ from streamrl_jax.run_shape import RunShape
 from streamrl_jax.stopping import RunStopped, StopRequest
 from streamrl_jax.streaming import SampleShard
 from streamrl_jax.training import MicroBatcher, TrainerConfig
+from streamrl_jax.workflow.config import WorkflowConfig
+from streamrl_jax.workflow.flow import shard_fields
 
 _log = logging.getLogger(__name__)
 
@@ -80,6 +84,13 @@ class TrainerSetup:
   precision: SamplerPrecision  # the weights' precision for the samplers (the bytes of one version on the wire)
   expert_axis: str  # the mesh's expert axis (`MeshConfig.expert_axis`)
   cache_length: int  # the sampler engine's cache length: the sample width `TrainerConfig.precompile` compiles
+  workflow: WorkflowConfig = WorkflowConfig()  # the run's step graph: the trainer runs the stages bound to its pools
+  pools: Mapping[str, Mesh] = dataclasses.field(default_factory=dict)  # the run's own pools' meshes (`pool_meshes`)
+
+  @property
+  def pool_devices(self) -> int:
+    """The devices the run's own pools take."""
+    return sum(mesh.devices.size for mesh in self.pools.values())
 
 
 class TrainerWorker:
@@ -95,6 +106,8 @@ class TrainerWorker:
     self.faults = FaultPoints.of_trainer_process(jax.process_index(), stop)
     self.lora = self.config.lora if self.config.lora.enabled else None
     self.trainer, trained = make_trainer(self.config, self.shape, setup.expert_axis, graphdef, params, mesh, resume)
+    # the stages of the step graph on its mesh and the run's own `pools` (name -> mesh): a shard's advantages
+    self.flow = make_flow(setup, self.trainer, nnx.merge(graphdef, params).config, mesh)
     self.state = self.trainer.init_state(trained, seed=self.shape.seed)
     self.state, self.start_step = _restored(self.state, checkpointer) if resume else (self.state, 0)
     self.checkpointer = checkpointer
@@ -167,7 +180,8 @@ class TrainerWorker:
       if not empty:
         _warn(f"step {row_step(step)}: dynamic sampling filtered every group (equal rewards in each) and nothing was "
               "left to backfill; the step is skipped, the weights unchanged")
-    own = {"empty_step": float(bool(empty)), **({} if updated else {"update_skipped": 1.0})}
+    own = {"empty_step": float(bool(empty)), **({} if updated else {"update_skipped": 1.0}),
+           **self._step_counts.stage_means()}
     self._progress(f"the update of step {row_step(step)}")
     self.timeline["trainer"].append((begin, clock(), f"update {step}"))
     # this step's accumulate + update, not the wait for the last step's save
@@ -304,7 +318,9 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts.stale_samples += int(np.sum(stale > self.spec.max_lag))
-      batch = shard_batch(self.trainer, self.config.objective, self.shape.advantage, shard, step)
+      fields = self.flow.run(shard_fields(shard))  # the stages of the trainer's pools: the shard's advantages
+      self._step_counts.add_stages(self.flow.sums(fields))
+      batch = shard.train_batch(fields["advantages"], owned=jax.process_count() > 1, step=step)
       self.state = self.batcher.add(self.state, batch)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts.samples_trained += shard.num_samples
@@ -331,6 +347,16 @@ class StepCounts:
 
   samples_trained: int = 0
   stale_samples: int = 0
+  stage_sums: dict = dataclasses.field(default_factory=dict)  # field -> (sum, count) of what the flow's stages wrote
+
+  def add_stages(self, sums: dict) -> None:
+    for field, (total, count) in sums.items():
+      before = self.stage_sums.get(field, (0.0, 0.0))
+      self.stage_sums[field] = (before[0] + total, before[1] + count)
+
+  def stage_means(self) -> dict[str, float]:
+    """The step's row keys `stage/<field>`."""
+    return {f"stage/{field}": total / count for field, (total, count) in self.stage_sums.items() if count}
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -1,0 +1,8 @@
+"""A run's step as a graph of stages bound to pools of devices (DistFlow): the graph and its checks (graph), what a
+stage does (ops), the built-in graphs (graphs), the run's choice (config), one pool's flow (flow), a frozen model
+that scores tokens (teacher) and the trainer program's flow with its pools (pools)."""
+
+from streamrl_jax.workflow.config import WorkflowConfig
+from streamrl_jax.workflow.graph import GraphError, Stage, StepGraph
+
+__all__ = ["GraphError", "Stage", "StepGraph", "WorkflowConfig"]

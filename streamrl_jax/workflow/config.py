@@ -1,0 +1,105 @@
+"""The step's graph of a run (`WorkflowConfig`): which graph, the advantage estimator its stages take, the run's own
+pools of devices and which stage runs on which, and the frozen models its stages score with."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+from streamrl_jax.training import ADVANTAGES
+from streamrl_jax.workflow.graph import ROLE_POOLS, GraphError, Stage, StepGraph, check, port
+from streamrl_jax.workflow.graphs import find_graph
+from streamrl_jax.workflow.ops import FLOW_KEYWORDS, MODELS, resolve_op, role_pools
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkflowConfig:
+  """A run's step graph (`workflow/`): stages bound to pools, checked before anything is built."""
+
+  # the step's graph: a built-in one (grpo, rloo, kl_reference, distill) or the user's StepGraph at 'module:name' or
+  # 'path/to/file.py:name'
+  graph: str = "grpo"
+  # the estimator of an advantage stage that names none (the grpo graph's): grpo, dr_grpo, rloo or reinforce_pp
+  advantage: str = "grpo"
+  # pools of the run's own, 'name=devices': devices of the trainer's program that its mesh leaves (in one process:
+  # that neither mesh uses); a model stage bound to one scores there
+  pools: tuple[str, ...] = ()
+  bind: tuple[str, ...] = ()  # stages moved to another pool, 'stage=pool' (pools: sampler, trainer, or an own one)
+  # the frozen teacher model of a distill stage: a catalog name, a .gguf, a Hugging Face directory or Hub id (its
+  # tokenizer must be the policy's)
+  teacher: str = ""
+
+  def __post_init__(self):
+    ADVANTAGES.get(self.advantage)
+    self.own_pools()
+    self.bindings()
+
+  def own_pools(self) -> dict[str, int]:
+    """The run's own pools: name -> devices."""
+    out = {}
+    for text in self.pools:
+      name, _, count = text.partition("=")
+      if not name.isidentifier() or not count.isdigit() or name in ROLE_POOLS or name in out:
+        raise GraphError(f"WorkflowConfig.pools: {text!r} is not 'name=devices' with a new pool name (not "
+                         f"{list(ROLE_POOLS)}) and a count")
+      out[name] = int(count)
+    return out
+
+  def bindings(self) -> dict[str, str]:
+    """stage name -> the pool `bind` moves it to."""
+    out = {}
+    for text in self.bind:
+      stage, _, pool = text.partition("=")
+      if not stage or not pool or stage in out:
+        raise GraphError(f"WorkflowConfig.bind: {text!r} is not 'stage=pool' (one entry a stage)")
+      out[stage] = pool
+    return out
+
+  def step_graph(self) -> StepGraph:
+    """The graph, its stages on the pools `bind` names."""
+    return find_graph(self.graph).bound(self.bindings())
+
+  def order(self) -> tuple[Stage, ...]:
+    """The graph's stages in the order they run, each stage's op checked to take its ports and params; raises
+    GraphError naming the first problem."""
+    graph = self.step_graph()
+    order = check(graph, {**{p: 1 for p in ROLE_POOLS}, **self.own_pools()}, role_pools())
+    for stage in order:
+      _check_call(stage)
+      if resolve_op(stage.op).model == "teacher" and not self.teacher:
+        raise GraphError(f"stage {stage.name!r} scores with the teacher model: set WorkflowConfig.teacher")
+    return order
+
+  @property
+  def estimator(self) -> str:
+    """The advantage estimator the run's group advantages use: the one its graph fixes, else `advantage`."""
+    for stage in self.step_graph().stages:
+      fixed = dict(stage.params).get("estimator") if stage.op == "group_advantage" else None
+      if fixed:
+        return fixed
+    return self.advantage
+
+  def models(self) -> set[str]:
+    """The frozen models the graph's stages score with."""
+    return {resolve_op(s.op).model for s in self.step_graph().stages} - {""}
+
+
+def _check_call(stage: Stage) -> None:
+  """The op of `stage` can be called with its inputs and params (a role's program takes what the role gives)."""
+  op = resolve_op(stage.op)
+  for text in stage.outputs:
+    port(text, stage.name)
+  if op.fn is None:
+    return
+  try:
+    signature = inspect.signature(op.fn)
+  except (TypeError, ValueError):
+    return  # a builtin: its call will tell
+  keywords = {k: None for k in FLOW_KEYWORDS if k in signature.parameters and k not in dict(stage.params)}
+  try:
+    signature.bind(*stage.inputs, **keywords, **dict(stage.params))
+  except TypeError as err:
+    raise GraphError(f"stage {stage.name!r}: op {stage.op!r}{signature} cannot take inputs {list(stage.input_fields())}"
+                     f" and params {dict(stage.params)}: {err}") from None
+  if op.model and op.model not in MODELS:
+    raise GraphError(f"stage {stage.name!r}: unknown model {op.model!r}; known: {list(MODELS)}")

@@ -1,0 +1,96 @@
+"""One pool's flow: the function stages a worker runs over a shard's fields, in the graph's order, each output
+checked (its shape by its type, floats finite) before any reaches the weights; a stage that raises stops the run by
+its name. The role's own programs (generate, reward, update) are the worker's, not the flow's."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from streamrl_jax.workflow.graph import Stage, port
+from streamrl_jax.workflow.ops import FLOW_KEYWORDS, resolve_op
+
+# what a shard gives a trainer's flow: its wire fields, by name (`streaming.SampleShard`)
+SHARD_FIELDS = ("tokens", "valid", "loss_mask", "logprobs", "group_ids", "rewards")
+
+
+class StageError(ValueError):
+  """A stage raised, or returned what its outputs' types refuse."""
+
+
+class StageFlow:
+  """Runs `stages` (a pool's part of the graph's order) over fields; `keywords`: the flow's (`FLOW_KEYWORDS`: the
+  run's `estimator`, the policy's `objective`), `models`: name -> a frozen model's log-probs(tokens, valid)."""
+
+  def __init__(self, stages: tuple[Stage, ...], keywords: Mapping[str, object],
+               models: Mapping[str, Callable] | None = None):
+    self.calls = []
+    for stage in stages:
+      op = resolve_op(stage.op)
+      if op.fn is None:
+        continue
+      given = {**keywords, "model": (models or {}).get(op.model)} if op.model else dict(keywords)
+      wanted = _keywords(op.fn)
+      params = dict(stage.params)
+      kwargs = {k: v for k, v in given.items() if k in wanted and k not in params}
+      self.calls.append((stage, op.fn, {**kwargs, **params}))
+
+  def run(self, fields: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """`fields` with every stage's outputs added."""
+    fields = dict(fields)
+    rows, length = np.shape(fields["tokens"])
+    for stage, fn, kwargs in self.calls:
+      try:
+        out = fn(*(fields[f] for f in stage.input_fields()), **kwargs)
+      except Exception as err:  # noqa: BLE001 - a user's stage failed: named, the run stops
+        raise StageError(f"stage {stage.name!r} ({stage.op}) raised {type(err).__name__}: {err}") from err
+      outs = out if isinstance(out, tuple) else (out,)
+      if len(outs) != len(stage.outputs):
+        raise StageError(f"stage {stage.name!r} returned {len(outs)} arrays for its outputs {list(stage.outputs)}")
+      for text, value in zip(stage.outputs, outs):
+        field, (kind,) = port(text, stage.name)
+        fields[field] = checked(stage.name, field, kind, value, rows, length)
+    return fields
+
+
+  def sums(self, fields: Mapping[str, np.ndarray]) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each float field the flow's stages wrote: over the samples, or a token field's over the loss
+    tokens; what a step's row reports as `stage/<field>` (the mean over its shards)."""
+    out = {}
+    for stage, _, _ in self.calls:
+      for text in stage.outputs:
+        field, (kind,) = port(text, stage.name)
+        if kind == "sample":
+          out[field] = (float(np.sum(fields[field])), float(len(fields[field])))
+        elif kind == "token":
+          mask = fields["loss_mask"]
+          out[field] = (float(np.sum(np.where(mask, fields[field], 0.0))), float(np.sum(mask)))
+    return out
+
+
+def shard_fields(shard) -> dict[str, np.ndarray]:
+  """A `SampleShard`'s wire fields by name."""
+  return {name: getattr(shard, name) for name in SHARD_FIELDS}
+
+
+def checked(stage: str, field: str, kind: str, value, rows: int, length: int) -> np.ndarray:
+  """`value` as `kind`'s array for `rows` samples of `length` tokens, else StageError naming the stage and field."""
+  array = np.asarray(value)
+  shape = (rows,) if kind in ("sample", "group") else (rows, length)
+  if array.shape != shape:
+    raise StageError(f"stage {stage!r} wrote {field!r} of shape {array.shape}; a {kind} field is {shape}")
+  if kind in ("sample", "token"):
+    if not np.issubdtype(array.dtype, np.number) or not np.all(np.isfinite(array)):
+      raise StageError(f"stage {stage!r} wrote {field!r} with values that are not finite numbers")
+    return array.astype(np.float32)
+  return array
+
+
+def _keywords(fn) -> set[str]:
+  try:
+    parameters = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return set()
+  return {k for k in FLOW_KEYWORDS if k in parameters}

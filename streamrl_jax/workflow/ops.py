@@ -1,0 +1,85 @@
+"""What a stage does (`Op`): a role's own program (the sampler generates and scores, the trainer updates), or a
+function of arrays the flow calls (built-in by name, the user's by import path), maybe scoring with a frozen model.
+
+A function stage is called as `fn(*inputs, **params)` with its inputs' arrays in order, and may also take any of
+the flow's keywords (`FLOW_KEYWORDS`: the run's advantage `estimator`, the policy loss's `objective`, the op's
+frozen `model`); it returns its output's array, or a tuple of them in the order of its outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from streamrl_jax.registry import Registry
+from streamrl_jax.rewards.functions import RewardFunctionError, load_function
+from streamrl_jax.training import compute_advantages, kl_penalized_rewards
+from streamrl_jax.workflow.graph import GraphError
+
+FLOW_KEYWORDS = ("estimator", "objective", "model")
+MODELS = ("reference", "teacher")  # the frozen models an op may score with
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """`fn` None: the program of role `role` ('sampler' or 'trainer') runs it; else a function of arrays, scoring with
+  the frozen `model` where one is named."""
+
+  fn: Callable | None = None
+  role: str = ""
+  model: str = ""
+
+
+OPS = Registry("stage op")
+
+
+def group_advantage(rewards, group_ids, *, estimator):
+  """One advantage per sample from its group's rewards (`training.advantages`, by `estimator`)."""
+  return compute_advantages(estimator, rewards, group_ids)
+
+
+def kl_penalty(rewards, logprobs, reference_logprobs, loss_mask, *, objective):
+  """r - coef * the sample's summed KL of the sampler's tokens to the reference (`ObjectiveConfig.kl_coef`,
+  `kl_estimator`): the 'KL in the reward' variant."""
+  return np.asarray(kl_penalized_rewards(rewards, logprobs, reference_logprobs, loss_mask, objective.kl_coef,
+                                         objective.kl_estimator), np.float32)
+
+
+def reverse_kl(logprobs, teacher_logprobs, loss_mask):
+  """On-policy distillation's per-token advantage: log p_teacher(x_t) - log p_student(x_t) of each sampled token, the
+  negated single-sample estimate of the reverse KL (student || teacher); 0 off the loss mask."""
+  return np.where(loss_mask, np.asarray(teacher_logprobs, np.float32) - np.asarray(logprobs, np.float32), 0.0)
+
+
+def model_logprobs(tokens, valid, *, model):
+  """log p of each token under a frozen model ([rows, T]; column 0 is 0)."""
+  return model(tokens, valid)
+
+
+OPS.register("generate")(Op(role="sampler"))
+OPS.register("rule_reward")(Op(role="sampler"))  # the run's reward functions (RewardConfig), scored by the sampler
+OPS.register("policy_update")(Op(role="trainer"))
+OPS.register("group_advantage")(Op(group_advantage))
+OPS.register("kl_penalty")(Op(kl_penalty))
+OPS.register("reverse_kl")(Op(reverse_kl))
+OPS.register("reference_logprobs")(Op(model_logprobs, model="reference"))
+OPS.register("teacher_logprobs")(Op(model_logprobs, model="teacher"))
+
+
+def role_pools() -> dict[str, str]:
+  """op name -> the pool whose program it is."""
+  return {name: OPS.get(name).role for name in OPS.names() if OPS.get(name).role}
+
+
+def resolve_op(name: str) -> Op:
+  """The built-in op `name`, or the user's function at the import path `name`."""
+  if ":" not in name:
+    try:
+      return OPS.get(name)
+    except ValueError as err:
+      raise GraphError(f"{err} (or the user's 'module:function')") from None
+  try:
+    return Op(load_function(name, "stage op"))
+  except RewardFunctionError as err:
+    raise GraphError(str(err)) from None

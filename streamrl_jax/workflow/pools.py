@@ -1,0 +1,48 @@
+"""The trainer program's flow of a step graph: the stages its pools run (the trainer's mesh and the run's own
+pools), with their frozen models placed: the reference (the trainer's own) and a teacher."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from streamrl_jax.meshes import MeshShape, mesh_from_devices
+from streamrl_jax.training.call_loss import CallLoss
+from streamrl_jax.training.config import TrainerConfig
+from streamrl_jax.training.logprobs import Truncation
+from streamrl_jax.workflow.config import WorkflowConfig
+from streamrl_jax.workflow.flow import StageFlow
+from streamrl_jax.workflow.graph import GraphError
+from streamrl_jax.workflow.ops import resolve_op
+from streamrl_jax.workflow.teacher import load_teacher
+
+
+def pool_meshes(workflow: WorkflowConfig, spare: list) -> dict:
+  """A mesh for each of the run's own pools, cut from `spare` (devices no mesh of the program uses) in order."""
+  meshes, taken = {}, 0
+  for name, count in workflow.own_pools().items():
+    if taken + count > len(spare):
+      raise GraphError(f"WorkflowConfig.pools: pool {name!r} wants {count} devices; {len(spare) - taken} are left "
+                       f"beyond the meshes")
+    meshes[name] = mesh_from_devices(spare[taken:taken + count], MeshShape(count, 1, 1))
+    taken += count
+  return meshes
+
+
+def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: str, scoring: tuple[float, Truncation],
+                 meshes: Mapping[str, object], student: tuple[int, str],
+                 reference: Callable | None) -> StageFlow:
+  """The flow of the stages on the trainer's mesh and the run's own pools (`meshes`: pool -> mesh, 'trainer'
+  included); `scoring`: the sampler's temperature and truncation; `student`: the policy's vocabulary size and compute
+  dtype; `reference`: the trainer's frozen reference's log-probs (None: it has none)."""
+  stages = tuple(s for s in workflow.order() if s.pool in meshes)
+  models = {}
+  for stage in stages:
+    model = resolve_op(stage.op).model
+    if model == "reference":
+      if reference is None:
+        raise GraphError(f"stage {stage.name!r} scores with the frozen reference: set ObjectiveConfig.kl_coef > 0")
+      models["reference"] = reference
+    elif model == "teacher" and "teacher" not in models:
+      loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
+      models["teacher"] = load_teacher(workflow.teacher, *student, meshes[stage.pool], loss)
+  return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)

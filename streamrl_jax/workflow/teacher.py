@@ -1,0 +1,46 @@
+"""A frozen model that scores tokens on a pool of its own or the trainer's mesh (`FrozenScorer`): a distill graph's
+teacher, read from a catalog name, GGUF, Hugging Face directory or Hub id (`load_teacher`)."""
+
+from __future__ import annotations
+
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+
+from streamrl_jax import launch
+from streamrl_jax.models import load_hf
+from streamrl_jax.models.catalog import resolve_model
+from streamrl_jax.models.sharding import DEFAULT_RULES, logical_spec, state_shardings
+from streamrl_jax.training.call_loss import CallLoss
+from streamrl_jax.training.host_batch import padded_tokens
+
+
+class FrozenScorer:
+  """log p of each token under the model (`graphdef`, `params`) on `mesh`, scored as `loss` scores the policy's (the
+  sampler's temperature and truncation, vocabulary chunks); calls pad to power-of-two buckets of `min_shape`."""
+
+  def __init__(self, graphdef, params, mesh, loss: CallLoss, min_shape: tuple[int, int] = (8, 16)):
+    self.graphdef, self.mesh, self.loss, self.min_shape = graphdef, mesh, loss, min_shape
+    self.launcher = launch.launcher(mesh)
+    self.params = launch.put(params, state_shardings(params, mesh, DEFAULT_RULES))
+    self._score = self.launcher.jit(self._impl)
+
+  def _impl(self, params, batch):
+    return self.loss.token_logprobs(nnx.merge(self.graphdef, params), batch, replay=False)[0]
+
+  def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    """[rows, length] log-probabilities (column 0 is 0)."""
+    rows, length = np.shape(tokens)
+    padded = padded_tokens(tokens, valid, *self.min_shape)
+    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), padded["tokens"].shape, self.mesh))
+    return np.asarray(self._score(self.params, launch.put(padded, sharding)))[:rows, :length]
+
+
+def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss) -> FrozenScorer:
+  """The teacher model at `spec` scoring on `mesh`; refused by name when its vocabulary is not the policy's."""
+  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype)
+  if model.config.vocab_size != vocab_size:
+    raise ValueError(f"WorkflowConfig.teacher={spec!r} has a vocabulary of {model.config.vocab_size} tokens, the "
+                     f"policy {vocab_size}: a teacher scores the policy's tokens, so it needs the same tokenizer")
+  graphdef, params = nnx.split(model)
+  return FrozenScorer(graphdef, params, mesh, loss)
