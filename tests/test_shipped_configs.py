@@ -58,6 +58,7 @@ RUNS = {
                             "EngineConfig.num_slots=32"), 1, smollm2=True),
     "gsm8k": ShippedRun("examples/gsm8k/gsm8k.gin", "async", SMOLLM2 + ("PipelineConfig.max_new_tokens=24",), 1,
                         smollm2=True, gsm8k=True),
+    "own_algorithm": ShippedRun("examples/own_algorithm/own_algorithm.gin", "async", DEMO, 2, demo_warmup=True),
     "agent": ShippedRun("examples/agent/agent.gin", "stream", ("PipelineConfig.prompts_per_step=4",
                                                                 "JobConfig.eval_prompts=8"), 2),
 }
@@ -112,7 +113,7 @@ def _train(run: ShippedRun, workdir: Path) -> str:
 
 
 # Longest first; the runs that start from the demo's warm-up model after the demo run.
-ORDER = ("demo", "smollm2", "own_task", "gsm8k", "agent", "smollm2_lora", "arms", "skew", "stream")
+ORDER = ("demo", "smollm2", "own_task", "gsm8k", "agent", "smollm2_lora", "arms", "skew", "stream", "own_algorithm")
 CONCURRENT = 2  # runs at once: each keeps about 1.5 of this machine's 2 cores busy, and SmolLM2's two fit in memory
 
 
@@ -160,6 +161,8 @@ def test_a_shipped_config_runs_and_learns(name, shipped_runs, request):
     assert _moved(initial, output / "final_model"), f"{output}: training moved no parameter"
     after = [json.loads(line)["reward"] >= 1.0 for line in (output / "eval_after.jsonl").read_text().splitlines()]
     assert json.loads((output / "summary.json").read_text())["accuracy_after"] == pytest.approx(np.mean(after))
+  if name == "own_algorithm":  # the user's stages ran on the trainer: their fields are in every row
+    assert all({"stage/shaped", "stage/advantages"} <= set(r) for r in _rows(workdir))
   if name == "smollm2_lora":  # the adapter alone too, and only the adapted projections moved
     assert (workdir / "final_adapter" / "adapter_config.json").exists()
     moved = _moved(initial, workdir / "final_model")

@@ -41,6 +41,8 @@ MISTYPED = _graph("mistyped", Stage("advantage", "group_advantage", ("rewards:to
                                     ("advantages:sample",)))
 ACROSS = _graph("across", Stage("bonus", f"{HERE}:twice", ("rewards:sample",), ("bonus:sample",), pool="sampler"),
                 advantage_stage("bonus"))
+ON_SAMPLER = _graph("on_sampler", Stage("bonus", f"{HERE}:twice", ("rewards:sample",), ("bonus:sample",),
+                                        pool="sampler"), advantage_stage())
 NO_UPDATE = StepGraph("no_update", (GENERATE, REWARD, advantage_stage()))
 ARITY = _graph("arity", Stage("bonus", f"{HERE}:twice", ("rewards:sample", "group_ids:group"), ("bonus:sample",)),
                advantage_stage("bonus"))
@@ -53,6 +55,7 @@ NOT_A_GRAPH = 3
     (dict(graph=f"{HERE}:MISSING"), "stage 'advantage' reads 'values', which no stage writes"),
     (dict(graph=f"{HERE}:MISTYPED"), "stage 'advantage' reads 'rewards' as token, but stage 'reward' writes it as sample"),
     (dict(graph=f"{HERE}:ACROSS"), "stage 'advantage' reads 'bonus' from pool 'sampler'"),
+    (dict(graph=f"{HERE}:ON_SAMPLER"), "stage 'bonus': the sampler runs its own programs only"),
     (dict(graph=f"{HERE}:NO_UPDATE"), "needs exactly one stage of op 'policy_update'"),
     (dict(graph=f"{HERE}:ARITY"), r"stage 'bonus': op 'tests.test_workflow:twice'\(rewards\) cannot take inputs"),
     (dict(graph=f"{HERE}:NOT_A_GRAPH"), "is a int, not a StepGraph"),

@@ -73,6 +73,9 @@ class PipelineConfig:
     ops = {s.op for s in workflow.order()}
     if "group_advantage" in ops and workflow.estimator in ("grpo", "dr_grpo", "rloo") and self.group_size < 2:
       raise ValueError(f"advantage {workflow.estimator!r} needs group_size >= 2 (GRPO group size 1 has no baseline)")
+    if "reference" in workflow.models() and objective.kl_coef <= 0:
+      raise ValueError(f"WorkflowConfig.graph={workflow.graph!r} scores with the frozen reference: set "
+                       f"ObjectiveConfig.kl_coef > 0")
     if "kl_penalty" in ops and not (objective.kl_in_reward and objective.kl_coef > 0):
       raise ValueError(f"WorkflowConfig.graph={workflow.graph!r} puts the KL to the reference in the reward: set "
                        f"ObjectiveConfig.kl_in_reward=True and kl_coef > 0")

@@ -66,6 +66,9 @@ class WorkflowConfig:
     order = check(graph, {**{p: 1 for p in ROLE_POOLS}, **self.own_pools()}, role_pools())
     for stage in order:
       _check_call(stage)
+      if stage.pool == "sampler" and resolve_op(stage.op).fn is not None:
+        raise GraphError(f"stage {stage.name!r}: the sampler runs its own programs only (generate, rule_reward); "
+                         f"bind it to 'trainer' or a pool of the run's own")
       if resolve_op(stage.op).model == "teacher" and not self.teacher:
         raise GraphError(f"stage {stage.name!r} scores with the teacher model: set WorkflowConfig.teacher")
     return order

@@ -18,6 +18,7 @@ from jax.experimental import multihost_utils
 
 from streamrl_jax.distributed import gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
+from streamrl_jax.workflow.graph import port
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
@@ -114,10 +115,12 @@ def _check(config: PipelineConfig) -> None:
   if config.arms.followers and jax.process_count() > 1:
     raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
                      f"{jax.process_count()}")
-  objective = config.trainer.objective
-  if objective.kl_coef > 0 and objective.kl_in_reward and jax.process_count() > 1:
-    raise ValueError("ObjectiveConfig.kl_in_reward: a trainer of several processes takes the KL penalty in the loss "
-                     "(set ObjectiveConfig.kl_in_reward = False), since each process holds its own samples' tokens")
+  per_token = [s.name for s in config.workflow.order() if s.pool != "sampler" and s.op != "policy_update"
+               and any(port(p, s.name)[1][0] in ("ids", "mask", "token") for p in s.inputs)]
+  if per_token and jax.process_count() > 1:
+    raise ValueError(f"WorkflowConfig.graph={config.workflow.graph!r}: stage {per_token[0]!r} reads a sample's tokens, "
+                     f"and each process of a trainer of several holds only its own samples' tokens (the KL to the "
+                     f"reference: in the loss, ObjectiveConfig.kl_in_reward = False with the graph 'grpo')")
 
 
 def _teardown(config: PipelineConfig, controller: Controller, server, doors: SampleDoors) -> Callable[[], None]:
