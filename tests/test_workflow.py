@@ -83,8 +83,11 @@ def test_the_kl_settings_must_say_what_the_graph_does():
   in_reward = TrainerConfig(objective=ObjectiveConfig(kl_coef=0.1, kl_in_reward=True))
   with pytest.raises(ValueError, match="kl_in_reward=True: the KL in the reward is a stage of the graph 'kl_reference'"):
     PipelineConfig(trainer=in_reward)
-  with pytest.raises(ValueError, match="graph='kl_reference' puts the KL to the reference in the reward"):
+  with pytest.raises(ValueError, match="graph='kl_reference' scores with the frozen reference: set .*kl_coef > 0"):
     PipelineConfig(workflow=WorkflowConfig(graph="kl_reference"))
+  in_loss = TrainerConfig(objective=ObjectiveConfig(kl_coef=0.1))
+  with pytest.raises(ValueError, match="graph='kl_reference' puts the KL to the reference in the reward"):
+    PipelineConfig(trainer=in_loss, workflow=WorkflowConfig(graph="kl_reference"))
   PipelineConfig(trainer=in_reward, workflow=WorkflowConfig(graph="kl_reference"))
 
 
