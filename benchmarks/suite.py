@@ -82,6 +82,7 @@ BENCHES = (
     Bench("arms", 1800, 420, devices=4),
     Bench("step_profile", 1800, 300),
     Bench("async_learning", 4800, 600),  # three SmolLM2 runs of 15 steps (quick: the demo's, 4 steps)
+    Bench("workflow", 900, 300),  # the demo's run with its step graph's flow timed
     Bench("families", 2400, 420, shared_cache=False),  # its first step's seconds hold the compiles
 )
 

@@ -65,6 +65,7 @@ NOT_A_GRAPH = 3
     (dict(bind=("generate=trainer",)), "op 'generate' is the sampler's own program; bind it to pool 'sampler'"),
     (dict(bind=("nope=trainer",)), "graph 'grpo' has no stage 'nope'"),
     (dict(graph="distill"), "stage 'teacher' scores with the teacher model: set WorkflowConfig.teacher"),
+    (dict(graph="judge"), "stage 'judge' scores with the judge model: set WorkflowConfig.judge"),
 ])
 def test_a_graph_that_cannot_run_is_refused_in_one_line_naming_the_stage(workflow, message):
   with pytest.raises(GraphError, match=message) as err:
@@ -92,11 +93,12 @@ def test_the_kl_settings_must_say_what_the_graph_does():
 
 
 def test_built_in_graphs_order_their_stages_and_fix_their_estimator():
-  orders = {g: [s.name for s in WorkflowConfig(graph=g, teacher="t").order()]
-            for g in ("grpo", "rloo", "kl_reference", "distill")}
+  orders = {g: [s.name for s in WorkflowConfig(graph=g, teacher="t", judge="j").order()]
+            for g in ("grpo", "rloo", "kl_reference", "distill", "judge")}
   assert orders["grpo"] == orders["rloo"] == ["generate", "reward", "advantage", "update"]
   assert orders["kl_reference"] == ["generate", "reward", "reference", "kl_penalty", "advantage", "update"]
   assert orders["distill"] == ["generate", "reward", "teacher", "advantage", "update"]
+  assert orders["judge"] == ["generate", "reward", "judge", "advantage", "update"]
   assert WorkflowConfig(graph="rloo").estimator == "rloo"
   assert PipelineConfig(workflow=WorkflowConfig(advantage="dr_grpo")).shape.advantage == "dr_grpo"
   reordered = StepGraph("late", tuple(reversed(WorkflowConfig().step_graph().stages)))

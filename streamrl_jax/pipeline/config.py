@@ -147,4 +147,5 @@ class PipelineConfig:
     sampler = self.sampler
     return RunShape(self.mode, self.steps, self.prompts_per_step, self.group_size, self.max_new_tokens,
                     sampler.engine.max_prompt_length, self.staleness, self.seed, self.temperature, sampler.top_k,
-                    sampler.top_p, sampler.min_p, self.workflow.estimator, tuple(sampler.reward.names), self.backfill_per_step)
+                    sampler.top_p, sampler.min_p, self.workflow.estimator, tuple(sampler.reward.names),
+                    self.backfill_per_step)

@@ -10,12 +10,14 @@ from streamrl_jax.pipeline.trainer.worker import TrainerSetup
 from streamrl_jax.workflow.pools import pool_meshes
 
 
-def trainer_setup(config: PipelineConfig, spare: list = ()) -> TrainerSetup:
+def trainer_setup(config: PipelineConfig, spare: list = (), tokenizer=None) -> TrainerSetup:
   """A trainer worker's: its own config, the run's shape, the samplers' weight precision (`config` resolved first:
   `PipelineConfig.resolved`), the mesh's expert axis, the engine's cache length (the width it precompiles), the step
-  graph and its own pools' meshes, cut from the `spare` devices (the program's that no mesh uses)."""
+  graph and its own pools' meshes, cut from the `spare` devices (the program's that no mesh uses), and the policy's
+  `tokenizer` (a judge's question is encoded with it)."""
   return TrainerSetup(config.trainer, config.shape, config.precision, config.mesh.expert_axis,
-                      config.sampler.engine.cache_length, config.workflow, pool_meshes(config.workflow, list(spare)))
+                      config.sampler.engine.cache_length, config.workflow, pool_meshes(config.workflow, list(spare)),
+                      tokenizer)
 
 
 def controller_setup(config: PipelineConfig) -> ControllerSetup:

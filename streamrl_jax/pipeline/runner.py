@@ -61,8 +61,8 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   params = initial if params is None else params
   sampler_mesh, trainer_mesh = pipeline_meshes(config.mesh, config.spec.shared_mesh, devices)
   spare = spare_devices(devices, sampler_mesh, trainer_mesh)  # the run's own pools take them first, arms the rest
-  trainer = TrainerWorker(trainer_setup(config, spare), graphdef, params, trainer_mesh, checkpointer=hooks.checkpointer,
-                          resume=hooks.resume, stop=hooks.stop)
+  trainer = TrainerWorker(trainer_setup(config, spare, tokenizer), graphdef, params, trainer_mesh,
+                          checkpointer=hooks.checkpointer, resume=hooks.resume, stop=hooks.stop)
   ranker = make_ranker(config.scheduling, sampler_mesh, hooks.checkpointer, hooks.resume)
   setup = controller_setup(config)
   controller = Controller(setup, task, tokenizer, start_step=trainer.start_step, ranker=ranker)

@@ -28,6 +28,10 @@ class WorkflowConfig:
   # the frozen teacher model of a distill stage: a catalog name, a .gguf, a Hugging Face directory or Hub id (its
   # tokenizer must be the policy's)
   teacher: str = ""
+  # the judge graph's model (as `teacher`; the policy's vocabulary), and the question put after each sample: the
+  # reward is the judge's probability of ' yes' against ' no' after it
+  judge: str = ""
+  judge_question: str = "\nIs the answer above right? Answer yes or no:"
 
   def __post_init__(self):
     ADVANTAGES.get(self.advantage)
@@ -69,8 +73,9 @@ class WorkflowConfig:
       if stage.pool == "sampler" and resolve_op(stage.op).fn is not None:
         raise GraphError(f"stage {stage.name!r}: the sampler runs its own programs only (generate, rule_reward); "
                          f"bind it to 'trainer' or a pool of the run's own")
-      if resolve_op(stage.op).model == "teacher" and not self.teacher:
-        raise GraphError(f"stage {stage.name!r} scores with the teacher model: set WorkflowConfig.teacher")
+      model = resolve_op(stage.op).model
+      if model in ("teacher", "judge") and not {"teacher": self.teacher, "judge": self.judge}[model]:
+        raise GraphError(f"stage {stage.name!r} scores with the {model} model: set WorkflowConfig.{model}")
     return order
 
   @property

@@ -3,7 +3,8 @@
 Every graph generates on the sampler's pool (the sample's fields: `SAMPLE`) and updates the policy on the trainer's;
 what lies between is the algorithm. `grpo` is the step every run took before graphs (its advantage stage's estimator
 is `WorkflowConfig.advantage`), `rloo` fixes it to leave-one-out, `kl_reference` subtracts the KL to a frozen
-reference from the reward, `distill` trains on a teacher's per-token log-probabilities (on-policy distillation)."""
+reference from the reward, `distill` trains on a teacher's per-token log-probabilities (on-policy distillation), `judge`
+on a second model's verdict on each sample (the rule reward is still scored and logged)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,12 @@ DISTILL = _register(StepGraph("distill", (
     Stage("advantage", "reverse_kl", ("logprobs:token", "teacher_logprobs:token", "loss_mask:mask"),
           ("advantages:token",)),
     UPDATE)))
+
+
+JUDGE = _register(StepGraph("judge", (
+    GENERATE, REWARD,
+    Stage("judge", "judge_reward", ("tokens:ids", "valid:mask"), ("judge_rewards:sample",)),
+    advantage_stage("judge_rewards"), UPDATE)))
 
 
 def find_graph(name: str) -> StepGraph:

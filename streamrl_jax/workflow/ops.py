@@ -18,7 +18,7 @@ from streamrl_jax.training import compute_advantages, kl_penalized_rewards
 from streamrl_jax.workflow.graph import GraphError
 
 FLOW_KEYWORDS = ("estimator", "objective", "model")
-MODELS = ("reference", "teacher")  # the frozen models an op may score with
+MODELS = ("reference", "teacher", "judge")  # the frozen models an op may score with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +52,11 @@ def reverse_kl(logprobs, teacher_logprobs, loss_mask):
   return np.where(loss_mask, np.asarray(teacher_logprobs, np.float32) - np.asarray(logprobs, np.float32), 0.0)
 
 
+def judge_reward(tokens, valid, *, model):
+  """The judge model's p(yes) / (p(yes) + p(no)) after each sample and the judge question ([rows])."""
+  return model(tokens, valid)
+
+
 def model_logprobs(tokens, valid, *, model):
   """log p of each token under a frozen model ([rows, T]; column 0 is 0)."""
   return model(tokens, valid)
@@ -65,6 +70,7 @@ OPS.register("kl_penalty")(Op(kl_penalty))
 OPS.register("reverse_kl")(Op(reverse_kl))
 OPS.register("reference_logprobs")(Op(model_logprobs, model="reference"))
 OPS.register("teacher_logprobs")(Op(model_logprobs, model="teacher"))
+OPS.register("judge_reward")(Op(judge_reward, model="judge"))
 
 
 def role_pools() -> dict[str, str]:

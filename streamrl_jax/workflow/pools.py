@@ -1,8 +1,9 @@
 """The trainer program's flow of a step graph: the stages its pools run (the trainer's mesh and the run's own
-pools), with their frozen models placed: the reference (the trainer's own) and a teacher."""
+pools), with their frozen models placed: the reference (the trainer's own), a teacher and a judge."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
@@ -12,6 +13,7 @@ from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.workflow.config import WorkflowConfig
 from streamrl_jax.workflow.flow import StageFlow
 from streamrl_jax.workflow.graph import GraphError
+from streamrl_jax.workflow.judge import load_judge
 from streamrl_jax.workflow.ops import resolve_op
 from streamrl_jax.workflow.teacher import load_teacher
 
@@ -28,12 +30,20 @@ def pool_meshes(workflow: WorkflowConfig, spare: list) -> dict:
   return meshes
 
 
+@dataclasses.dataclass(frozen=True)
+class Student:
+  """What the frozen models of a flow must match of the policy: its vocabulary and tokenizer, its compute dtype."""
+
+  vocab_size: int
+  compute_dtype: str
+  tokenizer: object = None  # encodes the judge's question (None: no judge stage)
+
+
 def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: str, scoring: tuple[float, Truncation],
-                 meshes: Mapping[str, object], student: tuple[int, str],
-                 reference: Callable | None) -> StageFlow:
+                 meshes: Mapping[str, object], student: Student, reference: Callable | None) -> StageFlow:
   """The flow of the stages on the trainer's mesh and the run's own pools (`meshes`: pool -> mesh, 'trainer'
-  included); `scoring`: the sampler's temperature and truncation; `student`: the policy's vocabulary size and compute
-  dtype; `reference`: the trainer's frozen reference's log-probs (None: it has none)."""
+  included); `scoring`: the sampler's temperature and truncation; `reference`: the trainer's frozen reference's
+  log-probs (None: it has none)."""
   stages = tuple(s for s in workflow.order() if s.pool in meshes)
   models = {}
   for stage in stages:
@@ -44,5 +54,12 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
       models["reference"] = reference
     elif model == "teacher" and "teacher" not in models:
       loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
-      models["teacher"] = load_teacher(workflow.teacher, *student, meshes[stage.pool], loss)
+      models["teacher"] = load_teacher(workflow.teacher, student.vocab_size, student.compute_dtype,
+                                       meshes[stage.pool], loss)
+    elif model == "judge" and "judge" not in models:
+      if student.tokenizer is None:
+        raise GraphError(f"stage {stage.name!r}: a judge's question is encoded with the policy's tokenizer, which "
+                         f"this trainer was not given")
+      models["judge"] = load_judge(workflow.judge, workflow.judge_question, student.tokenizer, student.vocab_size,
+                                   student.compute_dtype, meshes[stage.pool])
   return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)

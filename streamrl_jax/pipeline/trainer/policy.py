@@ -16,7 +16,7 @@ from streamrl_jax.training import Buckets, MicroBatcher, Scoring, Trainer, Train
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.packing import auto_budget, chunk_tokens_for, packed_length
 from streamrl_jax.workflow.flow import StageFlow
-from streamrl_jax.workflow.pools import trainer_flow
+from streamrl_jax.workflow.pools import Student, trainer_flow
 
 
 def make_trainer(config: TrainerConfig, shape: RunShape, expert_axis: str, graphdef, params, mesh,
@@ -69,8 +69,8 @@ def make_flow(setup, trainer: Trainer, model_config: ModelConfig, mesh) -> Stage
   shape, config = setup.shape, setup.trainer
   reference = trainer.reference_logprobs if trainer.has_reference else None
   return trainer_flow(setup.workflow, config, shape.advantage, (shape.temperature, Truncation(shape.top_k, shape.top_p,
-                      shape.min_p)), {"trainer": mesh, **setup.pools}, (model_config.vocab_size, model_config.dtype),
-                      reference)
+                      shape.min_p)), {"trainer": mesh, **setup.pools},
+                      Student(model_config.vocab_size, model_config.dtype, setup.tokenizer), reference)
 
 
 def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:

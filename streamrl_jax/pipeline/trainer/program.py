@@ -72,8 +72,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   params = multihost_utils.broadcast_one_to_all(params) if jax.process_count() > 1 else params  # process 0's weights
   mesh = role_mesh(config.mesh, "trainer", devices)
   spare = spare_devices(devices, mesh)  # the run's own pools take them first, arms the rest
-  trainer = TrainerWorker(trainer_setup(config, spare), graphdef, params, mesh, checkpointer=hooks.checkpointer,
-                          resume=hooks.resume, stop=hooks.stop if is_leader() else None)
+  trainer = TrainerWorker(trainer_setup(config, spare, tokenizer), graphdef, params, mesh,
+                          checkpointer=hooks.checkpointer, resume=hooks.resume, stop=hooks.stop if is_leader() else None)
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config.arms, nnx.state(model), trainer)

@@ -86,6 +86,7 @@ class TrainerSetup:
   cache_length: int  # the sampler engine's cache length: the sample width `TrainerConfig.precompile` compiles
   workflow: WorkflowConfig = WorkflowConfig()  # the run's step graph: the trainer runs the stages bound to its pools
   pools: Mapping[str, Mesh] = dataclasses.field(default_factory=dict)  # the run's own pools' meshes (`pool_meshes`)
+  tokenizer: object = None  # the policy's: a judge stage's question is encoded with it
 
   @property
   def pool_devices(self) -> int:

@@ -1,0 +1,90 @@
+"""The step graph's cost inside a step: the CPU demo's run (its gin values, a tiny decoder warmed up for a few
+supervised steps) in async mode with the `grpo` graph, every call of the trainer's flow (`StageFlow.run` and its
+row sums: the stages between the rewards and the update, advantages included) timed as the run trains.
+
+Prints one JSON object as its last line: graph_overhead_frac (the flow's seconds / the steps' wall seconds, the
+first step left out), flow_ms_per_step, advantage_ms_per_step (the estimator alone over the same shards, timed
+apart), step_s, steps and cpu.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from streamrl_jax import gin_config  # noqa: E402
+from streamrl_jax.job.warmup import supervised_warmup  # noqa: E402
+from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
+from streamrl_jax.models.dtype_probe import machine  # noqa: E402
+from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
+from streamrl_jax.training import compute_advantages  # noqa: E402
+from streamrl_jax.workflow.flow import StageFlow  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sizing import size  # noqa: E402
+
+STEPS = size(8, 4)
+WARMUP = size(100, 20)  # supervised steps before RL
+
+
+class TimedFlow:
+  """StageFlow.run and .sums wrapped: seconds by step (the shards' `fields` kept for the estimator's timing)."""
+
+  def __init__(self):
+    self.seconds, self.shards = [], []
+    self._run, self._sums = StageFlow.run, StageFlow.sums
+
+  def install(self):
+    timed = self
+
+    def run(flow, fields):
+      begin = time.perf_counter()
+      out = timed._run(flow, fields)
+      timed.seconds.append(time.perf_counter() - begin)
+      timed.shards.append({k: fields[k] for k in ("rewards", "group_ids")})
+      return out
+
+    def sums(flow, fields):
+      begin = time.perf_counter()
+      out = timed._sums(flow, fields)
+      timed.seconds[-1] += time.perf_counter() - begin
+      return out
+    StageFlow.run, StageFlow.sums = run, sums
+
+
+def main() -> dict:
+  gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
+  config, job = gin_config.build_run()
+  config = dataclasses.replace(config, steps=STEPS)
+  job = dataclasses.replace(job, warmup_steps=WARMUP)
+  tokenizer, task = CharTokenizer(), job.make_task()
+  model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
+  model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  timed = TimedFlow()
+  timed.install()
+  result = run_pipeline(config, model, tokenizer, task)
+  per_step = len(timed.seconds) // STEPS  # groups a step (no backfill in the demo)
+  steady = slice(per_step, None)  # the first step left out (compiles)
+  wall = sum(m["step_s"] for m in result.metrics[1:])
+  flow_s = sum(timed.seconds[steady])
+  begin = time.perf_counter()
+  for fields in timed.shards[steady]:
+    compute_advantages(config.workflow.advantage, fields["rewards"], fields["group_ids"])
+  direct_s = time.perf_counter() - begin
+  return dict(graph_overhead_frac=flow_s / wall, flow_ms_per_step=1e3 * flow_s / (STEPS - 1),
+              advantage_ms_per_step=1e3 * direct_s / (STEPS - 1), step_s=float(np.median([m["step_s"] for m in
+                                                                                         result.metrics[1:]])),
+              steps=STEPS, groups_per_step=per_step, cpu=machine().split(" | ")[1])
+
+
+if __name__ == "__main__":
+  print(json.dumps(main()))
