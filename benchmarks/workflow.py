@@ -1,10 +1,15 @@
-"""The step graph's cost inside a step: the CPU demo's run (its gin values, a tiny decoder warmed up for a few
-supervised steps) in async mode with the `grpo` graph, every call of the trainer's flow (`StageFlow.run` and its
-row sums: the stages between the rewards and the update, advantages included) timed as the run trains.
+"""The step graph's cost inside a step, and a judge's: the CPU demo's run (its gin values, a tiny decoder warmed up
+for a few supervised steps) in async mode.
+
+1. The `grpo` graph, every call of the trainer's flow (`StageFlow.run` and its row sums: the stages between the
+   rewards and the update, advantages included) timed as the run trains.
+2. The same run on 4 sampler and 2 trainer devices, its reward the task's rule, then the `judge` graph: a judge of
+   the demo decoder's shape (random weights) on a pool of the 2 devices left, scoring every sample.
 
 Prints one JSON object as its last line: graph_overhead_frac (the flow's seconds / the steps' wall seconds, the
 first step left out), flow_ms_per_step, advantage_ms_per_step (the estimator alone over the same shards, timed
-apart), step_s, steps and cpu.
+apart), step_s, judge_vs_rule_samples_per_s (samples per second of the judge run / the rule's, steady steps),
+rule_samples_per_s, judge_samples_per_s, steps and cpu.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import dataclasses
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,8 +31,10 @@ from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.job.warmup import supervised_warmup  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
 from streamrl_jax.models.dtype_probe import machine  # noqa: E402
+from streamrl_jax.models.hf_io import save_hf  # noqa: E402
 from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.training import compute_advantages  # noqa: E402
+from streamrl_jax.workflow import WorkflowConfig  # noqa: E402
 from streamrl_jax.workflow.flow import StageFlow  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -69,9 +77,18 @@ def main() -> dict:
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  out = _overhead(config, model, tokenizer, task)
+  out.update(_judge_vs_rule(config, model, tokenizer, task))
+  return dict(out, steps=STEPS, cpu=machine().split(" | ")[1])
+
+
+def _overhead(config, model, tokenizer, task) -> dict:
   timed = TimedFlow()
   timed.install()
-  result = run_pipeline(config, model, tokenizer, task)
+  try:
+    result = run_pipeline(config, model, tokenizer, task)
+  finally:
+    StageFlow.run, StageFlow.sums = timed._run, timed._sums
   per_step = len(timed.seconds) // STEPS  # groups a step (no backfill in the demo)
   steady = slice(per_step, None)  # the first step left out (compiles)
   wall = sum(m["step_s"] for m in result.metrics[1:])
@@ -83,7 +100,21 @@ def main() -> dict:
   return dict(graph_overhead_frac=flow_s / wall, flow_ms_per_step=1e3 * flow_s / (STEPS - 1),
               advantage_ms_per_step=1e3 * direct_s / (STEPS - 1), step_s=float(np.median([m["step_s"] for m in
                                                                                          result.metrics[1:]])),
-              steps=STEPS, groups_per_step=per_step, cpu=machine().split(" | ")[1])
+              groups_per_step=per_step)
+
+
+def _judge_vs_rule(config, model, tokenizer, task) -> dict:
+  """Steady samples/s of the run scored by the task's rule, then by a judge on a pool of its own."""
+  with tempfile.TemporaryDirectory() as folder:
+    save_hf(Transformer(model.config, rngs=nnx.Rngs(11)), Path(folder) / "judge")
+    config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sampler_devices=4, trainer_devices=2))
+    judge = WorkflowConfig(graph="judge", judge=str(Path(folder) / "judge"), pools=("judge=2",), bind=("judge=judge",))
+    rates = {}
+    for name, workflow in (("rule", config.workflow), ("judge", judge)):
+      result = run_pipeline(dataclasses.replace(config, workflow=workflow), model, tokenizer, task)
+      rates[name] = float(np.median([m["samples_per_s"] for m in result.metrics[1:]]))
+  return dict(judge_vs_rule_samples_per_s=rates["judge"] / rates["rule"], rule_samples_per_s=rates["rule"],
+              judge_samples_per_s=rates["judge"])
 
 
 if __name__ == "__main__":

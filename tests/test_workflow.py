@@ -13,6 +13,7 @@ from streamrl_jax.training import ObjectiveConfig, TrainerConfig, compute_advant
 from streamrl_jax.workflow import GraphError, Stage, StepGraph, WorkflowConfig
 from streamrl_jax.workflow.flow import StageError, StageFlow
 from streamrl_jax.workflow.graphs import GENERATE, REWARD, UPDATE, advantage_stage
+from streamrl_jax.workflow.ops import SAMPLE as SAMPLE_PORTS
 
 HERE = "tests.test_workflow"
 
@@ -47,6 +48,8 @@ NO_UPDATE = StepGraph("no_update", (GENERATE, REWARD, advantage_stage()))
 ARITY = _graph("arity", Stage("bonus", f"{HERE}:twice", ("rewards:sample", "group_ids:group"), ("bonus:sample",)),
                advantage_stage("bonus"))
 NOT_A_GRAPH = 3
+UNKNOWN_OP = _graph("unknown_op", Stage("bonus", "nope", ("rewards:sample",), ("bonus:sample",)),
+                    advantage_stage("bonus"))
 
 
 @pytest.mark.parametrize("workflow, message", [
@@ -63,7 +66,10 @@ NOT_A_GRAPH = 3
     (dict(bind=("advantage=judge",)), "stage 'advantage' is bound to pool 'judge', which has no devices"),
     (dict(bind=("advantage=judge",), pools=("judge=0",)), "pool 'judge', which has no devices"),
     (dict(bind=("generate=trainer",)), "op 'generate' is the sampler's own program; bind it to pool 'sampler'"),
-    (dict(bind=("nope=trainer",)), "graph 'grpo' has no stage 'nope'"),
+    (dict(bind=("nope=trainer",)), "WorkflowConfig.bind: graph 'grpo' has no stage 'nope'"),
+    (dict(graph=f"{HERE}:UNKNOWN_OP"), "stage 'bonus': unknown stage op 'nope'"),
+    (dict(pools=("judge=1",)), "WorkflowConfig.pools: pool 'judge' has no stage bound to it"),
+    (dict(graph="kl_reference", pools=("p=1",), bind=("reference=p",)), "the frozen reference is the trainer's own"),
     (dict(graph="distill"), "stage 'teacher' scores with the teacher model: set WorkflowConfig.teacher"),
     (dict(graph="judge"), "stage 'judge' scores with the judge model: set WorkflowConfig.judge"),
 ])
@@ -78,6 +84,38 @@ def test_a_graph_that_cannot_run_is_refused_in_one_line_naming_the_stage(workflo
 def test_a_malformed_pool_is_refused_naming_the_key(pools, message):
   with pytest.raises(GraphError, match=f"WorkflowConfig.pools: .*{message}"):
     WorkflowConfig(pools=pools)
+
+
+def test_a_role_programs_ports_are_its_roles():
+  graph = StepGraph("ports", (Stage("generate", "generate", outputs=SAMPLE_PORTS + ("extra:token",), pool="sampler"),
+                              REWARD, advantage_stage(), UPDATE))
+  with pytest.raises(GraphError, match="op 'generate' is the sampler's own program, whose ports are fixed"):
+    _order_checked(graph)
+
+
+def _order_checked(graph):
+  from streamrl_jax.workflow import config
+  for stage in _order(graph):
+    config._check_call(stage, config._stage_op(stage))
+
+
+@pytest.mark.parametrize("arm, message", [
+    (dict(advantage="dr_grpo"), "arm 'a': advantage 'dr_grpo', but WorkflowConfig.graph='rloo' fixes the estimator"),
+    (dict(advantage="grpo"), "fixes the estimator to 'rloo'")])
+def test_an_arm_cannot_pick_an_estimator_its_graph_fixes(arm, message):
+  from streamrl_jax.arms.config import ArmConfig, ArmsConfig
+  with pytest.raises(ValueError, match=message):
+    PipelineConfig(workflow=WorkflowConfig(graph="rloo"), arms=ArmsConfig(followers=(ArmConfig("a", **arm),)))
+  PipelineConfig(workflow=WorkflowConfig(graph="rloo"), arms=ArmsConfig(followers=(ArmConfig("a", advantage="rloo"),)))
+
+
+def test_arms_run_the_leads_graph_so_their_kl_settings_and_models_must_fit_it():
+  from streamrl_jax.arms.config import ArmConfig, ArmsConfig
+  in_reward = ArmConfig("a", objective=ObjectiveConfig(kl_coef=0.1, kl_in_reward=True))
+  with pytest.raises(ValueError, match="arm 'a': ObjectiveConfig.kl_in_reward=True .* every arm runs the lead's graph"):
+    PipelineConfig(arms=ArmsConfig(followers=(in_reward,)))
+  with pytest.raises(ValueError, match="ArmsConfig.followers: .*'distill' scores with a model of its own"):
+    PipelineConfig(workflow=WorkflowConfig(graph="distill", teacher="t"), arms=ArmsConfig(followers=(ArmConfig("a"),)))
 
 
 def test_the_kl_settings_must_say_what_the_graph_does():
@@ -177,10 +215,15 @@ def too_short(rewards):
   return rewards[:-1]
 
 
+def as_bool(rewards):
+  return rewards > 0.5
+
+
 @pytest.mark.parametrize("fn, message", [
     ("raises", "stage 'bonus' .*raised RuntimeError: the user's bug"),
     ("nan", "stage 'bonus' wrote 'bonus' with values that are not finite numbers"),
-    ("too_short", r"stage 'bonus' wrote 'bonus' of shape \(7,\); a sample field is \(8,\)")])
+    ("too_short", r"stage 'bonus' wrote 'bonus' of shape \(7,\); a sample field is \(8,\)"),
+    ("as_bool", "stage 'bonus' wrote 'bonus' of dtype bool; a sample field is numbers")])
 def test_what_a_users_stage_writes_is_checked_before_it_reaches_the_weights(fn, message):
   graph = _graph("users", Stage("bonus", f"{HERE}:{fn}", ("rewards:sample",), ("bonus:sample",)),
                  advantage_stage("bonus"))

@@ -84,6 +84,20 @@ class PipelineConfig:
                        f"'kl_reference' (WorkflowConfig.graph), not of {workflow.graph!r}")
 
   def _check_followers(self) -> None:
+    workflow = self.workflow
+    if workflow.models() - {"reference"} or workflow.own_pools():
+      raise ValueError(f"ArmsConfig.followers: follower arms train on graphs whose stages are functions (and the "
+                       f"reference); WorkflowConfig.graph={workflow.graph!r} scores with a model of its own or a pool")
+    in_reward = "kl_penalty" in {s.op for s in workflow.order()}
+    for arm in self.arms.followers:
+      if workflow.fixed_estimator and arm.advantage != workflow.fixed_estimator:
+        raise ValueError(f"arm {arm.name!r}: advantage {arm.advantage!r}, but WorkflowConfig.graph="
+                         f"{workflow.graph!r} fixes the estimator to {workflow.estimator!r}; arms pick theirs on "
+                         f"'grpo'")
+      if (arm.objective.kl_in_reward and arm.objective.kl_coef > 0) != in_reward:
+        raise ValueError(f"arm {arm.name!r}: ObjectiveConfig.kl_in_reward={arm.objective.kl_in_reward} with kl_coef="
+                         f"{arm.objective.kl_coef}, but the KL in the reward is the graph 'kl_reference''s stage and "
+                         f"every arm runs the lead's graph ({workflow.graph!r})")
     if self.spec.shared_mesh:
       raise ValueError("ArmsConfig.followers: mode 'colocated' time-shares one mesh; followers need a streamed "
                        "or disaggregated mode")

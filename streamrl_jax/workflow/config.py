@@ -7,30 +7,29 @@ import dataclasses
 import inspect
 
 from streamrl_jax.training import ADVANTAGES
-from streamrl_jax.workflow.graph import ROLE_POOLS, GraphError, Stage, StepGraph, check, port
+from streamrl_jax.workflow.graph import ROLE_POOLS, GraphError, Stage, StepGraph, check
 from streamrl_jax.workflow.graphs import find_graph
-from streamrl_jax.workflow.ops import FLOW_KEYWORDS, MODELS, resolve_op, role_pools
+from streamrl_jax.workflow.ops import FLOW_KEYWORDS, Op, resolve_op, role_pools
 
 
 @dataclasses.dataclass(frozen=True)
 class WorkflowConfig:
   """A run's step graph (`workflow/`): stages bound to pools, checked before anything is built."""
 
-  # the step's graph: a built-in one (grpo, rloo, kl_reference, distill) or the user's StepGraph at 'module:name' or
-  # 'path/to/file.py:name'
+  # the step's graph: a built-in one (grpo, rloo, kl_reference, distill, judge) or the user's StepGraph at
+  # 'module:name' or 'path/to/file.py:name'
   graph: str = "grpo"
   # the estimator of an advantage stage that names none (the grpo graph's): grpo, dr_grpo, rloo or reinforce_pp
   advantage: str = "grpo"
   # pools of the run's own, 'name=devices': devices of the trainer's program that its mesh leaves (in one process:
-  # that neither mesh uses); a model stage bound to one scores there
+  # that neither mesh uses); a teacher or judge stage bound to one scores there
   pools: tuple[str, ...] = ()
   bind: tuple[str, ...] = ()  # stages moved to another pool, 'stage=pool' (pools: sampler, trainer, or an own one)
   # the frozen teacher model of a distill stage: a catalog name, a .gguf, a Hugging Face directory or Hub id (its
   # tokenizer must be the policy's)
   teacher: str = ""
-  # the judge graph's model (as `teacher`; the policy's vocabulary), and the question put after each sample: the
-  # reward is the judge's probability of ' yes' against ' no' after it
-  judge: str = ""
+  judge: str = ""  # the judge graph's model, as `teacher` (the policy's vocabulary)
+  # put after each sample for the judge: the reward is its probability of ' yes' against ' no' after it
   judge_question: str = "\nIs the answer above right? Answer yes or no:"
 
   def __post_init__(self):
@@ -61,7 +60,11 @@ class WorkflowConfig:
 
   def step_graph(self) -> StepGraph:
     """The graph, its stages on the pools `bind` names."""
-    return find_graph(self.graph).bound(self.bindings())
+    graph = find_graph(self.graph)
+    try:
+      return graph.bound(self.bindings())
+    except GraphError as err:
+      raise GraphError(f"WorkflowConfig.bind: {err}") from None
 
   def order(self) -> tuple[Stage, ...]:
     """The graph's stages in the order they run, each stage's op checked to take its ports and params; raises
@@ -69,45 +72,59 @@ class WorkflowConfig:
     graph = self.step_graph()
     order = check(graph, {**{p: 1 for p in ROLE_POOLS}, **self.own_pools()}, role_pools())
     for stage in order:
-      _check_call(stage)
-      if stage.pool == "sampler" and resolve_op(stage.op).fn is not None:
+      op = _stage_op(stage)
+      _check_call(stage, op)
+      if stage.pool == "sampler" and op.fn is not None:
         raise GraphError(f"stage {stage.name!r}: the sampler runs its own programs only (generate, rule_reward); "
                          f"bind it to 'trainer' or a pool of the run's own")
-      model = resolve_op(stage.op).model
-      if model in ("teacher", "judge") and not {"teacher": self.teacher, "judge": self.judge}[model]:
-        raise GraphError(f"stage {stage.name!r} scores with the {model} model: set WorkflowConfig.{model}")
+      if op.model in ("teacher", "judge") and not {"teacher": self.teacher, "judge": self.judge}[op.model]:
+        raise GraphError(f"stage {stage.name!r} scores with the {op.model} model: set WorkflowConfig.{op.model}")
+      if op.model == "reference" and stage.pool != "trainer":
+        raise GraphError(f"stage {stage.name!r}: the frozen reference is the trainer's own, on its mesh; bind it "
+                         f"to 'trainer', not {stage.pool!r}")
+    idle = sorted(set(self.own_pools()) - {s.pool for s in order})
+    if idle:
+      raise GraphError(f"WorkflowConfig.pools: pool {idle[0]!r} has no stage bound to it (WorkflowConfig.bind)")
     return order
 
   @property
   def estimator(self) -> str:
     """The advantage estimator the run's group advantages use: the one its graph fixes, else `advantage`."""
-    for stage in self.step_graph().stages:
-      fixed = dict(stage.params).get("estimator") if stage.op == "group_advantage" else None
-      if fixed:
-        return fixed
-    return self.advantage
+    return self.fixed_estimator or self.advantage
+
+  @property
+  def fixed_estimator(self) -> str:
+    """The estimator the graph's advantage stage names ('' where it takes the run's)."""
+    fixed = [dict(s.params).get("estimator") for s in self.step_graph().stages if s.op == "group_advantage"]
+    return next((f for f in fixed if f), "")
 
   def models(self) -> set[str]:
     """The frozen models the graph's stages score with."""
     return {resolve_op(s.op).model for s in self.step_graph().stages} - {""}
 
 
-def _check_call(stage: Stage) -> None:
-  """The op of `stage` can be called with its inputs and params (a role's program takes what the role gives)."""
-  op = resolve_op(stage.op)
-  for text in stage.outputs:
-    port(text, stage.name)
+def _stage_op(stage: Stage) -> Op:
+  try:
+    return resolve_op(stage.op)
+  except GraphError as err:
+    raise GraphError(f"stage {stage.name!r}: {err}") from None
+
+
+def _check_call(stage: Stage, op: Op) -> None:
+  """The op of `stage` can be called with its inputs and params; a role's program has the ports its role gives."""
   if op.fn is None:
+    if (stage.inputs, stage.outputs) != (op.inputs, op.outputs):
+      raise GraphError(f"stage {stage.name!r}: op {stage.op!r} is the {op.role}'s own program, whose ports are fixed: "
+                       f"inputs {list(op.inputs)}, outputs {list(op.outputs)}")
     return
   try:
     signature = inspect.signature(op.fn)
   except (TypeError, ValueError):
     return  # a builtin: its call will tell
-  keywords = {k: None for k in FLOW_KEYWORDS if k in signature.parameters and k not in dict(stage.params)}
+  given = FLOW_KEYWORDS if op.model else tuple(k for k in FLOW_KEYWORDS if k != "model")
+  keywords = {k: None for k in given if k in signature.parameters and k not in dict(stage.params)}
   try:
     signature.bind(*stage.inputs, **keywords, **dict(stage.params))
   except TypeError as err:
     raise GraphError(f"stage {stage.name!r}: op {stage.op!r}{signature} cannot take inputs {list(stage.input_fields())}"
                      f" and params {dict(stage.params)}: {err}") from None
-  if op.model and op.model not in MODELS:
-    raise GraphError(f"stage {stage.name!r}: unknown model {op.model!r}; known: {list(MODELS)}")

@@ -9,11 +9,9 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from streamrl_jax.workflow.graph import Stage, port
+from streamrl_jax.workflow.graph import WIRE_FIELDS, Stage, port
 from streamrl_jax.workflow.ops import FLOW_KEYWORDS, resolve_op
 
-# what a shard gives a trainer's flow: its wire fields, by name (`streaming.SampleShard`)
-SHARD_FIELDS = ("tokens", "valid", "loss_mask", "logprobs", "group_ids", "rewards")
 
 
 class StageError(ValueError):
@@ -72,7 +70,7 @@ class StageFlow:
 
 def shard_fields(shard) -> dict[str, np.ndarray]:
   """A `SampleShard`'s wire fields by name."""
-  return {name: getattr(shard, name) for name in SHARD_FIELDS}
+  return {name: getattr(shard, name) for name in WIRE_FIELDS}
 
 
 def checked(stage: str, field: str, kind: str, value, rows: int, length: int) -> np.ndarray:
@@ -82,7 +80,9 @@ def checked(stage: str, field: str, kind: str, value, rows: int, length: int) ->
   if array.shape != shape:
     raise StageError(f"stage {stage!r} wrote {field!r} of shape {array.shape}; a {kind} field is {shape}")
   if kind in ("sample", "token"):
-    if not np.issubdtype(array.dtype, np.number) or not np.all(np.isfinite(array)):
+    if not (np.issubdtype(array.dtype, np.integer) or np.issubdtype(array.dtype, np.floating)):
+      raise StageError(f"stage {stage!r} wrote {field!r} of dtype {array.dtype}; a {kind} field is numbers")
+    if not np.all(np.isfinite(array)):
       raise StageError(f"stage {stage!r} wrote {field!r} with values that are not finite numbers")
     return array.astype(np.float32)
   return array

@@ -136,6 +136,6 @@ def _ordered(graph: StepGraph, producers) -> tuple[Stage, ...]:
   return tuple(done)
 
 
-def flow(order: tuple[Stage, ...], pool: str) -> tuple[Stage, ...]:
-  """The stages of `order` that `pool`'s worker runs, in order."""
-  return tuple(s for s in order if s.pool == pool)
+def flow(order: tuple[Stage, ...], pools) -> tuple[Stage, ...]:
+  """The stages of `order` that the worker of `pools` (the pools it holds) runs, in order."""
+  return tuple(s for s in order if s.pool in pools)

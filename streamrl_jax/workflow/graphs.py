@@ -11,11 +11,11 @@ from __future__ import annotations
 from streamrl_jax.registry import Registry
 from streamrl_jax.rewards.functions import RewardFunctionError, load_attribute
 from streamrl_jax.workflow.graph import GraphError, Stage, StepGraph
+from streamrl_jax.workflow.ops import OPS
 
-SAMPLE = ("tokens:ids", "valid:mask", "loss_mask:mask", "logprobs:token", "group_ids:group")
-GENERATE = Stage("generate", "generate", outputs=SAMPLE, pool="sampler")
-REWARD = Stage("reward", "rule_reward", inputs=("tokens:ids",), outputs=("rewards:sample",), pool="sampler")
-UPDATE = Stage("update", "policy_update", inputs=SAMPLE[:4] + ("advantages:sample|token",))
+GENERATE = Stage("generate", "generate", outputs=OPS.get("generate").outputs, pool="sampler")
+REWARD = Stage("reward", "rule_reward", OPS.get("rule_reward").inputs, OPS.get("rule_reward").outputs, pool="sampler")
+UPDATE = Stage("update", "policy_update", OPS.get("policy_update").inputs)
 GRAPHS = Registry("graph")
 
 

@@ -55,7 +55,7 @@ class Judge:
 def load_judge(spec: str, question: str, tokenizer, vocab_size: int, compute_dtype: str, mesh) -> Judge:
   """The judge model at `spec` on `mesh`, its question and answers encoded with the policy's `tokenizer` (the judge
   reads the policy's tokens, so it needs the same vocabulary: refused by name otherwise)."""
-  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype)
+  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype, mesh=mesh, rules=DEFAULT_RULES)  # onto its pool
   if model.config.vocab_size != vocab_size:
     raise ValueError(f"WorkflowConfig.judge={spec!r} has a vocabulary of {model.config.vocab_size} tokens, the "
                      f"policy {vocab_size}: a judge reads the policy's tokens, so it needs the same tokenizer")

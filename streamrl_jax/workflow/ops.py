@@ -18,17 +18,18 @@ from streamrl_jax.training import compute_advantages, kl_penalized_rewards
 from streamrl_jax.workflow.graph import GraphError
 
 FLOW_KEYWORDS = ("estimator", "objective", "model")
-MODELS = ("reference", "teacher", "judge")  # the frozen models an op may score with
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-  """`fn` None: the program of role `role` ('sampler' or 'trainer') runs it; else a function of arrays, scoring with
-  the frozen `model` where one is named."""
+  """`fn` None: the program of role `role` ('sampler' or 'trainer') runs it, with its fixed ports (`inputs`,
+  `outputs`); else a function of arrays, scoring with the frozen `model` where one is named."""
 
   fn: Callable | None = None
   role: str = ""
   model: str = ""
+  inputs: tuple[str, ...] = ()
+  outputs: tuple[str, ...] = ()
 
 
 OPS = Registry("stage op")
@@ -52,25 +53,23 @@ def reverse_kl(logprobs, teacher_logprobs, loss_mask):
   return np.where(loss_mask, np.asarray(teacher_logprobs, np.float32) - np.asarray(logprobs, np.float32), 0.0)
 
 
-def judge_reward(tokens, valid, *, model):
-  """The judge model's p(yes) / (p(yes) + p(no)) after each sample and the judge question ([rows])."""
+def model_scores(tokens, valid, *, model):
+  """A frozen model's scores of each sample: log p of each token ([rows, T]; column 0 is 0) for a reference or a
+  teacher, a judge's p(yes) / (p(yes) + p(no)) after the judge question ([rows])."""
   return model(tokens, valid)
 
 
-def model_logprobs(tokens, valid, *, model):
-  """log p of each token under a frozen model ([rows, T]; column 0 is 0)."""
-  return model(tokens, valid)
-
-
-OPS.register("generate")(Op(role="sampler"))
-OPS.register("rule_reward")(Op(role="sampler"))  # the run's reward functions (RewardConfig), scored by the sampler
-OPS.register("policy_update")(Op(role="trainer"))
+SAMPLE = ("tokens:ids", "valid:mask", "loss_mask:mask", "logprobs:token", "group_ids:group")  # what generate writes
+OPS.register("generate")(Op(role="sampler", outputs=SAMPLE))
+# the run's reward functions (RewardConfig), scored by the sampler
+OPS.register("rule_reward")(Op(role="sampler", inputs=("tokens:ids",), outputs=("rewards:sample",)))
+OPS.register("policy_update")(Op(role="trainer", inputs=SAMPLE[:4] + ("advantages:sample|token",)))
 OPS.register("group_advantage")(Op(group_advantage))
 OPS.register("kl_penalty")(Op(kl_penalty))
 OPS.register("reverse_kl")(Op(reverse_kl))
-OPS.register("reference_logprobs")(Op(model_logprobs, model="reference"))
-OPS.register("teacher_logprobs")(Op(model_logprobs, model="teacher"))
-OPS.register("judge_reward")(Op(judge_reward, model="judge"))
+OPS.register("reference_logprobs")(Op(model_scores, model="reference"))
+OPS.register("teacher_logprobs")(Op(model_scores, model="teacher"))
+OPS.register("judge_reward")(Op(model_scores, model="judge"))
 
 
 def role_pools() -> dict[str, str]:

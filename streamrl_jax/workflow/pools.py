@@ -12,7 +12,7 @@ from streamrl_jax.training.config import TrainerConfig
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.workflow.config import WorkflowConfig
 from streamrl_jax.workflow.flow import StageFlow
-from streamrl_jax.workflow.graph import GraphError
+from streamrl_jax.workflow.graph import GraphError, flow
 from streamrl_jax.workflow.judge import load_judge
 from streamrl_jax.workflow.ops import resolve_op
 from streamrl_jax.workflow.teacher import load_teacher
@@ -44,7 +44,7 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
   """The flow of the stages on the trainer's mesh and the run's own pools (`meshes`: pool -> mesh, 'trainer'
   included); `scoring`: the sampler's temperature and truncation; `reference`: the trainer's frozen reference's
   log-probs (None: it has none)."""
-  stages = tuple(s for s in workflow.order() if s.pool in meshes)
+  stages = flow(workflow.order(), meshes)
   models = {}
   for stage in stages:
     model = resolve_op(stage.op).model

@@ -38,7 +38,7 @@ class FrozenScorer:
 
 def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss) -> FrozenScorer:
   """The teacher model at `spec` scoring on `mesh`; refused by name when its vocabulary is not the policy's."""
-  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype)
+  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype, mesh=mesh, rules=DEFAULT_RULES)  # onto its pool
   if model.config.vocab_size != vocab_size:
     raise ValueError(f"WorkflowConfig.teacher={spec!r} has a vocabulary of {model.config.vocab_size} tokens, the "
                      f"policy {vocab_size}: a teacher scores the policy's tokens, so it needs the same tokenizer")

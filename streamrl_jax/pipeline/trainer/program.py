@@ -71,9 +71,9 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   graphdef, params = nnx.split(model)
   params = multihost_utils.broadcast_one_to_all(params) if jax.process_count() > 1 else params  # process 0's weights
   mesh = role_mesh(config.mesh, "trainer", devices)
-  spare = spare_devices(devices, mesh)  # the run's own pools take them first, arms the rest
+  spare, stop = spare_devices(devices, mesh), hooks.stop if is_leader() else None  # own pools take spares first
   trainer = TrainerWorker(trainer_setup(config, spare, tokenizer), graphdef, params, mesh,
-                          checkpointer=hooks.checkpointer, resume=hooks.resume, stop=hooks.stop if is_leader() else None)
+                          checkpointer=hooks.checkpointer, resume=hooks.resume, stop=stop)
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config.arms, nnx.state(model), trainer)
@@ -116,7 +116,10 @@ def _check(config: PipelineConfig) -> None:
     raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
                      f"{jax.process_count()}")
   per_token = [s.name for s in config.workflow.order() if s.pool != "sampler" and s.op != "policy_update"
-               and any(port(p, s.name)[1][0] in ("ids", "mask", "token") for p in s.inputs)]
+               and any({"ids", "mask", "token"} & set(port(p, s.name)[1]) for p in s.inputs)]
+  if config.workflow.own_pools() and jax.process_count() > 1:
+    raise ValueError("WorkflowConfig.pools: a pool of the run's own is cut from one trainer process's spare devices; "
+                     f"this trainer has {jax.process_count()} processes")
   if per_token and jax.process_count() > 1:
     raise ValueError(f"WorkflowConfig.graph={config.workflow.graph!r}: stage {per_token[0]!r} reads a sample's tokens, "
                      f"and each process of a trainer of several holds only its own samples' tokens (the KL to the "
