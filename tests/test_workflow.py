@@ -246,3 +246,31 @@ def test_the_old_advantage_key_names_where_it_went():
   from streamrl_jax.settings import MOVED_KEYS
   assert MOVED_KEYS["PipelineConfig.advantage"] == "WorkflowConfig.advantage"
   assert dataclasses.replace(PipelineConfig(), workflow=WorkflowConfig(advantage="rloo")).shape.advantage == "rloo"
+
+
+def test_a_pool_wanting_more_devices_than_are_spare_is_refused_by_name():
+  import jax
+  from streamrl_jax.workflow.pools import pool_meshes
+  workflow = WorkflowConfig(graph="distill", teacher="t", pools=("teacher=3",), bind=("teacher=teacher",))
+  with pytest.raises(GraphError, match="pool 'teacher' wants 3 devices; 2 are left beyond the meshes"):
+    pool_meshes(workflow, jax.devices()[:2])
+  meshes = pool_meshes(workflow, jax.devices()[5:8])
+  assert [d.id for d in meshes["teacher"].devices.flat] == [5, 6, 7]
+
+
+def test_the_example_algorithm_is_a_few_functions_and_a_graph_under_60_lines():
+  from pathlib import Path
+  folder = Path(__file__).resolve().parent.parent / "examples" / "own_algorithm"
+  code = [line for f in ("own_algorithm.py", "own_algorithm.gin") for line in (folder / f).read_text().splitlines()
+          if line.strip() and not line.strip().startswith("#")]
+  assert len(code) < 60, len(code)
+  workflow = WorkflowConfig(graph=str(folder / "own_algorithm.py") + ":GRAPH")
+  fields = _shard_fields()
+  fields["rewards"] = _values([0.0, 1.0, 1.0, 0.5, 2.0, 2.0, 2.0, 2.0])
+  fields["loss_mask"][:] = False
+  fields["loss_mask"][:, 1:] = True  # 9 completion tokens each: under the budget of 24, no penalty
+  out = _flow(workflow).run(fields)
+  np.testing.assert_allclose(out["shaped"], fields["rewards"])
+  # the first group's rewards 0, 1, 1, 0.5 rank 1, 3.5, 3.5, 2 (ties averaged), mapped by (2 r - 5) / 3 to [-1, 1];
+  # the second group's four equal rewards all rank 2.5: advantage 0
+  np.testing.assert_allclose(out["advantages"], [-1.0, 2 / 3, 2 / 3, -1 / 3, 0.0, 0.0, 0.0, 0.0], rtol=1e-6, atol=1e-7)
