@@ -155,7 +155,7 @@ def _shard_fields(rows=8, length=10, seed=0):
   loss_mask[:, 4:] = rng.random((rows, length - 4)) < 0.8
   return dict(tokens=rng.integers(0, 30, (rows, length)), valid=np.ones((rows, length), bool), loss_mask=loss_mask,
               logprobs=_values(-rng.random((rows, length)) * 3 * loss_mask), group_ids=np.repeat(np.arange(rows // 4), 4),
-              rewards=_values(rng.random(rows)))
+              completion_lengths=_values(loss_mask.sum(axis=1)), rewards=_values(rng.random(rows)))
 
 
 def _flow(workflow, models=None, objective=ObjectiveConfig()):
@@ -267,10 +267,24 @@ def test_the_example_algorithm_is_a_few_functions_and_a_graph_under_60_lines():
   workflow = WorkflowConfig(graph=str(folder / "own_algorithm.py") + ":GRAPH")
   fields = _shard_fields()
   fields["rewards"] = _values([0.0, 1.0, 1.0, 0.5, 2.0, 2.0, 2.0, 2.0])
-  fields["loss_mask"][:] = False
-  fields["loss_mask"][:, 1:] = True  # 9 completion tokens each: under the budget of 24, no penalty
+  fields["completion_lengths"] = _values([9, 30, 9, 9, 9, 9, 9, 9])  # one over the budget of 24
   out = _flow(workflow).run(fields)
-  np.testing.assert_allclose(out["shaped"], fields["rewards"])
+  np.testing.assert_allclose(out["shaped"], fields["rewards"] - _values([0, 6 * 0.02, 0, 0, 0, 0, 0, 0]), rtol=1e-6)
+  fields["completion_lengths"][1] = 9
+  out = _flow(workflow).run(fields)
   # the first group's rewards 0, 1, 1, 0.5 rank 1, 3.5, 3.5, 2 (ties averaged), mapped by (2 r - 5) / 3 to [-1, 1];
   # the second group's four equal rewards all rank 2.5: advantage 0
   np.testing.assert_allclose(out["advantages"], [-1.0, 2 / 3, 2 / 3, -1 / 3, 0.0, 0.0, 0.0, 0.0], rtol=1e-6, atol=1e-7)
+
+
+def test_a_trainer_of_several_processes_runs_per_sample_graphs_and_refuses_token_reading_stages(monkeypatch):
+  from pathlib import Path
+  from streamrl_jax.pipeline.trainer import program
+  monkeypatch.setattr(program.jax, "process_count", lambda: 2)
+  example = Path(__file__).resolve().parent.parent / "examples" / "own_algorithm" / "own_algorithm.py"
+  program._check(PipelineConfig(workflow=WorkflowConfig(graph=f"{example}:GRAPH")))
+  program._check(PipelineConfig(workflow=WorkflowConfig(graph="rloo")))
+  with pytest.raises(ValueError, match="stage 'teacher' reads a sample's tokens"):
+    program._check(PipelineConfig(workflow=WorkflowConfig(graph="distill", teacher="t")))
+  with pytest.raises(ValueError, match="WorkflowConfig.pools: a pool of the run's own .* 2 processes"):
+    program._check(PipelineConfig(workflow=WorkflowConfig(graph="judge", judge="j", pools=("j=1",), bind=("judge=j",))))

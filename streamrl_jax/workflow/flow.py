@@ -69,8 +69,10 @@ class StageFlow:
 
 
 def shard_fields(shard) -> dict[str, np.ndarray]:
-  """A `SampleShard`'s wire fields by name."""
-  return {name: getattr(shard, name) for name in WIRE_FIELDS}
+  """A `SampleShard`'s wire fields by name (`completion_lengths` from its token counts, which every process of a
+  trainer holds for every row, whoever holds the tokens)."""
+  fields = {name: getattr(shard, name) for name in WIRE_FIELDS if name != "completion_lengths"}
+  return {**fields, "completion_lengths": shard.stats[:, 0].astype(np.float32)}
 
 
 def checked(stage: str, field: str, kind: str, value, rows: int, length: int) -> np.ndarray:

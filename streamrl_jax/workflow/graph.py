@@ -11,8 +11,9 @@ import dataclasses
 from collections.abc import Mapping
 
 TYPES = ("ids", "mask", "group", "sample", "token")
-# What a sample carries from the sampler's pool to the trainer's (`streaming.sample_schema`): nothing else crosses
-WIRE_FIELDS = ("tokens", "valid", "loss_mask", "logprobs", "group_ids", "rewards")
+# What a sample carries from the sampler's pool to the trainer's (`streaming.sample_schema`; `completion_lengths`:
+# its loss tokens, counted from the wire's mask): nothing else crosses
+WIRE_FIELDS = ("tokens", "valid", "loss_mask", "logprobs", "group_ids", "completion_lengths", "rewards")
 ROLE_POOLS = ("sampler", "trainer")  # the two meshes every run has; others are a run's own (`WorkflowConfig.pools`)
 
 

@@ -59,7 +59,9 @@ def model_scores(tokens, valid, *, model):
   return model(tokens, valid)
 
 
-SAMPLE = ("tokens:ids", "valid:mask", "loss_mask:mask", "logprobs:token", "group_ids:group")  # what generate writes
+# what generate writes (`completion_lengths`: each sample's loss tokens, known on every process of a trainer)
+SAMPLE = ("tokens:ids", "valid:mask", "loss_mask:mask", "logprobs:token", "group_ids:group",
+          "completion_lengths:sample")
 OPS.register("generate")(Op(role="sampler", outputs=SAMPLE))
 # the run's reward functions (RewardConfig), scored by the sampler
 OPS.register("rule_reward")(Op(role="sampler", inputs=("tokens:ids",), outputs=("rewards:sample",)))
