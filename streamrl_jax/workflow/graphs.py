@@ -9,9 +9,9 @@ on a second model's verdict on each sample (the rule reward is still scored and 
 from __future__ import annotations
 
 from streamrl_jax.registry import Registry
-from streamrl_jax.rewards.functions import RewardFunctionError, load_attribute
+from streamrl_jax.rewards.functions import load_attribute
 from streamrl_jax.workflow.graph import GraphError, Stage, StepGraph
-from streamrl_jax.workflow.ops import OPS
+from streamrl_jax.workflow.ops import OPS, registered_or_loaded
 
 GENERATE = Stage("generate", "generate", outputs=OPS.get("generate").outputs, pool="sampler")
 REWARD = Stage("reward", "rule_reward", OPS.get("rule_reward").inputs, OPS.get("rule_reward").outputs, pool="sampler")
@@ -53,15 +53,8 @@ JUDGE = _register(StepGraph("judge", (
 
 def find_graph(name: str) -> StepGraph:
   """The built-in graph `name`, or the `StepGraph` at the user's import path ('module:name' or 'file.py:name')."""
-  if ":" not in name:
-    try:
-      return GRAPHS.get(name)
-    except ValueError as err:
-      raise GraphError(f"WorkflowConfig.graph: {err} (or the user's 'module:name')") from None
-  try:
-    graph = load_attribute(name, "WorkflowConfig.graph")
-  except RewardFunctionError as err:
-    raise GraphError(str(err)) from None
+  graph = registered_or_loaded(GRAPHS, name, lambda path: load_attribute(path, "WorkflowConfig.graph"),
+                               "WorkflowConfig.graph: ")
   if not isinstance(graph, StepGraph):
     raise GraphError(f"WorkflowConfig.graph {name!r} is a {type(graph).__name__}, not a StepGraph")
   return graph

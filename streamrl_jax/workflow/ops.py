@@ -81,12 +81,18 @@ def role_pools() -> dict[str, str]:
 
 def resolve_op(name: str) -> Op:
   """The built-in op `name`, or the user's function at the import path `name`."""
+  return registered_or_loaded(OPS, name, lambda path: Op(load_function(path, "stage op")))
+
+
+def registered_or_loaded(registry: Registry, name: str, load: Callable, key: str = ""):
+  """`registry`'s item `name`, or what `load` finds at the user's import path `name` ('module:name', 'file.py:name');
+  GraphError (after `key`) naming what is wrong otherwise."""
   if ":" not in name:
     try:
-      return OPS.get(name)
+      return registry.get(name)
     except ValueError as err:
-      raise GraphError(f"{err} (or the user's 'module:function')") from None
+      raise GraphError(f"{key}{err} (or the user's 'module:name')") from None
   try:
-    return Op(load_function(name, "stage op"))
+    return load(name)
   except RewardFunctionError as err:
     raise GraphError(str(err)) from None
