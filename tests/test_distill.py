@@ -23,7 +23,7 @@ def test_the_teacher_scores_tokens_on_its_own_devices_as_numpy_does(tmp_path):
   save_hf(teacher, tmp_path / "teacher")
   mesh = mesh_from_devices(jax.devices()[6:8], MeshShape(2, 1, 1))
   scorer = load_teacher(str(tmp_path / "teacher"), MODEL.vocab_size, "float32", mesh,
-                        CallLoss(ObjectiveConfig(), BASE.trainer, 1.0))
+                        CallLoss(ObjectiveConfig(), BASE.trainer, 1.0), 16)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, MODEL.vocab_size, (5, 13)).astype(np.int32)
   valid = np.ones_like(tokens, bool)
@@ -39,7 +39,7 @@ def test_a_teacher_of_another_vocabulary_is_refused_by_name(tmp_path):
   mesh = mesh_from_devices(jax.devices()[6:8], MeshShape(2, 1, 1))
   try:
     load_teacher(str(tmp_path / "teacher"), MODEL.vocab_size + 1, "float32", mesh,
-                 CallLoss(ObjectiveConfig(), BASE.trainer, 1.0))
+                 CallLoss(ObjectiveConfig(), BASE.trainer, 1.0), 16)
   except ValueError as err:
     assert "WorkflowConfig.teacher=" in str(err) and "same tokenizer" in str(err)
   else:

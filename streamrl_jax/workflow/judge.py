@@ -19,7 +19,8 @@ from streamrl_jax.training.host_batch import bucket
 
 class Judge:
   """The judge model (`graphdef`, `params`) on `mesh`; `question`: the token ids put after each sample, `answers`:
-  the token ids of 'yes' and 'no'. Calls pad to power-of-two buckets of `min_shape`."""
+  the token ids of 'yes' and 'no'. Calls pad to power-of-two buckets of `min_shape`: with its width the run's longest
+  sample and the question, one program per row bucket (a group's rows: one)."""
 
   def __init__(self, graphdef, params, mesh, question: list[int], answers: tuple[int, int],
                min_shape: tuple[int, int] = (8, 16)):
@@ -52,15 +53,18 @@ class Judge:
     return np.asarray(out)[:rows]
 
 
-def load_judge(spec: str, question: str, tokenizer, vocab_size: int, compute_dtype: str, mesh) -> Judge:
-  """The judge model at `spec` on `mesh`, its question and answers encoded with the policy's `tokenizer` (the judge
-  reads the policy's tokens, so it needs the same vocabulary: refused by name otherwise)."""
-  model = load_hf(resolve_model(spec), compute_dtype=compute_dtype, mesh=mesh, rules=DEFAULT_RULES)  # onto its pool
+def load_judge(spec: str, question: str, student, mesh) -> Judge:
+  """The judge model at `spec` on `mesh`, its question and answers encoded with the policy's tokenizer (`student`:
+  its vocabulary size, compute dtype, tokenizer and longest sample; the judge reads the policy's tokens, so it needs
+  the same vocabulary: refused by name otherwise)."""
+  vocab_size, tokenizer = student.vocab_size, student.tokenizer
+  model = load_hf(resolve_model(spec), compute_dtype=student.compute_dtype, mesh=mesh, rules=DEFAULT_RULES)
   if model.config.vocab_size != vocab_size:
     raise ValueError(f"WorkflowConfig.judge={spec!r} has a vocabulary of {model.config.vocab_size} tokens, the "
                      f"policy {vocab_size}: a judge reads the policy's tokens, so it needs the same tokenizer")
   graphdef, params = nnx.split(model)
-  return Judge(graphdef, params, mesh, list(tokenizer.encode(question)), answer_tokens(tokenizer))
+  asked = list(tokenizer.encode(question))
+  return Judge(graphdef, params, mesh, asked, answer_tokens(tokenizer), (8, student.longest + len(asked)))
 
 
 def answer_tokens(tokenizer) -> tuple[int, int]:

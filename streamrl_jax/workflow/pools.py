@@ -36,6 +36,7 @@ class Student:
 
   vocab_size: int
   compute_dtype: str
+  longest: int  # the run's longest sample (prompt and new tokens): the width a frozen model's calls are
   tokenizer: object = None  # encodes the judge's question (None: no judge stage)
 
 
@@ -55,11 +56,10 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
     elif model == "teacher" and "teacher" not in models:
       loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
       models["teacher"] = load_teacher(workflow.teacher, student.vocab_size, student.compute_dtype,
-                                       meshes[stage.pool], loss)
+                                       meshes[stage.pool], loss, student.longest)
     elif model == "judge" and "judge" not in models:
       if student.tokenizer is None:
         raise GraphError(f"stage {stage.name!r}: a judge's question is encoded with the policy's tokenizer, which "
                          f"this trainer was not given")
-      models["judge"] = load_judge(workflow.judge, workflow.judge_question, student.tokenizer, student.vocab_size,
-                                   student.compute_dtype, meshes[stage.pool])
+      models["judge"] = load_judge(workflow.judge, workflow.judge_question, student, meshes[stage.pool])
   return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)

@@ -17,7 +17,8 @@ from streamrl_jax.training.host_batch import padded_tokens
 
 class FrozenScorer:
   """log p of each token under the model (`graphdef`, `params`) on `mesh`, scored as `loss` scores the policy's (the
-  sampler's temperature and truncation, vocabulary chunks); calls pad to power-of-two buckets of `min_shape`."""
+  sampler's temperature and truncation, vocabulary chunks); calls pad to power-of-two buckets of `min_shape`: with
+  its width the run's longest sample, one program per row bucket (a group's rows: one)."""
 
   def __init__(self, graphdef, params, mesh, loss: CallLoss, min_shape: tuple[int, int] = (8, 16)):
     self.graphdef, self.mesh, self.loss, self.min_shape = graphdef, mesh, loss, min_shape
@@ -36,11 +37,12 @@ class FrozenScorer:
     return np.asarray(self._score(self.params, launch.put(padded, sharding)))[:rows, :length]
 
 
-def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss) -> FrozenScorer:
-  """The teacher model at `spec` scoring on `mesh`; refused by name when its vocabulary is not the policy's."""
+def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss, width: int) -> FrozenScorer:
+  """The teacher model at `spec` scoring on `mesh` calls `width` tokens wide (the run's longest sample); refused by
+  name when its vocabulary is not the policy's."""
   model = load_hf(resolve_model(spec), compute_dtype=compute_dtype, mesh=mesh, rules=DEFAULT_RULES)  # onto its pool
   if model.config.vocab_size != vocab_size:
     raise ValueError(f"WorkflowConfig.teacher={spec!r} has a vocabulary of {model.config.vocab_size} tokens, the "
                      f"policy {vocab_size}: a teacher scores the policy's tokens, so it needs the same tokenizer")
   graphdef, params = nnx.split(model)
-  return FrozenScorer(graphdef, params, mesh, loss)
+  return FrozenScorer(graphdef, params, mesh, loss, (8, width))

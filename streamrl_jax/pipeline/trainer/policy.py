@@ -70,7 +70,7 @@ def make_flow(setup, trainer: Trainer, model_config: ModelConfig, mesh) -> Stage
   reference = trainer.reference_logprobs if trainer.has_reference else None
   return trainer_flow(setup.workflow, config, shape.advantage, (shape.temperature, Truncation(shape.top_k, shape.top_p,
                       shape.min_p)), {"trainer": mesh, **setup.pools},
-                      Student(model_config.vocab_size, model_config.dtype, setup.tokenizer), reference)
+                      Student(model_config.vocab_size, model_config.dtype, shape.longest, setup.tokenizer), reference)
 
 
 def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:
