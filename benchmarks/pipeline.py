@@ -2,9 +2,10 @@
 
 A tiny decoder warmed up for a few supervised steps (so completions have realistic, skewed lengths) runs
 `STEPS` GRPO steps in each mode on 8 forced host devices (4 sampler + 4 trainer; colocated uses all 8).
-The first step (compiles) is left out of the rates. Prints one JSON object as its last line: samples_per_s,
-trainer_idle_frac and sampler_idle_frac (dicts by mode), weight_sync_s, and the ratios
-stream_vs_disaggregated, async_vs_disaggregated, async_vs_colocated.
+The first step (compiles) is left out of the rates. Then the step graph's costs in async mode (`workflow_costs`:
+the flow's share of a step, a judge's run against the rule-scored one). Prints one JSON object as its last line:
+samples_per_s, trainer_idle_frac and sampler_idle_frac (dicts by mode), weight_sync_s, the ratios
+stream_vs_disaggregated, async_vs_disaggregated, async_vs_colocated, and workflow_costs' figures.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
+import workflow_costs  # noqa: E402
 
 STEPS = size(6, 4)
 SKIP = size(1, 2)  # steps left out of the rates (quick: the second step still compiles what the first did not meet)
@@ -67,6 +69,7 @@ def main() -> dict:
              async_vs_disaggregated=round(rate["async"] / rate["disaggregated"], 3),
              async_vs_colocated=round(rate["async"] / rate["colocated"], 3), steps=STEPS,
              samples_per_step=config.samples_per_step)
+  out.update(workflow_costs.costs(config, model, tokenizer, task))  # the step graph's, in async mode (issue 81)
   return out
 
 

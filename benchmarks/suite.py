@@ -38,7 +38,8 @@ MIN_START_S = 20  # with --budget-s, a benchmark left less than this is not star
 LIMITS_SET_AT_GFLOPS = 300.0
 HELPERS = ("suite", "sizing", "goals", "page", "peak", "process_memory",  # modules of benchmarks/ that are no benchmark
            "trl_grpo",  # (step_profile runs TRL through it)
-           "trainer_memory")  # (real_model runs the trainer's memory variants through it)
+           "trainer_memory",  # (real_model runs the trainer's memory variants through it)
+           "workflow_costs")  # (pipeline runs the step graph's costs through it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ BENCHES = (
     Bench("scheduling", 1200, 180, devices=4),
     Bench("paged", 1800, 180),
     Bench("grpo_step", 1800, 240, devices=2),
-    Bench("pipeline", 1800, 180, devices=2),
+    Bench("pipeline", 2400, 600, devices=2),  # the four modes, then the step graph's costs (workflow_costs)
     Bench("pipeline_scheduling", 1800, 180, devices=2),
     Bench("multiprocess", 1800, 240, devices=2),
     Bench("distributed", 1800, 600, devices=4),
@@ -82,7 +83,6 @@ BENCHES = (
     Bench("arms", 1800, 420, devices=4),
     Bench("step_profile", 1800, 300),
     Bench("async_learning", 4800, 600),  # three SmolLM2 runs of 15 steps (quick: the demo's, 4 steps)
-    Bench("workflow", 900, 300),  # the demo's run with its step graph's flow timed
     Bench("families", 2400, 420, shared_cache=False),  # its first step's seconds hold the compiles
 )
 

@@ -1,5 +1,6 @@
-"""The step graph's cost inside a step, and a judge's: the CPU demo's run (its gin values, a tiny decoder warmed up
-for a few supervised steps) in async mode.
+"""The step graph's cost inside a step, and a judge's (issue 81): the CPU demo's run (its gin values, a tiny decoder
+warmed up for a few supervised steps) in async mode. `benchmarks/pipeline.py` runs it on its model (`costs`); alone,
+`python benchmarks/workflow_costs.py`.
 
 1. The `grpo` graph, every call of the trainer's flow (`StageFlow.run` and its row sums: the stages between the
    rewards and the update, advantages included) timed as the run trains.
@@ -7,10 +8,10 @@ for a few supervised steps) in async mode.
    the task's rule, then the `judge` graph: a judge of the demo decoder's shape (random weights) on a pool of the 2
    devices left, scoring every sample; each twice, interleaved, the better kept.
 
-Prints one JSON object as its last line: graph_overhead_frac (the flow's seconds / the steps' wall seconds, the
+Figures (alone: one JSON object as the last line): graph_overhead_frac (the flow's seconds / the steps' wall seconds, the
 first step left out), flow_ms_per_step, advantage_ms_per_step (the estimator alone over the same shards, timed
-apart), step_s, judge_vs_rule_samples_per_s (samples per second of the judge run / the rule's, after the first step),
-rule_samples_per_s, judge_samples_per_s, steps and cpu.
+apart), graph_step_s, judge_vs_rule_samples_per_s (samples per second of the judge run / the rule's, after the first
+step), rule_samples_per_s, judge_samples_per_s (and alone: steps and cpu).
 """
 
 from __future__ import annotations
@@ -78,9 +79,13 @@ def main() -> dict:
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
-  out = _overhead(config, model, tokenizer, task)
-  out.update(_judge_vs_rule(config, model, tokenizer, task))
-  return dict(out, steps=STEPS, cpu=machine().split(" | ")[1])
+  return dict(costs(config, model, tokenizer, task), steps=STEPS, cpu=machine().split(" | ")[1])
+
+
+def costs(config, model, tokenizer, task) -> dict:
+  """The figures, from runs of `config` (its mode made async) on `model`."""
+  config = dataclasses.replace(config, mode="async")
+  return {**_overhead(config, model, tokenizer, task), **_judge_vs_rule(config, model, tokenizer, task)}
 
 
 def _overhead(config, model, tokenizer, task) -> dict:
@@ -90,7 +95,8 @@ def _overhead(config, model, tokenizer, task) -> dict:
     result = run_pipeline(config, model, tokenizer, task)
   finally:
     StageFlow.run, StageFlow.sums = timed._run, timed._sums
-  per_step = len(timed.seconds) // STEPS  # groups a step (no backfill in the demo)
+  steps = config.steps
+  per_step = len(timed.seconds) // steps  # groups a step (no backfill in the demo)
   steady = slice(per_step, None)  # the first step left out (compiles)
   wall = sum(m["step_s"] for m in result.metrics[1:])
   flow_s = sum(timed.seconds[steady])
@@ -98,10 +104,9 @@ def _overhead(config, model, tokenizer, task) -> dict:
   for fields in timed.shards[steady]:
     compute_advantages(config.workflow.advantage, fields["rewards"], fields["group_ids"])
   direct_s = time.perf_counter() - begin
-  return dict(graph_overhead_frac=flow_s / wall, flow_ms_per_step=1e3 * flow_s / (STEPS - 1),
-              advantage_ms_per_step=1e3 * direct_s / (STEPS - 1), step_s=float(np.median([m["step_s"] for m in
-                                                                                         result.metrics[1:]])),
-              groups_per_step=per_step)
+  return dict(graph_overhead_frac=flow_s / wall, flow_ms_per_step=1e3 * flow_s / (steps - 1),
+              advantage_ms_per_step=1e3 * direct_s / (steps - 1),
+              graph_step_s=float(np.median([m["step_s"] for m in result.metrics[1:]])))
 
 
 def _judge_vs_rule(config, model, tokenizer, task) -> dict:
