@@ -24,12 +24,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from streamrl_jax import gin_config  # noqa: E402
-from streamrl_jax.models import CharTokenizer  # noqa: E402
 from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
-from streamrl_jax.job.warmup import supervised_warmup  # noqa: E402
-from streamrl_jax.models import Transformer  # noqa: E402
-from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sizing import QUICK, size  # noqa: E402
@@ -47,14 +42,7 @@ def main() -> dict:
     atexit.register(shutil.rmtree, cache, True)
     jax.config.update("jax_compilation_cache_dir", cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
-  config, job = gin_config.build_run()
-  config = dataclasses.replace(config, steps=STEPS)
-  job = dataclasses.replace(job, warmup_steps=WARMUP)
-  tokenizer, task = CharTokenizer(), job.make_task()
-  model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
-  model = supervised_warmup(model, tokenizer, task, job,
-                            config.sampler.engine.max_prompt_length + config.max_new_tokens)
+  config, model, tokenizer, task = workflow_costs.warmed_demo(STEPS, WARMUP)
   out = {k: {} for k in ("samples_per_s", "trainer_idle_frac", "sampler_idle_frac", "weight_sync_s")}
   for mode in MODES:
     result = run_pipeline(dataclasses.replace(config, mode=mode), model, tokenizer, task)

@@ -72,14 +72,20 @@ class TimedFlow:
 
 
 def main() -> dict:
-  gin_config.parse([gin_config.DEMO_CONFIG])  # the CPU demo's values
+  return dict(costs(*warmed_demo(STEPS, WARMUP)), steps=STEPS, cpu=machine().split(" | ")[1])
+
+
+def warmed_demo(steps: int, warmup: int) -> tuple:
+  """(config, model, tokenizer, task): the CPU demo's gin values at `steps` RL steps and its decoder after `warmup`
+  supervised steps; what these costs and `pipeline.py`'s modes run on."""
+  gin_config.parse([gin_config.DEMO_CONFIG])
   config, job = gin_config.build_run()
-  config = dataclasses.replace(config, steps=STEPS)
-  job = dataclasses.replace(job, warmup_steps=WARMUP)
+  config = dataclasses.replace(config, steps=steps)
+  job = dataclasses.replace(job, warmup_steps=warmup)
   tokenizer, task = CharTokenizer(), job.make_task()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   model = supervised_warmup(model, tokenizer, task, job, config.sampler.engine.max_prompt_length + config.max_new_tokens)
-  return dict(costs(config, model, tokenizer, task), steps=STEPS, cpu=machine().split(" | ")[1])
+  return config, model, tokenizer, task
 
 
 def costs(config, model, tokenizer, task) -> dict:
