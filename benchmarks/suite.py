@@ -65,7 +65,7 @@ BENCHES = (
     Bench("scheduling", 1200, 180, devices=4),
     Bench("paged", 1800, 180),
     Bench("grpo_step", 1800, 240, devices=2),
-    Bench("pipeline", 2400, 600, devices=2),  # the four modes, then the step graph's costs (workflow_costs)
+    Bench("pipeline", 3600, 900, devices=2),  # the four modes, then the step graph's costs (workflow_costs)
     Bench("pipeline_scheduling", 1800, 180, devices=2),
     Bench("multiprocess", 1800, 240, devices=2),
     Bench("distributed", 1800, 600, devices=4),

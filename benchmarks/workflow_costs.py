@@ -44,6 +44,7 @@ from sizing import size  # noqa: E402
 
 STEPS = size(8, 4)
 WARMUP = size(100, 20)  # supervised steps before RL
+ROUNDS = size(2, 1)  # runs of each of the rule-scored and the judge's, interleaved (the better kept)
 
 
 class TimedFlow:
@@ -117,14 +118,14 @@ def _overhead(config, model, tokenizer, task) -> dict:
 
 def _judge_vs_rule(config, model, tokenizer, task) -> dict:
   """Samples/s after the first step of the run scored by the task's rule, then by a judge on a pool of its own (each
-  twice, interleaved, the better kept; the trainer's shapes compiled before the first step)."""
+  `ROUNDS` times, interleaved, the better kept; the trainer's shapes compiled before the first step)."""
   with tempfile.TemporaryDirectory() as folder:
     save_hf(Transformer(model.config, rngs=nnx.Rngs(11)), Path(folder) / "judge")
     config = dataclasses.replace(config, mesh=dataclasses.replace(config.mesh, sampler_devices=4, trainer_devices=2),
                                  trainer=dataclasses.replace(config.trainer, precompile=True))
     judge = WorkflowConfig(graph="judge", judge=str(Path(folder) / "judge"), pools=("judge=2",), bind=("judge=judge",))
     rates = {"rule": 0.0, "judge": 0.0}
-    for name, workflow in (("rule", config.workflow), ("judge", judge)) * 2:
+    for name, workflow in (("rule", config.workflow), ("judge", judge)) * ROUNDS:
       steady = run_pipeline(dataclasses.replace(config, workflow=workflow), model, tokenizer, task).metrics[1:]
       samples = config.samples_per_step * len(steady)
       rates[name] = max(rates[name], samples / sum(m["step_s"] for m in steady))
