@@ -229,7 +229,9 @@ def test_chaos_samplers_killed_frozen_and_joining(tmp_path):
   # every prompt was either reported in a lease or delivered by a lost sampler before it was lost
   assert counters["samples_trained"] == steps * 8
   assert counters["prompts_submitted"] + counters["groups_kept"] == steps * 4
-  assert counters["samplers_lost"] >= 2 and counters["rejoin_requests"] >= 1
+  # the thawed sampler was told to register again by whichever call of its reached the trainer first: a heartbeat
+  # or lease request (rejoin_requests) or its report of the lease it lost (late_reports)
+  assert counters["samplers_lost"] >= 2 and counters["rejoin_requests"] + counters["late_reports"] >= 1
   assert "registering again" in run.logs[frozen].read_text()
   joined = [e for e in run.events() if e["event"] == "sampler_joined"]
   # s0 and s1, the three started after a kill, the one joining at step 10, and the frozen one once more

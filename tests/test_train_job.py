@@ -124,6 +124,8 @@ def test_the_python_entry_trains_and_returns_the_summary(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_report_to_wandb_sends_every_row_and_the_pictures(tmp_path, monkeypatch):
+  import wandb
+
   from tests.wandb_records import history
 
   monkeypatch.setenv("WANDB_MODE", "offline")
@@ -136,6 +138,9 @@ def test_report_to_wandb_sends_every_row_and_the_pictures(tmp_path, monkeypatch)
     assert cli.main(args) == 0
   finally:
     gin_config.parse()
+    # run.finish() returns before wandb's service has closed the run's file (its last records may still be in a
+    # buffer); a process's exit waits for that (wandb's atexit teardown), and so does this
+    wandb.teardown()
   assert not (tmp_path / "tensorboard").exists()  # only what report_to names
   (run_file,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
   assert run_file.name == f"run-{(tmp_path / 'run_id').read_text().strip()}.wandb"  # the run's own id: resumable
