@@ -65,6 +65,8 @@ METRICS = (
            "samples (a token field: over the loss tokens); `distill`'s stage/advantages is minus the reverse KL to the "
            "teacher per token"),
     Metric("loss", "float", UPDATE, "the objective's value, per its aggregation"),
+    Metric("critic/<metric>", "float", UPDATE, "the `ppo` graph's critic's update: its clipped value `loss`, "
+           "`grad_norm` and `clip_frac` (share of loss tokens whose value moved past the clip)"),
     Metric("grad_norm", "float", UPDATE, "global gradient norm before clipping"),
     Metric("learning_rate", "float", UPDATE, "the learning rate of the update"),
     Metric("tokens", "float", UPDATE, "loss tokens (completion tokens the policy wrote) the update trained"),

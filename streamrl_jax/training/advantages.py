@@ -6,8 +6,6 @@ the train step broadcasts it over the sequence's completion tokens. GAE works pe
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from streamrl_jax.registry import Registry
@@ -64,19 +62,16 @@ def reinforce_pp(rewards, group_ids):
 
 @ADVANTAGES.register("gae")
 def gae(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
-  """Generalised advantage estimation per token; rewards, values, mask [B, T] (mask: completion tokens,
-  contiguous). Returns (advantages, returns) [B, T], zero outside the mask."""
-  rewards, values, mask = (jnp.asarray(x, jnp.float32) for x in (rewards, values, mask))
-  next_values = jnp.concatenate([values[:, 1:] * mask[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
+  """Generalised advantage estimation per token, on the host; rewards, values, mask [B, T] (mask: completion tokens,
+  contiguous). Returns (advantages, returns) [B, T] float32, zero outside the mask."""
+  rewards, values, mask = (np.asarray(x, np.float32) for x in (rewards, values, mask))
+  next_values = np.concatenate([values[:, 1:] * mask[:, 1:], np.zeros_like(values[:, :1])], axis=1)
   deltas = (rewards + gamma * next_values - values) * mask
-
-  def back(carry, x):
-    delta, m = x
-    carry = delta + gamma * lam * carry * m
-    return carry, carry
-
-  _, adv = jax.lax.scan(back, jnp.zeros(rewards.shape[0]), (deltas.T[::-1], mask.T[::-1]))
-  advantages = adv[::-1].T * mask
+  advantages, carry = np.zeros_like(deltas), np.zeros(len(deltas), np.float32)
+  for t in range(deltas.shape[1] - 1, -1, -1):  # back from the last token: T steps, each over every row
+    carry = deltas[:, t] + np.float32(gamma * lam) * carry * mask[:, t]
+    advantages[:, t] = carry
+  advantages *= mask
   return advantages, (advantages + values) * mask
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import jax
@@ -61,15 +62,23 @@ class Checkpointer:
     self._options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=self.async_save,
                                                  create=True)
     self._write_gb = WRITE_GB
+    self._other_items: set[str] = set()  # items of other models' states (`save`'s `others`)
     self._manager = self._make_manager()
     self._writer = concurrent.futures.ThreadPoolExecutor(1, "checkpoint") if self.background else None
     self._in_flight: tuple[int, concurrent.futures.Future] | None = None  # (step, its background write)
 
   def _make_manager(self) -> ocp.CheckpointManager:
-    handlers = dict(arrays=ocp.StandardCheckpointHandler(save_concurrent_gb=self._write_gb),
-                    aux=ocp.StandardCheckpointHandler(save_concurrent_gb=self._write_gb),
-                    extra=ocp.JsonCheckpointHandler())
-    return ocp.CheckpointManager(self.directory, options=self._options, item_handlers=handlers)
+    handlers = {key: ocp.StandardCheckpointHandler(save_concurrent_gb=self._write_gb)
+                for key in ("arrays", "aux", *sorted(self._other_items))}
+    return ocp.CheckpointManager(self.directory, options=self._options,
+                                 item_handlers={**handlers, "extra": ocp.JsonCheckpointHandler()})
+
+  def _with_items(self, keys) -> None:
+    """The manager knows items `keys` (a handler each: orbax is told every item's handler when it is made)."""
+    if set(keys) - self._other_items:
+      self._other_items |= set(keys)
+      self._manager.close()
+      self._manager = self._make_manager()
 
   def _bound_for(self, *trees) -> None:
     """Raises the write bound to the largest array of `trees` (orbax writes no array larger than its bound)."""
@@ -84,16 +93,22 @@ class Checkpointer:
     """Whether a run saves checkpoint `step`: every `every` steps, and the `last` one it trains (final or stopped)."""
     return last or step % self.every == 0
 
-  def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None) -> int:
+  def save(self, state: TrainState, extra: dict | None = None, aux=None, step: int | None = None,
+           others: Mapping[str, TrainState] | None = None) -> int:
     """Saves `state` as checkpoint `step` (default: its optimizer step); `extra` is JSON metadata, `aux` any
-    pytree of arrays saved beside it (the ranker's state), read back by `restore_aux`. An asynchronous save
-    returns once its copy is taken, a background one at once: the caller leaves `state`'s arrays undonated until
+    pytree of arrays saved beside it (the ranker's state), read back by `restore_aux`; `others` the states of other
+    models trained with it (a critic), by name, read back by `restore(template, item=name)`. An asynchronous save
+    returns once its copy is taken, a background one at once: the caller leaves the states' arrays undonated until
     `wait()` returns."""
     self.wait()  # one save at a time: the previous one commits first
     step = int(jax.device_get(state.step)) if step is None else step
     arrays = _flatten({name: getattr(state, name) for name in SAVED_FIELDS})
-    self._bound_for(arrays, aux)
-    items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}))
+    more = {_item(name): _flatten({f: getattr(other, f) for f in SAVED_FIELDS})
+            for name, other in (others or {}).items()}
+    self._with_items(more)
+    self._bound_for(arrays, aux, *more.values())
+    items = dict(arrays=ocp.args.StandardSave(arrays), extra=ocp.args.JsonSave(extra or {}),
+                 **{key: ocp.args.StandardSave(tree) for key, tree in more.items()})
     if aux is not None:
       items["aux"] = ocp.args.StandardSave(jax.tree.map(np.array, _flatten(aux)))
     if self._writer is not None:
@@ -129,19 +144,25 @@ class Checkpointer:
     self.wait()
     return self._manager.latest_step()
 
-  def restore(self, template: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-    """(state, extra) of `step` (default: latest), arrays placed like the template's (its mesh)."""
+  def restore(self, template: TrainState, step: int | None = None, item: str = "") -> tuple[TrainState, dict]:
+    """(state, extra) of `step` (default: latest), arrays placed like the template's (its mesh); `item`: the state
+    saved among `others` under that name, not the main one."""
     self.wait()
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
     if step not in self.steps:
       raise FileNotFoundError(f"no checkpoint of step {step} in {self.directory}; have {self.steps}")
+    key = _item(item) if item else "arrays"
+    if item and not (self.directory / str(step) / key).exists():
+      raise FileNotFoundError(f"checkpoint {step} in {self.directory} holds no {item} state (saved by a run without "
+                              f"one)")
+    self._with_items([key] if item else [])
     saved = {name: getattr(template, name) for name in SAVED_FIELDS}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), _flatten(saved))
-    restored = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract),
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{key: ocp.args.StandardRestore(abstract)},
                                                                    extra=ocp.args.JsonRestore()))
-    fields = _unflatten(saved, dict(restored.arrays))
+    fields = _unflatten(saved, dict(restored[key]))
     grad_sum = jax.tree.map(lambda g: g * 0, template.grad_sum)
     sums = {k: jnp.zeros_like(v) for k, v in template.sums.items()}  # the template's: a mixture counts more
     return TrainState(grad_sum=grad_sum, sums=sums, **fields), dict(restored.extra or {})
@@ -165,3 +186,8 @@ class Checkpointer:
       if self._writer is not None:
         self._writer.shutdown()
       self._manager.close()
+
+
+def _item(name: str) -> str:
+  """The checkpoint's item of another model's state `name`."""
+  return f"{name}_state"

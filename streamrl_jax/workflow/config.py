@@ -7,6 +7,7 @@ import dataclasses
 import inspect
 
 from streamrl_jax.training import ADVANTAGES
+from streamrl_jax.training.advantages import SEQUENCE_LEVEL
 from streamrl_jax.workflow.graph import ROLE_POOLS, GraphError, Stage, StepGraph, check
 from streamrl_jax.workflow.graphs import find_graph
 from streamrl_jax.workflow.ops import FLOW_KEYWORDS, Op, resolve_op, role_pools
@@ -16,7 +17,7 @@ from streamrl_jax.workflow.ops import FLOW_KEYWORDS, Op, resolve_op, role_pools
 class WorkflowConfig:
   """A run's step graph (`workflow/`): stages bound to pools, checked before anything is built."""
 
-  # the step's graph: a built-in one (grpo, rloo, kl_reference, distill, judge) or the user's StepGraph at
+  # the step's graph: a built-in one (grpo, rloo, kl_reference, distill, judge, ppo) or the user's StepGraph at
   # 'module:name' or 'path/to/file.py:name'
   graph: str = "grpo"
   # the estimator of an advantage stage that names none (the grpo graph's): grpo, dr_grpo, rloo or reinforce_pp
@@ -34,6 +35,9 @@ class WorkflowConfig:
 
   def __post_init__(self):
     ADVANTAGES.get(self.advantage)
+    if self.advantage not in SEQUENCE_LEVEL:
+      raise GraphError(f"WorkflowConfig.advantage={self.advantage!r} is per token, from a critic's values: set "
+                       f"WorkflowConfig.graph='ppo' (its gae stage); advantage is one of {list(SEQUENCE_LEVEL)}")
     self.own_pools()
     self.bindings()
 

@@ -24,6 +24,8 @@ class StageFlow:
 
   def __init__(self, stages: tuple[Stage, ...], keywords: Mapping[str, object],
                models: Mapping[str, Callable] | None = None):
+    # the models that learn (a critic): stepped once a step (`end_step`), their `state` checkpointed with the policy's
+    self.learners = {name: m for name, m in (models or {}).items() if hasattr(m, "end_step")}
     self.calls = []
     for stage in stages:
       op = resolve_op(stage.op)
@@ -44,7 +46,7 @@ class StageFlow:
         out = fn(*(fields[f] for f in stage.input_fields()), **kwargs)
       except Exception as err:  # noqa: BLE001 - a user's stage failed: named, the run stops
         raise StageError(f"stage {stage.name!r} ({stage.op}) raised {type(err).__name__}: {err}") from err
-      outs = out if isinstance(out, tuple) else (out,)
+      outs = () if out is None and not stage.outputs else out if isinstance(out, tuple) else (out,)
       if len(outs) != len(stage.outputs):
         raise StageError(f"stage {stage.name!r} returned {len(outs)} arrays for its outputs {list(stage.outputs)}")
       for text, value in zip(stage.outputs, outs):
@@ -52,6 +54,9 @@ class StageFlow:
         fields[field] = checked(stage.name, field, kind, value, rows, length)
     return fields
 
+  def end_step(self) -> dict[str, float]:
+    """Each learner's optimizer step on what the step's shards added; its metrics as '<learner>/<name>'."""
+    return {f"{name}/{k}": v for name, learner in self.learners.items() for k, v in learner.end_step().items()}
 
   def sums(self, fields: Mapping[str, np.ndarray]) -> dict[str, tuple[float, float]]:
     """(sum, count) of each float field the flow's stages wrote: over the samples, or a token field's over the loss

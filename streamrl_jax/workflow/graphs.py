@@ -4,7 +4,8 @@ Every graph generates on the sampler's pool (the sample's fields: `SAMPLE`) and 
 what lies between is the algorithm. `grpo` is the step every run took before graphs (its advantage stage's estimator
 is `WorkflowConfig.advantage`), `rloo` fixes it to leave-one-out, `kl_reference` subtracts the KL to a frozen
 reference from the reward, `distill` trains on a teacher's per-token log-probabilities (on-policy distillation), `judge`
-on a second model's verdict on each sample (the rule reward is still scored and logged)."""
+on a second model's verdict on each sample (the rule reward is still scored and logged), `ppo` on per-token advantages
+by GAE from a critic that learns beside the policy (`workflow.critic`)."""
 
 from __future__ import annotations
 
@@ -43,12 +44,18 @@ DISTILL = _register(StepGraph("distill", (
     Stage("advantage", "reverse_kl", ("logprobs:token", "teacher_logprobs:token", "loss_mask:mask"),
           ("advantages:token",)),
     UPDATE)))
-
-
 JUDGE = _register(StepGraph("judge", (
     GENERATE, REWARD,
     Stage("judge", "judge_reward", ("tokens:ids", "valid:mask"), ("judge_rewards:sample",)),
     advantage_stage("judge_rewards"), UPDATE)))
+CRITIC_BATCH = ("tokens:ids", "valid:mask", "loss_mask:mask", "values:token", "returns:token")
+PPO = _register(StepGraph("ppo", (
+    GENERATE, REWARD,
+    Stage("values", "critic_values", ("tokens:ids", "valid:mask"), ("values:token",)),
+    Stage("gae", "gae", ("rewards:sample", "values:token", "loss_mask:mask"), ("advantages:token", "returns:token"),
+          params=(("gamma", 1.0), ("lam", 1.0))),
+    Stage("critic", "critic_update", CRITIC_BATCH),
+    UPDATE)))
 
 
 def find_graph(name: str) -> StepGraph:

@@ -15,6 +15,7 @@ import numpy as np
 from streamrl_jax.registry import Registry
 from streamrl_jax.rewards.functions import RewardFunctionError, load_function
 from streamrl_jax.training import compute_advantages, kl_penalized_rewards
+from streamrl_jax.training.advantages import gae
 from streamrl_jax.workflow.graph import GraphError
 
 FLOW_KEYWORDS = ("estimator", "objective", "model")
@@ -54,9 +55,24 @@ def reverse_kl(logprobs, teacher_logprobs, loss_mask):
 
 
 def model_scores(tokens, valid, *, model):
-  """A frozen model's scores of each sample: log p of each token ([rows, T]; column 0 is 0) for a reference or a
-  teacher, a judge's p(yes) / (p(yes) + p(no)) after the judge question ([rows])."""
+  """A model's scores of each sample: log p of each token ([rows, T]; column 0 is 0) for a reference or a teacher, a
+  judge's p(yes) / (p(yes) + p(no)) after the judge question ([rows]), a critic's values ([rows, T])."""
   return model(tokens, valid)
+
+
+def token_gae(rewards, values, loss_mask, *, gamma: float = 1.0, lam: float = 1.0):
+  """PPO's (advantages, returns) per token by generalised advantage estimation (`training.advantages.gae`): each
+  sample's reward on its last loss token, `values` the critic's of the state before each token."""
+  mask = np.asarray(loss_mask, bool)
+  last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
+  token_rewards = np.zeros(mask.shape, np.float32)
+  token_rewards[np.arange(len(mask)), last] = np.where(mask.any(axis=1), np.asarray(rewards, np.float32), 0.0)
+  return gae(token_rewards, values, mask, gamma, lam)
+
+
+def critic_update(tokens, valid, loss_mask, values, returns, *, model):
+  """Adds the shard's value loss to the critic's step (`workflow.critic.Critic`); it writes no field."""
+  model.accumulate(tokens, valid, loss_mask, values, returns)
 
 
 # what generate writes (`completion_lengths`: each sample's loss tokens, known on every process of a trainer)
@@ -72,6 +88,9 @@ OPS.register("reverse_kl")(Op(reverse_kl))
 OPS.register("reference_logprobs")(Op(model_scores, model="reference"))
 OPS.register("teacher_logprobs")(Op(model_scores, model="teacher"))
 OPS.register("judge_reward")(Op(model_scores, model="judge"))
+OPS.register("critic_values")(Op(model_scores, model="critic"))
+OPS.register("gae")(Op(token_gae))
+OPS.register("critic_update")(Op(critic_update, model="critic"))
 
 
 def role_pools() -> dict[str, str]:

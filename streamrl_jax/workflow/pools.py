@@ -11,6 +11,7 @@ from streamrl_jax.training.call_loss import CallLoss
 from streamrl_jax.training.config import TrainerConfig
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.workflow.config import WorkflowConfig
+from streamrl_jax.workflow.critic import make_critic
 from streamrl_jax.workflow.flow import StageFlow
 from streamrl_jax.workflow.graph import GraphError, flow
 from streamrl_jax.workflow.judge import load_judge
@@ -38,6 +39,8 @@ class Student:
   compute_dtype: str
   longest: int  # the run's longest sample (prompt and new tokens): the width a frozen model's calls are
   tokenizer: object = None  # encodes the judge's question (None: no judge stage)
+  policy: tuple = ()  # (model config, parameters) of the policy at the run's start: a critic's trunk starts as it
+  seed: int = 0
 
 
 def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: str, scoring: tuple[float, Truncation],
@@ -62,4 +65,14 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
         raise GraphError(f"stage {stage.name!r}: a judge's question is encoded with the policy's tokenizer, which "
                          f"this trainer was not given")
       models["judge"] = load_judge(workflow.judge, workflow.judge_question, student, meshes[stage.pool])
+    elif model == "critic":
+      models["critic"] = models.get("critic") or _critic(student, trainer, meshes[stage.pool])
+      if models["critic"].trainer.mesh is not meshes[stage.pool]:
+        raise GraphError(f"stage {stage.name!r}: the critic's stages share its weights: bind them to one pool")
   return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)
+
+
+def _critic(student: Student, trainer: TrainerConfig, mesh):
+  if not student.policy:
+    raise GraphError("a critic's trunk starts as the policy: this trainer was not given the policy's parameters")
+  return make_critic(*student.policy, trainer, mesh, student.longest, student.seed)

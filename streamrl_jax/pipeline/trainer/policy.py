@@ -62,15 +62,16 @@ def precompile(trainer: Trainer, batcher: MicroBatcher, state, chunk_rows: int, 
   return trainer.precompile(state, chunk_rows, width)
 
 
-def make_flow(setup, trainer: Trainer, model_config: ModelConfig, mesh) -> StageFlow:
+def make_flow(setup, trainer: Trainer, model_config: ModelConfig, params, mesh) -> StageFlow:
   """The trainer's flow of the run's step graph (`setup`: the worker's `TrainerSetup`): its stages on the trainer's
   `mesh` and the run's own pools (`setup.pools`: name -> mesh), the reference its trainer's, a teacher on its
-  stage's pool."""
+  stage's pool, a critic starting from the policy's `params`."""
   shape, config = setup.shape, setup.trainer
   reference = trainer.reference_logprobs if trainer.has_reference else None
+  student = Student(model_config.vocab_size, model_config.dtype, shape.longest, setup.tokenizer, (model_config, params),
+                    shape.seed)
   return trainer_flow(setup.workflow, config, shape.advantage, (shape.temperature, Truncation(shape.top_k, shape.top_p,
-                      shape.min_p)), {"trainer": mesh, **setup.pools},
-                      Student(model_config.vocab_size, model_config.dtype, shape.longest, setup.tokenizer), reference)
+                      shape.min_p)), {"trainer": mesh, **setup.pools}, student, reference)
 
 
 def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:

@@ -108,13 +108,15 @@ class TrainerWorker:
     self.lora = self.config.lora if self.config.lora.enabled else None
     self.trainer, trained = make_trainer(self.config, self.shape, setup.expert_axis, graphdef, params, mesh, resume)
     # the stages of the step graph on its mesh and the run's own `pools` (name -> mesh): a shard's advantages
-    self.flow = make_flow(setup, self.trainer, nnx.merge(graphdef, params).config, mesh)
+    self.flow = make_flow(setup, self.trainer, nnx.merge(graphdef, params).config, params, mesh)
     self.state = self.trainer.init_state(trained, seed=self.shape.seed)
-    self.state, self.start_step = _restored(self.state, checkpointer) if resume else (self.state, 0)
+    self.state, self.start_step = _restored(self.state, checkpointer, self.flow.learners) if resume else (self.state, 0)
     self.checkpointer = checkpointer
     packed = packing(self.config, self.shape, graphdef, params, mesh) if self.config.packing else {}
     self.batcher = MicroBatcher(self.trainer, chunk_rows=self.config.chunk_rows, **packed)
-    self.counters = _counters(setup.precision.on_trainer.precision, self.state.params)
+    # with the bytes of one weight version on the wire (sent in the samplers' precision)
+    self.counters = TrainerCounters(weight_version_bytes=wire_bytes(wire_template(
+        self.state.params, setup.precision.on_trainer.precision)))
     self.refusals: list[str] = []  # why each refused shard was refused
     self.timeline: dict[str, list] = {"trainer": [], "sync": []}
     self.rules, self.intake = IntakeRules.of(self.shape), IntakeState()  # what it does with each arriving shard
@@ -174,8 +176,9 @@ class TrainerWorker:
         self.state = self.batcher.flush(self.state)
         jax.block_until_ready(self.state.sums)
       save_wait = self._await_checkpoint(clock)
-      with self.phase_clock.phase("optimizer"):
+      with self.phase_clock.phase("optimizer"):  # the policy's, then a learning stage's (a critic)
         self.state, train_metrics = self.batcher.finish(self.state)
+        train_metrics.update(self.flow.end_step())
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
       save_wait, train_metrics = 0.0, {}
       if not empty:
@@ -227,7 +230,8 @@ class TrainerWorker:
       # after the step's metrics row: a resume never lacks a trained step's row; numbered by RL step (a step whose
       # groups dynamic sampling all filtered makes no optimizer step)
       with self.phase_clock.phase("checkpoint"):
-        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1)
+        self.checkpointer.save(self.state, extra={"next_step": step + 1}, aux=aux() if aux else None, step=step + 1,
+                               others={name: learner.state for name, learner in self.flow.learners.items()})
       self.faults.hit("save", step + 1)
     release_free_memory()
     self._progress(f"the end of step {row_step(step)}")
@@ -328,17 +332,15 @@ class TrainerWorker:
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
 
 
-def _restored(state, checkpointer) -> tuple:
-  """(the state of `checkpointer`'s latest checkpoint, the step it goes on with)."""
+def _restored(state, checkpointer, learners: Mapping) -> tuple:
+  """(the state of `checkpointer`'s latest checkpoint, the step it goes on with); each of the flow's `learners` (a
+  critic) restored to its state there."""
   if checkpointer is None or checkpointer.latest_step() is None:
     raise FileNotFoundError("resume asked for, but there is no checkpoint to resume from")
   state, extra = checkpointer.restore(state)
+  for name, learner in learners.items():
+    learner.state = checkpointer.restore(learner.state, item=name)[0]
   return state, int(extra["next_step"])
-
-
-def _counters(precision: str, params) -> TrainerCounters:
-  """The worker's counters at its start, with the bytes of one weight version on the wire (sent in `precision`)."""
-  return TrainerCounters(weight_version_bytes=wire_bytes(wire_template(params, precision)))
 
 
 @dataclasses.dataclass(slots=True)
