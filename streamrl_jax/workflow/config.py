@@ -86,6 +86,9 @@ class WorkflowConfig:
       if op.model == "reference" and stage.pool != "trainer":
         raise GraphError(f"stage {stage.name!r}: the frozen reference is the trainer's own, on its mesh; bind it "
                          f"to 'trainer', not {stage.pool!r}")
+    critic = {s.name: s.pool for s in order if resolve_op(s.op).model == "critic"}
+    if len(set(critic.values())) > 1:
+      raise GraphError(f"stages {sorted(critic)} score and train one critic: bind them to one pool, not {critic}")
     idle = sorted(set(self.own_pools()) - {s.pool for s in order})
     if idle:
       raise GraphError(f"WorkflowConfig.pools: pool {idle[0]!r} has no stage bound to it (WorkflowConfig.bind)")

@@ -18,7 +18,7 @@ from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.training import Buckets, Trainer, TrainerConfig
 from streamrl_jax.training.host_batch import padded_tokens
 
-CRITIC_METRICS = ("loss", "grad_norm", "clip_frac")  # a step's row has each as critic/<name>
+CRITIC_METRICS = ("loss", "grad_norm", "clip_frac")  # of its update, in a step's row as critic/<name>
 
 
 def earlier(x: np.ndarray) -> np.ndarray:
@@ -50,8 +50,8 @@ class Critic:
     return values
 
   def accumulate(self, tokens, valid, loss_mask, values, returns) -> None:
-    """Adds the clipped value loss (`TrainerConfig.value_loss`) of the loss tokens' `returns` to the step's gradient,
-    `values` the old values it clips around."""
+    """Adds the clipped value loss (`ValueLossConfig`: `TrainerConfig.value_loss`) of the loss tokens' `returns` to
+    the step's gradient, `values` the old values it clips around."""
     batch = dict(tokens=np.asarray(tokens), valid=np.asarray(valid, bool),
                  loss_mask=earlier(np.asarray(loss_mask, bool)), returns=earlier(np.asarray(returns, np.float32)),
                  old_values=earlier(np.asarray(values, np.float32)))
@@ -60,11 +60,12 @@ class Critic:
       self.state = self.trainer.accumulate(self.state, part)
 
   def end_step(self) -> dict[str, float]:
-    """The optimizer step on what the step added (none when it added no loss token); its `CRITIC_METRICS`."""
+    """The optimizer step on what the step added (none when it added no loss token); its `CRITIC_METRICS` as the
+    row's keys."""
     if float(self.state.sums["tokens"]) == 0:
       return {}
     self.state, metrics = self.trainer.apply(self.state)
-    return {name: metrics[name] for name in CRITIC_METRICS}
+    return {f"critic/{name}": metrics[name] for name in CRITIC_METRICS}
 
 
 def make_critic(model_config: ModelConfig, policy_params, config: TrainerConfig, mesh, width: int,

@@ -55,8 +55,8 @@ class StageFlow:
     return fields
 
   def end_step(self) -> dict[str, float]:
-    """Each learner's optimizer step on what the step's shards added; its metrics as '<learner>/<name>'."""
-    return {f"{name}/{k}": v for name, learner in self.learners.items() for k, v in learner.end_step().items()}
+    """Each learner's optimizer step on what the step's shards added; their row keys."""
+    return {k: v for learner in self.learners.values() for k, v in learner.end_step().items()}
 
   def sums(self, fields: Mapping[str, np.ndarray]) -> dict[str, tuple[float, float]]:
     """(sum, count) of each float field the flow's stages wrote: over the samples, or a token field's over the loss

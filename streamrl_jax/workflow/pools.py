@@ -40,7 +40,7 @@ class Student:
   longest: int  # the run's longest sample (prompt and new tokens): the width a frozen model's calls are
   tokenizer: object = None  # encodes the judge's question (None: no judge stage)
   policy: tuple = ()  # (model config, parameters) of the policy at the run's start: a critic's trunk starts as it
-  seed: int = 0
+  seed: int = 0  # the run's: a critic's head and optimizer start from it
 
 
 def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: str, scoring: tuple[float, Truncation],
@@ -65,10 +65,8 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
         raise GraphError(f"stage {stage.name!r}: a judge's question is encoded with the policy's tokenizer, which "
                          f"this trainer was not given")
       models["judge"] = load_judge(workflow.judge, workflow.judge_question, student, meshes[stage.pool])
-    elif model == "critic":
-      models["critic"] = models.get("critic") or _critic(student, trainer, meshes[stage.pool])
-      if models["critic"].trainer.mesh is not meshes[stage.pool]:
-        raise GraphError(f"stage {stage.name!r}: the critic's stages share its weights: bind them to one pool")
+    elif model == "critic" and "critic" not in models:  # its stages are on one pool (`WorkflowConfig.order`)
+      models["critic"] = _critic(student, trainer, meshes[stage.pool])
   return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)
 
 
