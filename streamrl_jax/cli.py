@@ -9,6 +9,7 @@
   streamrl trainer --workdir DIR [--listen H:P]    the trainer of a run across processes; serves samplers
   streamrl sampler --connect H:P                   a sampler of a run across processes
   streamrl follower --connect H:P --arm A.gin      a follower arm of a run as its own program
+  streamrl scorer --stage judge [--listen H:P]     a teacher's or judge's stage as a program of its own
   streamrl launch local --workdir DIR --samplers N one trainer and N sampler processes on this machine
   streamrl train --workdir DIR --arms A.gin B.gin  several algorithms trained on one sample stream
   streamrl compare RUN_DIR                         those arms side by side: a table and RUN_DIR/compare.png
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.launch_local import add_launch_parser
   from streamrl_jax.commands.roles import add_role_parsers
+  from streamrl_jax.commands.scorer import add_scorer_parser
   from streamrl_jax.commands.serve import add_serve_parser
   from streamrl_jax.commands.train import arms_arg, cmd_train
 
@@ -226,6 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "--resume=auto: continue if there is one, else start afresh")
   train.set_defaults(run=cmd_train)
   add_role_parsers(sub, _config_args)
+  add_scorer_parser(sub, _config_args)
   add_launch_parser(sub, _config_args)
   add_serve_parser(sub)
   add_compare_parser(sub)
@@ -281,6 +284,8 @@ def _role(args) -> str | None:
     return args.name if args.process_id is None else f"{args.name}/{args.process_id}"
   if args.command == "follower":
     return f"follower {Path(args.arm).stem}"
+  if args.command == "scorer":
+    return f"scorer {args.stage}"
   if args.command == "launch" and args.where == "local":
     return "launch"  # its lines interleave with its children's: stamped as theirs are
   return None
@@ -313,7 +318,7 @@ def _run(args) -> int:
                            else default_host_devices(args))
     force_host_devices(args.host_devices)
     logs.configure(args.log_level, role=_role(args), around_bar=args.command == "train")
-    if args.command in ("trainer", "sampler", "follower"):  # a launcher's SIGTERM stops them as Ctrl-C does
+    if args.command in ("trainer", "sampler", "follower", "scorer"):  # a launcher's SIGTERM stops them as Ctrl-C
       signal.signal(signal.SIGTERM, _interrupt)
     code = args.run(args)
   except (ValueError, OSError, KeyError) as err:  # OSError: missing files, a model that could not be fetched

@@ -12,8 +12,9 @@ import math
 from streamrl_jax.messages import (QUOTE_CHARS, Ack, ArmJoin, ArmJoined, ArmPoll, ArmState, Backfill, Backfilled,
                                    BadMessage, Delivery, DeliveryStatus, Heartbeat, HeartbeatReply, Lease,
                                    LeaseReply, LeaseRequest, Leave, Published, Register, Registered, Regenerate,
-                                   SamplerWait, SamplerWaitQuery, StepReport, StepSummary, StepSummaryRequest,
-                                   StepTrained, VersionInfo, VersionQuery, quote)
+                                   SamplerWait, SamplerWaitQuery, ScoreRequest, ScorerInfo, ScorerQuery, Scores,
+                                   StepReport, StepSummary, StepSummaryRequest, StepTrained, VersionInfo, VersionQuery,
+                                   quote)
 from streamrl_jax.types import Rollout
 
 MAX_MESSAGE_BYTES = 4 << 20  # a Register's settings, a Lease's prompts: far below this
@@ -39,6 +40,9 @@ LIMITS = {
     "SamplerWait.seconds": (0.0, 1e12),
     "ArmJoin.name": 64, "ArmJoin.run_id": 64, "ArmPoll.name": 64, "ArmPoll.run_id": 64,
     "ArmPoll.checkpointed": (0, 1 << 40), "ArmState.dropped": (0, 1 << 40),
+    "ScorerQuery.stage": 128, "ScorerInfo.stage": 128, "ScorerInfo.kind": 16, "ScorerInfo.vocab_size": (1, 1 << 31),
+    "ScoreRequest.rows": (0, 1 << 20), "ScoreRequest.length": (1, 1 << 20),
+    "ScoreRequest.tokens": (0, (1 << 31) - 1), "Scores.values": (-1e9, 1e9),
 }
 
 
@@ -47,7 +51,7 @@ MESSAGES = {cls.__name__: cls for cls in (Register, Registered, LeaseRequest, Ro
                                           Delivery, DeliveryStatus, StepTrained, StepSummaryRequest, StepSummary,
                                           Regenerate, Backfill,
                                           Backfilled, SamplerWaitQuery, SamplerWait, ArmJoin, ArmJoined, ArmPoll,
-                                          ArmState)}
+                                          ArmState, ScorerQuery, ScorerInfo, ScoreRequest, Scores)}
 _SIMPLE = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict": (dict,)}
 
 

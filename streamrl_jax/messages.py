@@ -333,6 +333,45 @@ class ArmState:
   closed: bool
 
 
+@dataclasses.dataclass(frozen=True)
+class ScorerQuery:
+  """A trainer asks a scorer program (`streamrl scorer`) what it serves, for the graph's stage `stage`."""
+
+  stage: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ScorerInfo:
+  """What a scorer program serves: stage `stage`'s frozen `kind` of model ('teacher' or 'judge'), reading token ids
+  below `vocab_size`."""
+
+  stage: str
+  kind: str
+  vocab_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRequest:
+  """Token rows to score: `tokens` and `valid` are [rows, length], row by row."""
+
+  rows: int
+  length: int
+  tokens: tuple[int, ...]
+  valid: tuple[bool, ...]
+
+  def __post_init__(self):
+    if len(self.tokens) != self.rows * self.length or len(self.valid) != len(self.tokens):
+      raise ValueError(f"{len(self.tokens)} tokens and {len(self.valid)} valid flags for {self.rows} rows of "
+                       f"{self.length}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+  """A scorer's reply: one value a row (a judge's) or one a token, row by row (a teacher's log-probabilities)."""
+
+  values: tuple[float, ...]
+
+
 QUOTE_CHARS = 80
 
 

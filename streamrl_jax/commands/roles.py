@@ -38,18 +38,18 @@ def add_role_parsers(sub, common) -> None:
   follower.add_argument("--workdir", required=True, help="the arm's outputs: the lead's WORKDIR/arms/NAME, so that "
                         "`streamrl compare` finds them; run it again with the same workdir to resume the arm")
   follower.set_defaults(run=cmd_follower)
-  _tls_group(follower)
+  tls_group(follower)
   for parser in (trainer, sampler):
     parser.add_argument("--site", default="", help="this program's datacenter label: each other site gets one copy of "
                         "every weight version across, from the trainer's site, and passes it on inside")
-    _tls_group(parser)
+    tls_group(parser)
     dist = parser.add_argument_group("several processes in this role (jax.distributed)")
     dist.add_argument("--coordinator", help="HOST:PORT of this role's process 0")
     dist.add_argument("--num-processes", type=int, help="processes in this role (with --coordinator)")
     dist.add_argument("--process-id", type=int, help="this process's index among them, from 0 (with --coordinator)")
 
 
-def _tls_group(parser) -> None:
+def tls_group(parser) -> None:
   tls = parser.add_argument_group("mutual TLS (all three, or none)")
   tls.add_argument("--tls-cert", help="this side's PEM certificate")
   tls.add_argument("--tls-key", help="this side's PEM private key")

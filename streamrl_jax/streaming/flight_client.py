@@ -127,7 +127,7 @@ class FlightConnection:
       try:
         results = list(self.client.do_action(action, options=self.options(timeout)))
       except flight.FlightServerError as err:
-        raise BadMessage(f"the trainer refused {type(message).__name__}: {_message(err)}") from None
+        raise BadMessage(f"{self.peer} refused {type(message).__name__}: {_message(err)}") from None
       return decode_message(results[0].body.to_pybytes(), reply_type)
     return self.call(once, retry_s=retry_s, abort=abort)
 

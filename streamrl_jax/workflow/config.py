@@ -23,7 +23,8 @@ class WorkflowConfig:
   # the estimator of an advantage stage that names none (the grpo graph's): grpo, dr_grpo, rloo or reinforce_pp
   advantage: str = "grpo"
   # pools of the run's own, 'name=devices': devices of the trainer's program that its mesh leaves (in one process:
-  # that neither mesh uses); a teacher or judge stage bound to one scores there
+  # that neither mesh uses); a teacher or judge stage bound to one scores there; 'name=HOST:PORT': a scorer program
+  # (`streamrl scorer --stage STAGE`) that scores the one teacher or judge stage bound to it
   pools: tuple[str, ...] = ()
   bind: tuple[str, ...] = ()  # stages moved to another pool, 'stage=pool' (pools: sampler, trainer, or an own one)
   # the frozen teacher model of a distill stage: a catalog name, a .gguf, a Hugging Face directory or Hub id (its
@@ -42,14 +43,23 @@ class WorkflowConfig:
     self.bindings()
 
   def own_pools(self) -> dict[str, int]:
-    """The run's own pools: name -> devices."""
+    """The run's own pools of devices: name -> devices."""
+    return {name: int(where) for name, where in self._pools().items() if where.isdigit()}
+
+  def remote_pools(self) -> dict[str, str]:
+    """The run's scorer programs: pool name -> 'HOST:PORT'."""
+    return {name: where for name, where in self._pools().items() if not where.isdigit()}
+
+  def _pools(self) -> dict[str, str]:
     out = {}
     for text in self.pools:
-      name, _, count = text.partition("=")
-      if not name.isidentifier() or not count.isdigit() or name in ROLE_POOLS or name in out:
-        raise GraphError(f"WorkflowConfig.pools: {text!r} is not 'name=devices' with a new pool name (not "
-                         f"{list(ROLE_POOLS)}) and a count")
-      out[name] = int(count)
+      name, _, where = text.partition("=")
+      host, _, port = where.rpartition(":")
+      if not name.isidentifier() or name in ROLE_POOLS or name in out or not (
+          where.isdigit() or (host and port.isdigit())):
+        raise GraphError(f"WorkflowConfig.pools: {text!r} is not 'name=devices' or 'name=HOST:PORT' with a new pool "
+                         f"name (not {list(ROLE_POOLS)})")
+      out[name] = where
     return out
 
   def bindings(self) -> dict[str, str]:
@@ -74,7 +84,8 @@ class WorkflowConfig:
     """The graph's stages in the order they run, each stage's op checked to take its ports and params; raises
     GraphError naming the first problem."""
     graph = self.step_graph()
-    order = check(graph, {**{p: 1 for p in ROLE_POOLS}, **self.own_pools()}, role_pools())
+    remote = self.remote_pools()
+    order = check(graph, {**{p: 1 for p in ROLE_POOLS}, **self.own_pools(), **{p: 1 for p in remote}}, role_pools())
     for stage in order:
       op = _stage_op(stage)
       _check_call(stage, op)
@@ -89,7 +100,12 @@ class WorkflowConfig:
     critic = {s.name: s.pool for s in order if resolve_op(s.op).model == "critic"}
     if len(set(critic.values())) > 1:
       raise GraphError(f"stages {sorted(critic)} score and train one critic: bind them to one pool, not {critic}")
-    idle = sorted(set(self.own_pools()) - {s.pool for s in order})
+    for pool, address in remote.items():
+      held = [s for s in order if s.pool == pool]
+      if len(held) > 1 or any(resolve_op(s.op).model not in ("teacher", "judge") for s in held):
+        raise GraphError(f"WorkflowConfig.pools: pool {pool!r} is a scorer program ({address}): it serves one teacher "
+                         f"or judge stage, not {[s.name for s in held]}")
+    idle = sorted(set(self._pools()) - {s.pool for s in order})
     if idle:
       raise GraphError(f"WorkflowConfig.pools: pool {idle[0]!r} has no stage bound to it (WorkflowConfig.bind)")
     return order

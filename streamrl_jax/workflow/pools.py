@@ -15,6 +15,7 @@ from streamrl_jax.workflow.critic import make_critic
 from streamrl_jax.workflow.flow import StageFlow
 from streamrl_jax.workflow.graph import GraphError, flow
 from streamrl_jax.workflow.judge import load_judge
+from streamrl_jax.workflow.remote import RemoteScorer
 from streamrl_jax.workflow.ops import resolve_op
 from streamrl_jax.workflow.teacher import load_teacher
 
@@ -44,30 +45,39 @@ class Student:
 
 
 def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: str, scoring: tuple[float, Truncation],
-                 meshes: Mapping[str, object], student: Student, reference: Callable | None) -> StageFlow:
-  """The flow of the stages on the trainer's mesh and the run's own pools (`meshes`: pool -> mesh, 'trainer'
-  included); `scoring`: the sampler's temperature and truncation; `reference`: the trainer's frozen reference's
-  log-probs (None: it has none)."""
+                 meshes: Mapping[str, object], student: Student, reference: Callable | None,
+                 scorer_tls=None) -> StageFlow:
+  """The flow of the stages on the trainer's mesh and the run's own pools (`meshes`: pool -> its mesh, 'trainer'
+  included, or the 'HOST:PORT' of a scorer program, reached with `scorer_tls`); `scoring`: the sampler's temperature
+  and truncation; `reference`: the trainer's frozen reference's log-probs (None: it has none)."""
   stages = flow(workflow.order(), meshes)
   models = {}
   for stage in stages:
-    model = resolve_op(stage.op).model
+    model, where = resolve_op(stage.op).model, meshes[stage.pool]
+    if not model or model in models:
+      continue
     if model == "reference":
       if reference is None:
         raise GraphError(f"stage {stage.name!r} scores with the frozen reference: set ObjectiveConfig.kl_coef > 0")
       models["reference"] = reference
-    elif model == "teacher" and "teacher" not in models:
-      loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
-      models["teacher"] = load_teacher(workflow.teacher, student.vocab_size, student.compute_dtype,
-                                       meshes[stage.pool], loss, student.longest)
-    elif model == "judge" and "judge" not in models:
-      if student.tokenizer is None:
-        raise GraphError(f"stage {stage.name!r}: a judge's question is encoded with the policy's tokenizer, which "
-                         f"this trainer was not given")
-      models["judge"] = load_judge(workflow.judge, workflow.judge_question, student, meshes[stage.pool])
-    elif model == "critic" and "critic" not in models:  # its stages are on one pool (`WorkflowConfig.order`)
-      models["critic"] = _critic(student, trainer, meshes[stage.pool])
+    elif model == "critic":  # its stages are on one pool (`WorkflowConfig.order`)
+      models["critic"] = _critic(student, trainer, where)
+    elif isinstance(where, str):  # a scorer program's
+      models[model] = RemoteScorer(where, stage.name, model, student.vocab_size, scorer_tls)
+    else:
+      models[model] = frozen_model(model, workflow, trainer, scoring, student, where)
   return StageFlow(stages, dict(estimator=estimator, objective=trainer.objective), models)
+
+
+def frozen_model(kind: str, workflow: WorkflowConfig, trainer: TrainerConfig, scoring: tuple[float, Truncation],
+                 student: Student, mesh) -> Callable:
+  """The frozen model of `kind` ('teacher' or 'judge', `workflow`'s) on `mesh`, scoring the policy's samples."""
+  if kind == "teacher":
+    loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
+    return load_teacher(workflow.teacher, student.vocab_size, student.compute_dtype, mesh, loss, student.longest)
+  if student.tokenizer is None:
+    raise GraphError("a judge's question is encoded with the policy's tokenizer, which this trainer was not given")
+  return load_judge(workflow.judge, workflow.judge_question, student, mesh)
 
 
 def _critic(student: Student, trainer: TrainerConfig, mesh):

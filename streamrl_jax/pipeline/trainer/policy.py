@@ -64,14 +64,15 @@ def precompile(trainer: Trainer, batcher: MicroBatcher, state, chunk_rows: int, 
 
 def make_flow(setup, trainer: Trainer, model_config: ModelConfig, params, mesh) -> StageFlow:
   """The trainer's flow of the run's step graph (`setup`: the worker's `TrainerSetup`): its stages on the trainer's
-  `mesh` and the run's own pools (`setup.pools`: name -> mesh), the reference its trainer's, a teacher on its
-  stage's pool, a critic starting from the policy's `params`."""
+  `mesh`, the run's own pools (`setup.pools`: name -> mesh) and its scorer programs, the reference its trainer's, a
+  teacher on its stage's pool, a critic starting from the policy's `params`."""
   shape, config = setup.shape, setup.trainer
   reference = trainer.reference_logprobs if trainer.has_reference else None
   student = Student(model_config.vocab_size, model_config.dtype, shape.longest, setup.tokenizer, (model_config, params),
                     shape.seed)
+  pools = {"trainer": mesh, **setup.pools, **setup.workflow.remote_pools()}
   return trainer_flow(setup.workflow, config, shape.advantage, (shape.temperature, Truncation(shape.top_k, shape.top_p,
-                      shape.min_p)), {"trainer": mesh, **setup.pools}, student, reference)
+                      shape.min_p)), pools, student, reference, setup.scorer_tls)
 
 
 def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:

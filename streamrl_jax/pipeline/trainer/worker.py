@@ -87,6 +87,7 @@ class TrainerSetup:
   workflow: WorkflowConfig = WorkflowConfig()  # the run's step graph: the trainer runs the stages bound to its pools
   pools: Mapping[str, Mesh] = dataclasses.field(default_factory=dict)  # the run's own pools' meshes (`pool_meshes`)
   tokenizer: object = None  # the policy's: a judge stage's question is encoded with it
+  scorer_tls: object = None  # the TLS files (`TLSFiles`) the trainer reaches scorer programs with (None: plain)
 
   @property
   def pool_devices(self) -> int:
