@@ -75,6 +75,26 @@ def test_a_judge_and_a_teacher_served_by_a_scorer_score_as_the_local_models(mode
       server.shutdown()
 
 
+def test_a_scorer_with_mutual_tls_serves_a_client_with_a_certificate_only(model_dir, tmp_path):
+  from streamrl_jax.streaming.flight_server import TLSFiles
+  from tests.tls_certs import write_test_certificates
+
+  certs = write_test_certificates(tmp_path)
+  tls = {side: TLSFiles(str(certs[f"{side}_cert"]), str(certs[f"{side}_key"]), str(certs["ca"]))
+         for side in ("server", "client")}
+  judge = load_judge(str(model_dir), "\nRight?", Student(MODEL.vocab_size, "float32", 12, TOKENIZER), _mesh())
+  server = ScorerFlightServer("127.0.0.1", 0, stage="judge", kind="judge", vocab_size=MODEL.vocab_size, score=judge,
+                              tls=tls["server"])
+  try:
+    tokens, valid = _rows()
+    client = RemoteScorer(server.address, "judge", "judge", MODEL.vocab_size, tls["client"])
+    np.testing.assert_array_equal(client(tokens, valid), judge(tokens, valid))
+    with pytest.raises(ConnectionError, match="did not take the call"):  # no certificate: never served
+      RemoteScorer(server.address, "judge", "judge", MODEL.vocab_size, retry_s=1.0)
+  finally:
+    server.shutdown()
+
+
 def test_a_scorer_pool_is_checked_with_the_graph():
   with pytest.raises(GraphError, match="is not 'name=devices' or 'name=HOST:PORT'"):
     WorkflowConfig(pools=("judge=localhost",))

@@ -79,7 +79,7 @@ def test_a_graph_that_cannot_run_is_refused_in_one_line_naming_the_stage(workflo
   assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("pools, message", [(("trainer=2",), "not 'name=devices' with a new pool name"),
+@pytest.mark.parametrize("pools, message", [(("trainer=2",), "not 'name=devices' or 'name=HOST:PORT' with a new pool"),
                                             (("t=two",), "not 'name=devices'")])
 def test_a_malformed_pool_is_refused_naming_the_key(pools, message):
   with pytest.raises(GraphError, match=f"WorkflowConfig.pools: .*{message}"):

@@ -1,5 +1,6 @@
-"""The trainer program's flow of a step graph: the stages its pools run (the trainer's mesh and the run's own
-pools), with their frozen models placed: the reference (the trainer's own), a teacher and a judge."""
+"""The trainer program's flow of a step graph: the stages its pools run (the trainer's mesh, the run's own pools and
+its scorer programs), with their models placed: the reference (the trainer's own), a teacher and a judge (or a scorer
+program's), a critic."""
 
 from __future__ import annotations
 

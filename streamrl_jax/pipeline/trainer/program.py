@@ -72,9 +72,8 @@ def serve_training(config: PipelineConfig, model, tokenizer, task, *, endpoint: 
   params = multihost_utils.broadcast_one_to_all(params) if jax.process_count() > 1 else params  # process 0's weights
   mesh = role_mesh(config.mesh, "trainer", devices)
   spare, stop = spare_devices(devices, mesh), hooks.stop if is_leader() else None  # own pools take spares first
-  setup = dataclasses.replace(trainer_setup(config, spare, tokenizer), scorer_tls=endpoint.tls)  # its TLS: a scorer's
-  trainer = TrainerWorker(setup, graphdef, params, mesh,
-                          checkpointer=hooks.checkpointer, resume=hooks.resume, stop=stop)
+  trainer = TrainerWorker(dataclasses.replace(trainer_setup(config, spare, tokenizer), scorer_tls=endpoint.tls),
+                          graphdef, params, mesh, checkpointer=hooks.checkpointer, resume=hooks.resume, stop=stop)
   ranker = make_ranker(config.scheduling, local_mesh(mesh), hooks.checkpointer, hooks.resume)
   if hooks.donate_model:
     initial_weights_donated(config.arms, nnx.state(model), trainer)
