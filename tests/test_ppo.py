@@ -34,6 +34,15 @@ def test_gae_puts_each_samples_reward_on_its_last_loss_token():
   advantages, _ = token_gae(np.array([1.0, 0.0, 1.0]), values, mask, gamma=0.5, lam=0.0)
   np.testing.assert_allclose(advantages[0, 1:4], [0.5 * 0.25 - 0.5, 0.5 * -1 - 0.25, 1.0 + 1.0])
   np.testing.assert_allclose(advantages[1, 2:], [0.5 * 0.5 - 0.5, 0.5 * 2 - 0.5, -2.0])
+  # two turns, an environment's tokens (off the mask) between them: the first turn's last token bootstraps from the
+  # second turn's first, the reward reaches both turns
+  turns = np.array([[0, 1, 1, 0, 0, 1, 1]], bool)
+  values = np.array([[9, 0.5, 0.25, 7, 7, 0.125, -1]], np.float32)
+  advantages, returns = token_gae(np.array([1.0]), values, turns)
+  np.testing.assert_allclose(advantages, np.where(turns, 1.0 - values, 0.0))
+  np.testing.assert_allclose(returns, np.where(turns, 1.0, 0.0))
+  advantages, _ = token_gae(np.array([1.0]), values, turns, gamma=0.5, lam=0.0)
+  np.testing.assert_allclose(advantages[0, [1, 2, 5, 6]], [0.5 * 0.25 - 0.5, 0.5 * 0.125 - 0.25, 0.5 * -1 - 0.125, 2.0])
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +120,7 @@ def test_the_critic_stage_learns_as_the_critic_trainer_does_by_hand(policy, tmp_
 def test_a_critic_on_two_pools_and_a_token_level_advantage_key_are_refused():
   with pytest.raises(GraphError, match="graph='ppo'"):
     WorkflowConfig(advantage="gae")
-  with pytest.raises(GraphError, match=r"stages \['critic', 'values'\] score and train one critic: bind them to one"):
+  with pytest.raises(GraphError, match=r"stages \['critic', 'values'\] score with one critic model: bind them to one"):
     WorkflowConfig(graph="ppo", pools=("critic=2",), bind=("values=critic",)).order()
   WorkflowConfig(graph="ppo", pools=("critic=2",), bind=("values=critic", "critic=critic")).order()
 
@@ -133,7 +142,7 @@ def test_ppo_trains_policy_and_critic_and_its_critic_resumes_from_the_checkpoint
   assert rows[0]["stage/values"] == 0 and rows[2]["stage/values"] != 0  # the critic learned from step 1's returns
   checkpointer = Checkpointer(tmp_path, max_to_keep=2)
   _ppo(2, RunHooks(checkpointer))
-  resumed = _ppo(3, RunHooks(checkpointer, resume=True))
+  resumed = _ppo(3, RunHooks(Checkpointer(tmp_path, max_to_keep=2), resume=True))  # as a new program finds it
   assert [r["step"] for r in resumed.metrics] == [3]
   assert resumed.metrics[0]["stage/values"] == pytest.approx(rows[2]["stage/values"], rel=1e-4)
   for x, y in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params)):

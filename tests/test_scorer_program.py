@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -26,7 +27,7 @@ from streamrl_jax.workflow.pools import Student
 from streamrl_jax.workflow.remote import RemoteScorer, ScorerFlightServer
 from streamrl_jax.workflow.teacher import load_teacher
 from tests.pipeline_setup import BASE, MODEL, TOKENIZER
-from tests.processes import TIMEOUT_S, free_port, metrics, train, write_config
+from tests.processes import TIMEOUT_S, metrics, train, write_config
 from tests.xla_flags import xla_flags
 
 
@@ -110,30 +111,35 @@ def test_a_scorer_pool_is_checked_with_the_graph():
 
 @pytest.mark.slow
 def test_a_runs_judge_stage_is_served_by_a_scorer_process(model_dir, tmp_path):
-  """`streamrl scorer --stage judge` and `streamrl train` with the judge bound to it, 2 async steps: every row
-  has the judge's rewards, and the scorer scored every sample."""
-  port = free_port()
+  """`streamrl scorer --stage judge` on a free port, and once it listens `streamrl train` with the judge bound to it,
+  2 async steps: every row has the judge's rewards, and the scorer scored every sample."""
   config = write_config(tmp_path / "judge.gin", steps=2, mode="async")
-  sets = ["--set", "WorkflowConfig.graph='judge'", "--set", f"WorkflowConfig.judge='{model_dir}'", "--set",
-          f"WorkflowConfig.pools=('far=127.0.0.1:{port}',)", "--set", "WorkflowConfig.bind=('judge=far',)"]
-  address_file = tmp_path / "address"
-  scorer = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "scorer", "--config", config, *sets, "--stage",
-                             "judge", "--listen", f"127.0.0.1:{port}", "--address-file", str(address_file)],
-                            env={**os.environ, "XLA_FLAGS": xla_flags()}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+  sets = ["--set", "WorkflowConfig.graph='judge'", "--set", f"WorkflowConfig.judge='{model_dir}'"]
+  address_file, log_file = tmp_path / "address", tmp_path / "scorer.log"
+  with log_file.open("w") as log:
+    scorer = subprocess.Popen([sys.executable, "-m", "streamrl_jax.cli", "scorer", "--config", config, *sets,
+                               "--stage", "judge", "--listen", "127.0.0.1:0", "--address-file", str(address_file)],
+                              env={**os.environ, "XLA_FLAGS": xla_flags()}, stdout=log, stderr=subprocess.STDOUT)
   run = None
   try:
-    run = train(tmp_path / "run", "--config", config, *sets)
+    deadline = time.monotonic() + TIMEOUT_S
+    while not address_file.exists():  # written once it listens
+      assert scorer.poll() is None and time.monotonic() < deadline, log_file.read_text()
+      time.sleep(0.2)
+    bound = ["--set", f"WorkflowConfig.pools=('far={address_file.read_text()}',)", "--set",
+             "WorkflowConfig.bind=('judge=far',)"]
+    run = train(tmp_path / "run", "--config", config, *sets, *bound)
     out, _ = run.communicate(timeout=TIMEOUT_S)
     assert run.returncode == 0, out
     scorer.send_signal(signal.SIGTERM)  # as a launcher stops it
-    log, _ = scorer.communicate(timeout=60)
+    scorer.wait(timeout=60)
   finally:
     for proc in (run, scorer):
       if proc is not None and proc.poll() is None:
         proc.kill()
         proc.wait(timeout=30)
-  assert scorer.returncode == 0 and address_file.read_text() == f"127.0.0.1:{port}", log
+  log = log_file.read_text()
+  assert scorer.returncode == 0, log
   rows = metrics(tmp_path / "run")
   assert len(rows) == 2 and all(0 <= r["stage/judge_rewards"] <= 1 for r in rows), rows
   assert json.loads((tmp_path / "run" / "summary.json").read_text())["counters"]["samples_trained"] == 16

@@ -71,10 +71,10 @@ class _CommittingCheckpointer:
   def __init__(self, inner, saved: _Saved):
     self.inner, self.saved = inner, saved
 
-  def save(self, state, extra=None, aux=None, step=None) -> None:
+  def save(self, state, extra=None, aux=None, step=None, others=None) -> None:
     self.inner.wait()
     self.saved.set(self.inner.latest_step() or 0)
-    self.inner.save(state, extra=extra, aux=aux, step=step)
+    self.inner.save(state, extra=extra, aux=aux, step=step, others=others)
 
   def __getattr__(self, name):
     return getattr(self.inner, name)

@@ -9,6 +9,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the command imports jax (through the config) only when it runs
+  from streamrl_jax.job.config import JobConfig
+  from streamrl_jax.pipeline.config import PipelineConfig
+  from streamrl_jax.streaming.flight_server import TLSFiles
 
 _log = logging.getLogger(__name__)
 
@@ -49,7 +55,8 @@ def cmd_scorer(args) -> int:
   return 0
 
 
-def open_scorer(config, job, stage: str, listen: str, tls=None, devices=None):
+def open_scorer(config: PipelineConfig, job: JobConfig, stage: str, listen: str, tls: TLSFiles | None = None,
+                devices: list | None = None):
   """A listening `ScorerFlightServer` for `stage` of `config`'s graph (its model on `devices`, default all of this
   program's); ValueError naming the stage when it scores with no teacher or judge."""
   import jax

@@ -37,8 +37,9 @@ class WorkflowConfig:
   def __post_init__(self):
     ADVANTAGES.get(self.advantage)
     if self.advantage not in SEQUENCE_LEVEL:
-      raise GraphError(f"WorkflowConfig.advantage={self.advantage!r} is per token, from a critic's values: set "
-                       f"WorkflowConfig.graph='ppo' (its gae stage); advantage is one of {list(SEQUENCE_LEVEL)}")
+      raise GraphError(f"WorkflowConfig.advantage={self.advantage!r} is per token, from a critic's values: the "
+                       f"'ppo' graph's gae stage computes it (WorkflowConfig.graph='ppo'); advantage, the estimator of "
+                       f"group advantages, is one of {list(SEQUENCE_LEVEL)}")
     self.own_pools()
     self.bindings()
 
@@ -97,9 +98,10 @@ class WorkflowConfig:
       if op.model == "reference" and stage.pool != "trainer":
         raise GraphError(f"stage {stage.name!r}: the frozen reference is the trainer's own, on its mesh; bind it "
                          f"to 'trainer', not {stage.pool!r}")
-    critic = {s.name: s.pool for s in order if resolve_op(s.op).model == "critic"}
-    if len(set(critic.values())) > 1:
-      raise GraphError(f"stages {sorted(critic)} score and train one critic: bind them to one pool, not {critic}")
+    for model in {resolve_op(s.op).model for s in order} - {""}:  # one model of each kind, on one pool
+      where = {s.name: s.pool for s in order if resolve_op(s.op).model == model}
+      if len(set(where.values())) > 1:
+        raise GraphError(f"stages {sorted(where)} score with one {model} model: bind them to one pool, not {where}")
     for pool, address in remote.items():
       held = [s for s in order if s.pool == pool]
       if len(held) > 1 or any(resolve_op(s.op).model not in ("teacher", "judge") for s in held):

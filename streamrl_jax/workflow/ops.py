@@ -61,13 +61,22 @@ def model_scores(tokens, valid, *, model):
 
 
 def token_gae(rewards, values, loss_mask, *, gamma: float = 1.0, lam: float = 1.0):
-  """PPO's (advantages, returns) per token by generalised advantage estimation (`training.advantages.gae`): each
-  sample's reward on its last loss token, `values` the critic's of the state before each token."""
+  """PPO's (advantages, returns) per token by generalised advantage estimation (`training.advantages.gae`) over each
+  sample's loss tokens in order, its reward on the last one, `values` the critic's of the state before each token; a
+  multi-turn sample's environment tokens (off the loss mask) are skipped: a turn's last token bootstraps from the
+  next turn's first."""
   mask = np.asarray(loss_mask, bool)
-  last = mask.shape[1] - 1 - np.argmax(mask[:, ::-1], axis=1)
-  token_rewards = np.zeros(mask.shape, np.float32)
-  token_rewards[np.arange(len(mask)), last] = np.where(mask.any(axis=1), np.asarray(rewards, np.float32), 0.0)
-  return gae(token_rewards, values, mask, gamma, lam)
+  rows, length = mask.shape
+  order = np.argsort(~mask, axis=1, kind="stable")  # each row's loss tokens first, in their order
+  count = mask.sum(axis=1)
+  packed = np.arange(length)[None, :] < count[:, None]
+  token_rewards = np.zeros((rows, length), np.float32)
+  token_rewards[np.arange(rows), np.maximum(count - 1, 0)] = np.where(count > 0, np.asarray(rewards, np.float32), 0.0)
+  packed_values = np.take_along_axis(np.asarray(values, np.float32), order, axis=1)
+  advantages, returns = (np.zeros((rows, length), np.float32) for _ in range(2))
+  for out, part in zip((advantages, returns), gae(token_rewards, packed_values, packed, gamma, lam)):
+    np.put_along_axis(out, order, part, axis=1)
+  return advantages, returns
 
 
 def critic_update(tokens, valid, loss_mask, values, returns, *, model):
