@@ -123,6 +123,18 @@ def test_a_critic_on_two_pools_and_a_token_level_advantage_key_are_refused():
   with pytest.raises(GraphError, match=r"stages \['critic', 'values'\] score with one critic model: bind them to one"):
     WorkflowConfig(graph="ppo", pools=("critic=2",), bind=("values=critic",)).order()
   WorkflowConfig(graph="ppo", pools=("critic=2",), bind=("values=critic", "critic=critic")).order()
+  with pytest.raises(GraphError, match="WorkflowConfig.critic_learning_rate must be >= 0"):
+    WorkflowConfig(graph="ppo", critic_learning_rate=-1.0)
+
+
+def test_the_critic_learns_at_its_own_rate_where_one_is_set(policy):
+  from streamrl_jax.workflow.pools import Student, trainer_flow
+  _, params = policy
+  for rate, expected in ((0.0, 3e-3), (0.25, 0.25)):
+    config = TrainerConfig(optimizer=OptimizerConfig(learning_rate=3e-3))
+    flow = trainer_flow(WorkflowConfig(graph="ppo", critic_learning_rate=rate), config, "grpo", (1.0, None),
+                        {"trainer": _mesh()}, Student(CONFIG.vocab_size, "float32", 16, policy=(CONFIG, params)), None)
+    assert flow.learners["critic"].trainer.optimizer_config.learning_rate == expected
 
 
 def _ppo(steps, hooks=RunHooks()):

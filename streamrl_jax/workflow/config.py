@@ -33,9 +33,15 @@ class WorkflowConfig:
   judge: str = ""  # the judge graph's model, as `teacher` (the policy's vocabulary)
   # put after each sample for the judge: the reward is its probability of ' yes' against ' no' after it
   judge_question: str = "\nIs the answer above right? Answer yes or no:"
+  # the ppo graph's critic's learning rate (0: the policy's, OptimizerConfig.learning_rate); a critic's head starts at
+  # zero and usually learns faster than the policy
+  critic_learning_rate: float = 0.0
 
   def __post_init__(self):
     ADVANTAGES.get(self.advantage)
+    if self.critic_learning_rate < 0:
+      raise GraphError(f"WorkflowConfig.critic_learning_rate must be >= 0 (0: the policy's), got "
+                       f"{self.critic_learning_rate}")
     if self.advantage not in SEQUENCE_LEVEL:
       raise GraphError(f"WorkflowConfig.advantage={self.advantage!r} is per token, from a critic's values: the "
                        f"'ppo' graph's gae stage computes it (WorkflowConfig.graph='ppo'); advantage, the estimator of "

@@ -62,7 +62,7 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
         raise GraphError(f"stage {stage.name!r} scores with the frozen reference: set ObjectiveConfig.kl_coef > 0")
       models["reference"] = reference
     elif model == "critic":  # its stages are on one pool (`WorkflowConfig.order`)
-      models["critic"] = _critic(student, trainer, where)
+      models["critic"] = _critic(student, trainer, where, workflow.critic_learning_rate)
     elif isinstance(where, str):  # a scorer program's
       models[model] = RemoteScorer(where, stage.name, model, student.vocab_size, scorer_tls)
     else:
@@ -81,7 +81,10 @@ def frozen_model(kind: str, workflow: WorkflowConfig, trainer: TrainerConfig, sc
   return load_judge(workflow.judge, workflow.judge_question, student, mesh)
 
 
-def _critic(student: Student, trainer: TrainerConfig, mesh):
+def _critic(student: Student, trainer: TrainerConfig, mesh, learning_rate: float):
+  """The critic, trained as the policy (`trainer`) but at its own `learning_rate` (0: the policy's)."""
   if not student.policy:
     raise GraphError("a critic's trunk starts as the policy: this trainer was not given the policy's parameters")
+  if learning_rate:
+    trainer = dataclasses.replace(trainer, optimizer=dataclasses.replace(trainer.optimizer, learning_rate=learning_rate))
   return make_critic(*student.policy, trainer, mesh, student.longest, student.seed)
