@@ -4,7 +4,10 @@ or a wrong shape refused by name) and their padding to a call's (rows, length) b
 from __future__ import annotations
 
 import numpy as np
+from jax.sharding import NamedSharding
 
+from streamrl_jax import launch
+from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.training.logprobs import scored_columns
 
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
@@ -69,6 +72,14 @@ def bucket(n: int, minimum: int) -> int:
   while size < n:
     size *= 2
   return size
+
+
+def placed_tokens(tokens, valid, mesh, min_shape: tuple[int, int], rules=None) -> dict:
+  """`padded_tokens` put on `mesh`, rows split over its batch axes (`rules`: the logical sharding rules, default
+  `DEFAULT_RULES`): what a model scoring token rows is called with."""
+  padded = padded_tokens(tokens, valid, *min_shape)
+  sharding = NamedSharding(mesh, logical_spec(("batch", None), padded["tokens"].shape, mesh, rules))
+  return launch.put(padded, sharding)
 
 
 def padded_tokens(tokens, valid, min_rows: int, min_length: int) -> dict:

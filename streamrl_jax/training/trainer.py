@@ -27,7 +27,7 @@ from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLo
                                              zero_sums)
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
 from streamrl_jax.training.host_batch import (BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call,
-                                            padded_tokens)
+                                            placed_tokens)
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
@@ -304,9 +304,8 @@ class Trainer:
     if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
     rows, length = np.shape(tokens)
-    padded = padded_tokens(tokens, valid, self.min_rows, self.min_length)
-    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), padded["tokens"].shape, self.mesh, self.rules))
-    out = self._reference(self.frozen, launch.put(padded, sharding))
+    out = self._reference(self.frozen, placed_tokens(tokens, valid, self.mesh, (self.min_rows, self.min_length),
+                                                     self.rules))
     return np.asarray(out)[:rows, :length]
 
   def _reference_impl(self, frozen, batch):

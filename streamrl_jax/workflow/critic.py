@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
-from streamrl_jax import launch
 from streamrl_jax.models import ModelConfig, ValueModel
-from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.training import Buckets, Trainer, TrainerConfig
-from streamrl_jax.training.host_batch import padded_tokens
+from streamrl_jax.training.host_batch import placed_tokens
 
 CRITIC_METRICS = ("loss", "grad_norm", "clip_frac")  # of its update, in a step's row as critic/<name>
 
@@ -41,10 +38,9 @@ class Critic:
   def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[rows, length] values under the current weights, column t the state's before token t (column 0 is 0)."""
     rows, length = np.shape(tokens)
-    padded = padded_tokens(tokens, valid, self.trainer.min_rows, self.trainer.min_length)
-    sharding = NamedSharding(self.trainer.mesh, logical_spec(("batch", None), padded["tokens"].shape,
-                                                             self.trainer.mesh, self.trainer.rules))
-    out = np.asarray(self._values(self.state.params, launch.put(padded, sharding)))[:rows, :length]
+    trainer = self.trainer
+    batch = placed_tokens(tokens, valid, trainer.mesh, (trainer.min_rows, trainer.min_length), trainer.rules)
+    out = np.asarray(self._values(self.state.params, batch))[:rows, :length]
     values = np.zeros((rows, length), np.float32)
     values[:, 1:] = out[:, :-1]
     return values

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from streamrl_jax import launch
 from streamrl_jax.models import load_hf
 from streamrl_jax.models.catalog import resolve_model
-from streamrl_jax.models.sharding import DEFAULT_RULES, logical_spec, state_shardings
+from streamrl_jax.models.sharding import DEFAULT_RULES, state_shardings
 from streamrl_jax.training.call_loss import CallLoss
-from streamrl_jax.training.host_batch import padded_tokens
+from streamrl_jax.training.host_batch import placed_tokens
 
 
 class FrozenScorer:
@@ -32,9 +31,7 @@ class FrozenScorer:
   def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
     """[rows, length] log-probabilities (column 0 is 0)."""
     rows, length = np.shape(tokens)
-    padded = padded_tokens(tokens, valid, *self.min_shape)
-    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), padded["tokens"].shape, self.mesh))
-    return np.asarray(self._score(self.params, launch.put(padded, sharding)))[:rows, :length]
+    return np.asarray(self._score(self.params, placed_tokens(tokens, valid, self.mesh, self.min_shape)))[:rows, :length]
 
 
 def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss, width: int) -> FrozenScorer:
