@@ -5,6 +5,7 @@ saved models (a run's, and each arm's under WORKDIR/arms/NAME)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from streamrl_jax.models import save_hf
@@ -22,8 +23,16 @@ FINAL_MODEL = "final_model"
 FINAL_ADAPTER = "final_adapter"  # LoRA: the adapter alone, in the PEFT format
 
 
+def replace_text(path: Path, text: str) -> None:
+  """`path` holds `text`, whole or not at all: another process reading it meanwhile (a trainer's other processes read
+  settings.json as process 0 writes it again on a resume) finds the old file or the new one, never a part."""
+  tmp = Path(path).with_name(Path(path).name + ".tmp")
+  tmp.write_text(text)
+  os.replace(tmp, path)
+
+
 def write_settings(workdir: Path, settings: dict[str, str]) -> None:
-  (Path(workdir) / SETTINGS_FILE).write_text(json.dumps(settings, indent=1, sort_keys=True))
+  replace_text(Path(workdir) / SETTINGS_FILE, json.dumps(settings, indent=1, sort_keys=True))
 
 
 def read_settings(workdir: Path) -> dict[str, str] | None:
@@ -32,7 +41,7 @@ def read_settings(workdir: Path) -> dict[str, str] | None:
 
 
 def write_config(workdir: Path, text: str) -> None:
-  (Path(workdir) / CONFIG_FILE).write_text(text)
+  replace_text(Path(workdir) / CONFIG_FILE, text)
 
 
 def write_eval_rows(path: Path, rows: list[tuple[str, str, float]]) -> None:
@@ -41,7 +50,7 @@ def write_eval_rows(path: Path, rows: list[tuple[str, str, float]]) -> None:
 
 
 def write_accuracy_before(workdir: Path, accuracy: float) -> None:
-  (Path(workdir) / BEFORE_FILE).write_text(json.dumps({"accuracy": accuracy}))
+  replace_text(Path(workdir) / BEFORE_FILE, json.dumps({"accuracy": accuracy}))
 
 
 def read_accuracy_before(workdir: Path) -> float | None:
@@ -51,7 +60,7 @@ def read_accuracy_before(workdir: Path) -> float | None:
 
 
 def write_summary(directory: Path, summary: dict) -> None:
-  (Path(directory) / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+  replace_text(Path(directory) / SUMMARY_FILE, json.dumps(summary, indent=2))
 
 
 def write_arm(directory: Path, description: dict) -> None:
