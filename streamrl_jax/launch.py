@@ -181,10 +181,20 @@ def launcher(*where) -> Launcher:
   return Launcher((d.id for d in devices), finish=any(d.platform == "cpu" for d in devices) and len(devices) > 1)
 
 
+def shapes_only(tree) -> bool:
+  """Whether `tree` holds shapes (`jax.ShapeDtypeStruct`s) and no array: what a plan places (`planning/`)."""
+  leaves = jax.tree.leaves(tree)
+  return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
 def put(tree, shardings):
   """`jax.device_put(tree, shardings)` launched on every device of both (a reshard between layouts on shared
   devices is a multi-device program). Transfers and copies hold no rendezvous, so even on the CPU they are
-  ordered at dispatch and not waited for."""
+  ordered at dispatch and not waited for. A tree of shapes is placed as shapes: each given its sharding."""
+  if shapes_only(tree):
+    if isinstance(shardings, Sharding):
+      return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
   with launcher(tree, shardings).launching("put"):
     return jax.device_put(tree, shardings)
 
@@ -198,6 +208,9 @@ def delete(tree) -> None:
 
 
 def copy(tree):
-  """A private copy of every array of `tree` (`jnp.copy`), launched on the tree's devices."""
+  """A private copy of every array of `tree` (`jnp.copy`), launched on the tree's devices (a tree of shapes is its
+  own copy)."""
+  if shapes_only(tree):
+    return tree
   with launcher(tree).launching("copy"):
     return jax.tree.map(jnp.copy, tree)

@@ -63,3 +63,23 @@ def test_remat_gives_the_same_gradients():
 
   for plain, remat in zip(grads(config), grads(dataclasses.replace(config, remat=True))):
     np.testing.assert_allclose(remat, plain, rtol=1e-5, atol=1e-7)
+
+
+def test_optimizer_moments_are_sharded_like_their_parameters():
+  """Adam's moments take their parameter's sharding (left to XLA they landed on one device and were then replicated
+  on every trainer device: 8 bytes a parameter on each), in a real state and in a plan's state of shapes alike."""
+  from streamrl_jax.training import Trainer, TrainerConfig
+  config = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2)
+  graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
+  cfg = TrainerConfig()
+  mesh = _mesh(1, 4, 1)
+  trainer = Trainer(graphdef, cfg.optimizer, cfg.objective, mesh, config=cfg)
+  state = trainer.init_state(params)
+  shapes = trainer.abstract_state(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+  adam = state.opt_state[1][0]
+  param_specs = jax.tree.map(lambda p: p.sharding.spec, state.params)
+  for moments in (adam.mu, adam.nu):
+    assert jax.tree.map(lambda m: m.sharding.spec, moments) == param_specs
+  assert adam.mu["embed"].sharding.spec == PartitionSpec(None, "fsdp")
+  assert adam.mu["embed"].addressable_shards[0].data.shape == (64, 8)  # a quarter on each device
+  assert jax.tree.map(lambda x: x.sharding, shapes) == jax.tree.map(lambda x: x.sharding, state)

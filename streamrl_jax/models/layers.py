@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.config import ModelConfig, RopeScaling
 
 
@@ -42,7 +43,7 @@ class RMSNorm(nnx.Module):
       scale, out_dtype, normed_dtype = scale.astype(jnp.float32) + self.offset, x.dtype, jnp.float32
     else:
       out_dtype = normed_dtype = x.dtype
-    if jax.default_backend() == "cpu":  # elsewhere the sum stays a reduction: a TPU's float32 product with ones
+    if target_backend() == "cpu":  # elsewhere the sum stays a reduction: a TPU's float32 product with ones
       return scaled(scale, normed.astype(normed_dtype)).astype(out_dtype)  # would run in bfloat16 passes by default
     return (scale.astype(normed_dtype) * normed.astype(normed_dtype)).astype(out_dtype)
 
@@ -137,7 +138,7 @@ def tokens_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 
 def cpu_low_precision(dtype) -> bool:
   """Whether products in `dtype` take XLA:CPU's low-precision path (`cpu_low_precision_matmul`, `rows_first`)."""
-  return dtype != jnp.float32 and jax.default_backend() == "cpu"
+  return dtype != jnp.float32 and target_backend() == "cpu"
 
 
 def cache_dtype(compute_dtype):
@@ -159,7 +160,7 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
   and copies the whole table every call (a SmolLM2 embedding: 57 MB, 4 ms of an 80-90 ms decode step); tied to the
   ids, the gather reads only the rows it takes."""
   if jnp.dtype(table.dtype).itemsize == 2 and jnp.issubdtype(table.dtype, jnp.floating) and (
-      jax.default_backend() == "cpu"):
+      target_backend() == "cpu"):
     table, ids = jax.lax.optimization_barrier((table, ids))
   return jnp.take(table, ids, axis=0)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.layers import _param, gate_activation, tokens_matmul
 
@@ -133,7 +134,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, expert_
   counts = jnp.bincount(key, length=num + 1)[:num].astype(jnp.int32)
   rows = x[order // k]
   if method == "auto":
-    method = "blocks" if jax.default_backend() == "cpu" else "ragged"
+    method = "blocks" if target_backend() == "cpu" else "ragged"
   if method == "blocks":
     out = grouped_blocks(rows, jnp.minimum(group, num - 1), counts, expert_weights, act, block_size(n * k, num))
   else:

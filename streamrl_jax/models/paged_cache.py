@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.layers import attend_in, cache_dtype
 
@@ -322,7 +323,7 @@ PAGED_ATTENTION: dict[str, Callable] = {"gather": paged_attention}
 
 def pick_paged_attention(backend: str | None = None) -> Callable:
   """The Pallas ragged paged attention kernel on TPU when it imports, else the gather form."""
-  if (backend or jax.default_backend()) == "tpu":
+  if (backend or target_backend()) == "tpu":
     if "ragged_tpu" not in PAGED_ATTENTION:
       try:
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from streamrl_jax.launch import shapes_only
 from streamrl_jax.models.layers import cpu_low_precision
 
 
@@ -52,13 +53,17 @@ class LowCopy:
 
   def __init__(self, dtype=None, jit=jax.jit):
     self.on = dtype is not None and cpu_low_precision(jnp.dtype(dtype))
-    self._convert = jit(lambda params: jax.tree_util.tree_map_with_path(
-        lambda path, p: p.astype(dtype) if _copied(path, p) else p, params))
+    self._cast = lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, p: p.astype(dtype) if _copied(path, p) else p, params)
+    self._convert = jit(self._cast)
     self._source, self._copy = None, None
 
   def of(self, params):
     if not self.on:
       return None
+    if shapes_only(params):  # a plan's shapes: the copy's shapes, placed as the weights are
+      return jax.tree.map(lambda c, p: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=p.sharding),
+                          jax.eval_shape(self._cast, params), params)
     if self._source is not params:
       self._source, self._copy = params, self._convert(params)
     return self._copy

@@ -201,10 +201,9 @@ class Trainer:
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), self._adapter_shapes)
     return nnx.merge(self.graphdef, zeros, frozen["base"])
 
-  def init_state(self, params, seed: int = 0) -> TrainState:
-    # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
-    # steps would then delete under the caller's model.
-    params = launch.copy(self.place(params))
+  def _adopt(self, params) -> ModelConfig:
+    """What the trainer learns from the parameters it will train (real or shapes): a mixture's config and expert
+    placement for the loss, LoRA's adapter shapes, the low-precision copy; returns the model's config."""
     model_config = self._model(params, self.frozen).config
     if model_config.num_experts and self.role == "policy":
       self.loss = dataclasses.replace(self.loss, moe=model_config, placement=self._placement(model_config))
@@ -212,9 +211,16 @@ class Trainer:
       self._adapter_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
     else:
       self.low_copy = LowCopy(model_config.compute_dtype, self.launcher.jit)
+    return model_config
+
+  def init_state(self, params, seed: int = 0) -> TrainState:
+    # A private copy: placing may hand back the caller's arrays (already on this mesh), which the donated
+    # steps would then delete under the caller's model.
+    params = launch.copy(self.place(params))
+    self._adopt(params)
     with self.launcher.launching():
       grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
-      opt_state = jax.jit(self.tx.init)(params)
+      opt_state = jax.jit(self.tx.init, out_shardings=self._optimizer_shardings(params))(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def on_mesh(x):  # optimizer counters and scalars: replicated on this mesh, not on device 0
@@ -232,10 +238,53 @@ class Trainer:
       self._build(state)
     return state
 
+  def _optimizer_shardings(self, params):
+    """The optimizer state's placement: each moment as its parameter, counters replicated on the mesh. (Left to
+    XLA, `jit(tx.init)` put the moments on one device, and the state's placement then replicated them on every
+    device: 8 bytes a parameter on each, what `streamrl plan` found for an 8B model.)"""
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    return optax.tree_utils.tree_map_params(self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
+                                            jax.tree.map(lambda p: p.sharding, params),
+                                            transform_non_params=lambda _: replicated)
+
+  def abstract_state(self, params) -> TrainState:
+    """The state `init_state` makes from parameters of these shapes (`jax.ShapeDtypeStruct`s), as shapes placed on
+    the mesh as it would place them, no value made: what a plan compiles this trainer's programs against
+    (`planning/`)."""
+    shapes = lambda tree, shardings: jax.tree.map(  # noqa: E731
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+    params = shapes(params, state_shardings(params, self.mesh, self.rules))
+    self._adopt(params)
+    replicated = NamedSharding(self.mesh, PartitionSpec())
+    opt_state = shapes(jax.eval_shape(self.tx.init, params), self._optimizer_shardings(params))
+    sums = jax.eval_shape(lambda: zero_sums(self.loss.moe is not None))
+    state = TrainState(params=params, opt_state=opt_state,
+                       step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
+                       rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+                       grad_sum=shapes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params),
+                                       jax.tree.map(lambda p: p.sharding, params)),
+                       sums=shapes(sums, jax.tree.map(lambda _: replicated, sums)))
+    if self._accumulate is None:
+      self._build(state)
+    return state
+
   # ---- host side: validation, padding, placement ----------------------------------------------
   def prepare(self, batch: dict) -> dict:
     """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss. A batch with
     `owners` (a trainer of several processes: each row's holder) is laid out by them (`owned_rows`)."""
+    values, shape, packed = self._checked(batch)
+    if "owners" in batch:
+      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], self._rows_for(packed),
+                                self._batch_sharding, jax.process_count())
+      placed = put_owned(out, self._batch_sharding(shape))
+    else:
+      placed = launch.put(padded_call(values, shape, self.role), self._batch_sharding(shape))
+    self.compiled_shapes.add(shape)
+    self.last_shape = shape
+    return placed
+
+  def _checked(self, batch: dict) -> tuple[dict, tuple[int, int], bool]:
+    """(the micro-batch's checked arrays with the keys every call of this trainer carries, its padded shape, packed)."""
     keys = BATCH_KEYS[self.role]
     rows, length = np.asarray(batch["tokens"]).shape
     packed = "segment_ids" in batch
@@ -247,20 +296,33 @@ class Trainer:
         (STALE,) if self.role == "policy" else ()) + (
         ("segment_ids",) if packed else ()) + ((ROUTED,) if self.route_shape is not None else ())
     values = checked(batch, keys, extra, self.role)
-    rows_for = ((lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum) if packed
-                else (lambda n: bucket(n, self.min_rows)))
-    shape = (rows_for(rows), length if packed else bucket(length, self.min_length))
-    sharding_for = lambda shape: NamedSharding(  # noqa: E731
-        self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-    if "owners" in batch:
-      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], rows_for, sharding_for,
-                                jax.process_count())
-      placed = put_owned(out, sharding_for(shape))
-    else:
-      placed = launch.put(padded_call(values, shape, self.role), sharding_for(shape))
-    self.compiled_shapes.add(shape)
-    self.last_shape = shape
-    return placed
+    return values, (self._rows_for(packed)(rows), length if packed else bucket(length, self.min_length)), packed
+
+  def _rows_for(self, packed: bool):
+    """A call's padded row count for `n` rows: packed rows to a multiple of the batch shards, else a bucket."""
+    if packed:
+      return lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum
+    return lambda n: bucket(n, self.min_rows)
+
+  def _batch_sharding(self, shape: tuple[int, int]) -> NamedSharding:
+    return NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+
+  def call_shapes(self, rows: int, length: int, packed: bool = True) -> dict:
+    """The arguments of a trainer call of this shape as shapes on the mesh, every column scored (the most a call of
+    this shape needs: `prepare` gathers the loss's columns when they fit half the row)."""
+    values, shape, _ = self._checked(lossless_batch(BATCH_KEYS[self.role], rows, length, packed, self.route_shape))
+    call = padded_call(values, shape, self.role)
+    call.pop("head_columns", None)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding(shape)) for k, v in call.items()}
+
+  def lowered_accumulate(self, state: TrainState, call: dict):
+    """The accumulation of one call (`call_shapes`, or placed arrays) lowered for the state's mesh, to compile."""
+    return self._accumulate.trace(state.params, (state.grad_sum, state.sums), call, self.frozen,
+                                  self.low_copy.of(state.params)).lower()
+
+  def lowered_apply(self, state: TrainState):
+    """The optimizer step lowered for the state's mesh, to compile."""
+    return self._apply.trace(state).lower()
 
   def precompile(self, state: TrainState, max_rows: int, max_length: int) -> TrainState:
     """Compiles accumulation for every (rows, length) bucket of micro-batches up to `max_rows` x
@@ -283,10 +345,7 @@ class Trainer:
     """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
     and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
     FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`prepare`)."""
-    batch = self.prepare(lossless_batch(BATCH_KEYS[self.role], rows, length, packed, self.route_shape))
-    batch.pop("head_columns", None)
-    compiled = self._accumulate.lower(state.params, (state.grad_sum, state.sums), batch, self.frozen,
-                                      self.low_copy.of(state.params)).compile()
+    compiled = self.lowered_accumulate(state, self.call_shapes(rows, length, packed)).compile()
     analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
