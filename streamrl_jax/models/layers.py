@@ -15,6 +15,7 @@ from flax import nnx
 
 from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.config import ModelConfig, RopeScaling
+from streamrl_jax.models.fused_attention import SegmentMask
 
 
 def _param(rngs: nnx.Rngs, config: ModelConfig, shape, axes, *, scale: float | None = None) -> nnx.Param:
@@ -240,7 +241,8 @@ class Attention(nnx.Module):
     return out
 
   def __call__(self, x, positions, mask, kv_cache=None):
-    """x [B, T, H]; mask [B, T, S] says which keys each query sees.
+    """x [B, T, H]; mask [B, T, S] says which keys each query sees (without a cache, a `SegmentMask` instead: the
+    fused kernel computes the attention).
 
     Without a cache the keys are the chunk itself (S = T). With a layer cache (`kv_cache.ContiguousLayer`,
     `paged_cache.PagedLayer`: anything with `attend(q, k, v, mask) -> (cache, out)`), the cache writes the
@@ -259,7 +261,9 @@ class Attention(nnx.Module):
     if factor != 1.0:
       q = q * jnp.asarray(factor, q.dtype)
     v = self._project(x, "v_proj", "v_bias")
-    if kv_cache is None:
+    if kv_cache is None and isinstance(mask, SegmentMask):  # the fused kernel computes it
+      out = mask.attend(q, k, v)
+    elif kv_cache is None:
       out = grouped_attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask)
     else:
       kv_cache, out = kv_cache.attend(q, k, v, mask)

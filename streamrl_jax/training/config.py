@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.models.config import REMAT_POLICIES
+from streamrl_jax.models.fused_attention import ATTENTION
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.training.objectives import ObjectiveConfig, ValueLossConfig
 
@@ -46,6 +47,9 @@ class TrainerConfig:
   # vocabulary entries per chunk of the log-probabilities (`training.logprobs`); 0: full [tokens, vocab] logits
   logprob_chunk: int = 8192
   remat: str = "none"  # the trainer's rematerialisation: "none", "layer" or "dots" (see ModelConfig.remat)
+  # the trainer's attention: "auto" (Pallas splash attention on a TPU, XLA's elsewhere), "xla", or "splash" (the
+  # kernel on every backend: off a TPU in Pallas' interpret mode, slow; for tests)
+  attention: str = "auto"
   # MiB for one trainer call's gradient and activations (tokens per call are cut to fit); 0: 40% of
   # device memory, on CPU the gradient plus 1 GiB or one packed row (`packing.auto_budget`)
   activation_budget_mb: int = 0
@@ -70,6 +74,8 @@ class TrainerConfig:
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"TrainerConfig.remat={self.remat!r}; known: {list(REMAT_POLICIES)}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"TrainerConfig.attention={self.attention!r}; known: {list(ATTENTION)}")
     for name in ("logprob_chunk", "activation_budget_mb", "pack_length", "chunk_tokens"):
       if getattr(self, name) < 0:
         raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
