@@ -119,6 +119,7 @@ def train_arm(arm: str) -> dict:
   from streamrl_jax.models import load_hf, lora
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
+  from streamrl_jax.training.trainer import compiled_memory
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
   mesh = mesh_from_devices([jax.devices()[-1]], MeshShape(1, 1, 1))
@@ -152,7 +153,7 @@ def train_arm(arm: str) -> dict:
     times.append(seconds)
   trained = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state.params))
   steps_peak = _hwm_mb()
-  memory = trainer.compiled_memory(state, chunk_tokens // length, length)  # XLA's view of one accumulation call
+  memory = compiled_memory(trainer, state, chunk_tokens // length, length)  # XLA's view of one accumulation call
   return dict(train_step_s=round(float(np.mean(times[1:])), 3), peak_rss_mb=round(max(compiled_peak, steps_peak)),
               peak_rss_reset=reset, compile_peak_rss_mb=round(compiled_peak), steps_peak_rss_mb=round(steps_peak),
               call_gflops=round(memory["flops"] / 1e9, 1),

@@ -75,6 +75,7 @@ def memory_variant(name: str) -> dict:
   from streamrl_jax.models import ModelConfig, Transformer, load_hf
   from streamrl_jax.models.catalog import fetch
   from streamrl_jax.training import MicroBatcher, ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
+  from streamrl_jax.training.trainer import compiled_memory
   from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
   model_name, settings, (prompts, group), prompt_len, new, steps = MEMORY_VARIANTS[name]
@@ -115,7 +116,7 @@ def memory_variant(name: str) -> dict:
   rss["steps"] = round(rss_mb())
   steady = slice(1, None) if steps > 1 else slice(None)
   step_s = float(np.mean(times[steady]))
-  temp = trainer.compiled_memory(state, chunk_tokens // length, length)["temp"]
+  temp = compiled_memory(trainer, state, chunk_tokens // length, length)["temp"]
   return {"trainer_peak_rss_mb": round(peak_rss_mb()), "train_step_s": round(step_s, 2),
           "train_mfu": round(peak.mfu(float(np.mean(flops[steady])) / step_s), 3),
           "peak_gflops": round(peak.flops / 1e9, 1),

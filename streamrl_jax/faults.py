@@ -15,7 +15,7 @@ it at once (no handler runs, as with an out-of-memory kill); `pause` writes `POI
 signal another process (the launcher) knowing where the trainer stands; `hold` writes that file too and waits until
 it is removed (at most `PAUSE_LIMIT_S`), then goes on, so a test can fault the samplers while the run stands at a
 known step (its controller and server still answer) and then let it continue; `hang` never returns (a step stuck as
-a device wait would be: only the stall watch, `TrainerConfig.step_timeout_s`, or a second Ctrl-C ends it).
+a device wait would be: only the stall watch, `WaitConfig.step_timeout_s`, or a second Ctrl-C ends it).
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ from streamrl_jax.settings import MOVED_KEYS
 from streamrl_jax.streaming.flight_config import FlightConfig
 from streamrl_jax.tasks.config import TaskConfig
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, TrainerConfig
+from streamrl_jax.training.config import WaitConfig
 from streamrl_jax.training.corrections import CorrectionConfig
 from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.trl_names import trl_hint
@@ -57,7 +58,7 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
-                  CorrectionConfig, LoraConfig, ValueLossConfig, TrainerConfig, RankerConfig, SchedulingConfig,
+                  CorrectionConfig, LoraConfig, ValueLossConfig, WaitConfig, TrainerConfig, RankerConfig, SchedulingConfig,
                   ControllerConfig, ArmsConfig, WorkflowConfig,
                   PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
                   GKEPortsConfig, GKEConfig)
@@ -294,7 +295,7 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   sampler = build(SamplerConfig, engine=build(EngineConfig), reward=build(RewardConfig), env=build(EnvConfig))
   trainer = build(TrainerConfig, optimizer=build(OptimizerConfig),
                   objective=build(ObjectiveConfig, bands=build(CorrectionConfig)),
-                  lora=build(LoraConfig), value_loss=build(ValueLossConfig))
+                  lora=build(LoraConfig), value_loss=build(ValueLossConfig), wait=build(WaitConfig))
   parts = dict(mesh=build(MeshConfig), sampler=sampler, trainer=trainer,
                scheduling=build(SchedulingConfig, ranker=build(RankerConfig)), controller=build(ControllerConfig),
                arms=build(ArmsConfig), workflow=build(WorkflowConfig))

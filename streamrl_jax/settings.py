@@ -15,7 +15,8 @@ MOVED_KEYS = {
                                                              "finish_grace_s", "weight_fanout")},
     **{f"PipelineConfig.{f}": f"SamplerConfig.{f}" for f in ("quantize_on", "in_flight", "in_flight_cache")},
     "PipelineConfig.sampler_precision": "SamplerConfig.precision",
-    **{f"PipelineConfig.{f}": f"TrainerConfig.{f}" for f in ("queue_capacity", "stop_grace_s", "step_timeout_s")},
+    **{f"{c}.{f}": f"WaitConfig.{f}" for f in ("queue_capacity", "stop_grace_s", "step_timeout_s")
+       for c in ("PipelineConfig", "TrainerConfig")},
     **{f"PipelineConfig.{f}": f"ControllerConfig.{f}" for f in ("dynamic_sampling", "backfill_limit")},
     "ObjectiveConfig.value_coef": "ValueLossConfig.coef",
     "ObjectiveConfig.value_clip": "ValueLossConfig.clip",

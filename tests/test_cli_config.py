@@ -57,7 +57,7 @@ def test_gin_bindings_build_configs_and_reject_mistakes(tmp_path):
                                       ("JobConfig.prompt_file", "TaskConfig.prompt_file"),
                                       ("PipelineConfig.sampler_precision", "SamplerConfig.precision"),
                                       ("PipelineConfig.in_flight", "SamplerConfig.in_flight"),
-                                      ("PipelineConfig.stop_grace_s", "TrainerConfig.stop_grace_s"),
+                                      ("PipelineConfig.stop_grace_s", "WaitConfig.stop_grace_s"),
                                       ("PipelineConfig.dynamic_sampling", "ControllerConfig.dynamic_sampling"),
                                       ("PipelineConfig.arm_programs", "ArmsConfig.programs"),
                                       ("GKEConfig.sampler_replicas", "GKESamplersConfig.replicas")])

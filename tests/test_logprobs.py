@@ -15,6 +15,7 @@ from streamrl_jax.meshes import single_device_mesh
 from streamrl_jax.models import ModelConfig, Transformer
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig, Scoring, Trainer, TrainerConfig
 from streamrl_jax.training import host_batch
+from streamrl_jax.training.trainer import compiled_memory
 from streamrl_jax.training.logprobs import (at_columns, chunked_scorer, chunked_token_logprobs, every_column,
                                            logits_scorer, scored_columns, token_logprobs, vocab_chunk)
 from streamrl_jax.training.packing import call_bytes, chunk_tokens_for
@@ -113,7 +114,7 @@ def test_chunks_cut_memory_and_the_estimate_bounds_xlas_analysis():
   temps = {}
   for chunk, kl in ((0, 0.0), (256, 0.0), (256, 0.1)):
     trainer, state = _trainer(config, chunk, kl=kl)
-    temps[chunk, kl] = trainer.compiled_memory(state, 8, 64)["temp"]
+    temps[chunk, kl] = compiled_memory(trainer, state, 8, 64)["temp"]
     estimate = call_bytes(config, 8 * 64, 64, trainer.config, "cpu", reference=kl > 0)
     assert temps[chunk, kl] <= estimate <= 1.2 * temps[chunk, kl], (chunk, kl, estimate, temps)
   full_logits = 8 * 64 * 4096 * 4

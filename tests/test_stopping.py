@@ -91,7 +91,7 @@ def test_a_hold_waits_until_its_file_is_removed_and_then_goes_on(tmp_path):
 def test_a_step_still_waiting_after_the_grace_is_abandoned_and_not_before():
   now = [0.0]
   stop = StopRequest(clock=lambda: now[0])
-  worker = SimpleNamespace(stop=stop, config=SimpleNamespace(stop_grace_s=10.0),  # the worker's TrainerConfig
+  worker = SimpleNamespace(stop=stop, config=SimpleNamespace(wait=SimpleNamespace(stop_grace_s=10.0)),  # TrainerConfig
                            checkpointer=None, _progress=lambda what: None)
   worker._stopped = lambda abandoned_step=None: TrainerWorker._stopped(worker, abandoned_step)
   calls = []
@@ -192,7 +192,7 @@ def test_the_stall_watch_ends_a_silent_process_and_not_a_paused_or_progressing_o
   now[0] = 190.0
   watch._check()
   assert ended == [STALL_EXIT_CODE] and "no progress for 61 s since a shard of step 3 arrived" in said[0]
-  assert "TrainerConfig.step_timeout_s=30" in said[0]
+  assert "WaitConfig.step_timeout_s=30" in said[0]
 
 
 @pytest.mark.slow
@@ -205,7 +205,7 @@ def test_a_stalled_step_ends_the_run_with_a_reason_and_the_last_checkpoint_resum
   workdir = tmp_path / "run"
   code, out = finish(train(workdir, "--config", config, env={"STREAMRL_FAULT": "row@1=sigint"}), workdir, timeout=180)
   assert code == 130, out
-  code, out = finish(train(workdir, "--config", config, "--resume", "--set", "TrainerConfig.step_timeout_s=10",
+  code, out = finish(train(workdir, "--config", config, "--resume", "--set", "WaitConfig.step_timeout_s=10",
                            env={"STREAMRL_FAULT": "save@2=hang"}), workdir, timeout=180)
   assert code == STALL_EXIT_CODE, out
   assert "no progress for" in out and "since the end of step 2" not in out and "since the update of step 2" in out, out

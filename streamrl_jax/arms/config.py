@@ -77,7 +77,8 @@ def stream_settings(settings: dict) -> dict:
 def arm_trainer(trainer: TrainerConfig, arm: ArmConfig) -> TrainerConfig:
   """The lead's `TrainerConfig` as follower `arm` runs it: the arm's objective and optimizer; no stall limit (a
   follower waits on the lead, whose own watch stops the run)."""
-  return dataclasses.replace(trainer, objective=arm.objective, optimizer=arm.optimizer, step_timeout_s=0.0)
+  return dataclasses.replace(trainer, objective=arm.objective, optimizer=arm.optimizer,
+                             wait=dataclasses.replace(trainer.wait, step_timeout_s=0.0))
 
 
 def arm_shape(shape: RunShape, arm: ArmConfig) -> RunShape:

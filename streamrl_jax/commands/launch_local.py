@@ -375,12 +375,12 @@ def _wait_exit(children: list[Child], seconds: float) -> None:
 
 
 def trainer_stop_wait_s(workdir: Path) -> float:
-  """How long a stopping trainer may take: its `TrainerConfig.stop_grace_s` (from the settings it wrote in
+  """How long a stopping trainer may take: its `WaitConfig.stop_grace_s` (from the settings it wrote in
   WORKDIR/settings.json; none yet: it is not in a step, it stops at once) and STOP_SAVE_MARGIN_S for its
   checkpoint and teardown."""
   try:
     settings = json.loads((workdir / "settings.json").read_text())
-    grace = float(settings.get("TrainerConfig.stop_grace_s", "0"))
+    grace = float(settings.get("WaitConfig.stop_grace_s", "0"))
   except (OSError, ValueError):
     grace = 0.0
   return grace + STOP_SAVE_MARGIN_S

@@ -136,7 +136,7 @@ def stopped_advice(stopped, workdir) -> str:
   """What a stopped run left and how to go on, as it is on disk."""
   said = "stopped"
   if stopped.abandoned_step is not None:
-    said += (f"; step {stopped.abandoned_step} was still waiting for samples TrainerConfig.stop_grace_s after the "
+    said += (f"; step {stopped.abandoned_step} was still waiting for samples WaitConfig.stop_grace_s after the "
              "stop request and was abandoned")
   if stopped.saved_step is None:
     return f"{said}; no step was checkpointed, so there is nothing to resume: run the same command again"

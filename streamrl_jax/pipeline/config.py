@@ -64,8 +64,8 @@ class PipelineConfig:
     self._derive_engine_length()
     if self.arms.followers:
       self._check_followers()
-    if self.trainer.queue_capacity < self.group_size:
-      raise ValueError("TrainerConfig.queue_capacity must hold at least one group")
+    if self.trainer.wait.queue_capacity < self.group_size:
+      raise ValueError("WaitConfig.queue_capacity must hold at least one group")
 
   def _check_workflow(self) -> None:
     """The graph runs (`WorkflowConfig.order`), and the KL settings say what its stages do."""

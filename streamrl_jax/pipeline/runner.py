@@ -66,7 +66,7 @@ def run_pipeline(config: PipelineConfig, model, tokenizer, task, *, devices=None
   ranker = make_ranker(config.scheduling, sampler_mesh, hooks.checkpointer, hooks.resume)
   setup = controller_setup(config)
   controller = Controller(setup, task, tokenizer, start_step=trainer.start_step, ranker=ranker)
-  queue = SampleQueue(config.trainer.queue_capacity)
+  queue = SampleQueue(config.trainer.wait.queue_capacity)
   lora_base = dict(base=params,
                    lora_scale=config.trainer.lora.scale) if config.trainer.lora.enabled else {}  # LoRA: adapters sync
   sync = WeightSync(landing(trainer.state.params if lora_base else params, config.precision, sampler_mesh,

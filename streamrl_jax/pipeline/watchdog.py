@@ -71,7 +71,7 @@ class StallWatch:
     silent = self._clock() - self._last
     if silent > self.limit_s:
       self._log(f"streamrl: the trainer has made no progress for {silent:.0f} s since {self._what} "
-                f"(TrainerConfig.step_timeout_s={self.limit_s:g}); ending the process with exit code "
+                f"(WaitConfig.step_timeout_s={self.limit_s:g}); ending the process with exit code "
                 f"{STALL_EXIT_CODE}; the last committed checkpoint is intact")
       faulthandler.dump_traceback(all_threads=True)
       self._end(STALL_EXIT_CODE)

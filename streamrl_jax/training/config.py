@@ -37,6 +37,27 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class WaitConfig:
+  """How many samples wait for the trainer, and when it stops waiting."""
+
+  queue_capacity: int = 256  # samples in the host queue before the sampler blocks
+  # after a stop request (first Ctrl-C / SIGTERM) the step in progress finishes and checkpoints, unless it is
+  # still waiting for samples this many seconds later: then it is abandoned (resume: the checkpoint before)
+  stop_grace_s: float = 120.0
+  # seconds without progress (no shard, update, publication or checkpoint) after which the trainer exits
+  # with code 124 and a one-line reason instead of hanging; 0: no limit
+  step_timeout_s: float = 1800.0
+
+  def __post_init__(self):
+    if self.queue_capacity < 1:
+      raise ValueError(f"WaitConfig.queue_capacity must be >= 1, got {self.queue_capacity}")
+    if not self.stop_grace_s > 0:
+      raise ValueError(f"WaitConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
+    if self.step_timeout_s < 0:
+      raise ValueError(f"WaitConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainerConfig:
   """A run's trainer side: how samples become trainer calls and what each call may hold, how many samples wait
   for it, when it gives up, and what it optimizes (optimizer, policy loss, adapters).
@@ -59,13 +80,7 @@ class TrainerConfig:
   chunk_tokens: int = 0
   chunk_rows: int = 8  # without packing: samples per trainer call (micro-batch)
   precompile: bool = False  # compile every trainer call's shape before the first step (no stalls later)
-  queue_capacity: int = 256  # samples in the host queue before the sampler blocks
-  # after a stop request (first Ctrl-C / SIGTERM) the step in progress finishes and checkpoints, unless it is
-  # still waiting for samples this many seconds later: then it is abandoned (resume: the checkpoint before)
-  stop_grace_s: float = 120.0
-  # seconds without progress (no shard, update, publication or checkpoint) after which the trainer exits
-  # with code 124 and a one-line reason instead of hanging; 0: no limit
-  step_timeout_s: float = 1800.0
+  wait: WaitConfig = WaitConfig()  # how many samples wait for the trainer, and how long it waits
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   objective: ObjectiveConfig = ObjectiveConfig()
   lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
@@ -81,9 +96,3 @@ class TrainerConfig:
         raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
     if self.chunk_rows < 1:
       raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
-    if self.queue_capacity < 1:
-      raise ValueError(f"TrainerConfig.queue_capacity must be >= 1, got {self.queue_capacity}")
-    if not self.stop_grace_s > 0:
-      raise ValueError(f"TrainerConfig.stop_grace_s must be > 0 seconds, got {self.stop_grace_s}")
-    if self.step_timeout_s < 0:
-      raise ValueError(f"TrainerConfig.step_timeout_s must be >= 0 seconds (0: no limit), got {self.step_timeout_s}")

@@ -3,12 +3,17 @@ or a wrong shape refused by name) and their padding to a call's (rows, length) b
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
+import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from streamrl_jax import launch
 from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.training.logprobs import scored_columns
+from streamrl_jax.training.owned_rows import owned_layout, put_owned
 
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
               "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
@@ -90,3 +95,64 @@ def padded_tokens(tokens, valid, min_rows: int, min_length: int) -> dict:
   padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
   padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
   return padded
+
+
+@dataclasses.dataclass(frozen=True)
+class CallLayout:
+  """How a trainer's calls are laid out on its mesh: its role's keys, the power-of-two (rows, length) buckets padded
+  calls take from (`min_rows`, `min_length`), packed rows a multiple of the mesh's batch shards, and each call's rows
+  split over those shards (`rules`: the logical sharding rules)."""
+
+  role: str
+  mesh: Mesh
+  rules: Mapping
+  min_rows: int = 8
+  min_length: int = 16
+
+  @property
+  def packed_row_quantum(self) -> int:
+    """Packed rows split evenly over the batch axes: their count is a multiple of this."""
+    return self.mesh.shape.get("data", 1) * self.mesh.shape.get("fsdp", 1)
+
+  def placed(self, batch: dict, route_shape: tuple | None) -> tuple[dict, tuple[int, int]]:
+    """(the micro-batch checked, padded to its (rows, length) bucket and put on the mesh, that shape); padding rows
+    carry no loss. A batch with `owners` (a trainer of several processes: each row's holder) is laid out by them
+    (`owned_rows`). `route_shape`: a mixture's (sparse layers, k)."""
+    values, shape, packed = self.checked(batch, route_shape)
+    if "owners" in batch:
+      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], self.rows_for(packed),
+                                self.sharding, jax.process_count())
+      return put_owned(out, self.sharding(shape)), shape
+    return launch.put(padded_call(values, shape, self.role), self.sharding(shape)), shape
+
+  def checked(self, batch: dict, route_shape: tuple | None) -> tuple[dict, tuple[int, int], bool]:
+    """(the micro-batch's checked arrays with the keys every call of this role carries, its padded shape, packed)."""
+    rows, length = np.asarray(batch["tokens"]).shape
+    packed = "segment_ids" in batch
+    if route_shape is not None and ROUTED not in batch:  # a mixture's calls all carry routes: one program
+      batch = {**batch, ROUTED: np.zeros((rows, length) + route_shape, np.int16)}
+    if self.role == "policy" and STALE not in batch:  # every policy call carries it: one program
+      batch = {**batch, STALE: np.zeros((rows, length), bool)}
+    extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
+        (STALE,) if self.role == "policy" else ()) + (
+        ("segment_ids",) if packed else ()) + ((ROUTED,) if route_shape is not None else ())
+    values = checked(batch, BATCH_KEYS[self.role], extra, self.role)
+    return values, (self.rows_for(packed)(rows), length if packed else bucket(length, self.min_length)), packed
+
+  def rows_for(self, packed: bool):
+    """A call's padded row count for `n` rows: packed rows to a multiple of the batch shards, else a bucket."""
+    if packed:
+      return lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum
+    return lambda n: bucket(n, self.min_rows)
+
+  def sharding(self, shape: tuple[int, int]) -> NamedSharding:
+    return NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
+
+  def shapes(self, rows: int, length: int, packed: bool, route_shape: tuple | None) -> dict:
+    """The arguments of a call of this shape as shapes on the mesh, every column scored (the most a call of this shape
+    needs: `placed` gathers the loss's columns when they fit half the row)."""
+    batch = lossless_batch(BATCH_KEYS[self.role], rows, length, packed, route_shape)
+    values, shape, _ = self.checked(batch, route_shape)
+    call = padded_call(values, shape, self.role)
+    call.pop("head_columns", None)
+    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self.sharding(shape)) for k, v in call.items()}

@@ -27,12 +27,10 @@ from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
                                              zero_sums)
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.host_batch import (BATCH_KEYS, ROUTED, STALE, bucket, checked, lossless_batch, padded_call,
-                                            placed_tokens)
+from streamrl_jax.training.host_batch import BATCH_KEYS, CallLayout, bucket, lossless_batch, placed_tokens
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
-from streamrl_jax.training.owned_rows import owned_layout, put_owned
 from streamrl_jax.training.packing import packed_shapes
 
 
@@ -64,6 +62,16 @@ def gradient_scale(grad_sum, denominator, tokens, max_norm: float) -> tuple[jax.
   clip = jnp.minimum(1.0, max_norm / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)) if max_norm else 1.0
   empty = tokens == 0
   return jnp.where(empty, 0.0, clip / denominator), jnp.where(empty, 0.0, norm)
+
+
+def optimizer_shardings(tx: optax.GradientTransformation, params, mesh: Mesh):
+  """The optimizer state's placement: each moment as its parameter (`params` placed on `mesh`), counters replicated
+  on the mesh. (Left to XLA, `jit(tx.init)` put the moments on one device, and the state's placement then replicated
+  them on every device: 8 bytes a parameter on each, what `streamrl plan` found for an 8B model.)"""
+  replicated = NamedSharding(mesh, PartitionSpec())
+  return optax.tree_utils.tree_map_params(tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+                                          jax.tree.map(lambda p: p.sharding, params),
+                                          transform_non_params=lambda _: replicated)
 
 
 @flax.struct.dataclass
@@ -138,9 +146,9 @@ class Trainer:
                          head_grad=scoring.base_params is None,  # LoRA: the head is frozen
                          truncation=scoring.truncation, kernel=trainer_kernel(config.attention, mesh))
     self.tx = make_optimizer(optimizer)
+    self.layout = CallLayout(role, mesh, self.rules, buckets.min_rows, buckets.min_length)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
-    # Packed rows split evenly over the batch axes: their count is a multiple of these.
-    self.packed_row_quantum = mesh.shape.get("data", 1) * mesh.shape.get("fsdp", 1)
+    self.packed_row_quantum = self.layout.packed_row_quantum
     # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.launcher = launch.launcher(mesh)  # every program of this trainer goes through it (see launch.py)
     ref_params, base_params = scoring.ref_params, scoring.base_params
@@ -221,7 +229,7 @@ class Trainer:
     self._adopt(params)
     with self.launcher.launching():
       grad_sum = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32, device=p.sharding), params)
-      opt_state = jax.jit(self.tx.init, out_shardings=self._optimizer_shardings(params))(params)
+      opt_state = jax.jit(self.tx.init, out_shardings=optimizer_shardings(self.tx, params, self.mesh))(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
 
     def on_mesh(x):  # optimizer counters and scalars: replicated on this mesh, not on device 0
@@ -239,15 +247,6 @@ class Trainer:
       self._build(state)
     return state
 
-  def _optimizer_shardings(self, params):
-    """The optimizer state's placement: each moment as its parameter, counters replicated on the mesh. (Left to
-    XLA, `jit(tx.init)` put the moments on one device, and the state's placement then replicated them on every
-    device: 8 bytes a parameter on each, what `streamrl plan` found for an 8B model.)"""
-    replicated = NamedSharding(self.mesh, PartitionSpec())
-    return optax.tree_utils.tree_map_params(self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
-                                            jax.tree.map(lambda p: p.sharding, params),
-                                            transform_non_params=lambda _: replicated)
-
   def abstract_state(self, params) -> TrainState:
     """The state `init_state` makes from parameters of these shapes (`jax.ShapeDtypeStruct`s), as shapes placed on
     the mesh as it would place them, no value made: what a plan compiles this trainer's programs against
@@ -257,7 +256,7 @@ class Trainer:
     params = shapes(params, state_shardings(params, self.mesh, self.rules))
     self._adopt(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    opt_state = shapes(jax.eval_shape(self.tx.init, params), self._optimizer_shardings(params))
+    opt_state = shapes(jax.eval_shape(self.tx.init, params), optimizer_shardings(self.tx, params, self.mesh))
     sums = jax.eval_shape(lambda: zero_sums(self.loss.moe is not None))
     state = TrainState(params=params, opt_state=opt_state,
                        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
@@ -271,50 +270,15 @@ class Trainer:
 
   # ---- host side: validation, padding, placement ----------------------------------------------
   def prepare(self, batch: dict) -> dict:
-    """Checks a micro-batch and pads it to its (rows, length) bucket; padding rows carry no loss. A batch with
-    `owners` (a trainer of several processes: each row's holder) is laid out by them (`owned_rows`)."""
-    values, shape, packed = self._checked(batch)
-    if "owners" in batch:
-      out, shape = owned_layout(values, np.asarray(batch["owners"])[:, 0], shape[1], self._rows_for(packed),
-                                self._batch_sharding, jax.process_count())
-      placed = put_owned(out, self._batch_sharding(shape))
-    else:
-      placed = launch.put(padded_call(values, shape, self.role), self._batch_sharding(shape))
+    """Checks a micro-batch and pads it to its (rows, length) bucket, placed on the mesh (`CallLayout.placed`)."""
+    placed, shape = self.layout.placed(batch, self.route_shape)
     self.compiled_shapes.add(shape)
     self.last_shape = shape
     return placed
 
-  def _checked(self, batch: dict) -> tuple[dict, tuple[int, int], bool]:
-    """(the micro-batch's checked arrays with the keys every call of this trainer carries, its padded shape, packed)."""
-    keys = BATCH_KEYS[self.role]
-    rows, length = np.asarray(batch["tokens"]).shape
-    packed = "segment_ids" in batch
-    if self.route_shape is not None and ROUTED not in batch:  # a mixture's calls all carry routes: one program
-      batch = {**batch, ROUTED: np.zeros((rows, length) + self.route_shape, np.int16)}
-    if self.role == "policy" and STALE not in batch:  # every policy call carries it: one program
-      batch = {**batch, STALE: np.zeros((rows, length), bool)}
-    extra = (("old_logprobs",) if "old_logprobs" in batch and self.role == "policy" else ()) + (
-        (STALE,) if self.role == "policy" else ()) + (
-        ("segment_ids",) if packed else ()) + ((ROUTED,) if self.route_shape is not None else ())
-    values = checked(batch, keys, extra, self.role)
-    return values, (self._rows_for(packed)(rows), length if packed else bucket(length, self.min_length)), packed
-
-  def _rows_for(self, packed: bool):
-    """A call's padded row count for `n` rows: packed rows to a multiple of the batch shards, else a bucket."""
-    if packed:
-      return lambda n: -(-n // self.packed_row_quantum) * self.packed_row_quantum
-    return lambda n: bucket(n, self.min_rows)
-
-  def _batch_sharding(self, shape: tuple[int, int]) -> NamedSharding:
-    return NamedSharding(self.mesh, logical_spec(("batch", None), shape, self.mesh, self.rules))
-
   def call_shapes(self, rows: int, length: int, packed: bool = True) -> dict:
-    """The arguments of a trainer call of this shape as shapes on the mesh, every column scored (the most a call of
-    this shape needs: `prepare` gathers the loss's columns when they fit half the row)."""
-    values, shape, _ = self._checked(lossless_batch(BATCH_KEYS[self.role], rows, length, packed, self.route_shape))
-    call = padded_call(values, shape, self.role)
-    call.pop("head_columns", None)
-    return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=self._batch_sharding(shape)) for k, v in call.items()}
+    """A call of this shape as shapes on the mesh, every column scored (`CallLayout.shapes`)."""
+    return self.layout.shapes(rows, length, packed, self.route_shape)
 
   def lowered_accumulate(self, state: TrainState, call: dict):
     """The accumulation of one call (`call_shapes`, or placed arrays) lowered for the state's mesh, to compile."""
@@ -341,16 +305,6 @@ class Trainer:
     for rows, width in packed_shapes(self.packed_row_quantum, max_tokens, length):
       state = self.accumulate(state, lossless_batch(BATCH_KEYS[self.role], rows, width, True, self.route_shape))
     return state
-
-  def compiled_memory(self, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
-    """XLA's memory analysis of accumulating one micro-batch of this shape: the bytes of its arguments, outputs
-    and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
-    FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`prepare`)."""
-    compiled = self.lowered_accumulate(state, self.call_shapes(rows, length, packed)).compile()
-    analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
-                temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes, flops=cost.get("flops", 0.0))
 
   def accumulate(self, state: TrainState, batch: dict) -> TrainState:
     """Adds one micro-batch's gradient to the state (no optimizer step)."""
@@ -419,3 +373,14 @@ class Trainer:
     metrics.update(step_metrics(state.sums, denominator, moe))
     new = state.replace(params=params, opt_state=opt_state, step=state.step + 1, sums=zero_sums(moe))
     return new, metrics
+
+
+def compiled_memory(trainer: Trainer, state: TrainState, rows: int, length: int, packed: bool = True) -> dict:
+  """XLA's memory analysis of `trainer` accumulating one micro-batch of this shape: the bytes of its arguments,
+  outputs and temporaries (`temp`: activations, the gradient before it is added, the log-probability chunks), and the
+  FLOPs XLA counts in it. The call scores every column: the most a call of this shape needs (`Trainer.prepare`)."""
+  compiled = trainer.lowered_accumulate(state, trainer.call_shapes(rows, length, packed)).compile()
+  analysis, cost = compiled.memory_analysis(), compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return dict(argument=analysis.argument_size_in_bytes, output=analysis.output_size_in_bytes,
+              temp=analysis.temp_size_in_bytes, alias=analysis.alias_size_in_bytes, flops=cost.get("flops", 0.0))

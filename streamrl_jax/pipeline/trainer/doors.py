@@ -34,7 +34,7 @@ class SampleDoors:
 
   @classmethod
   def open(cls, setup: TrainerSetup, wire: WireLimits, endpoint) -> SampleDoors:
-    """Every process other than 0 opens its door (a queue of `TrainerConfig.queue_capacity`, weight pieces in the
+    """Every process other than 0 opens its door (a queue of `WaitConfig.queue_capacity`, weight pieces in the
     samplers' precision); the processes learn each other's (collective)."""
     process, processes, shape = jax.process_index(), jax.process_count(), setup.shape
     if processes == 1:
@@ -42,7 +42,7 @@ class SampleDoors:
     server = queue = None
     if process:
       host, _ = parse_address(endpoint.listen, "--listen")
-      queue = SampleQueue(setup.trainer.queue_capacity)
+      queue = SampleQueue(setup.trainer.wait.queue_capacity)
       limits = ServerLimits(wire, owner=(process, processes),
                             chunk_bytes=endpoint.flight_config.weight_chunk_mb << 20)
       server = TrainerFlightServer(host, 0, controller=FlightDoor(None, shape.group_size), samples=queue,

@@ -141,7 +141,7 @@ def _serve(config: PipelineConfig, controller: Controller, wire: WireLimits, end
            followers):
   """The trainer's door: (sample queue, weight store, the Flight server listening at `endpoint`, serving the
   streams of follower arms that are programs of their own, `RemoteArms`, too)."""
-  queue = SampleQueue(config.trainer.queue_capacity)
+  queue = SampleQueue(config.trainer.wait.queue_capacity)
   store = HostWeightStore(precision=config.precision, pieces=jax.process_count() > 1)  # each process its own pieces
   server = TrainerFlightServer(*parse_address(endpoint.listen, "--listen"), controller=controller, samples=queue,
                                weights=store, tls=endpoint.tls,

@@ -14,7 +14,7 @@ bound. The worker carries each decision out.
 
 A stop request (`stopping.StopRequest`: the first Ctrl-C or SIGTERM) is honoured at a step boundary: the step
 in progress finishes through its metrics row and its committed checkpoint, then `run` raises `RunStopped`. A
-step still waiting for samples `TrainerConfig.stop_grace_s` after the request is abandoned instead (the
+step still waiting for samples `WaitConfig.stop_grace_s` after the request is abandoned instead (the
 checkpoint before it stays the one a resume starts from). Fault points (`faults.py`) mark the boundary's parts.
 """
 
@@ -145,7 +145,8 @@ class TrainerWorker:
     controller.published(Published(self.start_step))
     release_free_memory()  # the holes that loading and placing the weights left in the heap, before the first step
     self.phase_clock.take()  # the first row's seconds begin here (compiles of the first step included)
-    watch = StallWatch(self.config.step_timeout_s, _log.error, time.monotonic) if self.config.step_timeout_s else None
+    wait = self.config.wait
+    watch = StallWatch(wait.step_timeout_s, _log.error, time.monotonic) if wait.step_timeout_s else None
     self._progress = watch.progress if watch is not None else self._progress
     with watch or contextlib.nullcontext(), self.stop.deferred() if self.stop else contextlib.nullcontext():
       metrics, last_end = [], clock()
@@ -258,7 +259,7 @@ class TrainerWorker:
         self._progress(f"a shard of step {row_step(step)} arrived")
         return shard
       except TimeoutError:
-        if self.stop is not None and self.stop.overdue(self.config.stop_grace_s):
+        if self.stop is not None and self.stop.overdue(self.config.wait.stop_grace_s):
           raise self._stopped(abandoned_step=row_step(step)) from None
 
   def _take_step(self, step: int, controller: TrainerControl, get_shard, clock) -> tuple[list, float, dict]:
