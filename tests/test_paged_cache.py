@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.layers import grouped_attention
-from streamrl_jax.models.paged_cache import NO_PAGE, PAGED_ATTENTION, PagePool, PageState, advance, chunk_mask
+from streamrl_jax.models.paged_cache import NO_PAGE, PagePool, PageState, advance, chunk_mask
 from streamrl_jax.models.paged_cache import check_page_size, check_prompt_fits, copy_pages, fork, fork_many
-from streamrl_jax.models.paged_cache import gather_layer, paged_attention, pick_paged_attention, ragged_tpu_attention
+from streamrl_jax.models.paged_cache import PagedLayer, gather_layer, paged_attention
 from streamrl_jax.models.paged_cache import release, reserve, write_layer
 
 PS = 2  # page size of the bookkeeping tests
@@ -181,8 +181,8 @@ def test_write_then_gather_matches_a_contiguous_cache():
   perm = rng.permutation(num_pages)  # pages in a random order, some rows holding fewer
   table = np.full((rows, m), NO_PAGE, np.int32)
   table[0], table[1, :2], table[2, :1] = perm[:3], perm[3:5], perm[5:6]
-  k_pages = jnp.zeros((num_pages, H, PAGE, D))
-  v_pages = jnp.zeros((num_pages, H, PAGE, D))
+  k_pages = jnp.zeros((H, num_pages, PAGE, D))
+  v_pages = jnp.zeros((H, num_pages, PAGE, D))
   ref_k, ref_v = np.zeros((rows, H, m * PAGE, D), np.float32), np.zeros((rows, H, m * PAGE, D), np.float32)
   # a prefill-sized chunk, then a chunk with masked tokens (and row 2 masked past its single page)
   starts = [np.array([0, 0, 0]), np.array([5, 3, 0])]
@@ -199,7 +199,7 @@ def test_write_then_gather_matches_a_contiguous_cache():
   np.testing.assert_array_equal(np.where(held, k, 0), ref_k)
   np.testing.assert_array_equal(np.where(held, v, 0), ref_v)
   unused = np.setdiff1d(np.arange(num_pages), table[table >= 0])
-  assert not np.asarray(k_pages)[unused].any()  # masked writes and writes past a row's pages wrote nothing
+  assert not np.asarray(k_pages)[:, unused].any()  # masked writes and writes past a row's pages wrote nothing
 
 
 def test_forked_rows_share_the_prompt_and_diverge_after_it():
@@ -231,10 +231,10 @@ def test_copy_pages_skips_missing_ids():
   config = ModelConfig(vocab_size=11, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2,
                        num_kv_heads=1, head_dim=4)
   pool = PagePool.init(config, num_pages=3, page_size=2)
-  pool = pool.replace(keys=tuple(k.at[0].set(1.0) for k in pool.keys))
+  pool = pool.replace(keys=tuple(k.at[:, 0].set(1.0) for k in pool.keys))
   moved = copy_pages(pool, jnp.array([0, -1]), jnp.array([2, 1]))
   for k in moved.keys:
-    np.testing.assert_array_equal(k[:, 0, 0, 0], [1.0, 0.0, 1.0])
+    np.testing.assert_array_equal(k[0, :, 0, 0], [1.0, 0.0, 1.0])
   assert pool.num_pages == 3 and pool.page_size == 2
 
 
@@ -243,14 +243,14 @@ def test_paged_attention_equals_grouped_attention_on_contiguous_keys():
   rng = np.random.default_rng(2)
   b, t, hq, m, num_pages = 2, 3, 4, 3, 7
   table = np.array([[4, 0, 6], [2, 5, NO_PAGE]], np.int32)
-  k_pages = rng.normal(size=(num_pages, H, PAGE, D)).astype(np.float32)
-  v_pages = rng.normal(size=(num_pages, H, PAGE, D)).astype(np.float32)
+  k_pages = rng.normal(size=(H, num_pages, PAGE, D)).astype(np.float32)
+  v_pages = rng.normal(size=(H, num_pages, PAGE, D)).astype(np.float32)
   q = rng.normal(size=(b, t, hq, D)).astype(np.float32)
   start = np.array([6, 2])
   mask = np.asarray(chunk_mask(start, np.array([[1, 1, 1], [1, 0, 1]], bool), m * PAGE))
   np.testing.assert_array_equal(mask[1, 2, :6], [1, 1, 1, 0, 1, 0])  # earlier tokens, not masked ones
-  contiguous_k = np.stack([np.concatenate([k_pages[p] for p in np.maximum(row, 0)], axis=1) for row in table])
-  contiguous_v = np.stack([np.concatenate([v_pages[p] for p in np.maximum(row, 0)], axis=1) for row in table])
+  contiguous_k = np.stack([np.concatenate([k_pages[:, p] for p in np.maximum(row, 0)], axis=1) for row in table])
+  contiguous_v = np.stack([np.concatenate([v_pages[:, p] for p in np.maximum(row, 0)], axis=1) for row in table])
   want = grouped_attention(q, contiguous_k, contiguous_v, mask)
   got = jax.jit(paged_attention)(q, k_pages, v_pages, table, mask)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -262,21 +262,31 @@ def test_paged_attention_equals_grouped_attention_on_contiguous_keys():
     paged_attention(q, k_pages, v_pages, table, mask[..., :5])
 
 
-def test_ragged_kernel_adapter_matches_the_gather_form():
-  """The TPU seam's layout plumbing, checked with the kernel's pure-jnp reference (not the Pallas kernel)."""
-  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ref_ragged_paged_attention
+@pytest.mark.parametrize("mesh_shape", [(1, 1, 1), (1, 1, 2)])
+def test_the_decode_kernel_matches_the_gather_form(mesh_shape):
+  """A decode step (one token a row) through the Pallas paged-attention kernel in interpret mode, heads split over
+  "tensor" or not, against the gather form: bfloat16 keys and values (the kernel reads them so), rows of 1 to 19
+  tokens on pages in a random order, an empty slot among them."""
+  from jax.sharding import Mesh
+
+  from streamrl_jax.models.fused_attention import AttentionKernel
   rng = np.random.default_rng(3)
-  b, t, hq, m = 2, 2, 4, 3
-  table = np.array([[3, 1, NO_PAGE], [0, 2, 4]], np.int32)
-  k_pages = rng.normal(size=(5, H, PAGE, D)).astype(np.float32)
-  v_pages = rng.normal(size=(5, H, PAGE, D)).astype(np.float32)
-  q = rng.normal(size=(b, t, hq, D)).astype(np.float32)
-  start = np.array([3, 9])
-  mask = chunk_mask(start, np.ones((b, t), bool), m * PAGE)
-  got = ragged_tpu_attention(ref_ragged_paged_attention)(q, k_pages, v_pages, table, mask, start + t)
-  np.testing.assert_allclose(got, paged_attention(q, k_pages, v_pages, table, mask), rtol=1e-5, atol=1e-5)
-  assert pick_paged_attention() is PAGED_ATTENTION["gather"] is paged_attention  # CPU here
-  assert pick_paged_attention("tpu") is PAGED_ATTENTION["ragged_tpu"]  # imported, never called on CPU
+  b, hq, kv_heads, dim, page, m, num_pages = 3, 4, 2, 128, 4, 8, 30
+  table = rng.permutation(num_pages)[:b * m].reshape(b, m).astype(np.int32)
+  start = np.array([18, 3, 0])
+  write = np.array([[1], [1], [0]], bool)  # the last slot is idle: it writes nothing and its output is unused
+  k_pages, v_pages = (jnp.asarray(rng.normal(size=(kv_heads, num_pages, page, dim)), jnp.bfloat16) for _ in range(2))
+  q, k, v = (jnp.asarray(rng.normal(size=(b, 1, h, dim)), jnp.bfloat16) for h in (hq, kv_heads, kv_heads))
+  mask = chunk_mask(start, write, m * page)
+  devices = np.array(jax.devices()[:int(np.prod(mesh_shape))]).reshape(mesh_shape)
+  kernel = AttentionKernel(Mesh(devices, ("data", "fsdp", "tensor")), interpret=True)
+  layer = lambda kernel: PagedLayer(k_pages, v_pages, table, start, write, kernel)  # noqa: E731
+  _, got = layer(kernel).attend(q, k, v, mask)
+  _, want = layer(None).attend(q, k, v, mask)
+  live = write[:, 0]
+  np.testing.assert_allclose(np.asarray(got, np.float32)[live], np.asarray(want, np.float32)[live], atol=2e-2,
+                             rtol=2e-2)
+  assert np.abs(np.asarray(got, np.float32)[live] - np.asarray(want, np.float32)[live]).max() > 0  # not one path
 
 
 # ---- validation -------------------------------------------------------------------------------------------

@@ -155,3 +155,17 @@ def test_the_prefix_cache_serves_a_group_across_calls_but_never_across_weight_ve
   assert engine.counters["prefix_cache_hits"] == 2
   assert [key[1] for key, _ in sampler._instances[0].state.cache] == [1]  # the old version's entry is gone
   assert pool_is_empty(sampler)
+
+
+def test_the_decode_kernel_gives_the_gather_forms_greedy_tokens(model_parts):
+  """`EngineConfig.attention='paged'`: every decode step's attention in the Pallas paged-attention kernel (interpret
+  mode here), the same greedy tokens as XLA's gather; log-probabilities within the kernel's bfloat16 reads."""
+  import dataclasses
+  graphdef, params, mesh = model_parts
+  requests = [([5, 9, 11, 3, 7, 2, 8, 13, 21, 4, 6], 6), ([17, 2, 30], 5)]
+  want, _ = generate_all(make_engine(graphdef, MODEL, PAGED, mesh), params, requests)
+  got, _ = generate_all(make_engine(graphdef, MODEL, dataclasses.replace(PAGED, attention="paged"), mesh), params,
+                        requests)
+  for rid, sample in want.items():
+    np.testing.assert_array_equal(got[rid].completion_tokens, sample.completion_tokens)
+    np.testing.assert_allclose(got[rid].logprobs, sample.logprobs, atol=2e-2)

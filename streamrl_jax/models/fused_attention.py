@@ -1,12 +1,16 @@
-"""The trainer's attention as a fused kernel: jax's Pallas splash attention (`jax.experimental.pallas.ops.tpu.
-splash_attention`) over rows of packed samples, causal, each token seeing its own segment alone, a sliding layer its
-window. XLA's attention builds every layer's [heads, T, T] scores in float32 (3.4 GB a row of 5,120 tokens for 32
-heads); the kernel walks them in tiles and keeps none.
+"""Attention as fused kernels on a TPU, from jax's Pallas TPU ops:
 
-`TrainerConfig.attention` chooses: 'auto' (the kernel on a TPU, XLA's attention elsewhere), 'xla', or 'splash' (the
-kernel on every backend; off a TPU in Pallas' interpret mode, which is how the tests hold it to XLA's numbers). The
-kernel runs per device under `shard_map`: rows split over the mesh's batch axes, heads over "tensor" where it divides
-them.
+- the trainer's, splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`) over rows of packed samples,
+  causal, each token seeing its own segment alone, a sliding layer its window. XLA's attention builds every layer's
+  [heads, T, T] scores in float32 (3.4 GB a row of 5,120 tokens for 32 heads); the kernel walks them in tiles and keeps
+  none. `TrainerConfig.attention`: 'auto' (the kernel on a TPU, XLA's elsewhere), 'xla', or 'splash';
+- a decode step's over the paged KV cache, paged attention (`...ops.tpu.paged_attention`): each row's query against
+  the pages its table names, up to its length, without gathering them into a contiguous copy. Layers with a sliding
+  window keep the gather (the kernel masks by length alone). `EngineConfig.attention`: 'auto', 'xla', or 'paged'.
+
+A kernel named on a backend other than a TPU runs in Pallas' interpret mode: slow, and how the tests hold it to XLA's
+numbers on a CPU. Each kernel runs per device under `shard_map`: rows split over the mesh's batch axes (the trainer's),
+heads over "tensor" where it divides them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from jax.sharding import Mesh, PartitionSpec
 from streamrl_jax.models.compile_target import target_backend
 
 ATTENTION = ("auto", "xla", "splash")  # TrainerConfig.attention
+DECODE_ATTENTION = ("auto", "xla", "paged")  # EngineConfig.attention
 TILE = 128  # rows are padded to a multiple of this many tokens for the kernel
 BATCH_AXES = ("data", "fsdp")
 
@@ -36,8 +41,17 @@ class AttentionKernel:
 
 def trainer_kernel(choice: str, mesh: Mesh) -> AttentionKernel | None:
   """The kernel `TrainerConfig.attention = choice` asks for on the backend being compiled for; None: XLA's."""
-  if choice not in ATTENTION:
-    raise ValueError(f"TrainerConfig.attention={choice!r}; known: {list(ATTENTION)}")
+  return _kernel(choice, mesh, ATTENTION, "TrainerConfig.attention")
+
+
+def decode_kernel(choice: str, mesh: Mesh) -> AttentionKernel | None:
+  """The kernel `EngineConfig.attention = choice` asks for on the backend being compiled for; None: XLA's."""
+  return _kernel(choice, mesh, DECODE_ATTENTION, "EngineConfig.attention")
+
+
+def _kernel(choice: str, mesh: Mesh, known: tuple[str, ...], key: str) -> AttentionKernel | None:
+  if choice not in known:
+    raise ValueError(f"{key}={choice!r}; known: {list(known)}")
   on_tpu = target_backend() == "tpu"
   if choice == "xla" or (choice == "auto" and not on_tpu):
     return None
@@ -117,3 +131,34 @@ def _splash(length: int, heads: int, window: int | None, interpret: bool):
                              block_kv_dkv=tile, block_kv_dkv_compute=tile, block_q_dq=tile, block_kv_dq=tile)
   return splash.make_splash_mha(masks.MultiHeadMask([one] * heads), head_shards=1, q_seq_shards=1,
                                 block_sizes=blocks, interpret=interpret)
+
+
+def paged_decode_attention(q, k_pages, v_pages, table, lengths, kernel: AttentionKernel) -> jax.Array:
+  """One decode step's attention over the paged cache: q [B, 1, Hq, D] (each row's new token, its key and value
+  already written) against k_pages, v_pages [Hkv, pages, page size, D] at each row's pages (`table` [B, M]) up to its
+  `lengths` [B] tokens, scaled by head_dim ** -0.5; [B, 1, Hq, D]. The kernel reads keys and values in bfloat16."""
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+  b, _, hq, d = q.shape
+  hkv, _, page_size, _ = k_pages.shape
+  pages = table.shape[1]
+  block = max(n for n in range(1, pages + 1) if pages % n == 0 and n * page_size <= max(page_size, 512))
+  tensor = kernel.mesh.shape.get("tensor", 1)
+  heads = "tensor" if tensor > 1 and hkv % tensor == 0 else None
+
+  def local(q, k_pages, v_pages, lengths, table):
+    call = functools.partial(paged_attention, pages_per_compute_block=block)
+    if kernel.interpret:
+      import jax.experimental.pallas.tpu as pltpu
+
+      with pltpu.force_tpu_interpret_mode():
+        return call(q, k_pages, v_pages, lengths, table)
+    return call(q, k_pages, v_pages, lengths, table)
+
+  scaled = (q[:, 0] * jnp.asarray(d ** -0.5, q.dtype)).astype(k_pages.dtype)
+  rows, pool = PartitionSpec(None, heads, None), PartitionSpec(heads, None, None, None)
+  out = jax.shard_map(local, mesh=kernel.mesh, in_specs=(rows, pool, pool, PartitionSpec(), PartitionSpec()),
+                      out_specs=rows, check_vma=False)(scaled, k_pages, v_pages,
+                                                       jnp.maximum(lengths, 1).astype(jnp.int32),
+                                                       jnp.maximum(table, 0).astype(jnp.int32))
+  return out[:, None].astype(q.dtype)

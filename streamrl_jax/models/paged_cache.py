@@ -11,15 +11,14 @@ cannot be satisfied returns `ok=False` and leaves the state as it was; the calle
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.fused_attention import AttentionKernel, paged_decode_attention
 from streamrl_jax.models.layers import attend_in, cache_dtype
 
 NO_PAGE = -1  # table entry of a row slot that holds no page
@@ -181,21 +180,25 @@ def set_lengths(state: PageState, rows: jax.Array, lengths: jax.Array) -> PageSt
 # ---- the page pool -------------------------------------------------------------------------------
 @flax.struct.dataclass
 class PagePool:
-  """Keys and values of every page, heads-major within a page like `KVCache`."""
+  """Keys and values of every page, heads first: [kv_heads, num_pages, page_size, head_dim], the layout of the TPU
+  paged-attention kernel (`fused_attention.paged_decode_attention`), which reads a row's pages where they lie."""
 
-  keys: tuple[jax.Array, ...]  # per layer [num_pages, kv_heads, page_size, head_dim]
+  keys: tuple[jax.Array, ...]  # per layer [kv_heads, num_pages, page_size, head_dim]
   values: tuple[jax.Array, ...]
+  # how a decode step reads the pages: the paged-attention kernel (`models.fused_attention`), or None: a gather
+  kernel: AttentionKernel | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
-  def init(cls, config: ModelConfig, num_pages: int, page_size: int, dtype=None) -> PagePool:
+  def init(cls, config: ModelConfig, num_pages: int, page_size: int, dtype=None,
+           kernel: AttentionKernel | None = None) -> PagePool:
     dtype = dtype or cache_dtype(config.compute_dtype)
-    shape = (num_pages, config.num_kv_heads, page_size, config.head_dim)
+    shape = (config.num_kv_heads, num_pages, page_size, config.head_dim)
     zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
-    return cls(keys=zeros(), values=zeros())
+    return cls(keys=zeros(), values=zeros(), kernel=kernel)
 
   @property
   def num_pages(self) -> int:
-    return self.keys[0].shape[0]
+    return self.keys[0].shape[1]
 
   @property
   def page_size(self) -> int:
@@ -211,7 +214,7 @@ def write_layer(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start:
   Rows must not write into pages they share (a fork's rows write past their length, into private pages).
   """
   t = k_new.shape[1]
-  num_pages, page_size, m = k_pages.shape[0], k_pages.shape[2], table.shape[1]
+  num_pages, page_size, m = k_pages.shape[1], k_pages.shape[2], table.shape[1]
   pos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)
   slot, offset = pos // page_size, pos % page_size
   page = jnp.take_along_axis(table, jnp.clip(slot, 0, m - 1), axis=1)
@@ -219,8 +222,9 @@ def write_layer(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start:
   if write_mask is not None:
     keep = keep & write_mask.astype(bool)
   page = jnp.where(keep, page, num_pages)  # out of range: dropped
-  k_pages = k_pages.at[page, :, offset].set(k_new.astype(k_pages.dtype), mode="drop")
-  v_pages = v_pages.at[page, :, offset].set(v_new.astype(v_pages.dtype), mode="drop")
+  heads_first = lambda x: x.transpose(2, 0, 1, 3)  # [B, T, H, D] -> [H, B, T, D], as [:, page, offset] indexes  # noqa: E731
+  k_pages = k_pages.at[:, page, offset].set(heads_first(k_new).astype(k_pages.dtype), mode="drop")
+  v_pages = v_pages.at[:, page, offset].set(heads_first(v_new).astype(v_pages.dtype), mode="drop")
   return k_pages, v_pages
 
 
@@ -230,9 +234,9 @@ def gather_layer(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array) -> tu
   idx = jnp.maximum(table, 0)
 
   def one(pages):
-    x = pages[idx]  # [B, M, H, P, D]
-    b, m, h, p, d = x.shape
-    return x.transpose(0, 2, 1, 3, 4).reshape(b, h, m * p, d)
+    x = pages[:, idx]  # [H, B, M, P, D]
+    h, b, m, p, d = x.shape
+    return x.transpose(1, 0, 2, 3, 4).reshape(b, h, m * p, d)
   return one(k_pages), one(v_pages)
 
 
@@ -242,7 +246,7 @@ def copy_pages(pool: PagePool, copy_from: jax.Array, copy_to: jax.Array) -> Page
   dst = jnp.atleast_1d(jnp.asarray(copy_to, jnp.int32))
   dst = jnp.where((src >= 0) & (dst >= 0), dst, pool.num_pages)
   src = jnp.maximum(src, 0)
-  move = lambda x: x.at[dst].set(x[src], mode="drop")  # noqa: E731
+  move = lambda x: x.at[:, dst].set(x[:, src], mode="drop")  # noqa: E731
   return pool.replace(keys=tuple(map(move, pool.keys)), values=tuple(map(move, pool.values)))
 
 
@@ -250,19 +254,25 @@ def copy_pages(pool: PagePool, copy_from: jax.Array, copy_to: jax.Array) -> Page
 @flax.struct.dataclass
 class PagedLayer:
   """One layer of a page pool during a chunk: writes the chunk's keys and values after each row's `start`
-  tokens (`write_mask` [B, T] marks the real ones) and attends over the row's pages through the fused-kernel
-  seam (`pick_paged_attention`)."""
+  tokens (`write_mask` [B, T] marks the real ones) and attends over the row's pages: a decode step (one token a
+  row) through the paged-attention kernel where `kernel` is set, else by gathering the pages (`paged_attention`)."""
 
-  keys: jax.Array  # [num_pages, kv_heads, page_size, head_dim]
+  keys: jax.Array  # [kv_heads, num_pages, page_size, head_dim]
   values: jax.Array
   table: jax.Array  # [B, pages_per_row]
   start: jax.Array  # [B]
   write_mask: jax.Array  # [B, T]
+  # the decode kernel (`models.fused_attention`; a layer with a sliding window has none: the kernel masks by length)
+  kernel: AttentionKernel | None = flax.struct.field(pytree_node=False, default=None)
 
   def attend(self, q, k, v, mask):
     keys, values = write_layer(self.keys, self.values, self.table, self.start, k, v, self.write_mask)
     lengths = self.start + self.write_mask.sum(axis=1, dtype=jnp.int32)
-    out = pick_paged_attention()(q, keys, values, self.table, mask, lengths)
+    if self.kernel is not None and q.shape[1] == 1:
+      out = paged_decode_attention(q, keys, values, self.table[:, :mask.shape[-1] // keys.shape[2]], lengths,
+                                   self.kernel)
+    else:
+      out = paged_attention(q, keys, values, self.table, mask)
     return self.replace(keys=keys, values=values), out
 
 
@@ -277,61 +287,18 @@ def chunk_mask(start: jax.Array, write_mask: jax.Array, width: int) -> jax.Array
   return (rel < 0) | ((rel <= q) & in_chunk)
 
 
-def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, mask: jax.Array,
-                    lengths: jax.Array | None = None) -> jax.Array:
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, table: jax.Array,
+                    mask: jax.Array) -> jax.Array:
   """Attention of q [B, T, Hq, D] over each row's pages: gathers them, then `grouped_attention`.
 
   mask [B, T, S] with S a multiple of the page size: only the first S / page_size pages of each row are
-  read (a short attention window reads less). `lengths` is unused here (the fused kernel needs it).
+  read (a short attention window reads less).
   """
-  del lengths
   page_size, width = k_pages.shape[2], mask.shape[-1]
   if width % page_size:
     raise ValueError(f"attention width {width} is not a multiple of the page size {page_size}")
   k, v = gather_layer(k_pages, v_pages, table[:, :width // page_size])
   return attend_in(k_pages.dtype, q, k, v, mask)
-
-
-def ragged_tpu_attention(kernel: Callable) -> Callable:
-  """Adapts a ragged paged attention kernel (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`,
-  or its `ref_ragged_paged_attention`) to `paged_attention`'s signature.
-
-  The kernel applies its own causal mask from `lengths` [B] (tokens per row after this chunk's writes):
-  query t of a row sees keys < lengths - T + t + 1. That equals `chunk_mask` only when the chunk writes
-  all of its T tokens; `mask` is otherwise ignored. The kernel wants k and v interleaved on the head axis,
-  [num_pages, page_size, 2 * kv_heads, head_dim]; this adapter converts the pool each call, which a real
-  integration should avoid by storing the pool in that layout on TPU.
-  """
-  def attend(q, k_pages, v_pages, table, mask, lengths=None):
-    del mask
-    if lengths is None:
-      raise ValueError("the ragged paged attention kernel needs `lengths` (tokens per row after the chunk)")
-    b, t, hq, d = q.shape
-    n, h, p, _ = k_pages.shape
-    kv = jnp.stack([k_pages, v_pages], axis=2).transpose(0, 3, 1, 2, 4).reshape(n, p, 2 * h, d)
-    out = kernel(q.reshape(b * t, hq, d), kv.astype(q.dtype), jnp.asarray(lengths, jnp.int32),
-                 jnp.maximum(table, 0).astype(jnp.int32), jnp.arange(b + 1, dtype=jnp.int32) * t,
-                 jnp.array([b], jnp.int32), sm_scale=1.0 / math.sqrt(d))
-    return out.reshape(b, t, hq, d)
-  return attend
-
-
-# The seam for a fused kernel: every implementation takes (q, k_pages, v_pages, table, mask, lengths=None)
-# and returns [B, T, Hq, D]. `pick_paged_attention` chooses one; integrations call only what it returns.
-PAGED_ATTENTION: dict[str, Callable] = {"gather": paged_attention}
-
-
-def pick_paged_attention(backend: str | None = None) -> Callable:
-  """The Pallas ragged paged attention kernel on TPU when it imports, else the gather form."""
-  if (backend or target_backend()) == "tpu":
-    if "ragged_tpu" not in PAGED_ATTENTION:
-      try:
-        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-      except ImportError:
-        return PAGED_ATTENTION["gather"]
-      PAGED_ATTENTION["ragged_tpu"] = ragged_tpu_attention(ragged_paged_attention)
-    return PAGED_ATTENTION["ragged_tpu"]
-  return PAGED_ATTENTION["gather"]
 
 
 # ---- validation ------------------------------------------------------------------------------------

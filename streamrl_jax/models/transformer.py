@@ -193,13 +193,15 @@ class Transformer(nnx.Module):
 
     `window` (static, a multiple of the page size): attention reads only the first `window` tokens of each
     row; every row's tokens, this chunk's included, must lie below it. `logits_at` as in `forward_with_cache`.
+    A pool with a `kernel` computes a decode step's attention in it, in every layer without a sliding window.
     """
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     window = window or table.shape[1] * pool.page_size
     positions = jnp.maximum(length[:, None] + jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0)
     attend = chunk_mask(length, mask, window)
     keys_at = jnp.arange(window, dtype=jnp.int32)[None]  # a row's token i is at index i of its pages
-    layers = [PagedLayer(k, v, table, length, mask) for k, v in zip(pool.keys, pool.values)]
+    layers = [PagedLayer(k, v, table, length, mask, None if self.config.layer_window(i) is not None else pool.kernel)
+              for i, (k, v) in enumerate(zip(pool.keys, pool.values))]
     hidden, layers, trace = self._trunk(tokens, positions, (attend, keys_at), layers, valid=mask)
     pool = pool.replace(keys=tuple(c.keys for c in layers), values=tuple(c.values for c in layers))
     return self._outputs(self._head_at(hidden, logits_at), pool, trace, with_routes)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl_jax.envs.config import EnvConfig
+from streamrl_jax.models.fused_attention import DECODE_ATTENTION
 from streamrl_jax.models.precision import PRECISIONS, QUANTIZE_ON
 from streamrl_jax.rewards.config import RewardConfig
 
@@ -35,10 +36,15 @@ class EngineConfig:
   kv_pages: int = 0  # pages in the pool (paged); 0: as many as num_slots contiguous rows would hold
   share_prompts: bool = True  # requests of one prompt in a prefill call share its prefill (paged: and its full pages)
   prefix_cache_rows: int = 8  # paged: prompts whose pages and last logits stay cached for later calls
+  # paged: a decode step's attention: "auto" (Pallas paged attention on a TPU, XLA's gather elsewhere), "xla", or
+  # "paged" (the kernel on every backend: off a TPU in Pallas' interpret mode, slow; for tests)
+  attention: str = "auto"
 
   def __post_init__(self):
     if self.kv_layout not in KV_LAYOUTS:
       raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
+    if self.attention not in DECODE_ATTENTION:
+      raise ValueError(f"EngineConfig.attention={self.attention!r}; known: {list(DECODE_ATTENTION)}")
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if isinstance(value, (bool, str)):

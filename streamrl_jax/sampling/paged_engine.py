@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import KVCache, ModelConfig, logical_spec
+from streamrl_jax.models.fused_attention import decode_kernel
 from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.models.paged_cache import NO_PAGE, PagePool, check_prompt_fits, copy_pages, write_layer
 from streamrl_jax.sampling.config import EngineConfig
@@ -105,7 +106,7 @@ class PagedDecodeEngine(EngineBase):
     abstract = jax.eval_shape(self._empty_rows)
 
     def spec(x):
-      names = (None, "kv_heads", None, "head_dim") if x.ndim == 4 else (None,) * x.ndim
+      names = ("kv_heads", None, None, "head_dim") if x.ndim == 4 else (None,) * x.ndim
       return NamedSharding(self.mesh, logical_spec(names, x.shape, self.mesh, self.rules))
     return jax.tree.map(spec, abstract)
 
@@ -133,7 +134,8 @@ class PagedDecodeEngine(EngineBase):
   def _empty_rows(self) -> PagedRows:
     s, ec = self.config.num_slots, self.config
     return PagedRows(
-        pool=PagePool.init(self.model_config, self.num_pages, self.page_size), length=jnp.zeros((s,), jnp.int32),
+        pool=PagePool.init(self.model_config, self.num_pages, self.page_size,
+                           kernel=decode_kernel(ec.attention, self.mesh)), length=jnp.zeros((s,), jnp.int32),
         last_token=jnp.zeros((s,), jnp.int32), rng=jnp.zeros((s, 2), jnp.uint32), generated=jnp.zeros((s,), jnp.int32),
         active=jnp.zeros((s,), bool), temperature=jnp.ones((s,), jnp.float32), top_k=jnp.zeros((s,), jnp.int32),
         top_p=jnp.ones((s,), jnp.float32), min_p=jnp.zeros((s,), jnp.float32), max_new=jnp.ones((s,), jnp.int32),
