@@ -14,6 +14,7 @@
   streamrl train --workdir DIR --arms A.gin B.gin  several algorithms trained on one sample stream
   streamrl compare RUN_DIR                         those arms side by side: a table and RUN_DIR/compare.png
   streamrl simulate --preset NAME --out DIR       the pipeline at cluster scale: results.json and plots
+  streamrl plan --model M --topology v5p:4x4x2    a run compiled for a TPU slice: fits? how fast? which split?
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def _config_args(parser) -> None:
 def build_parser() -> argparse.ArgumentParser:
   from streamrl_jax.commands.compare import add_compare_parser
   from streamrl_jax.commands.launch_local import add_launch_parser
+  from streamrl_jax.commands.plan import add_plan_parser
   from streamrl_jax.commands.roles import add_role_parsers
   from streamrl_jax.commands.scorer import add_scorer_parser
   from streamrl_jax.commands.serve import add_serve_parser
@@ -230,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
   add_role_parsers(sub, _config_args)
   add_scorer_parser(sub, _config_args)
   add_launch_parser(sub, _config_args)
-  add_serve_parser(sub)
-  add_compare_parser(sub)
-  _simulate_parser(sub)
+  for add in (add_serve_parser, add_compare_parser, _simulate_parser):
+    add(sub)
+  add_plan_parser(sub, _config_args)
   return parser
 
 
@@ -313,9 +315,10 @@ def _run(args) -> int:
 
   try:
     if args.host_devices is None:
+      from streamrl_jax.commands.plan import plan_host_devices
       from streamrl_jax.commands.roles import ROLES, role_host_devices
       args.host_devices = (role_host_devices(args) if args.command in ROLES else 0 if args.command == "launch"
-                           else default_host_devices(args))
+                           else plan_host_devices(args) if args.command == "plan" else default_host_devices(args))
     force_host_devices(args.host_devices)
     logs.configure(args.log_level, role=_role(args), around_bar=args.command == "train")
     if args.command in ("trainer", "sampler", "follower", "scorer"):  # a launcher's SIGTERM stops them as Ctrl-C

@@ -10,6 +10,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.models.activation_layout import ActivationLayout
 from streamrl_jax.models.fused_attention import AttentionKernel, segment_attention, trainer_kernel
 from streamrl_jax.models.layers import grouped_attention
 from streamrl_jax.models.compile_target import compiling_for
@@ -70,12 +71,13 @@ def test_model_with_the_kernel_equals_xla_attention_with_windows_and_packing():
   graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
   segments = jnp.asarray(_segments(2, 64, 3))
   tokens = jnp.asarray(np.random.default_rng(4).integers(0, 64, (2, 64)), jnp.int32)
-  kernel = AttentionKernel(_mesh(1, 2, 1), interpret=True)
+  mesh = _mesh(1, 2, 1)
+  kernel = ActivationLayout(mesh, AttentionKernel(mesh, interpret=True))
   # a random direction: the sum of squares of normed states is nearly constant (its gradient is rounding noise)
   direction = jnp.asarray(np.random.default_rng(5).normal(size=(2, 64, 32)), jnp.float32) * (segments > 0)[..., None]
 
   def loss(params, kernel):
-    hidden, _ = nnx.merge(graphdef, params).hidden_and_routing(tokens, segments > 0, segments, kernel=kernel)
+    hidden, _ = nnx.merge(graphdef, params).hidden_and_routing(tokens, segments > 0, segments, layout=kernel)
     return jnp.sum(hidden * direction), hidden
 
   (mine, hidden), grads = jax.value_and_grad(loss, has_aux=True)(params, kernel)

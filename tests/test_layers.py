@@ -16,7 +16,8 @@ FLOORS = (
     ("training", "streaming", "scheduling", "sampling", "serving", "agents", "sim", "distributed", "gke",
      "records", "job", "workflow"),  # the parts (agent programs beside the server they speak to), what a run leaves in
     # its workdir, the job around the RL steps (warm-up, held-out evaluation), the step's graph of stages
-    ("pipeline", "arms"),  # workers, controller, sessions, programs, the training job; algorithm arms
+    ("pipeline", "arms", "planning"),  # workers, controller, sessions, programs, the training job; algorithm arms;
+    # a run planned for a topology (its parts built as the run builds them, compiled without values)
     ("gin_config", "arm_files"),  # the config layer binds every part's config and reads arm files
     ("commands", "cli"),  # the `streamrl` command
 )

@@ -38,6 +38,11 @@ class AttentionKernel:
   mesh: Mesh
   interpret: bool = False
 
+  def takes_head_dim(self, head_dim: int) -> bool:
+    """Whether the decode kernel runs heads of this size: a TPU's tiles are 128 lanes wide (interpret mode takes any);
+    other sizes keep the gather."""
+    return self.interpret or head_dim % 128 == 0
+
 
 def trainer_kernel(choice: str, mesh: Mesh) -> AttentionKernel | None:
   """The kernel `TrainerConfig.attention = choice` asks for on the backend being compiled for; None: XLA's."""

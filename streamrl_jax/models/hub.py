@@ -143,6 +143,20 @@ def hub_model(spec: str) -> Path:
   return path
 
 
+def hub_config(spec: str) -> Path:
+  """The config.json of the Hub model `spec` alone (no weights), from the cache or fetched into it: what a plan reads
+  (`streamrl plan`). Raises `HubError` naming why it could not be had."""
+  repo, revision = parse_hub_id(spec)
+  cache, (local, url) = hub_cache(), _cache_alone()
+  try:
+    return Path(_download(repo, revision, cache, bool(local), "config.json", url))
+  except Exception as err:
+    why = _why(err, repo, revision, cache, local)
+    if why is None:
+      raise
+    raise HubError(f"model {spec!r} {why}") from err
+
+
 def pinned(spec: str) -> str:
   """The Hub model `spec` as `org/name@<commit>`: its revision (default: main) resolved to the commit the cache or
   the Hub has now, fetched if needed, so that processes started apart read one snapshot."""

@@ -268,7 +268,7 @@ class PagedLayer:
   def attend(self, q, k, v, mask):
     keys, values = write_layer(self.keys, self.values, self.table, self.start, k, v, self.write_mask)
     lengths = self.start + self.write_mask.sum(axis=1, dtype=jnp.int32)
-    if self.kernel is not None and q.shape[1] == 1:
+    if self.kernel is not None and q.shape[1] == 1 and self.kernel.takes_head_dim(q.shape[-1]):
       out = paged_decode_attention(q, keys, values, self.table[:, :mask.shape[-1] // keys.shape[2]], lengths,
                                    self.kernel)
     else:

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from streamrl_jax.models.config import ModelConfig
-from streamrl_jax.models.fused_attention import AttentionKernel, SegmentMask
+from streamrl_jax.models.activation_layout import ActivationLayout
+from streamrl_jax.models.fused_attention import SegmentMask
 from streamrl_jax.models.kv_cache import ContiguousLayer, KVCache
 from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param, take_rows
 from streamrl_jax.models.moe import ExpertPlacement, MoeMLP, RouterTrace
@@ -136,23 +137,24 @@ class Transformer(nnx.Module):
   def hidden_and_routing(self, tokens: jax.Array, attention_mask: jax.Array | None = None,
                          segment_ids: jax.Array | None = None, remat: str | None = None,
                          routing: Routing = Routing(),
-                         kernel: AttentionKernel | None = None) -> tuple[jax.Array, RouterTrace | None]:
+                         layout: ActivationLayout | None = None) -> tuple[jax.Array, RouterTrace | None]:
     """`hidden_states` and the mixture layers' `RouterTrace` (None without experts), under `routing` (replayed
-    routes [B, T, sparse layers, k], the experts' placement); with `kernel`, attention is the fused kernel's
-    (`models.fused_attention`: segments and windows, no [T, T] mask built)."""
+    routes [B, T, sparse layers, k], the experts' placement); a trainer call's `layout` keeps each row on its batch
+    shard, and with its kernel attention is the fused kernel's (`models.fused_attention`: segments and windows, no
+    [T, T] mask built)."""
     mask = jnp.ones(tokens.shape, bool) if attention_mask is None else attention_mask.astype(bool)
     positions = (jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0) if segment_ids is None
                  else packed_positions(segment_ids))
-    if kernel is not None:  # a token sees its segment alone: the padding (0) apart from the real tokens (1)
+    if layout is not None and layout.kernel is not None:  # a token sees its segment alone: padding (0) apart
       segments = mask.astype(jnp.int32) if segment_ids is None else segment_ids
-      attention = (SegmentMask(segments, None, kernel), positions)
+      attention = (SegmentMask(segments, None, layout.kernel), positions)
     else:
       steps = jnp.arange(tokens.shape[1])
       attend = mask[:, None, :] & (steps[None, None, :] <= steps[None, :, None])
       if segment_ids is not None:
         attend = attend & (segment_ids[:, None, :] == segment_ids[:, :, None])
       attention = (attend, positions)
-    hidden, _, trace = self._trunk(tokens, positions, attention, None, remat, routing, mask)
+    hidden, _, trace = self._trunk(tokens, positions, attention, None, remat, routing, mask, layout)
     return hidden, trace
 
   def head_weights(self) -> jax.Array:
@@ -219,7 +221,7 @@ class Transformer(nnx.Module):
     return self.head_logits(hidden)
 
   def _trunk(self, tokens, positions, attention, kv_caches, remat: str | None = None, routing: Routing = Routing(),
-             valid=None):
+             valid=None, layout: ActivationLayout | None = None):
     """(final hidden states, layer caches, stacked router trace). `attention` is (mask [B, T, S], the keys'
     positions [B or 1, S]): each layer masks it by its own window; or (a `SegmentMask`, positions) for the fused
     kernel, given each layer's window."""
@@ -228,16 +230,19 @@ class Transformer(nnx.Module):
     if self.config.embed_scale:  # in the weights' dtype, as transformers scales Gemma's embeddings
       x = x * jnp.asarray(math.sqrt(self.config.hidden_size), embed.dtype)
     x = x.astype(self.config.compute_dtype)
+    rows = (lambda h: h) if layout is None else layout.rows  # noqa: E731
     if isinstance(attention[0], SegmentMask):
       masks = {w: attention[0].with_window(w) for w in {None, *self.config.windows}}
     else:
       masks = window_masks(attention[0], positions, attention[1], self.config.windows)
     run = _LAYER_RUNS[remat or self.config.remat]
     new_kv, traces = [], []
+    x = rows(x)
     for i, layer in enumerate(self.layers):
       routed = routing.layer(len(traces), valid) if layer.sparse else None
       x, kv, trace = run(layer, x, positions, masks[self.config.layer_window(i)],
                          None if kv_caches is None else kv_caches[i], routed)
+      x = rows(x)
       new_kv.append(kv)
       if trace is not None:
         traces.append(trace)

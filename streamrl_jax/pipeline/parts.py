@@ -7,6 +7,7 @@ from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import ControllerSetup
 from streamrl_jax.pipeline.sampler.worker import SamplerSetup
 from streamrl_jax.pipeline.trainer.worker import TrainerSetup
+from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.workflow.pools import pool_meshes
 
 
@@ -28,3 +29,10 @@ def controller_setup(config: PipelineConfig) -> ControllerSetup:
 def sampler_setup(config: PipelineConfig) -> SamplerSetup:
   """A sampler worker's: its side's config, the scheduling policy and the run's shape."""
   return SamplerSetup(config.sampler, config.scheduling, config.shape)
+
+
+def plan_setup(config: PipelineConfig) -> PlanSetup:
+  """A plan's (`streamrl plan`): the run's shape, the trainer's and engine's configs, the meshes' split, the
+  scheduling and the samplers' precision (`config` resolved first: `PipelineConfig.resolved`)."""
+  return PlanSetup(config.shape, config.trainer, config.sampler.engine, config.mesh, config.scheduling,
+                   config.precision)

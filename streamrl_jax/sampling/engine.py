@@ -26,8 +26,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models import KVCache, ModelConfig, kv_cache_bytes, logical_spec
 from streamrl_jax.sampling.config import KV_LAYOUTS, EngineConfig
-from streamrl_jax.sampling.engine_base import (Engine, EngineBase, StepOutput, device_memory_budget, first_tokens,
-                                               sample_next)
+from streamrl_jax.sampling.engine_base import (Engine, EngineBase, PlannedCall, StepOutput, device_memory_budget,
+                                               first_tokens, sample_next, shapes_of)
 from streamrl_jax.types import SamplingParams
 
 __all__ = ["KV_LAYOUTS", "DecodeEngine", "DecodeState", "Engine", "EngineConfig", "Prefix", "StepOutput"]
@@ -163,6 +163,17 @@ class DecodeEngine(EngineBase):
 
   def init_decode_state(self) -> DecodeState:
     return self._init_state()
+
+  def planned_calls(self, params) -> tuple[dict[str, PlannedCall], DecodeState]:
+    """(the model over a call of `prefill_batch` distinct prompts of the longest bucket (`prefill`, beside the decode
+    state) and `decode` (one step of every slot over the whole cache) lowered for a plan, the decode state's shapes);
+    `params` are shapes placed by `place_params`."""
+    ec = self.config
+    state = shapes_of(self._empty_state, self._state_shardings)
+    tokens = np.zeros((ec.prefill_batch, ec.bucket_for(ec.max_prompt_length)), np.int32)
+    lengths = np.full((ec.prefill_batch,), ec.max_prompt_length, np.int32)
+    return {"prefill": PlannedCall(self._prefill.trace(params, tokens, lengths).lower(), reads_state=False),
+            "decode": PlannedCall(self._generate.trace(params, state, ec.cache_length, 1).lower(), True)}, state
 
   def prefill(self, params, prompts: Sequence, *, samplings: Sequence[SamplingParams], rngs: Sequence,
               resume: Sequence[tuple[int, int] | None] | None = None, version: int = 0) -> Prefix:

@@ -8,8 +8,8 @@ An engine subclasses `EngineBase` and supplies its state, its jitted programs an
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import flax.struct
 import jax
@@ -107,6 +107,27 @@ def device_memory_budget(device) -> int:
     return int(stats["bytes_limit"])
   host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   return host // max(1, len(jax.local_devices(backend=device.platform)))
+
+
+class PlannedCall(NamedTuple):
+  """An engine's program lowered for a plan (`streamrl plan`), and whether the decode state is among its arguments
+  (else it is held beside the program while it runs)."""
+
+  lowered: object  # jax.stages.Lowered
+  reads_state: bool
+
+
+def shapes_of(make: Callable, shardings):
+  """The shapes `make()` gives, each with its sharding: an engine's decode state for a plan, no value made."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(make), shardings)
+
+
+def planned_requests(config: EngineConfig, vocab_size: int) -> tuple[list, list, list]:
+  """(prompts, samplings, rngs) of a plan's largest prefill call: `prefill_batch` distinct prompts of
+  `max_prompt_length` tokens, each generating `max_new_tokens`."""
+  n, length = config.prefill_batch, config.max_prompt_length
+  prompts = [(np.arange(length) + i) % vocab_size for i in range(n)]
+  return prompts, [SamplingParams(max_new_tokens=config.max_new_tokens)] * n, [np.zeros(2, np.uint32)] * n
 
 
 @flax.struct.dataclass

@@ -41,7 +41,8 @@ from streamrl_jax.models.fused_attention import decode_kernel
 from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.models.paged_cache import NO_PAGE, PagePool, check_prompt_fits, copy_pages, write_layer
 from streamrl_jax.sampling.config import EngineConfig
-from streamrl_jax.sampling.engine_base import EngineBase, StepOutput, device_memory_budget, first_tokens, sample_next
+from streamrl_jax.sampling.engine_base import (EngineBase, PlannedCall, StepOutput, device_memory_budget, first_tokens,
+                                               planned_requests, sample_next, shapes_of)
 from streamrl_jax.sampling.page_book import PageBook, PagedState
 from streamrl_jax.sampling.paged_prefill import FirstTokens, PagedPrefix
 from streamrl_jax.types import SamplingParams
@@ -84,7 +85,7 @@ class PagedDecodeEngine(EngineBase):
     if self.num_pages < self.pages_per_row:
       raise ValueError(f"EngineConfig.kv_pages={self.num_pages} holds {self.num_pages * self.page_size} tokens, "
                        f"fewer than one row at full length ({config.cache_length}); raise kv_pages")
-    self.memory = self._check_memory()
+    self.memory = pool_memory(self)
     self.book = PageBook(config, self.num_pages, self.cache_rows, _every_layer_window(model_config))
     self.counters = self.book.counters
     replicated = NamedSharding(mesh, PartitionSpec())
@@ -110,23 +111,6 @@ class PagedDecodeEngine(EngineBase):
       return NamedSharding(self.mesh, logical_spec(names, x.shape, self.mesh, self.rules))
     return jax.tree.map(spec, abstract)
 
-  def page_bytes(self) -> int:
-    mc = self.model_config
-    itemsize = jnp.dtype(cache_dtype(mc.compute_dtype)).itemsize
-    return 2 * mc.num_layers * mc.num_kv_heads * self.page_size * mc.head_dim * itemsize
-
-  def _check_memory(self) -> dict:
-    tensor = self.mesh.shape.get("tensor", 1)
-    param_bytes, kv_bytes = self.param_bytes(), self.num_pages * self.page_bytes()
-    per_device = (param_bytes + kv_bytes) / tensor
-    budget = self.config.memory_budget_bytes or device_memory_budget(self.mesh.devices.flat[0])
-    if per_device > budget:
-      raise ValueError(f"paged engine needs {per_device / 2**20:.1f} MiB per device ({param_bytes / 2**20:.1f} MiB of "
-                       f"parameters, {self.num_pages} pages x {self.page_bytes() / 2**20:.3f} MiB, / tensor={tensor}) "
-                       f"but the budget is {budget / 2**20:.1f} MiB; lower EngineConfig.kv_pages")
-    return dict(param_bytes=param_bytes, kv_bytes=kv_bytes, kv_pages=self.num_pages, page_bytes=self.page_bytes(),
-                bytes_per_device=int(per_device), budget_bytes_per_device=int(budget))
-
   def _check_prompt_fits(self, prompt_length: int) -> None:
     check_prompt_fits(prompt_length, self.num_pages, self.page_size)
 
@@ -144,6 +128,21 @@ class PagedDecodeEngine(EngineBase):
 
   def init_decode_state(self) -> PagedState:
     return PagedState(self._init_rows(), self.book.init())
+
+  def planned_calls(self, params) -> tuple[dict[str, PlannedCall], PagedRows]:
+    """(the insert (`prefill`: a call of `prefill_batch` distinct prompts of the longest bucket, prefilled into their
+    pages) and `decode` (one step of every slot over the whole cache) lowered for a plan, the decode state's shapes);
+    `params` are shapes placed by `place_params`."""
+    ec = self.config
+    rows = shapes_of(self._empty_rows, self._shardings)
+    prompts, samplings, rngs = planned_requests(ec, self.model_config.vocab_size)
+    prefix = self.prefill(params, prompts, samplings=samplings, rngs=rngs)
+    state, plan, tokens, lengths = self.book.plan_insert(PagedState(rows, self.book.init()), prefix,
+                                                         list(range(ec.prefill_batch)))
+    table, slots = np.zeros((ec.num_slots, self.pages_per_row), np.int32), np.arange(ec.num_slots, dtype=np.int32)
+    return {"prefill": PlannedCall(self._insert.trace(params, rows, tokens, lengths, plan.arrays(
+                np.asarray(state.pages.table)), prefix.arrays).lower(), reads_state=True),
+            "decode": PlannedCall(self._generate.trace(params, rows, table, slots, ec.cache_length, 1).lower(), True)}, rows
 
   def free_pages(self, state: PagedState) -> int:
     return self.book.free_pages(state)
@@ -322,6 +321,28 @@ class PagedDecodeEngine(EngineBase):
   def drop_parked(self, state: PagedState, parking: dict, place: int):
     """A parked row whose episode ended gives its pages back; returns (state, parking)."""
     return self.book.release(state, self.book.parking_row(place)), parking
+
+
+def page_bytes(engine: PagedDecodeEngine) -> int:
+  """Bytes of one page across every layer: its keys and values."""
+  mc = engine.model_config
+  itemsize = jnp.dtype(cache_dtype(mc.compute_dtype)).itemsize
+  return 2 * mc.num_layers * mc.num_kv_heads * engine.page_size * mc.head_dim * itemsize
+
+
+def pool_memory(engine: PagedDecodeEngine) -> dict:
+  """The engine's weights and page pool per device, checked against its budget (raises naming the key to lower)."""
+  tensor = engine.mesh.shape.get("tensor", 1)
+  page = page_bytes(engine)
+  param_bytes, kv_bytes = engine.param_bytes(), engine.num_pages * page
+  per_device = (param_bytes + kv_bytes) / tensor
+  budget = engine.config.memory_budget_bytes or device_memory_budget(engine.mesh.devices.flat[0])
+  if per_device > budget:
+    raise ValueError(f"paged engine needs {per_device / 2**20:.1f} MiB per device ({param_bytes / 2**20:.1f} MiB of "
+                     f"parameters, {engine.num_pages} pages x {page / 2**20:.3f} MiB, / tensor={tensor}) "
+                     f"but the budget is {budget / 2**20:.1f} MiB; lower EngineConfig.kv_pages")
+  return dict(param_bytes=param_bytes, kv_bytes=kv_bytes, kv_pages=engine.num_pages, page_bytes=page,
+              bytes_per_device=int(per_device), budget_bytes_per_device=int(budget))
 
 
 def _request_routes(fresh, logit_row):

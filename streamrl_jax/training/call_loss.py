@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl_jax.models import ModelConfig
-from streamrl_jax.models.fused_attention import AttentionKernel
+from streamrl_jax.models.activation_layout import ActivationLayout
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.models.transformer import Routing
 from streamrl_jax.training.config import TrainerConfig
@@ -59,7 +59,7 @@ class CallLoss:
   """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat, the value
   loss), the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
   dense model), whether the LM head learns (LoRA: frozen), the sampler's top-k, top-p and min-p (`truncation`:
-  tokens are scored over the support they keep) and the attention kernel."""
+  tokens are scored over the support they keep) and the call's activation layout (its mesh, its attention kernel)."""
 
   objective: ObjectiveConfig
   config: TrainerConfig
@@ -69,7 +69,8 @@ class CallLoss:
   moe: ModelConfig | None = None
   head_grad: bool = True
   truncation: Truncation = Truncation()
-  kernel: AttentionKernel | None = None  # the fused attention kernel (`models.fused_attention`); None: XLA's
+  # the trainer's mesh and attention kernel: rows kept on their batch shards, the head's chunks gathered
+  layout: ActivationLayout | None = None
 
   def token_logprobs(self, model, batch, replay: bool = True):
     """(log pi, entropy, router trace, outside) of the batch's tokens under `model`: over vocabulary chunks, or from
@@ -79,11 +80,11 @@ class CallLoss:
     routes = batch.get("routes") if replay and self.objective.routing_replay == "replay" else None
     routing = Routing(routes=None if routes is None else routes.astype(jnp.int32) - 1, placement=self.placement)
     hidden, trace = model.hidden_and_routing(batch["tokens"], batch["valid"], batch.get("segment_ids"),
-                                             remat=self.config.remat, routing=routing, kernel=self.kernel)
+                                             remat=self.config.remat, routing=routing, layout=self.layout)
     if self.config.logprob_chunk:
       head, vocab_axis = model.output_weights()
       score = chunked_scorer(head, self.temperature, self.config.logprob_chunk, vocab_axis, head_grad=self.head_grad,
-                             truncation=self.truncation)
+                             truncation=self.truncation, mesh=None if self.layout is None else self.layout.mesh)
     else:
       score = logits_scorer(model.head_logits, self.temperature, self.truncation)
     if "head_columns" in batch:  # the loss's tokens alone (`Trainer.prepare`)

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models.layers import cpu_low_precision, rows_first
+from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.truncation import truncation_floor
 
 FLOOR_BLOCK = 128  # tokens whose full logits a support rebuild holds at once
@@ -132,9 +135,12 @@ def logits_scorer(logits_of, temperature: float = 1.0, truncation: Truncation = 
 
 
 def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis: int = 1, head_grad: bool = True,
-                   truncation: Truncation = Truncation()):
+                   truncation: Truncation = Truncation(), mesh: Mesh | None = None):
   """`score(hidden [N, H], tokens [N]) -> (log pi [N], entropy [N], outside [N])` over vocabulary chunks of `head`, as
-  `chunked_token_logprobs` computes them, over the support `truncation` keeps (`support_floors`)."""
+  `chunked_token_logprobs` computes them, over the support `truncation` keeps (`support_floors`). On a trainer's
+  `mesh`, the tokens stay split over its batch axes, each chunk of the head is gathered whole (FSDP), and the head's
+  gradient is reduced into its own sharding chunk by chunk: left to itself, GSPMD gathered every token's logits (or
+  their gradient) onto every device instead, a [tokens, chunk] array a chunk."""
   width = vocab_chunk(head.shape[vocab_axis], chunk)
 
   def score(hidden, tokens):
@@ -146,7 +152,7 @@ def chunked_scorer(head, temperature: float = 1.0, chunk: int = 8192, vocab_axis
                                                 preferred_element_type=jnp.float32)
       floors, outside = support_floors(logits_of, hidden, tokens, float(temperature), truncation)
     logp, ent = _chunked(hidden, head, tokens, floors, _Plan(float(temperature), width, vocab_axis, bool(head_grad),
-                                                             truncation.active))
+                                                             truncation.active, mesh))
     return logp, ent, outside
   return score
 
@@ -206,6 +212,26 @@ class _Plan:
   axis: int
   head_grad: bool
   truncated: bool
+  mesh: Mesh | None = None  # the trainer's: the shardings the chunks keep (`chunked_scorer`)
+
+  def placed(self, x, spec: PartitionSpec):
+    return x if self.mesh is None else jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+  def rows(self, x):
+    """`x` [N, ...] split over the mesh's batch axes (where they divide N)."""
+    if self.mesh is None:
+      return x
+    axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
+    size = math.prod(self.mesh.shape[a] for a in axes)
+    return self.placed(x, PartitionSpec(axes or None) if axes and x.shape[0] % size == 0 else PartitionSpec())
+
+  def head_sharded(self, x):
+    """A [vocab, H] or [H, vocab] gradient in the head's own sharding (the logical rules': its hidden axis over
+    "fsdp" where it divides)."""
+    if self.mesh is None:
+      return x
+    names = ("vocab", "embed") if self.axis == 0 else ("embed", "vocab")
+    return self.placed(x, logical_spec(names, x.shape, self.mesh))
 
 
 def _chunk_logits(hidden, padded, i, plan: _Plan, vocab: int, floors, tokens):
@@ -213,7 +239,7 @@ def _chunk_logits(hidden, padded, i, plan: _Plan, vocab: int, floors, tokens):
   truncated plan those below their token's floor [N] but the token itself (its floor came from logits computed apart,
   which may round it below)."""
   chunk, axis, temperature = plan.chunk, plan.axis, plan.temperature
-  block = _block(padded, i, chunk, axis, hidden.dtype)
+  block = plan.placed(_block(padded, i, chunk, axis, hidden.dtype), PartitionSpec())  # the chunk gathered whole
   logits = jax.lax.dot_general(hidden, block, (((1,), (1 - axis,)), ((), ())), preferred_element_type=jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
@@ -231,6 +257,7 @@ def _statistics(hidden, head, tokens, floors, plan: _Plan):
   vocab = head.shape[plan.axis]
   padded, chunks = _padded(head, chunk, plan.axis)
   n = hidden.shape[0]
+  hidden = plan.rows(hidden)
 
   def body(i, carry):
     top, total, weighted, picked = carry
@@ -268,6 +295,7 @@ def _chunked_bwd(plan: _Plan, residuals, cotangents):
   chunk, axis, temperature, head_grad = plan.chunk, plan.axis, plan.temperature, plan.head_grad
   vocab = head.shape[axis]
   padded, chunks = _padded(head, chunk, axis)
+  hidden = plan.rows(hidden)
 
   def body(i, carry):
     g_hidden, g_head = carry
@@ -286,9 +314,10 @@ def _chunked_bwd(plan: _Plan, residuals, cotangents):
       return g_hidden, g_head
     pair = (g_logits, hidden) if axis == 0 else (hidden, g_logits)  # the block's own layout: [chunk, H] or [H, chunk]
     g_block = _tokens_contracted(*pair)
-    return g_hidden, jax.lax.dynamic_update_slice_in_dim(g_head, g_block, i * chunk, axis=axis)
+    return g_hidden, plan.head_sharded(jax.lax.dynamic_update_slice_in_dim(g_head, g_block, i * chunk, axis=axis))
 
-  init = (jnp.zeros(hidden.shape, jnp.float32), jnp.zeros(padded.shape if head_grad else (), jnp.float32))
+  init = (plan.rows(jnp.zeros(hidden.shape, jnp.float32)),
+          plan.head_sharded(jnp.zeros(padded.shape, jnp.float32)) if head_grad else jnp.zeros((), jnp.float32))
   g_hidden, g_head = jax.lax.fori_loop(0, chunks, body, init)
   g_head = jax.lax.slice_in_dim(g_head, 0, vocab, axis=axis) if head_grad else jnp.zeros(head.shape, head.dtype)
   return g_hidden.astype(hidden.dtype), g_head.astype(head.dtype), None, jnp.zeros_like(floors)

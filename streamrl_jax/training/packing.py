@@ -118,7 +118,8 @@ def activation_bytes_per_token(model_config: ModelConfig, length: int, trainer=N
   upper bound fitted to `compiled.memory_analysis()` on this CPU (tests/test_logprobs.py checks it):
 
   - per layer, what the backward pass reads: 8 hidden-sized vectors (residuals, norms, q, attention output, o),
-    k and v, 3 MLP-sized ones (gate, up, their product) and 4 attention rows over `length` keys per head;
+    k and v, 3 MLP-sized ones (gate, up, their product) and 4 attention rows over `length` keys per head (none
+    where the fused attention kernel computes it: `TrainerConfig.attention`);
     with `remat` on an accelerator, a layer keeps only its input ("layer") or also its matmuls' outputs
     ("dots") and one layer's worth is live again in the backward pass. XLA:CPU schedules the recomputation
     next to the forward pass, so on the CPU remat saves nothing and counts as "none";
@@ -129,7 +130,8 @@ def activation_bytes_per_token(model_config: ModelConfig, length: int, trainer=N
   `trainer` is a `TrainerConfig` (None: its defaults' full logits, no remat)."""
   c = model_config
   kv = 2 * c.num_kv_heads * c.head_dim
-  layer = 8 * c.hidden_size + kv + 3 * c.intermediate_size + 4 * c.num_heads * length
+  fused = trainer is not None and (trainer.attention == "splash" or (trainer.attention == "auto" and platform == "tpu"))
+  layer = 8 * c.hidden_size + kv + 3 * c.intermediate_size + (0 if fused else 4 * c.num_heads * length)
   remat = "none" if trainer is None or platform == "cpu" else trainer.remat
   saved = {"none": layer, "layer": c.hidden_size,
            "dots": 4 * c.hidden_size + kv + 2 * c.intermediate_size}[remat]

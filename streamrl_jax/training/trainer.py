@@ -22,6 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, ModelConfig, logical_spec, state_shardings
+from streamrl_jax.models.activation_layout import ActivationLayout
 from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
@@ -144,7 +145,8 @@ class Trainer:
     # a mixture's model config and the placement of its experts join the call's loss at init_state
     self.loss = CallLoss(objective, config, float(scoring.temperature), role,
                          head_grad=scoring.base_params is None,  # LoRA: the head is frozen
-                         truncation=scoring.truncation, kernel=trainer_kernel(config.attention, mesh))
+                         truncation=scoring.truncation,
+                         layout=ActivationLayout(mesh, trainer_kernel(config.attention, mesh)))
     self.tx = make_optimizer(optimizer)
     self.layout = CallLayout(role, mesh, self.rules, buckets.min_rows, buckets.min_length)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length

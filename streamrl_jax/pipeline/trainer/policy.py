@@ -75,11 +75,12 @@ def make_flow(setup, trainer: Trainer, model_config: ModelConfig, params, mesh) 
                       shape.min_p)), pools, student, reference, setup.scorer_tls)
 
 
-def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> dict:
+def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh, device_bytes: int | None = None) -> dict:
   """MicroBatcher settings for packed rows: the row length, and the tokens (padding included) per call (a whole
   step, a quarter of one in `stream` so training overlaps generation; within the activation memory budget). A
   trainer of several batch shards calls with at least one row per shard, each shard holding its own rows'
-  activations."""
+  activations. `device_bytes`: each device's memory (default: what this process's first device states; a plan
+  gives its chip's)."""
   length = packed_length(config, shape)
   step_tokens = shape.samples_per_step * length
   spec = shape.spec
@@ -89,7 +90,9 @@ def packing(config: TrainerConfig, shape: RunShape, graphdef, params, mesh) -> d
   budget = config.activation_budget_mb << 20
   if not budget:
     local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]  # stats: own devices only
-    limit = (local[0].memory_stats() or {}).get("bytes_limit", 0) * mesh.devices.size
+    if device_bytes is None:
+      device_bytes = (local[0].memory_stats() or {}).get("bytes_limit", 0)
+    limit = int(device_bytes) * mesh.devices.size
     budget = auto_budget(model_config, length, config, platform, reference, limit)
   return dict(pack_length=length, chunk_tokens=chunk_tokens_for(model_config, length, wanted, budget, config,
                                                                 platform, reference))

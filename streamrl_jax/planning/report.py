@@ -1,0 +1,71 @@
+"""A plan in words (`plan_text`: what `streamrl plan` prints) and as one JSON object (`plan_json`: its `--json` line,
+the keys `fits`, `trainer_hbm_frac`, `sampler_hbm_frac`, `trainer_step_s`, `decode_step_s`, `samples_per_s`, `split`
+first)."""
+
+from __future__ import annotations
+
+from streamrl_jax.planning.plan import HEADROOM, Plan, advice
+from streamrl_jax.planning.sides import SidePlan
+
+GB = 1e9
+
+
+def plan_json(plan: Plan) -> dict:
+  chip = plan.chip
+  return dict(fits=plan.fits, trainer_hbm_frac=round(plan.trainer_hbm_frac, 4),
+              sampler_hbm_frac=round(plan.sampler_hbm_frac, 4), trainer_step_s=plan.trainer.step_s(chip),
+              decode_step_s=plan.sampler.step_s(chip), samples_per_s=round(plan.samples_per_s, 4), split=plan.split,
+              advice=None if plan.fits else advice(plan), topology=plan.topology.name, chip=_chip(plan),
+              model=dict(spec=plan.request.model, source=plan.model_source, architecture=plan.model.architecture,
+                         params=plan.model.param_count(), dtype=plan.model.dtype),
+              new_tokens_median=plan.new_tokens, efficiency=plan.request.efficiency, headroom=HEADROOM,
+              trainer=plan.trainer.as_dict(chip), sampler=plan.sampler.as_dict(chip), attention=plan.attention,
+              split_scores=plan.split_scores)
+
+
+def plan_text(plan: Plan) -> str:
+  chip, split = plan.chip, plan.split
+  lines = [f"plan: {plan.request.model} ({plan.model.architecture}, {plan.model.param_count() / 1e9:.2f}B parameters, "
+           f"config from {plan.model_source}) on {plan.topology.name}: {plan.topology.devices} x {chip.name} "
+           f"({chip.hbm_bytes / GB:.0f} GB, {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bytes_per_s / GB:.0f} GB/s)",
+           f"split: {split['sampler']} sampler chips ({split['instances']} engine instances of "
+           f"{plan.sampler.mesh.get('tensor', 1)}) + {split['trainer']} trainer chips ({split['chosen_by']})"]
+  lines += _side(plan.trainer, plan) + _side(plan.sampler, plan)
+  if plan.attention:
+    a = plan.attention
+    lines.append(f"trainer attention, one layer's gradient on a chip ({a['rows']} x {a['length']} tokens): "
+                 f"temporaries {a['kernel'] / GB:.2f} GB with the kernel, {a['xla'] / GB:.2f} GB with XLA's "
+                 f"({a['kernel_over_xla']:.3f})")
+  lines.append(f"simulator: {plan.samples_per_s:.2f} samples/s at this split (each side at "
+               f"{plan.request.efficiency:.0%} of its roofline; completions {plan.new_tokens:.0f} tokens at the median)")
+  lines.append("fits" if plan.fits else advice(plan))
+  return "\n".join(lines)
+
+
+def _side(side: SidePlan, plan: Plan) -> list[str]:
+  chip = plan.chip
+  head = (f"{side.role}: mesh {side.mesh}, peak {side.peak_bytes / GB:.2f} GB a chip = {side.hbm_frac(chip):.1%} of "
+          f"{chip.hbm_bytes / GB:.0f} GB (held: "
+          + ", ".join(f"{k} {v / GB:.2f}" for k, v in side.held.items()) + ")")
+  out = [head]
+  for program in side.programs:
+    collectives = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in program.collective_bytes.items()) or "none"
+    out.append(f"  {program.name}: arguments {program.argument_bytes / GB:.2f} GB, outputs "
+               f"{(program.output_bytes - program.alias_bytes) / GB:.2f} GB (beyond donated), temporaries "
+               f"{program.temp_bytes / GB:.2f} GB, code {program.code_bytes / GB:.3f} GB; XLA counts "
+               f"{program.xla_flops / 1e12:.2f} TFLOP, {program.xla_bytes / GB:.1f} GB; collectives {collectives}; "
+               f"compiled in {program.compile_s:.0f} s")
+  terms = side.step.terms(chip)
+  what = ("RL step" if side.role == "trainer" else "decode step")
+  extra = (f" ({side.notes['calls_per_step']} calls of {side.notes['call_rows']} x {side.notes['call_length']} "
+           f"tokens + the optimizer step)" if side.role == "trainer" else
+           f" ({side.notes['slots']} rows at a mean context of {side.notes['context']:.0f})")
+  out.append(f"  {what}{extra}: roofline {side.step_s(chip):.4g} s, {side.step.bound(chip)}-bound (compute "
+             f"{terms['compute']:.4g} s, memory {terms['memory']:.4g} s, interconnect {terms['ici']:.4g} s)")
+  return out
+
+
+def _chip(plan: Plan) -> dict:
+  chip = plan.chip
+  return dict(name=chip.name, platform=chip.platform, hbm_bytes=chip.hbm_bytes, peak_flops=chip.peak_flops,
+              hbm_bytes_per_s=chip.hbm_bytes_per_s, ici_bytes_per_s=chip.ici_bytes_per_s)
