@@ -277,14 +277,16 @@ def test_the_example_algorithm_is_a_few_functions_and_a_graph_under_60_lines():
   np.testing.assert_allclose(out["advantages"], [-1.0, 2 / 3, 2 / 3, -1 / 3, 0.0, 0.0, 0.0, 0.0], rtol=1e-6, atol=1e-7)
 
 
-def test_a_trainer_of_several_processes_runs_per_sample_graphs_and_refuses_token_reading_stages(monkeypatch):
+def test_a_trainer_of_several_processes_runs_every_graph_on_its_mesh_and_refuses_other_pools(monkeypatch):
   from pathlib import Path
   from streamrl_jax.pipeline.trainer import program
   monkeypatch.setattr(program.jax, "process_count", lambda: 2)
   example = Path(__file__).resolve().parent.parent / "examples" / "own_algorithm" / "own_algorithm.py"
   program._check(PipelineConfig(workflow=WorkflowConfig(graph=f"{example}:GRAPH")))
   program._check(PipelineConfig(workflow=WorkflowConfig(graph="rloo")))
-  with pytest.raises(ValueError, match="stage 'teacher' reads a sample's tokens"):
-    program._check(PipelineConfig(workflow=WorkflowConfig(graph="distill", teacher="t")))
+  program._check(PipelineConfig(workflow=WorkflowConfig(graph="distill", teacher="t")))  # tests/test_stage_processes
   with pytest.raises(ValueError, match="WorkflowConfig.pools: a pool of the run's own .* 2 processes"):
     program._check(PipelineConfig(workflow=WorkflowConfig(graph="judge", judge="j", pools=("j=1",), bind=("judge=j",))))
+  with pytest.raises(ValueError, match="a scorer program serves a trainer of one process"):
+    program._check(PipelineConfig(workflow=WorkflowConfig(graph="judge", judge="j", pools=("j=127.0.0.1:5",),
+                                                          bind=("judge=j",))))

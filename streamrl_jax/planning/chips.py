@@ -1,9 +1,13 @@
 """The chips a plan is made for: public figures of each TPU generation, this machine's CPU measured, and topology
 names (`v5p:4x4x2`, `v6e:16x16`, `cpu:8`) parsed into the devices their programs compile for.
 
-TPU figures (Cloud TPU system architecture pages): bf16 peak per chip, HBM per chip, HBM bandwidth, bidirectional
-inter-chip interconnect bandwidth per chip (v4's is not stated there: its collectives get no time), and the chips a
-host of a multi-host slice holds (a sampler program is one process, so at most one host's chips)."""
+TPU figures (Cloud TPU system architecture pages): bf16 peak per chip, HBM bandwidth, bidirectional inter-chip
+interconnect bandwidth per chip (v4's is not stated there: its collectives get no time), and the chips a host of a
+multi-host slice holds (a sampler program is one process, so at most one host's chips). A device's memory is what
+TPU's compiler itself says it may use (its "available HBM" when a program does not fit: 15.75 GiB of a v5e's 16 GB,
+95.74 GiB on a v5p, 31.25 GiB of a v6e's 32 GB). libtpu describes a v4 slice by its TensorCores, two a chip: a v4
+device is half a chip (15.25 GiB, half its peak and bandwidth).
+"""
 
 from __future__ import annotations
 
@@ -26,19 +30,21 @@ class Chip:
 
   name: str  # "TPU v5p", or this machine's CPU model
   platform: str  # "tpu" or "cpu": the backend its programs are traced for
-  hbm_bytes: float  # memory per device
+  hbm_bytes: float  # memory per device (a TPU's: what its compiler lets a program use)
   peak_flops: float  # peak FLOP/s in the compute dtype (bfloat16 on a TPU; measured on a CPU)
   hbm_bytes_per_s: float  # memory bandwidth per device
   ici_bytes_per_s: float  # bidirectional interconnect per device; 0: unknown (collectives get no time)
   chips_per_host: int  # devices one process holds (a sampler program's most)
 
 
+GIB = 2 ** 30
 TPUS = {
-    "v4": Chip("TPU v4", "tpu", 32 * 2**30, 275e12, 1200 * GB, 0.0, 4),
-    "v5e": Chip("TPU v5 lite", "tpu", 16 * GB, 197e12, 819 * GB, 400 * GB, 4),
-    "v5p": Chip("TPU v5p", "tpu", 95 * GB, 459e12, 2765 * GB, 1200 * GB, 4),
-    "v6e": Chip("TPU v6e", "tpu", 32 * GB, 918e12, 1638 * GB, 800 * GB, 4),
+    "v4": Chip("TPU v4", "tpu", 15.25 * GIB, 275e12 / 2, 1200 * GB / 2, 0.0, 8),
+    "v5e": Chip("TPU v5 lite", "tpu", 15.75 * GIB, 197e12, 819 * GB, 400 * GB, 4),
+    "v5p": Chip("TPU v5p", "tpu", 95.74 * GIB, 459e12, 2765 * GB, 1200 * GB, 4),
+    "v6e": Chip("TPU v6e", "tpu", 31.25 * GIB, 918e12, 1638 * GB, 800 * GB, 4),
 }
+DEVICES_PER_CHIP = {"v4": 2}  # libtpu's devices a chip of the topology name
 NAME = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$|^cpu:(\d+)$")
 
 
@@ -79,7 +85,7 @@ def parse_topology(name: str) -> Topology:
     devices = int(match.group(3))
     return Topology(name, host_chip(devices), devices)
   grid = [int(n) for n in match.group(2).split("x")]
-  return Topology(name, TPUS[match.group(1)], math.prod(grid))
+  return Topology(name, TPUS[match.group(1)], math.prod(grid) * DEVICES_PER_CHIP.get(match.group(1), 1))
 
 
 @functools.cache

@@ -28,6 +28,9 @@ class ProgramCost:
   xla_bytes: float
   collective_bytes: dict  # kind -> bytes of the results of its collectives, each op once
   compile_s: float
+  kernels: int = 0  # Pallas kernel calls in the optimized HLO (`tpu_custom_call`; on a CPU, interpret mode has none)
+  refused: str = ""  # the compiler's refusal when the program does not fit its device (the figures are then its own:
+  # the temporaries it needed)
 
   @property
   def peak_bytes(self) -> int:
@@ -43,17 +46,32 @@ class ProgramCost:
     return {**dataclasses.asdict(self), "peak_bytes": self.peak_bytes}
 
 
+_NEEDED = re.compile(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)")
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def program_cost(name: str, lowered) -> ProgramCost:
-  """Compiles `lowered` (a `jax.stages.Lowered`) and reads its figures."""
+  """Compiles `lowered` (a `jax.stages.Lowered`) and reads its figures. A program TPU's compiler refuses for want of
+  memory gives the temporaries it said it needed (and no other figure)."""
   start = time.perf_counter()
-  compiled = lowered.compile()
+  try:
+    compiled = lowered.compile()
+  except Exception as err:  # noqa: BLE001 - jax's JaxRuntimeError: read what the compiler says of memory, else raise
+    needed = _NEEDED.search(str(err))
+    if not needed:
+      raise
+    temp = int(float(needed.group(1)) * _UNITS[needed.group(2)])
+    return ProgramCost(name, 0, 0, 0, temp, 0, 0.0, 0.0, {}, time.perf_counter() - start,
+                       refused=str(err).strip().splitlines()[0][:300])
   seconds = time.perf_counter() - start
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, list) else cost) or {}
+  hlo = compiled.as_text()
   return ProgramCost(name, memory.argument_size_in_bytes, memory.output_size_in_bytes, memory.alias_size_in_bytes,
                      memory.temp_size_in_bytes, memory.generated_code_size_in_bytes, float(cost.get("flops", 0.0)),
-                     float(cost.get("bytes accessed", 0.0)), collective_bytes(compiled.as_text()), seconds)
+                     float(cost.get("bytes accessed", 0.0)), collective_bytes(hlo), seconds,
+                     hlo.count('custom_call_target="tpu_custom_call"'))
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:

@@ -17,7 +17,7 @@ from streamrl_jax.planning.chips import Chip, Topology, parse_topology
 from streamrl_jax.planning.estimates import fits_estimate, profile_at
 from streamrl_jax.planning.sampler_plan import plan_sampler
 from streamrl_jax.planning.sides import SidePlan
-from streamrl_jax.planning.split import choose_split, samples_per_s
+from streamrl_jax.planning.split import choose_split, samples_per_s, shardable
 from streamrl_jax.planning.trainer_plan import plan_trainer
 
 HEADROOM = 0.9  # a side fits when its peak is at most this share of the chip's memory (the runtime's and the
@@ -129,7 +129,13 @@ def advice(plan: Plan) -> str:
     state = held["weights"] + held["optimizer"] + held["gradient"] + held["frozen"]
     room = HEADROOM * chip.hbm_bytes - (trainer.peak_bytes - state)
     needed = math.ceil(plan.split["trainer"] * state / room) if room > 0 else 0
+    tensor = trainer.mesh.get("tensor", 1)
+    while needed and not shardable(plan.model, needed, tensor):  # a count whose FSDP axis splits the weights
+      needed += 1
     options = []
+    if not shardable(plan.model, plan.split["trainer"], tensor):
+      options.append(f"trainer chips whose FSDP axis divides the hidden size {plan.model.hidden_size} (the "
+                     f"{plan.split['trainer']} asked for shard no weight)")
     if needed >= plan.topology.devices:
       options.append(f"{needed} or more trainer chips: a larger topology")
     elif needed:
@@ -141,7 +147,11 @@ def advice(plan: Plan) -> str:
     if not trainer.notes["lora"]:
       options.append("LoRA (LoraConfig.rank=16)")
     shards = trainer.mesh.get("fsdp", 1) * trainer.mesh.get("data", 1)
-    if trainer.notes["call_rows"] > shards:
+    one_row = trainer.notes.get("one_row")
+    if one_row and not one_row["refused"] and one_row["peak_bytes"] <= HEADROOM * chip.hbm_bytes:
+      options.insert(0, f"a call of one row a chip (TrainerConfig.chunk_tokens={one_row['chunk_tokens']}: compiled, "
+                        f"{one_row['peak_bytes'] / 1e9:.1f} GB)")
+    elif trainer.notes["call_rows"] > shards:
       options.append(f"a smaller call (TrainerConfig.chunk_tokens={trainer.notes['call_length'] * shards})")
     out.append(f"the trainer needs {trainer.peak_bytes / 1e9:.1f} GB a chip of {chip.hbm_bytes / 1e9:.0f}: "
                + ", or ".join(options))

@@ -49,12 +49,16 @@ def _side(side: SidePlan, plan: Plan) -> list[str]:
           + ", ".join(f"{k} {v / GB:.2f}" for k, v in side.held.items()) + ")")
   out = [head]
   for program in side.programs:
+    if program.refused:
+      out.append(f"  {program.name}: REFUSED by the compiler, it needs {program.temp_bytes / GB:.1f} GB of temporaries "
+                 f"({program.refused})")
+      continue
     collectives = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in program.collective_bytes.items()) or "none"
     out.append(f"  {program.name}: arguments {program.argument_bytes / GB:.2f} GB, outputs "
                f"{(program.output_bytes - program.alias_bytes) / GB:.2f} GB (beyond donated), temporaries "
                f"{program.temp_bytes / GB:.2f} GB, code {program.code_bytes / GB:.3f} GB; XLA counts "
                f"{program.xla_flops / 1e12:.2f} TFLOP, {program.xla_bytes / GB:.1f} GB; collectives {collectives}; "
-               f"compiled in {program.compile_s:.0f} s")
+               f"{program.kernels} Pallas kernel calls; compiled in {program.compile_s:.0f} s")
   terms = side.step.terms(chip)
   what = ("RL step" if side.role == "trainer" else "decode step")
   extra = (f" ({side.notes['calls_per_step']} calls of {side.notes['call_rows']} x {side.notes['call_length']} "

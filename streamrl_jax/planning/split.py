@@ -53,10 +53,17 @@ def sim_config(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int, sam
                                (model.param_count()), mfu=profile.efficiency, optimizer_step_s=profile.optimizer_s))
 
 
-def candidates(setup: PlanSetup, total: int) -> list[int]:
-  """Sampler chip counts to try: whole engine instances, leaving the trainer a multiple of its tensor size."""
-  unit, trainer_unit = setup.mesh.sampler_tensor_parallel, setup.mesh.trainer_tensor_parallel
-  return [s for s in range(unit, total, unit) if (total - s) % trainer_unit == 0]
+def shardable(model: ModelConfig, trainer: int, tensor: int) -> bool:
+  """Whether `trainer` chips of `tensor` on the tensor axis split the weights: the FSDP axis (the rest) must divide the
+  hidden size, which the logical rules shard over it (an axis that does not divide is dropped: every weight whole on
+  every chip)."""
+  return trainer % tensor == 0 and model.hidden_size % (trainer // tensor) == 0
+
+
+def candidates(setup: PlanSetup, model: ModelConfig, total: int) -> list[int]:
+  """Sampler chip counts to try: whole engine instances, leaving the trainer chips that shard its weights."""
+  unit, tensor = setup.mesh.sampler_tensor_parallel, setup.mesh.trainer_tensor_parallel
+  return [s for s in range(unit, total, unit) if shardable(model, total - s, tensor)]
 
 
 def choose_split(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int,
@@ -65,7 +72,7 @@ def choose_split(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int,
   """(sampler chips, samples/s, every candidate's samples/s) of the best split that fits; `profile_at(sampler,
   trainer)` is the plan's profile at a split, `fits(sampler, trainer)` its memory estimate."""
   scores = {}
-  for sampler in candidates(setup, total):
+  for sampler in candidates(setup, model, total):
     if fits(sampler, total - sampler):
       sim = sim_config(setup, model, chip, total, sampler, profile_at(sampler, total - sampler), new_tokens)
       scores[sampler] = simulate(sim)["samples_per_s"]

@@ -46,9 +46,16 @@ def plan_trainer(setup: PlanSetup, model: ModelConfig, devices: list, chip: Chip
                                   mesh, resume=False)
   state = trainer.abstract_state(shapes(trained))
   rows, width, packed = _call_shape(setup, trainer, graphdef, shapes(abstract), mesh, chip)
-  programs = {"accumulate": program_cost("trainer.accumulate",
-                                         trainer.lowered_accumulate(state, trainer.call_shapes(rows, width, packed))),
-              "apply": program_cost("trainer.apply", trainer.lowered_apply(state))}
+  call = lambda n: program_cost("trainer.accumulate", trainer.lowered_accumulate(  # noqa: E731
+      state, trainer.call_shapes(n, width, packed)))
+  programs = {"accumulate": call(rows), "apply": program_cost("trainer.apply", trainer.lowered_apply(state))}
+  smallest = trainer.packed_row_quantum if packed else trainer.min_rows
+  if programs["accumulate"].refused and rows > smallest:  # what a call of one row a batch shard would need
+    smaller = call(smallest)
+    one_row = dict(rows=smallest, chunk_tokens=smallest * width, peak_bytes=smaller.peak_bytes,
+                   refused=smaller.refused)
+  else:
+    one_row = None
   held = {"weights": device_bytes(state.params), "optimizer": device_bytes(state.opt_state),
           "gradient": device_bytes(state.grad_sum), "frozen": device_bytes(trainer.frozen),
           # the version published to the samplers: an on-device copy in their precision, while it is sent
@@ -63,7 +70,7 @@ def plan_trainer(setup: PlanSetup, model: ModelConfig, devices: list, chip: Chip
   step = trainer_call(model, rows * width, len(devices), shape) * calls + optimizer_step(model, len(devices), adapters)
   notes = dict(call_rows=rows, call_length=width, packed=packed, batch_shards=trainer.packed_row_quantum, calls_per_step=calls, rows_per_step=step_rows,
                remat=setup.trainer.remat, attention=setup.trainer.attention, reference=trainer.has_reference,
-               lora=lora, call=trainer_call(model, rows * width, len(devices), shape).seconds(chip),
+               lora=lora, call=trainer_call(model, rows * width, len(devices), shape).seconds(chip), one_row=one_row,
                apply=optimizer_step(model, len(devices), adapters).seconds(chip))
   return SidePlan("trainer", dict(mesh.shape), tuple(programs.values()), held,
                   peaks_of(programs, held, arguments), step, notes)

@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from streamrl_jax import launch
 from streamrl_jax.models.sharding import logical_spec
 from streamrl_jax.training.logprobs import scored_columns
-from streamrl_jax.training.owned_rows import owned_layout, put_owned
+from streamrl_jax.training.owned_rows import owned_layout, owned_slots, put_owned
 
 BATCH_KEYS = {"policy": ("tokens", "valid", "loss_mask", "advantages", "logprobs"),
               "critic": ("tokens", "valid", "loss_mask", "returns", "old_values")}
@@ -79,22 +79,28 @@ def bucket(n: int, minimum: int) -> int:
   return size
 
 
-def placed_tokens(tokens, valid, mesh, min_shape: tuple[int, int], rules=None) -> dict:
-  """`padded_tokens` put on `mesh`, rows split over its batch axes (`rules`: the logical sharding rules, default
-  `DEFAULT_RULES`): what a model scoring token rows is called with."""
-  padded = padded_tokens(tokens, valid, *min_shape)
-  sharding = NamedSharding(mesh, logical_spec(("batch", None), padded["tokens"].shape, mesh, rules))
-  return launch.put(padded, sharding)
+def placed_rows(values: dict, owners, mesh, min_shape: tuple[int, int], rules=None) -> tuple[dict, np.ndarray]:
+  """(`values` [rows, length, ...] (its `valid` marking each row's tokens) padded to the power-of-two buckets of
+  `min_shape` and put on `mesh`, rows split over its batch axes; each row's row in the placed batch). With `owners`
+  [rows] (a trainer of several processes: each row's holder, its tokens zeros elsewhere), each row lies on its owner's
+  devices, built from the owner's copy alone (`owned_rows`), and a row without a valid token is left out (-1)."""
+  rows, length = np.shape(values["valid"])
+  sharding_for = lambda shape: NamedSharding(mesh, logical_spec(("batch", None), shape, mesh, rules))  # noqa: E731
+  if owners is not None:
+    out, shape, where = owned_slots(values, np.asarray(owners), bucket(length, min_shape[1]),
+                                    lambda n: bucket(n, min_shape[0]), sharding_for, jax.process_count())
+    return put_owned(out, sharding_for(shape)), where
+  shape = (bucket(rows, min_shape[0]), bucket(length, min_shape[1]))
+  padded = {k: pad_rows(np.asarray(v), shape[0] - rows, shape[1] - np.shape(v)[1]) for k, v in values.items()}
+  return launch.put(padded, sharding_for(shape)), np.arange(rows)
 
 
-def padded_tokens(tokens, valid, min_rows: int, min_length: int) -> dict:
-  """`tokens` and `valid` zero-padded to the power-of-two buckets of (`min_rows`, `min_length`) that hold them: what a
-  frozen model scores (few compiled shapes)."""
-  rows, length = np.shape(tokens)
-  shape = (bucket(rows, min_rows), bucket(length, min_length))
-  padded = {k: np.zeros(shape, np.asarray(v).dtype) for k, v in (("tokens", tokens), ("valid", valid))}
-  padded["tokens"][:rows, :length], padded["valid"][:rows, :length] = tokens, valid
-  return padded
+def read_rows(scores, where: np.ndarray) -> np.ndarray:
+  """A frozen model's scores of a placed batch (replicated on every device) back in the caller's row order: row i's
+  from row `where[i]`, zeros for a row left out."""
+  out = np.asarray(scores)
+  picked = out[np.maximum(where, 0)]
+  return np.where((where >= 0).reshape((-1,) + (1,) * (picked.ndim - 1)), picked, 0).astype(out.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

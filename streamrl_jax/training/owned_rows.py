@@ -38,6 +38,15 @@ def owned_layout(values: dict, owners: np.ndarray, length: int, rows_for: Callab
   global batch of (rows_for(n), length) rows, each on its owner's devices, n a power of two per process (so that calls
   take few shapes); returns (the global arrays, their shape). `rows_for(n)`: the bucketed row count of at least n
   rows."""
+  out, shape, _ = owned_slots(values, owners, length, rows_for, sharding_for, processes)
+  return out, shape
+
+
+def owned_slots(values: dict, owners: np.ndarray, length: int, rows_for: Callable[[int], int],
+                sharding_for: Callable[[tuple[int, int]], NamedSharding],
+                processes: int) -> tuple[dict, tuple, np.ndarray]:
+  """`owned_layout`, and where each row went: its row of the global batch, -1 for a row without a valid token (left
+  out): what a frozen model's scores of the global batch are read back by."""
   keep = np.asarray(values["valid"]).any(axis=1)
   counts = np.bincount(owners[keep], minlength=processes)
   most = max(int(counts.max(initial=0)), 1)
@@ -50,15 +59,17 @@ def owned_layout(values: dict, owners: np.ndarray, length: int, rows_for: Callab
       raise BatchNotSplit("the trainer's mesh gives no batch row to one process alone: a trainer of several "
                           "processes needs its batch axes (MeshConfig's data and fsdp) split across them")
     rows = rows_for(rows + 1)
+  where = np.full(len(owners), -1, np.int64)
+  for process, slot in enumerate(slots):
+    mine = np.flatnonzero(keep & (owners == process))
+    where[mine] = slot[:len(mine)]
   out = {}
   for key, value in values.items():
     value = np.asarray(value)
     placed = np.zeros((rows, length) + value.shape[2:], value.dtype)
-    for process, slot in enumerate(slots):
-      mine = np.flatnonzero(keep & (owners == process))
-      placed[slot[:len(mine)], :value.shape[1]] = value[mine]
+    placed[where[keep], :value.shape[1]] = value[keep]
     out[key] = placed
-  return out, (rows, length)
+  return out, (rows, length), where
 
 
 def put_owned(arrays: dict, sharding: NamedSharding) -> dict:

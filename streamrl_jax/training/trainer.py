@@ -28,7 +28,7 @@ from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
                                              zero_sums)
 from streamrl_jax.training.config import OptimizerConfig, TrainerConfig
-from streamrl_jax.training.host_batch import BATCH_KEYS, CallLayout, bucket, lossless_batch, placed_tokens
+from streamrl_jax.training.host_batch import BATCH_KEYS, CallLayout, bucket, lossless_batch, placed_rows, read_rows
 from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
@@ -159,7 +159,7 @@ class Trainer:
     self._adapter_shapes = None  # LoRA: the adapters' shapes (the reference zeroes them), known at init_state
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
     self.low_copy = LowCopy()  # the weights in the compute dtype, where a CPU computes in low precision (init_state)
-    self._reference = self.launcher.jit(self._reference_impl)
+    self._reference = self.launcher.jit(self._reference_impl, out_shardings=NamedSharding(mesh, PartitionSpec()))
     self.compiled_shapes: set[tuple[int, int]] = set()
     self.last_shape = (0, 0)  # the padded shape of the latest micro-batch
 
@@ -314,15 +314,16 @@ class Trainer:
                                       self.low_copy.of(state.params))
     return state.replace(grad_sum=grad_sum, sums=sums)
 
-  def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
+  def reference_logprobs(self, tokens: np.ndarray, valid: np.ndarray, owners: np.ndarray | None = None) -> np.ndarray:
     """log pi_ref of each token under the frozen reference policy ([rows, length], column 0 is 0): what
-    'KL in the reward' needs before advantages are computed."""
+    'KL in the reward' needs before advantages are computed. `owners` (a trainer of several processes): each row
+    scored on its owner's devices from its tokens there, the scores then on every process."""
     if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
-    rows, length = np.shape(tokens)
-    out = self._reference(self.frozen, placed_tokens(tokens, valid, self.mesh, (self.min_rows, self.min_length),
-                                                     self.rules))
-    return np.asarray(out)[:rows, :length]
+    length = np.shape(tokens)[1]
+    placed, where = placed_rows(dict(tokens=tokens, valid=valid), owners, self.mesh, (self.min_rows, self.min_length),
+                                self.rules)
+    return read_rows(self._reference(self.frozen, placed), where)[:, :length]
 
   def _reference_impl(self, frozen, batch):
     return self.loss.token_logprobs(self._reference_model(frozen), batch, replay=False)[0]

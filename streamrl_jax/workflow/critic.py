@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from streamrl_jax.models import ModelConfig, ValueModel
 from streamrl_jax.training import Buckets, Trainer, TrainerConfig
-from streamrl_jax.training.host_batch import placed_tokens
+from streamrl_jax.training.host_batch import placed_rows, read_rows
 
 CRITIC_METRICS = ("loss", "grad_norm", "clip_frac")  # of its update, in a step's row as critic/<name>
 
@@ -33,24 +34,29 @@ class Critic:
     self.trainer, self.chunk_rows = trainer, chunk_rows
     self.state = trainer.init_state(params, seed=seed)
     self._values = trainer.launcher.jit(lambda params, batch: nnx.merge(trainer.graphdef, params)(
-        batch["tokens"], batch["valid"]))
+        batch["tokens"], batch["valid"]), out_shardings=NamedSharding(trainer.mesh, PartitionSpec()))
 
-  def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """[rows, length] values under the current weights, column t the state's before token t (column 0 is 0)."""
+  def __call__(self, tokens: np.ndarray, valid: np.ndarray, owners: np.ndarray | None = None) -> np.ndarray:
+    """[rows, length] values under the current weights, column t the state's before token t (column 0 is 0);
+    `owners`: each row valued on its owner's devices (a trainer of several processes), the values on every process."""
     rows, length = np.shape(tokens)
     trainer = self.trainer
-    batch = placed_tokens(tokens, valid, trainer.mesh, (trainer.min_rows, trainer.min_length), trainer.rules)
-    out = np.asarray(self._values(self.state.params, batch))[:rows, :length]
+    batch, where = placed_rows(dict(tokens=tokens, valid=valid), owners, trainer.mesh,
+                               (trainer.min_rows, trainer.min_length), trainer.rules)
+    out = read_rows(self._values(self.state.params, batch), where)[:, :length]
     values = np.zeros((rows, length), np.float32)
     values[:, 1:] = out[:, :-1]
     return values
 
-  def accumulate(self, tokens, valid, loss_mask, values, returns) -> None:
+  def accumulate(self, tokens, valid, loss_mask, values, returns, owners: np.ndarray | None = None) -> None:
     """Adds the clipped value loss (`ValueLossConfig`: `TrainerConfig.value_loss`) of the loss tokens' `returns` to
-    the step's gradient, `values` the old values it clips around."""
+    the step's gradient, `values` the old values it clips around; `owners`: each row on its owner's devices (a
+    trainer of several processes, each its own rows' tokens)."""
     batch = dict(tokens=np.asarray(tokens), valid=np.asarray(valid, bool),
                  loss_mask=earlier(np.asarray(loss_mask, bool)), returns=earlier(np.asarray(returns, np.float32)),
                  old_values=earlier(np.asarray(values, np.float32)))
+    if owners is not None:
+      batch["owners"] = np.repeat(np.asarray(owners)[:, None], batch["tokens"].shape[1], axis=1)
     for start in range(0, len(batch["tokens"]), self.chunk_rows):
       part = {k: v[start:start + self.chunk_rows] for k, v in batch.items()}
       self.state = self.trainer.accumulate(self.state, part)

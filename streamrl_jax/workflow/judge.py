@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
 from streamrl_jax.models import load_hf
 from streamrl_jax.models.catalog import resolve_model
-from streamrl_jax.models.sharding import DEFAULT_RULES, logical_spec, state_shardings
-from streamrl_jax.training.host_batch import bucket
+from streamrl_jax.models.sharding import DEFAULT_RULES, state_shardings
+from streamrl_jax.training.host_batch import placed_rows, read_rows
 
 
 class Judge:
@@ -26,31 +26,30 @@ class Judge:
                min_shape: tuple[int, int] = (8, 16)):
     self.graphdef, self.mesh, self.question, self.answers, self.min_shape = graphdef, mesh, question, answers, min_shape
     self.params = launch.put(params, state_shardings(params, mesh, DEFAULT_RULES))
-    self._score = launch.launcher(mesh).jit(self._impl)
+    self._score = launch.launcher(mesh).jit(self._impl, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
-  def _impl(self, params, tokens, valid, last):
+  def _impl(self, params, batch):
     model = nnx.merge(self.graphdef, params)
-    hidden = model.hidden_states(tokens, valid)
+    hidden = model.hidden_states(batch["tokens"], batch["valid"])
+    last = jnp.maximum(jnp.sum(batch["valid"], axis=1, dtype=jnp.int32) - 1, 0)
     at = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
     logits = model.head_logits(at).astype(jnp.float32)
     pair = logits[:, jnp.asarray(self.answers)]
     return jax.nn.softmax(pair, axis=-1)[:, 0]
 
-  def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """[rows] the judge's p(yes) / (p(yes) + p(no)) for each sample: its valid tokens, then the question."""
+  def __call__(self, tokens: np.ndarray, valid: np.ndarray, owners: np.ndarray | None = None) -> np.ndarray:
+    """[rows] the judge's p(yes) / (p(yes) + p(no)) for each sample: its valid tokens, then the question; `owners`:
+    each row judged on its owner's devices (a trainer of several processes), the verdicts then on every process."""
     rows = len(tokens)
     lengths = np.asarray(valid).sum(axis=1)
-    width = bucket(int(lengths.max(initial=0)) + len(self.question), self.min_shape[1])
-    padded = np.zeros((bucket(rows, self.min_shape[0]), width), np.int32)
-    mask = np.zeros(padded.shape, bool)
+    width = int(lengths.max(initial=0)) + len(self.question)
+    asked = np.zeros((rows, width), np.int32)
+    mask = np.zeros(asked.shape, bool)
     for row in range(rows):
       sample = np.concatenate([np.asarray(tokens[row])[np.asarray(valid[row])], self.question])
-      padded[row, :len(sample)], mask[row, :len(sample)] = sample, True
-    last = np.maximum(mask.sum(axis=1) - 1, 0).astype(np.int32)
-    sharding = NamedSharding(self.mesh, logical_spec(("batch", None), padded.shape, self.mesh))
-    placed = launch.put(dict(tokens=padded, valid=mask, last=last[:, None]), sharding)
-    out = self._score(self.params, placed["tokens"], placed["valid"], placed["last"][:, 0])
-    return np.asarray(out)[:rows]
+      asked[row, :len(sample)], mask[row, :len(sample)] = sample, True
+    placed, where = placed_rows(dict(tokens=asked, valid=mask), owners, self.mesh, self.min_shape)
+    return read_rows(self._score(self.params, placed), where)
 
 
 def load_judge(spec: str, question: str, student, mesh) -> Judge:

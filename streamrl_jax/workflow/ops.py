@@ -3,7 +3,8 @@ function of arrays the flow calls (built-in by name, the user's by import path),
 
 A function stage is called as `fn(*inputs, **params)` with its inputs' arrays in order, and may also take any of
 the flow's keywords (`FLOW_KEYWORDS`: the run's advantage `estimator`, the policy loss's `objective`, the op's
-frozen `model`); it returns its output's array, or a tuple of them in the order of its outputs."""
+frozen `model`, and on a trainer of several processes `owners`: each sample's process, which alone holds its
+tokens); it returns its output's array, or a tuple of them in the order of its outputs."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from streamrl_jax.training import compute_advantages, kl_penalized_rewards
 from streamrl_jax.training.advantages import gae
 from streamrl_jax.workflow.graph import GraphError
 
-FLOW_KEYWORDS = ("estimator", "objective", "model")
+FLOW_KEYWORDS = ("estimator", "objective", "model", "owners")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +55,11 @@ def reverse_kl(logprobs, teacher_logprobs, loss_mask):
   return np.where(loss_mask, np.asarray(teacher_logprobs, np.float32) - np.asarray(logprobs, np.float32), 0.0)
 
 
-def model_scores(tokens, valid, *, model):
+def model_scores(tokens, valid, *, model, owners=None):
   """A model's scores of each sample: log p of each token ([rows, T]; column 0 is 0) for a reference or a teacher, a
-  judge's p(yes) / (p(yes) + p(no)) after the judge question ([rows]), a critic's values ([rows, T])."""
-  return model(tokens, valid)
+  judge's p(yes) / (p(yes) + p(no)) after the judge question ([rows]), a critic's values ([rows, T]); with `owners`,
+  each sample scored on its owner's devices, every process given every score."""
+  return model(tokens, valid) if owners is None else model(tokens, valid, owners)
 
 
 def token_gae(rewards, values, loss_mask, *, gamma: float = 1.0, lam: float = 1.0):
@@ -79,9 +81,9 @@ def token_gae(rewards, values, loss_mask, *, gamma: float = 1.0, lam: float = 1.
   return advantages, returns
 
 
-def critic_update(tokens, valid, loss_mask, values, returns, *, model):
+def critic_update(tokens, valid, loss_mask, values, returns, *, model, owners=None):
   """Adds the shard's value loss to the critic's step (`workflow.critic.Critic`); it writes no field."""
-  model.accumulate(tokens, valid, loss_mask, values, returns)
+  model.accumulate(tokens, valid, loss_mask, values, returns, owners)
 
 
 # what generate writes (`completion_lengths`: each sample's loss tokens, known on every process of a trainer)

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
 from streamrl_jax.models import load_hf
 from streamrl_jax.models.catalog import resolve_model
 from streamrl_jax.models.sharding import DEFAULT_RULES, state_shardings
 from streamrl_jax.training.call_loss import CallLoss
-from streamrl_jax.training.host_batch import placed_tokens
+from streamrl_jax.training.host_batch import placed_rows, read_rows
 
 
 class FrozenScorer:
@@ -23,15 +24,16 @@ class FrozenScorer:
     self.graphdef, self.mesh, self.loss, self.min_shape = graphdef, mesh, loss, min_shape
     self.launcher = launch.launcher(mesh)
     self.params = launch.put(params, state_shardings(params, mesh, DEFAULT_RULES))
-    self._score = self.launcher.jit(self._impl)
+    self._score = self.launcher.jit(self._impl, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
   def _impl(self, params, batch):
     return self.loss.token_logprobs(nnx.merge(self.graphdef, params), batch, replay=False)[0]
 
-  def __call__(self, tokens: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    """[rows, length] log-probabilities (column 0 is 0)."""
-    rows, length = np.shape(tokens)
-    return np.asarray(self._score(self.params, placed_tokens(tokens, valid, self.mesh, self.min_shape)))[:rows, :length]
+  def __call__(self, tokens: np.ndarray, valid: np.ndarray, owners: np.ndarray | None = None) -> np.ndarray:
+    """[rows, length] log-probabilities (column 0 is 0); `owners`: each row scored on its owner's devices (a trainer
+    of several processes), the scores then on every process."""
+    placed, where = placed_rows(dict(tokens=tokens, valid=valid), owners, self.mesh, self.min_shape)
+    return read_rows(self._score(self.params, placed), where)[:, :np.shape(tokens)[1]]
 
 
 def load_teacher(spec: str, vocab_size: int, compute_dtype: str, mesh, loss: CallLoss, width: int) -> FrozenScorer:

@@ -18,7 +18,6 @@ from jax.experimental import multihost_utils
 
 from streamrl_jax.distributed import gather_to_host, is_leader
 from streamrl_jax.meshes import local_mesh, role_mesh
-from streamrl_jax.workflow.graph import port
 from streamrl_jax.pipeline.config import PipelineConfig
 from streamrl_jax.pipeline.controller import Controller, JoinTerms
 from streamrl_jax.pipeline.events import describe_event
@@ -115,15 +114,12 @@ def _check(config: PipelineConfig) -> None:
   if config.arms.followers and jax.process_count() > 1:
     raise ValueError("--arms: follower arms run beside a trainer of one process; this trainer has "
                      f"{jax.process_count()}")
-  per_token = [s.name for s in config.workflow.order() if s.pool != "sampler" and s.op != "policy_update"
-               and any({"ids", "mask", "token"} & set(port(p, s.name)[1]) for p in s.inputs)]
   if config.workflow.own_pools() and jax.process_count() > 1:
     raise ValueError("WorkflowConfig.pools: a pool of the run's own is cut from one trainer process's spare devices; "
                      f"this trainer has {jax.process_count()} processes")
-  if per_token and jax.process_count() > 1:
-    raise ValueError(f"WorkflowConfig.graph={config.workflow.graph!r}: stage {per_token[0]!r} reads a sample's tokens, "
-                     f"and each process of a trainer of several holds only its own samples' tokens (the KL to the "
-                     f"reference: in the loss, ObjectiveConfig.kl_in_reward = False with the graph 'grpo')")
+  if config.workflow.remote_pools() and jax.process_count() > 1:
+    raise ValueError("WorkflowConfig.pools: a scorer program serves a trainer of one process; this trainer has "
+                     f"{jax.process_count()}: put the stage on the pool 'trainer'")
 
 
 def _teardown(config: PipelineConfig, controller: Controller, server, doors: SampleDoors) -> Callable[[], None]:

@@ -325,7 +325,7 @@ class TrainerWorker:
     with self.phase_clock.phase("forward_backward"):
       stale = step - shard.first_versions
       self._step_counts.stale_samples += int(np.sum(stale > self.spec.max_lag))
-      fields = self.flow.run(shard_fields(shard))  # the stages of the trainer's pools: the shard's advantages
+      fields = self.flow.run(shard_fields(shard, owned=jax.process_count() > 1))  # the stages: its advantages
       self._step_counts.add_stages(self.flow.sums(fields))
       batch = shard.train_batch(fields["advantages"], owned=jax.process_count() > 1, step=step)
       self.state = self.batcher.add(self.state, batch)

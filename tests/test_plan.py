@@ -1,0 +1,162 @@
+"""`streamrl plan`: topologies by name, collectives read off HLO, the roofline's counts by hand, a model's shapes without
+weights (shipped ones when the Hub is out of reach), the advice of a plan that does not fit, and whole plans compiled
+for a TPU v5e slice by TPU's own compiler (libtpu, no TPU here) and for this CPU's devices."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from streamrl_jax.models import ModelConfig
+from streamrl_jax.planning.chips import TPUS, parse_topology
+from streamrl_jax.planning.compiled import ProgramCost, collective_bytes
+from streamrl_jax.planning.model_shapes import config_file, model_shapes, shipped
+from streamrl_jax.planning.roofline import Work, decode_step, kv_bytes_per_token, optimizer_step
+from streamrl_jax.planning.sides import SidePlan
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = {"architectures": ["Qwen3ForCausalLM"], "vocab_size": 1024, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 128,
+        "rope_theta": 1000000, "tie_word_embeddings": True}
+TINY_RUN = ("PipelineConfig.prompts_per_step=2", "PipelineConfig.group_size=4", "PipelineConfig.max_new_tokens=192",
+            "EngineConfig.max_prompt_length=64", "EngineConfig.num_slots=8", "EngineConfig.kv_layout='paged'",
+            "EngineConfig.page_size=16", "TrainerConfig.remat='layer'")
+
+
+def test_topologies_by_name():
+  v5p = parse_topology("v5p:4x4x2")
+  assert (v5p.devices, v5p.chip) == (32, TPUS["v5p"])
+  assert parse_topology("v6e:16x16").devices == 256 and parse_topology("v5e:4x4").chip.hbm_bytes == 15.75 * 2**30
+  assert parse_topology("v4:2x2x2").devices == 16  # libtpu describes v4 by its TensorCores: two a chip
+  for bad in ("v5p", "v7x:2x2", "v5p:4x", "tpu:8"):
+    with pytest.raises(ValueError, match="--topology"):
+      parse_topology(bad)
+  assert len(parse_topology("v5e:2x2").device_list()) == 4  # libtpu's description: no TPU needed
+
+
+def test_collectives_are_read_off_the_hlo():
+  hlo = "\n".join([
+      "%ag = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%x), dimensions={0}",
+      "%agd = bf16[16,8]{1,0} all-gather-done(%ag)",
+      "%ar = f32[128]{0} all-reduce(%y), to_apply=%add",
+      "%rs = (f32[2,64]{1,0}, f32[4]{0}) reduce-scatter(%a, %b), dimensions={0}",
+      "%fusion = f32[128]{0} fusion(%ar), kind=kLoop, calls=%fused_all-reduce_like",
+      "%cp = s32[3]{0} collective-permute-start(%z), source_target_pairs={{0,1}}"])
+  assert collective_bytes(hlo) == {"all-gather": 16 * 8 * 2, "all-reduce": 512, "reduce-scatter": 2 * 64 * 4 + 16,
+                                   "collective-permute": 12}
+
+
+def test_the_roofline_counts_by_hand():
+  config = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16, layer_types=("sliding", "full"), sliding_window=8)
+  # a token's keys and values: 2 layers x (k + v) x 2 heads x 16 dims x 2 bytes, the sliding layer over 8 at most
+  assert kv_bytes_per_token(config, 20, 2) == 2 * 2 * 16 * 2 * (8 + 20)
+  step = decode_step(config, rows=4, context=20, devices=2, weight_bytes=2, cache_bytes=2)
+  assert step.flops == 4 * config.flops_per_token(20) / 2
+  assert step.hbm_bytes == (config.param_count() * 2 + 4 * kv_bytes_per_token(config, 20, 2)) / 2
+  assert step.ici_bytes == 2 * 2 * 2 * 4 * 64 * 2 * (1 / 2)  # two all-reduces a layer of the rows' hidden states
+  assert optimizer_step(config, 4).hbm_bytes == 28 * config.param_count() / 4
+  chip = TPUS["v5e"]
+  work = Work(flops=197e12, hbm_bytes=819e9 * 2, ici_bytes=0.0)  # 1 s of compute, 2 of memory
+  assert work.seconds(chip) == pytest.approx(2.0) and work.bound(chip) == "memory"
+
+
+def test_a_models_shapes_without_weights(tmp_path, monkeypatch):
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+  (tmp_path / "config.json").write_text(json.dumps(TINY))
+  assert config_file(str(tmp_path / "config.json"))[1] == "file" and config_file(str(tmp_path))[1] == "directory"
+  config, source = model_shapes("Qwen/Qwen3-8B", "bfloat16")  # not cached, offline: the shipped shapes
+  assert source == "shipped" and config.num_layers == 36 and config.dtype == "bfloat16"
+  assert round(config.param_count() / 1e9, 2) == 8.19
+  assert {"Qwen/Qwen3-8B", "Qwen/Qwen3-30B-A3B", "meta-llama/Llama-3.1-8B"} <= set(shipped())
+  with pytest.raises(OSError, match="shapes shipped for"):
+    model_shapes("someone/unknown-model", "bfloat16")
+
+
+def _side(role, peak, held, notes, mesh):
+  program = ProgramCost(f"{role}.x", peak, 0, 0, 0, 0, 0.0, 0.0, {}, 0.0)
+  return SidePlan(role, mesh, (program,), held, {"x": peak}, Work(1.0, 1.0), notes)
+
+
+def test_a_plan_that_does_not_fit_names_what_would():
+  from streamrl_jax.planning.plan import Plan, PlanRequest, advice
+  gb = 1e9
+  topology = parse_topology("v5e:4x4")
+  trainer = _side("trainer", 30 * gb, {"weights": 6 * gb, "optimizer": 12 * gb, "gradient": 6 * gb, "frozen": 0,
+                                       "published": 0}, {"remat": "none", "lora": False, "call_rows": 16,
+                                                         "call_length": 4096}, {"data": 1, "fsdp": 8, "tensor": 1})
+  sampler = _side("sampler", 20 * gb, {"weights": 16 * gb, "decode_state": 4 * gb}, {"slots": 64},
+                  {"data": 1, "fsdp": 1, "tensor": 1})
+  plan = Plan(PlanRequest("m", "v5e:4x4"), topology, ModelConfig(64, 64, 64, 1, 1, 1), "file",
+              dict(sampler=8, trainer=8, instances=8, chosen_by="asked"), trainer, sampler, {}, 1.0, {}, 1.0)
+  assert not plan.fits and plan.trainer_hbm_frac == pytest.approx(30e9 / (15.75 * 2**30))
+  said = advice(plan)
+  assert said.startswith("does not fit: the trainer needs 30.0 GB a chip of 17: ")
+  for option in ("TrainerConfig.remat='layer'", "LoRA (LoraConfig.rank=16)", "TrainerConfig.chunk_tokens=32768",
+                 "MeshConfig.sampler_tensor_parallel=2", "EngineConfig.num_slots=32"):
+    assert option in said, option
+  # 24 GB of state over 8 chips leaves 6 GB of the rest: (0.9 x 15.75 GiB - 6 GB) a chip holds 24 x 8 / 9.2 -> 21,
+  # and the first count from there whose FSDP axis divides the hidden size (64) is 32
+  assert "32 or more trainer chips: a larger topology" in said
+
+
+def _plan_cli(tmp_path, topology, *extra):
+  (tmp_path / "config.json").write_text(json.dumps(TINY))
+  sets = [arg for s in TINY_RUN for arg in ("--set", s)]
+  return subprocess.run([sys.executable, "-m", "streamrl_jax.cli", "plan", "--model", str(tmp_path / "config.json"),
+                         "--topology", topology, "--json", *sets, *extra], capture_output=True, text=True, timeout=900,
+                        cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_a_plan_compiled_for_a_tpu_slice_with_its_kernels(tmp_path):
+  """The tiny Qwen3 planned for v5e:2x2: TPU's compiler builds the trainer's call (splash attention), its optimizer
+  step, and the engine's prefill and decode (paged attention); the JSON's keys; the trainer's attention temporaries
+  with the kernel against XLA's."""
+  done = _plan_cli(tmp_path, "v5e:2x2")
+  assert done.returncode == 0, done.stderr[-3000:]
+  plan = json.loads(done.stdout.strip().splitlines()[-1])
+  assert plan["fits"] is True and plan["chip"]["name"] == "TPU v5 lite"
+  assert plan["split"]["sampler"] + plan["split"]["trainer"] == 4 and plan["split"]["chosen_by"].startswith("the sim")
+  for key in ("trainer_hbm_frac", "sampler_hbm_frac", "trainer_step_s", "decode_step_s", "samples_per_s"):
+    assert isinstance(plan[key], float) and plan[key] > 0, key
+  programs = {p["name"]: p for side in ("trainer", "sampler") for p in plan[side]["programs"]}
+  assert set(programs) == {"trainer.accumulate", "trainer.apply", "sampler.prefill", "sampler.decode"}
+  assert programs["trainer.accumulate"]["kernels"] > 0 and programs["sampler.decode"]["kernels"] > 0
+  assert programs["trainer.apply"]["kernels"] == 0
+  trainer = plan["trainer"]
+  assert trainer["peak_bytes"] >= sum(trainer["held"].values())  # the state is there while the call runs
+  assert trainer["peak_bytes"] == pytest.approx(plan["trainer_hbm_frac"] * 15.75 * 2**30, rel=1e-3)
+  assert trainer["notes"]["calls_per_step"] == math.ceil(trainer["notes"]["rows_per_step"] / trainer["notes"]
+                                                         ["call_rows"])
+  assert 0 < plan["attention"]["kernel"] < plan["attention"]["xla"]
+  assert plan["split_scores"][str(plan["split"]["sampler"])] == max(plan["split_scores"].values())
+  assert "fits" in done.stdout.splitlines()[-2]
+
+
+def test_every_shipped_plan_config_builds_a_run():
+  from streamrl_jax import gin_config
+  from streamrl_jax.pipeline.parts import plan_setup
+  files = sorted((ROOT / "launchers" / "plans").glob("*.gin"))
+  assert files
+  for path in files:
+    gin_config.parse(gin_config.run_files([str(path)]), [])
+    config, job = gin_config.build_run()
+    assert job.model in shipped(), f"{path.name}: {job.model} has no shipped shapes"
+    setup = plan_setup(config.resolved("bfloat16"))
+    assert setup.engine.kv_layout == "paged" and setup.precision.precision == "bfloat16"
+    assert "streamrl plan --config launchers/plans/" + path.name in path.read_text()
+
+
+def test_the_plan_request_is_checked():
+  from streamrl_jax.planning.plan import PlanRequest
+  with pytest.raises(ValueError, match="--efficiency"):
+    PlanRequest("m", "v5e:2x2", efficiency=0)
+  assert dataclasses.replace(PlanRequest("m", "v5e:2x2"), sampler_chips=2).sampler_chips == 2
