@@ -12,6 +12,8 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + xla_flags(dev
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# TPU's compiler (tests/test_plan.py) in several test processes at once: libtpu's lock file is for a host's chips
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # compute_dtype='auto' computes in float32 here without timing this machine (models/dtype_probe.py; its own tests
 # measure): the suite's numbers do not depend on which CPU it lands on
 os.environ.setdefault("STREAMRL_PROBE_DTYPE", "float32")

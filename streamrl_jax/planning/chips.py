@@ -67,6 +67,9 @@ class Topology:
       return found[:self.devices]
     from jax.experimental import topologies
 
+    # libtpu takes a lock file for the chips of this host; a plan uses its compiler alone (another plan, a test, or a
+    # run holding this host's TPU may have it)
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
       description = topologies.get_topology_desc(topology_name=self.name, platform="tpu")
     except Exception as err:  # noqa: BLE001 - libtpu missing, or a shape it does not know
