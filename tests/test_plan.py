@@ -40,6 +40,21 @@ def test_topologies_by_name():
   assert len(parse_topology("v5e:2x2").device_list()) == 4  # libtpu's description: no TPU needed
 
 
+def test_each_side_of_a_split_compiles_on_its_devices():
+  """A sampler on a slice's first chips and a trainer on the rest each compile a collective: TPU's compiler refuses
+  one whose devices include device 0 and an id past their count (libtpu's order on v6e:4x4 starts 0, 1, 4, 5)."""
+  import jax
+  import numpy as np
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+  devices = parse_topology("v6e:4x4").device_list()
+  for side in (devices[:4], devices[4:8], devices[8:]):
+    mesh = Mesh(np.array(side), ("x",))
+    total = jax.jit(lambda a: a.sum(0), in_shardings=NamedSharding(mesh, PartitionSpec("x")),
+                    out_shardings=NamedSharding(mesh, PartitionSpec()))
+    total.trace(jax.ShapeDtypeStruct((len(side) * 8, 128), np.float32)).lower().compile()
+
+
 def test_collectives_are_read_off_the_hlo():
   hlo = "\n".join([
       "%ag = (bf16[4,8]{1,0}, bf16[16,8]{1,0}) all-gather-start(%x), dimensions={0}",
@@ -98,7 +113,7 @@ def test_a_plan_that_does_not_fit_names_what_would():
               dict(sampler=8, trainer=8, instances=8, chosen_by="asked"), trainer, sampler, {}, 1.0, {}, 1.0)
   assert not plan.fits and plan.trainer_hbm_frac == pytest.approx(30e9 / (15.75 * 2**30))
   said = advice(plan)
-  assert said.startswith("does not fit: the trainer needs 30.0 GB a chip of 17: ")
+  assert said.startswith(f"does not fit: the trainer needs {30e9 / 2**30:.1f} GiB a chip of 15.75: ")
   for option in ("TrainerConfig.remat='layer'", "LoRA (LoraConfig.rank=16)", "TrainerConfig.chunk_tokens=32768",
                  "MeshConfig.sampler_tensor_parallel=2", "EngineConfig.num_slots=32"):
     assert option in said, option

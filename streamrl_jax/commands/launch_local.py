@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from streamrl_jax.settings import renamed
+
 _log = logging.getLogger(__name__)
 STOP_SAVE_MARGIN_S = 60.0  # a stopping trainer's checkpoint and teardown, beyond its stop grace
 FAILURE_STOP_S = 60.0  # after a child failed: how long the trainer may take to stop
@@ -379,7 +381,7 @@ def trainer_stop_wait_s(workdir: Path) -> float:
   WORKDIR/settings.json; none yet: it is not in a step, it stops at once) and STOP_SAVE_MARGIN_S for its
   checkpoint and teardown."""
   try:
-    settings = json.loads((workdir / "settings.json").read_text())
+    settings = renamed(json.loads((workdir / "settings.json").read_text()))  # a workdir written before the key moved
     grace = float(settings.get("WaitConfig.stop_grace_s", "0"))
   except (OSError, ValueError):
     grace = 0.0

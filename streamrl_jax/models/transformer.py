@@ -86,9 +86,12 @@ def _run_layer(layer, x, positions, mask, kv_cache, routing):
   return layer(x, positions, mask, kv_cache, routing)
 
 
-# ModelConfig.remat -> how a layer runs under autodiff (the routing options are static: placement and the tuple)
-_LAYER_RUNS = {"none": _run_layer, "layer": nnx.remat(_run_layer),
-               "dots": nnx.remat(_run_layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)}
+# ModelConfig.remat -> how a layer runs under autodiff (the routing options are static: placement and the tuple). A
+# layer changes no state of its own, so none is written back (`graph_updates=False`): with LoRA's adapters merged over
+# a frozen base inside the trainer's jit, writing it back raised flax's TraceContextError (found by `streamrl plan`)
+_LAYER_RUNS = {"none": _run_layer, "layer": nnx.remat(_run_layer, graph_updates=False),
+               "dots": nnx.remat(_run_layer, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                 graph_updates=False)}
 
 
 def stack_traces(traces: list[RouterTrace]) -> RouterTrace | None:

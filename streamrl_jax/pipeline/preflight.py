@@ -30,7 +30,7 @@ from streamrl_jax.training.packing import auto_budget, chunk_tokens_for
 
 # Settings a resumed run may change: how long it runs, how it is evaluated, where it runs, how fast it learns, and
 # what the machine it runs on makes of 'auto' ("resolved.": the weights are float32 whatever the compute dtype).
-CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "WaitConfig.stop_grace_s", "WaitConfig.step_timeout_s",
+CHANGEABLE_ON_RESUME = ("PipelineConfig.steps", "WaitConfig.",
                         "JobConfig.eval_prompts", "JobConfig.eval_every", "JobConfig.warmup_", "MeshConfig.",
                         "EngineConfig.", "OptimizerConfig.learning_rate", "RewardConfig.workers", "RewardConfig.timeout_s",
                         "RewardConfig.on_error", "TrainerConfig.",

@@ -34,15 +34,14 @@ class Chip:
   peak_flops: float  # peak FLOP/s in the compute dtype (bfloat16 on a TPU; measured on a CPU)
   hbm_bytes_per_s: float  # memory bandwidth per device
   ici_bytes_per_s: float  # bidirectional interconnect per device; 0: unknown (collectives get no time)
-  chips_per_host: int  # devices one process holds (a sampler program's most)
 
 
 GIB = 2 ** 30
 TPUS = {
-    "v4": Chip("TPU v4", "tpu", 15.25 * GIB, 275e12 / 2, 1200 * GB / 2, 0.0, 8),
-    "v5e": Chip("TPU v5 lite", "tpu", 15.75 * GIB, 197e12, 819 * GB, 400 * GB, 4),
-    "v5p": Chip("TPU v5p", "tpu", 95.74 * GIB, 459e12, 2765 * GB, 1200 * GB, 4),
-    "v6e": Chip("TPU v6e", "tpu", 31.25 * GIB, 918e12, 1638 * GB, 800 * GB, 4),
+    "v4": Chip("TPU v4", "tpu", 15.25 * GIB, 275e12 / 2, 1200 * GB / 2, 0.0),
+    "v5e": Chip("TPU v5 lite", "tpu", 15.75 * GIB, 197e12, 819 * GB, 400 * GB),
+    "v5p": Chip("TPU v5p", "tpu", 95.74 * GIB, 459e12, 2765 * GB, 1200 * GB),
+    "v6e": Chip("TPU v6e", "tpu", 31.25 * GIB, 918e12, 1638 * GB, 800 * GB),
 }
 DEVICES_PER_CHIP = {"v4": 2}  # libtpu's devices a chip of the topology name
 NAME = re.compile(r"^(v4|v5e|v5p|v6e):(\d+(?:x\d+){1,2})$|^cpu:(\d+)$")
@@ -75,7 +74,9 @@ class Topology:
     except Exception as err:  # noqa: BLE001 - libtpu missing, or a shape it does not know
       raise ValueError(f"--topology {self.name}: TPU's compiler could not describe it ({_first_line(err)}); it needs "
                        f"the libtpu wheel that matches jax: pip install -e '.[tpu]'") from err
-    return list(description.devices)
+    # in id order: TPU's compiler refuses a program whose devices include device 0 and an id past their count
+    # (libtpu 0.0.42 on v6e:8x8: devices 0, 1, 8, 9 fail, 2, 3, 10, 11 compile), so each side takes a run of ids
+    return sorted(description.devices, key=lambda device: device.id)
 
 
 def parse_topology(name: str) -> Topology:
@@ -98,7 +99,7 @@ def host_chip(devices: int) -> Chip:
   memory bandwidth, measured now (`measured_peak`): the rates of every device busy at once."""
   memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
   flops, bandwidth = measured_peak()
-  return Chip(cpu_model(), "cpu", memory / devices, flops / devices, bandwidth / devices, 0.0, devices)
+  return Chip(cpu_model(), "cpu", memory / devices, flops / devices, bandwidth / devices, 0.0)
 
 
 def cpu_model() -> str:

@@ -83,8 +83,8 @@ def collective_bytes(hlo: str) -> dict[str, int]:
     if not match:
       continue
     shapes = [_bytes(dtype, dims) for dtype, dims in _ARRAY.findall(match.group(1))]
-    if match.group(3) and match.group(2) == "all-gather" and len(shapes) > 1:
-      shapes = shapes[-1:]  # (operand, output): the gathered output alone
+    if match.group(3) and match.group(2) in ("all-gather", "collective-permute") and len(shapes) > 1:
+      shapes = shapes[-1:]  # (operand, output, ...): the output alone
     elif match.group(3):
       shapes = [s for s in shapes if s > 8]  # context scalars apart
     out[match.group(2)] = out.get(match.group(2), 0) + sum(shapes)

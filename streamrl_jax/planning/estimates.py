@@ -4,15 +4,32 @@ step)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from streamrl_jax.models import ModelConfig
 from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.planning.setup import PlanSetup
-from streamrl_jax.planning.chips import Chip
-from streamrl_jax.planning.roofline import kv_bytes_per_token, optimizer_step
+from streamrl_jax.planning.chips import GIB, Chip
+from streamrl_jax.models.lora import adapter_param_count
+from streamrl_jax.planning.roofline import kv_bytes_per_token, optimizer_step, trainer_passes
+from streamrl_jax.planning.sides import HEADROOM
 from streamrl_jax.planning.sampler_plan import decode_curve, sampler_model
-from streamrl_jax.planning.split import Profile
+
+
+ESTIMATE_SHARE = 0.8  # of a chip's usable memory, what the state a split's estimate counts may take
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+  """What the simulator needs of a plan: a decode step's seconds by rows, the trainer's FLOPs a token, its
+  optimizer step's seconds, and each side's share of its roofline."""
+
+  decode_curve: tuple[tuple[int, float], ...]
+  train_flops_per_token: float
+  optimizer_s: float
+  efficiency: float
 
 
 def trainer_state_bytes(setup: PlanSetup, model: ModelConfig, chips: int) -> float:
@@ -36,20 +53,35 @@ def sampler_instance_bytes(setup: PlanSetup, model: ModelConfig) -> float:
   return (weights + kv) / tensor
 
 
-def fits_estimate(setup: PlanSetup, model: ModelConfig, chip: Chip, sampler: int, trainer: int,
-                  headroom: float) -> bool:
-  """Whether a split plausibly fits: the trainer's state and an engine instance's weights and cache each under 80%
-  of `headroom` of the chip (the rest for a call's activations, a prefill's temporaries)."""
-  limit = 0.8 * headroom * chip.hbm_bytes
+def fits_estimate(setup: PlanSetup, model: ModelConfig, chip: Chip, trainer: int) -> bool:
+  """Whether a split of `trainer` trainer chips plausibly fits: the trainer's state and an engine instance's weights
+  and cache each under `ESTIMATE_SHARE` of `HEADROOM` of the chip (the rest for a call's activations, a prefill's
+  temporaries)."""
+  limit = ESTIMATE_SHARE * HEADROOM * chip.hbm_bytes
   return trainer_state_bytes(setup, model, trainer) <= limit and sampler_instance_bytes(setup, model) <= limit
 
 
 def profile_at(setup: PlanSetup, model: ModelConfig, chip: Chip, trainer: int, new_tokens: float,
                efficiency: float) -> Profile:
-  """The simulator's profile of the run with `trainer` trainer chips."""
-  lora, remat = setup.trainer.lora.enabled, setup.trainer.remat != "none"
-  passes = (2 if lora else 3) + remat + (setup.trainer.objective.kl_coef > 0)
-  length = setup.engine.max_prompt_length + setup.shape.max_new_tokens
-  flops = passes * model.flops_per_token(length / 2)
-  optimizer = optimizer_step(model, trainer, 0 if not lora else max(1, model.param_count() // 1000)).seconds(chip)
+  """The simulator's profile of the run with `trainer` trainer chips, its samples `new_tokens` long at the median."""
+  lora = setup.trainer.lora.enabled
+  passes = trainer_passes(lora, setup.trainer.remat, setup.trainer.objective.kl_coef > 0)
+  flops = passes * model.flops_per_token((setup.engine.max_prompt_length + new_tokens) / 2)
+  adapters = adapter_param_count(setup.trainer.lora, model) if lora else 0
+  optimizer = optimizer_step(model, trainer, adapters).seconds(chip)
   return Profile(decode_curve(setup, model, chip, new_tokens, efficiency), flops, optimizer / efficiency, efficiency)
+
+
+def why_not(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int) -> str:
+  """What the memory estimate found too large at the split that leaves each side the most chips it can have."""
+  out, limit = [], ESTIMATE_SHARE * HEADROOM * chip.hbm_bytes
+  tensor = setup.mesh.sampler_tensor_parallel
+  instance = sampler_instance_bytes(setup, model)
+  if instance > limit:
+    out.append(f"an engine instance needs {instance / GIB:.1f} GiB a chip of {chip.hbm_bytes / GIB:.2f}: "
+               f"MeshConfig.sampler_tensor_parallel={2 * tensor} or fewer EngineConfig.num_slots")
+  trainer = trainer_state_bytes(setup, model, total - tensor)
+  if trainer > limit:
+    out.append(f"the trainer's state needs {trainer / GIB:.1f} GiB a chip on {total - tensor} chips: more chips or "
+               "LoRA")
+  return "; ".join(out) or "each side fits alone, no split of whole engine instances leaves the trainer a shardable count"

@@ -7,21 +7,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable
 
 from streamrl_jax.models import ModelConfig
 from streamrl_jax.models.compile_target import compiling_for
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.planning.attention_plan import attention_temporaries
-from streamrl_jax.planning.chips import Chip, Topology, parse_topology
+from streamrl_jax.planning.chips import GIB, Chip, Topology, parse_topology
 from streamrl_jax.planning.estimates import fits_estimate, profile_at
 from streamrl_jax.planning.sampler_plan import plan_sampler
-from streamrl_jax.planning.sides import SidePlan
+from streamrl_jax.planning.sides import HEADROOM, SidePlan
 from streamrl_jax.planning.split import choose_split, samples_per_s, shardable
 from streamrl_jax.planning.trainer_plan import plan_trainer
-
-HEADROOM = 0.9  # a side fits when its peak is at most this share of the chip's memory (the runtime's and the
-# allocator's own use beside XLA's buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +68,10 @@ class Plan:
 
   @property
   def fits(self) -> bool:
-    return self.trainer_hbm_frac <= HEADROOM and self.sampler_hbm_frac <= HEADROOM
+    """Both sides' peaks within `HEADROOM` of the chip's memory, every program compiled (none refused for memory),
+    and the run's own checks pass (its activation budget holds a trainer call)."""
+    return (self.trainer_hbm_frac <= HEADROOM and self.sampler_hbm_frac <= HEADROOM and not self.trainer.refused
+            and not self.sampler.refused and not self.trainer.notes.get("budget_refused"))
 
 
 def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_source: str,
@@ -84,16 +85,17 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
   scores = {}
   with compiling_for(chip.platform):
     if colocated:
+      if request.sampler_chips:
+        raise ValueError("--split: PipelineConfig.mode='colocated' time-shares every chip between the two sides")
       sampler_chips, chosen = total, "colocated: both sides on every chip"
     elif request.sampler_chips:
-      if request.sampler_chips >= total:
-        raise ValueError(f"--split {request.sampler_chips}: the topology has {total} chips, the trainer needs some")
+      _check_split(request.sampler_chips, total, setup.mesh.sampler_tensor_parallel)
       sampler_chips, chosen = request.sampler_chips, "asked for (--split)"
     else:
       progress(f"plan: choosing the split of {total} chips with the simulator ...")
       sampler_chips, _, scores = choose_split(
           setup, model, chip, total, lambda s, t: profile_at(setup, model, chip, t, new_tokens, request.efficiency),
-          lambda s, t: fits_estimate(setup, model, chip, s, t, HEADROOM), new_tokens)
+          lambda s, t: fits_estimate(setup, model, chip, t), new_tokens)
       chosen = "the simulator's best that fits"
     trainer_devices = devices if colocated else devices[sampler_chips:]
     progress(f"plan: compiling the trainer's call and optimizer step on {len(trainer_devices)} {chip.name} ...")
@@ -114,6 +116,14 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
               {str(k): round(v, 3) for k, v in scores.items()}, new_tokens)
 
 
+def _check_split(sampler: int, total: int, tensor: int) -> None:
+  if sampler >= total:
+    raise ValueError(f"--split {sampler}: the topology has {total} chips, and the trainer needs some")
+  if sampler % tensor:
+    raise ValueError(f"--split {sampler}: not whole engine instances of MeshConfig.sampler_tensor_parallel={tensor} "
+                     "chips")
+
+
 def _shared(trainer: SidePlan, sampler: SidePlan) -> tuple[SidePlan, SidePlan]:
   """Colocated: each side's peaks with what the other holds on the same chips beside them."""
   with_sampler = {k: v + sum(sampler.held.values()) for k, v in trainer.peaks.items()}
@@ -124,6 +134,13 @@ def _shared(trainer: SidePlan, sampler: SidePlan) -> tuple[SidePlan, SidePlan]:
 def advice(plan: Plan) -> str:
   """One line naming what would fit, for a plan that does not."""
   chip, out = plan.chip, []
+  refused = plan.trainer.notes.get("budget_refused")
+  if refused:
+    smallest = re.search(r"the smallest budget that works is (\d+)", refused)
+    done = (f"a call of one row a chip compiled: {plan.trainer.peak_bytes / GIB:.1f} GiB a chip"
+            if plan.trainer_hbm_frac <= HEADROOM else "a call of one row a chip does not fit either")
+    out.append(f"the run would stop at start, its activation budget holding no trainer call: set "
+               f"TrainerConfig.activation_budget_mb={smallest.group(1) if smallest else '...'} ({done})")
   if plan.trainer_hbm_frac > HEADROOM:
     trainer, held = plan.trainer, plan.trainer.held
     state = held["weights"] + held["optimizer"] + held["gradient"] + held["frozen"]
@@ -150,14 +167,14 @@ def advice(plan: Plan) -> str:
     one_row = trainer.notes.get("one_row")
     if one_row and not one_row["refused"] and one_row["peak_bytes"] <= HEADROOM * chip.hbm_bytes:
       options.insert(0, f"a call of one row a chip (TrainerConfig.chunk_tokens={one_row['chunk_tokens']}: compiled, "
-                        f"{one_row['peak_bytes'] / 1e9:.1f} GB)")
+                        f"{one_row['peak_bytes'] / GIB:.1f} GiB)")
     elif trainer.notes["call_rows"] > shards:
       options.append(f"a smaller call (TrainerConfig.chunk_tokens={trainer.notes['call_length'] * shards})")
-    out.append(f"the trainer needs {trainer.peak_bytes / 1e9:.1f} GB a chip of {chip.hbm_bytes / 1e9:.0f}: "
+    out.append(f"the trainer needs {trainer.peak_bytes / GIB:.1f} GiB a chip of {chip.hbm_bytes / GIB:.2f}: "
                + ", or ".join(options))
   if plan.sampler_hbm_frac > HEADROOM:
     sampler = plan.sampler
-    out.append(f"the sampler needs {sampler.peak_bytes / 1e9:.1f} GB a chip of {chip.hbm_bytes / 1e9:.0f}: "
+    out.append(f"the sampler needs {sampler.peak_bytes / GIB:.1f} GiB a chip of {chip.hbm_bytes / GIB:.2f}: "
                f"MeshConfig.sampler_tensor_parallel={2 * sampler.mesh.get('tensor', 1)}, or fewer slots "
                f"(EngineConfig.num_slots={max(1, sampler.notes['slots'] // 2)}) or pages (EngineConfig.kv_pages)")
   return "does not fit: " + "; ".join(out)

@@ -4,10 +4,11 @@ first)."""
 
 from __future__ import annotations
 
-from streamrl_jax.planning.plan import HEADROOM, Plan, advice
+from streamrl_jax.planning.chips import GIB
+from streamrl_jax.planning.plan import Plan, advice
+from streamrl_jax.planning.sides import HEADROOM
 from streamrl_jax.planning.sides import SidePlan
 
-GB = 1e9
 
 
 def plan_json(plan: Plan) -> dict:
@@ -27,14 +28,14 @@ def plan_text(plan: Plan) -> str:
   chip, split = plan.chip, plan.split
   lines = [f"plan: {plan.request.model} ({plan.model.architecture}, {plan.model.param_count() / 1e9:.2f}B parameters, "
            f"config from {plan.model_source}) on {plan.topology.name}: {plan.topology.devices} x {chip.name} "
-           f"({chip.hbm_bytes / GB:.0f} GB, {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bytes_per_s / GB:.0f} GB/s)",
+           f"({chip.hbm_bytes / GIB:.2f} GiB, {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bytes_per_s / 1e9:.0f} GB/s)",
            f"split: {split['sampler']} sampler chips ({split['instances']} engine instances of "
            f"{plan.sampler.mesh.get('tensor', 1)}) + {split['trainer']} trainer chips ({split['chosen_by']})"]
   lines += _side(plan.trainer, plan) + _side(plan.sampler, plan)
   if plan.attention:
     a = plan.attention
     lines.append(f"trainer attention, one layer's gradient on a chip ({a['rows']} x {a['length']} tokens): "
-                 f"temporaries {a['kernel'] / GB:.2f} GB with the kernel, {a['xla'] / GB:.2f} GB with XLA's "
+                 f"temporaries {a['kernel'] / GIB:.2f} GiB with the kernel, {a['xla'] / GIB:.2f} GiB with XLA's "
                  f"({a['kernel_over_xla']:.3f})")
   lines.append(f"simulator: {plan.samples_per_s:.2f} samples/s at this split (each side at "
                f"{plan.request.efficiency:.0%} of its roofline; completions {plan.new_tokens:.0f} tokens at the median)")
@@ -44,20 +45,20 @@ def plan_text(plan: Plan) -> str:
 
 def _side(side: SidePlan, plan: Plan) -> list[str]:
   chip = plan.chip
-  head = (f"{side.role}: mesh {side.mesh}, peak {side.peak_bytes / GB:.2f} GB a chip = {side.hbm_frac(chip):.1%} of "
-          f"{chip.hbm_bytes / GB:.0f} GB (held: "
-          + ", ".join(f"{k} {v / GB:.2f}" for k, v in side.held.items()) + ")")
+  head = (f"{side.role}: mesh {side.mesh}, peak {side.peak_bytes / GIB:.2f} GiB a chip = {side.hbm_frac(chip):.1%} of "
+          f"{chip.hbm_bytes / GIB:.2f} GiB (held: "
+          + ", ".join(f"{k} {v / GIB:.2f}" for k, v in side.held.items()) + ")")
   out = [head]
   for program in side.programs:
     if program.refused:
-      out.append(f"  {program.name}: REFUSED by the compiler, it needs {program.temp_bytes / GB:.1f} GB of temporaries "
+      out.append(f"  {program.name}: REFUSED by the compiler, it needs {program.temp_bytes / GIB:.1f} GiB of temporaries "
                  f"({program.refused})")
       continue
-    collectives = ", ".join(f"{k} {v / GB:.3f} GB" for k, v in program.collective_bytes.items()) or "none"
-    out.append(f"  {program.name}: arguments {program.argument_bytes / GB:.2f} GB, outputs "
-               f"{(program.output_bytes - program.alias_bytes) / GB:.2f} GB (beyond donated), temporaries "
-               f"{program.temp_bytes / GB:.2f} GB, code {program.code_bytes / GB:.3f} GB; XLA counts "
-               f"{program.xla_flops / 1e12:.2f} TFLOP, {program.xla_bytes / GB:.1f} GB; collectives {collectives}; "
+    collectives = ", ".join(f"{k} {v / GIB:.3f} GiB" for k, v in program.collective_bytes.items()) or "none"
+    out.append(f"  {program.name}: arguments {program.argument_bytes / GIB:.2f} GiB, outputs "
+               f"{(program.output_bytes - program.alias_bytes) / GIB:.2f} GiB (beyond donated), temporaries "
+               f"{program.temp_bytes / GIB:.2f} GiB, code {program.code_bytes / GIB:.3f} GiB; XLA counts "
+               f"{program.xla_flops / 1e12:.2f} TFLOP, {program.xla_bytes / GIB:.1f} GiB; collectives {collectives}; "
                f"{program.kernels} Pallas kernel calls; compiled in {program.compile_s:.0f} s")
   terms = side.step.terms(chip)
   what = ("RL step" if side.role == "trainer" else "decode step")

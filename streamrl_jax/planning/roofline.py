@@ -7,10 +7,10 @@ scan) and a Pallas kernel's work not at all; a plan prints XLA's figures beside 
 
 - A trainer call of `tokens` over `devices` (rows split over the batch shards, weights over FSDP and tensor): forward
   FLOPs `ModelConfig.flops_per_token` at the mean causal context, times 3 for the backward pass (2 with LoRA: no weight
-  gradient of the base), plus a forward for rematerialisation and one for a KL reference. Each pass reads the whole
-  gathered weights in the compute dtype on every device and gathers them over FSDP; the gradient is written whole in
-  float32 before it is reduce-scattered, then added to the running sum (its shard read and written); activations are
-  written in the forward pass and read in the backward one.
+  gradient of the base), plus a forward for rematerialisation and one for a KL reference (`trainer_passes`). The
+  forward, the backward and each further pass read the whole gathered weights in the compute dtype on every device and
+  gather them over FSDP; the gradient is written whole in float32 before it is reduce-scattered, then added to the
+  running sum (its shard read and written); activations are written in the forward pass and read in the backward.
 - The optimizer step reads the weights, gradient and two moments (float32) and writes three of them, on its shard.
 - A decode step of `rows` over `devices` (tensor parallel): every row's token through the model (its context's keys
   and values read), the weights read once, two all-reduces of the rows' hidden states a layer.
@@ -65,9 +65,11 @@ def active_params(config: ModelConfig) -> float:
 def trainer_call(config: ModelConfig, tokens: int, devices: int, shape: TrainerShape) -> Work:
   """A trainer call of `tokens` (padding included) in rows of `shape.length`, on one of `devices`."""
   forward = tokens * config.flops_per_token(shape.length / 2)
-  passes = (2 if shape.lora else 3) + (shape.remat != "none") + shape.reference
+  passes = trainer_passes(shape.lora, shape.remat, shape.reference)
   params = config.param_count()
-  weights = (1 + (shape.remat != "none") + shape.reference + (0 if shape.lora else 1)) * params * shape.compute_bytes
+  # every pass reads the gathered weights: the forward, the backward's input gradient (LoRA too), a recompute, a KL
+  # reference's forward (the weight gradient reads activations alone)
+  weights = (2 + (shape.remat != "none") + shape.reference) * params * shape.compute_bytes
   gradient = 0.0 if shape.lora else 4 * params + 8 * params / devices
   layer = 8 * config.hidden_size + 2 * config.num_kv_heads * config.head_dim + 3 * config.intermediate_size
   activations = 2 * tokens / shape.batch_shards * config.num_layers * layer * shape.compute_bytes
@@ -76,6 +78,12 @@ def trainer_call(config: ModelConfig, tokens: int, devices: int, shape: TrainerS
   tensor = (shape.tensor - 1) / shape.tensor
   all_reduces = 4 * 2 * config.num_layers * tokens / shape.batch_shards * config.hidden_size * shape.compute_bytes
   return Work(forward * passes / devices, weights + gradient + activations, gathers + all_reduces * tensor)
+
+
+def trainer_passes(lora: bool, remat: str, reference: bool) -> int:
+  """A trainer call's FLOPs in forward passes: the forward and a backward of twice its work (LoRA: once, no weight
+  gradient of the base), a forward again under rematerialisation, and a KL reference's forward."""
+  return (2 if lora else 3) + (remat != "none") + int(reference)
 
 
 def optimizer_step(config: ModelConfig, devices: int, lora_params: int = 0) -> Work:

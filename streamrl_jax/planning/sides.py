@@ -13,6 +13,9 @@ from streamrl_jax.planning.chips import Chip
 from streamrl_jax.planning.compiled import ProgramCost
 from streamrl_jax.planning.roofline import Work
 
+HEADROOM = 0.9  # a side fits when its peak is at most this share of the chip's memory (the runtime's and the
+# allocator's own use beside XLA's buffers)
+
 
 @dataclasses.dataclass(frozen=True)
 class SidePlan:
@@ -29,6 +32,11 @@ class SidePlan:
   @property
   def peak_bytes(self) -> int:
     return max(self.peaks.values())
+
+  @property
+  def refused(self) -> bool:
+    """Whether the compiler refused one of its programs for want of memory."""
+    return any(p.refused for p in self.programs)
 
   def hbm_frac(self, chip: Chip) -> float:
     return self.peak_bytes / chip.hbm_bytes
@@ -56,6 +64,7 @@ def device_bytes(tree) -> int:
 
 def peaks_of(programs: dict, held: dict, arguments: dict) -> dict:
   """Each program's peak on a device: its own (arguments, outputs, temporaries, code) and what is held beside it
-  that is not among its arguments (`arguments`: program -> the names of `held` it takes)."""
-  return {name: cost.peak_bytes + sum(b for item, b in held.items() if item not in arguments[name])
+  that is not among its arguments (`arguments`: program -> the names of `held` it takes). A program the compiler
+  refused reports its temporaries alone: everything held is added to them."""
+  return {name: cost.peak_bytes + sum(b for item, b in held.items() if cost.refused or item not in arguments[name])
           for name, cost in programs.items()}

@@ -7,27 +7,18 @@ simulator's `resource_split` minimises max(T_gen, T_train), which the full run's
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from streamrl_jax.models import ModelConfig
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.planning.chips import Chip
-from streamrl_jax.sim.pipeline import SimBatchConfig, SimConfig, SimSamplerConfig, SimTrainerConfig, simulate
+from streamrl_jax.planning.estimates import Profile, why_not
+from streamrl_jax.planning.trainer_plan import PRECISION_BYTES
+from streamrl_jax.sim.pipeline import (SimBatchConfig, SimConfig, SimSamplerConfig, SimSyncConfig, SimTrainerConfig,
+                                       simulate)
 from streamrl_jax.sim.profiles import Hardware, LengthDistribution, ModelSpec
 
 LENGTH_SIGMA = 1.0  # the lognormal spread of output lengths the simulator draws (its presets' default)
-
-
-@dataclasses.dataclass(frozen=True)
-class Profile:
-  """What the simulator needs of a plan: a decode step's seconds by rows, the trainer's FLOPs a token, its
-  optimizer step's seconds, and each side's share of its roofline."""
-
-  decode_curve: tuple[tuple[int, float], ...]
-  train_flops_per_token: float
-  optimizer_s: float
-  efficiency: float
 
 
 def hardware(chip: Chip) -> Hardware:
@@ -50,7 +41,8 @@ def sim_config(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int, sam
                            micro_batch=setup.shape.group_size),
       sampler=SimSamplerConfig(hardware=chip_hw, ptl_curve=profile.decode_curve, max_batch=engine.num_slots),
       trainer=SimTrainerConfig(hardware=chip_hw, flops_per_token_per_param=profile.train_flops_per_token /
-                               (model.param_count()), mfu=profile.efficiency, optimizer_step_s=profile.optimizer_s))
+                               (model.param_count()), mfu=profile.efficiency, optimizer_step_s=profile.optimizer_s),
+      sync=SimSyncConfig(bytes_per_param=PRECISION_BYTES[setup.precision.precision]))
 
 
 def shardable(model: ModelConfig, trainer: int, tensor: int) -> bool:
@@ -77,8 +69,8 @@ def choose_split(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int,
       sim = sim_config(setup, model, chip, total, sampler, profile_at(sampler, total - sampler), new_tokens)
       scores[sampler] = simulate(sim)["samples_per_s"]
   if not scores:
-    raise ValueError(f"no split of {total} chips fits both sides in memory (estimated before compiling): more chips, "
-                     "TrainerConfig.lora, or MeshConfig.sampler_tensor_parallel")
+    raise ValueError(f"no split of {total} chips fits both sides in memory (estimated before compiling: "
+                     f"{why_not(setup, model, chip, total)}); ask for one with --split to compile it anyway")
   best = max(scores, key=lambda s: (scores[s], -s))
   return best, scores[best], scores
 

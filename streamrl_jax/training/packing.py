@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from streamrl_jax.models.config import ModelConfig
+from streamrl_jax.models.lora import adapter_param_count
 from streamrl_jax.training.host_batch import pad_rows
 from streamrl_jax.run_shape import RunShape
 from streamrl_jax.training.config import TrainerConfig
@@ -147,9 +148,11 @@ def activation_bytes_per_token(model_config: ModelConfig, length: int, trainer=N
 def call_bytes(model_config: ModelConfig, tokens: int, length: int, trainer=None, platform: str = "cpu",
                reference: bool = False) -> int:
   """A trainer call's temporaries for `tokens` tokens in rows of `length`: the float32 gradient it computes before
-  adding it to the running sum, and the activations (`activation_bytes_per_token`)."""
+  adding it to the running sum (with LoRA the adapters' alone), and the activations (`activation_bytes_per_token`)."""
   per_token = activation_bytes_per_token(model_config, length, trainer, platform, reference)
-  return 4 * model_config.param_count() + tokens * per_token
+  trained = (adapter_param_count(trainer.lora, model_config) if trainer is not None and trainer.lora.enabled
+             else model_config.param_count())
+  return 4 * trained + tokens * per_token
 
 
 # Activations of a call when the device states no memory limit (the CPU). On XLA:CPU a SmolLM2 call of 6 packed rows
