@@ -172,8 +172,11 @@ def test_every_shipped_plan_config_builds_a_run():
     assert "streamrl plan --config launchers/plans/" + path.name in path.read_text()
 
 
-def test_the_plan_request_is_checked():
+def test_the_plan_request_is_checked(capsys):
+  from streamrl_jax.cli import main
   from streamrl_jax.planning.plan import PlanRequest
+  assert main(["plan", "--model", "m", "--topology", "v5e:2x2", "--check"]) == 2
+  assert "plan --check: it runs each side on this machine: only with --topology cpu:N" in capsys.readouterr().err
   with pytest.raises(ValueError, match="--efficiency"):
     PlanRequest("m", "v5e:2x2", efficiency=0)
   assert dataclasses.replace(PlanRequest("m", "v5e:2x2"), sampler_chips=2).sampler_chips == 2
@@ -181,10 +184,18 @@ def test_the_plan_request_is_checked():
 
 def test_the_same_plan_for_this_cpus_devices(tmp_path):
   """`--topology cpu:8`: the run's programs compiled by XLA:CPU for 8 host devices the command forces, the chip this
-  machine's CPU measured, XLA's attention (no kernel off a TPU by default)."""
-  done = _plan_cli(tmp_path, "cpu:8", "--split", "4")
+  machine's CPU measured, XLA's attention (no kernel off a TPU by default); `--check` then runs each side as planned
+here and holds the plan to it."""
+  done = _plan_cli(tmp_path, "cpu:8", "--split", "4", "--check")
   assert done.returncode == 0, done.stderr[-3000:]
   plan = json.loads(done.stdout.strip().splitlines()[-1])
+  check = plan["check"]  # each side then run as planned in a process of its own
+  for side, step in (("trainer", "trainer_step"), ("sampler", "decode_step")):
+    planned, measured = check[f"planned_{side}"], check[f"measured_{side}"]
+    assert planned["peak_bytes"] == plan[side]["peak_bytes"] and measured["peak_bytes"] > 0 and measured["step_s"] > 0
+    assert check[f"{step}_ratio"] == pytest.approx(planned["step_s"] / measured["step_s"], rel=1e-2)
+    assert check[f"{side}_peak_error"] == pytest.approx(abs(check[f"{side}_peak_ratio"] - 1), abs=2e-3)
+  assert check["measured_trainer"]["call_s"] > 0 and "check, trainer: peak" in done.stdout
   assert plan["chip"]["platform"] == "cpu" and plan["split"] == dict(sampler=4, trainer=4, instances=4,
                                                                       chosen_by="asked for (--split)")
   assert plan["trainer"]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1} and plan["attention"] == {}

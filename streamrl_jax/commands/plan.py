@@ -27,6 +27,8 @@ def add_plan_parser(sub, common) -> None:
                     "(default: half of PipelineConfig.max_new_tokens)")
   plan.add_argument("--efficiency", type=float, default=0.5, help="the share of its roofline each side reaches, for "
                     "the simulator's samples/s (default 0.5)")
+  plan.add_argument("--check", action="store_true", help="with --topology cpu:N: then run each side as planned on "
+                    "this machine's devices and print the plan's memory and step times over the measured ones")
   plan.add_argument("--json", action="store_true", help="also print the plan as one JSON object, the last line")
   plan.set_defaults(run=cmd_plan)
 
@@ -37,31 +39,48 @@ def plan_host_devices(args) -> int:
   return int(topology.split(":", 1)[1]) if topology.startswith("cpu:") and topology[4:].isdigit() else 1
 
 
-def cmd_plan(args) -> int:
+def planned_run(config: list[str], sets: list[str], model: str, platform: str) -> tuple:
+  """(plan setup, model shapes, where they came from, the model's spec) of the run `config` and `sets` describe, its
+  model `model` (or JobConfig.model), computing in the dtype `platform`'s backend resolves."""
   from streamrl_jax import gin_config
   from streamrl_jax.models.dtype_probe import ProductShapes, choose_compute_dtype
   from streamrl_jax.pipeline.parts import plan_setup
-  from streamrl_jax.planning.chips import parse_topology
   from streamrl_jax.planning.model_shapes import model_shapes
-  from streamrl_jax.planning.plan import PlanRequest, advice, make_plan
-  from streamrl_jax.planning.report import plan_json, plan_text
 
-  gin_config.parse(gin_config.run_files(args.config), args.set)
-  config, job = gin_config.build_run()
-  spec = args.model or job.model
+  gin_config.parse(gin_config.run_files(config), sets)
+  run, job = gin_config.build_run()
+  spec = model or job.model
   if not spec:
     raise ValueError("plan: name the model (--model: a config.json, a directory, a catalog name or a Hub id), or set "
                      "JobConfig.model in the config")
-  request = PlanRequest(spec, args.topology, args.split, args.new_tokens, args.efficiency)
-  platform = parse_topology(args.topology).chip.platform
   shapes, _ = model_shapes(spec, "float32")
   dtype = choose_compute_dtype(job.compute_dtype, ProductShapes.of(shapes), backend=platform).dtype
-  model, source = model_shapes(spec, dtype)
-  plan = make_plan(request, plan_setup(config.resolved(dtype)), model, source,
-                   progress=lambda line: print(line, file=sys.stderr, flush=True))
+  shapes, source = model_shapes(spec, dtype)
+  return plan_setup(run.resolved(dtype)), shapes, source, spec
+
+
+def cmd_plan(args) -> int:
+  from streamrl_jax.planning.chips import parse_topology
+  from streamrl_jax.planning.measured import can_measure
+  from streamrl_jax.planning.plan import PlanRequest, advice, make_plan
+  from streamrl_jax.planning.report import check_text, plan_json, plan_text
+
+  platform = parse_topology(args.topology).chip.platform
+  if args.check and (platform != "cpu" or can_measure()):
+    raise ValueError(f"plan --check: {can_measure() or 'it runs each side on this machine: only with --topology cpu:N'}")
+  setup, model, source, spec = planned_run(args.config, args.set, args.model, platform)
+  request = PlanRequest(spec, args.topology, args.split, args.new_tokens, args.efficiency)
+  progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+  plan = make_plan(request, setup, model, source, progress=progress)
   print(plan_text(plan), flush=True)
+  check = None
+  if args.check:
+    from streamrl_jax.commands.plan_check import check_plan
+
+    check = check_plan(plan, args.config, args.set, progress)
+    print(check_text(check), flush=True)
   if not plan.fits:
     print(f"streamrl plan: {advice(plan)}", file=sys.stderr, flush=True)
   if args.json:
-    print(json.dumps(plan_json(plan)), flush=True)
+    print(json.dumps(plan_json(plan) | ({"check": check.figures()} if check else {})), flush=True)
   return 0 if plan.fits else 1

@@ -5,9 +5,9 @@ first)."""
 from __future__ import annotations
 
 from streamrl_jax.planning.chips import GIB
+from streamrl_jax.planning.measured import PlanCheck
 from streamrl_jax.planning.plan import Plan, advice
-from streamrl_jax.planning.sides import HEADROOM
-from streamrl_jax.planning.sides import SidePlan
+from streamrl_jax.planning.sides import HEADROOM, SidePlan
 
 
 
@@ -74,3 +74,15 @@ def _chip(plan: Plan) -> dict:
   chip = plan.chip
   return dict(name=chip.name, platform=chip.platform, hbm_bytes=chip.hbm_bytes, peak_flops=chip.peak_flops,
               hbm_bytes_per_s=chip.hbm_bytes_per_s, ici_bytes_per_s=chip.ici_bytes_per_s)
+
+
+def check_text(check: PlanCheck) -> str:
+  """The plan's figures beside the measured ones, a line a side."""
+  lines = []
+  for side, step in (("trainer", "RL step"), ("sampler", "decode step")):
+    planned, measured = getattr(check, f"planned_{side}"), getattr(check, f"measured_{side}")
+    lines.append(f"check, {side}: peak {planned.peak_bytes / GIB:.3f} GiB a device planned, "
+                 f"{measured.peak_bytes / GIB:.3f} measured ({planned.peak_bytes / measured.peak_bytes:.3f}); {step} "
+                 f"{planned.step_s * 1e3:.1f} ms at the roofline, {measured.step_s * 1e3:.1f} ms measured "
+                 f"({planned.step_s / measured.step_s:.3f})")
+  return "\n".join(lines)
