@@ -1,8 +1,8 @@
 """One process of a trainer of several (or a trainer of one) running a step graph's trainer stages over one fixed shard
-of two groups: `python -m tests.stage_processes GRAPH OUT PROCESS PROCESSES PORT MODELS_DIR`. Each process holds the
+of two groups: `python -m tests.stage_processes OUT_DIR PROCESS PROCESSES PORT MODELS_DIR`, each of `GRAPHS` in turn. Each process holds the
 tokens of its own samples alone (owner = sample index modulo the processes, zeros elsewhere, as the trainer's shared
 view holds them: `pipeline.trainer.intake.shared_view`); the reference, the teacher, the judge and the critic are
-sharded over every process's devices like the policy. Writes OUT (npz): the flow's fields, their step sums, the
+sharded over every process's devices like the policy. Writes OUT_DIR/GRAPH-PROCESSES-PROCESS.npz for each graph: the flow's fields, their step sums, the
 critic's update and which samples this process owns. tests/test_stage_processes.py compares 2 and 4 processes with
 one."""
 
@@ -53,9 +53,19 @@ def _stats(loss_mask, valid):
 
 
 def main(argv: list[str]) -> int:
-  graph, out, process, processes, port, models = argv[0], argv[1], int(argv[2]), int(argv[3]), int(argv[4]), argv[5]
+  out, process, processes, port, models = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
   os.environ["XLA_FLAGS"] = xla_flags(devices=DEVICES)
   os.environ["JAX_PLATFORMS"] = "cpu"
+  import jax
+
+  if processes > 1:
+    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes, process_id=process)
+  for graph in GRAPHS:
+    _run_graph(graph, f"{out}/{graph}-{processes}-{process}.npz", process, processes, models)
+  return 0
+
+
+def _run_graph(graph: str, out: str, process: int, processes: int, models: str) -> None:
   import jax
   import numpy as np
   from flax import nnx
@@ -68,8 +78,6 @@ def main(argv: list[str]) -> int:
   from streamrl_jax.workflow.flow import shard_fields
   from streamrl_jax.workflow.pools import Student, trainer_flow
 
-  if processes > 1:
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=processes, process_id=process)
   mesh = mesh_from_devices(jax.devices(), MeshShape(1, len(jax.devices()), 1))
   config = ModelConfig(**MODEL)
   graphdef, params = nnx.split(Transformer(config, rngs=nnx.Rngs(0)))
@@ -91,7 +99,6 @@ def main(argv: list[str]) -> int:
            sums=np.asarray([sums[k] for k in sorted(sums)]), sum_names=np.asarray(sorted(sums)),
            update=np.asarray([update[k] for k in sorted(update)]), update_names=np.asarray(sorted(update)),
            **{f"field_{k}": np.asarray(v) for k, v in fields.items() if k != "owners"})
-  return 0
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from tests.processes import free_port
 from tests.stage_processes import GRAPHS, MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
-TIMEOUT_S = 300
+TIMEOUT_S = 600  # four graphs a process
 # each graph's fields its trainer stages write: per sample (every process holds every row's) or per token (the owner's)
 WRITTEN = {"kl_reference": ({"rewards", "advantages"}, {"reference_logprobs"}),
            "distill": (set(), {"teacher_logprobs", "advantages"}),
@@ -33,12 +33,20 @@ def models(tmp_path_factory):
   return root
 
 
-def _run(graph: str, processes: int, out: Path, models: Path) -> list[dict]:
-  """Each process's npz of `graph` on a trainer of `processes`."""
+@pytest.fixture(scope="module")
+def runs(models, tmp_path_factory) -> Path:
+  """Every graph's npz of a trainer of 1, 2 and 4 processes (each process runs the four graphs in turn)."""
+  out = tmp_path_factory.mktemp("stage-runs")
+  for processes in (1, 2, 4):
+    _run(processes, out, models)
+  return out
+
+
+def _run(processes: int, out: Path, models: Path) -> None:
   port = free_port()
-  procs = [subprocess.Popen([sys.executable, "-m", "tests.stage_processes", graph, str(out / f"{graph}-{processes}-{p}.npz"),
-                             str(p), str(processes), str(port), str(models)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for p in range(processes)]
+  procs = [subprocess.Popen([sys.executable, "-m", "tests.stage_processes", str(out), str(p), str(processes), str(port),
+                             str(models)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for p in range(processes)]
   try:
     for proc in procs:
       said, _ = proc.communicate(timeout=TIMEOUT_S)
@@ -48,16 +56,19 @@ def _run(graph: str, processes: int, out: Path, models: Path) -> list[dict]:
       if proc.poll() is None:
         proc.kill()
         proc.wait(timeout=30)
-  return [dict(np.load(out / f"{graph}-{processes}-{p}.npz")) for p in range(processes)]
+
+
+def _parts(runs: Path, graph: str, processes: int) -> list[dict]:
+  return [dict(np.load(runs / f"{graph}-{processes}-{p}.npz")) for p in range(processes)]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_a_graphs_stages_on_several_trainer_processes_equal_one_process(graph, tmp_path, models):
-  one = _run(graph, 1, tmp_path, models)[0]
+def test_a_graphs_stages_on_several_trainer_processes_equal_one_process(graph, runs):
+  one = _parts(runs, graph, 1)[0]
   samples, tokens = WRITTEN[graph]
   for processes in (2, 4):
-    parts = _run(graph, processes, tmp_path, models)
+    parts = _parts(runs, graph, processes)
     for part in parts:
       for field in samples:  # every process holds every sample's value
         np.testing.assert_allclose(part[f"field_{field}"], one[f"field_{field}"], rtol=1e-4, atol=1e-6, err_msg=field)
