@@ -58,8 +58,8 @@ def example_dir(name: str) -> Path:
 
 
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
-                  CorrectionConfig, LoraConfig, ValueLossConfig, WaitConfig, TrainerConfig, RankerConfig, SchedulingConfig,
-                  ControllerConfig, ArmsConfig, WorkflowConfig,
+                  CorrectionConfig, LoraConfig, ValueLossConfig, WaitConfig, TrainerConfig, RankerConfig,
+                  SchedulingConfig, ControllerConfig, ArmsConfig, WorkflowConfig,
                   PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
                   GKEPortsConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:

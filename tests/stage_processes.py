@@ -1,10 +1,10 @@
-"""One process of a trainer of several (or a trainer of one) running a step graph's trainer stages over one fixed shard
-of two groups: `python -m tests.stage_processes OUT_DIR PROCESS PROCESSES PORT MODELS_DIR`, each of `GRAPHS` in turn. Each process holds the
-tokens of its own samples alone (owner = sample index modulo the processes, zeros elsewhere, as the trainer's shared
-view holds them: `pipeline.trainer.intake.shared_view`); the reference, the teacher, the judge and the critic are
-sharded over every process's devices like the policy. Writes OUT_DIR/GRAPH-PROCESSES-PROCESS.npz for each graph: the flow's fields, their step sums, the
-critic's update and which samples this process owns. tests/test_stage_processes.py compares 2 and 4 processes with
-one."""
+"""One process of a trainer of several (or a trainer of one) running each step graph's trainer stages in turn over one
+fixed shard of two groups: `python -m tests.stage_processes OUT_DIR PROCESS PROCESSES PORT MODELS_DIR`. Each process
+holds the tokens of its own samples alone (owner = sample index modulo the processes, zeros elsewhere, as the trainer's
+shared view holds them: `pipeline.trainer.intake.shared_view`); the reference, the teacher, the judge and the critic
+are sharded over every process's devices like the policy. Writes OUT_DIR/GRAPH-PROCESSES-PROCESS.npz a graph: the
+flow's fields, their step sums, the critic's update and which samples this process owns.
+tests/test_stage_processes.py compares 2 and 4 processes with one."""
 
 from __future__ import annotations
 

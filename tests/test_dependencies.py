@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # distribution -> why it is needed though nothing of ours imports it
 USED_WITHOUT_IMPORT = {
     "accelerate": "transformers refuses to load a GGUF file without it (tests/test_gguf.py, benchmarks/real_model.py)",
-    "libtpu": "jax loads it as its TPU backend's plugin: tests/test_plan.py compiles for a TPU topology with it, no TPU",
+    "libtpu": "jax loads it as its TPU backend's plugin: tests/test_plan.py compiles for a TPU topology, no TPU here",
     "pytest-xdist": "pytest's `-n` (pyproject.toml's addopts): the tests spread over one worker process per core",
     "tensorboard": "the `tensorboard --logdir WORKDIR` command of the viz extra reads a run's event files",
 }

@@ -130,6 +130,9 @@ def test_bad_paged_configs_are_refused_naming_the_key(model_parts):
     make_engine(graphdef, MODEL, EngineConfig(**{**PAGED.__dict__, "kv_pages": 4}), mesh)
   with pytest.raises(ValueError, match=r"EngineConfig.kv_layout='ring'; known: \['contiguous', 'paged'\]"):
     EngineConfig(kv_layout="ring")
+  with pytest.raises(ValueError, match=r"EngineConfig.attention='paged' is the paged cache's kernel: set "
+                                       r"EngineConfig.kv_layout='paged'"):
+    EngineConfig(kv_layout="contiguous", attention="paged")
 
 
 def test_the_prefix_cache_serves_a_group_across_calls_but_never_across_weight_versions(model_parts):

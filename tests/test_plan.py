@@ -1,6 +1,6 @@
-"""`streamrl plan`: topologies by name, collectives read off HLO, the roofline's counts by hand, a model's shapes without
-weights (shipped ones when the Hub is out of reach), the advice of a plan that does not fit, and whole plans compiled
-for a TPU v5e slice by TPU's own compiler (libtpu, no TPU here) and for this CPU's devices."""
+"""`streamrl plan`: topologies by name, collectives read off HLO, the roofline's counts by hand, a model's shapes
+without weights (shipped ones when the Hub is out of reach), the advice of a plan that does not fit, and whole plans
+compiled for a TPU v5e slice by TPU's own compiler (libtpu, no TPU here) and for this CPU's devices, held to a run."""
 
 from __future__ import annotations
 

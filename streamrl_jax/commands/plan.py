@@ -67,7 +67,8 @@ def cmd_plan(args) -> int:
 
   platform = parse_topology(args.topology).chip.platform
   if args.check and (platform != "cpu" or can_measure()):
-    raise ValueError(f"plan --check: {can_measure() or 'it runs each side on this machine: only with --topology cpu:N'}")
+    why = can_measure() or "it runs each side on this machine: only with --topology cpu:N"
+    raise ValueError(f"plan --check: {why}")
   setup, model, source, spec = planned_run(args.config, args.set, args.model, platform)
   request = PlanRequest(spec, args.topology, args.split, args.new_tokens, args.efficiency)
   progress = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731

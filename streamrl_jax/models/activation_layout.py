@@ -7,14 +7,12 @@ carries the attention kernel, if the call uses one (`models.fused_attention`).""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models.fused_attention import AttentionKernel
-
-BATCH_AXES = ("data", "fsdp")
+from streamrl_jax.models.sharding import batch_axes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,7 +24,7 @@ class ActivationLayout:
 
   def rows(self, x: jax.Array) -> jax.Array:
     """`x` [rows, ...] constrained to its rows split over the mesh's batch axes, where they divide them."""
-    axes = tuple(a for a in BATCH_AXES if self.mesh.shape.get(a, 1) > 1)
-    if not axes or x.shape[0] % math.prod(self.mesh.shape[a] for a in axes):
+    axes = batch_axes(self.mesh, x.shape[0])
+    if not axes:
       return x
     return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, PartitionSpec(axes)))

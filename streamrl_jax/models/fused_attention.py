@@ -24,11 +24,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from streamrl_jax.models.compile_target import target_backend
+from streamrl_jax.models.sharding import batch_axes
 
 ATTENTION = ("auto", "xla", "splash")  # TrainerConfig.attention
 DECODE_ATTENTION = ("auto", "xla", "paged")  # EngineConfig.attention
 TILE = 128  # rows are padded to a multiple of this many tokens for the kernel
-BATCH_AXES = ("data", "fsdp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +92,7 @@ def segment_attention(q, k, v, segment_ids, window: int | None, kernel: Attentio
                                     constant_values=fill)
     q, k, v, segment_ids = pad(q), pad(k), pad(v), pad(segment_ids, -1)
   mesh = kernel.mesh
-  batch = tuple(a for a in BATCH_AXES if mesh.shape.get(a, 1) > 1)
-  shards = 1
-  for axis in batch:
-    shards *= mesh.shape[axis]
-  batch = batch if batch and b % shards == 0 else ()
+  batch = batch_axes(mesh, b)
   tensor = mesh.shape.get("tensor", 1)
   heads = "tensor" if tensor > 1 and hkv % tensor == 0 else None
   rows = PartitionSpec(batch or None, None, heads, None)

@@ -222,7 +222,8 @@ def write_layer(k_pages: jax.Array, v_pages: jax.Array, table: jax.Array, start:
   if write_mask is not None:
     keep = keep & write_mask.astype(bool)
   page = jnp.where(keep, page, num_pages)  # out of range: dropped
-  heads_first = lambda x: x.transpose(2, 0, 1, 3)  # [B, T, H, D] -> [H, B, T, D], as [:, page, offset] indexes  # noqa: E731
+  # [B, T, H, D] -> [H, B, T, D], as [:, page, offset] indexes
+  heads_first = lambda x: x.transpose(2, 0, 1, 3)  # noqa: E731
   k_pages = k_pages.at[:, page, offset].set(heads_first(k_new).astype(k_pages.dtype), mode="drop")
   v_pages = v_pages.at[:, page, offset].set(heads_first(v_new).astype(v_pages.dtype), mode="drop")
   return k_pages, v_pages

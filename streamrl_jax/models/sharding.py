@@ -7,6 +7,7 @@ dimension is replicated), so tiny test models shard on any mesh.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import jax
@@ -28,6 +29,13 @@ DEFAULT_RULES: Mapping[str, MeshAxes] = {
     "expert_mlp": None,  # an expert's own width: whole on the device holding the expert
     "expert_choice": None,  # the router's output: one logit per expert, replicated
 }
+
+
+def batch_axes(mesh: Mesh, rows: int) -> tuple[str, ...]:
+  """The mesh axes a dimension of `rows` rows splits over: the logical rules' "batch" axes of size > 1, all of them
+  or none (a split over some alone would leave the others' devices holding copies)."""
+  axes = tuple(a for a in DEFAULT_RULES["batch"] if mesh.shape.get(a, 1) > 1)
+  return axes if axes and rows % math.prod(mesh.shape[a] for a in axes) == 0 else ()
 
 
 def logical_spec(axes: tuple, shape: tuple, mesh: Mesh, rules: Mapping[str, MeshAxes] | None = None):

@@ -149,7 +149,7 @@ class Transformer(nnx.Module):
     positions = (jnp.maximum(jnp.cumsum(mask, axis=1, dtype=jnp.int32) - 1, 0) if segment_ids is None
                  else packed_positions(segment_ids))
     if layout is not None and layout.kernel is not None:  # a token sees its segment alone: padding (0) apart
-      segments = mask.astype(jnp.int32) if segment_ids is None else segment_ids
+      segments = mask.astype(jnp.int32) if segment_ids is None else jnp.where(mask, segment_ids, 0)
       attention = (SegmentMask(segments, None, layout.kernel), positions)
     else:
       steps = jnp.arange(tokens.shape[1])

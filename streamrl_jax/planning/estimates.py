@@ -84,4 +84,5 @@ def why_not(setup: PlanSetup, model: ModelConfig, chip: Chip, total: int) -> str
   if trainer > limit:
     out.append(f"the trainer's state needs {trainer / GIB:.1f} GiB a chip on {total - tensor} chips: more chips or "
                "LoRA")
-  return "; ".join(out) or "each side fits alone, no split of whole engine instances leaves the trainer a shardable count"
+  return "; ".join(out) or ("each side fits alone, no split of whole engine instances leaves the trainer a shardable "
+                            "count")

@@ -28,7 +28,8 @@ def plan_text(plan: Plan) -> str:
   chip, split = plan.chip, plan.split
   lines = [f"plan: {plan.request.model} ({plan.model.architecture}, {plan.model.param_count() / 1e9:.2f}B parameters, "
            f"config from {plan.model_source}) on {plan.topology.name}: {plan.topology.devices} x {chip.name} "
-           f"({chip.hbm_bytes / GIB:.2f} GiB, {chip.peak_flops / 1e12:.0f} TFLOP/s, {chip.hbm_bytes_per_s / 1e9:.0f} GB/s)",
+           f"({chip.hbm_bytes / GIB:.2f} GiB, {chip.peak_flops / 1e12:.0f} TFLOP/s, "
+           f"{chip.hbm_bytes_per_s / 1e9:.0f} GB/s)",
            f"split: {split['sampler']} sampler chips ({split['instances']} engine instances of "
            f"{plan.sampler.mesh.get('tensor', 1)}) + {split['trainer']} trainer chips ({split['chosen_by']})"]
   lines += _side(plan.trainer, plan) + _side(plan.sampler, plan)
@@ -38,7 +39,8 @@ def plan_text(plan: Plan) -> str:
                  f"temporaries {a['kernel'] / GIB:.2f} GiB with the kernel, {a['xla'] / GIB:.2f} GiB with XLA's "
                  f"({a['kernel_over_xla']:.3f})")
   lines.append(f"simulator: {plan.samples_per_s:.2f} samples/s at this split (each side at "
-               f"{plan.request.efficiency:.0%} of its roofline; completions {plan.new_tokens:.0f} tokens at the median)")
+               f"{plan.request.efficiency:.0%} of its roofline; completions {plan.new_tokens:.0f} tokens at the "
+               "median)")
   lines.append("fits" if plan.fits else advice(plan))
   return "\n".join(lines)
 
@@ -51,8 +53,8 @@ def _side(side: SidePlan, plan: Plan) -> list[str]:
   out = [head]
   for program in side.programs:
     if program.refused:
-      out.append(f"  {program.name}: REFUSED by the compiler, it needs {program.temp_bytes / GIB:.1f} GiB of temporaries "
-                 f"({program.refused})")
+      out.append(f"  {program.name}: REFUSED by the compiler, it needs {program.temp_bytes / GIB:.1f} GiB of "
+                 f"temporaries ({program.refused})")
       continue
     collectives = ", ".join(f"{k} {v / GIB:.3f} GiB" for k, v in program.collective_bytes.items()) or "none"
     out.append(f"  {program.name}: arguments {program.argument_bytes / GIB:.2f} GiB, outputs "

@@ -67,7 +67,8 @@ def plan_trainer(setup: PlanSetup, model: ModelConfig, devices: list, chip: Chip
   calls = math.ceil(step_rows / rows)
   adapters = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(trained)) if lora else 0
   step = trainer_call(model, rows * width, len(devices), shape) * calls + optimizer_step(model, len(devices), adapters)
-  notes = dict(call_rows=rows, call_length=width, packed=packed, batch_shards=trainer.packed_row_quantum, calls_per_step=calls, rows_per_step=step_rows,
+  notes = dict(call_rows=rows, call_length=width, packed=packed, batch_shards=trainer.packed_row_quantum,
+               calls_per_step=calls, rows_per_step=step_rows,
                remat=setup.trainer.remat, attention=setup.trainer.attention, reference=trainer.has_reference,
                lora=lora, call=trainer_call(model, rows * width, len(devices), shape).seconds(chip), one_row=one_row,
                budget_refused=budget_refused,

@@ -45,6 +45,9 @@ class EngineConfig:
       raise ValueError(f"EngineConfig.kv_layout={self.kv_layout!r}; known: {list(KV_LAYOUTS)}")
     if self.attention not in DECODE_ATTENTION:
       raise ValueError(f"EngineConfig.attention={self.attention!r}; known: {list(DECODE_ATTENTION)}")
+    if self.attention == "paged" and self.kv_layout != "paged":
+      raise ValueError("EngineConfig.attention='paged' is the paged cache's kernel: set EngineConfig.kv_layout='paged' "
+                       "(or attention 'auto' or 'xla')")
     for field in dataclasses.fields(self):
       value = getattr(self, field.name)
       if isinstance(value, (bool, str)):

@@ -142,7 +142,8 @@ class PagedDecodeEngine(EngineBase):
     table, slots = np.zeros((ec.num_slots, self.pages_per_row), np.int32), np.arange(ec.num_slots, dtype=np.int32)
     return {"prefill": PlannedCall(self._insert.trace(params, rows, tokens, lengths, plan.arrays(
                 np.asarray(state.pages.table)), prefix.arrays).lower(), reads_state=True),
-            "decode": PlannedCall(self._generate.trace(params, rows, table, slots, ec.cache_length, 1).lower(), True)}, rows
+            "decode": PlannedCall(self._generate.trace(params, rows, table, slots, ec.cache_length, 1).lower(),
+                                  True)}, rows
 
   def free_pages(self, state: PagedState) -> int:
     return self.book.free_pages(state)

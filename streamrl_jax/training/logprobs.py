@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax.models.layers import cpu_low_precision, rows_first
-from streamrl_jax.models.sharding import logical_spec
+from streamrl_jax.models.sharding import batch_axes, logical_spec
 from streamrl_jax.truncation import truncation_floor
 
 FLOOR_BLOCK = 128  # tokens whose full logits a support rebuild holds at once
@@ -221,9 +220,8 @@ class _Plan:
     """`x` [N, ...] split over the mesh's batch axes (where they divide N)."""
     if self.mesh is None:
       return x
-    axes = tuple(a for a in ("data", "fsdp") if self.mesh.shape.get(a, 1) > 1)
-    size = math.prod(self.mesh.shape[a] for a in axes)
-    return self.placed(x, PartitionSpec(axes or None) if axes and x.shape[0] % size == 0 else PartitionSpec())
+    axes = batch_axes(self.mesh, x.shape[0])
+    return self.placed(x, PartitionSpec(axes) if axes else PartitionSpec())
 
   def head_sharded(self, x):
     """A [vocab, H] or [H, vocab] gradient in the head's own sharding (the logical rules': its hidden axis over

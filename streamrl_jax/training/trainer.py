@@ -253,19 +253,17 @@ class Trainer:
     """The state `init_state` makes from parameters of these shapes (`jax.ShapeDtypeStruct`s), as shapes placed on
     the mesh as it would place them, no value made: what a plan compiles this trainer's programs against
     (`planning/`)."""
-    shapes = lambda tree, shardings: jax.tree.map(  # noqa: E731
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
-    params = shapes(params, state_shardings(params, self.mesh, self.rules))
+    params = launch.put(params, state_shardings(params, self.mesh, self.rules))  # shapes in, shapes out
     self._adopt(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
-    opt_state = shapes(jax.eval_shape(self.tx.init, params), optimizer_shardings(self.tx, params, self.mesh))
+    opt_state = launch.put(jax.eval_shape(self.tx.init, params), optimizer_shardings(self.tx, params, self.mesh))
     sums = jax.eval_shape(lambda: zero_sums(self.loss.moe is not None))
     state = TrainState(params=params, opt_state=opt_state,
                        step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
                        rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
-                       grad_sum=shapes(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params),
-                                       jax.tree.map(lambda p: p.sharding, params)),
-                       sums=shapes(sums, jax.tree.map(lambda _: replicated, sums)))
+                       grad_sum=launch.put(jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32), params),
+                                           jax.tree.map(lambda p: p.sharding, params)),
+                       sums=launch.put(sums, replicated))
     if self._accumulate is None:
       self._build(state)
     return state

@@ -8,6 +8,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
+from streamrl_jax.models.activation_layout import ActivationLayout
+from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.training.call_loss import CallLoss
 from streamrl_jax.training.config import TrainerConfig
 from streamrl_jax.training.logprobs import Truncation
@@ -74,7 +76,8 @@ def frozen_model(kind: str, workflow: WorkflowConfig, trainer: TrainerConfig, sc
                  student: Student, mesh) -> Callable:
   """The frozen model of `kind` ('teacher' or 'judge', `workflow`'s) on `mesh`, scoring the policy's samples."""
   if kind == "teacher":
-    loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1])
+    loss = CallLoss(trainer.objective, trainer, scoring[0], truncation=scoring[1],  # laid out as the policy's calls
+                    layout=ActivationLayout(mesh, trainer_kernel(trainer.attention, mesh)))
     return load_teacher(workflow.teacher, student.vocab_size, student.compute_dtype, mesh, loss, student.longest)
   if student.tokenizer is None:
     raise GraphError("a judge's question is encoded with the policy's tokenizer, which this trainer was not given")
