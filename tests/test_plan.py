@@ -122,6 +122,33 @@ def test_a_plan_that_does_not_fit_names_what_would():
   assert "32 or more trainer chips: a larger topology" in said
 
 
+def test_a_chosen_split_whose_trainer_compiles_too_large_moves_to_the_next_best_with_more_trainer_chips(
+    tmp_path, monkeypatch):
+  """The simulator's split is chosen on estimates; when the trainer then compiles over the chip there, the plan
+  compiles it at the next best split with more trainer chips (the trainer's peak here: 64 GB over its chips)."""
+  from streamrl_jax.commands.plan import planned_run
+  from streamrl_jax.planning import plan as planning
+
+  (tmp_path / "config.json").write_text(json.dumps(TINY))
+  setup, model, source, spec = planned_run([], list(TINY_RUN), str(tmp_path / "config.json"), "tpu")
+  compiled = []
+
+  def trainer(setup, model, devices, chip, new_tokens):
+    compiled.append(len(devices))
+    return _side("trainer", 64e9 / len(devices), {"weights": 1e9}, {}, {"fsdp": len(devices)})
+
+  monkeypatch.setattr(planning, "choose_split", lambda *a: (12, 9.0, {12: 9.0, 8: 8.0, 4: 7.0, 14: 1.0}))
+  monkeypatch.setattr(planning, "plan_trainer", trainer)
+  monkeypatch.setattr(planning, "plan_sampler", lambda *a: _side("sampler", 1e9, {"weights": 1e9}, {}, {}))
+  monkeypatch.setattr(planning, "attention_temporaries", lambda *a: {})
+  monkeypatch.setattr(planning, "samples_per_s", lambda *a: 8.0)
+  plan = planning.make_plan(planning.PlanRequest(spec, "v5e:4x4"), setup, model, source)
+  # 64 GB over 4 chips is 16 GB (over 0.9 of 15.75 GiB: 15.2 GB), over 8 chips 8 GB: 4 sampler chips never tried
+  assert compiled == [4, 8] and plan.fits
+  assert plan.split == dict(sampler=8, trainer=8, instances=8, chosen_by="the simulator's best whose trainer compiled "
+                                                                                   "to fit")
+
+
 def _plan_cli(tmp_path, topology, *extra):
   (tmp_path / "config.json").write_text(json.dumps(TINY))
   sets = [arg for s in TINY_RUN for arg in ("--set", s)]

@@ -70,8 +70,7 @@ class Plan:
   def fits(self) -> bool:
     """Both sides' peaks within `HEADROOM` of the chip's memory, every program compiled (none refused for memory),
     and the run's own checks pass (its activation budget holds a trainer call)."""
-    return (self.trainer_hbm_frac <= HEADROOM and self.sampler_hbm_frac <= HEADROOM and not self.trainer.refused
-            and not self.sampler.refused and not self.trainer.notes.get("budget_refused"))
+    return _trainer_fits(self.trainer, self.chip) and self.sampler_hbm_frac <= HEADROOM and not self.sampler.refused
 
 
 def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_source: str,
@@ -100,6 +99,16 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
     trainer_devices = devices if colocated else devices[sampler_chips:]
     progress(f"plan: compiling the trainer's call and optimizer step on {len(trainer_devices)} {chip.name} ...")
     trainer = plan_trainer(setup, model, trainer_devices, chip, new_tokens)
+    while scores and not _trainer_fits(trainer, chip):  # the estimate was short: the next best with more trainer chips
+      larger = [s for s in scores if s < sampler_chips]
+      if not larger:
+        break
+      sampler_chips = max(larger, key=lambda s: (scores[s], -s))
+      trainer_devices = devices[sampler_chips:]
+      progress(f"plan: the trainer needs {trainer.peak_bytes / GIB:.1f} GiB a chip there; compiling it on "
+               f"{len(trainer_devices)} {chip.name} (the simulator's next best) ...")
+      trainer = plan_trainer(setup, model, trainer_devices, chip, new_tokens)
+      chosen = "the simulator's best whose trainer compiled to fit"
     progress(f"plan: compiling the sampler's prefill and decode on {setup.mesh.sampler_tensor_parallel} "
              f"{chip.name} ...")
     sampler = plan_sampler(setup, model, devices[:sampler_chips], chip, new_tokens)
@@ -114,6 +123,10 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
   split = dict(sampler=sampler_chips, trainer=len(trainer_devices), instances=instances, chosen_by=chosen)
   return Plan(request, topology, model, model_source, split, trainer, sampler, attention, throughput,
               {str(k): round(v, 3) for k, v in scores.items()}, new_tokens)
+
+
+def _trainer_fits(trainer: SidePlan, chip: Chip) -> bool:
+  return trainer.hbm_frac(chip) <= HEADROOM and not trainer.refused and not trainer.notes.get("budget_refused")
 
 
 def _check_split(sampler: int, total: int, tensor: int) -> None:
