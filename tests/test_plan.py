@@ -167,6 +167,8 @@ def test_a_plan_compiled_for_a_tpu_slice_with_its_kernels(tmp_path):
   plan = json.loads(done.stdout.strip().splitlines()[-1])
   assert plan["fits"] is True and plan["chip"]["name"] == "TPU v5 lite"
   assert plan["split"]["sampler"] + plan["split"]["trainer"] == 4 and plan["split"]["chosen_by"].startswith("the sim")
+  # the split's samples/s as the simulator scored it when choosing (both with the TPU's cache and compute dtypes)
+  assert plan["samples_per_s"] == pytest.approx(plan["split_scores"][str(plan["split"]["sampler"])], abs=1e-3)
   for key in ("trainer_hbm_frac", "sampler_hbm_frac", "trainer_step_s", "decode_step_s", "samples_per_s"):
     assert isinstance(plan[key], float) and plan[key] > 0, key
   programs = {p["name"]: p for side in ("trainer", "sampler") for p in plan[side]["programs"]}

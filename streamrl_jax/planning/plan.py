@@ -116,10 +116,11 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
       trainer, sampler = _shared(trainer, sampler)
     progress("plan: compiling the trainer's attention alone, with and without its kernel ...")
     attention = attention_temporaries(model, trainer.notes, trainer_devices[0])
+    # the profile as the chip's backend sees it (TPU's compiler keeps remat'd activations: no recompute counted)
+    throughput = samples_per_s(setup, model, chip, total, sampler_chips,
+                               profile_at(setup, model, chip, total - sampler_chips or total, new_tokens,
+                                          request.efficiency), new_tokens)
   instances = sampler_chips // setup.mesh.sampler_tensor_parallel
-  throughput = samples_per_s(setup, model, chip, total, sampler_chips,
-                             profile_at(setup, model, chip, total - sampler_chips or total, new_tokens,
-                                        request.efficiency), new_tokens)
   split = dict(sampler=sampler_chips, trainer=len(trainer_devices), instances=instances, chosen_by=chosen)
   return Plan(request, topology, model, model_source, split, trainer, sampler, attention, throughput,
               {str(k): round(v, 3) for k, v in scores.items()}, new_tokens)
