@@ -126,7 +126,7 @@ def test_a_chosen_split_whose_trainer_compiles_too_large_moves_to_the_next_best_
     tmp_path, monkeypatch):
   """The simulator's split is chosen on estimates; when the trainer then compiles over the chip there, the plan
   compiles it at the next best split with more trainer chips (the trainer's peak here: 64 GB over its chips)."""
-  from streamrl_jax.commands.plan import planned_run
+  from streamrl_jax.commands.plan_inputs import planned_run
   from streamrl_jax.planning import plan as planning
 
   (tmp_path / "config.json").write_text(json.dumps(TINY))

@@ -39,27 +39,8 @@ def plan_host_devices(args) -> int:
   return int(topology.split(":", 1)[1]) if topology.startswith("cpu:") and topology[4:].isdigit() else 1
 
 
-def planned_run(config: list[str], sets: list[str], model: str, platform: str) -> tuple:
-  """(plan setup, model shapes, where they came from, the model's spec) of the run `config` and `sets` describe, its
-  model `model` (or JobConfig.model), computing in the dtype `platform`'s backend resolves."""
-  from streamrl_jax import gin_config
-  from streamrl_jax.models.dtype_probe import ProductShapes, choose_compute_dtype
-  from streamrl_jax.pipeline.parts import plan_setup
-  from streamrl_jax.planning.model_shapes import model_shapes
-
-  gin_config.parse(gin_config.run_files(config), sets)
-  run, job = gin_config.build_run()
-  spec = model or job.model
-  if not spec:
-    raise ValueError("plan: name the model (--model: a config.json, a directory, a catalog name or a Hub id), or set "
-                     "JobConfig.model in the config")
-  shapes, _ = model_shapes(spec, "float32")
-  dtype = choose_compute_dtype(job.compute_dtype, ProductShapes.of(shapes), backend=platform).dtype
-  shapes, source = model_shapes(spec, dtype)
-  return plan_setup(run.resolved(dtype)), shapes, source, spec
-
-
 def cmd_plan(args) -> int:
+  from streamrl_jax.commands.plan_inputs import planned_run
   from streamrl_jax.planning.chips import parse_topology
   from streamrl_jax.planning.measured import can_measure
   from streamrl_jax.planning.plan import PlanRequest, advice, make_plan

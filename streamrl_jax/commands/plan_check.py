@@ -60,7 +60,7 @@ def _measure(run: SideRun) -> Measured:
   force_host_devices(run.devices)
   import jax
 
-  from streamrl_jax.commands.plan import planned_run
+  from streamrl_jax.commands.plan_inputs import planned_run
   from streamrl_jax.planning.measured import measure_sampler, measure_trainer
 
   setup, model, _, _ = planned_run(list(run.config), list(run.sets), run.model, "cpu")

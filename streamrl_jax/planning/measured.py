@@ -17,10 +17,17 @@ import statistics
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from flax import nnx
 
-from streamrl_jax.models import ModelConfig
+from streamrl_jax.meshes import MeshShape, mesh_from_devices
+from streamrl_jax.models import ModelConfig, Transformer
+from streamrl_jax.pipeline.trainer.policy import make_trainer
 from streamrl_jax.planning.setup import PlanSetup
+from streamrl_jax.planning.trainer_plan import trainer_mesh
+from streamrl_jax.sampling.engine_base import planned_requests
+from streamrl_jax.sampling.engines import make_engine
 
 ROUNDS = 5
 
@@ -61,13 +68,6 @@ class PlanCheck:
 def measure_trainer(setup: PlanSetup, model: ModelConfig, devices: list, rows: int, width: int,
                     calls: int) -> Measured:
   """The run's trainer on `devices` at a call of `rows` x `width` packed tokens (two segments a row)."""
-  import jax
-  from flax import nnx
-
-  from streamrl_jax.models import Transformer
-  from streamrl_jax.pipeline.trainer.policy import make_trainer
-  from streamrl_jax.planning.trainer_plan import trainer_mesh
-
   mesh = trainer_mesh(setup, devices)
   graphdef, params = nnx.split(Transformer(model, rngs=nnx.Rngs(0)))
   trainer, trained = make_trainer(setup.trainer, setup.shape, setup.mesh.expert_axis, graphdef, params, mesh, False)
@@ -103,14 +103,6 @@ def _packed_call(rows: int, width: int, vocab: int) -> dict:
 
 def measure_sampler(setup: PlanSetup, model: ModelConfig, devices: list) -> Measured:
   """One engine instance on the first `MeshConfig.sampler_tensor_parallel` of `devices`, every slot filled."""
-  import jax
-  from flax import nnx
-
-  from streamrl_jax.meshes import MeshShape, mesh_from_devices
-  from streamrl_jax.models import Transformer
-  from streamrl_jax.sampling.engine_base import planned_requests
-  from streamrl_jax.sampling.engines import make_engine
-
   tensor = setup.mesh.sampler_tensor_parallel
   mesh = mesh_from_devices(devices[:tensor], MeshShape(1, 1, tensor))
   graphdef, params = nnx.split(Transformer(model, rngs=nnx.Rngs(0)))

@@ -81,21 +81,8 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
   chip, devices = topology.chip, topology.device_list()
   new_tokens = request.new_tokens or setup.shape.max_new_tokens / 2
   total, colocated = len(devices), setup.shape.spec.shared_mesh
-  scores = {}
   with compiling_for(chip.platform):
-    if colocated:
-      if request.sampler_chips:
-        raise ValueError("--split: PipelineConfig.mode='colocated' time-shares every chip between the two sides")
-      sampler_chips, chosen = total, "colocated: both sides on every chip"
-    elif request.sampler_chips:
-      _check_split(request.sampler_chips, total, setup.mesh.sampler_tensor_parallel)
-      sampler_chips, chosen = request.sampler_chips, "asked for (--split)"
-    else:
-      progress(f"plan: choosing the split of {total} chips with the simulator ...")
-      sampler_chips, _, scores = choose_split(
-          setup, model, chip, total, lambda s, t: profile_at(setup, model, chip, t, new_tokens, request.efficiency),
-          lambda s, t: fits_estimate(setup, model, chip, t), new_tokens)
-      chosen = "the simulator's best that fits"
+    sampler_chips, chosen, scores = _first_split(request, setup, model, chip, total, new_tokens, progress)
     trainer_devices = devices if colocated else devices[sampler_chips:]
     progress(f"plan: compiling the trainer's call and optimizer step on {len(trainer_devices)} {chip.name} ...")
     trainer = plan_trainer(setup, model, trainer_devices, chip, new_tokens)
@@ -116,7 +103,7 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
       trainer, sampler = _shared(trainer, sampler)
     progress("plan: compiling the trainer's attention alone, with and without its kernel ...")
     attention = attention_temporaries(model, trainer.notes, trainer_devices[0])
-    # the profile as the chip's backend sees it (TPU's compiler keeps remat'd activations: no recompute counted)
+    # under the chip's backend, as the split's score was (the cache's and compute's dtypes are the chip's)
     throughput = samples_per_s(setup, model, chip, total, sampler_chips,
                                profile_at(setup, model, chip, total - sampler_chips or total, new_tokens,
                                           request.efficiency), new_tokens)
@@ -124,6 +111,24 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
   split = dict(sampler=sampler_chips, trainer=len(trainer_devices), instances=instances, chosen_by=chosen)
   return Plan(request, topology, model, model_source, split, trainer, sampler, attention, throughput,
               {str(k): round(v, 3) for k, v in scores.items()}, new_tokens)
+
+
+def _first_split(request: PlanRequest, setup: PlanSetup, model: ModelConfig, chip: Chip, total: int,
+                 new_tokens: float, progress: Callable[[str], None]) -> tuple[int, str, dict]:
+  """(sampler chips, why, the simulator's score of each split tried): colocated, asked for, or the simulator's best
+  that the memory estimate lets fit."""
+  if setup.shape.spec.shared_mesh:
+    if request.sampler_chips:
+      raise ValueError("--split: PipelineConfig.mode='colocated' time-shares every chip between the two sides")
+    return total, "colocated: both sides on every chip", {}
+  if request.sampler_chips:
+    _check_split(request.sampler_chips, total, setup.mesh.sampler_tensor_parallel)
+    return request.sampler_chips, "asked for (--split)", {}
+  progress(f"plan: choosing the split of {total} chips with the simulator ...")
+  sampler_chips, _, scores = choose_split(
+      setup, model, chip, total, lambda s, t: profile_at(setup, model, chip, t, new_tokens, request.efficiency),
+      lambda s, t: fits_estimate(setup, model, chip, t), new_tokens)
+  return sampler_chips, "the simulator's best that fits", scores
 
 
 def _trainer_fits(trainer: SidePlan, chip: Chip) -> bool:
