@@ -21,7 +21,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from streamrl_jax import launch
-from streamrl_jax.models import DEFAULT_RULES, ModelConfig, logical_spec, state_shardings
+from streamrl_jax.models import DEFAULT_RULES, ModelConfig, state_shardings
 from streamrl_jax.models.activation_layout import ActivationLayout
 from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.models.moe import ExpertPlacement
