@@ -2,6 +2,7 @@
 pipeline on the tiny model (the same shapes as test_pipeline: no new compiles)."""
 
 import dataclasses
+import threading
 
 import jax
 import numpy as np
@@ -346,6 +347,68 @@ def test_a_lease_handed_back_mid_generation_is_resumed_elsewhere_as_if_never_int
   sent = encode_message(Leave(third.sampler_id, partials=(Rollout(1, 0, (1,), (-1.0,), (0,)),)))
   with pytest.raises(BadMessage, match="Rollout: .*one of each per token"):  # the same rule at the door
     decode_message(sent.replace(b'"logprobs":[-1.0]', b'"logprobs":[-1.0,-2.0]'))
+
+
+class _BeatsDuringLeave:
+  """The control channel, the controller itself, noting each call: a Leave waits up to 1 s for a heartbeat, which a
+  beat thread still running at period 0.01 s sends (the trainer's shutdown, on every sampler's Leave, would cut it).
+  Its beats never carry the run's end, so a lease reply does (the run ended between two beats)."""
+
+  def __init__(self, controller):
+    self.controller, self.calls, self.beat = controller, [], threading.Event()
+
+  def __getattr__(self, name):
+    return getattr(self.controller, name)
+
+  def heartbeat(self, message, abort=None):
+    self.calls.append("heartbeat")
+    self.beat.set()
+    return dataclasses.replace(self.controller.heartbeat(message), stop=False)
+
+  def leave(self, message):
+    self.beat.clear()
+    self.calls.append("leave")
+    self.beat.wait(1.0)
+    return self.controller.leave(message)
+
+
+class _HeldWeights(_Weights):
+  """A receiver as a session closes it."""
+
+  stats = {"fetches": 0}
+
+  def close(self):
+    pass
+
+
+class _FinishingSink(_Sink):
+  """Ends the run, as the trainer does after its last step, once the first shard is in: the sampler hears it at its
+  next lease request, with `stop` never set."""
+
+  def put(self, shard):
+    assert self.controller.door.on_shard(self.worker.sampler_id, shard) == "accept"
+    self.shards.append(shard)
+    self.controller.finish()
+
+
+def test_a_sessions_heartbeat_has_stopped_before_its_leave(worker_parts):
+  """The trainer shuts its server down once every sampler has left, cancelling the calls under way: a heartbeat
+  sent after the Leave ended its sampler with FlightCancelledError (CI, test_faults' resumed-trainer run)."""
+  from collections import defaultdict
+
+  from streamrl_jax.messages import Published
+  from streamrl_jax.pipeline.controller import Controller
+  from streamrl_jax.pipeline.sampler.program import _session
+  config = dataclasses.replace(BASE, steps=1)
+  worker = worker_parts()
+  controller = Controller(controller_setup(config), DigitTask(max_digits=3), TOKENIZER, start_step=0)
+  controller.published(Published(0))
+  control = _BeatsDuringLeave(controller)
+  worker.register(controller)
+  sink = _FinishingSink(controller, worker, 1)
+  outcome = _session(worker, control, sink, _HeldWeights(worker.weights.update.params), worker.sampler_id, 0.01,
+                     sink.stop, defaultdict(int))
+  assert outcome == "finished" and "heartbeat" in control.calls and control.calls[-1] == "leave", control.calls[-3:]
 
 
 def test_partials_a_leaving_sampler_may_hand_back_by_hand():

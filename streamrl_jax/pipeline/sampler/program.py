@@ -135,12 +135,15 @@ def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, 
   beat = threading.Thread(target=_heartbeat, args=(control, sampler_id, period, stop, ended, rejoin, errors),
                           daemon=True, name="heartbeat")
   beat.start()
-  try:
-    outcome = worker.serve(control, sender, receiver, stop, rejoin)
-  finally:
+
+  def end_beat() -> None:  # before the Leave: no beat of a sampler that has left is cut off by the server's shutdown
     ended.set()
-    receiver.close()
     beat.join()
+  try:
+    outcome = worker.serve(control, sender, receiver, stop, rejoin, before_leave=end_beat)
+  finally:
+    end_beat()
+    receiver.close()
     for key, value in receiver.stats.items():
       stats[f"weights_{key}"] += value
   if errors:
