@@ -2,6 +2,7 @@
 and tiny Hugging Face models."""
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
@@ -40,6 +41,7 @@ import pytest  # noqa: E402
 # tests/sweep.py: which tests start threads or processes (STREAMRL_SWEEP_RECORD) and which failed (..._FAILED).
 _SWEEP_RECORD, _SWEEP_FAILED = os.environ.get("STREAMRL_SWEEP_RECORD"), os.environ.get("STREAMRL_SWEEP_FAILED")
 _running = {"test": None, "root": ""}
+SWEEP_ERROR_LINES = 12  # of a failed test's report, kept for the sweep's message
 
 
 def pytest_configure(config):
@@ -69,9 +71,10 @@ def pytest_runtest_logstart(nodeid, location):
 
 
 def pytest_runtest_logreport(report):
-  if _SWEEP_FAILED and report.failed:
+  if _SWEEP_FAILED and report.failed:  # one JSON line a failure: the test and its error's last lines
+    tail = "\n".join(report.longreprtext.splitlines()[-SWEEP_ERROR_LINES:])
     with open(_SWEEP_FAILED, "a") as out:
-      out.write(_absolute(report.nodeid) + "\n")
+      out.write(json.dumps({"test": _absolute(report.nodeid), "when": report.when, "error": tail}) + "\n")
 
 
 if _SWEEP_RECORD:  # a test is concurrent if it, or a fixture it uses, starts a thread (Python's or native: a Flight

@@ -6,8 +6,9 @@
 
 Which tests start threads or processes is not a list kept by hand: the first round runs the selection with a
 recorder (STREAMRL_SWEEP_RECORD) that notes every test whose set-up or body starts a `threading.Thread` or a
-`subprocess.Popen`, and the later rounds run exactly those. Prints one line per round and, last, one JSON object:
-{"rounds", "tests", "failures": {node id: rounds it failed}, "seconds"}; exits 1 if any test failed in any round.
+`subprocess.Popen`, and the later rounds run exactly those. Prints one line per round (and each test that failed in
+it) and, last, one JSON object: {"rounds", "tests", "failures": {node id: rounds it failed}, "errors": {node id: the
+last lines of its last failure}, "seconds"}; exits 1 if any test failed in any round.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ RISKIEST = (
 )
 
 
-def _pytest(args: list[str], record: Path | None = None) -> tuple[int, list[str]]:
-  """One pytest process over `args` (the sweep's own tests left out: they run sweeps of their own); (exit code, node
-  ids that failed). Only this pytest writes to `record` and to its failures file: nothing of a sweep this one runs
-  inside (its environment's) reaches them."""
+def _pytest(args: list[str], record: Path | None = None) -> tuple[int, dict[str, str]]:
+  """One pytest process over `args` (the sweep's own tests left out: they run sweeps of their own); (exit code,
+  {node id that failed: its error's last lines}). Only this pytest writes to `record` and to its failures file:
+  nothing of a sweep this one runs inside (its environment's) reaches them."""
   with tempfile.NamedTemporaryFile("r", suffix=".txt") as failed:
     env = {k: v for k, v in os.environ.items() if k not in (RECORD_ENV, FAILED_ENV)}
     env.update({FAILED_ENV: failed.name, **({RECORD_ENV: str(record)} if record else {})})
@@ -53,12 +54,26 @@ def _pytest(args: list[str], record: Path | None = None) -> tuple[int, list[str]
                           text=True)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     print(lines[-1] if lines else f"pytest exited {done.returncode}", file=sys.stderr, flush=True)
-    return done.returncode, _ids(Path(failed.name))
+    failures = _failures(Path(failed.name))
+    for node in failures:
+      print(f"[sweep]   failed: {_short(node)}", file=sys.stderr, flush=True)
+    return done.returncode, failures
 
 
 def _ids(path: Path) -> list[str]:
   """The node ids a recorder or reporter wrote, one a line (an id may hold spaces: a test's parameters)."""
   return sorted({line for line in path.read_text().splitlines() if line.strip()})
+
+
+def _failures(path: Path) -> dict[str, str]:
+  """{node id: error} of the reporter's JSON lines (tests/conftest.py); a test failing in set-up and teardown both
+  keeps both errors."""
+  out: dict[str, str] = {}
+  for line in path.read_text().splitlines():
+    if line.strip():
+      row = json.loads(line)
+      out[row["test"]] = "\n".join(filter(None, (out.get(row["test"]), f"[{row['when']}] {row['error']}")))
+  return out
 
 
 def _short(node: str) -> str:
@@ -68,7 +83,7 @@ def _short(node: str) -> str:
 
 def sweep(selection: list[str], count: int, record_first: bool = True) -> dict:
   """`count` rounds over the thread/process tests of `selection` (all of it with `record_first=False`)."""
-  start, failures = time.monotonic(), {}
+  start, failures, errors = time.monotonic(), {}, {}
   with tempfile.TemporaryDirectory() as tmp:
     record = Path(tmp) / "concurrent.txt"
     record.touch()
@@ -76,8 +91,7 @@ def sweep(selection: list[str], count: int, record_first: bool = True) -> dict:
     if code not in (0, 1):  # 1: tests failed (counted); anything else: pytest could not run them
       raise RuntimeError(f"pytest exited {code} on {selection}")
     tests = _ids(record) if record_first else selection
-  for node in failed:
-    failures[_short(node)] = failures.get(_short(node), 0) + 1
+  _count(failed, failures, errors)
   for round_ in range(2, count + 1):
     print(f"[sweep] round {round_}/{count}: {len(tests)} tests", file=sys.stderr, flush=True)
     if not tests:
@@ -85,9 +99,16 @@ def sweep(selection: list[str], count: int, record_first: bool = True) -> dict:
     code, failed = _pytest(tests)
     if code not in (0, 1):
       raise RuntimeError(f"pytest exited {code} in round {round_}")
-    for node in failed:
-      failures[_short(node)] = failures.get(_short(node), 0) + 1
-  return dict(rounds=count, tests=len(tests), failures=failures, seconds=round(time.monotonic() - start))
+    _count(failed, failures, errors)
+  return dict(rounds=count, tests=len(tests), failures=failures, errors=errors,
+              seconds=round(time.monotonic() - start))
+
+
+def _count(failed: dict[str, str], failures: dict[str, int], errors: dict[str, str]) -> None:
+  """A round's failures into the sweep's tallies: one more round for each, its error the latest."""
+  for node, error in failed.items():
+    failures[_short(node)] = failures.get(_short(node), 0) + 1
+    errors[_short(node)] = error
 
 
 def main(argv=None) -> int:

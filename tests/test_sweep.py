@@ -17,7 +17,9 @@ def test_the_riskiest_thread_tests_pass_two_rounds_in_a_row():
   done = subprocess.run([sys.executable, "-m", "tests.sweep", "--count", "2", "--riskiest"], cwd=ROOT,
                         capture_output=True, text=True, timeout=900)
   result = json.loads(done.stdout.strip().splitlines()[-1])
-  assert done.returncode == 0 and result["failures"] == {} and result["rounds"] == 2, done.stderr[-3000:]
+  named = "\n".join(f"{node} failed in {n} round(s):\n{result['errors'][node]}"
+                    for node, n in result["failures"].items())
+  assert done.returncode == 0 and result["failures"] == {} and result["rounds"] == 2, named or done.stderr[-3000:]
 
 
 def test_the_sweep_takes_only_thread_tests_and_counts_each_failing_round(tmp_path):
@@ -26,7 +28,10 @@ def test_the_sweep_takes_only_thread_tests_and_counts_each_failing_round(tmp_pat
       "def test_plain():\n  assert True\n\n"
       "def test_threaded():\n  t = threading.Thread(target=lambda: None)\n  t.start()\n  t.join()\n\n"
       "def test_threaded_and_failing():\n  t = threading.Thread(target=lambda: None)\n  t.start()\n  t.join()\n"
-      "  assert False\n")
+      "  assert 1 + 1 == 3, 'the sum is off'\n")
   (tmp_path / "conftest.py").write_text((ROOT / "tests" / "conftest.py").read_text())  # the recorder
   result = sweep.sweep([str(tmp_path / "test_mixed.py")], count=3)
-  assert result["tests"] == 2 and result["failures"] == {f"{tmp_path}/test_mixed.py::test_threaded_and_failing": 3}
+  failing = f"{tmp_path}/test_mixed.py::test_threaded_and_failing"
+  assert result["tests"] == 2 and result["failures"] == {failing: 3}
+  assert list(result["errors"]) == [failing] and "AssertionError: the sum is off" in result["errors"][failing]
+  assert result["errors"][failing].startswith("[call] ")

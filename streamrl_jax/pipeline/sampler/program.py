@@ -9,9 +9,11 @@ import dataclasses
 import functools
 import logging
 import threading
+from collections.abc import Callable
 
 from streamrl_jax.meshes import role_mesh
-from streamrl_jax.messages import Heartbeat
+from streamrl_jax.messages import (Ack, Heartbeat, LeaseReply, LeaseRequest, Leave, Register, Registered,
+                                   StepReport)
 from streamrl_jax.models import ModelConfig, abstract_model, lora
 from streamrl_jax.models.precision import landing
 from streamrl_jax.pipeline.config import PipelineConfig
@@ -136,11 +138,11 @@ def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, 
                           daemon=True, name="heartbeat")
   beat.start()
 
-  def end_beat() -> None:  # before the Leave: no beat of a sampler that has left is cut off by the server's shutdown
+  def end_beat() -> None:
     ended.set()
     beat.join()
   try:
-    outcome = worker.serve(control, sender, receiver, stop, rejoin, before_leave=end_beat)
+    outcome = worker.serve(_SessionControl(control, end_beat), sender, receiver, stop, rejoin)
   finally:
     end_beat()
     receiver.close()
@@ -149,6 +151,27 @@ def _session(worker: SamplerWorker, control, sender, receiver, sampler_id: int, 
   if errors:
     raise errors[0]
   return outcome
+
+
+class _SessionControl:
+  """A session's control channel: its Leave first ends the session's heartbeat, since a trainer that has seen every
+  sampler leave shuts its server down, cancelling the calls under way (a beat cut off so ended its sampler)."""
+
+  def __init__(self, control: FlightControl, before_leave: Callable[[], None]):
+    self.control, self.before_leave = control, before_leave
+
+  def register(self, message: Register) -> Registered:
+    return self.control.register(message)
+
+  def lease(self, message: LeaseRequest) -> LeaseReply:
+    return self.control.lease(message)
+
+  def report(self, message: StepReport) -> Ack:
+    return self.control.report(message)
+
+  def leave(self, message: Leave) -> Ack:
+    self.before_leave()
+    return self.control.leave(message)
 
 
 def _heartbeat(control: FlightControl, sampler_id: int, period: float, stop: threading.Event, ended: threading.Event,

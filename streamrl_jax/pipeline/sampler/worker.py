@@ -13,7 +13,6 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 import numpy as np
 
@@ -119,14 +118,10 @@ class SamplerWorker:
     self.register(control)
     self.serve(control, samples, weights, stop)
 
-  def serve(self, control, samples, weights, stop: threading.Event, rejoin: threading.Event | None = None,
-            before_leave: Callable[[], None] | None = None) -> str:
+  def serve(self, control, samples, weights, stop: threading.Event, rejoin: threading.Event | None = None) -> str:
     """Generates leases until the controller says the run is over ('finished'), `stop` is set ('stopped'),
     or the controller no longer knows this sampler ('rejoin': the leases in hand are dropped, the caller
     registers again). `rejoin`, when set by another thread (a heartbeat's reply), also ends it.
-    `before_leave` runs once serving has ended, before the Leave: what else of the session calls the trainer (its
-    heartbeat) stops there, since a trainer that has seen every sampler leave shuts its server down and cancels
-    the calls under way.
 
     One lease at a time, or with `in_flight` a second one as soon as every request of the first is admitted:
     its requests fill the slots that the first one's long tail leaves free, and the weights it needs are
@@ -169,8 +164,6 @@ class SamplerWorker:
     finally:
       self.scorer.close()  # its workers start again with the next session
       self.episodes.close()
-    if before_leave is not None:
-      before_leave()
     self._leave(control, runs, outcome)
     return outcome
 
