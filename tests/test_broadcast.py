@@ -181,10 +181,11 @@ def _partial_relay(version: int, chunks: int) -> tuple[RelayServer, int]:
   return RelayServer("127.0.0.1", 0, store), sum(data.size for _, _, data in store._versions[version].rows)
 
 
-def _wait_until(condition, timeout: float = 30.0) -> None:
+def _wait_until(condition, what, timeout: float = 30.0) -> None:
+  """Polls `condition` until it holds; `what` (or what `what()` says at the timeout) names it."""
   deadline = time.monotonic() + timeout
   while not condition():
-    assert time.monotonic() < deadline, "timed out"
+    assert time.monotonic() < deadline, f"timed out waiting until {what() if callable(what) else what}"
     time.sleep(0.01)
 
 
@@ -192,17 +193,18 @@ def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_
   caplog.set_level(logging.INFO, logger="streamrl_jax")
   parent, held = _partial_relay(2, chunks=2)
   receiver = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
-                                                                             _params(0).items()}, None)
+                                                                             _params(0).items()}, None, follow=False)
   try:
     got = {}
     child = threading.Thread(target=lambda: got.update(update=receiver.fetch(2, parent.address)))
     child.start()
-    _wait_until(lambda: parent.counters["relay_streams"] == receiver.streams)  # streaming
-    _wait_until(lambda: parent.store.served_bytes == held)  # every chunk it holds is on its way: mid-transfer
+    _wait_until(lambda: parent.counters["relay_streams"] == receiver.streams, "the child streams")
+    _wait_until(lambda: parent.store.served_bytes == held, "every chunk it holds is on its way: mid-transfer")
     parent.store.fail(2, "its source died")
     child.join(timeout=60)
     update = got["update"]
     assert update.version == 2 and receiver.stats["relay_fallbacks"] == 1 and receiver.stats["relay_fetches"] == 0
+    assert receiver.stats["fetches"] == 1  # the one asked for: nothing fetched beside it
     assert "lost the source of version 2 mid-transfer: its source died" in receiver.last_fallback
     assert "fetching them from the trainer" in caplog.records[0].getMessage()
     assert caplog.records[0].levelname == "WARNING"
@@ -222,7 +224,10 @@ def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer
   parent, held = _partial_relay(2, chunks=3)
   middle = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10, stall_s=30))
   template = {k: np.zeros_like(v) for k, v in _params(0).items()}
-  a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relays=RelayLinks(middle.store))
+  # follow=False: its own loop would fetch version 2 from the trainer into the same relay meanwhile (it did, in 3 of
+  # 10 rounds under load: the relay then held it whole before C was seen streaming while it was still arriving)
+  a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relays=RelayLinks(middle.store),
+                           follow=False)
   try:
     got = {}
     child = threading.Thread(target=lambda: got.update(c=fetch_weights(FlightConnection(middle.address), 2,
@@ -230,12 +235,14 @@ def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer
     child.start()
     fetch = threading.Thread(target=lambda: got.update(a=a.fetch(2, parent.address)))
     fetch.start()
-    _wait_until(lambda: middle.counters["relay_streams"] == a.streams and middle.store.holds() == {2: "receiving"})
-    _wait_until(lambda: parent.store.served_bytes == held)  # P has sent A every chunk it holds: mid-transfer
+    _wait_until(lambda: middle.counters["relay_streams"] == a.streams and middle.store.holds() == {2: "receiving"},
+                lambda: f"C streams from A, which receives: {middle.counters}, {middle.store.holds()}, {a.stats}")
+    _wait_until(lambda: parent.store.served_bytes == held,
+                lambda: f"P has sent A every chunk it holds: {parent.store.served_bytes} of {held} bytes")
     parent.store.fail(2, "cut")
     fetch.join(timeout=60)
     child.join(timeout=60)
-    assert a.stats["relay_fallbacks"] == 1 and middle.store.holds() == {2: "complete"}
+    assert a.stats["relay_fallbacks"] == 1 and a.stats["fetches"] == 1 and middle.store.holds() == {2: "complete"}
     _, child_flat, _ = got["c"]
     for name, array in _expected_flat(2).items():
       np.testing.assert_array_equal(child_flat[name], array)
@@ -386,7 +393,7 @@ def test_a_relay_speaks_mutual_tls_and_a_stranger_falls_back_to_the_trainer(tmp_
     (tmp_path / "other").mkdir()
     other = write_test_certificates(tmp_path / "other")  # signed by another CA: refused at the handshake
     stranger = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
-                                                                              _params(0).items()}, None,
+                                                                              _params(0).items()}, None, follow=False,
                                     relays=RelayLinks(tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]),
                                                                    str(certs["ca"]))))
     try:
