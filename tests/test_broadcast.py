@@ -193,7 +193,7 @@ def test_a_relay_that_fails_mid_transfer_sends_its_child_to_the_trainer(trainer_
   caplog.set_level(logging.INFO, logger="streamrl_jax")
   parent, held = _partial_relay(2, chunks=2)
   receiver = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
-                                                                             _params(0).items()}, None, follow=False)
+                                                                             _params(0).items()}, None, poll_s=None)
   try:
     got = {}
     child = threading.Thread(target=lambda: got.update(update=receiver.fetch(2, parent.address)))
@@ -224,10 +224,10 @@ def test_a_relay_whose_source_fails_fetches_again_and_its_children_go_on(trainer
   parent, held = _partial_relay(2, chunks=3)
   middle = RelayServer("127.0.0.1", 0, RelayStore(begin_wait_s=10, stall_s=30))
   template = {k: np.zeros_like(v) for k, v in _params(0).items()}
-  # follow=False: its own loop would fetch version 2 from the trainer into the same relay meanwhile (it did, in 3 of
+  # poll_s=None: its own loop would fetch version 2 from the trainer into the same relay meanwhile (it did, in 3 of
   # 10 rounds under load: the relay then held it whole before C was seen streaming while it was still arriving)
   a = FlightWeightReceiver(FlightConnection(trainer_server.address), template, None, relays=RelayLinks(middle.store),
-                           follow=False)
+                           poll_s=None)
   try:
     got = {}
     child = threading.Thread(target=lambda: got.update(c=fetch_weights(FlightConnection(middle.address), 2,
@@ -393,7 +393,7 @@ def test_a_relay_speaks_mutual_tls_and_a_stranger_falls_back_to_the_trainer(tmp_
     (tmp_path / "other").mkdir()
     other = write_test_certificates(tmp_path / "other")  # signed by another CA: refused at the handshake
     stranger = FlightWeightReceiver(FlightConnection(trainer_server.address), {k: np.zeros_like(v) for k, v in
-                                                                              _params(0).items()}, None, follow=False,
+                                                                              _params(0).items()}, None, poll_s=None,
                                     relays=RelayLinks(tls=TLSFiles(str(other["client_cert"]), str(other["client_key"]),
                                                                    str(certs["ca"]))))
     try:

@@ -306,10 +306,10 @@ class FlightWeightReceiver:
   structure), and places them with `shardings` (the sampler mesh's). With a `relay` store, what arrives is
   served on to this sampler's children as it comes. `latest()` never touches the network."""
 
-  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float = 5.0, finish=None,
-               sampler_id: int = -1, relays: RelayLinks = RelayLinks(), streams: int = 2, follow: bool = True):
-    """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is). `follow`
-    False: no background thread; versions come only when asked for (`fetch`), and nothing else writes the relay."""
+  def __init__(self, connection: FlightConnection, template, shardings, *, poll_s: float | None = 5.0, finish=None,
+               sampler_id: int = -1, relays: RelayLinks = RelayLinks(), streams: int = 2):
+    """`finish(placed) -> parameters` runs on what landed (a precision's `Landing.finish`; default: as is). `poll_s`
+    None: no background thread polls; versions come only when asked for (`fetch`), and nothing else writes the relay."""
     self.connection, self.template, self.shardings, self.poll_s = connection, template, shardings, poll_s
     self.sampler_id, self.relay, self.tls, self.streams = sampler_id, relays.store, relays.tls, streams
     self.relay_tls_name, self.doors = relays.tls_name, relays.doors
@@ -322,7 +322,7 @@ class FlightWeightReceiver:
     self._stop = threading.Event()
     self.stats = dict(fetches=0, bytes=0, fetch_s=0.0, relay_fetches=0, relay_fallbacks=0)
     self._thread = threading.Thread(target=self._loop, daemon=True, name="weight-receiver")
-    if follow:
+    if poll_s is not None:
       self._thread.start()
 
   def _loop(self) -> None:
@@ -395,7 +395,7 @@ class FlightWeightReceiver:
     self._stop.set()
     for source in self._sources.values():
       source.close()
-    if self._thread.ident is not None:
+    if self._thread.ident is not None:  # started (`poll_s`)
       self._thread.join(timeout=self.poll_s + self.connection.timeout_s)
     for source in self._sources.values():
       source.client.close()
