@@ -295,10 +295,10 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
   sampler = build(SamplerConfig, engine=build(EngineConfig), reward=build(RewardConfig), env=build(EnvConfig))
   trainer = build(TrainerConfig, optimizer=build(OptimizerConfig),
                   objective=build(ObjectiveConfig, bands=build(CorrectionConfig)),
-                  lora=build(LoraConfig), value_loss=build(ValueLossConfig), wait=build(WaitConfig))
+                  lora=build(LoraConfig), wait=build(WaitConfig))
   parts = dict(mesh=build(MeshConfig), sampler=sampler, trainer=trainer,
                scheduling=build(SchedulingConfig, ranker=build(RankerConfig)), controller=build(ControllerConfig),
-               arms=build(ArmsConfig), workflow=build(WorkflowConfig))
+               arms=build(ArmsConfig), workflow=build(WorkflowConfig, value_loss=build(ValueLossConfig)))
   return build(PipelineConfig, **parts), build_job()
 
 

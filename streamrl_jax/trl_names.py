@@ -28,10 +28,10 @@ TRL_NAMES = {
     "gradient_accumulation_steps": TrlName(
         "TrainerConfig.chunk_tokens", "a step always accumulates over all its calls and updates once; this sets the "
         "tokens per call"),
-    "steps_per_generation": TrlName(None, "one update per generated batch; async reuse of older samples is "
-                                    "PipelineConfig.staleness"),
-    "num_iterations": TrlName(None, "one update per batch (TRL's default 1); several passes over a batch are not "
-                              "built"),
+    "steps_per_generation": TrlName("TrainerConfig.mini_batches", "updates per generated batch, each on a share of "
+                                    "its groups; async reuse of older samples is PipelineConfig.staleness"),
+    "num_iterations": TrlName("TrainerConfig.epochs", "passes over a step's samples (mu of the GRPO paper); the ratio "
+                              "is to the weights at the step's start"),
     "max_steps": TrlName("PipelineConfig.steps", "RL steps (optimizer updates)"),
     "num_train_epochs": TrlName("PipelineConfig.steps", "prompts are drawn per step, so a run is counted in steps"),
     "temperature": TrlName("PipelineConfig.temperature"),
@@ -79,6 +79,13 @@ TRL_NAMES = {
     "sync_ref_model": TrlName(None, "not built: the KL reference is the initial policy, frozen"),
     "lr": TrlName("OptimizerConfig.learning_rate", source="verl's (and OpenRLHF's)"),
     "n": TrlName("PipelineConfig.group_size", "samples per prompt", source="vLLM's and verl's"),
+    "ppo_mini_batch_size": TrlName("TrainerConfig.mini_batches", "a count here: prompts_per_step / "
+                                   "ppo_mini_batch_size mini-batches", source="verl's"),
+    "ppo_epochs": TrlName("TrainerConfig.epochs", source="verl's"),
+    "ppo_n_minibatches": TrlName("TrainerConfig.mini_batches", source="AReaL's"),
+    "mini_batch_size": TrlName("TrainerConfig.mini_batches", "a count here: prompts_per_step / mini_batch_size",
+                               source="Tunix's"),
+    "max_epochs": TrlName("TrainerConfig.epochs", source="OpenRLHF's"),
     "max_tokens": TrlName("PipelineConfig.max_new_tokens", source="vLLM's"),
     "disable_dropout": TrlName(None, "the models here have no dropout"),
     "use_liger_loss": TrlName(None, "the log-probabilities are chunked over the vocabulary anyway "

@@ -285,7 +285,7 @@ def test_critic_value_loss_matches_numpy_and_accumulates(model_parts):
   params["value_head"][...] = jax.random.normal(jax.random.key(2), (CONFIG.hidden_size,))
   mesh = mesh_from_devices(jax.devices()[4:8], MESH_SHAPE)
   trainer = Trainer(graphdef, OptimizerConfig(), ObjectiveConfig(), mesh, role="critic",
-                    config=TrainerConfig(value_loss=ValueLossConfig(coef=0.5, clip=0.2)))
+                    config=TrainerConfig())
   batch = make_batch(6, seed=9)
   rng = np.random.default_rng(9)
   batch = {k: batch[k] for k in ("tokens", "valid", "loss_mask")}

@@ -71,6 +71,10 @@ METRICS = (
     Metric("learning_rate", "float", UPDATE, "the learning rate of the update"),
     Metric("tokens", "float", UPDATE, "loss tokens (completion tokens the policy wrote) the update trained"),
     Metric("clip_frac", "float", UPDATE, "share of loss tokens whose ratio was clipped"),
+    Metric("optimizer_updates", "float", UPDATE, "optimizer updates the step made (TrainerConfig.mini_batches x "
+           "epochs; fewer where a mini-batch held no loss token); the update's other keys are their mean"),
+    Metric("clip_frac_first", "float", UPDATE, "clip_frac of the step's first update (0 on policy: its ratio is 1)"),
+    Metric("clip_frac_last", "float", UPDATE, "clip_frac of the step's last update"),
     Metric("kl", "float", UPDATE, "per-token KL to the reference (0 without one)"),
     Metric("entropy", "float", UPDATE, "per-token entropy of the policy"),
     Metric("logprob_mismatch_kl", "float", UPDATE, "per-token KL between the sampler's and the trainer's "

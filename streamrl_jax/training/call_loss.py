@@ -16,8 +16,8 @@ from streamrl_jax.models.transformer import Routing
 from streamrl_jax.training.config import TrainerConfig
 from streamrl_jax.training.logprobs import Truncation, at_columns, chunked_scorer, every_column, logits_scorer
 from streamrl_jax.training.corrections import HISTOGRAM_BINS, Sequences, histogram_quantile, ratio_histogram
-from streamrl_jax.training.objectives import (TERMS, ObjectiveConfig, clipped_value_loss, kl_penalty, policy_loss,
-                                              with_old_logprobs)
+from streamrl_jax.training.objectives import (TERMS, ObjectiveConfig, ValueLossConfig, clipped_value_loss, kl_penalty,
+                                              policy_loss, with_old_logprobs)
 
 SUMS = ("numerator", "denominator", "tokens", "clipped", "kl", "entropy", "mismatch_kl", "mismatch_max",
         # the corrections' counts: sequences, tokens and sequences rejected, tokens truncated; the mismatch of the
@@ -56,8 +56,8 @@ def router_agreement(own: jax.Array, recorded: jax.Array, valid: jax.Array) -> t
 
 @dataclasses.dataclass(frozen=True)
 class CallLoss:
-  """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat, the value
-  loss), the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
+  """What a trainer call computes its loss with: the objective, the trainer's config (chunks, remat), a critic's value
+  loss, the sampler's temperature, the role, where a mixture's experts live, the mixture's model config (None: a
   dense model), whether the LM head learns (LoRA: frozen), the sampler's top-k, top-p and min-p (`truncation`:
   tokens are scored over the support they keep) and the call's activation layout (its mesh, its attention kernel)."""
 
@@ -71,6 +71,7 @@ class CallLoss:
   truncation: Truncation = Truncation()
   # the trainer's mesh and attention kernel: rows kept on their batch shards, the head's chunks gathered
   layout: ActivationLayout | None = None
+  value_loss: ValueLossConfig = ValueLossConfig()  # a critic's (`WorkflowConfig.value_loss`)
 
   def token_logprobs(self, model, batch, replay: bool = True):
     """(log pi, entropy, router trace, outside) of the batch's tokens under `model`: over vocabulary chunks, or from
@@ -101,7 +102,7 @@ class CallLoss:
     cfg = self.objective
     if self.role == "critic":
       values = model(batch["tokens"], batch["valid"], batch.get("segment_ids"))
-      value_loss = self.config.value_loss
+      value_loss = self.value_loss
       loss = value_loss.coef * clipped_value_loss(values, batch["old_values"], batch["returns"], value_loss.clip)
       zeros = jnp.zeros_like(values)
       none = jnp.zeros(values.shape, bool)
@@ -142,7 +143,7 @@ class CallLoss:
       add["clipped"] = jnp.sum(((ratio < 1 - cfg.clip_low) | (ratio > 1 + cfg.clip_high)) * m)
       add.update(off_policy_sums(jax.lax.stop_gradient(logp), batch, outputs))
     else:  # logp holds the values: count tokens whose value update is clipped
-      add["clipped"] = jnp.sum((jnp.abs(logp - batch["old_values"]) > self.config.value_loss.clip) * m)
+      add["clipped"] = jnp.sum((jnp.abs(logp - batch["old_values"]) > self.value_loss.clip) * m)
       add.update({k: jnp.zeros_like(v) for k, v in zero_sums().items() if k not in add})
     if self.moe is not None:
       trace = outputs["trace"]

@@ -9,7 +9,7 @@ import dataclasses
 from streamrl_jax.models.config import REMAT_POLICIES
 from streamrl_jax.models.fused_attention import ATTENTION
 from streamrl_jax.models.lora import LoraConfig
-from streamrl_jax.training.objectives import ObjectiveConfig, ValueLossConfig
+from streamrl_jax.training.objectives import ObjectiveConfig
 
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -84,7 +84,10 @@ class TrainerConfig:
   optimizer: OptimizerConfig = OptimizerConfig(learning_rate=1e-4)
   objective: ObjectiveConfig = ObjectiveConfig()
   lora: LoraConfig = LoraConfig()  # low-rank adapters: rank 0 trains every weight
-  value_loss: ValueLossConfig = ValueLossConfig()  # a critic trainer's clipped value loss
+  # a step's samples in this many mini-batches of whole groups, one optimizer update each (verl's ppo_mini_batch_size,
+  # AReaL's ppo_n_minibatches, as a count); 1: one update a step
+  mini_batches: int = 1
+  epochs: int = 1  # passes over a step's samples (TRL's num_iterations, verl's ppo_epochs): mini_batches x epochs updates
 
   def __post_init__(self):
     if self.remat not in REMAT_POLICIES:
@@ -94,5 +97,11 @@ class TrainerConfig:
     for name in ("logprob_chunk", "activation_budget_mb", "pack_length", "chunk_tokens"):
       if getattr(self, name) < 0:
         raise ValueError(f"TrainerConfig.{name} must be >= 0 (0: automatic), got {getattr(self, name)}")
-    if self.chunk_rows < 1:
-      raise ValueError(f"TrainerConfig.chunk_rows must be >= 1, got {self.chunk_rows}")
+    for name in ("chunk_rows", "mini_batches", "epochs"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"TrainerConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+  @property
+  def updates(self) -> int:
+    """Optimizer updates a step: `mini_batches` x `epochs`."""
+    return self.mini_batches * self.epochs

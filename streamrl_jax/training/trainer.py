@@ -133,7 +133,7 @@ class Trainer:
   def __init__(self, graphdef, optimizer: OptimizerConfig, objective: ObjectiveConfig, mesh: Mesh, *,
                scoring: Scoring = Scoring(), buckets: Buckets = Buckets(), role: str = "policy",
                config: TrainerConfig = TrainerConfig()):
-    """`role="critic"` trains a `ValueModel` with the clipped value loss (`TrainerConfig.value_loss`).
+    """`role="critic"` trains a `ValueModel` with the clipped value loss (`CallLoss.value_loss`: `make_critic`).
     Micro-batches pad to `buckets`; packed ones (with `segment_ids`, see `packing.pack_rows`) keep their length and
     pad rows to a multiple of the mesh's batch shards (`MicroBatcher` sends full calls of one row count and the
     step's rest in few pieces: see `packing.packed_shapes`).
@@ -143,19 +143,16 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
-    self.loss = CallLoss(objective, config, float(scoring.temperature), role,
-                         head_grad=scoring.base_params is None,  # LoRA: the head is frozen
-                         truncation=scoring.truncation,
-                         layout=ActivationLayout(mesh, trainer_kernel(config.attention, mesh)))
+    self.loss = CallLoss(objective, config, float(scoring.temperature), role, head_grad=scoring.base_params is None,
+                         truncation=scoring.truncation, layout=ActivationLayout(mesh, trainer_kernel(config.attention,
+                                                                                                     mesh)))
     self.tx = make_optimizer(optimizer)
     self.layout = CallLayout(role, mesh, self.rules, buckets.min_rows, buckets.min_length)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
     self.packed_row_quantum = self.layout.packed_row_quantum
-    # A private copy: placing may hand back the caller's arrays, which a donated step would then delete.
     self.launcher = launch.launcher(mesh)  # every program of this trainer goes through it (see launch.py)
-    ref_params, base_params = scoring.ref_params, scoring.base_params
-    self.ref_params = None if ref_params is None else launch.copy(self.place(ref_params))
-    self.base_params = None if base_params is None else self.place(base_params)  # LoRA's frozen base
+    self.ref_params = None if scoring.ref_params is None else launch.copy(self.place(scoring.ref_params))
+    self.base_params = None if scoring.base_params is None else self.place(scoring.base_params)  # LoRA's frozen base
     self._adapter_shapes = None  # LoRA: the adapters' shapes (the reference zeroes them), known at init_state
     self._accumulate = self._apply = None  # jitted once the state's shardings are known (init_state)
     self.low_copy = LowCopy()  # the weights in the compute dtype, where a CPU computes in low precision (init_state)
@@ -164,8 +161,8 @@ class Trainer:
     self.last_shape = (0, 0)  # the padded shape of the latest micro-batch
 
   def _build(self, state: TrainState) -> None:
-    """Pins the state's shardings as the jitted steps' outputs, so that every state (fresh, stepped or
-    restored from a checkpoint) runs through the same executables: resumes are bit-identical."""
+    """Pins the state's shardings as the jitted steps' outputs: every state (fresh, stepped or restored) runs through
+    the same executables, so resumes are bit-identical."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # Accumulation reads the parameters and optimizer state and donates only the sums it adds to: the arrays a
@@ -250,9 +247,8 @@ class Trainer:
     return state
 
   def abstract_state(self, params) -> TrainState:
-    """The state `init_state` makes from parameters of these shapes (`jax.ShapeDtypeStruct`s), as shapes placed on
-    the mesh as it would place them, no value made: what a plan compiles this trainer's programs against
-    (`planning/`)."""
+    """The state `init_state` makes from parameters of these shapes (`jax.ShapeDtypeStruct`s), placed as it would place
+    them, no value made: what a plan compiles this trainer's programs against (`planning/`)."""
     params = launch.put(params, state_shardings(params, self.mesh, self.rules))  # shapes in, shapes out
     self._adopt(params)
     replicated = NamedSharding(self.mesh, PartitionSpec())
@@ -290,9 +286,8 @@ class Trainer:
     return self._apply.trace(state).lower()
 
   def precompile(self, state: TrainState, max_rows: int, max_length: int) -> TrainState:
-    """Compiles accumulation for every (rows, length) bucket of micro-batches up to `max_rows` x
-    `max_length`, by accumulating batches that carry no loss (the state's values do not change), so that no
-    compile stalls the run later."""
+    """Compiles accumulation for every (rows, length) bucket up to `max_rows` x `max_length` by accumulating batches
+    that carry no loss (the state's values do not change): no compile stalls the run later."""
     rows_buckets = sorted({bucket(n, self.min_rows) for n in range(1, max_rows + 1)})
     for rows in rows_buckets:
       for length in sorted({bucket(n, self.min_length) for n in range(1, max_length + 1)}):
@@ -318,13 +313,20 @@ class Trainer:
     scored on its owner's devices from its tokens there, the scores then on every process."""
     if not self.has_reference:
       raise ValueError("reference_logprobs needs ref_params (the frozen reference policy)")
-    length = np.shape(tokens)[1]
-    placed, where = placed_rows(dict(tokens=tokens, valid=valid), owners, self.mesh, (self.min_rows, self.min_length),
-                                self.rules)
-    return read_rows(self._reference(self.frozen, placed), where)[:, :length]
+    return self._scores(None, dict(tokens=tokens, valid=valid), owners)
 
-  def _reference_impl(self, frozen, batch):
-    return self.loss.token_logprobs(self._reference_model(frozen), batch, replay=False)[0]
+  def policy_logprobs(self, params, batch: dict) -> np.ndarray:
+    """log pi of a micro-batch's tokens [rows, length] under the policy at `params`, not the state's (a step's start:
+    `pipeline.trainer.updates`); a mixture's recorded routes replayed as its calls replay them."""
+    return self._scores(params, {k: batch[k] for k in ("tokens", "valid", "routes") if k in batch}, None)
+
+  def _scores(self, params, values: dict, owners) -> np.ndarray:
+    placed, where = placed_rows(values, owners, self.mesh, (self.min_rows, self.min_length), self.rules)
+    return read_rows(self._reference(params, self.frozen, placed), where)[:, :np.shape(values["tokens"])[1]]
+
+  def _reference_impl(self, params, frozen, batch):
+    model = self._reference_model(frozen) if params is None else self._model(params, frozen)
+    return self.loss.token_logprobs(model, batch, replay=params is not None)[0]
 
   def apply(self, state: TrainState) -> tuple[TrainState, dict]:
     """One optimizer step with the accumulated gradient; returns the new state and the batch's metrics."""

@@ -8,6 +8,7 @@ import inspect
 
 from streamrl_jax.training import ADVANTAGES
 from streamrl_jax.training.advantages import SEQUENCE_LEVEL
+from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.workflow.graph import ROLE_POOLS, GraphError, Stage, StepGraph, check
 from streamrl_jax.workflow.graphs import find_graph
 from streamrl_jax.workflow.ops import FLOW_KEYWORDS, Op, resolve_op, role_pools
@@ -36,6 +37,7 @@ class WorkflowConfig:
   # the ppo graph's critic's learning rate (0: the policy's, OptimizerConfig.learning_rate); a critic's head starts at
   # zero and usually learns faster than the policy
   critic_learning_rate: float = 0.0
+  value_loss: ValueLossConfig = ValueLossConfig()  # the ppo graph's critic's clipped value loss
 
   def __post_init__(self):
     ADVANTAGES.get(self.advantage)

@@ -8,12 +8,15 @@ model's output at t - 1; column 0 is 0), the baseline of the action that wrote t
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from streamrl_jax.models import ModelConfig, ValueModel
 from streamrl_jax.training import Buckets, Trainer, TrainerConfig
+from streamrl_jax.training.objectives import ValueLossConfig
 from streamrl_jax.training.host_batch import placed_rows, read_rows
 
 CRITIC_METRICS = ("loss", "grad_norm", "clip_frac")  # of its update, in a step's row as critic/<name>
@@ -49,7 +52,7 @@ class Critic:
     return values
 
   def accumulate(self, tokens, valid, loss_mask, values, returns, owners: np.ndarray | None = None) -> None:
-    """Adds the clipped value loss (`ValueLossConfig`: `TrainerConfig.value_loss`) of the loss tokens' `returns` to
+    """Adds the clipped value loss (`ValueLossConfig`: `WorkflowConfig.value_loss`) of the loss tokens' `returns` to
     the step's gradient, `values` the old values it clips around; `owners`: each row on its owner's devices (a
     trainer of several processes, each its own rows' tokens)."""
     batch = dict(tokens=np.asarray(tokens), valid=np.asarray(valid, bool),
@@ -71,11 +74,12 @@ class Critic:
 
 
 def make_critic(model_config: ModelConfig, policy_params, config: TrainerConfig, mesh, width: int,
-                seed: int = 0) -> Critic:
+                seed: int = 0, value_loss: ValueLossConfig = ValueLossConfig()) -> Critic:
   """A `Critic` on `mesh` whose trunk is a copy of `policy_params` (a model of `model_config`), trained with the
-  policy's optimizer and `config.value_loss`, scoring calls `width` tokens wide (the run's longest sample)."""
+  policy's optimizer and `value_loss`, scoring calls `width` tokens wide (the run's longest sample)."""
   graphdef, params = nnx.split(ValueModel(model_config, rngs=nnx.Rngs(seed)))
   params["trunk"] = policy_params
   trainer = Trainer(graphdef, config.optimizer, config.objective, mesh, role="critic", config=config,
                     buckets=Buckets(min_length=width))
+  trainer.loss = dataclasses.replace(trainer.loss, value_loss=value_loss)
   return Critic(trainer, params, seed=seed, chunk_rows=config.chunk_rows)

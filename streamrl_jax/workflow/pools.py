@@ -64,7 +64,7 @@ def trainer_flow(workflow: WorkflowConfig, trainer: TrainerConfig, estimator: st
         raise GraphError(f"stage {stage.name!r} scores with the frozen reference: set ObjectiveConfig.kl_coef > 0")
       models["reference"] = reference
     elif model == "critic":  # its stages are on one pool (`WorkflowConfig.order`)
-      models["critic"] = _critic(student, trainer, where, workflow.critic_learning_rate)
+      models["critic"] = _critic(student, trainer, where, workflow)
     elif isinstance(where, str):  # a scorer program's
       models[model] = RemoteScorer(where, stage.name, model, student.vocab_size, scorer_tls)
     else:
@@ -84,10 +84,12 @@ def frozen_model(kind: str, workflow: WorkflowConfig, trainer: TrainerConfig, sc
   return load_judge(workflow.judge, workflow.judge_question, student, mesh)
 
 
-def _critic(student: Student, trainer: TrainerConfig, mesh, learning_rate: float):
-  """The critic, trained as the policy (`trainer`) but at its own `learning_rate` (0: the policy's)."""
+def _critic(student: Student, trainer: TrainerConfig, mesh, workflow: WorkflowConfig):
+  """The critic, trained as the policy (`trainer`) but at its own learning rate (`WorkflowConfig.critic_learning_rate`,
+  0: the policy's) with the workflow's value loss."""
+  learning_rate = workflow.critic_learning_rate
   if not student.policy:
     raise GraphError("a critic's trunk starts as the policy: this trainer was not given the policy's parameters")
   if learning_rate:
     trainer = dataclasses.replace(trainer, optimizer=dataclasses.replace(trainer.optimizer, learning_rate=learning_rate))
-  return make_critic(*student.policy, trainer, mesh, student.longest, student.seed)
+  return make_critic(*student.policy, trainer, mesh, student.longest, student.seed, workflow.value_loss)

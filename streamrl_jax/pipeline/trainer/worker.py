@@ -45,6 +45,7 @@ from streamrl_jax.phase_clock import PhaseClock
 from streamrl_jax.pipeline.trainer.control import TrainerControl
 from streamrl_jax.pipeline.trainer.policy import make_flow, make_trainer, merged_policy, packing, precompile
 from streamrl_jax.pipeline.trainer.step_intake import IntakeRules, IntakeState, Taken, backfilled, begin, take
+from streamrl_jax.pipeline.trainer.updates import StepUpdates, check_updates
 from streamrl_jax.pipeline.trainer.step_row import Arrivals, StepTimes, batch_metrics, phase_row, step_parts
 from streamrl_jax.records.metric_table import STEP, join_row
 from streamrl_jax.pipeline.watchdog import StallWatch
@@ -115,6 +116,9 @@ class TrainerWorker:
     self.checkpointer = checkpointer
     packed = packing(self.config, self.shape, graphdef, params, mesh) if self.config.packing else {}
     self.batcher = MicroBatcher(self.trainer, chunk_rows=self.config.chunk_rows, **packed)
+    check_updates(self.config, jax.process_count(), self.flow.learners)
+    self.phase_clock = PhaseClock(TRAINER_PHASES)  # the training thread's seconds, by phase: each row carries them
+    self.updates = StepUpdates(self.trainer, self.batcher, self.config, self.shape.prompts_per_step, self.phase_clock)
     # with the bytes of one weight version on the wire (sent in the samplers' precision)
     self.counters = TrainerCounters(weight_version_bytes=wire_bytes(wire_template(
         self.state.params, setup.precision.on_trainer.precision)))
@@ -124,7 +128,6 @@ class TrainerWorker:
     self._progress: Callable[[str], None] = lambda what: None  # marks progress for the stall watch (run)
     self._step_counts = StepCounts()  # counters of the step being trained, added to `counters` once it is (a step cut
     # short by a stop leaves no count behind: its samples are trained again after a resume)
-    self.phase_clock = PhaseClock(TRAINER_PHASES)  # the training thread's seconds, by phase: each row carries them
 
   def policy_params(self):
     """The policy's parameters as a plain model's: the state's, or with LoRA the base with the adapters merged."""
@@ -172,17 +175,13 @@ class TrainerWorker:
     begin = clock()
     empty = _drop_empty_step(self.batcher, shards, step)
     self.counters.empty_steps += empty
-    updated = self.batcher.rows_seen > 0
+    with self.phase_clock.phase("forward_backward"):  # what is still pending, later passes; the updates are "optimizer"
+      self.state, record = self.updates.end(self.state)
+    updated, save_wait, train_metrics = bool(record.metrics), record.waited_s, record.row()
     if updated:
-      with self.phase_clock.phase("forward_backward"):  # what is still pending, then the update alone
-        self.state = self.batcher.flush(self.state)
-        jax.block_until_ready(self.state.sums)
-      save_wait = self._await_checkpoint(clock)
-      with self.phase_clock.phase("optimizer"):  # the policy's, then a learning stage's (a critic)
-        self.state, train_metrics = self.batcher.finish(self.state)
+      with self.phase_clock.phase("optimizer"):  # a learning stage's (a critic)
         train_metrics.update(self.flow.end_step())
     else:  # nothing to train, or dynamic sampling filtered every group and nothing was left to backfill: no update
-      save_wait, train_metrics = 0.0, {}
       if not empty:
         _warn(f"step {row_step(step)}: dynamic sampling filtered every group (equal rewards in each) and nothing was "
               "left to backfill; the step is skipped, the weights unchanged")
@@ -269,6 +268,7 @@ class TrainerWorker:
     shards, waited = [], 0.0
     received = Arrivals()
     self._step_counts = StepCounts()
+    self.updates.begin(self.state, lambda: self._await_checkpoint(clock))
     self.intake, early = begin(self.intake, self.rules, step)
     while self.intake.needed > 0:
       if early:
@@ -328,7 +328,7 @@ class TrainerWorker:
       fields = self.flow.run(shard_fields(shard, owned=jax.process_count() > 1))  # the stages: its advantages
       self._step_counts.add_stages(self.flow.sums(fields))
       batch = shard.train_batch(fields["advantages"], owned=jax.process_count() > 1, step=step)
-      self.state = self.batcher.add(self.state, batch)
+      self.state = self.updates.add(self.state, batch, shard.group_ids)
       jax.block_until_ready(self.state.sums)  # the timeline shows compute, not dispatch
     self._step_counts.samples_trained += shard.num_samples
     self.timeline["trainer"].append((begin, clock(), f"step {step}"))
