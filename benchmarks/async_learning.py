@@ -7,16 +7,23 @@
    uncorrected (`correction='none'`). Prints `accuracy_colocated`, `accuracy_async4_corrected`,
    `accuracy_async4_uncorrected`, `async4_minus_colocated` (corrected minus colocated), `accuracy_before`, and per
    run its mean trained-token staleness and mismatch (`*_staleness_mean`, `*_mismatch_kl`).
-2. Parity: SmolLM2 in float32 samples 8 held-out prompts (temperature 0.8); the trainer scores each sample's
+2. Several updates a step (`--part updates`): the same work with one update a step (`m1`), 4 mini-batches (`m4`:
+   TrainerConfig.mini_batches=4) and 2 epochs (`e2`: TrainerConfig.epochs=2), three sampling seeds each
+   (PipelineConfig.seed; the held-out prompts stay the same): `updates_accuracy_m1`, `_m4`, `_e2` (the mean after RL)
+   with `_range` (max - min over the seeds), `updates_step_s_*` (the mean step after the first, which holds the
+   compiles), `updates_step_ratio_m4` and `_e2` (against m1), `updates_m4_minus_m1`.
+3. Parity: SmolLM2 in float32 samples 8 held-out prompts (temperature 0.8); the trainer scores each sample's
    completion by its own code path alone, padded and packed with the others (`training.logprob_parity`):
    `logprob_max_abs_alone`, `logprob_max_abs_padded`, `logprob_max_abs_packed`.
 
-A quick run (STREAMRL_BENCH_QUICK=1) uses the CPU demo's decoder (a short warm-up, 4 steps, 32 held-out prompts):
-its accuracies are not the goal's work. Prints one JSON object as its last line.
+A quick run (STREAMRL_BENCH_QUICK=1) uses the CPU demo's decoder (a short warm-up, 4 steps, 32 held-out prompts, one
+seed for the updates): its accuracies are not the goal's work. `--part learning|updates|parity` runs one part (default:
+all). Prints one JSON object as its last line.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -37,12 +44,14 @@ RUNS = {"colocated": ("PipelineConfig.mode='colocated'",),
         "async4_uncorrected": ("PipelineConfig.mode='async'", "PipelineConfig.staleness=4",
                                "ObjectiveConfig.correction='none'")}
 PARITY_PROMPTS = size(8, 4)
+UPDATES = {"m1": (), "m4": ("TrainerConfig.mini_batches=4",), "e2": ("TrainerConfig.epochs=2",)}
+SEEDS = size((1, 2, 3), (1,))
 
 
-def train(name: str, workdir: Path) -> dict:
-  """One `streamrl train` of the work as `name` sets it: its summary and mean metrics."""
+def train(name: str, workdir: Path, bindings: tuple[str, ...] | None = None) -> dict:
+  """One `streamrl train` of the work as `name` (or `bindings`) sets it: its summary and mean metrics."""
   command = [sys.executable, "-m", "streamrl_jax.cli", "train", "--config", str(CONFIG), "--workdir", str(workdir)]
-  for binding in (*WORK, *RUNS[name]):
+  for binding in (*WORK, *(RUNS[name] if bindings is None else bindings)):
     command += ["--set", binding]
   print(f"async_learning: {name} ...", file=sys.stderr, flush=True)
   done = subprocess.run(command, capture_output=True, text=True, timeout=3600, cwd=ROOT,
@@ -54,7 +63,36 @@ def train(name: str, workdir: Path) -> dict:
   mean = lambda key: float(f"{np.mean([r[key] for r in rows]):.4g}")  # noqa: E731
   return dict(accuracy_before=summary["accuracy_before"], accuracy_after=summary["accuracy_after"],
               staleness_mean=mean("staleness_mean"), mismatch_kl=mean("logprob_mismatch_kl"),
-              truncated_frac=mean("correction_truncated_token_frac"))
+              truncated_frac=mean("correction_truncated_token_frac"),
+              step_s=float(np.mean([r["step_s"] for r in rows[1:]] or [rows[0]["step_s"]])),
+              updates=mean("optimizer_updates"))
+
+
+def updates(tmp: Path) -> dict:
+  """Held-out accuracy and step time with one update a step, 4 mini-batches and 2 epochs, over `SEEDS`."""
+  out, step_s = {}, {}
+  for name, bindings in UPDATES.items():
+    runs = [train(f"{name} seed {seed}", tmp / f"{name}_{seed}", (*bindings, f"PipelineConfig.seed={seed}"))
+            for seed in SEEDS]
+    accuracy = [r["accuracy_after"] for r in runs]
+    out[f"updates_accuracy_{name}"] = round(float(np.mean(accuracy)), 4)
+    out[f"updates_accuracy_{name}_range"] = round(float(np.ptp(accuracy)), 4)
+    step_s[name] = float(np.mean([r["step_s"] for r in runs]))
+    out[f"updates_step_s_{name}"] = round(step_s[name], 3)
+    out[f"updates_optimizer_updates_{name}"] = runs[0]["updates"]
+  out["updates_accuracy_before"] = runs[0]["accuracy_before"]
+  for name in ("m4", "e2"):
+    out[f"updates_step_ratio_{name}"] = round(step_s[name] / step_s["m1"], 3)
+  out["updates_m4_minus_m1"] = round(out["updates_accuracy_m4"] - out["updates_accuracy_m1"], 4)
+  return out
+
+
+def cpu_model() -> str:
+  """The CPU's model name (machines of this kind differ)."""
+  for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else ():
+    if line.startswith("model name"):
+      return line.split(":", 1)[1].strip()
+  return "unknown"
 
 
 def parity() -> dict:
@@ -85,22 +123,36 @@ def parity() -> dict:
   return {f"logprob_max_abs_{layout}": float(f"{gap:.3g}") for layout, gap in gaps.items()}
 
 
-def main() -> dict:
-  out = {}
-  runs = {}
+def main(parts=("learning", "updates", "parity")) -> dict:
+  out = {"cpu_model": cpu_model()}
   with tempfile.TemporaryDirectory(prefix="async_learning_") as tmp:  # checkpoints: gigabytes
-    for name in RUNS:
-      runs[name] = train(name, Path(tmp) / name)
+    if "learning" in parts:
+      out.update(learning(Path(tmp)))
+    if "updates" in parts:
+      out.update(updates(Path(tmp)))
+  if "parity" in parts:
+    print("async_learning: parity ...", file=sys.stderr, flush=True)
+    out.update(parity())
+  return out
+
+
+def learning(tmp: Path) -> dict:
+  """Accuracy after colocated and async runs (`RUNS`), with each run's staleness and mismatch."""
+  out, runs = {}, {}
+  for name in RUNS:
+    runs[name] = train(name, tmp / name)
   out["accuracy_before"] = runs["colocated"]["accuracy_before"]
   for name, run in runs.items():
     out[f"accuracy_{name}"] = run["accuracy_after"]
-    out.update({f"{name}_{k}": v for k, v in run.items() if k not in ("accuracy_before", "accuracy_after")})
+    out.update({f"{name}_{k}": v for k, v in run.items()
+                if k not in ("accuracy_before", "accuracy_after", "step_s", "updates")})
   out["async4_minus_colocated"] = round(out["accuracy_async4_corrected"] - out["accuracy_colocated"], 4)
   out["async4_uncorrected_minus_colocated"] = round(out["accuracy_async4_uncorrected"] - out["accuracy_colocated"], 4)
-  print("async_learning: parity ...", file=sys.stderr, flush=True)
-  out.update(parity())
   return out
 
 
 if __name__ == "__main__":
-  print(json.dumps(main()))
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--part", choices=("learning", "updates", "parity"), action="append",
+                      help="run this part alone (repeatable; default: every part)")
+  print(json.dumps(main(tuple(parser.parse_args().part or ("learning", "updates", "parity")))))

@@ -329,3 +329,29 @@ def test_an_include_found_nowhere_is_one_line(tmp_path, caplog):
   gin_config.parse([str(tmp_path / "run.gin")])  # found beside the including file, whatever the working directory
   assert (gin_config.build(LoraConfig).rank, gin_config.build(LoraConfig).alpha) == (4, 8.0)
   assert "Path not found" not in caplog.text
+
+
+def test_several_updates_score_old_logprobs_under_the_adapters_a_step_started_with():
+  """LoRA with 2 mini-batches a step: the second mini-batch's old log-probabilities are the dense merged model's at
+  the step's starting adapters (the copy kept is the adapters', the base frozen), and both updates move the adapters."""
+  from streamrl_jax.pipeline.trainer.updates import StepUpdates
+  from streamrl_jax.training import MicroBatcher, ObjectiveConfig, TrainerConfig
+  from streamrl_jax.training.logprobs import token_logprobs
+
+  plain_graphdef, plain = nnx.split(Transformer(CONFIG, rngs=nnx.Rngs(0)))
+  graphdef, adapters, base = lora.split(adapted(Transformer(CONFIG, rngs=nnx.Rngs(0)), seed=3))
+  objective = ObjectiveConfig(correction="none")
+  trainer = lora_trainer(graphdef, base, objective)
+  batch = make_batch(8, seed=5)
+  batch.pop("old_logprobs")
+  updates = StepUpdates(trainer, MicroBatcher(trainer), TrainerConfig(mini_batches=2, objective=objective), 4)
+  state = trainer.init_state(adapters)
+  updates.begin(state, lambda: 0.0)
+  state, record = updates.end(updates.add(state, batch, np.repeat(np.arange(4), 2)))
+  dense = nnx.merge(plain_graphdef, lora.merge(plain, adapters, ALL.scale))
+  want = np.asarray(token_logprobs(dense(batch["tokens"], batch["valid"]), batch["tokens"])[0])[4:]
+  second = updates.kept[1][0]
+  np.testing.assert_allclose(np.where(second["loss_mask"], second["old_logprobs"], 0),
+                             np.where(second["loss_mask"], want, 0), atol=2e-5)
+  assert "old_logprobs" not in updates.kept[0][0] and int(state.step) == 2 and record.row()["optimizer_updates"] == 2
+  assert not np.array_equal(np.asarray(jax.tree.leaves(state.params)[0]), np.asarray(jax.tree.leaves(adapters)[0]))
