@@ -121,7 +121,8 @@ def take_step(shards, step=1):
   worker = SimpleNamespace(config=CONFIG.trainer, shape=CONFIG.shape, spec=CONFIG.spec, streamed=CONFIG.spec.streamed,
                            rules=IntakeRules.of(CONFIG.shape), intake=IntakeState(),
                            refusals=[], phase_clock=PhaseClock(TRAINER_PHASES),
-                           counters=TrainerCounters(),
+                           counters=TrainerCounters(), state=None,
+                           updates=SimpleNamespace(begin=lambda state, before_update: None),  # a step's updates
                            _accumulate=lambda shard, step, clock: trained.append(shard))
   for name in ("_next_shard", "_applied", "_count_step"):  # the worker's own steps
     setattr(worker, name, getattr(TrainerWorker, name).__get__(worker))
