@@ -42,7 +42,7 @@ RUN = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", f"JobConf
        "ControllerConfig.heartbeat_s=1.0")
 RSS_STEPS = size(200, 20)
 TINY = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
-        "JobConfig.eval_prompts=1", "JobConfig.hidden_size=32", f"PipelineConfig.steps={RSS_STEPS}",
+        "JobConfig.eval_prompts=1", "DemoModelConfig.hidden_size=32", f"PipelineConfig.steps={RSS_STEPS}",
         "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=4", "PipelineConfig.max_new_tokens=16",
         "EngineConfig.num_slots=16", "PipelineConfig.max_new_tokens=16")
 

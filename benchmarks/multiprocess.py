@@ -43,7 +43,7 @@ STEPS, SKIP = size(10, 4), size(3, 2)
 WARMUP_STEPS = size(100, 0)
 # quick: no colocated baseline (async_vs_colocated has no goal here; pipeline.py's has)
 MODES = size(("disaggregated", "stream", "async", "colocated"), ("disaggregated", "async"))  # quick: the goals' own
-WORKLOAD = ("JobConfig.hidden_size=160", "TaskConfig.max_digits=8", f"JobConfig.warmup_steps={WARMUP_STEPS}",
+WORKLOAD = ("DemoModelConfig.hidden_size=160", "TaskConfig.max_digits=8", f"JobConfig.warmup_steps={WARMUP_STEPS}",
             "JobConfig.eval_prompts=1", "EngineConfig.num_slots=128", "EngineConfig.steps_per_sync=8",
             f"PipelineConfig.steps={STEPS}", "TrainerConfig.precompile=True", "MeshConfig.sampler_devices=0",
             "MeshConfig.trainer_devices=0")

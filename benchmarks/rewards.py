@@ -48,6 +48,7 @@ from flax import nnx  # noqa: E402
 
 from streamrl_jax import gin_config  # noqa: E402
 from streamrl_jax.models import CharTokenizer, Transformer  # noqa: E402
+from streamrl_jax.job.config import DemoModelConfig  # noqa: E402
 from streamrl_jax.pipeline.runner import run_pipeline  # noqa: E402
 from streamrl_jax.rewards import RewardConfig  # noqa: E402
 from streamrl_jax.tasks import ArithmeticTask  # noqa: E402
@@ -91,7 +92,7 @@ def throughput(hidden: int | None = None, layers: int | None = None) -> dict:
   config = dataclasses.replace(config, steps=STEPS, mode="disaggregated")
   if PROMPTS_PER_STEP is not None:
     config = dataclasses.replace(config, prompts_per_step=PROMPTS_PER_STEP)
-  job = dataclasses.replace(job, hidden_size=hidden or job.hidden_size, num_layers=layers or job.num_layers)
+  job = dataclasses.replace(job, demo=DemoModelConfig(hidden or job.demo.hidden_size, layers or job.demo.num_layers))
   tokenizer = CharTokenizer()
   model = Transformer(job.model_config(tokenizer), rngs=nnx.Rngs(0))
   module = Path(tempfile.mkdtemp(prefix="rewards-bench-")) / "bench_rewards.py"
@@ -125,7 +126,7 @@ def throughput(hidden: int | None = None, layers: int | None = None) -> dict:
              reward_overhead_pipeline=round(1 - rate["instant_inline"] / rate["none"], 3) if INLINE_RUNS else None,
              slow_inline_ratio=round(rate["slow_inline"] / rate["instant_workers"], 3) if INLINE_RUNS else None,
              scoring_capacity=round(4 / SLOW_S, 1), samples_per_step=config.samples_per_step, steps=STEPS,
-             rounds=ROUNDS, slow_call_s=SLOW_S, workers=4, hidden_size=job.hidden_size, num_layers=job.num_layers)
+             rounds=ROUNDS, slow_call_s=SLOW_S, workers=4, hidden_size=job.demo.hidden_size, num_layers=job.demo.num_layers)
   return {k: v for k, v in out.items() if v is not None}  # a quick run's missing inline figures left out
 
 

@@ -48,7 +48,7 @@ from streamrl_jax.streaming.sample_schema import SampleEnvelope, shard_to_batch 
 
 STEPS, PROMPTS, GROUP, NEW_TOKENS, PROMPT_LENGTH = size(8, 3), 4, 2, 8, 16
 SETS = ("MeshConfig.sampler_devices=1", "MeshConfig.trainer_devices=1", "JobConfig.warmup_steps=0",
-        "JobConfig.eval_prompts=2", "JobConfig.hidden_size=32", f"PipelineConfig.steps={STEPS}",
+        "JobConfig.eval_prompts=2", "DemoModelConfig.hidden_size=32", f"PipelineConfig.steps={STEPS}",
         "PipelineConfig.mode='stream'", f"PipelineConfig.prompts_per_step={PROMPTS}",
         f"PipelineConfig.group_size={GROUP}", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",
         "EngineConfig.num_slots=8", f"PipelineConfig.max_new_tokens={NEW_TOKENS}",

@@ -22,7 +22,7 @@ def arms_from_configs(lead: PipelineConfig, lead_job: JobConfig, parsed: list[tu
   lead_settings = stream_settings(flat_settings(lead, lead_job))
   arms = []
   for name, config, job in parsed:
-    if job.model != lead_job.model or job.hidden_size != lead_job.hidden_size or job.num_layers != lead_job.num_layers:
+    if job.model != lead_job.model or job.demo != lead_job.demo:
       raise ConfigError(_model_difference(name, lead_job, job, model_specs))
     settings = stream_settings(flat_settings(config, job))
     for key in sorted(settings):

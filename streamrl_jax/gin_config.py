@@ -29,7 +29,7 @@ from streamrl_jax.models.hub import parse_hub_id, pinned
 from streamrl_jax.models.lora import LoraConfig
 from streamrl_jax.pipeline.config import DERIVED_KEYS, PipelineConfig
 from streamrl_jax.pipeline.controller.config import ControllerConfig
-from streamrl_jax.job.config import JobConfig
+from streamrl_jax.job.config import DemoModelConfig, JobConfig
 from streamrl_jax.rewards.config import RewardConfig
 from streamrl_jax.sampling.config import EngineConfig, SamplerConfig
 from streamrl_jax.scheduling import RankerConfig, SchedulingConfig
@@ -60,7 +60,7 @@ def example_dir(name: str) -> Path:
 CONFIG_CLASSES = (MeshConfig, EngineConfig, RewardConfig, EnvConfig, SamplerConfig, OptimizerConfig, ObjectiveConfig,
                   CorrectionConfig, LoraConfig, ValueLossConfig, WaitConfig, TrainerConfig, RankerConfig,
                   SchedulingConfig, ControllerConfig, ArmsConfig, WorkflowConfig,
-                  PipelineConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
+                  PipelineConfig, DemoModelConfig, JobConfig, TaskConfig, FlightConfig, GKETrainerConfig, GKESamplersConfig,
                   GKEPortsConfig, GKEConfig)
 for _cls in CONFIG_CLASSES:
   gin.external_configurable(_cls, name=_cls.__name__)
@@ -70,7 +70,7 @@ KNOWN_KEYS = tuple(f"{cls.__name__}.{f.name}" for cls in CONFIG_CLASSES for f in
 
 # Classes that are not bound, and where their values come from.
 NOT_BOUND = {"ModelConfig": "a model's shape comes from its config.json (JobConfig.model); the demo model's from "
-                            "JobConfig.hidden_size and JobConfig.num_layers",
+                            "DemoModelConfig.hidden_size and DemoModelConfig.num_layers",
              "RopeScaling": "a model's RoPE scaling comes from its config.json (JobConfig.model)"}
 _KEY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)
 _BARE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=", re.MULTILINE)  # `name = value`: a gin macro
@@ -303,8 +303,8 @@ def build_run() -> tuple[PipelineConfig, JobConfig]:
 
 
 def build_job() -> JobConfig:
-  """The job config with its task's, each from its own bindings."""
-  return build(JobConfig, task=build(TaskConfig))
+  """The job config with its task's and its demo decoder's, each from its own bindings."""
+  return build(JobConfig, task=build(TaskConfig), demo=build(DemoModelConfig))
 
 
 def with_arms(config: PipelineConfig, job: JobConfig, arm_files, config_files, bindings) -> PipelineConfig:

@@ -19,6 +19,7 @@ MOVED_KEYS = {
        for c in ("PipelineConfig", "TrainerConfig")},
     **{f"PipelineConfig.{f}": f"ControllerConfig.{f}" for f in ("dynamic_sampling", "backfill_limit")},
     "ObjectiveConfig.value_coef": "ValueLossConfig.coef",
+    **{f"JobConfig.{f}": f"DemoModelConfig.{f}" for f in ("hidden_size", "num_layers")},
     "ObjectiveConfig.value_clip": "ValueLossConfig.clip",
     "PipelineConfig.arm_name": "ArmsConfig.lead_name",
     "PipelineConfig.advantage": "WorkflowConfig.advantage",

@@ -27,7 +27,7 @@ MeshConfig.sampler_devices = 1
 MeshConfig.trainer_devices = {trainer_devices}
 JobConfig.warmup_steps = 0
 JobConfig.eval_prompts = 2
-JobConfig.hidden_size = 32
+DemoModelConfig.hidden_size = 32
 ControllerConfig.heartbeat_s = 0.5
 """
 

@@ -14,7 +14,7 @@ from streamrl_jax.arms.config import ArmsConfig
 from streamrl_jax.config_types import ConfigError
 from streamrl_jax.pipeline import PipelineConfig
 from streamrl_jax.workflow import WorkflowConfig
-from streamrl_jax.job.config import JobConfig
+from streamrl_jax.job.config import DemoModelConfig, JobConfig
 from streamrl_jax.streaming import QueueClosed
 from streamrl_jax.training import ObjectiveConfig, OptimizerConfig
 from tests.wire_samples import group_shard
@@ -191,7 +191,7 @@ def test_arm_files_may_change_only_their_trainer():
     arms_from_configs(lead, job, [("x", dataclasses.replace(lead, group_size=8), job)])
   with pytest.raises(ConfigError, match="two arms"):
     arms_from_configs(lead, job, [("x", lead, job), ("x", lead, job)])
-  wide = dataclasses.replace(job, hidden_size=128)
+  wide = dataclasses.replace(job, demo=DemoModelConfig(hidden_size=128))
   specs = lambda j: j.model_spec()  # noqa: E731
   with pytest.raises(ConfigError, match=r"arm 'w': .* differ in shape \(hidden_size 128 vs 64\)"):
     arms_from_configs(lead, job, [("w", lead, wide)], specs)

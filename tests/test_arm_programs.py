@@ -18,7 +18,7 @@ from streamrl_jax.meshes import MeshConfig
 from streamrl_jax.models import Transformer
 from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.arms.config import ArmsConfig
-from streamrl_jax.job.config import JobConfig
+from streamrl_jax.job.config import DemoModelConfig, JobConfig
 from streamrl_jax.records.metrics_log import read_metrics
 from streamrl_jax.arms.remote import RemoteArms
 from streamrl_jax.pipeline.sampler.program import SamplerEndpoint, run_sampler
@@ -28,7 +28,7 @@ from streamrl_jax.pipeline.run_hooks import RunHooks
 from tests.pipeline_setup import BASE, TOKENIZER, DigitTask
 from tests.test_remote_pipeline import FAST, FAST_CONTROL
 
-JOB = JobConfig(hidden_size=32, num_layers=2, warmup_steps=0, eval_prompts=4)
+JOB = JobConfig(demo=DemoModelConfig(hidden_size=32, num_layers=2), warmup_steps=0, eval_prompts=4)
 CONFIG = dataclasses.replace(BASE, mode="stream", controller=FAST_CONTROL, mesh=MeshConfig(sampler_devices=4,
                                                                                            trainer_devices=2),
                              arms=ArmsConfig(programs=True, followers=(ArmConfig("rloo", advantage="rloo"),)))

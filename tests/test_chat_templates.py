@@ -340,7 +340,7 @@ def test_the_pipeline_trains_and_evaluates_on_transformers_ids(tmp_path, monkeyp
       expected.append(ids)
     submitted.clear()
     run = PipelineConfig()
-    evaluation.greedy_completions(model, tokenizer, task, run.sampler, run.max_new_tokens, 2, seed=0)
+    evaluation.HeldOut(tokenizer, task, run.sampler, run.max_new_tokens, prompts=2, seed=0).rows(model)
     assert [ids for ids, _ in submitted] == expected
     assert all(stops == tokenizer.stop_ids for _, stops in submitted)
 

@@ -80,8 +80,8 @@ CASES = {
     "a file prompt too long": (["train", "--set", "TaskConfig.name='file'", "--set", "JobConfig.model='{hf}'",
                                 "--set", "TaskConfig.prompt_file='{prompts}'"], None, "prompts.jsonl, row 1: "),
     "a fresh start over checkpoints": (["train"], "checkpoint", "holds checkpoints up to step 3: continue them with"),
-    "a resume with another model": (["train", "--resume", "--set", "JobConfig.hidden_size=32"], "settings",
-                                    "JobConfig.hidden_size: 64 -> 32"),
+    "a resume with another model": (["train", "--resume", "--set", "DemoModelConfig.hidden_size=32"], "settings",
+                                    "DemoModelConfig.hidden_size: 64 -> 32"),
     "colocated as a trainer program": (["trainer", "--set", "PipelineConfig.mode='colocated'"], None,
                                        "time-shares one mesh in one program"),
     "a chat template that does not compile": (["train", "--set", "TaskConfig.name='file'", "--set",
@@ -101,7 +101,7 @@ CASES = {
                                                "more than EngineConfig.max_stop_tokens=1: set it to 2"),
     "an activation budget below one row": (["train", "--set", "TrainerConfig.activation_budget_mb=1"], None,
                                            "TrainerConfig.activation_budget_mb=1 holds"),
-    "a model larger than the machine's memory": (["train", "--set", "JobConfig.hidden_size=16384"], None,
+    "a model larger than the machine's memory": (["train", "--set", "DemoModelConfig.hidden_size=16384"], None,
                                                  "of memory (runtime 1.0 GiB, trainer state "),
     "a sampler larger than its machine": (["sampler", "--connect", "127.0.0.1:9", "--set",
                                            "MeshConfig.sampler_devices=16"], None,
@@ -134,12 +134,12 @@ def test_mistakes_are_reported_before_any_model_or_compile(case, tmp_path, capsy
 
 
 def test_auto_resume_follows_the_checkpoint_and_the_settings(tmp_path):
-  settings = {"PipelineConfig.steps": "10", "JobConfig.hidden_size": "64"}
+  settings = {"PipelineConfig.steps": "10", "DemoModelConfig.hidden_size": "64"}
   assert preflight.check_resume(tmp_path, settings, "auto", None) is False
   run_files.write_settings(tmp_path, settings)
   assert preflight.check_resume(tmp_path, {**settings, "PipelineConfig.steps": "20"}, "auto", 4) is True
-  with pytest.raises(ValueError, match="JobConfig.hidden_size: 64 -> 32"):
-    preflight.check_resume(tmp_path, {**settings, "JobConfig.hidden_size": "32"}, "auto", 4)
+  with pytest.raises(ValueError, match="DemoModelConfig.hidden_size: 64 -> 32"):
+    preflight.check_resume(tmp_path, {**settings, "DemoModelConfig.hidden_size": "32"}, "auto", 4)
 
 
 def test_a_workdir_written_before_keys_moved_resumes_under_their_new_names(tmp_path):

@@ -246,11 +246,11 @@ def test_separate_programs_sync_adapters_over_flight(tmp_path):
   """`streamrl launch local` with LoRA, started from a PEFT adapter (`LoraConfig.init_from`): the sampler program
   loads the base itself, every version over Flight is the adapters' bytes, and the run leaves a PEFT adapter (the
   initial one moved by at most Adam's steps) whose merge into the base is its final model."""
-  from streamrl_jax.job.config import JobConfig
+  from streamrl_jax.job.config import DemoModelConfig, JobConfig
 
   from tests.processes import finish, launch, write_config
 
-  base_model = JobConfig(hidden_size=32, warmup_steps=0).load_model()[0]
+  base_model = JobConfig(demo=DemoModelConfig(hidden_size=32), warmup_steps=0).load_model()[0]
   start = LoraConfig(rank=4)
   initial = random_arrays(start, base_model.config, seed=5)
   save_adapter(tmp_path / "initial", initial, start, "")

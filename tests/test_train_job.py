@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from streamrl_jax import cli, gin_config
@@ -19,7 +20,7 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   args = ["train", "--config", DEMO_GIN, "--workdir", str(tmp_path),
           "--set", "PipelineConfig.steps=2", "--set", "PipelineConfig.prompts_per_step=4",
           "--set", "PipelineConfig.group_size=2", "--set", "JobConfig.warmup_steps=2", "--set", "JobConfig.eval_prompts=4",
-          "--set", "JobConfig.hidden_size=32"]
+          "--set", "DemoModelConfig.hidden_size=32", "--set", "JobConfig.eval_k=2", "--set", "JobConfig.eval_every=2"]
   assert cli.main(args + ["--resume=auto"]) == 0  # no checkpoint yet: a fresh start
   assert "--resume=auto: no checkpoint yet, starting afresh" in "".join(capsys.readouterr())
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -31,6 +32,10 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   gin_config.parse()
   summary = json.loads((tmp_path / "summary.json").read_text())
   assert summary["counters"]["samples_trained"] == 2 * 4 * 2 and 0 <= summary["accuracy_after"] <= 1
+  assert "heldout_avg@2" not in lines[0] and {"heldout_accuracy", "heldout_avg@2", "heldout_pass@2"} <= set(lines[1])
+  before = [json.loads(line)["reward"] >= 1 for line in (tmp_path / "eval_before_at_k.jsonl").read_text().splitlines()]
+  assert len(before) == 4 * 2 and summary["heldout_avg@2_before"] == pytest.approx(np.mean(before))
+  assert 0 <= summary["heldout_avg@2"] <= summary["heldout_pass@2"] <= 1
   trace = json.loads((tmp_path / "trace.json").read_text())
   assert any(e.get("ph") == "X" for e in trace["traceEvents"])
   for name in ("timeline.png", "curves.png", "warmup_model/config.json", "final_model/model.safetensors"):
@@ -49,6 +54,7 @@ def test_train_command_writes_metrics_pictures_and_models(tmp_path, capsys):
   segments = json.loads((tmp_path / "run.json").read_text())["segments"]
   assert [(s["first_step"], s["last_step"]) for s in segments] == [(0, 2), (2, 3)]
   assert summary["steps"] == 3 and summary["resumes"] == 1
+  assert summary["heldout_avg@2_before"] == pytest.approx(np.mean(before))  # read back, not measured again
   assert summary["rl_seconds"] == pytest.approx(sum(s["seconds"] for s in segments)) and summary["rl_seconds"] > 0
   lanes = {e["args"]["name"] for e in json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
            if e["ph"] == "M"}
@@ -110,7 +116,7 @@ def test_the_python_entry_trains_and_returns_the_summary(tmp_path, capsys):
   import streamrl_jax
 
   settings = ["PipelineConfig.steps=1", "PipelineConfig.prompts_per_step=4", "PipelineConfig.group_size=2",
-              "JobConfig.warmup_steps=0", "JobConfig.eval_prompts=4", "JobConfig.hidden_size=32"]
+              "JobConfig.warmup_steps=0", "JobConfig.eval_prompts=4", "DemoModelConfig.hidden_size=32"]
   try:
     summary = streamrl_jax.train(DEMO_GIN, settings, tmp_path / "run")
   finally:
@@ -132,7 +138,7 @@ def test_report_to_wandb_sends_every_row_and_the_pictures(tmp_path, monkeypatch)
   monkeypatch.setenv("WANDB_SILENT", "true")
   args = ["train", "--config", DEMO_GIN, "--workdir", str(tmp_path), "--set", "PipelineConfig.steps=2",
           "--set", "PipelineConfig.prompts_per_step=4", "--set", "PipelineConfig.group_size=2",
-          "--set", "JobConfig.warmup_steps=0", "--set", "JobConfig.eval_prompts=4", "--set", "JobConfig.hidden_size=32",
+          "--set", "JobConfig.warmup_steps=0", "--set", "JobConfig.eval_prompts=4", "--set", "DemoModelConfig.hidden_size=32",
           "--set", "JobConfig.report_to=('wandb',)"]
   try:
     assert cli.main(args) == 0

@@ -23,7 +23,7 @@ EVAL_WAIT_S = 1.0
 def agent_completions(model, tokenizer, task, sampler: SamplerConfig, max_new_tokens: int, prompts: int,
                       seed: int) -> list[tuple[str, str, float]]:
   """(prompt, the agent's answer or last reply, reward) of one greedy episode per held-out prompt (drawn with
-  their own seed, as `greedy_completions` draws them), with `sampler`'s engine, agent program and rewards and the run's
+  their own seed, as `evaluation.decoded` draws them), with `sampler`'s engine, agent program and rewards and the run's
   `max_new_tokens` (each reply's and each episode's bound); a failed episode scores 0."""
   import secrets
 

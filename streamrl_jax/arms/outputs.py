@@ -13,7 +13,7 @@ from flax import nnx
 
 from streamrl_jax.arms.config import ArmConfig, ArmsConfig
 from streamrl_jax.job.evaluation import HeldOut
-from streamrl_jax.records.metrics_log import append_row, evaluations, open_metrics, read_metrics
+from streamrl_jax.records.metrics_log import append_row, evaluations, open_metrics, sampled_evaluations, read_metrics
 from streamrl_jax.records.pictures import write_curves_png
 from streamrl_jax.records.run_files import EVAL_AFTER, save_final, write_arm, write_summary
 from streamrl_jax.records.run_record import ARMS_DIR
@@ -82,15 +82,17 @@ def finish_arm(directory: Path, arm: ArmConfig, steps: int, trained, counters: d
   curves drawn and its summary.json written (`before`: the held-out accuracy of the policy every arm started from,
   None if unknown)."""
   name = arm.name
-  after = held_out.accuracy(trained, directory / EVAL_AFTER)
-  change = f" ({after - before:+.3f})" if before is not None else ""
-  _log.info(f"arm {name!r}: held-out accuracy after RL {after:.3f}{change}; "
+  scores = held_out.scores(trained, directory / EVAL_AFTER)
+  after = scores.accuracy
+  change = f", {after - before:+.3f} since before" if before is not None else ""
+  _log.info(f"arm {name!r}: held-out accuracy after RL {scores.line()}{change}; "
             f"{counters.get('arm_steps_skipped', 0)} steps skipped")
   save_final(directory, trained)
   rows = read_metrics(directory)
   write_curves_png(rows, evaluations(rows, before, after, steps), directory / "curves.png",
-                   title=f"arm {name}: {arm.advantage}, {arm.objective.objective}")
-  summary = dict(describe_arm(arm), accuracy_before=before, accuracy_after=after, steps=len(rows),
+                   title=f"arm {name}: {arm.advantage}, {arm.objective.objective}",
+                   sampled=sampled_evaluations(rows, {}, scores.at_k, steps))
+  summary = dict(describe_arm(arm), accuracy_before=before, accuracy_after=after, **scores.at_k, steps=len(rows),
                  counters={k: v for k, v in counters.items() if not isinstance(v, (list, dict))})
   write_summary(directory, summary)
   return summary

@@ -26,7 +26,7 @@ from streamrl_jax.messages import ArmJoin, ArmJoined, ArmPoll, ArmState, Version
 from streamrl_jax.meshes import role_mesh
 from streamrl_jax.arms.feed import ArmFeed, FollowerSource
 from streamrl_jax.arms.outputs import describe_arm, finish_arm
-from streamrl_jax.job.evaluation import HeldOut
+from streamrl_jax.job.evaluation import held_out_of
 from streamrl_jax.arms.config import ArmConfig
 from streamrl_jax.arms.followers import NoPublisher, arm_parts, arm_setup, feed_capacity
 from streamrl_jax.records.metrics_log import PeriodicEval, append_row, open_metrics
@@ -149,10 +149,9 @@ def follow_lead(config: PipelineConfig, job, arm_name: str, *, connect: str, wor
                          WireLimits.of_run(config.sampler.engine, config.samples_per_step, model.config.vocab_size,
                                            model.config))
   source = FollowerSource(feed, config.arms.max_lag, first_step=joined.start_step)
-  held_out = HeldOut(tokenizer, job.make_task(tokenizer, "eval"), lead.sampler, lead.max_new_tokens, job.eval_prompts,
-                     job.seed)
-  periodic = (PeriodicEval(job.eval_every, lambda p: held_out.accuracy(nnx.merge(graphdef, p))) if job.eval_every
-              else None)
+  held_out = held_out_of(job, tokenizer, job.make_task(tokenizer, "eval"), lead.sampler, lead.max_new_tokens)
+  periodic = (PeriodicEval(job.eval_every, lambda p: held_out.scores(nnx.merge(graphdef, p)).metrics())
+              if job.eval_every else None)
   reader.thread.start()
   try:
     completed = _train(worker, arm.name, source, reader, open_metrics(workdir, resumed_at), periodic)

@@ -18,6 +18,14 @@ REPORT_TO = ("tensorboard", "wandb")  # JobConfig.report_to's trackers
 
 
 @dataclasses.dataclass(frozen=True)
+class DemoModelConfig:
+  """The tiny demo decoder's shape (`JobConfig` with no `model`): 4 query and 2 KV heads, an MLP 4x the width."""
+
+  hidden_size: int = 64  # width: 4 query and 2 KV heads of hidden_size / 4, an MLP of 4 x hidden_size
+  num_layers: int = 2  # decoder layers
+
+
+@dataclasses.dataclass(frozen=True)
 class JobConfig:
   """What `streamrl train` runs around the pipeline."""
 
@@ -29,11 +37,15 @@ class JobConfig:
   # also every this many RL steps, for the lead and each arm (a row's `heldout_accuracy`; it takes the evaluating
   # policy's own time); 0: before and after only
   eval_every: int = 0
+  # evaluation at k (at each of those evaluations): k samples of each held-out prompt, scored as `heldout_avg@K`
+  # and `heldout_pass@K` beside the greedy accuracy; 0: greedy only
+  eval_k: int = 0
+  eval_temperature: float = 1.0  # evaluation at k: the samples' temperature
+  eval_top_p: float = 1.0  # evaluation at k: the samples' nucleus (1: off)
   # RL steps between checkpoints (the last step's, and a stopped run's, always saved); a killed run resumes from
   # the latest and trains the steps after it again
   checkpoint_every: int = 1
-  hidden_size: int = 64  # demo decoder (no `model`): width (its MLP is 4x); 4 query and 2 KV heads
-  num_layers: int = 2  # demo decoder (no `model`): decoder layers
+  demo: DemoModelConfig = DemoModelConfig()  # the demo decoder's shape, when there is no `model`
   # activations and matmuls of the trainer and the sampler: 'auto' (bfloat16 on a GPU or TPU; on a CPU the faster
   # of the two for this model's products, measured once per machine: models/dtype_probe.py), 'float32' or
   # 'bfloat16'; weights and optimizer state stay float32 ('streamrl info' and settings.json name the choice)
@@ -58,6 +70,9 @@ class JobConfig:
       raise ValueError(f"JobConfig.compute_dtype={self.compute_dtype!r}; known: {list(COMPUTE_DTYPES)}")
     if self.eval_every < 0:
       raise ValueError(f"JobConfig.eval_every must be >= 0 (0: before and after RL only), got {self.eval_every}")
+    if self.eval_k < 0 or self.eval_temperature <= 0 or not 0 < self.eval_top_p <= 1:
+      raise ValueError(f"JobConfig.eval_k must be >= 0 (0: greedy only), eval_temperature > 0 and eval_top_p in "
+                       f"(0, 1]; got {self.eval_k}, {self.eval_temperature} and {self.eval_top_p}")
     if self.checkpoint_every < 1:
       raise ValueError(f"JobConfig.checkpoint_every must be >= 1 (RL steps between checkpoints), got "
                        f"{self.checkpoint_every}")
@@ -90,8 +105,9 @@ class JobConfig:
 
   def model_config(self, tokenizer, dtype: str | None = None) -> ModelConfig:
     """The demo decoder's config (computing in `dtype`, default this job's)."""
-    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=self.hidden_size,
-                       intermediate_size=4 * self.hidden_size, num_layers=self.num_layers, num_heads=4,
+    demo = self.demo
+    return ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=demo.hidden_size,
+                       intermediate_size=4 * demo.hidden_size, num_layers=demo.num_layers, num_heads=4,
                        num_kv_heads=2, eos_token_id=tokenizer.eos_id, dtype=dtype or self.dtype())
 
   def dtype(self) -> str:

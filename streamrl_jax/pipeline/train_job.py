@@ -19,7 +19,7 @@ from streamrl_jax.arms.outputs import arm_outputs, describe_arm, finish_arms
 from streamrl_jax.config_listing import render
 from streamrl_jax.host_memory import release_free_memory
 from streamrl_jax.job.config import JobConfig
-from streamrl_jax.job.evaluation import HeldOut
+from streamrl_jax.job.evaluation import HeldOut, Scores, held_out_of
 from streamrl_jax.job.warmup import warm_model
 from streamrl_jax.models import lora
 from streamrl_jax.models.catalog import base_model_id
@@ -89,11 +89,11 @@ def _job(config: PipelineConfig, job: JobConfig, workdir: Path, checkpointer, re
     _write_run_files(workdir, config, job, settings, configured)
   model, tokenizer = warm_model(job, task, workdir, config.sampler.engine.max_prompt_length + config.max_new_tokens,
                                 leader)
-  held_out = HeldOut(tokenizer, heldout, config.sampler, config.max_new_tokens, job.eval_prompts, job.seed)
-  before = _accuracy_before(model, held_out, workdir, leader, resume)
-  resumed_at = checkpointer.latest_step() if resume else None
+  held_out = held_out_of(job, tokenizer, heldout, config.sampler, config.max_new_tokens)
+  scores_before = _scores_before(model, held_out, workdir, leader, resume)
+  before, resumed_at = scores_before.accuracy, checkpointer.latest_step() if resume else None
   if leader:
-    _log.info(f"held-out accuracy before RL: {before:.3f}")
+    _log.info(f"held-out accuracy before RL: {scores_before.line()}")
     write_run_curves(workdir, config.mode, config.steps, before)
   if resume:
     _log.info(f"resuming from the checkpoint of step {resumed_at}")
@@ -160,7 +160,7 @@ def _periodic_eval(eval_every: int, model, held_out: HeldOut) -> PeriodicEval:
   """`JobConfig.eval_every`'s evaluation of any policy of this model (the lead's or an arm's: arms share the run's
   sampling settings)."""
   graphdef, _ = nnx.split(model)
-  return PeriodicEval(eval_every, lambda params: held_out.accuracy(nnx.merge(graphdef, params)))
+  return PeriodicEval(eval_every, lambda params: held_out.scores(nnx.merge(graphdef, params)).metrics())
 
 
 def _preflight(config: PipelineConfig, job: JobConfig, role: str):
@@ -193,14 +193,14 @@ def _preflight(config: PipelineConfig, job: JobConfig, role: str):
   return config, task, heldout, tokenizer
 
 
-def _accuracy_before(model, held_out: HeldOut, workdir: Path, leader: bool, resume: bool) -> float:
-  """Held-out accuracy before RL: measured once (a resumed run reads it back); NaN off process 0."""
+def _scores_before(model, held_out: HeldOut, workdir: Path, leader: bool, resume: bool) -> Scores:
+  """Held-out scores before RL: measured once (a resumed run reads them back); NaN off process 0."""
   if not leader:
-    return float("nan")
+    return Scores(float("nan"))
   if resume and (kept := run_files.read_accuracy_before(workdir)) is not None:
-    return kept
-  before = held_out.accuracy(model, workdir / run_files.EVAL_BEFORE)
-  run_files.write_accuracy_before(workdir, before)
+    return Scores(kept, run_files.read_at_k_before(workdir))
+  before = held_out.scores(model, workdir / run_files.EVAL_BEFORE)
+  run_files.write_accuracy_before(workdir, before.accuracy, before.at_k)
   return before
 
 
@@ -210,20 +210,22 @@ def _finish(config: PipelineConfig, job: JobConfig, model, held_out: HeldOut, re
   segment of a resumed run); returns the summary."""
   graphdef, _ = nnx.split(model)
   trained = nnx.merge(graphdef, result.params)
-  after = held_out.accuracy(trained, workdir / run_files.EVAL_AFTER)
-  _log.info(f"held-out accuracy after RL: {after:.3f} ({after - before:+.3f})")
+  scores = held_out.scores(trained, workdir / run_files.EVAL_AFTER)
+  after = scores.accuracy
+  _log.info(f"held-out accuracy after RL: {scores.line()}, {after - before:+.3f} since before")
   adapter = None if result.adapters is None else lora.adapter_arrays(result.adapters)
   run_files.save_final(workdir, trained, adapter, config.trainer.lora, base_model_id(job.model))
   if adapter is not None:  # LoRA: the adapter alone too, in the PEFT format (`streamrl merge` rebuilds final_model)
     _log.info(f"saved the adapter to {workdir / run_files.FINAL_ADAPTER} (PEFT format) and the merged model to "
               f"{workdir / run_files.FINAL_MODEL}")
-  write_run_pictures(workdir, config.mode, config.steps, before, segments, after)
+  write_run_pictures(workdir, config.mode, config.steps, before, segments, after, scores.at_k)
   whole = run_record.arm_totals(segments)  # each arm's counters over the run's segments, not this one's alone
   result = dataclasses.replace(result, arms={n: dataclasses.replace(a, counters=whole.get(n, a.counters))
                                              for n, a in result.arms.items()})
   arms = finish_arms(result, model, config.arms, config.steps, workdir, before, held_out)
   by_arm = {"arm": config.arms.lead_name, "arms": {n: a["accuracy_after"] for n, a in arms.items()}} if arms else {}
-  summary = dict(accuracy_before=before, accuracy_after=after, **run_record.totals(segments),
+  at_k = {**{f"{k}_before": v for k, v in run_files.read_at_k_before(workdir).items()}, **scores.at_k}
+  summary = dict(accuracy_before=before, accuracy_after=after, **at_k, **run_record.totals(segments),
                  steps=len(read_metrics(workdir)), **by_arm)
   run_files.write_summary(workdir, summary)
   return summary

@@ -110,6 +110,10 @@ METRICS = (
     Metric("queue_depth", "int", PROCESS, "samples in the trainer's queue at the row"),
     Metric("queue_max_depth", "int", PROCESS, "the most samples the queue held so far"),
     Metric("heldout_accuracy", "float", EVALUATION, "held-out accuracy (`JobConfig.eval_every`)"),
+    Metric("heldout_avg@<k>", "float", EVALUATION, "mean share correct of k samples a held-out prompt "
+                                                    "(`JobConfig.eval_k`, at `eval_temperature` and `eval_top_p`)"),
+    Metric("heldout_pass@<k>", "float", EVALUATION, "chance that k samples of a held-out prompt hold a correct one "
+                                                     "(the unbiased estimator of Chen et al. 2021)"),
     Metric("arm", "str", ARMS, "the follower arm whose row it is"),
     Metric("arm_policy_divergence", "float", ARMS, "the arm's KL to the sampling policy (its "
            "`logprob_mismatch_kl`)"),

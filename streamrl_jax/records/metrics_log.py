@@ -16,26 +16,36 @@ from streamrl_jax.records.metric_table import EVALUATION, check_row
 
 @dataclasses.dataclass(frozen=True)
 class PeriodicEval:
-  """Held-out accuracy every `every` RL steps, of the policy whose row it is: `evaluate(params)` (host parameters;
-  the run's sampling settings, which every arm shares, bound where it is built) gives it, and the row gets
-  `heldout_accuracy`."""
+  """Held-out evaluation every `every` RL steps, of the policy whose row it is: `evaluate(params)` (host parameters;
+  the run's sampling settings, which every arm shares, bound where it is built) gives the row's `heldout_accuracy`
+  (and with `JobConfig.eval_k`, `heldout_avg@K` and `heldout_pass@K`)."""
 
   every: int
-  evaluate: Callable[[object], float]
+  evaluate: Callable[[object], dict[str, float]]
 
   def row_part(self, params: Callable[[], object]) -> Callable[[dict], dict]:
-    """A row part (`metric_table.join_row`): `heldout_accuracy` of the policy `params()` gives, on the rows whose step
-    is due; `params()` is asked only then."""
+    """A row part (`metric_table.join_row`): the held-out scores of the policy `params()` gives, on the rows whose
+    step is due; `params()` is asked only then."""
     def part(row: dict) -> dict:
       due = self.every and row["step"] % self.every == 0
-      return {EVALUATION: {"heldout_accuracy": float(self.evaluate(params()))}} if due else {}
+      return {EVALUATION: {k: float(v) for k, v in self.evaluate(params()).items()}} if due else {}
     return part
 
 
-def evaluations(rows: list[dict], before: float | None, after: float | None, steps: int) -> list[tuple[int, float]]:
-  """(step, held-out accuracy) points of a policy: before RL at step 0, each periodic one, after RL at the end."""
-  points = [(0, before)] + [(r["step"], r["heldout_accuracy"]) for r in rows if "heldout_accuracy" in r]
+def evaluations(rows: list[dict], before: float | None, after: float | None, steps: int,
+                key: str = "heldout_accuracy") -> list[tuple[int, float]]:
+  """(step, held-out `key`) points of a policy: before RL at step 0, each periodic one, after RL at the end."""
+  points = [(0, before)] + [(r["step"], r[key]) for r in rows if key in r]
   return [(x, y) for x, y in points + [(steps, after)] if y is not None]
+
+
+def sampled_evaluations(rows: list[dict], before: dict[str, float], after: dict[str, float], steps: int
+                        ) -> dict[str, list[tuple[int, float]]]:
+  """Each evaluation-at-k key's (step, value) points (`evaluations`): `before` and `after` hold the scores before
+  and after RL (`heldout_avg@K`, `heldout_pass@K`; empty where there was none)."""
+  keys = sorted({k for k in [*before, *after, *(k for r in rows for k in r)] if k.startswith(("heldout_avg@",
+                                                                                               "heldout_pass@"))})
+  return {k: evaluations(rows, before.get(k), after.get(k), steps, k) for k in keys}
 
 
 def read_metrics(directory: Path) -> list[dict]:

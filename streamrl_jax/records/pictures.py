@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from streamrl_jax.records.metrics_log import evaluations, read_metrics
+from streamrl_jax.records.metrics_log import evaluations, read_metrics, sampled_evaluations
+from streamrl_jax.records.run_files import read_at_k_before
 from streamrl_jax.records.run_record import whole_timeline
 
 COLORS = {"sampler": "#59c", "trainer": "#6a9", "sync": "#a5a", "resume": "#d62"}
@@ -61,14 +62,16 @@ def _color(lane: str) -> str:
 
 
 def write_curves_png(metrics: list[dict], evaluations: list[tuple[int, float]], path: str | Path,
-                     title: str = "") -> None:
+                     title: str = "", sampled: dict[str, list[tuple[int, float]]] | None = None) -> None:
   """`curves_figure` as a PNG."""
-  curves_figure(metrics, evaluations, title).savefig(path, dpi=100)
+  curves_figure(metrics, evaluations, title, sampled).savefig(path, dpi=100)
 
 
-def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], title: str = ""):
+def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], title: str = "",
+                  sampled: dict[str, list[tuple[int, float]]] | None = None):
   """The learning curves: reward mean per step (a moving average, and each reward function's mean where a run has
-  several: `reward/<name>`), held-out accuracy at each evaluation (step 0: before RL), and the policy loss with the
+  several: `reward/<name>`), held-out accuracy at each evaluation (step 0: before RL) with avg@k and pass@k where
+  `sampled` holds them (`metrics_log.sampled_evaluations`), and the policy loss with the
   KL to the reference policy where the objective has one; whole RL steps on the x axis. A series of fewer than
   `FEW_POINTS` (5) points is drawn as labelled points with no line joining them (see `_series`)."""
   from matplotlib.ticker import MaxNLocator
@@ -92,6 +95,11 @@ def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], tit
   if evaluations:
     xs, ys = zip(*sorted(evaluations))
     _series(middle, xs, ys, "{:.3f}", always=True, marker="o", color="#c53", label="held-out accuracy (greedy)")
+  for (key, points), color in zip(sorted((sampled or {}).items()), ("#e92", "#83b")):
+    if points:
+      xs, ys = zip(*sorted(points))
+      _series(middle, xs, ys, "{:.3f}", always=True, marker="s", linestyle="--", color=color,
+              label=f"held-out {key.removeprefix('heldout_')}")
   middle.set_ylabel("accuracy")
   middle.set_ylim(-0.05, 1.1)
   drawn = []
@@ -138,18 +146,20 @@ def write_chrome_trace(timeline: dict, path: str | Path) -> None:
   Path(path).write_text(json.dumps({"traceEvents": events}))
 
 
-def write_run_curves(workdir: Path, mode: str, steps: int, before: float, after: float | None = None) -> None:
+def write_run_curves(workdir: Path, mode: str, steps: int, before: float, after: float | None = None,
+                     after_at_k: dict[str, float] | None = None) -> None:
   """WORKDIR/curves.png from metrics.jsonl and the held-out evaluations (before RL at step 0, every
-  `JobConfig.eval_every` steps, after at the end) of a run of `steps` steps in `mode`."""
+  `JobConfig.eval_every` steps, after at the end, with their scores at k) of a run of `steps` steps in `mode`."""
   metrics = read_metrics(workdir)
+  sampled = sampled_evaluations(metrics, read_at_k_before(workdir), after_at_k or {}, steps)
   write_curves_png(metrics, evaluations(metrics, before, after, steps), Path(workdir) / "curves.png",
-                   title=f"mode {mode}, {steps} steps")
+                   title=f"mode {mode}, {steps} steps", sampled=sampled)
 
 
 def write_run_pictures(workdir: Path, mode: str, steps: int, before: float, segments: list[dict],
-                       after: float | None = None) -> None:
+                       after: float | None = None, after_at_k: dict[str, float] | None = None) -> None:
   """curves.png, timeline.png and trace.json of the run so far, every segment of it (`run_record`)."""
-  write_run_curves(workdir, mode, steps, before, after)
+  write_run_curves(workdir, mode, steps, before, after, after_at_k)
   timeline = whole_timeline(segments)
   write_timeline_png(timeline, Path(workdir) / "timeline.png", title=f"mode {mode}")
   write_chrome_trace(timeline, Path(workdir) / "trace.json")

@@ -49,14 +49,21 @@ def write_eval_rows(path: Path, rows: list[tuple[str, str, float]]) -> None:
   Path(path).write_text("".join(json.dumps(dict(prompt=p, completion=c, reward=r)) + "\n" for p, c, r in rows))
 
 
-def write_accuracy_before(workdir: Path, accuracy: float) -> None:
-  replace_text(Path(workdir) / BEFORE_FILE, json.dumps({"accuracy": accuracy}))
+def write_accuracy_before(workdir: Path, accuracy: float, at_k: dict[str, float] | None = None) -> None:
+  """The held-out accuracy before RL, with its scores at k (`heldout_avg@K`, `heldout_pass@K`) where measured."""
+  replace_text(Path(workdir) / BEFORE_FILE, json.dumps({"accuracy": accuracy, "at_k": at_k or {}}))
 
 
 def read_accuracy_before(workdir: Path) -> float | None:
   """The held-out accuracy before RL measured in `workdir`; None when it was not (yet)."""
   path = Path(workdir) / BEFORE_FILE
   return json.loads(path.read_text())["accuracy"] if path.exists() else None
+
+
+def read_at_k_before(workdir: Path) -> dict[str, float]:
+  """The scores at k before RL measured in `workdir` (empty when none were)."""
+  path = Path(workdir) / BEFORE_FILE
+  return json.loads(path.read_text()).get("at_k", {}) if path.exists() else {}
 
 
 def write_summary(directory: Path, summary: dict) -> None:

@@ -26,3 +26,21 @@ def evaluation_where(prompt: str, row: Row) -> str:
 def accuracy(rewards) -> float:
   """The share of `rewards` that count as correct."""
   return float(np.mean(np.asarray(rewards, np.float64) >= CORRECT))
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+  """The unbiased estimate of pass@k from `n` samples of which `c` are correct (Chen et al. 2021): the chance that
+  k of the n, drawn without replacement, hold at least one correct, 1 - C(n - c, k) / C(n, k)."""
+  if not 0 < k <= n or not 0 <= c <= n:
+    raise ValueError(f"pass@k needs 0 < k <= n and 0 <= c <= n; got n={n}, c={c}, k={k}")
+  if n - c < k:
+    return 1.0
+  return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
+
+
+def at_k(rewards_by_prompt, k: int) -> dict[str, float]:
+  """`heldout_avg@K` (the mean share of a prompt's samples that are correct) and `heldout_pass@K` (`pass_at_k`,
+  averaged over prompts) of each prompt's n >= k sampled rewards."""
+  correct = [np.asarray(r, np.float64) >= CORRECT for r in rewards_by_prompt]
+  return {f"heldout_avg@{k}": float(np.mean([c.mean() for c in correct])),
+          f"heldout_pass@{k}": float(np.mean([pass_at_k(len(c), int(c.sum()), k) for c in correct]))}
