@@ -71,6 +71,8 @@ TRL_NAMES = {
     "report_to": TrlName("JobConfig.report_to"),
     "save_steps": TrlName("JobConfig.checkpoint_every"),
     "eval_steps": TrlName("JobConfig.eval_every"),
+    "num_generations_eval": TrlName("JobConfig.eval_k", "k samples a held-out prompt: heldout_avg@K and "
+                                    "heldout_pass@K beside the greedy accuracy"),
     "logging_steps": TrlName(None, "every step writes its row to WORKDIR/metrics.jsonl"),
     "output_dir": TrlName(None, "`streamrl train --workdir DIR`"),
     "model_name_or_path": TrlName("JobConfig.model"),

@@ -29,7 +29,7 @@ class TaskConfig:
   prompt_file: str = ""
   prompt_key: str = "question"  # the column holding the prompt; the others go to the rewards as fields
   answer_key: str = "answer"  # the column the built-in numeric verifier reads (when RewardConfig names no function)
-  eval_file: str = ""  # task "file": held-out rows for the greedy accuracy before and after; "": eval_fraction
+  eval_file: str = ""  # task "file": held-out rows for the evaluations (greedy, at k); "": eval_fraction
   # task "file" without eval_file: share of the prompts held out by a stable hash (0: evaluate on the training rows)
   eval_fraction: float = 0.0
   chat: bool = False  # put each prompt into the model's chat template (a user turn, then the assistant's)
