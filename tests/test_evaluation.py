@@ -1,5 +1,6 @@
 """The held-out evaluation (`job.evaluation.HeldOut`): each of a run's evaluations after the first reuses the first's
-engine (no program traced again), and gives what a fresh engine gives."""
+engine (no program traced again), and gives what a fresh engine gives; evaluation at k (avg@k, pass@k) against
+hand-worked cases, draws counted one by one, and the rows it wrote."""
 
 import dataclasses
 import json
@@ -93,7 +94,12 @@ def test_evaluation_at_k_samples_k_a_prompt_and_scores_what_it_wrote(tmp_path):
 
 
 def test_evaluation_at_k_settings_are_checked():
+  from streamrl_jax.envs.config import EnvConfig
+
   with pytest.raises(ValueError, match="eval_k must be >= 0"):
     JobConfig(eval_k=-1)
   with pytest.raises(ValueError, match="eval_top_p in"):
     JobConfig(eval_k=4, eval_top_p=0.0)
+  agent = dataclasses.replace(PipelineConfig().sampler, env=EnvConfig(agent="my_agent.py:run"))
+  with pytest.raises(ValueError, match="evaluation at k of an agent task .* is not built"):
+    evaluation.HeldOut(None, None, agent, 8, 4, 0, evaluation.Sampled(4, 1.0, 1.0))
