@@ -92,16 +92,7 @@ def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], tit
             label=key.split("/", 1)[1])
   top.set_ylabel("reward")
   top.legend(loc="lower right", fontsize=8)
-  if evaluations:
-    xs, ys = zip(*sorted(evaluations))
-    _series(middle, xs, ys, "{:.3f}", always=True, marker="o", color="#c53", label="held-out accuracy (greedy)")
-  for (key, points), color in zip(sorted((sampled or {}).items()), ("#e92", "#83b")):
-    if points:
-      xs, ys = zip(*sorted(points))
-      _series(middle, xs, ys, "{:.3f}", always=True, marker="s", linestyle="--", color=color,
-              label=f"held-out {key.removeprefix('heldout_')}")
-  middle.set_ylabel("accuracy")
-  middle.set_ylim(-0.05, 1.1)
+  _evaluations_axis(middle, evaluations, sampled or {})
   drawn = []
   for key, color, label in (("loss", "#555", "policy loss"), ("kl", "#7a4", "KL to the reference policy")):
     rows = [(m["step"], m[key]) for m in metrics if key in m]
@@ -116,6 +107,20 @@ def curves_figure(metrics: list[dict], evaluations: list[tuple[int, float]], tit
       ax.legend(loc="upper left" if ax is middle else "upper right", fontsize=8)
   top.set_title(title or "learning curves")
   return fig
+
+
+def _evaluations_axis(ax, evaluations: list[tuple[int, float]], sampled: dict[str, list[tuple[int, float]]]) -> None:
+  """The held-out greedy accuracy's points on `ax`, and avg@k's and pass@k's dashed beside them."""
+  if evaluations:
+    xs, ys = zip(*sorted(evaluations))
+    _series(ax, xs, ys, "{:.3f}", always=True, marker="o", color="#c53", label="held-out accuracy (greedy)")
+  for (key, points), color in zip(sorted(sampled.items()), ("#e92", "#83b")):
+    if points:
+      xs, ys = zip(*sorted(points))
+      _series(ax, xs, ys, "{:.3f}", always=True, marker="s", linestyle="--", color=color,
+              label=f"held-out {key.removeprefix('heldout_')}")
+  ax.set_ylabel("accuracy")
+  ax.set_ylim(-0.05, 1.1)
 
 
 def _series(ax, xs, ys, fmt: str = "{:.3g}", always: bool = False, **style):
