@@ -9,12 +9,12 @@ import dataclasses
 import jax.numpy as jnp
 
 from streamrl_jax.models import ModelConfig
+from streamrl_jax.models.device_memory import HEADROOM
 from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.planning.chips import GIB, Chip
 from streamrl_jax.models.lora import adapter_param_count
 from streamrl_jax.planning.roofline import kv_bytes_per_token, optimizer_step, trainer_passes
-from streamrl_jax.planning.sides import HEADROOM
 from streamrl_jax.planning.sampler_plan import decode_curve, sampler_model
 
 

@@ -11,13 +11,14 @@ import re
 from collections.abc import Callable
 
 from streamrl_jax.models import ModelConfig
+from streamrl_jax.models.device_memory import HEADROOM, planned_memory
 from streamrl_jax.models.compile_target import compiling_for
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.planning.attention_plan import attention_temporaries
 from streamrl_jax.planning.chips import GIB, Chip, Topology, parse_topology
 from streamrl_jax.planning.estimates import fits_estimate, profile_at
 from streamrl_jax.planning.sampler_plan import plan_sampler
-from streamrl_jax.planning.sides import HEADROOM, SidePlan
+from streamrl_jax.planning.sides import SidePlan
 from streamrl_jax.planning.split import choose_split, samples_per_s, shardable
 from streamrl_jax.planning.trainer_plan import plan_trainer
 
@@ -81,7 +82,7 @@ def make_plan(request: PlanRequest, setup: PlanSetup, model: ModelConfig, model_
   chip, devices = topology.chip, topology.device_list()
   new_tokens = request.new_tokens or setup.shape.max_new_tokens / 2
   total, colocated = len(devices), setup.shape.spec.shared_mesh
-  with compiling_for(chip.platform):
+  with compiling_for(chip.platform), planned_memory(chip.hbm_bytes):
     sampler_chips, chosen, scores = _first_split(request, setup, model, chip, total, new_tokens, progress)
     trainer_devices = devices if colocated else devices[sampler_chips:]
     progress(f"plan: compiling the trainer's call and optimizer step on {len(trainer_devices)} {chip.name} ...")

@@ -4,10 +4,11 @@ first)."""
 
 from __future__ import annotations
 
+from streamrl_jax.models.device_memory import HEADROOM
 from streamrl_jax.planning.chips import GIB
 from streamrl_jax.planning.measured import PlanCheck
 from streamrl_jax.planning.plan import Plan, advice
-from streamrl_jax.planning.sides import HEADROOM, SidePlan
+from streamrl_jax.planning.sides import SidePlan
 
 
 

@@ -10,12 +10,13 @@ import jax.numpy as jnp
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, abstract_model
+from streamrl_jax.models.device_memory import device_bytes
 from streamrl_jax.models.layers import cache_dtype
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.planning.chips import Chip
 from streamrl_jax.planning.compiled import program_cost
 from streamrl_jax.planning.roofline import decode_step, prefill_call
-from streamrl_jax.planning.sides import SidePlan, device_bytes, peaks_of
+from streamrl_jax.planning.sides import SidePlan, peaks_of
 from streamrl_jax.planning.trainer_plan import shapes
 from streamrl_jax.sampling.engines import make_engine
 

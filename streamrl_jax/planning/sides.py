@@ -1,20 +1,13 @@
 """What a plan learns of one side of a run (`SidePlan`): its mesh, its compiled programs on one device, what the
-device holds between them, its peak, and its step's work and roofline; and the bytes a device holds of shapes placed
-on a mesh."""
+device holds between them, its peak, and its step's work and roofline."""
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
-import numpy as np
-
 from streamrl_jax.planning.chips import Chip
 from streamrl_jax.planning.compiled import ProgramCost
 from streamrl_jax.planning.roofline import Work
-
-HEADROOM = 0.9  # a side fits when its peak is at most this share of the chip's memory (the runtime's and the
-# allocator's own use beside XLA's buffers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,16 +43,6 @@ class SidePlan:
                 step=dict(flops=self.step.flops, hbm_bytes=self.step.hbm_bytes, ici_bytes=self.step.ici_bytes,
                           seconds=self.step_s(chip), bound=self.step.bound(chip),
                           terms=self.step.terms(chip)), notes=self.notes)
-
-
-def device_bytes(tree) -> int:
-  """Bytes one device holds of a tree of shapes placed on a mesh (`jax.ShapeDtypeStruct`s with shardings): the
-  largest shard of each leaf."""
-  total = 0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += int(np.prod(shape, dtype=np.int64)) * np.dtype(leaf.dtype).itemsize
-  return total
 
 
 def peaks_of(programs: dict, held: dict, arguments: dict) -> dict:

@@ -12,12 +12,13 @@ import numpy as np
 
 from streamrl_jax.meshes import MeshShape, mesh_from_devices
 from streamrl_jax.models import ModelConfig, abstract_model
+from streamrl_jax.models.device_memory import device_bytes
 from streamrl_jax.planning.setup import PlanSetup
 from streamrl_jax.pipeline.trainer.policy import make_trainer, packing
 from streamrl_jax.planning.chips import Chip
 from streamrl_jax.planning.compiled import program_cost
 from streamrl_jax.planning.roofline import TrainerShape, optimizer_step, trainer_call
-from streamrl_jax.planning.sides import SidePlan, device_bytes, peaks_of
+from streamrl_jax.planning.sides import SidePlan, peaks_of
 from streamrl_jax.training.host_batch import bucket
 from streamrl_jax.training.packing import call_rows, packed_length
 

@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, ModelConfig, state_shardings
 from streamrl_jax.models.activation_layout import ActivationLayout
+from streamrl_jax.models.device_memory import device_bytes, memory_limit
 from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
@@ -167,9 +168,23 @@ class Trainer:
     replicated = NamedSharding(self.mesh, PartitionSpec())
     # Accumulation reads the parameters and optimizer state and donates only the sums it adds to: the arrays a
     # checkpoint in flight reads stay whole until the optimizer step (`apply`, which donates the whole state).
-    self._accumulate = self.launcher.jit(self._accumulate_impl, donate_argnums=(1,),
-                                         out_shardings=(shardings.grad_sum, shardings.sums))
-    self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated))
+    # On a TPU each is compiled for the memory its device has left beside it (`models.device_memory`): the gradient
+    # call beside the optimizer's moments, the optimizer step beside the frozen weights; both beside the version
+    # being published (a copy of the policy in the compute dtype)
+    device, published = self.mesh.devices.flat[0], self._published_bytes(state.params)
+    resident = device_bytes(state) + device_bytes(self.frozen)
+    self._accumulate = self.launcher.jit(
+        self._accumulate_impl, donate_argnums=(1,), out_shardings=(shardings.grad_sum, shardings.sums),
+        compiler_options=memory_limit(device, device_bytes(state.opt_state) + published, resident))
+    self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated),
+                                    compiler_options=memory_limit(device, device_bytes(self.frozen) + published,
+                                                                  resident))
+
+  def _published_bytes(self, params) -> int:
+    """A device's share of the policy in the compute dtype (LoRA's: its base's shape), as it is published."""
+    dtype = self._model(params, self.frozen).config.compute_dtype
+    policy = params if self.base_params is None else self.base_params
+    return device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), policy))
 
   def place(self, params):
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
