@@ -21,6 +21,8 @@ class ActivationLayout:
 
   mesh: Mesh
   kernel: AttentionKernel | None = None
+  trained: type | None = None  # the variables the call differentiates (nnx.Param; LoRA's nnx.LoRAParam): each layer's
+  # gradient of them is complete before the layer below's backward begins (`models.gradient_fence`); None: no fence
 
   def rows(self, x: jax.Array) -> jax.Array:
     """`x` [rows, ...] constrained to its rows split over the mesh's batch axes, where they divide them."""

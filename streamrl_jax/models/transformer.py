@@ -19,6 +19,7 @@ from flax import nnx
 from streamrl_jax.models.config import ModelConfig
 from streamrl_jax.models.activation_layout import ActivationLayout
 from streamrl_jax.models.fused_attention import SegmentMask
+from streamrl_jax.models.gradient_fence import fenced
 from streamrl_jax.models.kv_cache import ContiguousLayer, KVCache
 from streamrl_jax.models.layers import MLP, Attention, RMSNorm, _param, take_rows
 from streamrl_jax.models.moe import ExpertPlacement, MoeMLP, RouterTrace
@@ -242,6 +243,8 @@ class Transformer(nnx.Module):
     new_kv, traces = [], []
     x = rows(x)
     for i, layer in enumerate(self.layers):
+      if layout is not None and layout.trained is not None:
+        layer, x = fenced(layer, x, layout.trained)
       routed = routing.layer(len(traces), valid) if layer.sparse else None
       x, kv, trace = run(layer, x, positions, masks[self.config.layer_window(i)],
                          None if kv_caches is None else kv_caches[i], routed)

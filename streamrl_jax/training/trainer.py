@@ -144,9 +144,10 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
+    trained = nnx.Param if scoring.base_params is None else nnx.LoRAParam  # what the calls differentiate
+    layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), trained)
     self.loss = CallLoss(objective, config, float(scoring.temperature), role, head_grad=scoring.base_params is None,
-                         truncation=scoring.truncation, layout=ActivationLayout(mesh, trainer_kernel(config.attention,
-                                                                                                     mesh)))
+                         truncation=scoring.truncation, layout=layout)
     self.tx = make_optimizer(optimizer)
     self.layout = CallLayout(role, mesh, self.rules, buckets.min_rows, buckets.min_length)
     self.min_rows, self.min_length = buckets.min_rows, buckets.min_length
