@@ -22,7 +22,7 @@ FULL_TRIM_WIDTHS = 16
 # A trainer call's fixed cost (its gradient buffers and their sum into the state), in tokens of compute: measured
 # on SmolLM2 on this CPU, a call of one packed row of 96 takes about twice the time per row of a call of 8.
 CALL_COST_TOKENS = 96
-REMAT_IGNORED = ("cpu", "tpu")  # backends whose compiler keeps a rematerialized layer's activations (measured)
+REMAT_IGNORED = ("cpu",)  # backends whose compiler keeps a rematerialized layer's activations (measured)
 
 
 def _piece_plans(units: int, max_units: int) -> list[list[int]]:
@@ -123,10 +123,10 @@ def activation_bytes_per_token(model_config: ModelConfig, length: int, trainer=N
     k and v, 3 MLP-sized ones (gate, up, their product) and 4 attention rows over `length` keys per head (none
     where the fused attention kernel computes it: `TrainerConfig.attention`);
     with `remat` on a GPU, a layer keeps only its input ("layer") or also its matmuls' outputs ("dots") and one
-    layer's worth is live again in the backward pass. XLA:CPU schedules the recomputation next to the forward
-    pass, and TPU's compiler keeps most of every layer's activations as well (Qwen3-8B's layers at 5,120 tokens a
-    row on a v5p, `streamrl plan`: 0.5 GB of temporaries a layer and row with remat 'layer', 0.84 without), so
-    there remat counts as "none" (an upper bound);
+    layer's worth is live again in the backward pass; on a TPU too, where the gradient fence makes each layer's
+    weight gradient complete before the layer below's backward (`models.gradient_fence`: without it TPU's compiler
+    kept every layer's activations for its delayed weight gradients). XLA:CPU schedules the recomputation next to
+    the forward pass, so there remat counts as "none" (an upper bound);
   - the vocabulary: 4 [vocab] rows (logits, log-softmax, their gradients), or 4 [chunk] rows with
     `logprob_chunk` (`training.logprobs`);
   - with `reference` (a KL penalty's frozen policy): one more [vocab] (or [chunk]) row; its forward pass runs

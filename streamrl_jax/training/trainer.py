@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, ModelConfig, state_shardings
 from streamrl_jax.models.activation_layout import ActivationLayout
+from streamrl_jax.models.compile_target import target_backend
 from streamrl_jax.models.device_memory import device_bytes, memory_limit
 from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.models.moe import ExpertPlacement
@@ -144,7 +145,8 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
-    trained = nnx.Param if scoring.base_params is None else nnx.LoRAParam  # what the calls differentiate
+    # what the calls differentiate, fenced layer by layer on a TPU (`models.gradient_fence`: measured there alone)
+    trained = (nnx.Param if scoring.base_params is None else nnx.LoRAParam) if target_backend() == "tpu" else None
     layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), trained)
     self.loss = CallLoss(objective, config, float(scoring.temperature), role, head_grad=scoring.base_params is None,
                          truncation=scoring.truncation, layout=layout)
