@@ -129,6 +129,28 @@ class Buckets:
   expert_axis: str = "fsdp"
 
 
+def fenced_variables(scoring: Scoring) -> type | None:
+  """What the trainer's calls differentiate, fenced layer by layer on a TPU (`models.gradient_fence`: measured there
+  alone): the parameters, or LoRA's adapters; None elsewhere."""
+  if target_backend() != "tpu":
+    return None
+  return nnx.Param if scoring.base_params is None else nnx.LoRAParam
+
+
+def compile_limits(state: TrainState, frozen: dict, compute_dtype) -> tuple[dict, dict]:
+  """The compiler options of the gradient call and of the optimizer step: on a TPU each is compiled for the memory
+  its device has left beside it (`models.device_memory`), the call beside the optimizer's moments, the step beside
+  the frozen models, both beside the version being published (the policy, LoRA's base with its adapters merged, in
+  the compute dtype, sharded as the parameters)."""
+  device = next(iter(jax.tree.leaves(state.params)[0].sharding.device_set))
+  policy = state.params if frozen["base"] is None else frozen["base"]
+  published = device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype, sharding=x.sharding),
+                                        policy))
+  resident = device_bytes(state) + device_bytes(frozen)
+  return (memory_limit(device, device_bytes(state.opt_state) + published, resident),
+          memory_limit(device, device_bytes(frozen) + published, resident))
+
+
 class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
@@ -145,9 +167,7 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
-    # what the calls differentiate, fenced layer by layer on a TPU (`models.gradient_fence`: measured there alone)
-    trained = (nnx.Param if scoring.base_params is None else nnx.LoRAParam) if target_backend() == "tpu" else None
-    layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), trained)
+    layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), fenced_variables(scoring))
     self.loss = CallLoss(objective, config, float(scoring.temperature), role, head_grad=scoring.base_params is None,
                          truncation=scoring.truncation, layout=layout)
     self.tx = make_optimizer(optimizer)
@@ -168,26 +188,13 @@ class Trainer:
     """Pins the state's shardings as the jitted steps' outputs: every state (fresh, stepped or restored) runs through
     the same executables, so resumes are bit-identical."""
     shardings = jax.tree.map(lambda x: x.sharding, state)
-    replicated = NamedSharding(self.mesh, PartitionSpec())
     # Accumulation reads the parameters and optimizer state and donates only the sums it adds to: the arrays a
     # checkpoint in flight reads stay whole until the optimizer step (`apply`, which donates the whole state).
-    # On a TPU each is compiled for the memory its device has left beside it (`models.device_memory`): the gradient
-    # call beside the optimizer's moments, the optimizer step beside the frozen weights; both beside the version
-    # being published (a copy of the policy in the compute dtype)
-    device, published = self.mesh.devices.flat[0], self._published_bytes(state.params)
-    resident = device_bytes(state) + device_bytes(self.frozen)
-    self._accumulate = self.launcher.jit(
-        self._accumulate_impl, donate_argnums=(1,), out_shardings=(shardings.grad_sum, shardings.sums),
-        compiler_options=memory_limit(device, device_bytes(state.opt_state) + published, resident))
-    self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), out_shardings=(shardings, replicated),
-                                    compiler_options=memory_limit(device, device_bytes(self.frozen) + published,
-                                                                  resident))
-
-  def _published_bytes(self, params) -> int:
-    """A device's share of the policy in the compute dtype (LoRA's: its base's shape), as it is published."""
-    dtype = self._model(params, self.frozen).config.compute_dtype
-    policy = params if self.base_params is None else self.base_params
-    return device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=x.sharding), policy))
+    accumulate, apply = compile_limits(state, self.frozen, self._model(state.params, self.frozen).config.compute_dtype)
+    self._accumulate = self.launcher.jit(self._accumulate_impl, donate_argnums=(1,), compiler_options=accumulate,
+                                         out_shardings=(shardings.grad_sum, shardings.sums))
+    self._apply = self.launcher.jit(self._apply_impl, donate_argnums=(0,), compiler_options=apply,
+                                    out_shardings=(shardings, NamedSharding(self.mesh, PartitionSpec())))
 
   def place(self, params):
     return launch.put(params, state_shardings(params, self.mesh, self.rules))
