@@ -23,8 +23,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from streamrl_jax import launch
 from streamrl_jax.models import DEFAULT_RULES, ModelConfig, state_shardings
 from streamrl_jax.models.activation_layout import ActivationLayout
-from streamrl_jax.models.compile_target import target_backend
-from streamrl_jax.models.device_memory import device_bytes, memory_limit
 from streamrl_jax.models.fused_attention import trainer_kernel
 from streamrl_jax.models.moe import ExpertPlacement
 from streamrl_jax.training.call_loss import (MAXED, UNDEFINED_WHEN_EMPTY, CallLoss, off_policy_metrics, step_metrics,
@@ -35,6 +33,7 @@ from streamrl_jax.training.logprobs import Truncation
 from streamrl_jax.training.low_copy import LowCopy, computed_from
 from streamrl_jax.training.objectives import ObjectiveConfig, aggregate
 from streamrl_jax.training.packing import packed_shapes
+from streamrl_jax.training.trainer_memory import compile_limits, fenced_variables
 
 
 def learning_rate_schedule(cfg: OptimizerConfig) -> optax.Schedule:
@@ -129,28 +128,6 @@ class Buckets:
   expert_axis: str = "fsdp"
 
 
-def fenced_variables(scoring: Scoring) -> type | None:
-  """What the trainer's calls differentiate, fenced layer by layer on a TPU (`models.gradient_fence`: measured there
-  alone): the parameters, or LoRA's adapters; None elsewhere."""
-  if target_backend() != "tpu":
-    return None
-  return nnx.Param if scoring.base_params is None else nnx.LoRAParam
-
-
-def compile_limits(state: TrainState, frozen: dict, compute_dtype) -> tuple[dict, dict]:
-  """The compiler options of the gradient call and of the optimizer step: on a TPU each is compiled for the memory
-  its device has left beside it (`models.device_memory`), the call beside the optimizer's moments, the step beside
-  the frozen models, both beside the version being published (the policy, LoRA's base with its adapters merged, in
-  the compute dtype, sharded as the parameters)."""
-  device = next(iter(jax.tree.leaves(state.params)[0].sharding.device_set))
-  policy = state.params if frozen["base"] is None else frozen["base"]
-  published = device_bytes(jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, compute_dtype, sharding=x.sharding),
-                                        policy))
-  resident = device_bytes(state) + device_bytes(frozen)
-  return (memory_limit(device, device_bytes(state.opt_state) + published, resident),
-          memory_limit(device, device_bytes(frozen) + published, resident))
-
-
 class Trainer:
   """Owns the trainer mesh's jit boundary: placement, accumulation and the optimizer step."""
 
@@ -167,7 +144,7 @@ class Trainer:
     self.graphdef, self.optimizer_config, self.objective, self.mesh = graphdef, optimizer, objective, mesh
     self.rules = {**DEFAULT_RULES, **(buckets.rules or {}), "expert": buckets.expert_axis}
     # a mixture's model config and the placement of its experts join the call's loss at init_state
-    layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), fenced_variables(scoring))
+    layout = ActivationLayout(mesh, trainer_kernel(config.attention, mesh), fenced_variables(scoring.base_params))
     self.loss = CallLoss(objective, config, float(scoring.temperature), role, head_grad=scoring.base_params is None,
                          truncation=scoring.truncation, layout=layout)
     self.tx = make_optimizer(optimizer)
